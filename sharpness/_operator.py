@@ -1,0 +1,110 @@
+"""Symmetric linear operators on flat vectors, the common input of every eigen-solver.
+
+An operator maps ``(n,)`` vectors to ``(n,)`` vectors (``matvec``) and ``(k, n)`` blocks to
+``(k, n)`` blocks (``matmat``). It may restrict itself to a subspace (e.g. the horizontal space of
+a quotient) through ``project``: solvers project their start vectors and every product, so vectors
+outside the subspace never enter the spectrum.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import numpy as np
+import scipy.sparse.linalg as spla
+import torch
+from torch import Tensor
+
+
+class SymmetricOperator(ABC):
+    """Base class. Subclasses implement :meth:`_matvec` (and optionally :meth:`_matmat`).
+
+    Attributes:
+        size: dimension ``n``.
+        dtype, device: of the vectors it accepts and returns.
+        n_matvec: number of vectors the operator has been applied to so far.
+    """
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.size = int(size)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.n_matvec = 0
+
+    @abstractmethod
+    def _matvec(self, v: Tensor) -> Tensor:
+        """``A @ v`` without counting."""
+
+    def _matmat(self, vs: Tensor) -> Tensor:
+        return torch.stack([self._matvec(v) for v in vs])
+
+    def matvec(self, v: Tensor) -> Tensor:
+        """``A @ v`` for ``v`` of shape ``(n,)``."""
+        self.n_matvec += 1
+        return self._matvec(v)
+
+    def matmat(self, vs: Tensor) -> Tensor:
+        """``(A @ vs.T).T`` for a block ``vs`` of shape ``(k, n)``."""
+        self.n_matvec += vs.shape[0]
+        return self._matmat(vs)
+
+    def project(self, v: Tensor) -> Tensor:
+        """Orthogonal projection onto the subspace the operator lives on (identity by default)."""
+        return v
+
+    def to_scipy(self) -> spla.LinearOperator:
+        """A float64 ``scipy.sparse.linalg.LinearOperator`` view (for ``eigsh`` and friends)."""
+
+        def mv(x: np.ndarray) -> np.ndarray:
+            v = torch.as_tensor(np.ascontiguousarray(x).reshape(-1), dtype=self.dtype, device=self.device)
+            return self.matvec(v).detach().cpu().double().numpy()
+
+        return spla.LinearOperator((self.size, self.size), matvec=mv, rmatvec=mv, dtype=np.float64)
+
+
+class DenseOperator(SymmetricOperator):
+    """A symmetric matrix given explicitly, shape ``(n, n)`` (tests, small problems)."""
+
+    def __init__(self, matrix: Tensor, project: Callable[[Tensor], Tensor] | None = None):
+        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+            raise ValueError(f"a square matrix is needed, got shape {tuple(matrix.shape)}")
+        super().__init__(matrix.shape[0], matrix.dtype, matrix.device)
+        self.matrix = matrix
+        self._project = project
+
+    def _matvec(self, v: Tensor) -> Tensor:
+        return self.matrix @ v
+
+    def _matmat(self, vs: Tensor) -> Tensor:
+        return vs @ self.matrix.T
+
+    def project(self, v: Tensor) -> Tensor:
+        return v if self._project is None else self._project(v)
+
+
+class CallableOperator(SymmetricOperator):
+    """Wraps ``matvec`` (and optionally a batched ``matmat``) functions on flat vectors."""
+
+    def __init__(
+        self,
+        matvec: Callable[[Tensor], Tensor],
+        size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        matmat: Callable[[Tensor], Tensor] | None = None,
+        project: Callable[[Tensor], Tensor] | None = None,
+    ):
+        super().__init__(size, dtype, device)
+        self._mv = matvec
+        self._mm = matmat
+        self._project = project
+
+    def _matvec(self, v: Tensor) -> Tensor:
+        return self._mv(v)
+
+    def _matmat(self, vs: Tensor) -> Tensor:
+        return self._mm(vs) if self._mm is not None else super()._matmat(vs)
+
+    def project(self, v: Tensor) -> Tensor:
+        return v if self._project is None else self._project(v)

@@ -1,0 +1,146 @@
+"""Result objects that say how they were obtained, and their JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from manifolds import ParamLayout
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file so no half-written file is ever left."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return _jsonable(x.detach().cpu().tolist())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+@dataclass(frozen=True)
+class EigenResult:
+    """Eigenpairs of a symmetric operator and how they were found.
+
+    Attributes:
+        eigenvalues: ``(k,)`` float64 tensor, largest algebraic first.
+        eigenvectors: ``(k, n)`` tensor, row ``i`` belongs to ``eigenvalues[i]``, unit Euclidean
+            norm in the operator's coordinates (whitened coordinates for Riemannian operators are
+            mapped back by the measure that built them; see ``coordinates``).
+        residuals: ``(k,)`` relative residuals ``||A v - theta v|| / max(|theta|, tiny)``.
+        n_matvec: operator applications spent (Hessian-vector products for curvature operators).
+        iterations: solver iterations.
+        converged: whether every requested pair met ``tol``. A solver that stops on ``max_iter``
+            says ``False`` and the values are the best estimates so far, never silently.
+        history: per-iteration records (``{"iteration", "eigenvalues", "residual"}``).
+        method: solver name (``"lanczos"``, ``"power"``, ...).
+        tol: relative tolerance asked for.
+        seconds: wall time of the solve.
+        layout: when set, maps flat vectors back to named parameter tensors.
+        coordinates: what the eigenvectors are (``"euclidean"``, ``"tangent"`` ...).
+        info: free-form extra facts (metric, shift used, loss value ...), JSON-serialisable.
+    """
+
+    eigenvalues: Tensor
+    eigenvectors: Tensor
+    residuals: Tensor
+    n_matvec: int
+    iterations: int
+    converged: bool
+    history: list[dict] = field(default_factory=list)
+    method: str = ""
+    tol: float = 0.0
+    seconds: float = 0.0
+    layout: ParamLayout | None = field(default=None, repr=False)
+    coordinates: str = "euclidean"
+    info: dict = field(default_factory=dict)
+
+    @property
+    def value(self) -> float:
+        """The largest eigenvalue as a Python float."""
+        return float(self.eigenvalues[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.eigenvalues.shape[0])
+
+    def parameter_vectors(self) -> list[dict[str, Tensor]]:
+        """Eigenvectors as dictionaries shaped like the model's parameters."""
+        if self.layout is None:
+            raise ValueError("this result has no parameter layout; use .eigenvectors (flat)")
+        return [self.layout.unflatten(v) for v in self.eigenvectors]
+
+    def replace(self, **changes: Any) -> EigenResult:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self, with_vectors: bool = False) -> dict:
+        """JSON-serialisable summary (eigenvectors only on request: they are large)."""
+        out = {
+            "value": self.value,
+            "eigenvalues": self.eigenvalues.tolist(),
+            "residuals": self.residuals.tolist(),
+            "n_hvp": self.n_matvec,
+            "iterations": self.iterations,
+            "converged": self.converged,
+            "method": self.method,
+            "tol": self.tol,
+            "seconds": self.seconds,
+            "coordinates": self.coordinates,
+            "history": self.history,
+            **self.info,
+        }
+        if with_vectors:
+            out["eigenvectors"] = self.eigenvectors.tolist()
+        return _jsonable(out)
+
+    def save_json(self, path: str | os.PathLike, with_vectors: bool = False) -> None:
+        write_text_atomic(path, json.dumps(self.to_dict(with_vectors), indent=2))
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Hutchinson trace estimate: ``estimate`` +- ``stderr`` from ``n_probes`` Rademacher probes."""
+
+    estimate: float
+    stderr: float
+    n_probes: int
+    n_matvec: int
+    samples: Tensor
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return _jsonable(
+            {
+                "estimate": self.estimate,
+                "stderr": self.stderr,
+                "n_probes": self.n_probes,
+                "n_hvp": self.n_matvec,
+                "seconds": self.seconds,
+            }
+        )
+
