@@ -1,10 +1,30 @@
 """Curvature of a loss over a whole data set: exact Hessian-vector products, eigen-solvers,
 Euclidean and scale-invariant sharpness, invariance verification."""
 
+from sharpness._data import ChunkedData as ChunkedData
+from sharpness._data import DataError as DataError
+from sharpness._euclidean import euclidean_sharpness as euclidean_sharpness
+from sharpness._hessian import HessianOperator as HessianOperator
+from sharpness._objective import HVP_STRATEGIES as HVP_STRATEGIES
+from sharpness._objective import Objective as Objective
 from sharpness._operator import CallableOperator as CallableOperator
 from sharpness._operator import DenseOperator as DenseOperator
 from sharpness._operator import SymmetricOperator as SymmetricOperator
+from sharpness._reference import dense_hessian as dense_hessian
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 
-__all__ = ["CallableOperator", "DenseOperator", "EigenResult", "SymmetricOperator", "TraceResult"]
+__all__ = [
+    "HVP_STRATEGIES",
+    "CallableOperator",
+    "ChunkedData",
+    "DataError",
+    "DenseOperator",
+    "EigenResult",
+    "HessianOperator",
+    "Objective",
+    "SymmetricOperator",
+    "TraceResult",
+    "dense_hessian",
+    "euclidean_sharpness",
+]

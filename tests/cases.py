@@ -40,7 +40,7 @@ def small_cnn(bias: bool = True) -> nn.Sequential:
 
 def negated_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``-MSE``: a loss whose Hessian has a dominant negative eigenvalue (mean reduction)."""
-    return -nn.functional.mse_loss(output, target)
+    return -((output - target) ** 2).mean()
 
 
 @dataclass

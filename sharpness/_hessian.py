@@ -1,0 +1,28 @@
+"""The Euclidean Hessian of an :class:`Objective` as a symmetric operator on flat vectors."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from sharpness._objective import Objective
+from sharpness._operator import SymmetricOperator
+
+
+class HessianOperator(SymmetricOperator):
+    """``v -> H v`` with ``H`` the Hessian of the whole-data-set loss at ``objective.params``.
+
+    Args:
+        objective: the loss over the data set.
+        strategy: how products are computed (see :meth:`Objective.hvp`); resolved once.
+    """
+
+    def __init__(self, objective: Objective, strategy: str = "auto"):
+        super().__init__(objective.layout.size, objective.dtype, objective.device)
+        self.objective = objective
+        self.strategy = objective.hvp_strategy(strategy)
+
+    def _matvec(self, v: Tensor) -> Tensor:
+        return self.objective.hvp(v, self.strategy)
+
+    def _matmat(self, vs: Tensor) -> Tensor:
+        return self.objective.hvp_batch(vs, self.strategy)

@@ -1,0 +1,351 @@
+"""The loss of a model over a whole data set, as a function of its parameters.
+
+``Objective`` binds an ``nn.Module``, a loss and data. Its value is the exact loss over all samples
+(the mean over samples for ``reduction="mean"``, the sum for ``"sum"``), accumulated chunk by chunk
+with each chunk weighted by its number of samples, so unequal batches are weighted correctly.
+Parameters are passed functionally (``torch.func.functional_call``); the user's module keeps its
+parameters untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jvp, vmap
+
+from manifolds import ParamLayout
+from sharpness._data import ChunkedData, DataError, cast_batch
+
+HVP_STRATEGIES = ("auto", "graph", "double_backward", "jvp")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Evaluate ``model`` in eval mode and give it back in the mode it had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _activation_bytes_per_sample(model: nn.Module, params, buffers, x: Tensor) -> float:
+    """Bytes of all leaf-module outputs of one forward pass, per sample (a memory estimate)."""
+    total = [x.numel() * x.element_size()]
+
+    def hook(_module, _inputs, output):
+        if isinstance(output, Tensor):
+            total[0] += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            functional_call(model, (params, buffers), (x,))
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0] / max(x.shape[0], 1)
+
+
+def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
+    reduction = reduction or getattr(loss_fn, "reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"the loss reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction == "mean" and getattr(loss_fn, "weight", None) is not None:
+        raise ValueError(
+            "a class-weighted mean loss is not a per-sample mean, so chunks cannot be combined exactly; "
+            "use reduction='sum' (and divide the results by the total weight) or an unweighted loss"
+        )
+    return reduction
+
+
+class Objective:
+    """Whole-data-set loss ``f(w)`` of ``model`` under ``loss_fn``, with gradients and HVPs.
+
+    Args:
+        model: an ordinary ``nn.Module``. It is evaluated in eval mode (dropout off, batch-norm
+            running statistics) and given back in its own mode after each evaluation; a warning says
+            so when the module was in training mode.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``; a module's ``reduction`` attribute
+            (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample mean.
+        data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches.
+        chunk_size: most samples per forward pass (``None``: chosen from ``memory_budget``).
+        dtype: evaluate in this floating dtype (parameters, buffers and floating data are cast);
+            ``None`` keeps the parameters' dtype.
+        device: device to evaluate on (``None``: the parameters' device).
+        reduction: override the loss's reduction (``"mean"`` or ``"sum"``).
+        memory_budget: bytes of activations allowed in flight; sets the default chunk size and
+            whether the Hessian-vector products may keep a whole-data-set graph alive.
+        params: evaluate at these parameter values instead of the module's (same names).
+
+    Attributes:
+        params: ``{name: tensor}`` of the trainable parameters (detached copies in ``dtype``).
+        layout: :class:`manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
+        n_samples: number of samples in the data set.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        data: object,
+        *,
+        chunk_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        reduction: str | None = None,
+        memory_budget: int = 2 * 2**30,
+        params: Mapping[str, Tensor] | None = None,
+    ):
+        if model.training:
+            warnings.warn(
+                f"{type(model).__name__} is in training mode; the objective evaluates it in eval mode "
+                "(dropout off, batch-norm running statistics) and leaves its mode as it was",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.model = model
+        self.loss_fn = loss_fn
+        self.reduction = _loss_reduction(loss_fn, reduction)
+        source = {k: p for k, p in model.named_parameters() if p.requires_grad} if params is None else params
+        if not source:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        ref = next(iter(source.values()))
+        self.device = torch.device(device) if device is not None else ref.device
+        self.dtype = dtype if dtype is not None else ref.dtype
+        self.params = {k: p.detach().to(self.device, self.dtype) for k, p in source.items()}
+        self.buffers = {
+            k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
+        }
+        self.layout = ParamLayout.from_tensors(self.params)
+        self.memory_budget = int(memory_budget)
+        self._bytes_per_sample: float | None = None
+        self.data = ChunkedData(data, chunk_size)
+        if chunk_size is None:
+            self.data = ChunkedData(self.data, self._auto_chunk_size())
+        self.n_samples = self.data.n_samples
+        self._weight = 1.0 / self.n_samples if self.reduction == "mean" else 1.0
+        self._graph: tuple[list[Tensor], list[Tensor]] | None = None
+        self._strategy: str | None = None
+        self.gradient_seconds: float | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    # plumbing
+    def with_params(self, params: Mapping[str, Tensor]) -> Objective:
+        """The same model, loss and data evaluated at other parameter values (same names and shapes)."""
+        return Objective(
+            self.model,
+            self.loss_fn,
+            self.data,
+            chunk_size=self.data.chunk_size,
+            dtype=self.dtype,
+            device=self.device,
+            reduction=self.reduction,
+            memory_budget=self.memory_budget,
+            params=params,
+        )
+
+    def _bytes(self) -> float:
+        if self._bytes_per_sample is None:
+            x, y = self.data.first_batch()
+            x, _ = cast_batch(x[:8], y[:8], self.dtype, self.device)
+            with eval_mode(self.model):
+                self._bytes_per_sample = _activation_bytes_per_sample(self.model, self.params, self.buffers, x)
+        return self._bytes_per_sample
+
+    def _auto_chunk_size(self) -> int:
+        # A double-backward pass keeps roughly four copies of the forward activations alive.
+        return max(1, int(self.memory_budget / (4 * self._bytes())))
+
+    def chunks(self) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Yield ``(inputs, targets, weight)``; the objective is ``sum(weight * chunk_loss)``."""
+        for x, y in self.data:
+            x, y = cast_batch(x, y, self.dtype, self.device)
+            w = self._weight * x.shape[0] if self.reduction == "mean" else 1.0
+            yield x, y, w
+
+    def _chunk_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return self.loss_fn(functional_call(self.model, (params, self.buffers), (x,)), y)
+
+    def _params(self, params: Mapping[str, Tensor] | Tensor | None) -> dict[str, Tensor]:
+        if params is None:
+            return self.params
+        if isinstance(params, Tensor):
+            return self.layout.unflatten(params)
+        return dict(params)
+
+    # ----------------------------------------------------------------------------------------------
+    # values
+    @torch.no_grad()
+    def value(self, params: Mapping[str, Tensor] | Tensor | None = None) -> Tensor:
+        """The loss over the whole data set, a 0-dim tensor."""
+        p = self._params(params)
+        total = torch.zeros((), dtype=self.dtype, device=self.device)
+        with eval_mode(self.model):
+            for x, y, w in self.chunks():
+                total += w * self._chunk_loss(p, x, y)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, params: Mapping[str, Tensor] | Tensor | None = None) -> dict[str, float]:
+        """Loss and, for class-index targets, accuracy (fraction of argmax hits) over the data set."""
+        p = self._params(params)
+        loss, hits, classify = 0.0, 0, True
+        with eval_mode(self.model):
+            for x, y, w in self.chunks():
+                out = functional_call(self.model, (p, self.buffers), (x,))
+                loss += w * float(self.loss_fn(out, y))
+                classify = classify and not y.is_floating_point() and out.dim() == 2
+                if classify:
+                    hits += int((out.argmax(dim=1) == y).sum())
+        return {"loss": loss, "accuracy": hits / self.n_samples} if classify else {"loss": loss}
+
+    def gradient(self, params: Mapping[str, Tensor] | Tensor | None = None) -> Tensor:
+        """Euclidean gradient of the whole-data-set loss, flat ``(n,)``."""
+        p = self._params(params)
+        start = time.perf_counter()
+        total = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        g_fn = grad(self._chunk_loss)
+        with eval_mode(self.model):
+            for x, y, w in self.chunks():
+                total += w * self.layout.flatten(g_fn(p, x, y))
+        if params is None:
+            self.gradient_seconds = time.perf_counter() - start
+        return total
+
+    def value_and_gradient(self, params: Mapping[str, Tensor] | Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(f, grad f)`` in one pass over the data."""
+        p = self._params(params)
+        value = torch.zeros((), dtype=self.dtype, device=self.device)
+        total = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        fn = torch.func.grad_and_value(self._chunk_loss)
+        with eval_mode(self.model):
+            for x, y, w in self.chunks():
+                g, v = fn(p, x, y)
+                total += w * self.layout.flatten(g)
+                value += w * v.detach()
+        return value, total
+
+    # ----------------------------------------------------------------------------------------------
+    # Hessian-vector products
+    def _graph_fits(self) -> bool:
+        # The cached double-backward graph holds every chunk's activations at once.
+        return 4 * self._bytes() * self.n_samples <= self.memory_budget
+
+    def _choose_strategy(self) -> str:
+        if self._graph_fits():
+            return "graph"
+        # Streaming: time one product of each kind on the first chunk and keep the faster.
+        x, y = cast_batch(*self.data.first_batch(), self.dtype, self.device)
+        v = {k: torch.ones_like(t) for k, t in self.params.items()}
+        timings = {}
+        for name, fn in (("double_backward", self._hvp_double_backward), ("jvp", self._hvp_jvp)):
+            fn(v, x, y)  # warm-up
+            start = time.perf_counter()
+            fn(v, x, y)
+            timings[name] = time.perf_counter() - start
+        return min(timings, key=timings.get)
+
+    def hvp_strategy(self, strategy: str = "auto") -> str:
+        """Resolve ``strategy`` (``"auto"`` picks once, by memory and measurement, and remembers)."""
+        if strategy not in HVP_STRATEGIES:
+            raise ValueError(f"unknown HVP strategy {strategy!r}; choose one of {', '.join(HVP_STRATEGIES)}")
+        if strategy != "auto":
+            return strategy
+        if self._strategy is None:
+            with eval_mode(self.model):
+                self._strategy = self._choose_strategy()
+        return self._strategy
+
+    def _hvp_jvp(self, v: dict[str, Tensor], x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        g_fn = grad(self._chunk_loss)
+        return jvp(lambda p: g_fn(p, x, y), (self.params,), (v,))[1]
+
+    def _hvp_double_backward(self, v: dict[str, Tensor], x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        with torch.enable_grad():
+            p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
+            loss = self._chunk_loss(p, x, y)
+            g = torch.autograd.grad(loss, list(p.values()), create_graph=True)
+            hv = torch.autograd.grad(g, list(p.values()), grad_outputs=list(v.values()), allow_unused=True)
+        return {k: torch.zeros_like(t) if h is None else h for (k, t), h in zip(self.params.items(), hv)}
+
+    def _build_graph(self) -> tuple[list[Tensor], list[Tensor]]:
+        if self._graph is None:
+            start = time.perf_counter()
+            with torch.enable_grad(), eval_mode(self.model):
+                leaves = [t.detach().requires_grad_(True) for t in self.params.values()]
+                p = dict(zip(self.params, leaves))
+                total = None
+                for x, y, w in self.chunks():
+                    g = torch.autograd.grad(w * self._chunk_loss(p, x, y), leaves, create_graph=True)
+                    total = list(g) if total is None else [a + b for a, b in zip(total, g)]
+            self._graph = (leaves, total)
+            self.gradient_seconds = time.perf_counter() - start
+        return self._graph
+
+    def _hvp_graph(self, vs: list[Tensor], batched: bool) -> list[Tensor]:
+        leaves, g = self._build_graph()
+        with torch.enable_grad():
+            hv = torch.autograd.grad(
+                g, leaves, grad_outputs=vs, retain_graph=True, allow_unused=True, is_grads_batched=batched
+            )
+        return [torch.zeros_like(v) if h is None else h.detach() for v, h in zip(vs, hv)]
+
+    def release_graph(self) -> None:
+        """Free the cached whole-data-set graph (the next ``"graph"`` product rebuilds it)."""
+        self._graph = None
+
+    def hvp(self, v: Tensor, strategy: str = "auto") -> Tensor:
+        """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
+
+        ``strategy``: ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again
+        for each product (fastest; memory of one double-backward pass over all the data);
+        ``"double_backward"`` recomputes forward and backward per chunk; ``"jvp"`` is
+        forward-over-reverse ``torch.func.jvp`` of ``torch.func.grad`` per chunk; ``"auto"`` uses
+        ``"graph"`` when it fits in ``memory_budget`` and otherwise the faster streaming kind on this
+        machine (measured once).
+        """
+        strategy = self.hvp_strategy(strategy)
+        if strategy == "graph":
+            return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(self.layout.unflatten(v).values()), False))))
+        fn = self._hvp_jvp if strategy == "jvp" else self._hvp_double_backward
+        tangent = self.layout.unflatten(v)
+        total = torch.zeros_like(v)
+        with eval_mode(self.model):
+            for x, y, w in self.chunks():
+                total += w * self.layout.flatten(fn(tangent, x, y))
+        return total
+
+    def hvp_batch(self, vs: Tensor, strategy: str = "auto") -> Tensor:
+        """Several Hessian-vector products at once: ``(k, n)`` in, ``(k, n)`` out (vmap)."""
+        strategy = self.hvp_strategy(strategy)
+        tangents = self.layout.unflatten(vs)
+        if strategy == "graph":
+            return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(tangents.values()), True))))
+        total = torch.zeros_like(vs)
+        with eval_mode(self.model):
+            for x, y, w in self.chunks():
+                if strategy == "jvp":
+                    out = vmap(lambda t, x=x, y=y: self._hvp_jvp(t, x, y))(tangents)
+                else:
+                    out = self._hvp_double_backward_batched(tangents, x, y)
+                total += w * self.layout.flatten(out)
+        return total
+
+    def _hvp_double_backward_batched(self, tangents: dict[str, Tensor], x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        with torch.enable_grad():
+            p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
+            g = torch.autograd.grad(self._chunk_loss(p, x, y), list(p.values()), create_graph=True)
+            hv = torch.autograd.grad(
+                g, list(p.values()), grad_outputs=list(tangents.values()), allow_unused=True, is_grads_batched=True
+            )
+        return {k: torch.zeros_like(tangents[k]) if h is None else h for k, h in zip(self.params, hv)}
+
+
+__all__ = ["DataError", "HVP_STRATEGIES", "Objective", "eval_mode"]

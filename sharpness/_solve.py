@@ -1,0 +1,33 @@
+"""Choose an eigen-solver by name."""
+
+from __future__ import annotations
+
+import torch
+
+from sharpness._operator import SymmetricOperator
+from sharpness._results import EigenResult
+
+SOLVERS = ("lanczos", "power")
+
+
+def top_eigenpairs(
+    op: SymmetricOperator,
+    k: int = 1,
+    method: str = "lanczos",
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool | None = None,
+) -> EigenResult:
+    """The ``k`` largest algebraic eigenpairs of ``op`` with ``method`` in :data:`SOLVERS`."""
+    from sharpness._lanczos import lanczos
+    from sharpness._power import power_iteration
+
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if method == "lanczos":
+        return lanczos(op, k=k, tol=tol, max_iter=max_iter, generator=generator, progress=progress)
+    if method == "power":
+        kwargs = {} if max_iter is None else {"max_iter": max_iter}
+        return power_iteration(op, k=k, tol=tol, generator=generator, progress=progress, **kwargs)
+    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")

@@ -1,0 +1,151 @@
+"""The whole-data-set objective: values, gradients and HVPs against dense torch.func references."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from cases import make_case
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from sharpness import HVP_STRATEGIES, Objective, dense_hessian
+from sharpness._data import DataError
+
+STRATEGIES = [s for s in HVP_STRATEGIES if s != "auto"]
+
+
+def full_batch_loss(case, flat, layout):
+    from torch.func import functional_call
+
+    return case.loss_fn(functional_call(case.model, layout.unflatten(flat), (case.X,)), case.y)
+
+
+def test_hvp_matches_dense_hessian(case):
+    obj = Objective(case.model, case.loss_fn, case.data, chunk_size=7)
+    flat = obj.layout.flatten(obj.params)
+    H = torch.func.hessian(lambda w: full_batch_loss(case, w, obj.layout))(flat)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(obj.layout.size, generator=g)
+    V = torch.randn(3, obj.layout.size, generator=g)
+    for strategy in STRATEGIES:
+        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=1e-10 * max(1, H.abs().max()))
+        torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=0, atol=1e-10 * max(1, H.abs().max()))
+    torch.testing.assert_close(dense_hessian(obj), H, rtol=0, atol=1e-12 * max(1, H.abs().max()))
+
+
+def test_value_and_gradient_match_full_batch(case):
+    obj = Objective(case.model, case.loss_fn, case.data, chunk_size=5)
+    flat = obj.layout.flatten(obj.params).requires_grad_(True)
+    loss = full_batch_loss(case, flat, obj.layout)
+    (g_ref,) = torch.autograd.grad(loss, flat)
+    loss = loss.detach()
+    assert float(obj.value()) == pytest.approx(float(loss), rel=1e-13, abs=1e-13)
+    torch.testing.assert_close(obj.gradient(), g_ref, rtol=1e-12, atol=1e-13)
+    value, grad = obj.value_and_gradient()
+    torch.testing.assert_close(grad, g_ref, rtol=1e-12, atol=1e-13)
+    assert float(value) == pytest.approx(float(loss), rel=1e-13, abs=1e-13)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, None])
+@pytest.mark.parametrize("as_loader", [False, True])
+def test_same_result_whatever_the_chunking(chunk_size, as_loader):
+    case = make_case("mlp_bias")
+    reference = Objective(case.model, case.loss_fn, case.data)
+    v = torch.randn(reference.layout.size, generator=torch.Generator().manual_seed(2))
+    data = DataLoader(TensorDataset(case.X, case.y), batch_size=6) if as_loader else case.data
+    obj = Objective(case.model, case.loss_fn, data, chunk_size=chunk_size)
+    assert obj.n_samples == case.X.shape[0]
+    torch.testing.assert_close(obj.value(), reference.value(), rtol=1e-13, atol=0)
+    for strategy in STRATEGIES:
+        torch.testing.assert_close(obj.hvp(v, strategy), reference.hvp(v, "jvp"), rtol=1e-11, atol=1e-13)
+
+
+def test_unequal_batches_are_weighted_by_sample_count():
+    # One peer averages batch HVPs with equal weights, wrong by several percent on a 120/80 split.
+    case = make_case("mlp_bias")
+    X = torch.randn(200, 5, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (200,), generator=torch.Generator().manual_seed(4))
+    batches = [(X[:120], y[:120]), (X[120:], y[120:])]
+    whole = Objective(case.model, case.loss_fn, (X, y))
+    split = Objective(case.model, case.loss_fn, batches)
+    v = torch.randn(whole.layout.size, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(split.hvp(v), whole.hvp(v), rtol=1e-11, atol=1e-13)
+    torch.testing.assert_close(split.value(), whole.value(), rtol=1e-13, atol=0)
+
+
+def test_sum_and_mean_reduction_scale_by_n():
+    case = make_case("mlp_mse_sum")
+    mean_obj = Objective(case.model, nn.MSELoss(), case.data, chunk_size=4)
+    sum_obj = Objective(case.model, nn.MSELoss(reduction="sum"), case.data, chunk_size=4)
+    n_elements = case.y.numel()  # MSELoss(mean) averages over every output entry
+    v = torch.randn(sum_obj.layout.size, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(sum_obj.value(), mean_obj.value() * n_elements, rtol=1e-12, atol=0)
+    torch.testing.assert_close(sum_obj.hvp(v), mean_obj.hvp(v) * n_elements, rtol=1e-11, atol=1e-12)
+    # an explicit reduction override on a plain function
+    fn_obj = Objective(case.model, lambda o, t: ((o - t) ** 2).sum(), case.data, chunk_size=4, reduction="sum")
+    torch.testing.assert_close(fn_obj.value(), sum_obj.value(), rtol=1e-13, atol=0)
+
+
+def test_one_shot_iterator_is_kept_for_every_pass():
+    case = make_case("mlp_bias")
+    batches = iter([(case.X[:10], case.y[:10]), (case.X[10:], case.y[10:])])
+    obj = Objective(case.model, case.loss_fn, batches)
+    reference = Objective(case.model, case.loss_fn, case.data)
+    v = torch.ones(obj.layout.size)
+    for _ in range(2):
+        torch.testing.assert_close(obj.hvp(v, "jvp"), reference.hvp(v, "jvp"), rtol=1e-12, atol=1e-14)
+
+
+def test_module_is_never_mutated_and_mode_restored():
+    case = make_case("cnn")
+    before = copy.deepcopy(case.model.state_dict())
+    case.model.train()
+    with pytest.warns(UserWarning, match="eval mode"):
+        obj = Objective(case.model, case.loss_fn, case.data)
+    obj.hvp(torch.ones(obj.layout.size))
+    obj.gradient()
+    assert case.model.training
+    for k, t in case.model.state_dict().items():
+        assert torch.equal(t, before[k])
+    assert all(p.grad is None for p in case.model.parameters())
+
+
+def test_float32_and_float64():
+    case = make_case("mlp_bias")
+    obj64 = Objective(case.model, case.loss_fn, case.data)
+    obj32 = Objective(case.model, case.loss_fn, case.data, dtype=torch.float32)
+    assert obj32.params["0.weight"].dtype == torch.float32
+    v = torch.randn(obj64.layout.size, generator=torch.Generator().manual_seed(7))
+    for strategy in STRATEGIES:
+        hv32 = obj32.hvp(v.float(), strategy)
+        assert hv32.dtype == torch.float32
+        np.testing.assert_allclose(hv32.double().numpy(), obj64.hvp(v).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_strategy_streams_when_the_graph_does_not_fit():
+    case = make_case("mlp_bias")
+    obj = Objective(case.model, case.loss_fn, case.data, chunk_size=5, memory_budget=1000)
+    assert obj.hvp_strategy() in ("double_backward", "jvp")
+    assert Objective(case.model, case.loss_fn, case.data).hvp_strategy() == "graph"
+
+
+def test_auto_chunk_size_follows_the_memory_budget():
+    case = make_case("mlp_bias")
+    obj = Objective(case.model, case.loss_fn, case.data, memory_budget=4000)
+    assert 1 <= obj.data.chunk_size < case.X.shape[0]
+    assert len(list(obj.chunks())) > 1
+
+
+def test_bad_data_is_refused_clearly():
+    case = make_case("mlp_bias")
+    with pytest.raises(DataError, match="empty"):
+        Objective(case.model, case.loss_fn, (case.X[:0], case.y[:0]))
+    with pytest.raises(DataError, match="samples"):
+        Objective(case.model, case.loss_fn, (case.X, case.y[:3]))
+    with pytest.raises(DataError, match="pair"):
+        Objective(case.model, case.loss_fn, 3.0)
+    with pytest.raises(ValueError, match="class-weighted"):
+        Objective(case.model, nn.CrossEntropyLoss(weight=torch.ones(3)), case.data)
+    with pytest.raises(ValueError, match="strategy"):
+        Objective(case.model, case.loss_fn, case.data).hvp(torch.ones(75), "fancy")
