@@ -1,0 +1,280 @@
+"""Quotient geometries of the rescaling symmetry: layer-wise and node-wise metrics.
+
+Both classes work on flat vectors of length ``n`` (see :class:`manifolds.ParamLayout`) at a fixed
+point ``w`` and share one vocabulary (geoopt / pymanopt style):
+
+- ``inner(eta, xi)``, ``norm(xi)``: the metric ``g_w``;
+- ``vertical_basis()``: a ``(dim_V, n)`` basis of the tangent space of the rescaling orbit;
+- ``proj_horizontal(xi)``: ``g``-orthogonal projection onto the horizontal space;
+- ``egrad2rgrad(egrad)``: Riemannian gradient ``G^{-1} egrad``;
+- ``ehess2rhess(egrad, ehvp, xi)``: exact Riemannian Hessian-vector product from the Euclidean
+  gradient and the Euclidean product ``ehvp = H xi`` (Levi-Civita terms included, so it is right
+  away from critical points), projected onto the horizontal space;
+- ``whiten(xi) = G^{1/2} xi`` / ``unwhiten``: in whitened coordinates the metric is Euclidean and the
+  Riemannian Hessian is a symmetric matrix: ``whitened_hessian(egrad, hvp)`` returns it as a
+  function, ``whitened_projection`` the matching orthogonal projection (for eigen-solvers);
+- ``expmap(xi)``: the exact exponential map of the total-space metric (a second-order retraction).
+
+Layer-wise metric (Rangamani et al., Prop. 2.3/2.5): ``g(eta, xi) = sum_B <eta_B, xi_B> / ||w_B||^2``
+over blocks ``B`` = every weight and bias tensor. Invariant under layer-wise rescaling only.
+
+Node-wise metric: ``g(eta, xi) = sum_k eta_k xi_k / w_k^2``. Euclidean in ``u = log|w|``, where
+every node-wise rescaling is a translation; invariant under all positive rescalings.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from manifolds._layout import ParamLayout
+from manifolds._node_symmetry import NodeSymmetry
+from manifolds._structure import NetworkStructure
+
+
+def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
+    if isinstance(point, Tensor):
+        if layout is None:
+            raise ValueError("a flat point needs its ParamLayout")
+        return point.detach(), layout
+    layout = layout or ParamLayout.from_tensors(point)
+    return layout.flatten({k: v.detach() for k, v in point.items()}), layout
+
+
+def _check_covered(structure: NetworkStructure, layout: ParamLayout) -> None:
+    covered = {n for layer in structure.layers for n in (layer.weight, layer.bias) if n is not None}
+    outside = [n for n in layout.names if n not in covered]
+    if outside:
+        raise ValueError(
+            f"parameters {', '.join(outside)} are not weights or biases of the network's Linear/Conv2d "
+            "layers, so the rescaling symmetry does not act on them; remove them from the point"
+        )
+
+
+class _Quotient(ABC):
+    """Whitened-coordinate machinery shared by the two metrics (both have a diagonal ``G``).
+
+    Entries with ``sqrt_metric == 0`` are dropped from the tangent space (zero-norm blocks excluded
+    on request under the layer-wise metric, exactly-zero weights under the node-wise metric).
+    """
+
+    layout: ParamLayout
+    point: Tensor  # (n,)
+    sqrt_metric: Tensor  # (n,) diagonal of G^{1/2}; 0 marks a dropped entry
+
+    def inner(self, eta: Tensor, xi: Tensor) -> Tensor:
+        """``g_w(eta, xi)`` for flat tangent vectors ``(n,)`` (a 0-dim tensor)."""
+        return torch.dot(self.whiten(eta), self.whiten(xi))
+
+    def norm(self, xi: Tensor) -> Tensor:
+        """``||xi||_g``."""
+        return torch.linalg.vector_norm(self.whiten(xi))
+
+    def whiten(self, xi: Tensor) -> Tensor:
+        """``G^{1/2} xi``, ``(..., n)``: coordinates in which the metric is Euclidean."""
+        return xi * self.sqrt_metric
+
+    def unwhiten(self, zeta: Tensor) -> Tensor:
+        """``G^{-1/2} zeta``, ``(..., n)`` (dropped entries map to 0)."""
+        kept = self.sqrt_metric > 0
+        return torch.where(kept, zeta / torch.where(kept, self.sqrt_metric, 1.0), 0.0)
+
+    def egrad2rgrad(self, egrad: Tensor) -> Tensor:
+        """Riemannian gradient ``G^{-1} egrad`` (horizontal whenever ``f`` is rescaling-invariant)."""
+        return self.unwhiten(self.unwhiten(egrad))
+
+    def proj_horizontal(self, xi: Tensor) -> Tensor:
+        """``g``-orthogonal projection of ``xi`` ``(n,)`` onto the horizontal space."""
+        return self.unwhiten(self.whitened_projection(self.whiten(xi)))
+
+    def vertical_basis(self) -> Tensor:
+        """``(dim_V, n)``: a basis of the vertical space (tangent space of the rescaling orbit)."""
+        return self.unwhiten(self.whitened_vertical_basis())
+
+    def ehess2rhess(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
+        """Exact Riemannian Hessian applied to a horizontal ``xi``, projected onto the horizontal space.
+
+        Args:
+            egrad: Euclidean gradient at the point, ``(n,)``.
+            ehvp: Euclidean Hessian-vector product ``H xi``, ``(n,)``.
+            xi: horizontal tangent vector, ``(n,)``.
+        """
+        return self.proj_horizontal(self.connection_hessian(egrad, ehvp, xi))
+
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """``zeta -> P G^{1/2} Hess f[G^{-1/2} P zeta]``: the Riemannian Hessian as a symmetric map.
+
+        Its eigenvalues on the range of :meth:`whitened_projection` are those of the Riemannian
+        Hessian on the quotient; eigenvectors map back to tangent vectors with :meth:`unwhiten`.
+
+        Args:
+            egrad: Euclidean gradient at the point, ``(n,)``.
+            hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``.
+        """
+
+        def apply(zeta: Tensor) -> Tensor:
+            xi = self.unwhiten(self.whitened_projection(zeta))
+            return self.whitened_projection(self.whiten(self.connection_hessian(egrad, hvp(xi), xi)))
+
+        return apply
+
+    @abstractmethod
+    def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
+        """Total-space Riemannian Hessian ``grad_xi grad f`` (Levi-Civita), before projection."""
+
+    @abstractmethod
+    def whitened_projection(self, zeta: Tensor) -> Tensor:
+        """Euclidean projection of whitened vectors ``(..., n)`` onto the whitened horizontal space."""
+
+    @abstractmethod
+    def whitened_vertical_basis(self) -> Tensor:
+        """``(dim_V, n)`` basis of the whitened vertical space."""
+
+    @abstractmethod
+    def expmap(self, xi: Tensor) -> Tensor:
+        """Exact exponential map of the total-space metric at the point: a flat point ``(n,)``."""
+
+
+class LayerScaleQuotient(_Quotient):
+    """Quotient by layer-wise rescaling with the metric of Rangamani et al. (Prop. 2.3 / 2.5).
+
+    ``g_w(eta, xi) = sum_B <eta_B, xi_B> / ||w_B||^2`` over the blocks ``B`` (each layer's weight and,
+    with biases, its bias). Vertical space (Lemma 2.4 / 2.6): ``(beta_i W_i, gamma_i b_i)`` with
+    ``beta_i = gamma_i - gamma_{i-1}``, ``gamma_0 = gamma_L = 0`` (dimension ``L - 1``).
+
+    The metric is a product of conformally Euclidean blocks, so the Levi-Civita Hessian is, per block,
+    ``||w_B||^2 (H xi)_B + <w_B, xi_B> g_B - <w_B, g_B> xi_B + <xi_B, g_B> w_B``. Invariant under
+    layer-wise rescaling at every point; NOT under node-wise rescaling.
+
+    Args:
+        point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
+        structure: :func:`manifolds.analyze` of the network (must be rescalable).
+        layout: flat layout (default: from ``point``).
+        zero_blocks: ``"error"`` (default) refuses a block of zero norm, naming it (e.g. zero-initialised
+            biases); ``"exclude"`` drops such blocks from the tangent space (they are fixed points of
+            every rescaling, so the remaining geometry is unchanged; the Hessian is restricted to the
+            other parameters).
+    """
+
+    def __init__(
+        self,
+        point: Mapping[str, Tensor] | Tensor,
+        structure: NetworkStructure,
+        layout: ParamLayout | None = None,
+        zero_blocks: str = "error",
+    ):
+        structure.require_rescalable("the layer-wise quotient metric")
+        if zero_blocks not in ("error", "exclude"):
+            raise ValueError(f"zero_blocks must be 'error' or 'exclude', got {zero_blocks!r}")
+        self.point, self.layout = _flat_point(point, layout)
+        _check_covered(structure, self.layout)
+        self.structure = structure
+        n_blocks = len(self.layout.names)
+        sizes = torch.tensor([s.numel() for s in self.layout.shapes], device=self.point.device)
+        self._block_id = torch.repeat_interleave(torch.arange(n_blocks, device=self.point.device), sizes)
+        norms = self._block_sum(self.point * self.point).sqrt()
+        zero = [name for name, nrm in zip(self.layout.names, norms.tolist()) if nrm == 0.0]
+        if zero and zero_blocks == "error":
+            raise ValueError(
+                f"tensor {', '.join(zero)} has zero norm, so the layer-wise metric 1/||w_B||^2 is undefined "
+                "there; pass zero_blocks='exclude' to leave such tensors out, or use the node-wise metric"
+            )
+        self.excluded = tuple(zero)
+        self.block_norms = norms  # (n_blocks,)
+        inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
+        self.sqrt_metric = inv[self._block_id]
+        basis = self.whitened_vertical_basis()
+        self._q = torch.linalg.qr(basis.T).Q.T if basis.shape[0] else basis  # orthonormal rows
+
+    def _block_sum(self, x: Tensor) -> Tensor:
+        return torch.zeros(len(self.layout.names), dtype=x.dtype, device=x.device).index_add_(0, self._block_id, x)
+
+    def whitened_vertical_basis(self) -> Tensor:
+        layers = self.structure.layers
+        rows = []
+        unit = self.whiten(self.point)  # every kept block has unit norm here
+        for j in range(len(layers) - 1):  # gamma = e_j: beta_j = +1, beta_{j+1} = -1, gamma_j = +1
+            v = torch.zeros_like(self.point)
+            for name, sign in ((layers[j].weight, 1.0), (layers[j + 1].weight, -1.0), (layers[j].bias, 1.0)):
+                if name is not None:
+                    sl = self.layout.slice(name)
+                    v[sl] += sign * unit[sl]
+            rows.append(v)
+        return torch.stack(rows) if rows else self.point.new_zeros(0, self.layout.size)
+
+    def whitened_projection(self, zeta: Tensor) -> Tensor:
+        return zeta - (zeta @ self._q.T) @ self._q
+
+    def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
+        w, bid = self.point, self._block_id
+        sq = (self.block_norms**2)[bid]
+        w_xi = self._block_sum(w * xi)[bid]
+        w_g = self._block_sum(w * egrad)[bid]
+        xi_g = self._block_sum(xi * egrad)[bid]
+        out = sq * ehvp + w_xi * egrad - w_g * xi + xi_g * w
+        return torch.where(self.sqrt_metric > 0, out, 0.0)
+
+    def expmap(self, xi: Tensor) -> Tensor:
+        """Per block, the geodesic of ``<,>/||x||^2`` (a cylinder ``R x S^{d-1}``): the log-norm moves by
+        ``<x, xi>/||x||^2`` and the direction turns on the sphere by angle ``||xi_perp|| / ||x||``."""
+        w, bid = self.point, self._block_id
+        nrm = self.block_norms
+        safe = torch.where(nrm > 0, nrm, 1.0)
+        radial = self._block_sum(w * xi) / safe**2  # d log||x|| along xi
+        perp = xi - radial[bid] * w
+        angle = self._block_sum(perp * perp).sqrt() / safe
+        direction = perp / torch.where(angle > 0, angle, 1.0)[bid]  # norm ||x|| per block, like w
+        moved = torch.exp(radial)[bid] * (torch.cos(angle)[bid] * w + torch.sin(angle)[bid] * direction)
+        return torch.where(self.sqrt_metric > 0, moved, w)
+
+
+class NodeScaleQuotient(_Quotient):
+    """Quotient by node-wise (unit- and channel-wise) rescaling with ``g_w(eta, xi) = sum eta xi / w^2``.
+
+    In ``u = log|w|`` the metric is Euclidean and every rescaling a translation along ``range(J)``
+    (:class:`manifolds.NodeSymmetry`), so the Riemannian Hessian is exactly
+    ``Hess f[xi] = w^2 (H xi) + (w g) xi`` (entry-wise), i.e. ``diag(|w|) H diag(|w|) + diag(w g)`` in
+    whitened coordinates, with the rescaling directions in its kernel. Invariant under node-wise,
+    channel-wise and layer-wise rescaling at every point, eigenvectors included.
+
+    Exactly-zero weights have no log coordinate: they are dropped from the tangent space (zero row and
+    column). The horizontal projection is exact when no weight is zero.
+
+    Args:
+        point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
+        structure: :func:`manifolds.analyze` of the network (must be rescalable).
+        layout: flat layout (default: from ``point``).
+    """
+
+    def __init__(
+        self,
+        point: Mapping[str, Tensor] | Tensor,
+        structure: NetworkStructure,
+        layout: ParamLayout | None = None,
+    ):
+        structure.require_rescalable("the node-wise quotient metric")
+        self.point, self.layout = _flat_point(point, layout)
+        _check_covered(structure, self.layout)
+        self.structure = structure
+        self.symmetry = NodeSymmetry(structure, self.layout)
+        absw = self.point.abs()
+        self.sqrt_metric = torch.where(absw > 0, 1.0 / torch.where(absw > 0, absw, 1.0), 0.0)
+        self._sign = torch.sign(self.point)
+
+    def whitened_projection(self, zeta: Tensor) -> Tensor:
+        # whitened = sign(w) * (log coordinates), where the projection is Euclidean onto range(J)^perp
+        return self._sign * self.symmetry.project_out(self._sign * zeta)
+
+    def whitened_vertical_basis(self) -> Tensor:
+        eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
+        return self._sign * self.symmetry.apply(eye)
+
+    def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
+        w = self.point
+        return torch.where(self.sqrt_metric > 0, w * w * ehvp + w * egrad * xi, 0.0)
+
+    def expmap(self, xi: Tensor) -> Tensor:
+        return self.point * torch.exp(self.whiten(xi) * self._sign)  # w exp(xi / w); zeros stay 0
