@@ -1,6 +1,40 @@
 """Geometry of ReLU-network parameter spaces: structure, rescalings, quotient metrics,
 G-space, fixed weights and gauges. Depends only on torch, geoopt and scipy."""
 
+from manifolds._geoopt import LayerScaleEuclidean as LayerScaleEuclidean
+from manifolds._geoopt import LogEuclidean as LogEuclidean
+from manifolds._geoopt import quotient_parameters as quotient_parameters
+from manifolds._geoopt import zero_init_momentum as zero_init_momentum
 from manifolds._layout import ParamLayout as ParamLayout
+from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
+from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
+from manifolds._quotient import NodeScaleQuotient as NodeScaleQuotient
+from manifolds._structure import Layer as Layer
+from manifolds._structure import NetworkStructure as NetworkStructure
+from manifolds._structure import UnsupportedModelError as UnsupportedModelError
+from manifolds._structure import analyze as analyze
+from manifolds._structure import layer_factors as layer_factors
+from manifolds._structure import random_factors as random_factors
+from manifolds._structure import random_rescale as random_rescale
+from manifolds._structure import rescale_model as rescale_model
+from manifolds._structure import rescale_parameters as rescale_parameters
 
-__all__ = ["ParamLayout"]
+__all__ = [
+    "LayerScaleEuclidean",
+    "LogEuclidean",
+    "quotient_parameters",
+    "zero_init_momentum",
+    "ParamLayout",
+    "LayerScaleQuotient",
+    "NodeScaleQuotient",
+    "Layer",
+    "NetworkStructure",
+    "NodeSymmetry",
+    "UnsupportedModelError",
+    "analyze",
+    "layer_factors",
+    "random_factors",
+    "random_rescale",
+    "rescale_model",
+    "rescale_parameters",
+]

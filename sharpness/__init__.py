@@ -5,14 +5,18 @@ from sharpness._data import ChunkedData as ChunkedData
 from sharpness._data import DataError as DataError
 from sharpness._euclidean import euclidean_sharpness as euclidean_sharpness
 from sharpness._hessian import HessianOperator as HessianOperator
+from sharpness._invariant import invariant_sharpness as invariant_sharpness
+from sharpness._lanczos import lanczos as lanczos
 from sharpness._objective import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness._objective import Objective as Objective
 from sharpness._operator import CallableOperator as CallableOperator
 from sharpness._operator import DenseOperator as DenseOperator
 from sharpness._operator import SymmetricOperator as SymmetricOperator
+from sharpness._power import power_iteration as power_iteration
 from sharpness._reference import dense_hessian as dense_hessian
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
+from sharpness._trace import hutchinson_trace as hutchinson_trace
 
 __all__ = [
     "HVP_STRATEGIES",
@@ -27,4 +31,8 @@ __all__ = [
     "TraceResult",
     "dense_hessian",
     "euclidean_sharpness",
+    "hutchinson_trace",
+    "invariant_sharpness",
+    "lanczos",
+    "power_iteration",
 ]

@@ -313,7 +313,8 @@ class Objective:
         """
         strategy = self.hvp_strategy(strategy)
         if strategy == "graph":
-            return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(self.layout.unflatten(v).values()), False))))
+            products = self._hvp_graph(list(self.layout.unflatten(v).values()), batched=False)
+            return self.layout.flatten(dict(zip(self.params, products)))
         fn = self._hvp_jvp if strategy == "jvp" else self._hvp_double_backward
         tangent = self.layout.unflatten(v)
         total = torch.zeros_like(v)
@@ -327,7 +328,7 @@ class Objective:
         strategy = self.hvp_strategy(strategy)
         tangents = self.layout.unflatten(vs)
         if strategy == "graph":
-            return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(tangents.values()), True))))
+            return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(tangents.values()), batched=True))))
         total = torch.zeros_like(vs)
         with eval_mode(self.model):
             for x, y, w in self.chunks():

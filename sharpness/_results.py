@@ -10,7 +10,6 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from manifolds import ParamLayout

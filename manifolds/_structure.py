@@ -1,0 +1,692 @@
+"""Structure of a model (its Linear/Conv2d layers in forward order) and its positive rescalings.
+
+A hidden unit (or conv channel) whose activation is positively homogeneous (``f(c x) = c f(x)`` for
+``c > 0``) admits the rescaling symmetry: multiply its incoming weights and bias by ``c``, divide its
+outgoing weights by ``c``, and the network computes the same function. :func:`analyze` finds the
+layers of a model in the order the forward pass uses them and lists every reason this symmetry fails
+(non-homogeneous activations, normalization, residual connections, weight sharing, ...);
+:func:`rescale_parameters` and friends apply rescalings functionally.
+
+Discovery uses :func:`torch.fx.symbolic_trace`, so it sees functional calls (``F.relu``,
+``torch.flatten``, ``x.view``) and additions. When tracing fails (data-dependent control flow) it
+falls back to the children of an ``nn.Sequential`` (recursively flattened), and otherwise to the call
+order of leaf modules recorded with forward pre-hooks on one forward pass with ``example_input``. The
+hook fallback cannot see functional operations or additions (``F.gelu(x)``, ``x + y``), so on such a
+model it can report a structure as rescalable when it is not.
+
+Only what happens between the first and the last layer matters: rescalings act on hidden units only,
+so the output of the last layer, and everything computed from it (a Sigmoid or Softmax head, the
+loss), is unchanged, and the input to the first layer is untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, fx, nn
+
+_LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
+
+# Modules that commute with a positive per-unit (per-channel) scaling of their input.
+_HOMOGENEOUS_MODULES: dict[type[nn.Module], str] = {
+    nn.ReLU: "ReLU",
+    nn.LeakyReLU: "LeakyReLU",
+    nn.Identity: "Identity",
+    nn.MaxPool2d: "MaxPool2d",
+    nn.AvgPool2d: "AvgPool2d",
+    nn.AdaptiveAvgPool2d: "AdaptiveAvgPool2d",
+    nn.AdaptiveMaxPool2d: "AdaptiveMaxPool2d",
+    nn.Flatten: "Flatten",
+    nn.Dropout: "Dropout",
+    nn.Dropout1d: "Dropout",
+    nn.Dropout2d: "Dropout",
+    nn.Dropout3d: "Dropout",
+}
+
+# Functional forms (``__name__`` of the fx target, leading underscores stripped), and tensor methods.
+_HOMOGENEOUS_FUNCTIONS: dict[str, str] = {
+    "relu": "ReLU",
+    "relu_": "ReLU",
+    "leaky_relu": "LeakyReLU",
+    "leaky_relu_": "LeakyReLU",
+    "max_pool2d": "MaxPool2d",
+    "avg_pool2d": "AvgPool2d",
+    "adaptive_avg_pool2d": "AdaptiveAvgPool2d",
+    "adaptive_max_pool2d": "AdaptiveMaxPool2d",
+    "flatten": "Flatten",
+    "view": "Flatten",
+    "reshape": "Flatten",
+    "dropout": "Dropout",
+    "dropout1d": "Dropout",
+    "dropout2d": "Dropout",
+    "dropout3d": "Dropout",
+    "feature_dropout": "Dropout",
+}
+
+# Multiplying or dividing by a constant number is linear, hence homogeneous.
+_SCALAR_FUNCTIONS = {"mul", "truediv", "div"}
+
+# Calls whose result describes a tensor (its shape) rather than carrying its values.
+_METADATA_METHODS = {"size", "dim", "numel"}
+_METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
+
+_NORM_MODULES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The model lacks the rescaling symmetry a computation needs, or its structure cannot be found."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One Linear or Conv2d layer of a network.
+
+    Attributes:
+        name: qualified module name, e.g. ``"0"`` or ``"features.3"``.
+        module_type: ``"Linear"`` or ``"Conv2d"``.
+        weight: parameter name of the weight, e.g. ``"0.weight"``.
+        bias: parameter name of the bias, or ``None``.
+        out_units: ``out_features`` / ``out_channels``.
+        in_units: ``in_features`` / ``in_channels``.
+        in_group: weight-input columns per unit of the previous layer: 1 normally; for a Linear after a
+            Flatten of a conv output, the spatial size (column index ``= channel * in_group + pos``).
+    """
+
+    name: str
+    module_type: str
+    weight: str
+    bias: str | None
+    out_units: int
+    in_units: int
+    in_group: int
+
+
+@dataclass(frozen=True)
+class NetworkStructure:
+    """The layers of a network in forward order, what lies between them, and what breaks rescaling.
+
+    Attributes:
+        layers: Linear/Conv2d layers in forward order.
+        operations: ``len(layers) - 1`` entries; entry ``i`` names the operations between layer ``i``
+            and ``i + 1`` in order, e.g. ``("ReLU", "MaxPool2d")``.
+        problems: one sentence per reason the rescaling symmetry fails, naming the offending module
+            (or function).
+    """
+
+    layers: tuple[Layer, ...]
+    operations: tuple[tuple[str, ...], ...]
+    problems: tuple[str, ...]
+
+    @property
+    def rescalable(self) -> bool:
+        """Whether every node-wise (hence every layer-wise) positive rescaling preserves the function."""
+        return not self.problems
+
+    @property
+    def hidden_units(self) -> tuple[int, ...]:
+        """Units (channels) of each hidden layer: ``out_units`` of every layer but the last."""
+        return tuple(layer.out_units for layer in self.layers[:-1])
+
+    @property
+    def n_hidden(self) -> int:
+        """Total number ``H`` of hidden units, the dimension of the node-wise rescaling group."""
+        return sum(self.hidden_units)
+
+    def require_rescalable(self, what: str) -> None:
+        """Raise :class:`UnsupportedModelError` if the structure has problems.
+
+        Args:
+            what: the computation that needs the symmetry, e.g. ``"the node-wise invariant sharpness"``.
+        """
+        if self.problems:
+            raise UnsupportedModelError(
+                f"Cannot compute {what}, because positive rescaling is not a symmetry of this model: "
+                f"{'; '.join(self.problems)}; the Euclidean measure remains meaningful for it but is not "
+                "rescaling-invariant."
+            )
+
+
+@dataclass
+class _Op:
+    """A non-layer operation on the path from input to output, before its position is judged."""
+
+    name: str  # entry for ``NetworkStructure.operations``
+    segment: int  # number of layers the data has passed through when it reaches this op
+    hidden_problem: str | None = None  # problem if it sits between two layers
+    problem: str | None = None  # problem wherever it sits
+
+
+@dataclass
+class _Trace:
+    """Raw discovery result shared by the fx, Sequential and hook paths."""
+
+    layers: list[tuple[str, nn.Module]] = field(default_factory=list)
+    ops: list[_Op] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    # Problems that apply only if some segment is hidden (1 <= segment <= L - 1):
+    # (segments, message, whether it means the layers do not form a single chain).
+    hidden_problems: list[tuple[tuple[int, ...], str, bool]] = field(default_factory=list)
+    chain_broken: bool = False
+
+
+def _module_label(name: str, module: nn.Module) -> str:
+    return f"module '{name}' ({type(module).__name__})"
+
+
+def _classify_module(name: str, module: nn.Module, segment: int) -> _Op:
+    label = _module_label(name, module)
+    if type(module) in _HOMOGENEOUS_MODULES:  # exact type: a subclass may change the forward
+        return _Op(_HOMOGENEOUS_MODULES[type(module)], segment)
+    op = _Op(type(module).__name__, segment)
+    parameterized = any(True for _ in module.parameters())
+    if parameterized:
+        op.problem = f"{label} has parameters outside the Linear/Conv2d layers, which no rescaling describes"
+    if isinstance(module, _NORM_MODULES):
+        op.hidden_problem = (
+            f"{label} normalizes its input, which cancels the scaling of the units feeding it while "
+            "their outgoing weights are still divided"
+        )
+    elif not parameterized:
+        op.hidden_problem = (
+            f"{label} is not a known positively homogeneous operation (f(c x) = c f(x) for c > 0), so "
+            "scaling the units feeding it changes the function"
+        )
+    return op
+
+
+def _add_layer(trace: _Trace, name: str, module: nn.Module, seen: dict[str, int]) -> bool:
+    """Record a layer call; returns False (and records a problem) for a repeated call."""
+    seen[name] = seen.get(name, 0) + 1
+    if seen[name] == 2:
+        trace.problems.append(
+            f"{_module_label(name, module)} is called more than once (weight sharing), so its units "
+            "cannot be rescaled independently in each use"
+        )
+    if seen[name] > 1:
+        return False
+    trace.layers.append((name, module))
+    return True
+
+
+class _Tracer(fx.Tracer):
+    # User subclasses of Linear/Conv2d stay single nodes so they are recognized as layers.
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, _LAYER_TYPES) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+
+
+def _node_label(node: fx.Node, model: nn.Module) -> str:
+    if node.op == "call_module":
+        return _module_label(str(node.target), model.get_submodule(str(node.target)))
+    if node.op == "call_method":
+        return f"method '.{node.target}()' (graph node '{node.name}')"
+    if node.op == "placeholder":
+        return f"the input '{node.name}'"
+    return f"function '{_target_name(node)}' (graph node '{node.name}')"
+
+
+def _is_metadata(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    return (
+        node.op == "call_function"
+        and _target_name(node) == "getattr"
+        and len(node.args) > 1
+        and node.args[1] in _METADATA_ATTRIBUTES
+    )
+
+
+def _is_scaling(node: fx.Node, name: str, data: fx.Node) -> bool:
+    """``x * a``, ``a * x`` or ``x / a`` with a constant number ``a`` (``a / x`` is not homogeneous)."""
+    if name not in _SCALAR_FUNCTIONS or node.kwargs or len(node.args) != 2:
+        return False
+    first, second = node.args
+    if first is data:
+        return isinstance(second, (int, float))
+    return name == "mul" and second is data and isinstance(first, (int, float))
+
+
+def _trace_fx(model: nn.Module, graph: fx.Graph) -> _Trace:
+    trace = _Trace()
+    seen: dict[str, int] = {}
+    segment: dict[fx.Node, int] = {}  # data nodes (depending on the input) -> layers passed so far
+    params: dict[fx.Node, set[str]] = {}  # non-data nodes -> parameters they are computed from
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            segment[node] = 0
+            continue
+        if node.op == "get_attr":
+            if isinstance(_get_attr(model, node), nn.Parameter):
+                params[node] = {str(node.target)}
+            continue
+        inputs = node.all_input_nodes
+        used = set().union(*(params.get(n, set()) for n in inputs))
+        data_in = list(dict.fromkeys(n for n in inputs if n in segment))
+        if node.op == "output":
+            trace.hidden_problems.extend(
+                (
+                    (segment[n],),
+                    f"the model returns the output of {_node_label(n, model)}, computed between two layers, "
+                    "which rescaling changes",
+                    False,
+                )
+                for n in data_in
+            )
+            continue
+        if not data_in:
+            if used:
+                params[node] = used
+            continue
+        if _is_metadata(node):
+            continue
+        seg = max(segment[n] for n in data_in)
+        label = _node_label(node, model)
+        module = model.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if isinstance(module, _LAYER_TYPES):
+            if _add_layer(trace, str(node.target), module, seen):
+                index = len(trace.layers) - 1
+                if seg != index:
+                    trace.chain_broken = True
+                    trace.problems.append(
+                        f"{label} does not take the output of the previous layer as its input, so the "
+                        "network is not a single chain"
+                    )
+                seg = index + 1
+            segment[node] = seg
+            continue
+        segment[node] = seg
+        if used:
+            trace.problems.append(
+                f"{label} uses the parameter(s) {', '.join(sorted(repr(p) for p in used))} directly, which "
+                "the structure cannot describe (use nn.Linear / nn.Conv2d modules)"
+            )
+            trace.ops.append(_Op(_target_name(node), seg))
+            continue
+        if len(data_in) > 1:
+            trace.hidden_problems.append(
+                (
+                    tuple(segment[n] for n in data_in),
+                    f"{label} combines several tensors computed from the input (a residual connection or "
+                    "concatenation), so the units feeding it cannot be rescaled independently",
+                    True,
+                )
+            )
+            trace.ops.append(_Op(_target_name(node), seg))
+            continue
+        if module is not None:
+            trace.ops.append(_classify_module(str(node.target), module, seg))
+            continue
+        name = _target_name(node)
+        if name in _HOMOGENEOUS_FUNCTIONS:
+            trace.ops.append(_Op(_HOMOGENEOUS_FUNCTIONS[name], seg))
+        elif _is_scaling(node, name, data_in[0]):
+            trace.ops.append(_Op("Scale", seg))
+        else:
+            trace.ops.append(
+                _Op(
+                    name,
+                    seg,
+                    hidden_problem=f"{label} is not a known positively homogeneous operation "
+                    "(f(c x) = c f(x) for c > 0), so scaling the units feeding it changes the function",
+                )
+            )
+    for node, seg in segment.items():
+        users = [u for u in node.users if u in segment or u.op == "output"]
+        if len(users) > 1:
+            trace.hidden_problems.append(
+                (
+                    (seg,),
+                    f"the output of {_node_label(node, model)} feeds {len(users)} operations "
+                    f"({', '.join(u.name for u in users)}), so the network is not a single chain",
+                    True,
+                )
+            )
+    return trace
+
+
+def _get_attr(model: nn.Module, node: fx.Node) -> object:
+    owner, _, attr = str(node.target).rpartition(".")
+    return getattr(model.get_submodule(owner), attr, None)
+
+
+def _trace_modules(model: nn.Module, calls: Sequence[tuple[str, nn.Module]]) -> _Trace:
+    """Structure from a plain sequence of module calls (Sequential children or hook records)."""
+    trace = _Trace()
+    seen: dict[str, int] = {}
+    for name, module in calls:
+        if isinstance(module, _LAYER_TYPES):
+            _add_layer(trace, name, module, seen)
+        else:
+            trace.ops.append(_classify_module(name, module, len(trace.layers)))
+    return trace
+
+
+def _sequential_calls(seq: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    calls = []
+    for name, child in seq.named_children():
+        qualified = f"{prefix}{name}"
+        if isinstance(child, nn.Sequential):
+            calls.extend(_sequential_calls(child, qualified + "."))
+        else:
+            calls.append((qualified, child))
+    return calls
+
+
+def _hook_calls(model: nn.Module, example_input: Tensor) -> list[tuple[str, nn.Module]]:
+    # A copy, so that a forward pass in training mode (BatchNorm statistics) leaves the model untouched.
+    twin = copy.deepcopy(model)
+    calls: list[tuple[str, nn.Module]] = []
+    handles = []
+    for name, module in twin.named_modules():
+        # Leaves, and any module using parameters of its own (invisible to its children's hooks).
+        if not any(True for _ in module.children()) or any(True for _ in module.parameters(recurse=False)):
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, args, name=name: calls.append((name, model.get_submodule(name)))
+                )
+            )
+    try:
+        with torch.no_grad():
+            twin(example_input)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _assemble(model: nn.Module, trace: _Trace) -> NetworkStructure:
+    n_layers = len(trace.layers)
+    problems = list(trace.problems)
+    if n_layers == 0:
+        problems.append("the model has no Linear or Conv2d layer")
+
+    def hidden(seg: int) -> bool:
+        return 1 <= seg <= n_layers - 1
+
+    operations: list[list[str]] = [[] for _ in range(max(n_layers - 1, 0))]
+    for op in trace.ops:
+        if hidden(op.segment):
+            operations[op.segment - 1].append(op.name)
+            if op.hidden_problem:
+                problems.append(op.hidden_problem)
+                continue
+        if op.problem:
+            problems.append(op.problem)
+    chain_broken = trace.chain_broken
+    for segs, msg, breaks_chain in trace.hidden_problems:
+        if any(hidden(s) for s in segs):
+            problems.append(msg)
+            chain_broken = chain_broken or breaks_chain
+
+    param_names = {name for name, _ in model.named_parameters()}
+    layers: list[Layer] = []
+    for i, (name, module) in enumerate(trace.layers):
+        label = _module_label(name, module)
+        is_conv = isinstance(module, nn.Conv2d)
+        prefix = f"{name}." if name else ""  # a bare Linear/Conv2d model owns "weight" and "bias"
+        weight = f"{prefix}weight"
+        bias = f"{prefix}bias" if module.bias is not None else None
+        if weight not in param_names or (bias is not None and bias not in param_names):
+            problems.append(
+                f"{label} does not own its weight and bias as plain parameters (tied weights or a "
+                "parametrization), which rescaling cannot address"
+            )
+        if is_conv and module.groups != 1:
+            problems.append(f"{label} is a grouped convolution, which the structure does not support")
+        in_units = module.in_channels if is_conv else module.in_features
+        in_group = 1
+        # Shapes of consecutive layers only need to match when they do form a chain.
+        if i > 0 and not chain_broken:
+            prev = layers[-1]
+            prev_label = f"layer '{prev.name}' ({prev.module_type})"
+            if is_conv and prev.module_type == "Linear":
+                problems.append(f"{label} follows {prev_label}, which the structure does not support")
+            elif not is_conv and prev.module_type == "Conv2d":
+                if "Flatten" not in operations[i - 1]:
+                    problems.append(f"{label} is applied to the output of {prev_label} without flattening it")
+                elif in_units % prev.out_units:
+                    problems.append(
+                        f"{label} has {in_units} input features, not a multiple of the {prev.out_units} "
+                        f"channels of {prev_label}"
+                    )
+                else:
+                    in_group = in_units // prev.out_units
+            elif in_units != prev.out_units:
+                problems.append(
+                    f"{label} has {in_units} inputs but {prev_label} has {prev.out_units} outputs"
+                )
+        layers.append(
+            Layer(
+                name=name,
+                module_type="Conv2d" if is_conv else "Linear",
+                weight=weight,
+                bias=bias,
+                out_units=module.out_channels if is_conv else module.out_features,
+                in_units=in_units,
+                in_group=in_group,
+            )
+        )
+    return NetworkStructure(
+        tuple(layers), tuple(tuple(ops) for ops in operations), tuple(dict.fromkeys(problems))
+    )
+
+
+def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStructure:
+    """Find the layers of ``model`` in forward order and everything that breaks rescaling symmetry.
+
+    Accepted between layers: ReLU, LeakyReLU, Identity, max/average (adaptive) 2-D pooling, Flatten
+    (module, ``torch.flatten``, ``.view``, ``.reshape``, ``.flatten``), Dropout, multiplication by a
+    constant number, and their functional forms. Anything else between layers, a residual addition or
+    concatenation, a layer called twice, a graph that is not a single chain, or a parameterized module
+    other than Linear/Conv2d (anywhere) is recorded in ``problems``. The model is not modified.
+
+    Args:
+        model: the network.
+        example_input: one input batch; used only if fx tracing fails and ``model`` is not an
+            ``nn.Sequential``, to record the call order of leaf modules with hooks (this sees no
+            functional operations or additions, see the module docstring).
+
+    Returns:
+        The structure; check ``.rescalable`` or call ``.require_rescalable(...)``.
+
+    Raises:
+        UnsupportedModelError: fx tracing fails, the model is no ``nn.Sequential`` and no
+            ``example_input`` is given.
+    """
+    if isinstance(model, _LAYER_TYPES):
+        return _assemble(model, _trace_modules(model, [("", model)]))
+    try:
+        graph = _Tracer().trace(model)
+    except Exception as err:  # tracing runs arbitrary user code; any failure means "use a fallback"
+        if isinstance(model, nn.Sequential):
+            return _assemble(model, _trace_modules(model, _sequential_calls(model)))
+        if example_input is None:
+            raise UnsupportedModelError(
+                f"Cannot find the layers of {type(model).__name__} because torch.fx cannot trace its "
+                f"forward ({type(err).__name__}: {err}); pass example_input=<one input batch> or build "
+                "the model as an nn.Sequential."
+            ) from err
+        return _assemble(model, _trace_modules(model, _hook_calls(model, example_input)))
+    return _assemble(model, _trace_fx(model, graph))
+
+
+def _check_factors(structure: NetworkStructure, factors: Sequence[Tensor]) -> None:
+    hidden = structure.hidden_units
+    if len(factors) != len(hidden):
+        raise ValueError(f"expected {len(hidden)} factor tensors (one per hidden layer), got {len(factors)}")
+    for i, (f, h) in enumerate(zip(factors, hidden, strict=True)):
+        if tuple(f.shape) != (h,):
+            raise ValueError(f"factors[{i}] must have shape ({h},), got {tuple(f.shape)}")
+        if not bool((f > 0).all()):
+            raise ValueError(f"factors[{i}] must be positive")
+
+
+def rescale_parameters(
+    params: Mapping[str, Tensor], structure: NetworkStructure, factors: Sequence[Tensor]
+) -> dict[str, Tensor]:
+    """Apply a node-wise rescaling to a dictionary of parameters (functional, nothing is modified).
+
+    Rows (output units/channels) of ``layers[i].weight`` and its bias are multiplied by ``factors[i]``,
+    the matching input columns of ``layers[i + 1].weight`` (``in_group`` columns per unit for a Linear
+    after Flatten, one input channel for a Conv2d) are divided by it.
+
+    Args:
+        params: ``{name: tensor}`` containing at least every layer's weight and bias.
+        structure: from :func:`analyze`.
+        factors: ``len(structure.hidden_units)`` positive tensors, ``factors[i]`` of shape
+            ``(hidden_units[i],)``; cast to each parameter's dtype and device.
+
+    Returns:
+        A new dictionary with the same keys; parameters outside the layers are passed through unchanged.
+    """
+    _check_factors(structure, factors)
+    out = dict(params)
+    for i, layer in enumerate(structure.layers):
+        missing = [k for k in (layer.weight, layer.bias) if k is not None and k not in params]
+        if missing:
+            raise KeyError(f"params lack {', '.join(missing)} of layer '{layer.name}'")
+        weight = params[layer.weight]
+        shape = weight.shape
+        if i < len(factors):
+            row = factors[i].to(weight)
+            weight = weight * row.reshape(-1, *[1] * (weight.dim() - 1))
+            if layer.bias is not None:
+                out[layer.bias] = params[layer.bias] * row.to(params[layer.bias])
+        if i > 0:
+            col = factors[i - 1].to(weight)
+            # Columns grouped by unit of the previous layer: (out, prev_units, in_group * kernel size).
+            weight = (weight.reshape(shape[0], col.numel(), -1) / col[:, None]).reshape(shape)
+        out[layer.weight] = weight
+    return out
+
+
+def random_factors(
+    structure: NetworkStructure,
+    kind: str = "node",
+    scale: float = 1.0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> list[Tensor]:
+    """Random positive rescaling factors, one tensor per hidden layer.
+
+    Args:
+        structure: from :func:`analyze`.
+        kind: ``"node"``: an independent log-normal factor (log-std ``scale``) per hidden unit.
+            ``"layer"``: per-layer multipliers ``lambda_i`` for ALL layers (last included), ``log lambda``
+            drawn i.i.d. ``N(0, scale^2)`` and centred so that ``prod lambda_i = 1`` exactly, expressed as
+            node factors ``c_i = lambda_1 ... lambda_i`` (constant within layer ``i``); this maps
+            ``W_i -> lambda_i W_i`` and ``b_i -> (lambda_1 ... lambda_i) b_i`` (flatness paper, 2.1).
+        scale: standard deviation of the log factors.
+        generator: random generator (CPU), or ``None`` for the global one.
+        dtype: dtype of the factors.
+
+    Returns:
+        ``factors[i]`` of shape ``(hidden_units[i],)``.
+    """
+    hidden = structure.hidden_units
+    if kind == "node":
+        return [torch.exp(scale * torch.randn(h, generator=generator, dtype=dtype)) for h in hidden]
+    if kind == "layer":
+        log_lambdas = scale * torch.randn(len(structure.layers), generator=generator, dtype=torch.float64)
+        return layer_factors(structure, torch.exp(log_lambdas - log_lambdas.mean()).tolist(), dtype=dtype)
+    raise ValueError(f"unknown rescaling kind {kind!r}; use 'node' or 'layer'")
+
+
+def layer_factors(
+    structure: NetworkStructure, lambdas: Sequence[float], dtype: torch.dtype = torch.float64
+) -> list[Tensor]:
+    """Node factors of the layer-wise rescaling ``W_i -> lambda_i W_i``, ``b_i -> (lambda_1...lambda_i) b_i``.
+
+    Args:
+        structure: from :func:`analyze`.
+        lambdas: one positive multiplier per layer (``len(structure.layers)``) with product 1
+            (checked to 1e-9 relative), e.g. ``(5, 4, 1/20)`` as in the flatness paper's tables.
+        dtype: dtype of the factors.
+
+    Returns:
+        ``factors[i] = lambda_1 ... lambda_{i+1}`` repeated ``hidden_units[i]`` times.
+    """
+    lambdas = [float(lam) for lam in lambdas]
+    if len(lambdas) != len(structure.layers):
+        raise ValueError(f"expected {len(structure.layers)} layer multipliers, got {len(lambdas)}")
+    if any(not lam > 0 for lam in lambdas):
+        raise ValueError(f"layer multipliers must be positive, got {lambdas}")
+    product = math.prod(lambdas)
+    if abs(product - 1.0) > 1e-9:
+        raise ValueError(f"layer multipliers must have product 1 to preserve the function, got {product}")
+    cumulative = [math.prod(lambdas[: i + 1]) for i in range(len(lambdas) - 1)]
+    return [torch.full((h,), c, dtype=dtype) for h, c in zip(structure.hidden_units, cumulative, strict=True)]
+
+
+def _rescaled_copy(model: nn.Module, structure: NetworkStructure, factors: Sequence[Tensor]) -> nn.Module:
+    twin = copy.deepcopy(model)
+    own = dict(twin.named_parameters())
+    new = rescale_parameters({k: p.detach() for k, p in own.items()}, structure, factors)
+    with torch.no_grad():
+        for layer in structure.layers:
+            for name in (layer.weight, layer.bias):
+                if name is not None:
+                    own[name].copy_(new[name])
+    return twin
+
+
+def rescale_model(
+    model: nn.Module, factors: Sequence[Tensor], *, example_input: Tensor | None = None
+) -> nn.Module:
+    """A rescaled deep copy of ``model`` that computes the same function (``model`` is untouched).
+
+    Args:
+        model: the network; must be rescalable.
+        factors: as for :func:`rescale_parameters`.
+        example_input: passed to :func:`analyze` (needed only when fx cannot trace the model).
+
+    Raises:
+        UnsupportedModelError: positive rescaling is not a symmetry of ``model``.
+    """
+    structure = analyze(model, example_input)
+    structure.require_rescalable("a function-preserving rescaling")
+    return _rescaled_copy(model, structure, factors)
+
+
+def random_rescale(
+    model: nn.Module,
+    kind: str = "node",
+    scale: float = 1.0,
+    generator: torch.Generator | None = None,
+    *,
+    example_input: Tensor | None = None,
+) -> nn.Module:
+    """A randomly rescaled deep copy of ``model`` that computes the same function.
+
+    Args:
+        model: the network; must be rescalable.
+        kind: ``"node"`` (one factor per hidden unit/channel) or ``"layer"`` (one per layer), see
+            :func:`random_factors`.
+        scale: standard deviation of the log factors.
+        generator: random generator, or ``None`` for the global one.
+        example_input: passed to :func:`analyze` (needed only when fx cannot trace the model).
+
+    Raises:
+        ValueError: unknown ``kind``.
+        UnsupportedModelError: positive rescaling is not a symmetry of ``model``.
+    """
+    if kind not in ("node", "layer"):
+        raise ValueError(f"unknown rescaling kind {kind!r}; use 'node' or 'layer'")
+    structure = analyze(model, example_input)
+    structure.require_rescalable(f"a function-preserving {kind}-wise rescaling")
+    return _rescaled_copy(model, structure, random_factors(structure, kind, scale, generator))

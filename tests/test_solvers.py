@@ -1,0 +1,331 @@
+"""Eigen-solvers and the trace estimator against dense float64 references (numpy.linalg.eigh)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sharpness import CallableOperator, DenseOperator, hutchinson_trace, lanczos, power_iteration
+
+SOLVERS = [lanczos, power_iteration]
+# Power iteration's vectors converge half as fast (in digits) as its Rayleigh quotients.
+VECTOR_TOL = {lanczos: 1e-8, power_iteration: 1e-5}
+RESIDUAL_TOL = {lanczos: 1e-8, power_iteration: 1e-5}
+SOLVE_TOL = {lanczos: 1e-10, power_iteration: 1e-12}
+
+
+def orthogonal(n: int, seed: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed)))
+    return q
+
+
+def with_spectrum(eigenvalues, seed: int = 0) -> torch.Tensor:
+    """``Q diag(eigenvalues) Q^T`` for a random orthogonal ``Q``, exactly symmetric."""
+    q = orthogonal(len(eigenvalues), seed)
+    a = (q * torch.as_tensor(eigenvalues, dtype=torch.float64)) @ q.T
+    return (a + a.T) / 2
+
+
+def well_separated(n: int) -> np.ndarray:
+    return np.concatenate([[100.0, 60.0, 40.0, 20.0], np.linspace(-10.0, 10.0, n - 4)])
+
+
+def reference(matrix: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top ``k`` eigenvalues (descending) and eigenvectors ``(k, n)`` of a dense symmetric matrix."""
+    values, vectors = np.linalg.eigh(matrix.numpy())
+    return values[::-1][:k], vectors[:, ::-1][:, :k].T
+
+
+def solve(solver, op, k, **kwargs):
+    kwargs.setdefault("tol", SOLVE_TOL[solver])
+    return solver(op, k=k, generator=torch.Generator().manual_seed(0), progress=False, **kwargs)
+
+
+def sign_aligned_distance(u: torch.Tensor, v: np.ndarray) -> float:
+    v = torch.as_tensor(v.copy())
+    return min(float(torch.linalg.norm(u - v)), float(torch.linalg.norm(u + v)))
+
+
+def complement_projection(n: int, r: int, seed: int):
+    """Projection onto the orthogonal complement of ``r`` random directions, with a basis ``(n, n - r)``."""
+    q = orthogonal(n, seed)
+    excluded, kept = q[:, :r].T.contiguous(), q[:, r:]
+    return (lambda v: v - excluded.T @ (excluded @ v)), excluded, kept
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_top_eigenpairs_match_dense(solver, k):
+    matrix = with_spectrum(well_separated(120))
+    op = DenseOperator(matrix)
+    result = solve(solver, op, k)
+    values, vectors = reference(matrix, k)
+
+    np.testing.assert_allclose(result.eigenvalues.numpy(), values, rtol=1e-8)
+    assert result.eigenvalues.dtype == torch.float64
+    assert result.eigenvectors.shape == (k, 120) and result.eigenvectors.dtype == torch.float64
+    np.testing.assert_allclose(torch.linalg.norm(result.eigenvectors, dim=1).numpy(), np.ones(k), rtol=1e-14)
+    for i in range(k):
+        assert sign_aligned_distance(result.eigenvectors[i], vectors[i]) < VECTOR_TOL[solver]
+    assert float(result.residuals.max()) < RESIDUAL_TOL[solver]
+    assert result.converged
+    assert result.n_matvec == op.n_matvec
+    assert result.value == float(result.eigenvalues[0])
+    assert result.method == ("lanczos" if solver is lanczos else "power")
+    assert result.iterations == len(result.history)
+    assert result.seconds > 0.0
+
+
+def test_lanczos_matvecs_and_history():
+    op = DenseOperator(with_spectrum(well_separated(120)))
+    result = solve(lanczos, op, 3)
+    # One product per iteration plus one final block product for the true residuals.
+    assert result.n_matvec == result.iterations + 3
+    assert result.info == {"krylov_dimension": result.iterations, "restarts": 0}
+    last = result.history[-1]
+    assert set(last) == {"iteration", "eigenvalues", "residual"}
+    assert last["iteration"] == result.iterations and last["residual"] <= 1e-10
+    np.testing.assert_allclose(last["eigenvalues"], [100.0, 60.0, 40.0], rtol=1e-10)
+    # The estimates shrink to the tolerance: the first iterations are far from it.
+    assert result.history[2]["residual"] > 1e-3
+
+
+def test_power_spends_more_matvecs_than_lanczos():
+    matrix = with_spectrum(well_separated(120))
+    krylov = solve(lanczos, DenseOperator(matrix), 1)
+    power = solve(power_iteration, DenseOperator(matrix), 1)
+    assert krylov.n_matvec < power.n_matvec
+    assert power.info["shifts"] == [None]
+    assert power.info["stopping_rule"] == "rayleigh_quotient"
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_negative_dominant_spectrum_gives_largest_algebraic(solver):
+    eigenvalues = np.concatenate([[3.0, 1.0], np.linspace(-50.0, 0.0, 78)])
+    op = DenseOperator(with_spectrum(eigenvalues, seed=1))
+    result = solve(solver, op, 1)
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [3.0], rtol=1e-8)
+    assert result.converged
+    # Power iteration resolves the shifted operator, whose scale is 53, not 3.
+    assert float(result.residuals[0]) < 20 * RESIDUAL_TOL[solver]
+    if solver is power_iteration:
+        # The plain run found -50 as the dominant eigenvalue and the shifted run then found 3.
+        assert result.info["shifts"][0] == pytest.approx(-50.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_projected_operator_excludes_directions(solver):
+    n, r = 100, 3
+    project, excluded, kept = complement_projection(n, r, seed=2)
+    # A huge eigenvalue along an excluded direction must not be reported.
+    matrix = with_spectrum(well_separated(n), seed=3) + 1000.0 * torch.outer(excluded[0], excluded[0])
+    op = DenseOperator(matrix, project=project)
+    result = solve(solver, op, 2)
+    restricted, restricted_vectors = reference(kept.T @ matrix @ kept, 2)
+
+    np.testing.assert_allclose(result.eigenvalues.numpy(), restricted, rtol=1e-8)
+    assert float(result.eigenvalues[0]) < 150.0
+    assert float(torch.linalg.norm(result.eigenvectors @ excluded.T)) < 1e-10
+    for i in range(2):
+        expected = kept.numpy() @ restricted_vectors[i]
+        assert sign_aligned_distance(result.eigenvectors[i], expected) < VECTOR_TOL[solver]
+    assert float(result.residuals.max()) < RESIDUAL_TOL[solver]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_projected_all_negative_spectrum_has_no_spurious_zeros(solver):
+    n, r = 80, 4
+    project, _, kept = complement_projection(n, r, seed=4)
+    restricted = np.concatenate([[-1.0, -3.0], np.linspace(-40.0, -5.0, n - r - 2)])
+    # P A P: the restricted spectrum on the subspace, and a zero eigenvalue on every excluded direction,
+    # above all of it.
+    matrix = (kept * torch.as_tensor(restricted)) @ kept.T
+    matrix = (matrix + matrix.T) / 2
+    assert abs(reference(matrix, 1)[0][0]) < 1e-12
+    op = DenseOperator(matrix, project=project)
+    result = solve(solver, op, 2)
+
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [-1.0, -3.0], rtol=1e-8)
+    assert result.converged
+    assert float(result.residuals.max()) < 20 * RESIDUAL_TOL[solver]
+    if solver is power_iteration:
+        np.testing.assert_allclose(result.info["shifts"], [-40.0, -40.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_k_larger_than_subspace_is_refused(solver):
+    project, _, _ = complement_projection(12, 3, seed=6)
+    op = DenseOperator(with_spectrum(np.arange(12.0), seed=7), project=project)
+    with pytest.raises(ValueError, match="dimension 9"):
+        solve(solver, op, 10)
+    with pytest.raises(ValueError, match="size 12"):
+        solve(solver, DenseOperator(torch.eye(12)), 13)
+    with pytest.raises(ValueError, match="positive integer"):
+        solve(solver, DenseOperator(torch.eye(12)), 0)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_multiple_of_identity(solver):
+    op = DenseOperator(2.5 * torch.eye(40))
+    result = solve(solver, op, 3)
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [2.5, 2.5, 2.5], rtol=1e-12)
+    np.testing.assert_allclose((result.eigenvectors @ result.eigenvectors.T).numpy(), np.eye(3), atol=1e-14)
+    assert float(result.residuals.max()) < 1e-12
+    assert result.converged
+    if solver is lanczos:
+        # Every Krylov space is invariant after one product: two restarts give the three copies.
+        assert result.info["restarts"] == 2 and result.n_matvec == 3 + 3
+
+
+def test_power_finds_every_copy_of_a_repeated_eigenvalue():
+    eigenvalues = np.concatenate([[50.0, 50.0, 30.0], np.linspace(-10.0, 10.0, 57)])
+    q = orthogonal(60, seed=8)
+    matrix = with_spectrum(eigenvalues, seed=8)
+    result = solve(power_iteration, DenseOperator(matrix), 2)
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [50.0, 50.0], rtol=1e-10)
+    # The two vectors span the eigenspace: their coordinates in it form an orthogonal 2 x 2 matrix.
+    coordinates = result.eigenvectors @ q[:, :2]
+    np.testing.assert_allclose((coordinates @ coordinates.T).numpy(), np.eye(2), atol=1e-9)
+
+
+def test_lanczos_repeated_top_eigenvalue_and_cluster():
+    q = orthogonal(60, seed=9)
+    repeated = with_spectrum(np.concatenate([[50.0, 50.0, 30.0], np.linspace(-10.0, 10.0, 57)]), seed=9)
+    result = solve(lanczos, DenseOperator(repeated), 1)
+    assert result.value == pytest.approx(50.0, rel=1e-12)
+    # Any unit vector of the two-dimensional eigenspace is a right answer.
+    assert float(torch.linalg.norm(result.eigenvectors[0] @ q[:, :2])) == pytest.approx(1.0, abs=1e-10)
+
+    clustered = np.concatenate([[100.0, 99.9, 99.8, 50.0], np.linspace(-10.0, 10.0, 96)])
+    matrix = with_spectrum(clustered, seed=10)
+    result = solve(lanczos, DenseOperator(matrix), 3)
+    values, vectors = reference(matrix, 3)
+    np.testing.assert_allclose(result.eigenvalues.numpy(), values, rtol=1e-10)
+    for i in range(3):
+        assert sign_aligned_distance(result.eigenvectors[i], vectors[i]) < 1e-8
+
+
+def test_lanczos_small_operator_terminates_exactly():
+    eigenvalues = np.array([7.0, 3.0, 2.0, 1.5, 0.0, -1.0, -4.0, -9.0])
+    matrix = with_spectrum(eigenvalues, seed=11)
+    result = solve(lanczos, DenseOperator(matrix), 3)
+    assert result.converged and result.iterations <= 8
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [7.0, 3.0, 2.0], rtol=1e-12)
+
+    everything = solve(lanczos, DenseOperator(matrix), 8)
+    assert everything.converged and everything.iterations == 8
+    np.testing.assert_allclose(everything.eigenvalues.numpy(), eigenvalues, atol=1e-12)
+    # The zero eigenvalue is only known to rounding, so its relative residual is not small.
+    assert float(everything.residuals[everything.eigenvalues.abs() > 0.5].max()) < 1e-12
+
+
+def test_lanczos_start_vector_on_an_eigenvector_ends_after_one_product():
+    matrix = with_spectrum(well_separated(50), seed=12)
+    _, vectors = reference(matrix, 1)
+    op = DenseOperator(matrix)
+    result = lanczos(op, v0=torch.as_tensor(vectors[0].copy()), progress=False)
+    assert result.iterations == 1 and result.n_matvec == 2 and result.converged
+    assert result.value == pytest.approx(100.0, rel=1e-12)
+    with pytest.raises(ValueError, match="v0 has no component"):
+        lanczos(op, v0=torch.zeros(50), progress=False)
+    with pytest.raises(ValueError, match="max_iter"):
+        lanczos(op, k=3, max_iter=2, progress=False)
+    for solver in SOLVERS:
+        with pytest.raises(ValueError, match="v0 has 3 entries"):
+            solver(op, v0=torch.ones(3), progress=False)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_non_convergence_is_flagged(solver):
+    op = DenseOperator(with_spectrum(well_separated(120)))
+    result = solve(solver, op, 1, max_iter=2)
+    assert not result.converged
+    assert result.iterations == 2 and result.n_matvec == op.n_matvec == 3
+    assert math.isfinite(result.value) and result.value < 100.0
+    assert float(result.residuals[0]) > 1e-3
+
+
+def test_power_vector_tolerance():
+    matrix = with_spectrum(well_separated(120))
+    result = solve(power_iteration, DenseOperator(matrix), 1, vector_tol=1e-9)
+    values, vectors = reference(matrix, 1)
+    assert result.info["stopping_rule"] == "vector" and result.info["vector_tol"] == 1e-9
+    assert sign_aligned_distance(result.eigenvectors[0], vectors[0]) < 1e-8
+    assert result.value == pytest.approx(values[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_float32_operator(solver):
+    matrix = with_spectrum(well_separated(120)).float()
+    result = solver(
+        DenseOperator(matrix), k=2, tol=1e-6, generator=torch.Generator().manual_seed(0), progress=False
+    )
+    assert result.eigenvectors.dtype == torch.float32 and result.eigenvalues.dtype == torch.float64
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [100.0, 60.0], rtol=1e-5)
+    assert result.converged and float(result.residuals.max()) < 1e-3
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_same_seed_same_result_and_json(solver, capsys):
+    matrix = with_spectrum(well_separated(60))
+    first = solve(solver, DenseOperator(matrix), 2)
+    second = solve(solver, DenseOperator(matrix), 2)
+    assert torch.equal(first.eigenvalues, second.eigenvalues)
+    assert torch.equal(first.eigenvectors, second.eigenvectors)
+
+    summary = first.to_dict()
+    assert json.loads(json.dumps(summary)) == summary
+    assert summary["value"] == first.value and summary["n_hvp"] == first.n_matvec
+    assert summary["converged"] is True and len(summary["history"]) == first.iterations
+    assert len(json.loads(json.dumps(first.to_dict(with_vectors=True)))["eigenvectors"]) == 2
+
+    op = CallableOperator(lambda v: matrix @ v, 60, torch.float64)
+    shown = solver(op, k=1, tol=1e-8, generator=torch.Generator().manual_seed(0), progress=True)
+    assert shown.value == pytest.approx(100.0, rel=1e-8)
+    assert shown.n_matvec == op.n_matvec
+
+
+def test_hutchinson_dense_within_three_standard_errors():
+    eigenvalues = well_separated(120)
+    op = DenseOperator(with_spectrum(eigenvalues, seed=13))
+    result = hutchinson_trace(
+        op, n_probes=300, batch_size=16, generator=torch.Generator().manual_seed(0), progress=False
+    )
+    assert abs(result.estimate - eigenvalues.sum()) < 3 * result.stderr
+    assert result.samples.shape == (300,) and result.samples.dtype == torch.float64
+    assert result.n_matvec == op.n_matvec == 300 and result.n_probes == 300
+    assert result.estimate == pytest.approx(float(result.samples.mean()), rel=1e-14)
+    assert result.stderr == pytest.approx(float(result.samples.std()) / math.sqrt(300), rel=1e-14)
+    assert 0.0 < result.stderr < 0.1 * abs(eigenvalues.sum())
+    summary = result.to_dict()
+    assert json.loads(json.dumps(summary)) == summary and summary["n_hvp"] == 300
+
+
+def test_hutchinson_exact_for_diagonal_and_restricted_to_subspace():
+    diagonal = torch.linspace(-3.0, 5.0, 50)
+    result = hutchinson_trace(DenseOperator(torch.diag(diagonal)), n_probes=7, batch_size=3, progress=False)
+    np.testing.assert_allclose(result.samples.numpy(), np.full(7, float(diagonal.sum())), rtol=1e-13)
+    assert result.stderr == pytest.approx(0.0, abs=1e-12)
+
+    # Dropping coordinates restricts the trace to the kept block, still exactly.
+    keep = torch.arange(50) >= 10
+    restricted = DenseOperator(torch.diag(diagonal), project=lambda v: v * keep)
+    result = hutchinson_trace(restricted, n_probes=5, progress=False)
+    assert result.estimate == pytest.approx(float(diagonal[10:].sum()), rel=1e-13)
+
+    project, _, kept = complement_projection(60, 5, seed=14)
+    matrix = with_spectrum(well_separated(60), seed=15)
+    result = hutchinson_trace(
+        DenseOperator(matrix, project=project),
+        n_probes=200,
+        generator=torch.Generator().manual_seed(1),
+        progress=False,
+    )
+    assert abs(result.estimate - float(torch.trace(kept.T @ matrix @ kept))) < 3 * result.stderr
+
+    single = hutchinson_trace(DenseOperator(torch.diag(diagonal)), n_probes=1, progress=False)
+    assert math.isnan(single.stderr)
+    with pytest.raises(ValueError, match="n_probes"):
+        hutchinson_trace(restricted, n_probes=0)
