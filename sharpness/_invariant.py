@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -16,10 +17,32 @@ from sharpness._results import EigenResult
 from sharpness._solve import top_eigenpairs
 
 QUOTIENT_METRICS = {"layer": LayerScaleQuotient, "node": NodeScaleQuotient}
-METRIC_DESCRIPTIONS = {
-    "euclidean": "top eigenvalue of the Euclidean Hessian (not rescaling-invariant)",
-    "layer": "layer-wise quotient metric (Rangamani et al.): invariant under layer-wise rescaling only",
-    "node": "node-wise quotient metric: invariant under node-, channel- and layer-wise rescaling",
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """What a sharpness measure is and which rescalings (``"node"``, ``"layer"``) leave it unchanged."""
+
+    name: str
+    description: str
+    invariant_under: tuple[str, ...]
+
+
+METRICS: dict[str, MetricSpec] = {
+    spec.name: spec
+    for spec in (
+        MetricSpec("euclidean", "top eigenvalue of the Euclidean Hessian (not rescaling-invariant)", ()),
+        MetricSpec(
+            "layer",
+            "layer-wise quotient metric (Rangamani et al.): invariant under layer-wise rescaling only",
+            ("layer",),
+        ),
+        MetricSpec(
+            "node",
+            "node-wise quotient metric: invariant under node-, channel- and layer-wise rescaling",
+            ("node", "layer"),
+        ),
+    )
 }
 
 
@@ -33,6 +56,23 @@ def build_quotient(
     if metric == "layer":
         return LayerScaleQuotient(objective.params, structure, objective.layout, zero_blocks=zero_blocks)
     return NodeScaleQuotient(objective.params, structure, objective.layout)
+
+
+@dataclass(frozen=True)
+class SolveSettings:
+    """How the eigenpairs are searched for (see :func:`euclidean_sharpness`)."""
+
+    k: int = 1
+    method: str = "lanczos"
+    tol: float = 1e-6
+    max_iter: int | None = None
+    hvp: str = "auto"
+    seed: int = 0
+    progress: bool | None = None
+
+    def solve(self, op) -> EigenResult:
+        generator = torch.Generator(device=op.device).manual_seed(self.seed)
+        return top_eigenpairs(op, self.k, self.method, self.tol, self.max_iter, generator, self.progress)
 
 
 def riemannian_hessian_operator(
@@ -52,6 +92,31 @@ def riemannian_hessian_operator(
     )
     op.strategy = hessian.strategy
     return op, egrad
+
+
+def quotient_sharpness(
+    obj: Objective, metric: str, settings: SolveSettings, structure: NetworkStructure | None, zero_blocks: str
+) -> EigenResult:
+    """Top eigenpairs of the Riemannian Hessian on the ``"layer"`` or ``"node"`` quotient."""
+    quotient = build_quotient(obj, metric, structure, zero_blocks)
+    op, egrad = riemannian_hessian_operator(obj, quotient, settings.hvp)
+    result = settings.solve(op)
+    return result.replace(
+        eigenvectors=quotient.unwhiten(result.eigenvectors),
+        coordinates="tangent",
+        info={
+            **result.info,
+            "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
+            "hvp_strategy": op.strategy,
+        },
+    )
+
+
+# metric name -> function(objective, metric, settings, structure, zero_blocks) -> EigenResult
+MEASURE_FUNCTIONS: dict[str, Callable[..., EigenResult]] = {
+    "layer": quotient_sharpness,
+    "node": quotient_sharpness,
+}
 
 
 def invariant_sharpness(
@@ -103,15 +168,16 @@ def invariant_sharpness(
         ``n_params``, ``n_samples``, ``riemannian_grad_norm`` (0 at a critical point) and
         ``hvp_strategy``.
     """
+    if metric not in MEASURE_FUNCTIONS:
+        raise ValueError(
+            f"unknown invariant metric {metric!r}; choose one of {', '.join(MEASURE_FUNCTIONS)} "
+            "(or use euclidean_sharpness for the Euclidean Hessian)"
+        )
     obj = objective or Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
+    settings = SolveSettings(k, method, tol, max_iter, hvp, seed, progress)
     start = time.perf_counter()
-    quotient = build_quotient(obj, metric, structure, zero_blocks)
-    op, egrad = riemannian_hessian_operator(obj, quotient, hvp)
-    generator = torch.Generator(device=obj.device).manual_seed(seed)
-    result = top_eigenpairs(op, k, method, tol, max_iter, generator, progress)
+    result = MEASURE_FUNCTIONS[metric](obj, metric, settings, structure, zero_blocks)
     return result.replace(
-        eigenvectors=quotient.unwhiten(result.eigenvectors),
-        coordinates="tangent",
         layout=obj.layout,
         seconds=time.perf_counter() - start,
         info={
@@ -120,7 +186,5 @@ def invariant_sharpness(
             "loss": float(obj.value()),
             "n_params": obj.layout.size,
             "n_samples": obj.n_samples,
-            "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
-            "hvp_strategy": op.strategy,
         },
     )

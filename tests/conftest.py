@@ -8,6 +8,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from cases import CASE_NAMES, RESCALABLE_CASES, make_case  # noqa: E402
 
+# The test problems are tiny: thread hand-offs cost more than they save (and CI has 2 cores).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(params=CASE_NAMES)
 def case(request):

@@ -56,9 +56,7 @@ def _rsgd(momentum: float, zero_init: bool = True):
 
 
 def _rescaled(case, kind: str) -> nn.Module:
-    return manifolds.random_rescale(
-        case.model, kind=kind, scale=1.0, generator=torch.Generator().manual_seed(1)
-    )
+    return manifolds.random_rescale(case.model, kind=kind, scale=1.0, generator=torch.Generator().manual_seed(1))
 
 
 def _quotient_losses(case, kind: str, metric: str, optimizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +139,7 @@ def test_quotient_parameters_copies_and_wraps():
     case = make_case("mlp_bias")
     before = {k: v.clone() for k, v in case.model.state_dict().items()}
     q = manifolds.quotient_parameters(case.model, "node", exclude=["4.bias"])
-    kinds = {
-        n: type(p.manifold) if isinstance(p, geoopt.ManifoldParameter) else None
-        for n, p in q.named_parameters()
-    }
+    kinds = {n: type(p.manifold) if isinstance(p, geoopt.ManifoldParameter) else None for n, p in q.named_parameters()}
     assert kinds.pop("4.bias") is None
     assert set(kinds.values()) == {LogEuclidean}
     _train(q, case, _rsgd(0.9))
