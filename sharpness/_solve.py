@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from sharpness._lanczos import lanczos
 from sharpness._operator import SymmetricOperator
+from sharpness._power import power_iteration
 from sharpness._results import EigenResult
 
 SOLVERS = ("lanczos", "power")
@@ -20,9 +22,6 @@ def top_eigenpairs(
     progress: bool | None = None,
 ) -> EigenResult:
     """The ``k`` largest algebraic eigenpairs of ``op`` with ``method`` in :data:`SOLVERS`."""
-    from sharpness._lanczos import lanczos
-    from sharpness._power import power_iteration
-
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     if method == "lanczos":
