@@ -1,10 +1,23 @@
 """Geometry of ReLU-network parameter spaces: structure, rescalings, quotient metrics,
 G-space, fixed weights and gauges. Depends only on torch, geoopt and scipy."""
 
+from manifolds._fixed import FixedEntries as FixedEntries
+from manifolds._fixed import FixedWeightSpace as FixedWeightSpace
+from manifolds._fixed import Reparametrization as Reparametrization
+from manifolds._fixed import rescale_to_fixed_value as rescale_to_fixed_value
+from manifolds._fixed_model import FixModel as FixModel
+from manifolds._gauge import GaugeHistory as GaugeHistory
+from manifolds._gauge import min_norm_gauge as min_norm_gauge
+from manifolds._gauge import min_norm_gauge_parameters as min_norm_gauge_parameters
 from manifolds._geoopt import LayerScaleEuclidean as LayerScaleEuclidean
 from manifolds._geoopt import LogEuclidean as LogEuclidean
 from manifolds._geoopt import quotient_parameters as quotient_parameters
 from manifolds._geoopt import zero_init_momentum as zero_init_momentum
+from manifolds._gspace import GSpace as GSpace
+from manifolds._gspace import GSpaceSingularityError as GSpaceSingularityError
+from manifolds._gspace import Skeleton as Skeleton
+from manifolds._gspace_training import GModel as GModel
+from manifolds._gspace_training import GOptimizer as GOptimizer
 from manifolds._layout import ParamLayout as ParamLayout
 from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
 from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
@@ -20,10 +33,23 @@ from manifolds._structure import rescale_model as rescale_model
 from manifolds._structure import rescale_parameters as rescale_parameters
 
 __all__ = [
+    "FixModel",
+    "FixedEntries",
+    "FixedWeightSpace",
+    "Reparametrization",
+    "rescale_to_fixed_value",
+    "GaugeHistory",
+    "min_norm_gauge",
+    "min_norm_gauge_parameters",
     "LayerScaleEuclidean",
     "LogEuclidean",
     "quotient_parameters",
     "zero_init_momentum",
+    "GModel",
+    "GOptimizer",
+    "GSpace",
+    "GSpaceSingularityError",
+    "Skeleton",
     "ParamLayout",
     "LayerScaleQuotient",
     "NodeScaleQuotient",

@@ -51,9 +51,7 @@ class NodeSymmetry:
             if name is not None and name not in layout.names
         ]
         if missing:
-            raise ValueError(
-                f"the parameter layout lacks {', '.join(missing)}; include every layer's parameters"
-            )
+            raise ValueError(f"the parameter layout lacks {', '.join(missing)}; include every layer's parameters")
         self.dim = structure.n_hidden
         self.size = layout.size
         offsets = [0]

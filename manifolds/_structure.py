@@ -467,9 +467,7 @@ def _assemble(model: nn.Module, trace: _Trace) -> NetworkStructure:
                 else:
                     in_group = in_units // prev.out_units
             elif in_units != prev.out_units:
-                problems.append(
-                    f"{label} has {in_units} inputs but {prev_label} has {prev.out_units} outputs"
-                )
+                problems.append(f"{label} has {in_units} inputs but {prev_label} has {prev.out_units} outputs")
         layers.append(
             Layer(
                 name=name,
@@ -481,9 +479,7 @@ def _assemble(model: nn.Module, trace: _Trace) -> NetworkStructure:
                 in_group=in_group,
             )
         )
-    return NetworkStructure(
-        tuple(layers), tuple(tuple(ops) for ops in operations), tuple(dict.fromkeys(problems))
-    )
+    return NetworkStructure(tuple(layers), tuple(tuple(ops) for ops in operations), tuple(dict.fromkeys(problems)))
 
 
 def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStructure:
@@ -645,9 +641,7 @@ def _rescaled_copy(model: nn.Module, structure: NetworkStructure, factors: Seque
     return twin
 
 
-def rescale_model(
-    model: nn.Module, factors: Sequence[Tensor], *, example_input: Tensor | None = None
-) -> nn.Module:
+def rescale_model(model: nn.Module, factors: Sequence[Tensor], *, example_input: Tensor | None = None) -> nn.Module:
     """A rescaled deep copy of ``model`` that computes the same function (``model`` is untouched).
 
     Args:

@@ -3,10 +3,16 @@ Euclidean and scale-invariant sharpness, invariance verification."""
 
 from sharpness._data import ChunkedData as ChunkedData
 from sharpness._data import DataError as DataError
+from sharpness._epsilon import BALL_GEOMETRIES as BALL_GEOMETRIES
+from sharpness._epsilon import BallGeometry as BallGeometry
+from sharpness._epsilon import EpsilonSharpness as EpsilonSharpness
+from sharpness._epsilon import epsilon_sharpness as epsilon_sharpness
 from sharpness._euclidean import euclidean_sharpness as euclidean_sharpness
+from sharpness._fixed_sharpness import fixed_sharpness as fixed_sharpness
 from sharpness._hessian import HessianOperator as HessianOperator
 from sharpness._invariant import invariant_sharpness as invariant_sharpness
 from sharpness._lanczos import lanczos as lanczos
+from sharpness._measure import measure_sharpness as measure_sharpness
 from sharpness._objective import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness._objective import Objective as Objective
 from sharpness._operator import CallableOperator as CallableOperator
@@ -17,22 +23,32 @@ from sharpness._reference import dense_hessian as dense_hessian
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness._trace import hutchinson_trace as hutchinson_trace
+from sharpness._verify import InvarianceReport as InvarianceReport
+from sharpness._verify import verify_invariance as verify_invariance
 
 __all__ = [
+    "BALL_GEOMETRIES",
     "HVP_STRATEGIES",
+    "BallGeometry",
     "CallableOperator",
     "ChunkedData",
     "DataError",
     "DenseOperator",
     "EigenResult",
+    "EpsilonSharpness",
     "HessianOperator",
+    "InvarianceReport",
     "Objective",
     "SymmetricOperator",
     "TraceResult",
     "dense_hessian",
+    "epsilon_sharpness",
     "euclidean_sharpness",
+    "fixed_sharpness",
     "hutchinson_trace",
     "invariant_sharpness",
     "lanczos",
+    "measure_sharpness",
     "power_iteration",
+    "verify_invariance",
 ]

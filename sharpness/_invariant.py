@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from manifolds import LayerScaleQuotient, NetworkStructure, NodeScaleQuotient, analyze
+from sharpness._fixed_sharpness import fixed_sharpness
+from sharpness._gauged import minnorm_sharpness
 from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._operator import CallableOperator
@@ -40,6 +42,19 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "node",
             "node-wise quotient metric: invariant under node-, channel- and layer-wise rescaling",
+            ("node", "layer"),
+        ),
+        MetricSpec(
+            "fixed",
+            "Hessian restricted to the free weights at the representative whose fixed weights (one outgoing "
+            "weight per hidden unit, diagonal selection) are all +-1: invariant under node-, channel- and "
+            "layer-wise rescaling",
+            ("node", "layer"),
+        ),
+        MetricSpec(
+            "minnorm",
+            "Euclidean Hessian at the minimum-l2-norm gauge (canonical representative): invariant under "
+            "node-, channel- and layer-wise rescaling",
             ("node", "layer"),
         ),
     )
@@ -116,6 +131,8 @@ def quotient_sharpness(
 MEASURE_FUNCTIONS: dict[str, Callable[..., EigenResult]] = {
     "layer": quotient_sharpness,
     "node": quotient_sharpness,
+    "minnorm": minnorm_sharpness,
+    "fixed": fixed_sharpness,
 }
 
 

@@ -1,0 +1,3 @@
+from sharpness._cli import main
+
+raise SystemExit(main())

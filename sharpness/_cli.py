@@ -1,0 +1,278 @@
+"""``python -m sharpness``: compute, verify and demo from the command line.
+
+Bad input gets one sentence on stderr naming the problem and the fix, exit code 2, no traceback,
+and no output file (outputs are written atomically, and only after the work succeeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+from manifolds import UnsupportedModelError
+from sharpness._data import DataError
+from sharpness._epsilon import BALL_GEOMETRIES, epsilon_sharpness
+from sharpness._invariant import METRICS
+from sharpness._measure import measure_sharpness
+from sharpness._results import _jsonable, write_text_atomic
+from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
+from sharpness._verify import verify_invariance
+
+# Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
+USER_ERRORS = (SpecError, DataError, UnsupportedModelError, ValueError, OSError)
+LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``: shared with ``python -m landscape``."""
+    parser.add_argument("--model", required=True, help="mlp:IN-...-OUT, lenet, path/file.py:factory or pkg.mod:factory")
+    parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
+    parser.add_argument(
+        "--data", required=True, help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt with X and y"
+    )
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="ce", help="loss (default: ce)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float64", help="evaluation dtype (default: float64)"
+    )
+
+
+def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """Model (checkpoint loaded, eval mode, in ``--dtype``), loss and data from the shared arguments."""
+    model = build_model(args.model)
+    load_checkpoint(model, args.checkpoint)
+    X, y = load_data(args.data)
+    dtype = DTYPES[args.dtype]
+    model = model.to(dtype)
+    X = X.to(dtype)
+    if args.loss == "mse":
+        if not y.is_floating_point():
+            raise SpecError("--loss mse needs real-valued targets y; use --loss ce for class labels")
+        y = y.to(dtype)
+    elif y.is_floating_point():
+        raise SpecError("--loss ce needs integer class labels y; use --loss mse for real-valued targets")
+    try:
+        check_labels(model, X, y)
+    except RuntimeError as exc:
+        raise SpecError(
+            f"the model cannot take inputs of shape {tuple(X.shape[1:])} ({str(exc).splitlines()[0]}); "
+            "check that --model and --data match"
+        ) from None
+    return model, LOSSES[args.loss](), (X, y)
+
+
+def check_writable(path: str | None) -> None:
+    """Refuse an output path whose folder does not exist or cannot be written, before any work."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise SpecError(f"cannot write {path}: the folder {folder} does not exist or is not writable")
+
+
+def _metrics(names: list[str] | None) -> list[str]:
+    names = names or ["euclidean", "layer", "node"]
+    if "all" in names:
+        return list(METRICS)
+    unknown = [n for n in names if n not in METRICS]
+    if unknown:
+        raise SpecError(f"unknown metric {unknown[0]!r}; choose from {', '.join([*METRICS, 'all'])}")
+    return list(dict.fromkeys(names))
+
+
+def _versions() -> dict:
+    import geoopt
+    import numpy
+    import scipy
+
+    return {
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+        "geoopt": geoopt.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def _compute(args: argparse.Namespace) -> int:
+    metrics = _metrics(args.metric)
+    if args.k < 1:
+        raise SpecError(f"--k must be at least 1, got {args.k}")
+    if args.epsilon is not None and not args.epsilon > 0:
+        raise SpecError(f"--epsilon must be positive, got {args.epsilon}")
+    check_writable(args.json)
+    model, loss_fn, data = load_problem(args)
+    progress = False if args.quiet else None
+    measures, loss = {}, None
+    for metric in metrics:
+        res = measure_sharpness(model, loss_fn, data, metric, k=args.k, tol=args.tol, progress=progress)
+        loss = res.info["loss"]
+        entry = {
+            "value": res.value,
+            "eigenvalues": res.eigenvalues.tolist(),
+            "n_hvp": res.n_matvec,
+            "converged": res.converged,
+            "seconds": res.seconds,
+            "method": res.method,
+            "description": METRICS[metric].description,
+            "invariant_under": list(METRICS[metric].invariant_under),
+        }
+        if args.epsilon is not None:
+            entry["epsilon_second_order"] = res.value * args.epsilon**2 / (2 * (1 + loss))
+            if metric in BALL_GEOMETRIES:
+                eps = epsilon_sharpness(model, loss_fn, data, args.epsilon, metric=metric, eigen=res, progress=progress)
+                entry["epsilon_measured"] = eps.measured
+        measures[metric] = entry
+    report = {
+        "loss": loss,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "measures": measures,
+        "model": args.model,
+        "checkpoint": args.checkpoint,
+        "data": args.data,
+        "dtype": args.dtype,
+        "epsilon": args.epsilon,
+        "versions": _versions(),
+    }
+    print(_table(report))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(_jsonable(report), indent=2))
+    return 0
+
+
+def _table(report: dict) -> str:
+    lines = [f"loss {report['loss']:.6g}   parameters {report['n_params']}   data {report['data']}", ""]
+    eps = report["epsilon"] is not None
+    head = f"{'measure':<10} {'top eigenvalue':>15} {'HVPs':>6} {'converged':>9} {'seconds':>8}"
+    if eps:
+        head += f" {'eps (2nd order)':>16} {'eps (measured)':>15}"
+    lines += [head + "   invariant under", "-" * len(head)]
+    for name, m in report["measures"].items():
+        row = f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f}"
+        if eps:
+            measured = m.get("epsilon_measured")
+            shown = "-" if measured is None else format(measured, ".4g")
+            row += f" {m['epsilon_second_order']:>16.4g} {shown:>15}"
+        lines.append(row + "   " + (", ".join(m["invariant_under"]) or "nothing"))
+    return "\n".join(lines)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    metrics = _metrics(args.metric)
+    if args.trials < 1:
+        raise SpecError(f"--trials must be at least 1, got {args.trials}")
+    if not args.scale > 0:
+        raise SpecError(f"--scale must be positive, got {args.scale}")
+    check_writable(args.json)
+    model, loss_fn, data = load_problem(args)
+    kinds = ("node", "layer") if args.kind == "both" else (args.kind,)
+    report = verify_invariance(
+        model,
+        loss_fn,
+        data,
+        kinds=kinds,
+        trials=args.trials,
+        scale=args.scale,
+        metrics=metrics,
+        dtype=DTYPES[args.dtype],
+        rtol=args.rtol,
+        progress=False if args.quiet else None,
+        print_table=False,
+    )
+    print(report.table())
+    if args.json:
+        report.save_json(args.json)
+    return 0 if report.passed else 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sharpness._demo import run_demo
+
+    if not args.threshold > 0:
+        raise SpecError(f"--threshold must be positive, got {args.threshold}")
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SpecError(f"--out {args.out} is a file; give a folder")
+    parent = os.path.dirname(out)
+    if not os.access(parent if not os.path.exists(out) else out, os.W_OK):
+        raise SpecError(f"cannot write to {args.out}: permission denied")
+    start = time.perf_counter()
+    summary = run_demo(args.out, seed=args.seed, threshold=args.threshold, progress=False if args.quiet else None)
+    with open(os.path.join(args.out, "report.md")) as fh:
+        print(fh.read())
+    print(f"written to {args.out}/ in {time.perf_counter() - start:.0f} s")
+    return 0 if summary["invariance"]["passed"] else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sharpness", description="Scale-invariant sharpness of ReLU networks."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    compute = sub.add_parser(
+        "compute",
+        help="sharpness measures of a checkpoint",
+        description=(
+            "Top Hessian eigenvalues of the loss over the whole data set under each metric: euclidean (not invariant), "
+            "layer (invariant under layer-wise rescaling), node (invariant under every positive rescaling), and the "
+            "other registered metrics."
+        ),
+    )
+    add_model_arguments(compute)
+    compute.add_argument(
+        "--metric",
+        action="append",
+        help="repeatable; euclidean, layer, node, ... or all (default: euclidean, layer, node)",
+    )
+    compute.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
+    compute.add_argument("--epsilon", type=float, help="also report epsilon-sharpness for this radius")
+    compute.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
+    compute.add_argument("--json", help="write the results to this JSON file")
+    compute.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    verify = sub.add_parser(
+        "verify",
+        help="check invariance under random function-preserving rescalings",
+        description="Recompute every measure on randomly rescaled, function-identical copies; "
+        "exit code 1 if a measure that claims invariance changes by more than --rtol.",
+    )
+    add_model_arguments(verify)
+    verify.add_argument("--metric", action="append", help="repeatable; default: euclidean, layer, node; or all")
+    verify.add_argument("--trials", type=int, default=3, help="rescaled copies per kind (default: 3)")
+    verify.add_argument("--kind", choices=["node", "layer", "both"], default="both", help="rescaling kind")
+    verify.add_argument("--scale", type=float, default=1.0, help="std of the log rescaling factors (default: 1)")
+    verify.add_argument("--rtol", type=float, default=1e-6, help="invariance tolerance (default: 1e-6)")
+    verify.add_argument("--json", help="write the report to this JSON file")
+    verify.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    demo = sub.add_parser(
+        "demo",
+        help="the built-in demo: small- vs full-batch minima on digits",
+        description=(
+            "The built-in demo (no download): scikit-learn digits, MLP 64-128-128-10, SGD + momentum with batch 32 "
+            "and with the full batch until the same training loss; every measure on both minima, invariance checks, "
+            "the Euclidean measure gamed by a rescaling; writes report.md, report.json, a figure and both checkpoints."
+        ),
+    )
+    demo.add_argument("--out", default="demo-out", help="output folder (default: demo-out)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--threshold", type=float, default=1e-2, help="training-loss threshold (default: 0.01)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"compute": _compute, "verify": _verify, "demo": _demo}[args.command](args)
+    except USER_ERRORS as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2

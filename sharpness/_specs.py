@@ -1,0 +1,244 @@
+"""Models, data and checkpoints named on the command line, loaded safely.
+
+Model SPEC: ``mlp:784-300-100-10`` (``nn.Sequential`` of Linear/ReLU: keys ``0.weight``, ``0.bias``,
+``2.weight`` ...), ``lenet`` (the flatness paper's C1 on 1x28x28 inputs), or ``path/to/file.py:factory``
+/ ``package.module:factory`` (a function returning an ``nn.Module``).
+
+Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``
+(or ``shape=1x28x28`` instead of ``dim``), or a path to ``.npz`` (arrays ``X``, ``y``) or ``.pt`` (a dict of
+tensors ``X``, ``y``, read with ``weights_only=True``).
+
+Checkpoints: a state_dict in ``.pt``/``.pth`` (also wrapped in a dict under ``state_dict`` or
+``model_state_dict``), read with ``torch.load(..., weights_only=True)``, or ``.safetensors``. Nothing in a
+checkpoint is ever executed: a pickled module or any other object is refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+
+class SpecError(ValueError):
+    """A model, data or checkpoint argument that cannot be used; the message says how to fix it."""
+
+
+SAVE_HINT = "save a state_dict instead: torch.save(model.state_dict(), 'model.pt') or safetensors' save_file"
+
+
+def mlp(widths: list[int], bias: bool = True) -> nn.Sequential:
+    """``nn.Sequential`` of Linear and ReLU for ``widths = [in, hidden..., out]``."""
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1], bias=bias))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def lenet() -> nn.Sequential:
+    """C1 of Rangamani et al.: conv5x5(10) relu maxpool2 conv5x5(20) relu maxpool2 FC 320-120-84-10."""
+    return nn.Sequential(
+        nn.Conv2d(1, 10, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(10, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(320, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10),
+    )  # fmt: skip
+
+
+def build_model(spec: str) -> nn.Module:
+    """An ``nn.Module`` from a model SPEC (see the module docstring)."""
+    if spec.startswith("mlp:"):
+        try:
+            widths = [int(w) for w in spec[4:].split("-")]
+        except ValueError:
+            widths = []
+        if len(widths) < 2 or min(widths) < 1:
+            raise SpecError(f"model spec {spec!r} is not of the form mlp:IN-HIDDEN-...-OUT, e.g. mlp:784-300-100-10")
+        return mlp(widths)
+    if spec == "lenet":
+        return lenet()
+    if ":" in spec:
+        where, factory_name = spec.rsplit(":", 1)
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise SpecError(f"model file {where} does not exist; give path/to/file.py:factory")
+            module_spec = importlib.util.spec_from_file_location(f"_user_model_{abs(hash(where))}", where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            try:
+                module = importlib.import_module(where)
+            except ImportError as exc:
+                raise SpecError(f"cannot import module {where!r} for model spec {spec!r}: {exc}") from None
+        factory = getattr(module, factory_name, None)
+        if not callable(factory):
+            raise SpecError(f"{where} has no function {factory_name!r}; the model spec is FILE.py:FUNCTION")
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise SpecError(f"{spec} returned {type(model).__name__}, not an nn.Module")
+        return model
+    raise SpecError(
+        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, path/to/file.py:factory or package.module:factory"
+    )
+
+
+def _parse_options(text: str, spec: str) -> dict[str, str]:
+    options = {}
+    for item in filter(None, text.split(",")):
+        if "=" not in item:
+            raise SpecError(f"data spec {spec!r}: option {item!r} is not KEY=VALUE")
+        key, value = item.split("=", 1)
+        options[key.strip()] = value.strip()
+    return options
+
+
+def _synthetic(spec: str) -> tuple[Tensor, Tensor]:
+    options = _parse_options(spec[len("synthetic:") :] if spec.startswith("synthetic:") else "", spec)
+    known = {"n", "dim", "shape", "classes", "seed"}
+    if set(options) - known:
+        raise SpecError(f"data spec {spec!r}: unknown option(s) {', '.join(sorted(set(options) - known))}")
+    try:
+        n = int(options.get("n", 500))
+        classes = int(options.get("classes", 10))
+        seed = int(options.get("seed", 0))
+        shape = tuple(int(s) for s in options.get("shape", options.get("dim", "784")).split("x"))
+    except ValueError:
+        raise SpecError(f"data spec {spec!r}: n, dim, classes and seed are integers, shape is like 1x28x28") from None
+    if n < 1 or classes < 1 or min(shape) < 1:
+        raise SpecError(f"data spec {spec!r}: n, classes and dimensions must be positive")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def _from_file(path: str) -> tuple[Tensor, Tensor]:
+    if not os.path.exists(path):
+        raise SpecError(f"data file {path} does not exist")
+    if path.endswith(".npz"):
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                arrays = {k: f[k] for k in f.files}
+        except (ValueError, OSError) as exc:
+            raise SpecError(f"{path} is not a readable .npz file ({exc})") from None
+        arrays = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    elif path.endswith((".pt", ".pth")):
+        arrays = _torch_load(path, what="data file")
+    else:
+        raise SpecError(f"data file {path} must end in .npz or .pt")
+    missing = [k for k in ("X", "y") if k not in arrays]
+    if missing:
+        raise SpecError(f"data file {path} has no {' or '.join(missing)}; it must hold arrays named X and y")
+    return arrays["X"], arrays["y"]
+
+
+def load_data(spec: str) -> tuple[Tensor, Tensor]:
+    """``(X, y)`` tensors from a data SPEC, checked: same length, non-empty, finite."""
+    if spec == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        X, y = torch.tensor(digits.data / 16.0, dtype=torch.float32), torch.tensor(digits.target)
+    elif spec == "synthetic" or spec.startswith("synthetic:"):
+        X, y = _synthetic(spec)
+    else:
+        X, y = _from_file(spec)
+    if X.shape[0] != y.shape[0]:
+        raise SpecError(f"X has {X.shape[0]} samples but y has {y.shape[0]}; give one label per sample")
+    if X.shape[0] == 0:
+        raise SpecError(f"the data set {spec} is empty; give at least one sample")
+    if X.is_floating_point() and not bool(torch.isfinite(X).all()):
+        raise SpecError(f"the data set {spec} contains NaN or Inf in X; clean the data first")
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise SpecError(f"the data set {spec} contains NaN or Inf in y; clean the data first")
+    if not X.is_floating_point():
+        X = X.float()
+    return X, y
+
+
+def _torch_load(path: str, what: str) -> dict:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise SpecError(
+            f"{what} {path} holds a pickled Python object (such as a whole model), which is never unpickled "
+            f"here; {SAVE_HINT}"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise SpecError(f"{what} {path} is not a PyTorch file ({str(exc).splitlines()[0]})") from None
+    if not isinstance(obj, Mapping):
+        raise SpecError(f"{what} {path} holds a {type(obj).__name__}, not a dictionary of tensors; {SAVE_HINT}")
+    return dict(obj)
+
+
+def load_state_dict(path: str) -> dict[str, Tensor]:
+    """A state_dict from ``.pt``/``.pth`` (weights_only) or ``.safetensors``, never unpickling objects."""
+    if not os.path.exists(path):
+        raise SpecError(f"checkpoint {path} does not exist")
+    if os.path.isdir(path):
+        raise SpecError(f"checkpoint {path} is a folder; give the checkpoint file")
+    if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as exc:
+            raise SpecError(f"checkpoint {path} is not a readable safetensors file ({exc})") from None
+    state = _torch_load(path, what="checkpoint")
+    for key in ("state_dict", "model_state_dict"):
+        if isinstance(state.get(key), Mapping):
+            state = dict(state[key])
+            break
+    bad = [k for k, v in state.items() if not isinstance(v, Tensor)]
+    if bad:
+        raise SpecError(
+            f"checkpoint {path} is not a state_dict: entry {bad[0]!r} is a {type(state[bad[0]]).__name__}, "
+            f"not a tensor; {SAVE_HINT}"
+        )
+    return state
+
+
+def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
+    """Load ``path`` into ``model`` strictly, naming missing/unexpected keys, shape mismatches and
+    non-finite tensors. Returns ``model`` in eval mode."""
+    state = load_state_dict(path)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {', '.join(unexpected)}")
+        raise SpecError(f"checkpoint {path} does not fit the model: {'; '.join(parts)}; check the --model spec")
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            raise SpecError(
+                f"checkpoint {path}: tensor {k} has shape {tuple(v.shape)} but the model expects "
+                f"{tuple(expected[k].shape)}; check the --model spec"
+            )
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise SpecError(f"checkpoint {path}: tensor {k} contains NaN or Inf; the checkpoint is unusable")
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
+    """Refuse class labels outside the model's output range (for integer targets)."""
+    if y.is_floating_point():
+        return
+    with torch.no_grad():
+        out = model(X[:1].to(next(model.parameters()).dtype))
+    n_out = out.shape[-1]
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or hi >= n_out:
+        raise SpecError(
+            f"labels range over [{lo}, {hi}] but the model has {n_out} outputs; labels must be in [0, {n_out - 1}]"
+        )

@@ -1,0 +1,424 @@
+"""Invariance verification: recompute every sharpness measure on randomly rescaled copies of a network.
+
+A positive rescaling of hidden units (node-wise) or of whole layers (layer-wise) leaves a ReLU
+network's function unchanged, so a measure of the function's sharpness should not move. The
+Euclidean top eigenvalue does (Dinh et al. 2017), the layer-wise quotient measure of Rangamani et al.
+is invariant under layer-wise rescaling only, and the node-wise quotient measure under both.
+:func:`verify_invariance` checks each registered measure against the invariances it claims
+(:attr:`MetricSpec.invariant_under`) and prints the table of Tables 2-3 of the flatness paper.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from manifolds import UnsupportedModelError, analyze, random_factors, rescale_parameters
+from sharpness._data import ChunkedData
+from sharpness._invariant import METRICS
+from sharpness._measure import check_metric, measure_sharpness
+from sharpness._objective import Objective, eval_mode
+from sharpness._progress import progress_bar
+from sharpness._results import _jsonable, write_text_atomic
+
+KINDS = ("node", "layer")
+VERDICTS = ("invariant", "changes", "FAILED")
+
+
+def _output_tolerance(dtype: torch.dtype) -> float:
+    """Largest relative output change a rescaled copy may show before it counts as a different function."""
+    # float64 rounding of a rescaled forward pass stays near 1e-15; 1e-6 leaves room for deep nets.
+    return 1e-6 if dtype == torch.float64 else 1e-3
+
+
+def relative_difference(original: Tensor | list[float], rescaled: Tensor | list[float]) -> float:
+    """``max_i |rescaled_i - original_i| / max_j |original_j|`` over the ``k`` top eigenvalues.
+
+    For ``k = 1`` this is the flatness paper's ``|sigma' - sigma| / sigma``; for ``k > 1`` every
+    eigenvalue is compared on the scale of the largest, so near-zero eigenvalues do not blow it up.
+
+    Returns:
+        A float ``>= 0``; ``inf`` when the original values are all 0 and the rescaled ones are not.
+    """
+    a = torch.as_tensor(original, dtype=torch.float64)
+    b = torch.as_tensor(rescaled, dtype=torch.float64)
+    change = float((b - a).abs().max())
+    scale = float(a.abs().max())
+    if scale == 0.0:
+        return 0.0 if change == 0.0 else math.inf
+    return change / scale
+
+
+@torch.no_grad()
+def _output_difference(original: Objective, rescaled: Objective) -> float:
+    """Max relative difference of the two objectives' model outputs over the whole data set.
+
+    Both outputs are computed from the same chunk, so shuffling data loaders compare like with like.
+    """
+    change, size = 0.0, 0.0
+    with eval_mode(original.model):
+        for x, _, _ in original.chunks():
+            out = functional_call(original.model, (original.params, original.buffers), (x,))
+            twin = functional_call(rescaled.model, (rescaled.params, rescaled.buffers), (x,))
+            change = max(change, float((twin - out).abs().max()))
+            size = max(size, float(out.abs().max()))
+    if size == 0.0:
+        return 0.0 if change == 0.0 else math.inf
+    return change / size
+
+
+def _as_floats(values: Iterable) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+@dataclass(frozen=True)
+class InvarianceReport:
+    """Sharpness measures at a network and at randomly rescaled, function-identical copies of it.
+
+    Attributes:
+        metrics: measured metrics, in registry order.
+        kinds: rescaling kinds applied (``"node"``, ``"layer"``).
+        claims: ``metric -> kinds`` the metric claims invariance under (``MetricSpec.invariant_under``).
+        original: ``metric -> (k,)`` top eigenvalues at the given parameters, largest first.
+        rescaled: ``metric -> kind -> (trials, k)`` top eigenvalues at the rescaled copies.
+        relative_differences: ``metric -> kind -> (trials,)`` :func:`relative_difference` of each copy.
+        output_differences: ``kind -> (trials,)`` max relative difference of the copies' outputs from
+            the original's over the data set (rounding only: the copies compute the same function).
+        converged: ``metric -> whether every eigen-solve of that metric met tol``.
+        rtol: relative difference up to which a metric counts as invariant.
+        trials: rescaled copies per kind.
+        scale: standard deviation of the log rescaling factors.
+        k: eigenvalues compared per measure.
+        seed: seed of the rescalings and of the solvers' start vectors.
+        dtype: evaluation dtype (``"float64"``).
+        method: eigen-solver.
+        tol: eigen-solver tolerance.
+        skipped: ``metric -> reason`` for registered metrics that do not apply to this model.
+        seconds: wall time of the whole check.
+    """
+
+    metrics: tuple[str, ...]
+    kinds: tuple[str, ...]
+    claims: dict[str, tuple[str, ...]]
+    original: dict[str, tuple[float, ...]]
+    rescaled: dict[str, dict[str, tuple[tuple[float, ...], ...]]]
+    relative_differences: dict[str, dict[str, tuple[float, ...]]]
+    output_differences: dict[str, tuple[float, ...]]
+    converged: dict[str, bool]
+    rtol: float
+    trials: int
+    scale: float
+    k: int
+    seed: int
+    dtype: str
+    method: str
+    tol: float
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def max_relative_difference(self, metric: str, kind: str) -> float:
+        """Largest relative difference of ``metric`` over the copies rescaled by ``kind``."""
+        return max(self.relative_differences[metric][kind])
+
+    def claims_invariance(self, metric: str, kind: str) -> bool:
+        """Whether ``metric`` claims invariance under ``kind`` rescalings."""
+        return kind in self.claims[metric]
+
+    def verdict(self, metric: str, kind: str) -> str:
+        """``"invariant"`` (within ``rtol``), ``"changes"`` (not claimed invariant, and changed) or
+        ``"FAILED"`` (claimed invariant, but changed beyond ``rtol``)."""
+        if self.max_relative_difference(metric, kind) <= self.rtol:
+            return "invariant"
+        return "FAILED" if self.claims_invariance(metric, kind) else "changes"
+
+    @property
+    def verdicts(self) -> dict[str, dict[str, str]]:
+        """``metric -> kind -> verdict``."""
+        return {m: {kind: self.verdict(m, kind) for kind in self.kinds} for m in self.metrics}
+
+    @property
+    def passed(self) -> bool:
+        """True when no metric changed under a rescaling it claims invariance under."""
+        return all(v != "FAILED" for per_kind in self.verdicts.values() for v in per_kind.values())
+
+    def table(self) -> str:
+        """The report as a fixed-width text table, one row per (metric, rescaling kind).
+
+        Values are top eigenvalues to 4 significant digits, relative differences in scientific notation.
+        """
+        out_diffs = ", ".join(f"{kind} {max(self.output_differences[kind]):.1e}" for kind in self.kinds)
+        lines = [
+            f"Sharpness under random function-preserving rescalings ({self.trials} per kind, "
+            f"log-std {self.scale:g}, {self.dtype}, top {self.k} eigenvalue{'s' if self.k > 1 else ''}, "
+            f"{self.method} tol {self.tol:.0e})",
+            f"max relative output difference of the rescaled copies: {out_diffs}",
+            "",
+        ]
+        header = ("metric", "rescaling", "claims invariance", "original", "min rescaled", "max rescaled",
+                  "max rel diff", "verdict")
+        rows = []
+        for m in self.metrics:
+            for kind in self.kinds:
+                tops = [values[0] for values in self.rescaled[m][kind]]
+                rows.append((
+                    m,
+                    kind,
+                    "yes" if self.claims_invariance(m, kind) else "no",
+                    f"{self.original[m][0]:.4g}",
+                    f"{min(tops):.4g}",
+                    f"{max(tops):.4g}",
+                    f"{self.max_relative_difference(m, kind):.2e}",
+                    self.verdict(m, kind),
+                ))
+        widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        lines.append("  ".join("-" * w for w in widths))
+        lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        lines.append("")
+        failed = [f"{m} under {kind}" for m in self.metrics for kind in self.kinds if self.verdict(m, kind) == "FAILED"]
+        if failed:
+            lines.append(f"FAILED: changed by more than rtol={self.rtol:.0e} although claimed invariant: "
+                         f"{', '.join(failed)}")
+        else:
+            lines.append(f"passed: every claimed invariance holds to rtol={self.rtol:.0e}")
+        unconverged = [m for m in self.metrics if not self.converged[m]]
+        if unconverged:
+            lines.append(f"warning: the eigen-solver did not reach tol for {', '.join(unconverged)}; "
+                         "raise max_iter or tol")
+        lines.extend(f"skipped {m}: {reason}" for m, reason in self.skipped.items())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form: every field, plus the verdicts and ``passed`` (non-finite floats as strings)."""
+        return _jsonable({
+            "metrics": list(self.metrics),
+            "kinds": list(self.kinds),
+            "claims": self.claims,
+            "original": self.original,
+            "rescaled": self.rescaled,
+            "relative_differences": self.relative_differences,
+            "output_differences": self.output_differences,
+            "converged": self.converged,
+            "rtol": self.rtol,
+            "trials": self.trials,
+            "scale": self.scale,
+            "k": self.k,
+            "seed": self.seed,
+            "dtype": self.dtype,
+            "method": self.method,
+            "tol": self.tol,
+            "skipped": self.skipped,
+            "seconds": self.seconds,
+            "max_relative_differences": {
+                m: {kind: self.max_relative_difference(m, kind) for kind in self.kinds} for m in self.metrics
+            },
+            "verdicts": self.verdicts,
+            "passed": self.passed,
+        })
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> InvarianceReport:
+        """Rebuild a report from :meth:`to_dict` output (derived entries are recomputed, not read)."""
+        return cls(
+            metrics=tuple(d["metrics"]),
+            kinds=tuple(d["kinds"]),
+            claims={m: tuple(kinds) for m, kinds in d["claims"].items()},
+            original={m: _as_floats(v) for m, v in d["original"].items()},
+            rescaled={
+                m: {kind: tuple(_as_floats(t) for t in trials) for kind, trials in per_kind.items()}
+                for m, per_kind in d["rescaled"].items()
+            },
+            relative_differences={
+                m: {kind: _as_floats(v) for kind, v in per_kind.items()}
+                for m, per_kind in d["relative_differences"].items()
+            },
+            output_differences={kind: _as_floats(v) for kind, v in d["output_differences"].items()},
+            converged=dict(d["converged"]),
+            rtol=float(d["rtol"]),
+            trials=int(d["trials"]),
+            scale=float(d["scale"]),
+            k=int(d["k"]),
+            seed=int(d["seed"]),
+            dtype=str(d["dtype"]),
+            method=str(d["method"]),
+            tol=float(d["tol"]),
+            skipped=dict(d["skipped"]),
+            seconds=float(d["seconds"]),
+        )
+
+    def save_json(self, path: str | os.PathLike) -> None:
+        """Write :meth:`to_dict` to ``path`` atomically (no half-written file on failure)."""
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
+
+
+def _check_kinds(kinds: str | Iterable[str]) -> tuple[str, ...]:
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown or not kinds or len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must be distinct rescaling kinds out of {', '.join(KINDS)}, got {kinds!r}")
+    return kinds
+
+
+def verify_invariance(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    data: object,
+    kinds: str | Iterable[str] = KINDS,
+    trials: int = 5,
+    scale: float = 1.0,
+    metrics: str | Iterable[str] | None = None,
+    k: int = 1,
+    tol: float = 1e-10,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    rtol: float = 1e-6,
+    progress: bool | None = None,
+    print_table: bool = True,
+    *,
+    method: str = "lanczos",
+    max_iter: int | None = None,
+    chunk_size: int | None = None,
+    device: torch.device | str | None = None,
+    hvp: str = "auto",
+    zero_blocks: str = "exclude",
+) -> InvarianceReport:
+    """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
+
+    For each kind in ``kinds`` and each of ``trials`` copies, random positive factors are drawn
+    (:func:`manifolds.random_factors`: log-normal with log-std ``scale``, one per hidden unit for
+    ``"node"``, one per layer with product 1 for ``"layer"``) and applied to the parameters in
+    ``dtype`` (as :func:`manifolds.random_rescale` does, but after the cast, so a float32 model is
+    rescaled without float32 rounding). Each copy is checked to compute the same outputs on the data,
+    then every metric's top ``k`` eigenvalues are recomputed and compared with the original ones.
+
+    Args:
+        model, loss_fn, data: as for :class:`Objective`; ``model`` is never modified.
+        kinds: rescaling kinds, out of ``"node"`` and ``"layer"``.
+        trials: rescaled copies per kind.
+        scale: standard deviation of the log rescaling factors (1.0 gives factors of ~e^{+-1}).
+        metrics: metric names in :data:`METRICS`; ``None`` measures every registered metric that
+            applies to the model (one that raises :class:`manifolds.UnsupportedModelError` at the
+            original parameters is listed in ``skipped`` instead).
+        k: eigenvalues compared per measure.
+        tol: eigen-solver tolerance (tight, so solver error stays far below ``rtol``).
+        dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
+        seed: seed of the rescaling factors and of the solvers' start vectors.
+        rtol: relative difference up to which a measure counts as unchanged.
+        progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
+        print_table: print :meth:`InvarianceReport.table`.
+        method, max_iter, hvp: eigen-solver settings (see :func:`euclidean_sharpness`).
+        chunk_size, device: evaluation settings of the objective.
+        zero_blocks: layer-wise metric only; ``"exclude"`` (default) leaves zero-norm tensors out of the
+            tangent space, which keeps the measure invariant (rescaling maps zero to zero).
+
+    Returns:
+        The :class:`InvarianceReport`; ``.passed`` says whether every claimed invariance held.
+
+    Raises:
+        UnsupportedModelError: positive rescaling is not a symmetry of ``model`` (the message names the
+            offending module), or a rescaled copy computes different outputs (an operation the
+            structure analysis did not see).
+        ValueError: unknown kind or metric, ``trials < 1`` or negative ``scale``.
+    """
+    started = time.perf_counter()
+    kinds = _check_kinds(kinds)
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive integer, got {trials!r}")
+    if not scale >= 0.0:
+        raise ValueError(f"scale must be a non-negative log-std, got {scale!r}")
+    explicit = metrics is not None
+    names = tuple(METRICS) if metrics is None else ((metrics,) if isinstance(metrics, str) else tuple(metrics))
+    if not names:
+        raise ValueError("metrics is empty; name at least one of " + ", ".join(METRICS))
+    for name in names:
+        check_metric(name)
+
+    # Refuse a model without the symmetry before any evaluation (a one-shot iterator is read once here).
+    data = ChunkedData(data)
+    structure = analyze(model, example_input=data.first_batch()[0])
+    structure.require_rescalable("the invariance table of random function-preserving rescalings")
+    obj = Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
+
+    def measure(objective: Objective, metric: str):
+        return measure_sharpness(
+            objective.model, loss_fn, data, metric, objective=objective, k=k, method=method, tol=tol,
+            max_iter=max_iter, hvp=hvp, seed=seed, progress=False, structure=structure, zero_blocks=zero_blocks,
+        )
+
+    original: dict[str, tuple[float, ...]] = {}
+    converged: dict[str, bool] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        try:
+            result = measure(obj, name)
+        except UnsupportedModelError as err:
+            if explicit:
+                raise
+            skipped[name] = str(err)
+            continue
+        original[name] = _as_floats(result.eigenvalues)
+        converged[name] = result.converged
+    measured = tuple(name for name in names if name in original)
+
+    generator = torch.Generator().manual_seed(seed)
+    rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m: {kind: [] for kind in kinds} for m in measured}
+    output_differences: dict[str, list[float]] = {kind: [] for kind in kinds}
+    limit = _output_tolerance(obj.dtype)
+    with progress_bar(len(kinds) * trials, "rescaled copies", progress) as bar:
+        for kind in kinds:
+            for trial in range(trials):
+                factors = random_factors(structure, kind, scale, generator, dtype=obj.dtype)
+                twin = obj.with_params(rescale_parameters(obj.params, structure, factors))
+                difference = _output_difference(obj, twin)
+                if not difference <= limit:
+                    raise UnsupportedModelError(
+                        f"the {kind}-wise rescaled copy {trial} changes the model's outputs by {difference:.1e} "
+                        f"(relative, more than {limit:.0e}), so rescaling is not a symmetry of "
+                        f"{type(model).__name__}; it likely applies an operation (e.g. a functional "
+                        "activation) that the structure analysis could not see"
+                    )
+                output_differences[kind].append(difference)
+                for name in measured:
+                    result = measure(twin, name)
+                    rescaled[name][kind].append(_as_floats(result.eigenvalues))
+                    converged[name] = converged[name] and result.converged
+                bar.update(1)
+                bar.set_postfix(kind=kind, refresh=False)
+
+    report = InvarianceReport(
+        metrics=measured,
+        kinds=kinds,
+        claims={m: tuple(METRICS[m].invariant_under) for m in measured},
+        original=original,
+        rescaled={m: {kind: tuple(v) for kind, v in per_kind.items()} for m, per_kind in rescaled.items()},
+        relative_differences={
+            m: {kind: tuple(relative_difference(original[m], v) for v in per_kind[kind]) for kind in kinds}
+            for m, per_kind in rescaled.items()
+        },
+        output_differences={kind: tuple(v) for kind, v in output_differences.items()},
+        converged=converged,
+        rtol=float(rtol),
+        trials=trials,
+        scale=float(scale),
+        k=k,
+        seed=seed,
+        dtype=str(obj.dtype).removeprefix("torch."),
+        method=method,
+        tol=float(tol),
+        skipped=skipped,
+        seconds=time.perf_counter() - started,
+    )
+    if print_table:
+        print(report.table())
+    return report

@@ -1,0 +1,217 @@
+"""Invariance verification and the metric-name entry point: which measures survive random rescalings."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cases import make_case, mlp
+from torch import nn
+
+from manifolds import UnsupportedModelError
+from sharpness import euclidean_sharpness, invariant_sharpness, measure_sharpness, verify_invariance
+from sharpness._invariant import MEASURE_FUNCTIONS, METRICS, MetricSpec, quotient_sharpness
+from sharpness._verify import InvarianceReport, relative_difference
+
+BASE_METRICS = ("euclidean", "layer", "node")
+
+
+@pytest.fixture(scope="module", params=["mlp_bias", "cnn"])
+def report(request):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    case = make_case(request.param)
+    try:
+        yield verify_invariance(case.model, case.loss_fn, case.data, trials=2, k=1, metrics=BASE_METRICS,
+                                progress=False, print_table=False)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_node_metric_invariant_under_node_and_layer_rescaling(report):
+    for kind in ("node", "layer"):
+        assert report.max_relative_difference("node", kind) <= 1e-8
+        assert report.verdict("node", kind) == "invariant"
+        assert report.claims_invariance("node", kind)
+
+
+def test_layer_metric_invariant_under_layer_rescaling_only(report):
+    assert report.max_relative_difference("layer", "layer") <= 1e-8
+    assert report.verdict("layer", "layer") == "invariant"
+    # The flatness paper's measure is not invariant under the full (node-wise) symmetry group.
+    assert report.max_relative_difference("layer", "node") > 1e-2
+    assert not report.claims_invariance("layer", "node")
+    assert report.verdict("layer", "node") == "changes"
+
+
+def test_euclidean_sharpness_changes(report):
+    for kind in ("node", "layer"):
+        assert report.verdict("euclidean", kind) == "changes"
+        assert report.max_relative_difference("euclidean", kind) > 1e-1
+    assert report.max_relative_difference("euclidean", "node") > 1.0
+
+
+def test_report_passes_and_copies_are_function_identical(report):
+    assert report.passed
+    assert report.metrics == BASE_METRICS and report.kinds == ("node", "layer")
+    assert all(report.converged.values())
+    for kind in report.kinds:
+        assert len(report.output_differences[kind]) == 2
+        assert max(report.output_differences[kind]) < 1e-12
+        for m in report.metrics:
+            assert len(report.rescaled[m][kind]) == 2 and len(report.rescaled[m][kind][0]) == 1
+            expected = [relative_difference(report.original[m], v) for v in report.rescaled[m][kind]]
+            assert list(report.relative_differences[m][kind]) == expected
+
+
+def test_table_names_metrics_and_verdicts(report):
+    table = report.table()
+    for m in BASE_METRICS:
+        assert m in table
+    assert "invariant" in table and "changes" in table and "FAILED" not in table
+    assert f"{report.original['node'][0]:.4g}" in table
+    assert f"{report.max_relative_difference('euclidean', 'node'):.2e}" in table
+    assert str(report) == table
+
+
+def test_json_round_trip(report, tmp_path):
+    path = tmp_path / "report.json"
+    report.save_json(path)
+    loaded = json.loads(path.read_text())
+    assert loaded == json.loads(json.dumps(report.to_dict()))
+    assert loaded["passed"] is True
+    assert loaded["verdicts"]["layer"]["node"] == "changes"
+    assert loaded["max_relative_differences"]["node"]["layer"] <= 1e-8
+    assert InvarianceReport.from_dict(loaded) == report
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left
+
+
+def test_wrong_claim_is_reported_as_failed(monkeypatch, capsys):
+    monkeypatch.setitem(METRICS, "euclidean", MetricSpec("euclidean", "claims too much", ("node", "layer")))
+    case = make_case("mlp_bias")
+    rep = verify_invariance(case.model, case.loss_fn, case.data, trials=1, metrics=["euclidean"], progress=False)
+    assert rep.verdict("euclidean", "node") == "FAILED" and rep.verdict("euclidean", "layer") == "FAILED"
+    assert not rep.passed
+    printed = capsys.readouterr().out
+    assert printed == rep.table() + "\n"
+    assert "FAILED: changed by more than rtol" in printed
+
+
+def test_not_rescalable_model_is_refused_naming_the_module():
+    model = mlp([5, 4, 3], activation=nn.GELU)
+    data = (torch.randn(7, 5), torch.randn(7, 3))
+    with pytest.raises(UnsupportedModelError, match=r"module '1' \(GELU\)"):
+        verify_invariance(model, nn.MSELoss(), data, trials=1, progress=False, print_table=False)
+
+
+class _HiddenGelu(nn.Module):
+    """A GELU the structure analysis cannot see: fx fails on the branch, hooks miss functional calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum() > -1e30:  # data-dependent control flow: torch.fx cannot trace this
+            x = F.gelu(self.a(x))
+        return self.b(x)
+
+
+def test_rescaled_copy_that_changes_the_function_raises():
+    model = _HiddenGelu().double().eval()
+    data = (torch.randn(7, 5), torch.randn(7, 3))
+    with pytest.raises(UnsupportedModelError, match="changes the model's outputs"):
+        verify_invariance(model, nn.MSELoss(), data, trials=1, metrics=["euclidean"], progress=False,
+                          print_table=False)
+
+
+def test_float32_model_is_checked_in_float64():
+    case = make_case("mlp_bias", dtype=torch.float32)
+    rep = verify_invariance(case.model, case.loss_fn, case.data, kinds="node", trials=1, metrics=["node"],
+                            progress=False, print_table=False)
+    assert rep.dtype == "float64" and rep.kinds == ("node",)
+    assert rep.max_relative_difference("node", "node") <= 1e-8
+    assert next(case.model.parameters()).dtype == torch.float32  # the model is left alone
+
+
+def test_model_is_not_modified():
+    case = make_case("mlp_bias")
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    verify_invariance(case.model, case.loss_fn, case.data, kinds=["layer"], trials=1, metrics=["layer"],
+                      progress=False, print_table=False)
+    for k, v in case.model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def _only_metrics(monkeypatch, keep):
+    for name in list(METRICS):
+        if name not in keep:
+            monkeypatch.delitem(METRICS, name)
+
+
+def test_metrics_registered_later_are_picked_up(monkeypatch):
+    spec = MetricSpec("node_again", "the node-wise measure under another name", ("node", "layer"))
+    monkeypatch.setitem(METRICS, spec.name, spec)
+    monkeypatch.setitem(MEASURE_FUNCTIONS, spec.name, lambda obj, _m, *args: quotient_sharpness(obj, "node", *args))
+    _only_metrics(monkeypatch, ("euclidean", "node", spec.name))
+    case = make_case("mlp_nobias")
+    direct = measure_sharpness(case.model, case.loss_fn, case.data, spec.name, tol=1e-10, progress=False)
+    assert direct.info["metric"] == spec.name
+    rep = verify_invariance(case.model, case.loss_fn, case.data, trials=1, progress=False, print_table=False)
+    assert rep.metrics == ("euclidean", "node", spec.name)
+    assert rep.original[spec.name] == rep.original["node"] == (direct.value,)
+    assert rep.verdict(spec.name, "node") == "invariant" and rep.passed
+
+
+def test_metric_that_does_not_apply_is_skipped_unless_asked_for(monkeypatch):
+    def refuse(*_args):
+        raise UnsupportedModelError("Cannot compute the picky measure for this model.")
+
+    monkeypatch.setitem(METRICS, "picky", MetricSpec("picky", "applies to no model", ("node",)))
+    monkeypatch.setitem(MEASURE_FUNCTIONS, "picky", refuse)
+    _only_metrics(monkeypatch, ("node", "picky"))
+    case = make_case("mlp_bias")
+    rep = verify_invariance(case.model, case.loss_fn, case.data, kinds="layer", trials=1, progress=False,
+                            print_table=False)
+    assert rep.metrics == ("node",)
+    assert rep.skipped == {"picky": "Cannot compute the picky measure for this model."}
+    assert "skipped picky" in rep.table()
+    with pytest.raises(UnsupportedModelError, match="picky"):
+        verify_invariance(case.model, case.loss_fn, case.data, kinds="layer", trials=1, metrics=["picky"],
+                          progress=False, print_table=False)
+
+
+def test_measure_sharpness_dispatches_by_name():
+    case = make_case("cnn")
+    eu = measure_sharpness(case.model, case.loss_fn, case.data, "euclidean", tol=1e-10, progress=False,
+                           zero_blocks="exclude")  # quotient-only options are ignored for the Euclidean Hessian
+    assert eu.value == euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-10, progress=False).value
+    for metric in ("layer", "node"):
+        res = measure_sharpness(case.model, case.loss_fn, case.data, metric, tol=1e-10, progress=False)
+        ref = invariant_sharpness(case.model, case.loss_fn, case.data, metric, tol=1e-10, progress=False)
+        assert res.info["metric"] == metric and res.value == ref.value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"metrics": ["hessian"]}, "unknown sharpness metric 'hessian'"),
+        ({"kinds": ["channel"]}, "kinds must be distinct rescaling kinds"),
+        ({"kinds": []}, "kinds must be distinct rescaling kinds"),
+        ({"trials": 0}, "trials must be a positive integer"),
+        ({"scale": -1.0}, "scale must be a non-negative"),
+        ({"metrics": []}, "metrics is empty"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    case = make_case("mlp_bias")
+    with pytest.raises(ValueError, match=message):
+        verify_invariance(case.model, case.loss_fn, case.data, progress=False, print_table=False, **kwargs)
+
+
+def test_relative_difference_compares_on_the_scale_of_the_top_eigenvalue():
+    assert relative_difference([2.0], [3.0]) == 0.5
+    assert relative_difference([4.0, 0.0], [4.0, 2.0]) == 0.5
+    assert relative_difference([0.0], [0.0]) == 0.0
+    assert relative_difference([0.0], [1.0]) == float("inf")
