@@ -9,10 +9,6 @@ from manifolds._fixed_model import FixModel as FixModel
 from manifolds._gauge import GaugeHistory as GaugeHistory
 from manifolds._gauge import min_norm_gauge as min_norm_gauge
 from manifolds._gauge import min_norm_gauge_parameters as min_norm_gauge_parameters
-from manifolds._geoopt import LayerScaleEuclidean as LayerScaleEuclidean
-from manifolds._geoopt import LogEuclidean as LogEuclidean
-from manifolds._geoopt import quotient_parameters as quotient_parameters
-from manifolds._geoopt import zero_init_momentum as zero_init_momentum
 from manifolds._gspace import GSpace as GSpace
 from manifolds._gspace import GSpaceSingularityError as GSpaceSingularityError
 from manifolds._gspace import Skeleton as Skeleton
@@ -64,3 +60,17 @@ __all__ = [
     "rescale_model",
     "rescale_parameters",
 ]
+
+# geoopt (and the scipy.optimize it pulls in) is slow to import: load its manifolds on first use.
+_LAZY = {
+    name: "manifolds._geoopt"
+    for name in ["LayerScaleEuclidean", "LogEuclidean", "quotient_parameters", "zero_init_momentum"]
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'manifolds' has no attribute {name!r}")

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
 from manifolds._layout import ParamLayout
@@ -112,6 +111,8 @@ def _hungarian(structure: NetworkStructure, params: Mapping[str, Tensor], value:
             )
         cost = torch.where(torch.isinf(cost), torch.full_like(cost, _FORBIDDEN), cost)
         copies = -(-units // out)  # each next-layer unit may take up to ceil(units / out) fixed weights
+        from scipy.optimize import linear_sum_assignment  # deferred: scipy.optimize is slow to import
+
         row_ind, col_ind = linear_sum_assignment(np.tile(cost.numpy(), (copies, 1)))
         rows = torch.empty(units, dtype=torch.long)
         rows[torch.as_tensor(col_ind)] = torch.as_tensor(row_ind % out, dtype=torch.long)

@@ -295,32 +295,25 @@ class GSpace(nn.Module):
         empty_long = torch.zeros(0, dtype=torch.long, device=device)
 
         # Layers after the first, packed into one flat vector so w(v) costs a few operations whatever the
-        # depth: entry e of the packed coordinates goes to position pos[e] of the packed weights, divided
-        # by chain[column[e]] * d[e].
-        hidden_offsets = [0]
-        for blk in blocks[:-1]:
-            hidden_offsets.append(hidden_offsets[-1] + blk.geometry.out)
-        positions, columns, scales, skeletons, weight_offset = [], [], [], [], 0
-        for i, blk in enumerate(blocks[1:], start=1):
+        # depth: packed entry e (unit b, column unit a) is W = v / (c_a d_b) = v * scale[e] / root[e], with
+        # root[e] the root coordinate of a's chain and scale[e] = 1 / (factor_a d_b), and goes to pos[e].
+        chain_index = torch.cat(root_index) if root_index else empty_long
+        chain_factor = torch.cat(root_factor) if root_factor else torch.ones(0, dtype=dtype, device=device)
+        hidden_offset, weight_offset = 0, 0
+        positions, roots_of, scales, skeletons = [], [], [], []
+        for blk in blocks[1:]:
+            column = (hidden_offset + torch.arange(blk.geometry.prev, device=device)).expand(blk.row_unit.shape)
             positions.append(blk.pos + weight_offset)
-            columns.append(
-                (hidden_offsets[i - 1] + torch.arange(blk.geometry.prev, device=device))
-                .expand(blk.row_unit.shape)
-                .reshape(-1)
-            )
-            scales.append(blk.dcomp.reshape(-1))
+            roots_of.append(chain_index[column].reshape(-1))
+            scales.append((1.0 / (chain_factor[column] * blk.dcomp)).reshape(-1))
             skeletons.append(blk.skelflat)
+            hidden_offset += blk.geometry.prev
             weight_offset += blk.skelflat.numel()
+        no_float = torch.ones(0, dtype=dtype, device=device)
         self.register_buffer("packed_pos", torch.cat(positions) if positions else empty_long)
-        self.register_buffer("packed_column", torch.cat(columns) if columns else empty_long)
-        self.register_buffer("packed_d", torch.cat(scales) if scales else torch.ones(0, dtype=dtype, device=device))
-        self.register_buffer(
-            "packed_skeleton", torch.cat(skeletons) if skeletons else torch.ones(0, dtype=dtype, device=device)
-        )
-        self.register_buffer("root_index", torch.cat(root_index) if root_index else empty_long)
-        self.register_buffer(
-            "root_factor", torch.cat(root_factor) if root_factor else torch.ones(0, dtype=dtype, device=device)
-        )
+        self.register_buffer("packed_root", torch.cat(roots_of) if roots_of else empty_long)
+        self.register_buffer("packed_scale", torch.cat(scales) if scales else no_float)
+        self.register_buffer("packed_skeleton", torch.cat(skeletons) if skeletons else no_float)
         self.register_buffer("root_sign", torch.ones(offset, dtype=dtype, device=device))
         roots = self._roots(self._weight_coordinates(params)[0])
         zero = (roots == 0).nonzero().flatten()
@@ -443,7 +436,7 @@ class GSpace(nn.Module):
         return coords
 
     def _roots(self, weight_coords: Sequence[Tensor]) -> Tensor:
-        parts = [weight_coords[i].take(pos) for i, pos in self._hot().roots]
+        parts = [weight_coords[i].reshape(-1).index_select(0, pos) for i, pos in self._hot().roots]
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else weight_coords[0].new_zeros(0)
@@ -476,31 +469,28 @@ class GSpace(nn.Module):
         roots = self._roots(weight_coords)
         if check:
             self._check_roots(roots)
-        chain = roots.index_select(0, hot.root_index) * hot.root_factor
         later = [v.reshape(-1) for v in weight_coords[1:]]
         packed = torch.cat(later) if len(later) > 1 else later[0]
-        denominator = chain.index_select(0, hot.packed_column) * hot.packed_d
-        scaled = packed / denominator
+        factor = hot.packed_scale / roots.index_select(0, hot.packed_root)
+        scaled = packed * factor
         packed_w = hot.packed_skeleton.scatter(0, hot.packed_pos, scaled)
         weights = [weight_coords[0] * hot.invd_first]
         weights += [w.view(shape) for w, shape in zip(packed_w.split(hot.packed_sizes), hot.later_shapes)]
-        return weights, (chain, denominator, scaled)
+        return weights, (roots, factor, scaled)
 
     def _layer_grads(self, cache: tuple, weight_grads: Sequence[Tensor]) -> list[Tensor]:
         """Inverse chain rule: gradients w.r.t. the weight coordinates from those w.r.t. the weights."""
         hot = self._hot()
         if len(weight_grads) == 1:
             return [weight_grads[0].clone()]
-        chain, denominator, scaled = cache
+        roots, factor, scaled = cache
         grads = [(weight_grads[0] * hot.invd_first).contiguous()]
         later = [g.reshape(-1) for g in weight_grads[1:]]
         grad_scaled = (torch.cat(later) if len(later) > 1 else later[0]).index_select(0, hot.packed_pos)
-        grad_packed = grad_scaled / denominator
+        grad_packed = grad_scaled * factor
         grads += [g.view(shape) for g, shape in zip(grad_packed.split(hot.coordinate_sizes), hot.coordinate_shapes)]
-        # scaled = packed / (c[column] d): its derivative in c[column] is -scaled / c[column].
-        grad_chain = torch.zeros_like(chain).index_add_(0, hot.packed_column, grad_scaled * scaled, alpha=-1)
-        grad_chain = grad_chain / chain * hot.root_factor
-        grad_roots = torch.zeros_like(hot.root_sign).index_add_(0, hot.root_index, grad_chain)
+        # scaled = v * scale / root: its derivative in the root is -scaled / root.
+        grad_roots = torch.zeros_like(roots).index_add_(0, hot.packed_root, grad_scaled * scaled, alpha=-1) / roots
         start = 0
         for i, pos in hot.roots:
             grads[i].put_(pos, grad_roots[start : start + pos.numel()], accumulate=True)
@@ -658,8 +648,8 @@ class _Hot:
                 k += 1
         self.invd_first = blocks[0].invd_w
         self.roots = [(i, blocks[i].root_pos) for i in gspace._root_layers]
-        self.root_index, self.root_factor, self.root_sign = gspace.root_index, gspace.root_factor, gspace.root_sign
-        self.packed_column, self.packed_d = gspace.packed_column, gspace.packed_d
+        self.root_sign = gspace.root_sign
+        self.packed_root, self.packed_scale = gspace.packed_root, gspace.packed_scale
         self.packed_skeleton, self.packed_pos = gspace.packed_skeleton, gspace.packed_pos
         self.packed_sizes = [blk.skelflat.numel() for blk in blocks[1:]]
         self.later_shapes = [blk.geometry.shape for blk in blocks[1:]]

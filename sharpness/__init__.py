@@ -9,6 +9,9 @@ from sharpness._epsilon import EpsilonSharpness as EpsilonSharpness
 from sharpness._epsilon import epsilon_sharpness as epsilon_sharpness
 from sharpness._euclidean import euclidean_sharpness as euclidean_sharpness
 from sharpness._fixed_sharpness import fixed_sharpness as fixed_sharpness
+from sharpness._gspace_sharpness import GSpaceLoss as GSpaceLoss
+from sharpness._gspace_sharpness import gspace_hessian_operator as gspace_hessian_operator
+from sharpness._gspace_sharpness import gspace_sharpness as gspace_sharpness
 from sharpness._hessian import HessianOperator as HessianOperator
 from sharpness._invariant import invariant_sharpness as invariant_sharpness
 from sharpness._lanczos import lanczos as lanczos
@@ -36,6 +39,7 @@ __all__ = [
     "DenseOperator",
     "EigenResult",
     "EpsilonSharpness",
+    "GSpaceLoss",
     "HessianOperator",
     "InvarianceReport",
     "Objective",
@@ -45,6 +49,8 @@ __all__ = [
     "epsilon_sharpness",
     "euclidean_sharpness",
     "fixed_sharpness",
+    "gspace_hessian_operator",
+    "gspace_sharpness",
     "hutchinson_trace",
     "invariant_sharpness",
     "lanczos",

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from manifolds import LayerScaleQuotient, NetworkStructure, NodeScaleQuotient, analyze
 from sharpness._fixed_sharpness import fixed_sharpness
 from sharpness._gauged import minnorm_sharpness
+from sharpness._gspace_sharpness import gspace_sharpness
 from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._operator import CallableOperator
@@ -55,6 +56,12 @@ METRICS: dict[str, MetricSpec] = {
             "minnorm",
             "Euclidean Hessian at the minimum-l2-norm gauge (canonical representative): invariant under "
             "node-, channel- and layer-wise rescaling",
+            ("node", "layer"),
+        ),
+        MetricSpec(
+            "gspace",
+            "Hessian of L(w(v)) in G-space (basis-path values): invariant under node- and layer-wise rescaling, "
+            "but coordinate-dependent (it changes with the skeleton), unlike the metric measures",
             ("node", "layer"),
         ),
     )
@@ -133,6 +140,7 @@ MEASURE_FUNCTIONS: dict[str, Callable[..., EigenResult]] = {
     "node": quotient_sharpness,
     "minnorm": minnorm_sharpness,
     "fixed": fixed_sharpness,
+    "gspace": gspace_sharpness,
 }
 
 

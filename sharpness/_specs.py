@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import os
 import pickle
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -163,14 +164,17 @@ def load_data(spec: str) -> tuple[Tensor, Tensor]:
 
 def _torch_load(path: str, what: str) -> dict:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing: one message is enough
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise SpecError(
             f"{what} {path} holds a pickled Python object (such as a whole model), which is never unpickled "
             f"here; {SAVE_HINT}"
         ) from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise SpecError(f"{what} {path} is not a PyTorch file ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # any other failure to parse an untrusted file means it is not a checkpoint
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(f"{what} {path} is not a PyTorch file ({detail})") from None
     if not isinstance(obj, Mapping):
         raise SpecError(f"{what} {path} holds a {type(obj).__name__}, not a dictionary of tensors; {SAVE_HINT}")
     return dict(obj)

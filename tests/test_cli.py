@@ -1,0 +1,229 @@
+"""``python -m sharpness``: the documented outputs, and one clear sentence with exit code 2 (no traceback,
+no output file) for every kind of bad input. Every case runs the real CLI in a subprocess."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sharpness._specs import mlp
+
+MODEL = "mlp:8-6-3"
+DATA = "synthetic:n=20,dim=8,classes=3,seed=1"
+FACTORY = """
+from torch import nn
+
+def gelu_net():
+    return nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 3))
+
+def not_a_module():
+    return 3
+"""
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "sharpness", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    model = mlp([8, 6, 3])
+    state = model.state_dict()
+    torch.save(state, d / "model.pt")
+    torch.save({"epoch": 3, "model_state_dict": state}, d / "wrapped.pt")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(d / "model.safetensors"))
+    torch.save(model, d / "pickled_module.pt")
+    with open(d / "arbitrary.pt", "wb") as fh:
+        pickle.dump({"weights": slice(1, 2)}, fh)
+    (d / "garbage.pt").write_bytes(b"this is not a checkpoint at all")
+    torch.save({k: v for k, v in state.items() if k != "2.bias"}, d / "missing_key.pt")
+    torch.save({**state, "9.weight": torch.zeros(2)}, d / "extra_key.pt")
+    torch.save({**state, "0.weight": torch.zeros(5, 8)}, d / "bad_shape.pt")
+    torch.save({**state, "0.bias": torch.full((6,), float("nan"))}, d / "nan_weights.pt")
+    torch.save({**state, "0.bias": torch.zeros(6)}, d / "zero_bias.pt")
+    X = np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32)
+    y = np.arange(20) % 3
+    np.savez(d / "good.npz", X=X, y=y)
+    np.savez(d / "no_y.npz", X=X)
+    np.savez(d / "short_y.npz", X=X, y=y[:5])
+    np.savez(d / "bad_labels.npz", X=X, y=y + 5)
+    np.savez(d / "empty.npz", X=X[:0], y=y[:0])
+    X_nan = X.copy()
+    X_nan[3, 2] = np.nan
+    np.savez(d / "nan_data.npz", X=X_nan, y=y)
+    torch.save({"X": torch.from_numpy(X), "y": torch.from_numpy(y)}, d / "data.pt")
+    (d / "factory.py").write_text(FACTORY)
+    return d
+
+
+def test_help():
+    for args in (["--help"], ["compute", "--help"], ["verify", "--help"], ["demo", "--help"]):
+        r = run_cli(*args)
+        assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_compute_writes_the_documented_json(files, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli(
+        "compute",
+        "--model",
+        MODEL,
+        "--checkpoint",
+        str(files / "model.pt"),
+        "--data",
+        DATA,
+        "--metric",
+        "all",
+        "--k",
+        "2",
+        "--epsilon",
+        "0.01",
+        "--json",
+        str(out),
+        "--quiet",
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["n_params"] == 8 * 6 + 6 + 6 * 3 + 3 and report["loss"] > 0
+    assert report["model"] == MODEL and report["data"] == DATA and "torch" in report["versions"]
+    for name in ("euclidean", "layer", "node"):
+        m = report["measures"][name]
+        assert len(m["eigenvalues"]) == 2 and m["value"] == m["eigenvalues"][0]
+        assert m["converged"] is True and m["n_hvp"] > 0 and m["seconds"] >= 0
+        assert m["epsilon_second_order"] > 0 and m["epsilon_measured"] >= 0
+    assert "euclidean" in r.stdout and "node" in r.stdout
+
+
+@pytest.mark.parametrize("checkpoint", ["wrapped.pt", "model.safetensors"])
+def test_checkpoint_formats_agree(files, checkpoint, tmp_path):
+    values = []
+    for ckpt in ("model.pt", checkpoint):
+        out = tmp_path / f"{ckpt}.json"
+        r = run_cli(
+            "compute",
+            "--model",
+            MODEL,
+            "--checkpoint",
+            str(files / ckpt),
+            "--data",
+            str(files / "good.npz"),
+            "--metric",
+            "node",
+            "--json",
+            str(out),
+            "--quiet",
+        )
+        assert r.returncode == 0, r.stderr
+        values.append(json.loads(out.read_text())["measures"]["node"]["value"])
+    assert values[0] == pytest.approx(values[1], rel=1e-10)
+
+
+def test_verify_passes_and_writes_report(files, tmp_path):
+    out = tmp_path / "v.json"
+    r = run_cli(
+        "verify",
+        "--model",
+        MODEL,
+        "--checkpoint",
+        str(files / "model.pt"),
+        "--data",
+        str(files / "data.pt"),
+        "--trials",
+        "2",
+        "--json",
+        str(out),
+        "--quiet",
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    report = json.loads(out.read_text())
+    assert report["passed"] is True
+    assert report["verdicts"]["node"] == {"node": "invariant", "layer": "invariant"}
+    assert report["verdicts"]["euclidean"]["node"] == "changes"
+
+
+BAD_INPUTS = {
+    "missing checkpoint": (["--checkpoint", "{d}/nope.pt"], "does not exist"),
+    "checkpoint is a folder": (["--checkpoint", "{d}"], "folder"),
+    "not a checkpoint": (["--checkpoint", "{d}/garbage.pt"], "not a PyTorch file"),
+    "missing keys": (["--checkpoint", "{d}/missing_key.pt"], "missing keys 2.bias"),
+    "unexpected keys": (["--checkpoint", "{d}/extra_key.pt"], "unexpected keys 9.weight"),
+    "shape mismatch": (["--checkpoint", "{d}/bad_shape.pt"], "0.weight has shape (5, 8)"),
+    "nan weights": (["--checkpoint", "{d}/nan_weights.pt"], "0.bias contains NaN"),
+    "pickled module": (["--checkpoint", "{d}/pickled_module.pt"], "state_dict"),
+    "arbitrary pickle": (["--checkpoint", "{d}/arbitrary.pt"], "never unpickled"),
+    "nan data": (["--data", "{d}/nan_data.npz"], "NaN"),
+    "data without y": (["--data", "{d}/no_y.npz"], "no y"),
+    "X and y lengths": (["--data", "{d}/short_y.npz"], "20 samples but y has 5"),
+    "labels out of range": (["--data", "{d}/bad_labels.npz"], "labels range over"),
+    "empty data": (["--data", "{d}/empty.npz"], "empty"),
+    "missing data file": (["--data", "{d}/nope.npz"], "does not exist"),
+    "unknown model spec": (["--model", "resnet9000"], "unknown model spec"),
+    "unknown factory": (["--model", "{d}/factory.py:nothing_here"], "no function 'nothing_here'"),
+    "factory returns no module": (["--model", "{d}/factory.py:not_a_module"], "not an nn.Module"),
+    "non-homogeneous activation": (
+        ["--model", "{d}/factory.py:gelu_net", "--checkpoint", "{d}/model.pt", "--metric", "node"],
+        "Euclidean measure remains meaningful",
+    ),
+    "zero-norm tensor, layer metric": (["--checkpoint", "{d}/zero_bias.pt", "--metric", "layer"], "0.bias"),
+    "unknown metric": (["--metric", "fancy"], "unknown metric 'fancy'"),
+    "non-positive epsilon": (["--epsilon", "0"], "--epsilon must be positive"),
+    "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
+    "model and data do not match": (["--data", "synthetic:n=5,dim=3"], "check that --model and --data match"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_one_sentence_and_exit_2(files, tmp_path, name):
+    changes, expected = BAD_INPUTS[name]
+    args = {"--model": MODEL, "--checkpoint": "{d}/model.pt", "--data": DATA, "--metric": "euclidean"}
+    for flag, value in zip(changes[::2], changes[1::2]):
+        args[flag] = value
+    args = {flag: value.format(d=files) for flag, value in args.items()}
+    out = tmp_path / "out.json"
+    argv = ["compute", *[x for kv in args.items() for x in kv], "--quiet"]
+    if "--json" not in args:
+        argv += ["--json", str(out)]
+    r = run_cli(*argv)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert expected in lines[0], lines[0]
+    assert not out.exists()
+    assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith(".tmp")]
+
+
+def test_gelu_refusal_says_what_remains_meaningful(files):
+    r = run_cli(
+        "compute",
+        "--model",
+        f"{files}/factory.py:gelu_net",
+        "--checkpoint",
+        str(files / "model.pt"),
+        "--data",
+        DATA,
+        "--metric",
+        "node",
+        "--quiet",
+    )
+    assert r.returncode == 2
+    assert "GELU" in r.stderr and "Euclidean" in r.stderr
+
+
+def test_verify_bad_arguments(files):
+    base = ["verify", "--model", MODEL, "--checkpoint", str(files / "model.pt"), "--data", DATA, "--quiet"]
+    for extra, expected in ((["--trials", "0"], "--trials"), (["--scale", "-1"], "--scale")):
+        r = run_cli(*base, *extra)
+        assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr
