@@ -150,7 +150,7 @@ class GSpace(nn.Module):
 
     Args:
         model: the network, or a :class:`NetworkStructure` (then ``params`` is required). It must be
-            rescalable (:func:`manifolds.analyze`): convolutions without groups, residual connections,
+            rescalable (:func:`manifolds.analyze`): grouped convolutions, residual connections,
             normalization layers and non-homogeneous activations are refused, naming the module.
         skeleton: designated and predecessor entries (:class:`Skeleton`); default: the G-SGD skeleton
             described in the module docstring. A given one is validated.
@@ -244,6 +244,7 @@ class GSpace(nn.Module):
         d[n - 1] = torch.ones(blocks[-1].geometry.out, dtype=dtype, device=device)
         for i in range(n - 2, -1, -1):
             d[i] = skel[i + 1] * d[i + 1][blocks[i + 1].target]
+        dcomp: list[Tensor] = [torch.ones(0)] * n  # d of the row unit of every compact entry
         for i, blk in enumerate(blocks):
             g = blk.geometry
             blk.register_buffer("invd", 1.0 / d[i])
@@ -257,7 +258,7 @@ class GSpace(nn.Module):
             rows_unit = slab // g.rest
             blk.register_buffer("pos", (rows_unit * g.prev * g.rest + units * g.rest + slab % g.rest).reshape(-1))
             blk.register_buffer("row_unit", rows_unit)
-            blk.register_buffer("dcomp", d[i][rows_unit])
+            dcomp[i] = d[i][rows_unit]
             skelflat = torch.zeros(flat[i].numel(), dtype=dtype, device=device)
             blk.register_buffer("skelflat", skelflat.index_put((blk.desflat,), skel[i]))
 
@@ -301,11 +302,11 @@ class GSpace(nn.Module):
         chain_factor = torch.cat(root_factor) if root_factor else torch.ones(0, dtype=dtype, device=device)
         hidden_offset, weight_offset = 0, 0
         positions, roots_of, scales, skeletons = [], [], [], []
-        for blk in blocks[1:]:
+        for i, blk in enumerate(blocks[1:], start=1):
             column = (hidden_offset + torch.arange(blk.geometry.prev, device=device)).expand(blk.row_unit.shape)
             positions.append(blk.pos + weight_offset)
             roots_of.append(chain_index[column].reshape(-1))
-            scales.append((1.0 / (chain_factor[column] * blk.dcomp)).reshape(-1))
+            scales.append((1.0 / (chain_factor[column] * dcomp[i])).reshape(-1))
             skeletons.append(blk.skelflat)
             hidden_offset += blk.geometry.prev
             weight_offset += blk.skelflat.numel()
@@ -314,6 +315,13 @@ class GSpace(nn.Module):
         self.register_buffer("packed_root", torch.cat(roots_of) if roots_of else empty_long)
         self.register_buffer("packed_scale", torch.cat(scales) if scales else no_float)
         self.register_buffer("packed_skeleton", torch.cat(skeletons) if skeletons else no_float)
+        # Roots (layer order): first-layer ones index the first coordinate tensor, later ones the packed vector.
+        packed_offsets = [0]
+        for blk in blocks[1:]:
+            packed_offsets.append(packed_offsets[-1] + blk.row_unit.numel())
+        later_roots = [blocks[i].root_pos + packed_offsets[i - 1] for i in self._root_layers if i > 0]
+        self.register_buffer("root_first_pos", blocks[0].root_pos if n > 1 else empty_long)
+        self.register_buffer("root_packed_pos", torch.cat(later_roots) if later_roots else empty_long)
         self.register_buffer("root_sign", torch.ones(offset, dtype=dtype, device=device))
         roots = self._roots(self._weight_coordinates(params)[0])
         zero = (roots == 0).nonzero().flatten()
@@ -436,14 +444,26 @@ class GSpace(nn.Module):
         return coords
 
     def _roots(self, weight_coords: Sequence[Tensor]) -> Tensor:
-        parts = [weight_coords[i].reshape(-1).index_select(0, pos) for i, pos in self._hot().roots]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat(parts) if parts else weight_coords[0].new_zeros(0)
+        if len(weight_coords) == 1:
+            return weight_coords[0].new_zeros(0)
+        return self._packed_roots(weight_coords[0], self._pack(weight_coords[1:]))
+
+    def _packed_roots(self, first: Tensor, packed: Tensor) -> Tensor:
+        """The chain roots (layer order) from the first layer's coordinates and the packed later ones."""
+        hot = self._hot()
+        if not hot.later_roots:
+            return first.reshape(-1).index_select(0, hot.root_first_pos)
+        later = packed.index_select(0, hot.root_packed_pos)
+        return torch.cat([first.reshape(-1).index_select(0, hot.root_first_pos), later]) if hot.first_roots else later
+
+    @staticmethod
+    def _pack(tensors: Sequence[Tensor]) -> Tensor:
+        flat = [t.reshape(-1) for t in tensors]
+        return torch.cat(flat) if len(flat) > 1 else flat[0]
 
     def _check_roots(self, roots: Tensor) -> None:
         sign = self._hot().root_sign
-        if roots.numel() == 0 or bool((roots.detach() * sign).min() > 0):  # NaN fails too
+        if roots.numel() == 0 or (roots * sign).min().item() > 0:  # NaN fails too
             return
         k = int((~(roots.detach() * sign > 0)).nonzero()[0])
         value = float(roots[k].detach())
@@ -461,56 +481,65 @@ class GSpace(nn.Module):
     def _weight_list(self, parts: Sequence[Tensor]) -> list[Tensor]:
         return [parts[i] for i in self._hot().weight_index]
 
-    def _layer_weights(self, weight_coords: Sequence[Tensor], check: bool) -> tuple[list[Tensor], tuple]:
+    def _packed_weights(
+        self, first: Tensor, packed: Tensor, check: bool, packed_out: Tensor | None = None
+    ) -> tuple[Tensor, tuple]:
+        """The later layers' weights, packed (``packed_skeleton`` layout), from the coordinates.
+
+        ``first`` (the first layer's coordinates) only supplies chain roots. Returns the packed weights
+        and what :meth:`_packed_grads` reuses. ``packed_out`` (no grad mode only) receives the weights in
+        place and must already hold the skeleton values, which stay.
+        """
+        hot = self._hot()
+        roots = self._packed_roots(first, packed)
+        if check:
+            self._check_roots(roots)
+        factor = hot.packed_scale / roots.index_select(0, hot.packed_root)
+        scaled = packed * factor
+        if packed_out is None:
+            return hot.packed_skeleton.scatter(0, hot.packed_pos, scaled), (roots, factor, scaled)
+        return packed_out.scatter_(0, hot.packed_pos, scaled), (roots, factor, scaled)
+
+    def _packed_grads(
+        self, cache: tuple, grad_packed_w: Tensor, packed_out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Inverse chain rule for the packed later layers: ``(dL/dv packed, root terms of the first layer)``.
+
+        The first layer's gradient is ``dL/dW_1 / d`` plus the returned terms at ``root_first_pos``.
+        """
+        hot = self._hot()
+        roots, factor, scaled = cache
+        grad_scaled = grad_packed_w.index_select(0, hot.packed_pos)
+        grad_packed = torch.mul(grad_scaled, factor, out=packed_out)
+        # scaled = v * scale / root: its derivative in the root is -scaled / root.
+        grad_roots = torch.zeros_like(roots).scatter_add_(0, hot.packed_root, grad_scaled * scaled)
+        grad_roots = grad_roots.div_(roots).neg_()
+        if not hot.later_roots:
+            return grad_packed, grad_roots
+        grad_packed.index_add_(0, hot.root_packed_pos, grad_roots[hot.first_roots :])
+        return grad_packed, grad_roots[: hot.first_roots]
+
+    def _layer_weights(
+        self, weight_coords: Sequence[Tensor], check: bool, first_out: Tensor | None = None
+    ) -> tuple[list[Tensor], tuple]:
         """Weights of the weight coordinates and the intermediates the inverse chain rule reuses."""
         hot = self._hot()
         if len(weight_coords) == 1:
+            if first_out is not None:
+                return [first_out.copy_(weight_coords[0])], ()
             return [weight_coords[0].view_as(weight_coords[0])], ()
-        roots = self._roots(weight_coords)
-        if check:
-            self._check_roots(roots)
-        later = [v.reshape(-1) for v in weight_coords[1:]]
-        packed = torch.cat(later) if len(later) > 1 else later[0]
-        factor = hot.packed_scale / roots.index_select(0, hot.packed_root)
-        scaled = packed * factor
-        packed_w = hot.packed_skeleton.scatter(0, hot.packed_pos, scaled)
-        weights = [weight_coords[0] * hot.invd_first]
-        weights += [w.view(shape) for w, shape in zip(packed_w.split(hot.packed_sizes), hot.later_shapes)]
-        return weights, (roots, factor, scaled)
+        packed_w, cache = self._packed_weights(weight_coords[0], self._pack(weight_coords[1:]), check)
+        first = torch.mul(weight_coords[0], hot.invd_first, out=first_out)
+        return [first, *(w.view(s) for w, s in zip(packed_w.split(hot.packed_sizes), hot.later_shapes))], cache
 
     def _layer_grads(self, cache: tuple, weight_grads: Sequence[Tensor]) -> list[Tensor]:
         """Inverse chain rule: gradients w.r.t. the weight coordinates from those w.r.t. the weights."""
         hot = self._hot()
         if len(weight_grads) == 1:
             return [weight_grads[0].clone()]
-        roots, factor, scaled = cache
-        grads = [(weight_grads[0] * hot.invd_first).contiguous()]
-        later = [g.reshape(-1) for g in weight_grads[1:]]
-        grad_scaled = (torch.cat(later) if len(later) > 1 else later[0]).index_select(0, hot.packed_pos)
-        grad_packed = grad_scaled * factor
-        grads += [g.view(shape) for g, shape in zip(grad_packed.split(hot.coordinate_sizes), hot.coordinate_shapes)]
-        # scaled = v * scale / root: its derivative in the root is -scaled / root.
-        grad_roots = torch.zeros_like(roots).index_add_(0, hot.packed_root, grad_scaled * scaled, alpha=-1) / roots
-        start = 0
-        for i, pos in hot.roots:
-            grads[i].put_(pos, grad_roots[start : start + pos.numel()], accumulate=True)
-            start += pos.numel()
-        return grads
-
-    def _all_weights(self, parts: Sequence[Tensor], check: bool, fused: bool) -> tuple[list[Tensor], tuple]:
-        """Weights and biases (``names`` order) of coordinates (``layout`` order), and the cache."""
-        hot = self._hot()
-        weight_coords = [parts[i] for i in hot.weight_index]
-        if fused:
-            weights, cache = list(_FusedWeights.apply(self, check, *weight_coords)), ()
-        else:
-            weights, cache = self._layer_weights(weight_coords, check)
-        out = list(parts)
-        for i, w in zip(hot.weight_index, weights):
-            out[i] = w
-        for i, invd, _ in hot.biases:
-            out[i] = parts[i].view_as(parts[i]) if invd is None else parts[i] * invd
-        return out, cache
+        packed, first_roots = self._packed_grads(cache, self._pack(weight_grads[1:]))
+        first = (weight_grads[0] * hot.invd_first).contiguous().put_(hot.root_first_pos, first_roots, accumulate=True)
+        return [first, *(g.view(s) for g, s in zip(packed.split(hot.coordinate_sizes), hot.coordinate_shapes))]
 
     def _coordinate_grads(self, cache: tuple, grads: Sequence[Tensor | None]) -> list[Tensor]:
         """Coordinate gradients (``layout`` order) from parameter gradients (``names`` order, None = 0)."""
@@ -545,7 +574,19 @@ class GSpace(nn.Module):
         Returns:
             ``{name: tensor}`` for every layer's weight and bias, shaped like the model's parameters.
         """
-        return dict(zip(self.names, self._all_weights(self._split(coords), check, fused)[0]))
+        parts = self._split(coords)
+        hot = self._hot()
+        weight_coords = [parts[i] for i in hot.weight_index]
+        if fused:
+            weights = _FusedWeights.apply(self, check, *weight_coords)
+        else:
+            weights = self._layer_weights(weight_coords, check)[0]
+        out = list(parts)
+        for i, w in zip(hot.weight_index, weights):
+            out[i] = w
+        for i, invd, _ in hot.biases:
+            out[i] = parts[i].view_as(parts[i]) if invd is None else parts[i] * invd
+        return dict(zip(self.names, out))
 
     def gradient(
         self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor], weight_grads: Mapping[str, Tensor]
@@ -647,7 +688,8 @@ class _Hot:
                 self.biases.append((k, None if i == len(blocks) - 1 else blk.invd, g.out))
                 k += 1
         self.invd_first = blocks[0].invd_w
-        self.roots = [(i, blocks[i].root_pos) for i in gspace._root_layers]
+        self.root_first_pos, self.root_packed_pos = gspace.root_first_pos, gspace.root_packed_pos
+        self.first_roots, self.later_roots = self.root_first_pos.numel(), self.root_packed_pos.numel()
         self.root_sign = gspace.root_sign
         self.packed_root, self.packed_scale = gspace.packed_root, gspace.packed_scale
         self.packed_skeleton, self.packed_pos = gspace.packed_skeleton, gspace.packed_pos

@@ -194,8 +194,7 @@ class GOptimizer(torch.optim.Optimizer):
         self.gspace = GSpace(structure, skeleton, params={k: t.detach() for k, t in named.items()})
         self._targets = [named[name] for name in self.gspace.names]
         with torch.no_grad():
-            coords = self.gspace.coordinate_tensors(named)
-        self.coordinates = [t.detach().clone().requires_grad_(True) for t in coords.values()]
+            self.coordinates = self._make_coordinates(list(self.gspace.coordinate_tensors(named).values()))
         by_id = {id(named[name]): c for name, c in zip(self.gspace.names, self.coordinates)}
         if groups is None:
             inner_groups = [{"params": self.coordinates}]
@@ -205,38 +204,89 @@ class GOptimizer(torch.optim.Optimizer):
         # The base class supplies hooks and profiling; groups and state are the wrapped optimizer's.
         super().__init__(self.coordinates, dict(self.optimizer.defaults))
         self._share()
-        self._cache = self._forward(check=True)
+        self._refresh(write=False)  # the model already holds w(v); rewriting it would only add rounding
 
     def _share(self) -> None:
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
 
-    def _forward(self, check: bool) -> tuple[list[Tensor], tuple, list[int]]:
-        """``w(v)`` (names order), the cache of the inverse chain rule, and the coordinates' versions."""
+    def _make_coordinates(self, values: list[Tensor]) -> list[Tensor]:
+        """Leaf coordinate tensors; those of the layers after the first share one flat storage, so a step
+        works on them packed without copying (with persistent buffers for the packed weights and gradients).
+        """
+        hot = self.gspace._hot()
+        later = hot.weight_index[1:]
+        coords = [t.detach().clone() for t in values]
+        if later:
+            self._packed_v = torch.cat([coords[i].reshape(-1) for i in later])
+            self._packed_g = torch.zeros_like(self._packed_v)
+            self._packed_w = hot.packed_skeleton.clone()  # its skeleton entries are never overwritten
+            pieces = zip(later, self._packed_v.split(hot.coordinate_sizes), hot.coordinate_shapes)
+            for i, piece, shape in pieces:
+                coords[i] = piece.view(shape)
+            sizes, shapes = hot.coordinate_sizes, hot.coordinate_shapes
+            self._grad_views = [g.view(s) for g, s in zip(self._packed_g.split(sizes), shapes)]
+            self._weight_views = [w.view(s) for w, s in zip(self._packed_w.split(hot.packed_sizes), hot.later_shapes)]
+        return [c.requires_grad_(True) for c in coords]
+
+    def _refresh(self, write: bool) -> None:
+        """Recompute ``w(v)`` and the inverse chain rule's cache; with ``write``, put ``w(v)`` in the model.
+
+        Raises :class:`GSpaceSingularityError` before anything is written if a chain value is singular.
+        """
+        hot = self.gspace._hot()
+        coords, targets = self.coordinates, self._targets
+        first = hot.weight_index[0]
         with torch.no_grad():
-            weights, cache = self.gspace._all_weights(self.coordinates, check, fused=False)
-        return weights, cache, [c._version for c in self.coordinates]
+            if len(hot.weight_index) == 1:
+                _, self._cache = self.gspace._layer_weights([coords[first]], True, targets[first] if write else None)
+            else:
+                packed_out = self._packed_w if write else None
+                _, self._cache = self.gspace._packed_weights(coords[first], self._packed_v, True, packed_out)
+                if write:
+                    torch.mul(coords[first], hot.invd_first, out=targets[first])
+                    for i, weight in zip(hot.weight_index[1:], self._weight_views):
+                        targets[i].copy_(weight)
+            if write:
+                for i, invd, _ in hot.biases:
+                    if invd is None:
+                        targets[i].copy_(coords[i])
+                    else:
+                        torch.mul(coords[i], invd, out=targets[i])
+        self._versions = [c._version for c in coords]
 
     def _push(self) -> None:
-        """Write ``w(v)`` into the model (raises before writing anything if a chain value is singular)."""
-        self._cache = self._forward(check=True)
-        with torch.no_grad():
-            for target, weight in zip(self._targets, self._cache[0]):
-                target.copy_(weight)
+        """Write ``w(v)`` into the model."""
+        self._refresh(write=True)
 
     def _pull(self) -> None:
         """Coordinate gradients from the model's weight gradients (None where no gradient exists)."""
         grads = [t.grad for t in self._targets]
+        coords = self.coordinates
         if all(g is None for g in grads):
-            for c in self.coordinates:
+            for c in coords:
                 c.grad = None
             return
-        if self._cache[2] != [c._version for c in self.coordinates]:  # moved outside step()
-            self._cache = self._forward(check=True)
+        if self._versions != [c._version for c in coords]:  # moved outside step()
+            self._refresh(write=False)
+        hot = self.gspace._hot()
         with torch.no_grad():
-            for c, g in zip(self.coordinates, self.gspace._coordinate_grads(self._cache[1], grads)):
-                c.grad = g
+            if len(hot.weight_index) == 1:
+                for c, g in zip(coords, self.gspace._coordinate_grads(self._cache, grads)):
+                    c.grad = g
+                return
+            weight_grads = [hot.zeros(shape) if grads[i] is None else grads[i] for i, shape in hot.weight_shapes]
+            _, first_roots = self.gspace._packed_grads(
+                self._cache, self.gspace._pack(weight_grads[1:]), packed_out=self._packed_g
+            )
+            grad = (weight_grads[0] * hot.invd_first).contiguous()
+            coords[hot.weight_index[0]].grad = grad.put_(hot.root_first_pos, first_roots, accumulate=True)
+            for i, view in zip(hot.weight_index[1:], self._grad_views):
+                coords[i].grad = view
+            for i, invd, size in hot.biases:
+                g = hot.zeros((size,)) if grads[i] is None else grads[i]
+                coords[i].grad = g.clone() if invd is None else g * invd
 
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """One update of the wrapped optimizer in G-space, then the model gets the new weights ``w(v)``.
@@ -282,7 +332,7 @@ class GOptimizer(torch.optim.Optimizer):
             coords = self.gspace.coordinate_tensors(dict(zip(self.gspace.names, self._targets)))
             for c, new in zip(self.coordinates, coords.values()):
                 c.copy_(new)
-        self._cache = self._forward(check=True)
+        self._refresh(write=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model's weights and of the coordinates."""
