@@ -1,3 +1,43 @@
-"""Loss landscapes of ReLU networks: 1D/2D surfaces, toy networks, fixed-weight planes."""
+"""Loss landscapes of ReLU networks: the thesis's toy networks and their G-space charts, lines and
+planes of real models along random (filter/layer-normalized), Hessian-eigenvector or two-checkpoint
+directions, a fast exact grid evaluator, and matplotlib/plotly renderers."""
 
-__all__: list[str] = []
+from landscape._directions import Directions as Directions
+from landscape._directions import eigen_directions as eigen_directions
+from landscape._directions import normalize_direction as normalize_direction
+from landscape._directions import random_directions as random_directions
+from landscape._directions import segment_direction as segment_direction
+from landscape._grid import GridValues as GridValues
+from landscape._grid import evaluate_grid as evaluate_grid
+from landscape._grid import grid_axis as grid_axis
+from landscape._plot_mpl import line_figure as line_figure
+from landscape._plot_mpl import save_figure as save_figure
+from landscape._plot_mpl import surface_figure as surface_figure
+from landscape._plot_plotly import plotly_figure as plotly_figure
+from landscape._plot_plotly import write_html as write_html
+from landscape._surface import Surface as Surface
+from landscape._surfaces import loss_line as loss_line
+from landscape._surfaces import loss_plane as loss_plane
+from landscape._toy_figures import TOY_FIGURES as TOY_FIGURES
+from landscape._toy_figures import toy_figure as toy_figure
+
+__all__ = [
+    "TOY_FIGURES",
+    "Directions",
+    "GridValues",
+    "Surface",
+    "eigen_directions",
+    "evaluate_grid",
+    "grid_axis",
+    "line_figure",
+    "loss_line",
+    "loss_plane",
+    "normalize_direction",
+    "plotly_figure",
+    "random_directions",
+    "save_figure",
+    "segment_direction",
+    "surface_figure",
+    "toy_figure",
+    "write_html",
+]

@@ -1,0 +1,127 @@
+"""Benchmark workloads shared by the scripts in ``bench/``: small ReLU networks, synthetic data, a
+brief deterministic training run so the point is not the initialization.
+
+F1: MLP 784-300-100-10 with biases (``nn.Sequential`` of ``Linear``/``ReLU``), 266,610 parameters.
+C1: the small CNN of the scale-invariant flatness paper on 1x28x28 inputs: conv 5x5 (1->10) - relu -
+    maxpool 2 - conv 5x5 (10->20) - relu - maxpool 2 - flatten - FC 320-120 - relu - 120-84 - relu -
+    84-10, 54,814 parameters.
+
+Data: Gaussian inputs, labels uniform in 10 classes, cross-entropy (mean over samples). Everything
+is seeded, so two calls give bit-identical models and data on the same machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+N_CLASSES = 10
+
+
+def mlp_f1() -> nn.Sequential:
+    """F1: 784-300-100-10 ReLU MLP with biases."""
+    return nn.Sequential(nn.Linear(784, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(), nn.Linear(100, N_CLASSES))
+
+
+def cnn_c1() -> nn.Sequential:
+    """C1: the scale-invariant flatness paper's small CNN (LeNet-like) for 1x28x28 inputs."""
+    return nn.Sequential(
+        nn.Conv2d(1, 10, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(10, 20, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(320, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, N_CLASSES),
+    )
+
+
+# name: (builder, input shape, description, (Adam learning rate, steps) of the brief training)
+_BUILDERS = {
+    "F1": (mlp_f1, (784,), "MLP 784-300-100-10 (biases)", (1e-4, 100)),
+    "C1": (cnn_c1, (1, 28, 28), "CNN conv5x5(1-10)-pool-conv5x5(10-20)-pool-FC 320-120-84-10", (5e-4, 50)),
+}
+WORKLOADS = tuple(_BUILDERS)
+
+
+@dataclass
+class Workload:
+    """A model at a briefly trained point, its data and its loss."""
+
+    name: str
+    description: str
+    model: nn.Module
+    loss_fn: nn.Module
+    X: Tensor
+    y: Tensor
+    train_steps: int
+    final_train_loss: float
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def n_samples(self) -> int:
+        return int(self.X.shape[0])
+
+
+def build_model(name: str) -> nn.Module:
+    """A freshly initialized model of workload ``name`` (uses the global torch RNG)."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return _BUILDERS[name][0]()
+
+
+def make_data(name: str, n_samples: int = 500, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Gaussian inputs of the workload's shape and uniform random labels in 10 classes (float32)."""
+    shape = _BUILDERS[name][1]
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn((n_samples, *shape), generator=gen)
+    y = torch.randint(0, N_CLASSES, (n_samples,), generator=gen)
+    return X, y
+
+
+def make_workload(
+    name: str, n_samples: int = 500, steps: int | None = None, lr: float | None = None, seed: int = 0
+) -> Workload:
+    """Build workload ``name`` ("F1" or "C1"), trained ``steps`` full-batch Adam steps from ``seed``.
+
+    The defaults (F1: 100 steps at lr 1e-4, C1: 50 steps at 5e-4; a C1 step costs ~10x an F1 step)
+    leave the training loss around 1-2: away from the initialization but not at an interpolating
+    point, where the softmax
+    saturates and float32 loses digits of the Hessian itself (at a memorized point float32 and
+    float64 top eigenvalues of F1 differ by ~4e-5 relative, so a 1e-5 accuracy target would be
+    meaningless for float32 solvers).
+
+    The model is returned in eval mode with ``requires_grad`` parameters and no ``.grad``.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    _, _, description, (default_lr, default_steps) = _BUILDERS[name]
+    lr = default_lr if lr is None else lr
+    steps = default_steps if steps is None else steps
+    X, y = make_data(name, n_samples, seed)
+    torch.manual_seed(seed)
+    model = build_model(name)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.zeros(())
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        final = float(loss_fn(model(X), y))
+    return Workload(name, description, model, loss_fn, X, y, steps, final)

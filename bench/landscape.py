@@ -1,0 +1,198 @@
+"""Benchmark: 2-D loss-plane evaluation on F1 (MLP 784-300-100-10, 500 synthetic samples).
+
+Run by hand (not part of the test suite)::
+
+    pip install --no-deps loss-landscapes   # benchmark-only dependency
+    python bench/landscape.py               # 51 x 51 grid; --steps, --threads, --budget-mib to change
+
+Times, in one run on the same model, data and grid size (points per second, higher is better):
+
+* ``loss-landscapes``: ``loss_landscapes.random_plane(model, Loss(...), distance, steps,
+  normalization="filter")`` as its README calls it (autograd on), and once more under
+  ``torch.no_grad()``;
+* a plain per-point loop: ``functional_call(model, theta + a d1 + b d2, X)`` per grid point under
+  ``torch.no_grad()``;
+* ``landscape.evaluate_grid(strategy="vmap")``: the whole model vmapped over batches of grid points;
+* ``landscape.evaluate_grid()`` (auto: the first-layer fast path for this model).
+
+Every method runs ``--repeat`` times, interleaved, and its best time counts (the machine may be
+shared). The script also checks that the fast path's values equal the plain loop's (relative 1e-6),
+that our grid contains the center and leaves the model untouched, that loss-landscapes' grid misses
+the center and moves the model it is given, and how many grid points a memory budget admits per batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+# This file is named like the package it measures: take its folder off the import path so that
+# ``import landscape`` finds the package, and load the shared workloads by file name.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+_spec = importlib.util.spec_from_file_location("_workloads", HERE / "_workloads.py")
+_workloads = sys.modules["_workloads"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_workloads)
+make_workload = _workloads.make_workload
+
+from landscape import evaluate_grid, grid_axis, random_directions  # noqa: E402
+from sharpness import Objective  # noqa: E402
+
+
+def _coords(steps: int, span: float) -> tuple[np.ndarray, np.ndarray]:
+    axis = grid_axis(-span, span, steps)
+    yy, xx = np.meshgrid(axis, axis, indexing="ij")
+    return axis, np.stack([xx.ravel(), yy.ravel()], axis=1)
+
+
+def plain_loop(model, loss_fn, X, y, theta: dict, d1: dict, d2: dict, coords: np.ndarray) -> np.ndarray:
+    """The simplest correct evaluator: one functional forward pass per grid point."""
+    out = np.empty(len(coords))
+    with torch.no_grad():
+        for i, (a, b) in enumerate(coords):
+            params = {k: theta[k] + float(a) * d1[k] + float(b) * d2[k] for k in theta}
+            out[i] = float(loss_fn(functional_call(model, params, (X,)), y))
+    return out
+
+
+def time_loss_landscapes(model, loss_fn, X, y, steps: int, span: float, no_grad: bool) -> tuple[float, dict]:
+    """Seconds for ``random_plane`` on a copy of ``model``, and what it did to that copy."""
+    import loss_landscapes
+    import loss_landscapes.metrics
+
+    victim = copy.deepcopy(model)
+    before = torch.cat([p.detach().flatten().clone() for p in victim.parameters()])
+    metric = loss_landscapes.metrics.Loss(loss_fn, X, y)
+    start = time.perf_counter()
+    if no_grad:
+        with torch.no_grad():
+            values = loss_landscapes.random_plane(victim, metric, span, steps, normalization="filter")
+    else:
+        values = loss_landscapes.random_plane(victim, metric, span, steps, normalization="filter")
+    seconds = time.perf_counter() - start
+    after = torch.cat([p.detach().flatten() for p in victim.parameters()])
+    with torch.no_grad():
+        center = float(loss_fn(model(X), y))
+    facts = {
+        "moved_model_by": float((after - before).norm() / before.norm()),
+        "grid_contains_center": bool(np.isclose(values, center, rtol=1e-7, atol=0).any()),
+        "shape": list(values.shape),
+    }
+    return seconds, facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=51, help="grid points per axis (default 51)")
+    parser.add_argument("--span", type=float, default=1.0, help="half-width of the plane (default 1)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the best time counts (default 3)")
+    parser.add_argument("--budget-mib", type=int, default=256, help="memory budget of the grid (default 256 MiB)")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    w = make_workload("F1")
+    model, loss_fn, X, y = w.model, w.loss_fn, w.X, w.y
+    n_points = args.steps**2
+    obj = Objective(model, loss_fn, (X, y), memory_budget=args.budget_mib * 2**20)
+    directions = random_directions(obj.params, 2, seed=0, norm="filter")
+    d1, d2 = (obj.layout.unflatten(v) for v in directions.vectors)
+    axis, coords = _coords(args.steps, args.span)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    print(f"F1: {w.description}, {w.n_params:,} parameters, {w.n_samples} samples; grid {args.steps}x{args.steps} "
+          f"= {n_points} points; torch {torch.__version__}, {args.threads} thread(s), load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; best of {args.repeat} interleaved rounds")  # fmt: skip
+
+    results: dict[str, object] = {}
+
+    def ll(no_grad: bool):
+        def run() -> float:
+            seconds, results["ll_facts"] = time_loss_landscapes(model, loss_fn, X, y, args.steps, args.span, no_grad)
+            return seconds
+
+        return run
+
+    def loop() -> float:
+        start = time.perf_counter()
+        results["reference"] = plain_loop(model, loss_fn, X, y, obj.params, d1, d2, coords)
+        return time.perf_counter() - start
+
+    def ours(strategy: str):
+        def run() -> float:
+            results[strategy] = evaluate_grid(obj, directions.vectors, coords, strategy=strategy, progress=False)
+            return results[strategy].seconds
+
+        return run
+
+    methods = {}
+    try:
+        import loss_landscapes  # noqa: F401
+
+        methods["loss-landscapes random_plane (as documented: autograd on)"] = ll(False)
+        methods["loss-landscapes random_plane under torch.no_grad()"] = ll(True)
+    except ImportError:
+        print("loss-landscapes is not installed (pip install --no-deps loss-landscapes); its rows are skipped")
+    methods["plain per-point loop (functional_call, no_grad)"] = loop
+    methods["naive vmap over functional_call"] = ours("vmap")
+    methods["landscape.evaluate_grid (auto)"] = ours("auto")
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(args.repeat):  # interleaved, so a change in machine load hits every method alike
+        for name, run in methods.items():
+            times[name].append(run())
+
+    fast, naive = results["auto"], results["vmap"]
+    best = {name: min(t) for name, t in times.items()}
+    ll_name = next((n for n in best if n.startswith("loss-landscapes")), None)
+    loop_name = "plain per-point loop (functional_call, no_grad)"
+    print(f"\n{'method':<62} {'best s':>7} {'points/s':>9} {'vs LL':>6} {'vs loop':>7}")
+    for name, seconds in best.items():
+        label = name
+        if name.startswith("naive"):
+            label += f" (batch {naive.batch})"
+        if name.startswith("landscape"):
+            label = f"landscape.evaluate_grid, {fast.strategy} (batch {fast.batch})"
+        vs_ll = f"{best[ll_name] / seconds:5.2f}x" if ll_name else "  -"
+        print(f"{label:<62} {seconds:7.2f} {n_points / seconds:9.0f} {vs_ll:>6} {best[loop_name] / seconds:6.2f}x")
+
+    reference = results["reference"]
+    rel = np.abs(fast.loss - reference) / np.abs(reference)
+    center = np.flatnonzero((coords == 0).all(axis=1))
+    exact = obj.evaluate()["loss"]
+    untouched = all(torch.equal(before[k], p.detach()) for k, p in model.named_parameters())
+    print(f"\nfast path vs plain loop: max relative difference {rel.max():.2e} (float32)")
+    print(f"ours: grid contains the center: {center.size == 1}; loss there {fast.loss[center[0]]:.8f} vs the "
+          f"objective's {exact:.8f}; model parameters untouched: {untouched}")  # fmt: skip
+    ll_facts = results.get("ll_facts")
+    if ll_facts:
+        print(f"loss-landscapes: grid contains the center: {ll_facts['grid_contains_center']}; it moved the model "
+              f"it was given by {ll_facts['moved_model_by']:.3f} x ||theta|| (pass deepcopy_model=True to avoid "
+              f"that); its random directions are uniform on [0, 1], not Gaussian")  # fmt: skip
+    memory = []
+    for budget_mib in (8, 64, args.budget_mib):
+        obj_b = Objective(model, loss_fn, (X, y), memory_budget=budget_mib * 2**20)
+        r = evaluate_grid(obj_b, directions.vectors, coords[:64], progress=False)
+        memory.append({"budget_bytes": budget_mib * 2**20, "batch": r.batch, "bytes_per_point": r.bytes_per_point})
+        print(f"memory: budget {budget_mib:4d} MiB -> batch {r.batch:2d} points x {r.bytes_per_point / 2**20:.1f} MiB "
+              f"estimated per point = {r.batch * r.bytes_per_point / 2**20:.1f} MiB in flight")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "rows": [{"method": n, "seconds": t, "best_points_per_second": n_points / min(t)}
+                     for n, t in times.items()],
+            "max_relative_difference": float(rel.max()), "memory": memory, "loss_landscapes": ll_facts,
+            "threads": args.threads, "steps": args.steps,
+        }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

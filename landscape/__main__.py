@@ -1,0 +1,3 @@
+from landscape._cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""``python -m landscape``: toy figures, loss planes and loss lines from the command line.
+
+Bad input (a missing checkpoint, an unknown option value, a non-positive step count ...) gets one
+sentence on stderr and exit code 2, before any output file is written; outputs are written
+atomically, so an interrupted run leaves no half-written file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from manifolds import UnsupportedModelError
+from sharpness._data import DataError
+
+# Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
+USER_ERRORS = (
+    DataError, UnsupportedModelError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
+    NotADirectoryError,
+)  # fmt: skip
+
+DTYPES = ("float32", "float64")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line on stderr (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _formats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", nargs="+", default=["png"], choices=("png", "pdf", "svg"),
+                        help="figure formats (default: png); an interactive .html is always written")  # fmt: skip
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="architecture: mlp:IN-HIDDEN-...-OUT, lenet, path/to/file.py:factory or "
+                             "package.module:factory")  # fmt: skip
+    parser.add_argument("--checkpoint", required=True, help="state_dict (.pt/.pth, read weights-only) or .safetensors")
+    parser.add_argument("--data", required=True,
+                        help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt file with arrays X "
+                             "and y; integer labels use cross-entropy, float targets mean squared error")  # fmt: skip
+    parser.add_argument("--directions", default="random", choices=("random", "eigen", "invariant-eigen"),
+                        help="random Gaussian directions (default), top Euclidean Hessian eigenvectors, or top "
+                             "Riemannian Hessian eigenvectors (see --metric)")  # fmt: skip
+    parser.add_argument("--norm", default="filter", choices=("filter", "layer", "none"),
+                        help="normalization of random directions: per output row/filter (Li et al. 2018, "
+                             "default), per tensor, or none")  # fmt: skip
+    parser.add_argument("--bias", default="zero", choices=("zero", "keep"),
+                        help="random directions in 1-D tensors (biases): zero them (default) or keep them, "
+                             "normalized as a whole")  # fmt: skip
+    parser.add_argument("--metric", default="node", choices=("node", "layer"),
+                        help="quotient metric of invariant-eigen directions (default: node)")  # fmt: skip
+    parser.add_argument("--steps", type=_positive_int,
+                        help="grid points per axis (default 51, or 41 with --to; the grid always contains the "
+                             "model itself)")  # fmt: skip
+    parser.add_argument("--span", type=_positive_float, default=1.0,
+                        help="grid half-width in direction units (default 1)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="evaluation dtype (default float32)")
+    parser.add_argument("--memory-mib", type=_positive_int, default=2048,
+                        help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
+    parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
+    parser.add_argument("--name", help="file name stem of the outputs (default: plane or line)")
+    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    _formats(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m landscape", description="Loss landscapes of ReLU networks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    toy = sub.add_parser(
+        "toy", help="the thesis's toy networks (Figs. 1.5, 1.6, 4.9) and their G-space charts",
+        description="Draw a toy figure of the thesis: 1.5 (networks a and b), 1.6 (invariant lines and exact "
+        "gradients), 4.9 (fixed-weight planes, reading (a): w1 set to each value), gspace-1.5 and gspace-4.9 (the "
+        "same networks in G-space). Writes a figure, an interactive HTML and one .npz (+ .json) per surface.",
+    )  # fmt: skip
+    toy.add_argument("--figure", required=True, choices=("1.5", "1.6", "4.9", "gspace-1.5", "gspace-4.9"),
+                     help="which figure (see the description above)")  # fmt: skip
+    toy.add_argument("--fixed", type=float, nargs="+",
+                     help="values of the fixed weight w1 (4.9 and gspace-4.9 only; default 1 6 10)")  # fmt: skip
+    toy.add_argument("--steps", type=_positive_int, default=201, help="grid points per axis (default 201)")
+    toy.add_argument("--out", required=True, help="output folder (created if missing)")
+    _formats(toy)
+    toy.add_argument("--quiet", action="store_true", help="print nothing")
+    plane = sub.add_parser(
+        "plane", help="loss on a plane around a checkpoint",
+        description="Whole-data-set loss and accuracy on the plane theta + a d1 + b d2 around a checkpoint. Writes "
+        "NAME.npz + NAME.json (redraw without recomputing), NAME.png (contour + 3D) and NAME.html (interactive).",
+    )  # fmt: skip
+    _model_arguments(plane)
+    line = sub.add_parser(
+        "line", help="loss along a line, or along the segment to a second checkpoint",
+        description="Whole-data-set loss and accuracy along theta + t d: one direction as for 'plane', or with --to "
+        "the segment to a second checkpoint (t = 0: --checkpoint, t = 1: --to; default range -0.5 to 1.5).",
+    )  # fmt: skip
+    _model_arguments(line)
+    line.add_argument("--to", help="second checkpoint: draw the segment from --checkpoint to it")
+    line.add_argument("--range", nargs=2, type=float, metavar=("LO", "HI"),
+                      help="coordinate range (default: -span to span, or -0.5 to 1.5 with --to)")  # fmt: skip
+    return parser
+
+
+def _toy(args: argparse.Namespace) -> int:
+    from landscape._toy_figures import toy_figure
+    from landscape._toys import FIG_4_9_FIXED
+
+    if args.fixed is not None and args.figure not in ("4.9", "gspace-4.9"):
+        raise ValueError(f"--fixed applies to figures 4.9 and gspace-4.9 only, not {args.figure}")
+    if args.steps < 3:
+        raise ValueError(f"--steps must be at least 3 for a toy surface, got {args.steps}")
+    fixed = FIG_4_9_FIXED if args.fixed is None else args.fixed
+    paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps)
+    if not args.quiet:
+        print("\n".join(str(p) for p in paths))
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    """Model, loss, data and (for --to) the second parameter set, all validated before any output."""
+    import torch
+    from torch import nn
+
+    from sharpness._specs import build_model, check_labels, load_checkpoint, load_data
+
+    model = load_checkpoint(build_model(args.model), args.checkpoint)
+    X, y = load_data(args.data)
+    try:
+        with torch.no_grad():
+            model(X[:1])
+    except RuntimeError as exc:
+        raise ValueError(
+            f"samples of shape {tuple(X.shape[1:])} from {args.data} do not fit the model {args.model} "
+            f"({str(exc).splitlines()[0]}); check --data and --model"
+        ) from None
+    check_labels(model, X, y)
+    loss_fn = nn.MSELoss() if y.is_floating_point() else nn.CrossEntropyLoss()
+    target = None
+    if getattr(args, "to", None):
+        target = load_checkpoint(build_model(args.model), args.to)
+    dtype = getattr(torch, args.dtype)
+    return model, loss_fn, (X, y), target, dtype
+
+
+def _real(args: argparse.Namespace) -> int:
+    from landscape._plot_mpl import line_figure, save_figure, surface_figure
+    from landscape._plot_plotly import plotly_figure, write_html
+    from landscape._surfaces import loss_line, loss_plane
+
+    if args.command == "line" and args.range is not None and not args.range[0] < args.range[1]:
+        raise ValueError(f"--range needs LO < HI, got {args.range[0]} {args.range[1]}")
+    if args.command == "line" and args.to and args.directions != "random":
+        raise ValueError("--to draws the segment between two checkpoints; leave out --directions")
+    model, loss_fn, data, target, dtype = _load(args)
+    steps = args.steps or (41 if getattr(args, "to", None) else 51)
+    common = dict(
+        directions=args.directions, span=args.span, steps=steps, norm=args.norm, bias=args.bias,
+        metric=args.metric, seed=args.seed, dtype=dtype, memory_budget=args.memory_mib * 2**20,
+        progress=False if args.quiet else None,
+    )  # fmt: skip
+    start = time.perf_counter()
+    if args.command == "plane":
+        surface = loss_plane(model, loss_fn, data, **common)
+    else:
+        lim = tuple(args.range) if args.range else None
+        surface = loss_line(model, loss_fn, data, to=target, lim=lim, **common)
+    surface = surface.replace(
+        metadata={
+            **surface.metadata, "model": args.model, "checkpoint": args.checkpoint, "data": args.data,
+            "to": getattr(args, "to", None), "loss_function": type(loss_fn).__name__,
+            "total_seconds": time.perf_counter() - start,
+        }
+    )  # fmt: skip
+    name = args.name or args.command
+    where = f"{Path(args.checkpoint).name}, {args.data}"
+    if surface.is_line:
+        fig = line_figure([surface], log=args.log, title=f"{surface.title}\n{where}")
+        if target is not None:
+            for t, label in ((0.0, Path(args.checkpoint).name), (1.0, Path(args.to).name)):
+                fig.axes[0].axvline(t, color="0.5", lw=0.8, ls=":")
+                fig.axes[0].annotate(label, (t, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                                     textcoords="offset points", fontsize=7, color="0.3")  # fmt: skip
+    else:
+        fig = surface_figure([surface], kinds=("contour", "surface"), log=args.log, mark_center=True,
+                             title=f"{surface.title}\n{where}")  # fmt: skip
+    html = plotly_figure([surface], title=f"{surface.title} ({where})", log=args.log)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = list(surface.save(out / name))
+    paths += save_figure(fig, out / name, args.format)
+    write_html(html, out / f"{name}.html")
+    paths.append(out / f"{name}.html")
+    if not args.quiet:
+        meta = surface.metadata
+        print(f"center loss {meta['center_loss']:.6g}; {meta['n_points']} points in {meta['grid_seconds']:.2f} s "
+              f"({meta['points_per_second']:.0f} points/s, {meta['strategy']})")  # fmt: skip
+        print("\n".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _toy(args) if args.command == "toy" else _real(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

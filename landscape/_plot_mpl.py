@@ -1,0 +1,284 @@
+"""Static figures of loss surfaces with matplotlib: filled contours, heatmaps, 3D surfaces, lines.
+
+Every drawing function takes an ``Axes`` and a :class:`~landscape._surface.Surface` and returns
+the mappable it drew, so callers can arrange panels freely; :func:`surface_figure` arranges a grid
+of panels (rows = kinds of drawing, columns = surfaces) with one shared color scale, and
+:func:`save_figure` writes PNG/PDF/SVG atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib as mpl
+import numpy as np
+from matplotlib import colors, ticker
+from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.figure import Figure
+
+from landscape._surface import Surface, write_bytes_atomic
+
+FORMATS = ("png", "pdf", "svg")
+KINDS = ("contour", "heatmap", "surface")
+
+STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 9.5,
+    "axes.labelsize": 9,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "legend.fontsize": 8,
+    "figure.titlesize": 11,
+    "savefig.bbox": "tight",
+    "savefig.pad_inches": 0.05,
+}
+
+
+def default_cmap(surfaces: Sequence[Surface]) -> str:
+    """A diverging map for losses of both signs (the toys' ``sin``), a sequential one otherwise."""
+    lo = min(float(np.nanmin(s.loss)) for s in surfaces)
+    hi = max(float(np.nanmax(s.loss)) for s in surfaces)
+    return "RdBu_r" if lo < 0 < hi else "viridis"
+
+
+def shared_norm(surfaces: Sequence[Surface], log: bool = False) -> colors.Normalize:
+    """One color scale covering every surface (``log``: logarithmic; needs a positive loss)."""
+    finite = [s.loss[np.isfinite(s.loss)] for s in surfaces]
+    lo = min(float(f.min()) for f in finite)
+    hi = max(float(f.max()) for f in finite)
+    if log:
+        if lo <= 0:
+            raise ValueError(f"a log color scale needs a positive loss, but the smallest value is {lo:.3g}")
+        return colors.LogNorm(lo, hi if hi > lo else lo * 10)
+    if hi == lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    return colors.Normalize(lo, hi)
+
+
+def contour_levels(norm: colors.Normalize, n: int = 20) -> np.ndarray:
+    """About ``n`` round contour levels spanning ``norm``'s range (1-2-5 per decade on a log scale)."""
+    if isinstance(norm, colors.LogNorm):
+        lo, hi = math.floor(math.log10(norm.vmin)), math.ceil(math.log10(norm.vmax))
+        mantissas = (1, 2, 5) if hi - lo <= 6 else (1,)
+        levels = np.array([m * 10.0**e for e in range(lo, hi + 1) for m in mantissas])
+        # keep one level on either side of the data so the colors span the whole range
+        inside = np.flatnonzero((levels >= norm.vmin) & (levels <= norm.vmax))
+        first, last = max(inside.min() - 1, 0) if inside.size else 0, min(inside.max() + 2, len(levels))
+        return levels[first:last] if inside.size else np.array([norm.vmin, norm.vmax])
+    return ticker.MaxNLocator(n, steps=[1, 2, 2.5, 5, 10]).tick_values(norm.vmin, norm.vmax)
+
+
+def _level_format(levels: np.ndarray):
+    span = float(np.ptp(levels)) or 1.0
+
+    def fmt(value: float) -> str:
+        return f"{value:.2g}" if abs(value) >= span * 1e-6 else "0"
+
+    return fmt
+
+
+def draw_contour(
+    ax: Axes,
+    s: Surface,
+    norm: colors.Normalize,
+    cmap: str = "viridis",
+    levels: np.ndarray | None = None,
+    label_levels: bool = True,
+    mark_center: bool = False,
+):
+    """Filled contour of ``s`` with thin labeled level lines; returns the filled ``ContourSet``."""
+    levels = contour_levels(norm) if levels is None else levels
+    filled = ax.contourf(s.x, s.y, s.loss, levels=levels, norm=norm, cmap=cmap)
+    lines = ax.contour(
+        s.x, s.y, s.loss, levels=levels, colors="k", linewidths=0.4, alpha=0.55, negative_linestyles="solid"
+    )
+    if label_levels:
+        # label every other line so labels do not pile up where the surface is steep
+        ax.clabel(lines, levels=levels[::2], inline=True, fontsize=6.5, fmt=_level_format(levels))
+    if mark_center:
+        ax.plot([0], [0], marker="+", color="w", markersize=9, markeredgewidth=1.6, zorder=5)
+        ax.plot([0], [0], marker="+", color="k", markersize=7, markeredgewidth=0.8, zorder=6)
+    _label(ax, s)
+    return filled
+
+
+def draw_heatmap(ax: Axes, s: Surface, norm: colors.Normalize, cmap: str = "viridis", mark_center: bool = False):
+    """Heatmap of ``s`` (cells centered on the grid points, also for non-uniform axes)."""
+    mesh = ax.pcolormesh(s.x, s.y, s.loss, norm=norm, cmap=cmap, shading="nearest", rasterized=True)
+    if mark_center:
+        ax.plot([0], [0], marker="+", color="w", markersize=9, markeredgewidth=1.6)
+    _label(ax, s)
+    return mesh
+
+
+def draw_surface3d(ax: Axes, s: Surface, norm: colors.Normalize, cmap: str = "viridis", max_lines: int = 120):
+    """3D surface of ``s``; on a log color scale the height is ``log10(loss)``."""
+    log = isinstance(norm, colors.LogNorm)
+    xx, yy = np.meshgrid(s.x, s.y)
+    z = np.log10(s.loss) if log else s.loss
+    mappable = ax.plot_surface(
+        xx, yy, z, cmap=cmap, norm=colors.Normalize(np.log10(norm.vmin), np.log10(norm.vmax)) if log else norm,
+        rcount=min(max_lines, len(s.y)), ccount=min(max_lines, len(s.x)), linewidth=0, antialiased=False,
+    )  # fmt: skip
+    ax.set_xlabel(s.x_label, labelpad=-2)
+    ax.set_ylabel(s.y_label, labelpad=-2)
+    ax.set_zlabel(f"log₁₀ {s.z_label}" if log else s.z_label, labelpad=-1)
+    ax.set_box_aspect(None, zoom=0.92)
+    ax.tick_params(pad=-1)
+    ax.set_title(_wrap(s.title))
+    ax.view_init(elev=32, azim=-125)
+    return mappable
+
+
+def draw_line(
+    ax: Axes, s: Surface, log: bool = False, accuracy: bool = True, mark_center: bool = True, **kwargs
+):
+    """Loss along a line (accuracy on a second axis when present); ``mark_center``: a dot at ``x = 0``."""
+    (line,) = ax.plot(s.x, s.loss, color=kwargs.pop("color", "C0"), lw=kwargs.pop("lw", 1.6), **kwargs)
+    if log:
+        ax.set_yscale("log")
+    j = np.flatnonzero(s.x == 0)
+    if mark_center and j.size:
+        ax.plot(s.x[j], s.loss[j], "o", color=line.get_color(), ms=4, zorder=4)
+    ax.set_xlabel(s.x_label)
+    ax.set_ylabel(s.z_label)
+    ax.set_title(s.title)
+    ax.grid(alpha=0.3, lw=0.5)
+    if accuracy and s.accuracy is not None:
+        twin = ax.twinx()
+        twin.plot(s.x, 100 * s.accuracy, color="C1", lw=1.0, ls="--")
+        twin.set_ylabel("accuracy (%)", color="C1")
+        twin.tick_params(axis="y", colors="C1")
+    return line
+
+
+def _wrap(title: str, width: int = 48) -> str:
+    """Break long title lines so neighbouring panel titles do not run into each other."""
+    return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
+
+
+def _label(ax: Axes, s: Surface) -> None:
+    ax.set_xlabel(s.x_label)
+    ax.set_ylabel(s.y_label)
+    ax.set_title(_wrap(s.title))
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(5))
+    ax.yaxis.set_major_locator(ticker.MaxNLocator(5))
+
+
+def surface_figure(
+    surfaces: Sequence[Surface],
+    kinds: Sequence[str] = ("contour", "surface"),
+    log: bool = False,
+    cmap: str | None = None,
+    title: str | None = None,
+    panel_size: tuple[float, float] = (3.4, 3.0),
+    mark_center: bool = False,
+    levels: np.ndarray | None = None,
+    label_levels: bool = True,
+) -> Figure:
+    """Panels of 2-D surfaces with one shared color scale and colorbar.
+
+    Args:
+        surfaces: 2-D surfaces, one column each (a single surface: its drawings in one row).
+        kinds: one row per entry, each ``"contour"``, ``"heatmap"`` or ``"surface"`` (3D).
+        log: logarithmic color scale (and ``log10`` heights in 3D).
+        cmap: colormap name (default: diverging for signed losses, viridis otherwise).
+        title: figure title.
+        panel_size: inches per panel.
+        mark_center: mark the point ``(0, 0)`` (the model's own parameters) in 2-D panels.
+        levels: contour levels (default: about 20 round values over the shared range).
+        label_levels: write level values on the contour lines.
+
+    Returns:
+        The matplotlib ``Figure``.
+    """
+    if not surfaces or any(s.is_line for s in surfaces):
+        raise ValueError("surface_figure draws 2-D surfaces; use line_figure for lines")
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"unknown drawing kind {bad[0]!r}; choose from {', '.join(KINDS)}")
+    norm = shared_norm(surfaces, log)
+    cmap = cmap or default_cmap(surfaces)
+    levels = contour_levels(norm) if levels is None else levels
+    # one surface: its drawings side by side; several: one row per kind, one column per surface
+    rows, cols = (1, len(kinds)) if len(surfaces) == 1 else (len(kinds), len(surfaces))
+    with mpl.rc_context(STYLE):
+        fig = Figure(
+            figsize=(panel_size[0] * cols + 0.9, panel_size[1] * rows + (0.5 if title else 0.2)), layout="constrained"
+        )
+        axes = []
+        mappable = None
+        for r, kind in enumerate(kinds):
+            for c, s in enumerate(surfaces):
+                index = r * len(surfaces) + c + 1
+                if kind == "surface":
+                    ax = fig.add_subplot(rows, cols, index, projection="3d")
+                    draw_surface3d(ax, s, norm, cmap)
+                elif kind == "heatmap":
+                    ax = fig.add_subplot(rows, cols, index)
+                    drawn = draw_heatmap(ax, s, norm, cmap, mark_center=mark_center)
+                    mappable = mappable or drawn
+                else:
+                    ax = fig.add_subplot(rows, cols, index)
+                    drawn = draw_contour(ax, s, norm, cmap, levels, label_levels, mark_center)
+                    mappable = mappable or drawn
+                axes.append(ax)
+        if mappable is None:
+            mappable = ScalarMappable(norm=norm, cmap=cmap)
+        if len(surfaces) == 1 and title:
+            # the figure title names the surface; the panels say only what they draw
+            for ax, kind in zip(axes, kinds):
+                ax.set_title({"contour": "contours", "heatmap": "heatmap", "surface": "surface"}[kind])
+        colorbar = fig.colorbar(mappable, ax=axes, shrink=0.85, aspect=30, pad=0.02, label=surfaces[0].z_label)
+        if log:
+            colorbar.ax.yaxis.set_major_locator(ticker.LogLocator())
+            colorbar.ax.yaxis.set_major_formatter(ticker.LogFormatterSciNotation())
+        if title:
+            fig.suptitle(title)
+    return fig
+
+
+def line_figure(
+    surfaces: Sequence[Surface],
+    labels: Sequence[str] | None = None,
+    log: bool = False,
+    title: str | None = None,
+    size: tuple[float, float] = (5.0, 3.4),
+) -> Figure:
+    """Lines on one axes (flatness paper Fig. 2 style); accuracy is drawn only for a single line."""
+    if not surfaces or any(not s.is_line for s in surfaces):
+        raise ValueError("line_figure draws lines; use surface_figure for 2-D surfaces")
+    with mpl.rc_context(STYLE):
+        fig = Figure(figsize=size, layout="constrained")
+        ax = fig.add_subplot()
+        for i, s in enumerate(surfaces):
+            draw_line(ax, s, log=log, accuracy=len(surfaces) == 1, color=f"C{i}" if len(surfaces) > 1 else "C0",
+                      label=None if labels is None else labels[i])  # fmt: skip
+        if labels is not None:
+            ax.legend()
+        if title:
+            ax.set_title(title)
+    return fig
+
+
+def save_figure(fig: Figure, stem: str | os.PathLike, formats: Sequence[str] = ("png",), dpi: int = 200) -> list[Path]:
+    """Write ``STEM.<format>`` for each format (PNG at ``dpi``; PDF/SVG vector), each atomically."""
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ValueError(f"unknown figure format {bad[0]!r}; choose from {', '.join(FORMATS)}")
+    stem = Path(stem)
+    paths = []
+    with mpl.rc_context(STYLE):
+        for fmt in formats:
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format=fmt, dpi=dpi)
+            path = stem.with_name(f"{stem.name}.{fmt}")
+            write_bytes_atomic(path, buffer.getvalue())
+            paths.append(path)
+    return paths

@@ -1,0 +1,160 @@
+"""Interactive loss surfaces with plotly: a 3D surface next to a contour map, in one standalone HTML.
+
+The HTML carries plotly.js inline, so it opens offline and can be mailed or archived as one file.
+All panels share one color range and colorbar. Plotly has no logarithmic color scale, so ``log``
+plots ``log10(loss)`` and says so in the colorbar title.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from landscape._surface import Surface, write_bytes_atomic
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Extra marks on a contour panel: polylines (``(m, 2)`` arrays) and arrows (points + vectors)."""
+
+    lines: Sequence[tuple[np.ndarray, str]] = ()
+    arrow_points: np.ndarray | None = None
+    arrow_vectors: np.ndarray | None = None
+    arrow_color: str = "black"
+    notes: Sequence[tuple[float, float, str]] = field(default_factory=tuple)
+
+
+def _z(s: Surface, log: bool) -> np.ndarray:
+    if not log:
+        return s.loss
+    if float(np.nanmin(s.loss)) <= 0:
+        raise ValueError("a log color scale needs a positive loss")
+    return np.log10(s.loss)
+
+
+def _colorscale(surfaces: Sequence[Surface]) -> str:
+    lo = min(float(np.nanmin(s.loss)) for s in surfaces)
+    hi = max(float(np.nanmax(s.loss)) for s in surfaces)
+    return "RdBu_r" if lo < 0 < hi else "Viridis"
+
+
+def plotly_figure(
+    surfaces: Sequence[Surface],
+    title: str = "",
+    log: bool = False,
+    overlays: Mapping[int, Overlay] | None = None,
+    line_labels: Sequence[str] | None = None,
+) -> go.Figure:
+    """A plotly figure: one row per 2-D surface (3D surface | contour), or one panel of lines.
+
+    Args:
+        surfaces: all 2-D surfaces, or all lines.
+        title: figure title.
+        log: plot ``log10(loss)``.
+        overlays: ``{surface index: Overlay}`` drawn on that surface's contour panel.
+        line_labels: legend entries for lines.
+
+    Returns:
+        The ``plotly.graph_objects.Figure``.
+    """
+    if not surfaces:
+        raise ValueError("nothing to plot: no surfaces given")
+    if all(s.is_line for s in surfaces):
+        return _line_figure(surfaces, title, log, line_labels)
+    if any(s.is_line for s in surfaces):
+        raise ValueError("give either lines or 2-D surfaces, not both, to one plotly figure")
+    overlays = overlays or {}
+    zs = [_z(s, log) for s in surfaces]
+    zmin = min(float(np.nanmin(z)) for z in zs)
+    zmax = max(float(np.nanmax(z)) for z in zs)
+    fig = make_subplots(
+        rows=len(surfaces), cols=2,
+        specs=[[{"type": "surface"}, {"type": "xy"}] for _ in surfaces],
+        subplot_titles=[t for s in surfaces for t in (s.title.replace("\n", "<br>"), "")],
+        horizontal_spacing=0.08, vertical_spacing=0.12 / max(1, len(surfaces) - 1) if len(surfaces) > 1 else 0.1,
+    )  # fmt: skip
+    scale = _colorscale(surfaces)
+    colorbar = {"title": {"text": ("log10 " if log else "") + surfaces[0].z_label}, "len": 0.9}
+    for r, (s, z) in enumerate(zip(surfaces, zs), start=1):
+        hover = f"{s.x_label}=%{{x:.4g}}<br>{s.y_label}=%{{y:.4g}}<br>{s.z_label}=%{{z:.5g}}<extra></extra>"
+        # every trace carries the same explicit color range (a shared scale); only one shows its colorbar
+        fig.add_trace(
+            go.Surface(x=s.x, y=s.y, z=z, colorscale=scale, cmin=zmin, cmax=zmax, showscale=False,
+                       hovertemplate=hover),
+            row=r, col=1,
+        )  # fmt: skip
+        fig.add_trace(
+            go.Contour(
+                x=s.x, y=s.y, z=z, colorscale=scale, zmin=zmin, zmax=zmax, hovertemplate=hover, ncontours=24,
+                showscale=r == 1, colorbar=colorbar,
+                contours={"showlabels": True, "labelfont": {"size": 9}}, line={"width": 0.5},
+            ),
+            row=r, col=2,
+        )  # fmt: skip
+        scene = "scene" if r == 1 else f"scene{r}"
+        fig.layout[scene].update(
+            xaxis_title=s.x_label, yaxis_title=s.y_label, zaxis_title=("log10 " if log else "") + s.z_label
+        )
+        fig.update_xaxes(title_text=s.x_label, row=r, col=2)
+        fig.update_yaxes(title_text=s.y_label, row=r, col=2)
+        if r - 1 in overlays:
+            _add_overlay(fig, overlays[r - 1], r, s)
+    fig.update_layout(
+        title={"text": title.replace("\n", "<br>"), "x": 0.5},
+        height=480 * len(surfaces) + 80, showlegend=False, margin={"t": 90, "l": 40, "r": 40, "b": 40},
+    )  # fmt: skip
+    return fig
+
+
+def _add_overlay(fig: go.Figure, overlay: Overlay, row: int, s: Surface) -> None:
+    for points, name in overlay.lines:
+        fig.add_trace(
+            go.Scatter(x=points[:, 0], y=points[:, 1], mode="lines", name=name, hoverinfo="name",
+                       line={"color": "black", "width": 1.2, "dash": "dash"}),
+            row=row, col=2,
+        )  # fmt: skip
+    if overlay.arrow_points is not None:
+        # data-coordinate arrows: tail at the point, head at point + vector
+        axis = fig.get_subplot(row, 2)
+        xref, yref = axis.xaxis.plotly_name.replace("axis", ""), axis.yaxis.plotly_name.replace("axis", "")
+        for (px, py), (vx, vy) in zip(overlay.arrow_points, overlay.arrow_vectors):
+            fig.add_annotation(
+                x=px + vx, y=py + vy, ax=px, ay=py, xref=xref, yref=yref, axref=xref, ayref=yref,
+                showarrow=True, arrowhead=2, arrowsize=1, arrowwidth=1.6, arrowcolor=overlay.arrow_color, text="",
+            )  # fmt: skip
+    for x, y, text in overlay.notes:
+        axis = fig.get_subplot(row, 2)
+        fig.add_annotation(
+            x=x, y=y, text=text, showarrow=False, font={"size": 11},
+            xref=axis.xaxis.plotly_name.replace("axis", ""), yref=axis.yaxis.plotly_name.replace("axis", ""),
+        )  # fmt: skip
+    fig.update_xaxes(range=[float(s.x[0]), float(s.x[-1])], row=row, col=2)
+    fig.update_yaxes(range=[float(s.y[0]), float(s.y[-1])], row=row, col=2)
+
+
+def _line_figure(surfaces: Sequence[Surface], title: str, log: bool, labels: Sequence[str] | None) -> go.Figure:
+    fig = go.Figure()
+    for i, s in enumerate(surfaces):
+        name = labels[i] if labels else s.title
+        fig.add_trace(go.Scatter(x=s.x, y=s.loss, mode="lines", name=name))
+        if s.accuracy is not None and len(surfaces) == 1:
+            fig.add_trace(go.Scatter(x=s.x, y=100 * s.accuracy, mode="lines", name="accuracy (%)", yaxis="y2",
+                                     line={"dash": "dash"}))  # fmt: skip
+            fig.update_layout(yaxis2={"title": "accuracy (%)", "overlaying": "y", "side": "right"})
+    fig.update_layout(
+        title={"text": title.replace("\n", "<br>"), "x": 0.5},
+        xaxis_title=surfaces[0].x_label, yaxis_title=surfaces[0].z_label,
+        yaxis_type="log" if log else "linear", height=520,
+    )  # fmt: skip
+    return fig
+
+
+def write_html(fig: go.Figure, path: str | os.PathLike) -> None:
+    """Write ``fig`` as one standalone HTML file with plotly.js inline (works offline), atomically."""
+    html = fig.to_html(include_plotlyjs=True, full_html=True, config={"displaylogo": False})
+    write_bytes_atomic(path, html.encode("utf-8"))

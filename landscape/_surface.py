@@ -1,0 +1,152 @@
+"""A computed loss curve or surface, and its ``.npz`` + ``.json`` files.
+
+A :class:`Surface` holds everything needed to redraw a plot without recomputing it: the grid
+axes, the loss (and accuracy) at every grid point, axis labels, a title and free-form metadata
+(directions' seeds, normalization, center loss, timing). ``save`` writes ``STEM.npz`` (arrays) and
+``STEM.json`` (everything else), each atomically, so an interrupted run never leaves a
+half-written file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sharpness._results import write_text_atomic
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, then rename it."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with numpy scalars/arrays turned into Python numbers/lists and non-finite floats into strings."""
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return jsonable(x.item())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+@dataclass(frozen=True)
+class Surface:
+    """Loss over a 1-D line or a 2-D grid of parameter-space coordinates.
+
+    Attributes:
+        x: ``(nx,)`` coordinates along the first axis.
+        y: ``(ny,)`` coordinates along the second axis, or ``None`` for a line.
+        loss: ``(ny, nx)`` with ``loss[i, j]`` at ``(x[j], y[i])``; ``(nx,)`` for a line.
+        accuracy: same shape as ``loss`` (fraction of correct argmax predictions), or ``None``.
+        x_label: axis label of ``x`` (matplotlib mathtext allowed).
+        y_label: axis label of ``y`` (``""`` for a line).
+        title: what the surface shows, including which reading of "fixed weight" where it applies.
+        z_label: what ``loss`` is (e.g. ``"loss"``, ``r"$\\sin(y)$"``).
+        extras: further arrays saved in the ``.npz`` (e.g. ``fixed``: the fixed-weight value).
+        metadata: JSON-serialisable facts about how the surface was computed.
+    """
+
+    x: np.ndarray
+    y: np.ndarray | None
+    loss: np.ndarray
+    accuracy: np.ndarray | None = None
+    x_label: str = "x"
+    y_label: str = ""
+    title: str = ""
+    z_label: str = "loss"
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        expected = (len(self.x),) if self.y is None else (len(self.y), len(self.x))
+        if tuple(self.loss.shape) != expected:
+            raise ValueError(f"loss has shape {tuple(self.loss.shape)}, expected {expected} from the axes")
+        if self.accuracy is not None and tuple(self.accuracy.shape) != expected:
+            raise ValueError(f"accuracy has shape {tuple(self.accuracy.shape)}, expected {expected}")
+
+    @property
+    def is_line(self) -> bool:
+        return self.y is None
+
+    def replace(self, **changes: Any) -> Surface:
+        return dataclasses.replace(self, **changes)
+
+    def center_index(self) -> tuple[int, ...]:
+        """Index of the grid point at coordinates 0 (``(j,)`` for a line, ``(i, j)`` for a plane)."""
+        j = int(np.flatnonzero(self.x == 0)[0])
+        return (j,) if self.y is None else (int(np.flatnonzero(self.y == 0)[0]), j)
+
+    def save(self, stem: str | os.PathLike) -> tuple[Path, Path]:
+        """Write ``STEM.npz`` (``x``, ``y``, ``loss``, ``accuracy``, extras) and ``STEM.json``.
+
+        A line stores ``y`` as an empty array. Returns the two paths.
+        """
+        stem = Path(stem)
+        arrays = {"x": np.asarray(self.x), "y": np.asarray([] if self.y is None else self.y), "loss": self.loss}
+        if self.accuracy is not None:
+            arrays["accuracy"] = self.accuracy
+        arrays.update({k: np.asarray(v) for k, v in self.extras.items()})
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        npz, meta = stem.with_name(stem.name + ".npz"), stem.with_name(stem.name + ".json")
+        record = {
+            "kind": "line" if self.is_line else "plane",
+            "x_label": self.x_label,
+            "y_label": self.y_label,
+            "z_label": self.z_label,
+            "title": self.title,
+            "extras": sorted(self.extras),
+            "metadata": self.metadata,
+        }
+        text = json.dumps(jsonable(record), indent=2)
+        write_bytes_atomic(npz, buffer.getvalue())
+        write_text_atomic(meta, text + "\n")
+        return npz, meta
+
+    @classmethod
+    def load(cls, stem: str | os.PathLike) -> Surface:
+        """Read a surface written by :meth:`save` (``STEM``, ``STEM.npz`` or ``STEM.json``)."""
+        stem = Path(stem)
+        if stem.suffix in (".npz", ".json"):
+            stem = stem.with_suffix("")
+        with open(stem.with_name(stem.name + ".json")) as fh:
+            record = json.load(fh)
+        with np.load(stem.with_name(stem.name + ".npz"), allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        return cls(
+            x=arrays["x"],
+            y=None if record["kind"] == "line" else arrays["y"],
+            loss=arrays["loss"],
+            accuracy=arrays.get("accuracy"),
+            x_label=record["x_label"],
+            y_label=record["y_label"],
+            title=record["title"],
+            z_label=record.get("z_label", "loss"),
+            extras={k: arrays[k] for k in record.get("extras", [])},
+            metadata=record["metadata"],
+        )

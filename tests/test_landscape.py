@@ -1,0 +1,339 @@
+"""Loss landscapes: toy networks (exact gradients, G-space charts), directions, the grid evaluator's
+fast path against a plain loop, surfaces on disk, and the command line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from cases import make_case, mlp
+from torch import nn
+
+import landscape
+from landscape import _toys as toys
+from landscape._cli import main as cli_main
+from landscape._grid import split_first_linear
+from sharpness import Objective
+
+# ---------------------------------------------------------------------------------------------
+# toy networks
+
+
+def _autograd(fn, *args):
+    xs = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in args]
+    return [g.item() for g in torch.autograd.grad(fn(*xs), xs)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_toy_gradients_match_autograd(seed):
+    g = np.random.default_rng(seed)
+    w = g.uniform(-3, 3, size=3)
+    assert toys.grad_a(w[0]).item() == pytest.approx(_autograd(toys.loss_a, w[0])[0], abs=1e-14)
+    pairs = ((toys.grad_b, toys.loss_b, 2), (toys.grad_a2, toys.loss_a2, 2), (toys.grad_b2, toys.loss_b2, 3))
+    for analytic, fn, n in pairs:
+        expected = _autograd(fn, *w[:n])
+        assert [t.item() for t in analytic(*w[:n])] == pytest.approx(expected, abs=1e-14)
+
+
+def test_fig_1_6_arrows_are_the_true_gradient_and_scale_as_one_over_alpha():
+    s = toys.fig_1_6_surface(steps=5)
+    pts, grads = s.extras["arrow_points"], s.extras["arrow_gradient"]
+    level, alpha = s.extras["arrow_level"], s.extras["arrow_alpha"]
+    for p, g in zip(pts, grads):
+        assert g == pytest.approx(_autograd(toys.loss_b, *p), abs=1e-14)
+    assert pts[:, 0] * pts[:, 1] == pytest.approx(level)  # the points lie on their invariant lines
+    # the gradient is normal to the line w1 w2 = c (tangent (w1, -w2)) ...
+    assert grads[:, 0] * pts[:, 0] - grads[:, 1] * pts[:, 1] == pytest.approx(0, abs=1e-12)
+    # ... and moving along it by alpha scales dL/dw1 by 1/alpha and dL/dw2 by alpha (thesis eq. 1.20)
+    for c in np.unique(level):
+        on = level == c
+        base = grads[on & (alpha == 1.0)][0]
+        assert grads[on, 0] * alpha[on] == pytest.approx(np.full(on.sum(), base[0]), rel=1e-12)
+        assert grads[on, 1] / alpha[on] == pytest.approx(np.full(on.sum(), base[1]), rel=1e-12)
+        assert abs(base[0]) > 0.1  # the drawn arrows are visible, not degenerate
+
+
+def test_gspace_charts_reproduce_the_loss_and_undistort_it():
+    g = torch.Generator().manual_seed(0)
+    w = 4 * torch.rand(3, 200, generator=g, dtype=torch.float64) - 2
+    v, s = toys.gspace_b(w[0], w[1])
+    assert torch.allclose(toys.loss_b_gspace(v, s), toys.loss_b(w[0], w[1]), atol=1e-14)
+    pos = w[1] > 0  # skeleton weight w2 > 0: network b in G-space is network a
+    assert torch.allclose(toys.loss_b(w[0], w[1])[pos], toys.loss_a(v[pos]), atol=1e-14)
+    v1, v2, s = toys.gspace_b2(w[0], w[1], w[2])
+    assert torch.allclose(toys.loss_b2_gspace(v1, v2, s), toys.loss_b2(w[0], w[1], w[2]), atol=1e-14)
+    pos = w[2] > 0  # skeleton weight w3 > 0: Fig. 4.9's network b in G-space is network a
+    assert torch.allclose(toys.loss_b2(w[0], w[1], w[2])[pos], toys.loss_a2(v1[pos], v2[pos]), atol=1e-14)
+    # invariance: a rescaling of the hidden unit changes the weights but not the G-space point
+    alpha = 3.7
+    assert torch.allclose(torch.stack(toys.gspace_b2(alpha * w[0], alpha * w[1], w[2] / alpha)[:2]),
+                          torch.stack([v1, v2]), atol=1e-13)  # fmt: skip
+
+
+def test_fig_4_9_surfaces_are_reading_a_with_fixed_values():
+    surfaces = toys.fig_4_9_surfaces(fixed=(1.0, 6.0), steps=7)
+    assert [float(s.extras["fixed"]) for s in surfaces[1:]] == [1.0, 6.0]
+    for s in surfaces[1:]:
+        assert "reading (a)" in s.title
+        b = float(s.extras["fixed"])
+        w2, w3 = np.meshgrid(s.x, s.y)
+        assert s.loss == pytest.approx(np.sin(w3 * np.maximum(b + w2, 0)), abs=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------
+# directions
+
+
+@pytest.mark.parametrize("name", ["mlp_bias", "cnn"])
+def test_filter_normalization_matches_row_and_filter_norms(name):
+    case = make_case(name)
+    theta = {k: p.detach() for k, p in case.model.named_parameters()}
+    d = landscape.random_directions(theta, k=2, seed=3, norm="filter", bias="zero")
+    layout = Objective(case.model, case.loss_fn, case.data).layout
+    for vec in d.vectors:
+        for key, t in layout.unflatten(vec).items():
+            if t.dim() == 1:
+                assert torch.count_nonzero(t) == 0  # biases zeroed
+            else:
+                assert torch.allclose(t.flatten(1).norm(dim=1), theta[key].flatten(1).norm(dim=1), rtol=1e-12)
+    assert d.info == {"seeds": [3, 4], "normalization": "filter", "bias": "zero", "distribution": "gaussian"}
+    kept = landscape.random_directions(theta, k=1, seed=3, norm="layer", bias="keep")
+    for key, t in layout.unflatten(kept.vectors[0]).items():
+        assert t.norm() == pytest.approx(theta[key].norm(), rel=1e-12)
+
+
+def test_eigen_direction_curvature_is_the_eigenvalue():
+    case = make_case("mlp_bias")
+    s = landscape.loss_line(case.model, case.loss_fn, case.data, directions="eigen", span=1e-3, steps=3,
+                            progress=False)  # fmt: skip
+    h = s.x[2]
+    curvature = (s.loss[0] - 2 * s.loss[1] + s.loss[2]) / h**2
+    assert curvature == pytest.approx(s.metadata["directions"]["eigenvalues"][0], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# grid evaluation
+
+
+def test_grid_axis_contains_anchors():
+    assert 0.0 in landscape.grid_axis(-1, 1, 5)
+    even = landscape.grid_axis(-1, 1, 4)
+    assert 0.0 in even and len(even) == 5
+    seg = landscape.grid_axis(-0.5, 1.5, 41, anchors=(0.0, 1.0))
+    assert 0.0 in seg and 1.0 in seg and len(seg) == 41
+    with pytest.raises(ValueError, match="positive"):
+        landscape.grid_axis(-1, 1, 0)
+
+
+def _flatten_mlp() -> nn.Sequential:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Flatten(), *mlp([12, 5, 3])).double().eval()
+
+
+def _grid_problem(name: str, dtype: torch.dtype):
+    if name == "flatten_mlp":
+        g = torch.Generator().manual_seed(2)
+        model = _flatten_mlp().to(dtype)
+        data = (torch.randn(13, 3, 4, generator=g, dtype=dtype), torch.randint(0, 3, (13,), generator=g))
+        return model, nn.CrossEntropyLoss(), data
+    case = make_case(name, dtype=dtype)
+    return case.model, case.loss_fn, case.data
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["mlp_bias", "cnn", "mlp_mse_sum", "flatten_mlp"])
+def test_fast_path_equals_plain_loop(name, dtype):
+    model, loss_fn, data = _grid_problem(name, dtype)
+    obj = Objective(model, loss_fn, data, chunk_size=5)  # several data chunks
+    assert split_first_linear(model, list(obj.params)) is not None
+    d = landscape.random_directions(obj.params, k=2, seed=0)
+    coords = np.stack(np.meshgrid(np.linspace(-1, 1, 5), np.linspace(-0.7, 0.9, 4)), -1).reshape(-1, 2)
+    fast = landscape.evaluate_grid(obj, d.vectors, coords, strategy="first-layer", batch=3, progress=False)
+    loop = landscape.evaluate_grid(obj, d.vectors, coords, strategy="loop", progress=False)
+    vmapped = landscape.evaluate_grid(obj, d.vectors, coords, strategy="vmap", batch=7, progress=False)
+    assert fast.strategy == "first-layer"
+    np.testing.assert_allclose(fast.loss, loop.loss, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(vmapped.loss, loop.loss, rtol=1e-6, atol=0)
+    # the loop itself against the objective's own evaluation at a few points
+    for i in (0, 7, len(coords) - 1):
+        ref = obj.evaluate(obj.layout.flatten(obj.params) + torch.as_tensor(coords[i], dtype=dtype) @ d.vectors)
+        assert loop.loss[i] == pytest.approx(ref["loss"], rel=1e-6)
+        if "accuracy" in ref:
+            assert fast.accuracy[i] == ref["accuracy"] == loop.accuracy[i]
+
+
+def test_auto_strategy_falls_back_for_other_models():
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp([3, 4, 2]).double()
+
+        def forward(self, x):
+            return self.net(x)
+
+    X, y = torch.randn(9, 3, dtype=torch.float64), torch.randint(0, 2, (9,))
+    obj = Objective(Wrapped().eval(), nn.CrossEntropyLoss(), (X, y))
+    d = landscape.random_directions(obj.params, k=1)
+    values = landscape.evaluate_grid(obj, d.vectors, np.array([[0.0], [0.5]]), progress=False)
+    assert values.strategy == "loop"
+    assert values.loss[0] == pytest.approx(obj.evaluate()["loss"], rel=1e-14)
+    with pytest.raises(ValueError, match="first-layer fast path"):
+        landscape.evaluate_grid(obj, d.vectors, np.array([[0.0]]), strategy="first-layer")
+
+
+@pytest.mark.parametrize("steps", [5, 6])
+def test_plane_contains_center_and_leaves_model_untouched(steps):
+    case = make_case("cnn")
+    before = copy.deepcopy(case.model.state_dict())
+    case.model.train()  # the surface is evaluated in eval mode and the mode is given back
+    with pytest.warns(UserWarning, match="training mode"):
+        s = landscape.loss_plane(case.model, case.loss_fn, case.data, span=0.5, steps=steps, progress=False)
+    assert case.model.training
+    case.model.eval()
+    i, j = s.center_index()
+    exact = Objective(case.model, case.loss_fn, case.data).evaluate()
+    assert s.loss[i, j] == pytest.approx(exact["loss"], rel=1e-12)
+    assert s.accuracy[i, j] == exact["accuracy"]
+    assert s.metadata["center_loss"] == pytest.approx(exact["loss"], rel=1e-14)
+    assert s.loss.shape == (len(s.y), len(s.x)) == ((steps | 1), (steps | 1))
+    for key, value in case.model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_segment_line_hits_both_checkpoints():
+    a, b = make_case("mlp_bias", seed=0), make_case("mlp_bias", seed=1)
+    s = landscape.loss_line(a.model, a.loss_fn, a.data, to=b.model, steps=41, progress=False)
+    assert s.x[0] == -0.5 and s.x[-1] == 1.5
+    end = Objective(b.model, a.loss_fn, a.data).evaluate()["loss"]
+    assert s.loss[np.flatnonzero(s.x == 1.0)[0]] == pytest.approx(end, rel=1e-12)
+    assert s.loss[np.flatnonzero(s.x == 0.0)[0]] == pytest.approx(s.metadata["center_loss"], rel=1e-12)
+
+
+def test_surface_npz_json_round_trip(tmp_path):
+    case = make_case("mlp_bias")
+    s = landscape.loss_plane(case.model, case.loss_fn, case.data, steps=3, seed=7, progress=False)
+    npz, meta = s.save(tmp_path / "plane")
+    back = landscape.Surface.load(tmp_path / "plane")
+    for field in ("x", "y", "loss", "accuracy"):
+        np.testing.assert_array_equal(getattr(back, field), getattr(s, field))
+    assert back.metadata["directions"]["seeds"] == [7, 8]
+    assert back.metadata["directions"]["normalization"] == "filter"
+    assert (back.x_label, back.y_label, back.title) == (s.x_label, s.y_label, s.title)
+    assert json.loads(meta.read_text())["kind"] == "plane"
+    line = toys.fig_1_5_surfaces(steps=5)[0]
+    line.save(tmp_path / "curve")
+    again = landscape.Surface.load(tmp_path / "curve.npz")
+    assert again.is_line and np.array_equal(again.loss, line.loss)
+
+
+def test_figures_in_every_format_with_a_shared_log_scale(tmp_path):
+    loss = np.geomspace(1e-3, 10, 20).reshape(4, 5)
+    a = landscape.Surface(x=np.linspace(-1, 1, 5), y=np.linspace(-1, 1, 4), loss=loss)
+    b = a.replace(loss=a.loss * 3)
+    fig = landscape.surface_figure([a, b], kinds=("contour", "heatmap"), log=True, title="two panels")
+    paths = landscape.save_figure(fig, tmp_path / "panels", ("png", "pdf", "svg"))
+    assert [p.suffix for p in paths] == [".png", ".pdf", ".svg"] and all(p.stat().st_size > 1000 for p in paths)
+    assert not list(tmp_path.glob(".tmp-*"))  # atomic writes leave no temporary files
+    with pytest.raises(ValueError, match="positive loss"):
+        landscape.surface_figure([a.replace(loss=a.loss - 1)], log=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def _cli(argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_toy_writes_promised_files(tmp_path, capsys):
+    code, out, _ = _cli(["toy", "--figure", "4.9", "--fixed", "1", "6", "--steps", "9", "--out", str(tmp_path),
+                         "--quiet"], capsys)  # fmt: skip
+    assert code == 0 and out == ""
+    for name in ("fig4_9.png", "fig4_9.html", "fig4_9_a.npz", "fig4_9_b_fixed1.npz",
+                 "fig4_9_b_fixed6.npz", "fig4_9_b_fixed6.json"):  # fmt: skip
+        assert (tmp_path / name).stat().st_size > 0, name
+    with np.load(tmp_path / "fig4_9_b_fixed6.npz") as f:
+        x, y, loss, fixed = f["x"], f["y"], f["loss"], f["fixed"]
+    assert float(fixed) == 6.0 and loss.shape == (len(y), len(x))
+    assert loss[3, 5] == pytest.approx(math.sin(y[3] * max(6.0 + x[5], 0.0)), abs=1e-14)  # loss[i, j] at x[j], y[i]
+    assert "plotly" in (tmp_path / "fig4_9.html").read_text()[:20000].lower()
+
+
+def _checkpoint(tmp_path, seed=0):
+    from sharpness._specs import build_model
+
+    torch.manual_seed(seed)
+    path = tmp_path / f"tiny{seed}.pt"
+    torch.save(build_model("mlp:6-5-3").state_dict(), path)
+    return path
+
+
+def test_cli_plane_and_segment_write_files(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path)
+    out = tmp_path / "out"
+    common = ["--model", "mlp:6-5-3", "--checkpoint", str(ckpt), "--data", "synthetic:n=40,dim=6,classes=3",
+              "--out", str(out), "--quiet", "--dtype", "float64"]  # fmt: skip
+    code, _, err = _cli(["plane", *common, "--steps", "5", "--span", "0.5"], capsys)
+    assert code == 0, err
+    for name in ("plane.npz", "plane.json", "plane.png", "plane.html"):
+        assert (out / name).stat().st_size > 0, name
+    s = landscape.Surface.load(out / "plane")
+    assert s.loss.shape == (5, 5) and s.metadata["model"] == "mlp:6-5-3"
+    assert s.loss[2, 2] == pytest.approx(s.metadata["center_loss"], rel=1e-12)
+    code, _, err = _cli(["line", *common, "--to", str(_checkpoint(tmp_path, 1)), "--steps", "9", "--name", "seg"],
+                        capsys)  # fmt: skip
+    assert code == 0, err
+    seg = landscape.Surface.load(out / "seg")
+    assert 0.0 in seg.x and 1.0 in seg.x and (out / "seg.png").exists()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"--checkpoint": "missing.pt"},
+        {"--directions": "sideways"},
+        {"--steps": "0"},
+        {"--steps": "-3"},
+        {"--data": "synthetic:n=40,dim=7,classes=3"},
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys, change):
+    ckpt = _checkpoint(tmp_path)
+    out = tmp_path / "out"
+    args = {"--model": "mlp:6-5-3", "--checkpoint": str(ckpt), "--data": "synthetic:n=40,dim=6,classes=3",
+            "--out": str(out)}  # fmt: skip
+    args.update(change)
+    code, stdout, err = _cli(["plane", *[t for kv in args.items() for t in kv], "--quiet"], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert "Traceback" not in err and stdout == ""
+    assert not out.exists()
+
+
+def test_cli_toy_rejects_fixed_for_other_figures(tmp_path, capsys):
+    code, _, err = _cli(["toy", "--figure", "1.5", "--fixed", "2", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--fixed" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_process_missing_checkpoint(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "landscape", "line", "--model", "mlp:6-5-3", "--checkpoint", str(tmp_path / "no.pt"),
+         "--data", "synthetic:n=10,dim=6,classes=3", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: checkpoint {tmp_path / 'no.pt'} does not exist"]
+    assert not (tmp_path / "o").exists()
