@@ -25,6 +25,24 @@ def gelu_net():
 
 def not_a_module():
     return 3
+
+
+def bn_net():
+    return nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu() + x)
+
+
+def res_net():
+    return Residual()
 """
 
 
@@ -65,6 +83,10 @@ def files(tmp_path_factory):
     np.savez(d / "nan_data.npz", X=X_nan, y=y)
     torch.save({"X": torch.from_numpy(X), "y": torch.from_numpy(y)}, d / "data.pt")
     (d / "factory.py").write_text(FACTORY)
+    namespace = {}
+    exec(FACTORY, namespace)
+    torch.save(namespace["bn_net"]().state_dict(), d / "bn.pt")
+    torch.save(namespace["res_net"]().state_dict(), d / "res.pt")
     return d
 
 
@@ -175,6 +197,14 @@ BAD_INPUTS = {
     "non-homogeneous activation": (
         ["--model", "{d}/factory.py:gelu_net", "--checkpoint", "{d}/model.pt", "--metric", "node"],
         "Euclidean measure remains meaningful",
+    ),
+    "BatchNorm with gspace": (
+        ["--model", "{d}/factory.py:bn_net", "--checkpoint", "{d}/bn.pt", "--metric", "gspace"],
+        "module '1' (BatchNorm1d)",
+    ),
+    "residual with gspace": (
+        ["--model", "{d}/factory.py:res_net", "--checkpoint", "{d}/res.pt", "--metric", "gspace"],
+        "residual connection",
     ),
     "zero-norm tensor, layer metric": (["--checkpoint", "{d}/zero_bias.pt", "--metric", "layer"], "0.bias"),
     "unknown metric": (["--metric", "fancy"], "unknown metric 'fancy'"),
