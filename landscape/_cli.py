@@ -152,7 +152,7 @@ def _load(args: argparse.Namespace):
     X, y = load_data(args.data)
     try:
         with torch.no_grad():
-            model(X[:1])
+            model(X[:1].to(next(model.parameters()).dtype))
     except RuntimeError as exc:
         raise ValueError(
             f"samples of shape {tuple(X.shape[1:])} from {args.data} do not fit the model {args.model} "
