@@ -137,24 +137,6 @@ def split_first_linear(model: nn.Module, names: Sequence[str]) -> _Split | None:
     return None
 
 
-def _activation_bytes_per_sample(model: nn.Module, params, buffers, x: Tensor) -> float:
-    """Bytes of the outputs of all leaf modules in one forward pass, per sample."""
-    total = [x.numel() * x.element_size()]
-
-    def hook(_module, _inputs, output):
-        if isinstance(output, Tensor):
-            total[0] += output.numel() * output.element_size()
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            functional_call(model, (params, buffers), (x,))
-    finally:
-        for h in handles:
-            h.remove()
-    return total[0] / max(x.shape[0], 1)
-
-
 def choose_strategy(objective: Objective, strategy: str = "auto") -> str:
     """Resolve ``strategy`` for this objective (``"first-layer"`` only where the model allows it)."""
     if strategy not in STRATEGIES:
@@ -174,9 +156,7 @@ def choose_strategy(objective: Objective, strategy: str = "auto") -> str:
 
 def _bytes_per_point(objective: Objective, chunk: int, n_moved: int) -> float:
     """Estimated bytes one grid point of a batch keeps alive: activations of a data chunk, parameter copies."""
-    x = next(iter(objective.chunks()))[0]
-    with eval_mode(objective.model):
-        per_sample = _activation_bytes_per_sample(objective.model, objective.params, objective.buffers, x[:8])
+    per_sample = objective.activation_bytes_per_sample()
     elem = torch.empty((), dtype=objective.dtype).element_size()
     # batched kernels keep about two activation-sized temporaries per point alive at once
     return 2 * per_sample * chunk + 2 * n_moved * elem

@@ -22,7 +22,8 @@ from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 
-from landscape._surface import Surface, write_bytes_atomic
+from landscape._surface import Surface
+from sharpness._results import write_atomic
 
 FORMATS = ("png", "pdf", "svg")
 KINDS = ("contour", "heatmap", "surface")
@@ -279,6 +280,6 @@ def save_figure(fig: Figure, stem: str | os.PathLike, formats: Sequence[str] = (
             buffer = io.BytesIO()
             fig.savefig(buffer, format=fmt, dpi=dpi)
             path = stem.with_name(f"{stem.name}.{fmt}")
-            write_bytes_atomic(path, buffer.getvalue())
+            write_atomic(path, buffer.getvalue())
             paths.append(path)
     return paths

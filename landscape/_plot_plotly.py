@@ -15,7 +15,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from landscape._surface import Surface, write_bytes_atomic
+from landscape._surface import Surface
+from sharpness._results import write_atomic
 
 
 @dataclass(frozen=True)
@@ -157,4 +158,4 @@ def _line_figure(surfaces: Sequence[Surface], title: str, log: bool, labels: Seq
 def write_html(fig: go.Figure, path: str | os.PathLike) -> None:
     """Write ``fig`` as one standalone HTML file with plotly.js inline (works offline), atomically."""
     html = fig.to_html(include_plotlyjs=True, full_html=True, config={"displaylogo": False})
-    write_bytes_atomic(path, html.encode("utf-8"))
+    write_atomic(path, html.encode("utf-8"))

@@ -12,46 +12,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from sharpness._results import write_text_atomic
-
-
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder, then rename it."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def jsonable(x: Any) -> Any:
-    """``x`` with numpy scalars/arrays turned into Python numbers/lists and non-finite floats into strings."""
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        return jsonable(x.item())
-    if isinstance(x, float):
-        return x if math.isfinite(x) else str(x)
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
+from sharpness._results import jsonable, write_atomic, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -124,7 +92,7 @@ class Surface:
             "metadata": self.metadata,
         }
         text = json.dumps(jsonable(record), indent=2)
-        write_bytes_atomic(npz, buffer.getvalue())
+        write_atomic(npz, buffer.getvalue())
         write_text_atomic(meta, text + "\n")
         return npz, meta
 

@@ -20,7 +20,7 @@ from sharpness._data import DataError
 from sharpness._epsilon import BALL_GEOMETRIES, epsilon_sharpness
 from sharpness._invariant import METRICS
 from sharpness._measure import measure_sharpness
-from sharpness._results import _jsonable, write_text_atomic
+from sharpness._results import jsonable, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness._verify import verify_invariance
 
@@ -142,7 +142,7 @@ def _compute(args: argparse.Namespace) -> int:
     }
     print(_table(report))
     if args.json:
-        write_text_atomic(args.json, json.dumps(_jsonable(report), indent=2))
+        write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
     return 0
 
 

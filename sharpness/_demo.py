@@ -23,7 +23,7 @@ import manifolds
 from sharpness._invariant import METRICS
 from sharpness._measure import measure_sharpness
 from sharpness._progress import progress_bar
-from sharpness._results import _jsonable, write_text_atomic
+from sharpness._results import jsonable, write_text_atomic
 from sharpness._verify import verify_invariance
 
 
@@ -213,7 +213,7 @@ def run_demo(out: str = "demo-out", seed: int = 0, threshold: float = 1e-2, prog
         "invariance": verify,
         "versions": {"torch": torch.__version__},
     }
-    write_text_atomic(os.path.join(out, "report.json"), json.dumps(_jsonable(summary), indent=2))
+    write_text_atomic(os.path.join(out, "report.json"), json.dumps(jsonable(summary), indent=2))
     _figure(os.path.join(out, "sharpness.png"), {k: results[k] for k in results}, verify)
     write_text_atomic(os.path.join(out, "report.md"), _markdown(summary, report.table()))
     return summary

@@ -27,7 +27,7 @@ from sharpness._invariant import build_quotient
 from sharpness._measure import check_metric, measure_sharpness
 from sharpness._objective import Objective
 from sharpness._progress import progress_bar
-from sharpness._results import EigenResult, _jsonable, write_text_atomic
+from sharpness._results import EigenResult, jsonable, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class EpsilonSharpness:
         if with_vectors:
             out["maximizer"] = self.maximizer
             out["perturbed"] = self.perturbed
-        return _jsonable(out)
+        return jsonable(out)
 
     def save_json(self, path: str | os.PathLike, with_vectors: bool = False) -> None:
         """Write :meth:`to_dict` to ``path`` atomically."""

@@ -151,7 +151,8 @@ class Objective:
             params=params,
         )
 
-    def _bytes(self) -> float:
+    def activation_bytes_per_sample(self) -> float:
+        """Estimated bytes of one sample's forward activations (measured once on a few samples)."""
         if self._bytes_per_sample is None:
             x, y = self.data.first_batch()
             x, _ = cast_batch(x[:8], y[:8], self.dtype, self.device)
@@ -161,7 +162,7 @@ class Objective:
 
     def _auto_chunk_size(self) -> int:
         # A double-backward pass keeps roughly four copies of the forward activations alive.
-        return max(1, int(self.memory_budget / (4 * self._bytes())))
+        return max(1, int(self.memory_budget / (4 * self.activation_bytes_per_sample())))
 
     def chunks(self) -> Iterator[tuple[Tensor, Tensor, float]]:
         """Yield ``(inputs, targets, weight)``; the objective is ``sum(weight * chunk_loss)``."""
@@ -236,7 +237,7 @@ class Objective:
     # Hessian-vector products
     def _graph_fits(self) -> bool:
         # The cached double-backward graph holds every chunk's activations at once.
-        return 4 * self._bytes() * self.n_samples <= self.memory_budget
+        return 4 * self.activation_bytes_per_sample() * self.n_samples <= self.memory_budget
 
     def _choose_strategy(self) -> str:
         if self._graph_fits():

@@ -10,19 +10,21 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from manifolds import ParamLayout
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file so no half-written file is ever left."""
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same folder, then rename
+    it, so no half-written file is ever left."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as fh:
+            fh.write(data)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -30,15 +32,25 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def _jsonable(x: Any) -> Any:
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`write_atomic`)."""
+    write_atomic(path, text)
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with tensors and numpy arrays/scalars as Python lists/numbers, non-finite floats as strings."""
     if isinstance(x, Tensor):
-        return _jsonable(x.detach().cpu().tolist())
+        return jsonable(x.detach().cpu().tolist())
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return jsonable(x.item())
     if isinstance(x, float):
         return x if math.isfinite(x) else str(x)
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     return x
 
 
@@ -115,7 +127,7 @@ class EigenResult:
         }
         if with_vectors:
             out["eigenvectors"] = self.eigenvectors.tolist()
-        return _jsonable(out)
+        return jsonable(out)
 
     def save_json(self, path: str | os.PathLike, with_vectors: bool = False) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(with_vectors), indent=2))
@@ -133,7 +145,7 @@ class TraceResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return _jsonable(
+        return jsonable(
             {
                 "estimate": self.estimate,
                 "stderr": self.stderr,

@@ -27,7 +27,7 @@ from sharpness._invariant import METRICS
 from sharpness._measure import check_metric, measure_sharpness
 from sharpness._objective import Objective, eval_mode
 from sharpness._progress import progress_bar
-from sharpness._results import _jsonable, write_text_atomic
+from sharpness._results import jsonable, write_text_atomic
 
 KINDS = ("node", "layer")
 VERDICTS = ("invariant", "changes", "FAILED")
@@ -201,7 +201,7 @@ class InvarianceReport:
 
     def to_dict(self) -> dict:
         """JSON-serialisable form: every field, plus the verdicts and ``passed`` (non-finite floats as strings)."""
-        return _jsonable({
+        return jsonable({
             "metrics": list(self.metrics),
             "kinds": list(self.kinds),
             "claims": self.claims,
