@@ -105,7 +105,7 @@ def test_filter_normalization_matches_row_and_filter_norms(name):
     assert d.info == {"seeds": [3, 4], "normalization": "filter", "bias": "zero", "distribution": "gaussian"}
     kept = landscape.random_directions(theta, k=1, seed=3, norm="layer", bias="keep")
     for key, t in layout.unflatten(kept.vectors[0]).items():
-        assert t.norm() == pytest.approx(theta[key].norm(), rel=1e-12)
+        assert float(t.norm()) == pytest.approx(float(theta[key].norm()), rel=1e-12)
 
 
 def test_eigen_direction_curvature_is_the_eigenvalue():
