@@ -41,18 +41,13 @@ import torch
 from torch import nn
 
 from manifolds import GModel, GOptimizer, GSpace
+from sharpness._specs import mlp
 
 
 def mnist_net(width: int = 64, seed: int = 0) -> nn.Sequential:
     """784-w-w-w-w-10 bias-free ReLU MLP (the thesis's MNIST network for w = 64)."""
     torch.manual_seed(seed)
-    widths = [784, width, width, width, width, 10]
-    layers: list[nn.Module] = []
-    for i in range(len(widths) - 1):
-        layers.append(nn.Linear(widths[i], widths[i + 1], bias=False))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return mlp([784, width, width, width, width, 10], bias=False)
 
 
 def gsgd_init(model: nn.Module) -> nn.Module:

@@ -24,6 +24,7 @@ from sharpness._invariant import METRICS
 from sharpness._measure import measure_sharpness
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
+from sharpness._specs import mlp
 from sharpness._verify import verify_invariance
 
 
@@ -33,16 +34,6 @@ def digits_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch
 
     digits = load_digits()
     return torch.tensor(digits.data / 16.0, dtype=dtype), torch.tensor(digits.target, dtype=torch.long)
-
-
-def mlp(widths: list[int]) -> nn.Sequential:
-    """``nn.Sequential`` of Linear and ReLU (state_dict keys ``0.weight``, ``0.bias``, ``2.weight`` ...)."""
-    layers: list[nn.Module] = []
-    for i in range(len(widths) - 1):
-        layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 @dataclass(frozen=True)
