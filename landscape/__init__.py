@@ -7,6 +7,7 @@ from landscape._directions import eigen_directions as eigen_directions
 from landscape._directions import normalize_direction as normalize_direction
 from landscape._directions import random_directions as random_directions
 from landscape._directions import segment_direction as segment_direction
+from landscape._fixed_planes import fixed_weight_planes as fixed_weight_planes
 from landscape._grid import GridValues as GridValues
 from landscape._grid import evaluate_grid as evaluate_grid
 from landscape._grid import grid_axis as grid_axis
@@ -28,6 +29,7 @@ __all__ = [
     "Surface",
     "eigen_directions",
     "evaluate_grid",
+    "fixed_weight_planes",
     "grid_axis",
     "line_figure",
     "loss_line",

@@ -123,7 +123,103 @@ def _parser() -> argparse.ArgumentParser:
     line.add_argument("--to", help="second checkpoint: draw the segment from --checkpoint to it")
     line.add_argument("--range", nargs=2, type=float, metavar=("LO", "HI"),
                       help="coordinate range (default: -span to span, or -0.5 to 1.5 with --to)")  # fmt: skip
+    fixed = sub.add_parser(
+        "fixed", help="loss planes in the free weights under different fixed-weight values",
+        description="For each value b, the whole-data-set loss on a random plane in the free-weight subspace around "
+        "(a) the checkpoint with every fixed weight set to b (the function changes) or (b) the checkpoint rescaled "
+        "function-preservingly so every fixed weight is +-b (same function, another gauge). Writes NAME.png (one "
+        "panel per value, shared color scale), NAME.html and NAME_bVALUE.npz + .json per value (array 'fixed').",
+    )  # fmt: skip
+    _fixed_arguments(fixed)
     return parser
+
+
+def _fixed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="architecture: mlp:IN-HIDDEN-...-OUT, lenet, path/to/file.py:factory or "
+                             "package.module:factory")  # fmt: skip
+    parser.add_argument("--checkpoint", required=True, help="state_dict (.pt/.pth, read weights-only) or .safetensors")
+    parser.add_argument("--data", required=True,
+                        help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt file with arrays X "
+                             "and y; integer labels use cross-entropy, float targets mean squared error")  # fmt: skip
+    parser.add_argument("--values", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                        help="fixed-weight values b > 0 (default 0.5 1 2)")  # fmt: skip
+    parser.add_argument(
+        "--reading",
+        default="a",
+        choices=("a", "b"),
+        help="a: set the fixed weights to b (default); b: rescale the network so they are +-b",
+    )
+    parser.add_argument("--selection", default="diagonal", choices=("diagonal", "hungarian"),
+                        help="which weight of each hidden unit is fixed (default: diagonal)")  # fmt: skip
+    parser.add_argument("--norm", default="filter", choices=("filter", "layer", "none"),
+                        help="normalization of the random directions (default: filter)")  # fmt: skip
+    parser.add_argument(
+        "--bias",
+        default="zero",
+        choices=("zero", "keep"),
+        help="random directions in 1-D tensors (biases): zero them (default) or keep them",
+    )
+    parser.add_argument("--steps", type=_positive_int, default=31, help="grid points per axis (default 31)")
+    parser.add_argument("--span", type=_positive_float, default=1.0,
+                        help="grid half-width in direction units (default 1)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="evaluation dtype (default float32)")
+    parser.add_argument("--memory-mib", type=_positive_int, default=2048,
+                        help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
+    parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
+    parser.add_argument("--name", default="fixed", help="file name stem of the outputs (default: fixed)")
+    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    _formats(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _fixed(args: argparse.Namespace) -> int:
+    from landscape._fixed_planes import _check_values, fixed_weight_planes
+    from landscape._plot_mpl import save_figure, surface_figure
+    from landscape._plot_plotly import plotly_figure, write_html
+
+    values = _check_values(args.values)
+    model, loss_fn, data, _, dtype = _load(args)
+    start = time.perf_counter()
+    surfaces = fixed_weight_planes(
+        model, loss_fn, data, values, reading=args.reading, selection=args.selection, span=args.span,
+        steps=args.steps, norm=args.norm, bias=args.bias, seed=args.seed, dtype=dtype,
+        memory_budget=args.memory_mib * 2**20, progress=False if args.quiet else None,
+    )  # fmt: skip
+    total = time.perf_counter() - start
+    surfaces = [
+        s.replace(
+            metadata={
+                **s.metadata,
+                "model": args.model,
+                "checkpoint": args.checkpoint,
+                "data": args.data,
+                "loss_function": type(loss_fn).__name__,
+                "total_seconds": total,
+            }
+        )  # fmt: skip
+        for s in surfaces
+    ]
+    where = f"{Path(args.checkpoint).name}, {args.data}"
+    what = ("reading (a): fixed weights set to each value, the function changes" if args.reading == "a" else
+            "reading (b): same network rescaled so fixed weights are ±value, only the gauge differs")  # fmt: skip
+    title = f"loss in the free weights under different fixed-weight values, {what}\n{where}"
+    fig = surface_figure(surfaces, kinds=("contour", "surface"), log=args.log, mark_center=True, title=title)
+    html = plotly_figure(surfaces, title=title.replace("\n", " ("), log=args.log)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for b, s in zip(values, surfaces):
+        paths += s.save(out / f"{args.name}_b{b:g}")
+    paths += save_figure(fig, out / args.name, args.format)
+    write_html(html, out / f"{args.name}.html")
+    paths.append(out / f"{args.name}.html")
+    if not args.quiet:
+        for b, s in zip(values, surfaces):
+            print(f"b = {b:g}: center loss {s.metadata['center_loss']:.6g}")
+        print("\n".join(str(p) for p in paths))
+    return 0
 
 
 def _toy(args: argparse.Namespace) -> int:
@@ -226,6 +322,8 @@ def _real(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "fixed":
+            return _fixed(args)
         return _toy(args) if args.command == "toy" else _real(args)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

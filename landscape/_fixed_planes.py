@@ -1,0 +1,145 @@
+"""Loss planes of real models under different fixed-weight values (DESIGN.md section 1, both readings).
+
+For each value ``b`` the plane is centered at
+
+* reading (a): the model's parameters with every fixed weight set to ``b`` (with the sign rule of
+  :class:`manifolds.FixedWeightSpace`, ``signs * b``): the network function changes with ``b``;
+* reading (b): the function-preserving node-wise rescaling of the model after which every fixed weight
+  is ``+-b``: the same network, only the gauge differs.
+
+The two random directions use the same seeds for every ``b``; they are normalized against that
+center and then zeroed on the fixed entries, so every plane lies in the free-weight subspace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from landscape._directions import Directions, random_directions
+from landscape._surface import Surface
+from landscape._surfaces import _describe, _objective, loss_plane
+from manifolds import FixedWeightSpace
+from sharpness import Objective
+
+READINGS = ("a", "b")
+
+
+def reading_text(reading: str, value: float) -> str:
+    """The title phrase naming the reading and the value ``b``."""
+    if reading == "a":
+        return f"reading (a): fixed weights set to {value:g}, the function changes"
+    return f"reading (b): same network rescaled so fixed weights are ±{value:g}, only the gauge differs"
+
+
+def _check_values(values: Sequence[float]) -> tuple[float, ...]:
+    out = tuple(float(v) for v in values)
+    if not out:
+        raise ValueError("give at least one fixed-weight value")
+    bad = [v for v in out if not (math.isfinite(v) and v > 0)]
+    if bad:
+        raise ValueError(f"fixed-weight values must be positive finite numbers, got {bad[0]:g}")
+    return out
+
+
+def fixed_weight_centers(
+    objective: Objective, space: FixedWeightSpace, values: Sequence[float], reading: str = "a"
+) -> list[dict[str, Tensor]]:
+    """The plane centers ``{name: tensor}`` (objective's dtype and device) for each value, by ``reading``."""
+    if reading not in READINGS:
+        raise ValueError(f"unknown reading {reading!r}; choose 'a' (set the fixed weights) or 'b' (rescale)")
+    flat = objective.layout.flatten(objective.params)
+    free = space.free_vector(flat)
+    centers = []
+    for b in values:
+        if reading == "a":
+            params = space.params_from_free(free, b)
+        else:
+            params = space.rescale_to_fixed_value(objective.params, b).params
+        centers.append({k: v.detach().to(objective.device, objective.dtype) for k, v in params.items()})
+    return centers
+
+
+def free_plane_directions(
+    center: Mapping[str, Tensor], space: FixedWeightSpace, seed: int = 0, norm: str = "filter", bias: str = "zero"
+) -> Directions:
+    """Two random directions (seeds ``seed``, ``seed + 1``) normalized against ``center``, zero on the fixed entries."""
+    raw = random_directions(center, 2, seed, norm, bias)
+    vectors = raw.vectors.clone()
+    vectors[:, ~space.free_mask.to(vectors.device)] = 0
+    return Directions(vectors, raw.kind, raw.labels, {**raw.info, "fixed_entries": "zeroed"})
+
+
+def fixed_weight_planes(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    data: object,
+    values: Sequence[float] = (0.5, 1.0, 2.0),
+    *,
+    reading: str = "a",
+    selection: str | Mapping[str, Tensor] = "diagonal",
+    span: float = 1.0,
+    steps: int = 31,
+    norm: str = "filter",
+    bias: str = "zero",
+    seed: int = 0,
+    strategy: str = "auto",
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int = 2 * 2**30,
+    progress: bool | None = None,
+    objective: Objective | None = None,
+) -> list[Surface]:
+    """One loss plane in the free-weight subspace per fixed-weight value ``b``.
+
+    Args:
+        model, loss_fn, data: as for :func:`landscape.loss_plane` (the model is read, never modified).
+        values: the fixed-weight values ``b > 0``.
+        reading: ``"a"``: center = the parameters with every fixed weight set to ``signs * b`` (the
+            function changes with ``b``); ``"b"``: center = the function-preserving rescaling with
+            every fixed weight ``+-b`` (same function, another gauge).
+        selection: which weights are fixed (``"diagonal"``, ``"hungarian"`` or a mask), chosen once at
+            the model's parameters (the Hungarian selection aims at the geometric mean of ``values``).
+        span, steps, norm, bias, seed, strategy, dtype, device, chunk_size, memory_budget, progress,
+        objective: as for :func:`landscape.loss_plane`. The directions of every plane use seeds
+            ``seed`` and ``seed + 1``, are normalized against that plane's center and are zero on the
+            fixed entries.
+
+    Returns:
+        One :class:`Surface` per value, with the title naming the reading and ``b``, ``extras["fixed"]``
+        holding ``b`` and metadata ``reading``, ``fixed_value``, ``selection``, ``n_fixed``, ``n_free``.
+    """
+    values = _check_values(values)
+    if reading not in READINGS:
+        raise ValueError(f"unknown reading {reading!r}; choose 'a' (set the fixed weights) or 'b' (rescale)")
+    base = _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget)
+    target = math.exp(sum(math.log(v) for v in values) / len(values))
+    space = FixedWeightSpace(base.model, selection, value=target, params=base.params)
+    surfaces = []
+    for b, center in zip(values, fixed_weight_centers(base, space, values, reading)):
+        d = free_plane_directions(center, space, seed, norm, bias)
+        obj = base.with_params(center)
+        s = loss_plane(model, loss_fn, data, directions=d, span=span, steps=steps, strategy=strategy,
+                       progress=progress, objective=obj)  # fmt: skip
+        selection_name = selection if isinstance(selection, str) else "mask"
+        surfaces.append(
+            s.replace(
+                title=f"{reading_text(reading, b)}\nloss on the free-weight plane of {_describe(d)}",
+                extras={**s.extras, "fixed": np.asarray(b)},
+                metadata={
+                    **s.metadata,
+                    "reading": reading,
+                    "reading_text": reading_text(reading, b),
+                    "fixed_value": b,
+                    "selection": selection_name,
+                    "n_fixed": space.n_fixed,
+                    "n_free": space.n_free,
+                },
+            )  # fmt: skip
+        )
+    return surfaces
