@@ -6,6 +6,7 @@ Run by hand, never from the tests::
     python bench/curvature.py                 # full run, a few minutes on a 2-core machine
     python bench/curvature.py --quick         # smoke run
     python bench/curvature.py --json out.json # also write every figure as JSON
+    python bench/curvature.py --threads 1     # stable CPU-time ratios on a machine shared with other jobs
 
 Setup of the benchmark environment (the script installs nothing; a missing peer is skipped with a
 printed note). Install the peers without their dependencies so torch stays at the version you have,
