@@ -56,7 +56,8 @@ def _formats(parser: argparse.ArgumentParser) -> None:
                         help="figure formats (default: png); an interactive .html is always written")  # fmt: skip
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _problem_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--checkpoint``, ``--data``: the same specs as ``python -m sharpness``."""
     parser.add_argument("--model", required=True,
                         help="architecture: mlp:IN-HIDDEN-...-OUT, lenet, path/to/file.py:factory or "
                              "package.module:factory")  # fmt: skip
@@ -64,6 +65,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True,
                         help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt file with arrays X "
                              "and y; integer labels use cross-entropy, float targets mean squared error")  # fmt: skip
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    _problem_arguments(parser)
     parser.add_argument("--directions", default="random", choices=("random", "eigen", "invariant-eigen"),
                         help="random Gaussian directions (default), top Euclidean Hessian eigenvectors, or top "
                              "Riemannian Hessian eigenvectors (see --metric)")  # fmt: skip
@@ -135,13 +140,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fixed_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="architecture: mlp:IN-HIDDEN-...-OUT, lenet, path/to/file.py:factory or "
-                             "package.module:factory")  # fmt: skip
-    parser.add_argument("--checkpoint", required=True, help="state_dict (.pt/.pth, read weights-only) or .safetensors")
-    parser.add_argument("--data", required=True,
-                        help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt file with arrays X "
-                             "and y; integer labels use cross-entropy, float targets mean squared error")  # fmt: skip
+    _problem_arguments(parser)
     parser.add_argument("--values", type=float, nargs="+", default=[0.5, 1.0, 2.0],
                         help="fixed-weight values b > 0 (default 0.5 1 2)")  # fmt: skip
     parser.add_argument(
