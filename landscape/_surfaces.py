@@ -10,9 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from landscape._directions import Directions, eigen_directions, random_directions, segment_direction, trainable
-from landscape._grid import evaluate_grid, grid_axis
 from landscape._surface import Surface
-from sharpness import Objective
+from sharpness import Objective, evaluate_grid, grid_axis
 
 DIRECTION_KINDS = ("random", "eigen", "invariant-eigen")
 SEGMENT_RANGE = (-0.5, 1.5)
@@ -118,7 +117,7 @@ def loss_plane(
             ``"zero"`` or ``"keep"``).
         metric: quotient metric of ``"invariant-eigen"`` directions (``"node"`` or ``"layer"``).
         seed: seed of the random directions (direction ``i`` uses ``seed + i``) or of the eigen-solver.
-        strategy: grid evaluation strategy (see :func:`landscape.evaluate_grid`).
+        strategy: grid evaluation strategy (see :func:`sharpness.evaluate_grid`).
         dtype, device, chunk_size, memory_budget: evaluation settings of the objective.
         progress: progress bars (``None``: only on a terminal).
         objective: reuse an existing objective (then ``model``, ``loss_fn``, ``data`` and the evaluation

@@ -1,5 +1,6 @@
 """Curvature of a loss over a whole data set: exact Hessian-vector products, eigen-solvers,
-Euclidean and scale-invariant sharpness, invariance verification."""
+Euclidean and scale-invariant sharpness, invariance verification, and the exact loss on grids of
+parameter points (the engine under ``landscape`` and the demo's loss-surface panels)."""
 
 from sharpness._data import ChunkedData as ChunkedData
 from sharpness._data import DataError as DataError
@@ -9,6 +10,9 @@ from sharpness._epsilon import EpsilonSharpness as EpsilonSharpness
 from sharpness._epsilon import epsilon_sharpness as epsilon_sharpness
 from sharpness._euclidean import euclidean_sharpness as euclidean_sharpness
 from sharpness._fixed_sharpness import fixed_sharpness as fixed_sharpness
+from sharpness._grid import GridValues as GridValues
+from sharpness._grid import evaluate_grid as evaluate_grid
+from sharpness._grid import grid_axis as grid_axis
 from sharpness._gspace_sharpness import GSpaceLoss as GSpaceLoss
 from sharpness._gspace_sharpness import gspace_hessian_operator as gspace_hessian_operator
 from sharpness._gspace_sharpness import gspace_sharpness as gspace_sharpness
@@ -40,6 +44,7 @@ __all__ = [
     "EigenResult",
     "EpsilonSharpness",
     "GSpaceLoss",
+    "GridValues",
     "HessianOperator",
     "InvarianceReport",
     "Objective",
@@ -48,9 +53,11 @@ __all__ = [
     "dense_hessian",
     "epsilon_sharpness",
     "euclidean_sharpness",
+    "evaluate_grid",
     "fixed_sharpness",
     "gspace_hessian_operator",
     "gspace_sharpness",
+    "grid_axis",
     "hutchinson_trace",
     "invariant_sharpness",
     "lanczos",

@@ -18,8 +18,8 @@ from torch import nn
 import landscape
 from landscape import _toys as toys
 from landscape._cli import main as cli_main
-from landscape._grid import split_first_linear
 from sharpness import Objective
+from sharpness._grid import split_first_linear
 
 # ---------------------------------------------------------------------------------------------
 # toy networks

@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from sharpness import Objective
-from sharpness._objective import eval_mode
+from sharpness._objective import Objective, eval_mode
 from sharpness._progress import progress_bar
 
 STRATEGIES = ("auto", "first-layer", "vmap", "loop")
