@@ -46,8 +46,7 @@ _spec.loader.exec_module(_workloads)
 make_workload = _workloads.make_workload
 
 from landscape import random_directions  # noqa: E402
-from sharpness import evaluate_grid, grid_axis  # noqa: E402
-from sharpness import Objective  # noqa: E402
+from sharpness import Objective, evaluate_grid, grid_axis  # noqa: E402
 
 
 def _coords(steps: int, span: float) -> tuple[np.ndarray, np.ndarray]:
