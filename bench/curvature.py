@@ -402,7 +402,8 @@ def solver_families(w, peers: dict[str, Any], quick: bool) -> list[tuple[str, st
     model, loss_fn, X, y = w.model, w.loss_fn, w.X, w.y
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
-    tols = [1e-3, 1e-4, 1e-5, 1e-6]
+    # Fine sweeps on every side: the fastest setting that reaches the target is each family's figure.
+    tols = [1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 1e-5, 1e-6]
     families = []
 
     def ours(method, tol):
@@ -477,7 +478,7 @@ def solver_families(w, peers: dict[str, Any], quick: bool) -> list[tuple[str, st
 
             return run
 
-        steps = [5, 10, 15, 20, 30, 40] if not quick else [10, 20]
+        steps = [*range(3, 13), 15, 20, 30, 40] if not quick else [10, 20]
         families.append(
             (
                 "hessian-eigenthings",

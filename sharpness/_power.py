@@ -16,7 +16,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from sharpness._lanczos import (
+from sharpness._operator import SymmetricOperator
+from sharpness._progress import progress_bar
+from sharpness._results import EigenResult
+from sharpness._solver_vectors import (
     _as_vector,
     _breakdown_threshold,
     _canonical_signs,
@@ -25,9 +28,6 @@ from sharpness._lanczos import (
     _random,
     _true_residuals,
 )
-from sharpness._operator import SymmetricOperator
-from sharpness._progress import progress_bar
-from sharpness._results import EigenResult
 
 
 def _start(

@@ -1,0 +1,171 @@
+"""Vector helpers the eigen-solvers share: checks, random start vectors, Gram-Schmidt against a
+block of orthonormal rows, a Krylov basis stored in blocks, and true residuals of finished pairs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from sharpness._operator import SymmetricOperator
+
+# A vector left by Gram-Schmidt is taken to lie in the span of the block (invariant or exhausted
+# subspace) when its norm is below this many rounding units (times sqrt of the block size) of the
+# norm it had before: twice-repeated classical Gram-Schmidt leaves about eps * sqrt(m) of such a vector.
+_BREAKDOWN_ULPS = 100.0
+
+# Gram-Schmidt is repeated when one pass leaves less than this fraction of the vector's norm.
+_DGKS_ETA = 1.0 / math.sqrt(2.0)
+
+def _check_k(k: int, n: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    if k > n:
+        raise ValueError(f"k={k} eigenpairs were asked of an operator of size {n}; ask for at most {n}")
+
+
+def _as_vector(v0: Tensor, op: SymmetricOperator) -> Tensor:
+    """A user's start vector as an ``(n,)`` tensor in the operator's dtype and device."""
+    if v0.numel() != op.size:
+        raise ValueError(f"v0 has {v0.numel()} entries but the operator has size {op.size}")
+    return v0.detach().reshape(-1).to(dtype=op.dtype, device=op.device)
+
+
+def _random(shape: tuple[int, ...], op: SymmetricOperator, generator: torch.Generator | None) -> Tensor:
+    """Standard normal ``shape`` in the operator's dtype and device, drawn on the generator's device."""
+    device = op.device if generator is None else generator.device
+    return torch.randn(shape, generator=generator, dtype=op.dtype, device=device).to(op.device)
+
+
+def _breakdown_threshold(dtype: torch.dtype, block_size: int) -> float:
+    """Relative norm below which a vector orthogonalized against ``block_size`` vectors is rounding."""
+    return _BREAKDOWN_ULPS * math.sqrt(max(block_size, 1)) * torch.finfo(dtype).eps
+
+
+def _orthogonalize(v: Tensor, block: Tensor | KrylovBasis) -> tuple[Tensor, Tensor]:
+    """Classical Gram-Schmidt of ``v`` (n,) against orthonormal rows (``(m, n)`` or a basis), repeated once if needed.
+
+    Returns:
+        The orthogonalized vector ``(n,)`` and the summed coefficients ``(m,)`` it lost.
+    """
+    blocks = block.blocks() if isinstance(block, KrylovBasis) else [block]
+    if sum(b.shape[0] for b in blocks) == 0:
+        return v, v.new_zeros(0)
+    before = torch.linalg.vector_norm(v)
+    coeffs = torch.cat([b @ v for b in blocks])
+    v = v - _combine(blocks, coeffs)
+    # A second pass restores orthogonality lost to cancellation in the first ("twice is enough"); it
+    # is only needed when the first one removed most of the vector (Daniel-Gragg-Kaufman-Stewart).
+    if torch.linalg.vector_norm(v) > _DGKS_ETA * before:
+        return v, coeffs
+    correction = torch.cat([b @ v for b in blocks])
+    return v - _combine(blocks, correction), coeffs + correction
+
+
+def _combine(blocks: list[Tensor], coeffs: Tensor) -> Tensor:
+    """``sum_i coeffs[i] * row_i`` over the rows of ``blocks``: ``(m,)`` -> ``(n,)``, ``(m, k)`` -> ``(k, n)``."""
+    out, start = None, 0
+    for b in blocks:
+        c = coeffs[start : start + b.shape[0]]
+        term = b.T @ c if c.dim() == 1 else c.T @ b
+        out = term if out is None else out + term
+        start += b.shape[0]
+    return out
+
+
+class KrylovBasis:
+    """Orthonormal rows ``(m, n)`` stored in blocks of ``block_rows``, allocated as the basis grows.
+
+    A single preallocated matrix would hold ``max_iter`` vectors of the parameter size; growing one
+    by copying would briefly hold two. Blocks hold at most ``block_rows - 1`` unused rows.
+    """
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device, block_rows: int = 8):
+        self.n, self.dtype, self.device, self.block_rows = n, dtype, device, block_rows
+        self._blocks: list[Tensor] = []
+        self.size = 0
+
+    def append(self, v: Tensor) -> None:
+        if self.size == len(self._blocks) * self.block_rows:
+            self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
+        self._blocks[-1][self.size % self.block_rows] = v
+        self.size += 1
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self._blocks[i // self.block_rows][i % self.block_rows]
+
+    def blocks(self) -> list[Tensor]:
+        """Views of the filled rows, block by block."""
+        full, rest = divmod(self.size, self.block_rows)
+        return self._blocks[:full] + ([self._blocks[full][:rest]] if rest else [])
+
+    def combine(self, coeffs: Tensor) -> Tensor:
+        """``coeffs.T @ rows``: ``(m, k)`` coefficients -> ``(k, n)`` combinations of the rows."""
+        return _combine(self.blocks(), coeffs)
+
+
+def _fresh_direction(
+    op: SymmetricOperator, block: Tensor | KrylovBasis, generator: torch.Generator | None
+) -> Tensor | None:
+    """A random unit vector of the operator's subspace orthogonal to the rows of ``block`` (m, n).
+
+    Returns:
+        ``(n,)`` unit vector, or ``None`` when ``block`` already spans the subspace.
+    """
+    v = op.project(_random((op.size,), op, generator))
+    start = float(torch.linalg.vector_norm(v))
+    if start == 0.0:
+        return None
+    v, _ = _orthogonalize(v, block)
+    # Project again: rounding of the projection must not let excluded directions in.
+    v, _ = _orthogonalize(op.project(v), block)
+    norm = float(torch.linalg.vector_norm(v))
+    rows = block.size if isinstance(block, KrylovBasis) else block.shape[0]
+    if norm <= _breakdown_threshold(op.dtype, rows) * start:
+        return None
+    return v / norm
+
+
+def _project_rows(op: SymmetricOperator, block: Tensor) -> Tensor:
+    """``op.project`` applied to every row of ``block`` (b, n)."""
+    return torch.stack([op.project(row) for row in block])
+
+
+def _residual_scale(values: np.ndarray, anorm: float, dtype: torch.dtype) -> np.ndarray:
+    """``max(|theta|, tiny)`` with ``tiny = eps * ||A||``: an eigenvalue below rounding counts as zero."""
+    tiny = max(anorm * torch.finfo(dtype).eps, np.finfo(np.float64).tiny)
+    return np.maximum(np.abs(values), tiny)
+
+
+def _canonical_signs(vectors: Tensor) -> Tensor:
+    """Flip rows of ``vectors`` (k, n) so each one's largest-magnitude entry is positive (reproducible)."""
+    idx = vectors.abs().argmax(dim=1)
+    signs = torch.sign(vectors[torch.arange(vectors.shape[0], device=vectors.device), idx])
+    signs[signs == 0] = 1
+    return vectors * signs[:, None]
+
+
+def _true_residuals(
+    op: SymmetricOperator, vectors: Tensor, values: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Rayleigh quotients and relative residuals of unit ``vectors`` (k, n), with one ``op.matmat``.
+
+    Args:
+        op: the operator (its ``project`` is applied to the products).
+        vectors: ``(k, n)`` unit rows in the operator's subspace.
+        values: ``(k,)`` float64 eigenvalue estimates; ``None`` uses the Rayleigh quotients.
+
+    Returns:
+        ``(values, residuals)``, both ``(k,)`` float64 CPU tensors, residuals
+        ``||A v - theta v|| / max(|theta|, eps ||A||)``.
+    """
+    products = _project_rows(op, op.matmat(vectors)).double()
+    vecs = vectors.double()
+    if values is None:
+        values = (vecs * products).sum(dim=1).cpu()
+    norms = torch.linalg.vector_norm(products - values.to(vecs.device)[:, None] * vecs, dim=1).cpu()
+    anorm = float(values.abs().max())
+    scale = torch.from_numpy(_residual_scale(values.numpy(), anorm, op.dtype))
+    return values, norms / scale
