@@ -20,6 +20,7 @@ from torch.func import functional_call, grad, jvp, vmap
 
 from manifolds import ParamLayout
 from sharpness._data import ChunkedData, DataError, cast_batch
+from sharpness._data_conv import split_data_convolution
 
 HVP_STRATEGIES = ("auto", "graph", "double_backward", "jvp")
 
@@ -124,6 +125,8 @@ class Objective:
             k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
         }
         self.layout = ParamLayout.from_tensors(self.params)
+        # Where the model starts with a convolution of the data, second derivatives skip its input gradient.
+        self._data_conv = split_data_convolution(model, self.params)
         self.memory_budget = int(memory_budget)
         self._bytes_per_sample: float | None = None
         self.data = ChunkedData(data, chunk_size)
@@ -178,6 +181,13 @@ class Objective:
     def _weighted_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, w: float) -> Tensor:
         # The chunk's weight is folded into the loss, so its derivatives come out weighted for free.
         return w * self._chunk_loss(params, x, y)
+
+    def _autograd_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, w: float) -> Tensor:
+        """:meth:`_weighted_loss` for the autograd HVP paths (graph, double backward): same value and
+        derivatives, through :mod:`sharpness._data_conv` where the model allows it."""
+        if self._data_conv is None or x.requires_grad:
+            return self._weighted_loss(params, x, y, w)
+        return w * self.loss_fn(self._data_conv(params, self.buffers, x), y)
 
     def _accumulator(self, like: Tensor) -> tuple[Tensor, list[Tensor]]:
         """A zero flat ``(..., n)`` sum and its per-parameter views, to add chunk results in place."""
@@ -289,7 +299,7 @@ class Objective:
     def _hvp_double_backward(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
         with torch.enable_grad():
             p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
-            loss = self._weighted_loss(p, x, y, w)
+            loss = self._autograd_loss(p, x, y, w)
             g = torch.autograd.grad(loss, list(p.values()), create_graph=True)
             hv = torch.autograd.grad(g, list(p.values()), grad_outputs=list(v.values()), allow_unused=True)
         return {k: torch.zeros_like(t) if h is None else h for (k, t), h in zip(self.params.items(), hv)}
@@ -302,7 +312,7 @@ class Objective:
                 p = dict(zip(self.params, leaves))
                 total, value = None, 0.0
                 for x, y, w in self.chunks():
-                    loss = self._weighted_loss(p, x, y, w)
+                    loss = self._autograd_loss(p, x, y, w)
                     g = torch.autograd.grad(loss, leaves, create_graph=True)
                     total = list(g) if total is None else [a + b for a, b in zip(total, g)]
                     value = value + loss.detach()
@@ -367,7 +377,7 @@ class Objective:
     ) -> dict[str, Tensor]:
         with torch.enable_grad():
             p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
-            g = torch.autograd.grad(self._weighted_loss(p, x, y, w), list(p.values()), create_graph=True)
+            g = torch.autograd.grad(self._autograd_loss(p, x, y, w), list(p.values()), create_graph=True)
             hv = torch.autograd.grad(
                 g, list(p.values()), grad_outputs=list(tangents.values()), allow_unused=True, is_grads_batched=True
             )

@@ -149,3 +149,63 @@ def test_bad_data_is_refused_clearly():
         Objective(case.model, nn.CrossEntropyLoss(weight=torch.ones(3)), case.data)
     with pytest.raises(ValueError, match="strategy"):
         Objective(case.model, case.loss_fn, case.data).hvp(torch.ones(75), "fancy")
+
+
+def _conv_net(dim: int, **conv_kwargs) -> nn.Sequential:
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dim](2, 4, 3, **conv_kwargs)
+    features = conv(torch.zeros((1, 2) + (5,) * dim)).numel()
+    return nn.Sequential(
+        nn.Unflatten(1, (2,) + (5,) * dim),  # a parameter-free module before the convolution
+        conv,
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(features, 3),
+    )
+
+
+@pytest.mark.parametrize(
+    "dim, conv_kwargs",
+    [
+        (2, {}),
+        (1, {"stride": 2, "padding": 1, "bias": False}),
+        (2, {"dilation": 2, "padding": 2, "groups": 2}),
+        (3, {"padding": 1}),
+    ],
+)
+def test_data_convolution_path_gives_exact_hvps(dim, conv_kwargs):
+    torch.manual_seed(0)
+    model = _conv_net(dim, **conv_kwargs)
+    X = torch.randn(9, 2 * 5**dim)
+    y = torch.randint(0, 3, (9,))
+    loss_fn = nn.CrossEntropyLoss()
+    obj = Objective(model.eval(), loss_fn, (X, y), chunk_size=4)
+    assert obj._data_conv is not None and obj._data_conv.name == "1"
+    flat = obj.layout.flatten(obj.params)
+    H = torch.func.hessian(lambda w: loss_fn(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y))(flat)
+    g = torch.Generator().manual_seed(2)
+    v, V = torch.randn(obj.layout.size, generator=g), torch.randn(2, obj.layout.size, generator=g)
+    scale = max(1.0, float(H.abs().max()))
+    for strategy in ("graph", "double_backward"):
+        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=1e-10 * scale)
+        torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=0, atol=1e-10 * scale)
+    assert float(obj.value()) == pytest.approx(float(loss_fn(model(X), y).detach()), rel=1e-13)
+
+
+def test_data_convolution_path_only_where_it_applies():
+    from sharpness._data_conv import split_data_convolution
+
+    def names(m):
+        return [k for k, _ in m.named_parameters()]
+
+    plain = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+    assert split_data_convolution(plain, names(plain)).name == "0"
+    for model in (
+        nn.Sequential(nn.Linear(4, 2)),  # not a convolution
+        nn.Sequential(nn.Conv2d(1, 2, 3, padding_mode="reflect", padding=1)),
+        nn.Sequential(nn.Conv2d(1, 2, 3, padding="same")),
+        nn.Sequential(nn.BatchNorm2d(1), nn.Conv2d(1, 2, 3)),  # something with state before it
+        nn.Sequential(nn.ConvTranspose2d(1, 2, 3)),
+    ):
+        assert split_data_convolution(model, names(model)) is None
+    # The convolution's weight is not among the differentiated parameters.
+    assert split_data_convolution(plain, ["0.bias"]) is None
