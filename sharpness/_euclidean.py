@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._results import EigenResult
-from sharpness._solve import top_eigenpairs
+from sharpness._solve import SolveSettings
 
 
 def euclidean_sharpness(
@@ -57,8 +57,7 @@ def euclidean_sharpness(
     obj = objective or Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
     start = time.perf_counter()
     op = HessianOperator(obj, hvp)
-    generator = torch.Generator(device=obj.device).manual_seed(seed)
-    result = top_eigenpairs(op, k, method, tol, max_iter, generator, progress)
+    result = SolveSettings(k, method, tol, max_iter, hvp, seed, progress).solve(op)
     return result.replace(
         layout=obj.layout,
         seconds=time.perf_counter() - start,

@@ -11,7 +11,6 @@ the weights' scales, so the measure built on it is not invariant.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -20,9 +19,7 @@ from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._operator import CallableOperator
 from sharpness._results import EigenResult
-
-if TYPE_CHECKING:  # _invariant imports this module
-    from sharpness._invariant import SolveSettings
+from sharpness._solve import SolveSettings
 
 
 def fixed_sharpness(

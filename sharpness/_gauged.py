@@ -8,15 +8,12 @@ function alone: an invariant sharpness without a Riemannian metric.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 from manifolds import NetworkStructure, analyze, min_norm_gauge_parameters
 from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._results import EigenResult
-
-if TYPE_CHECKING:  # _invariant imports this module
-    from sharpness._invariant import SolveSettings
+from sharpness._solve import SolveSettings
 
 # The eigenvalue inherits the gauge's error, so the gauge is solved far below solver tolerances.
 GAUGE_TOL = 1e-12

@@ -15,8 +15,6 @@ with the same skeleton.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 from torch.func import grad, jvp
@@ -25,9 +23,7 @@ from manifolds import GSpace, NetworkStructure, analyze
 from sharpness._objective import Objective, eval_mode
 from sharpness._operator import CallableOperator
 from sharpness._results import EigenResult
-
-if TYPE_CHECKING:
-    from sharpness._invariant import SolveSettings
+from sharpness._solve import SolveSettings
 
 
 class GSpaceLoss:

@@ -17,7 +17,7 @@ from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._operator import CallableOperator
 from sharpness._results import EigenResult
-from sharpness._solve import top_eigenpairs
+from sharpness._solve import SolveSettings
 
 QUOTIENT_METRICS = {"layer": LayerScaleQuotient, "node": NodeScaleQuotient}
 
@@ -78,23 +78,6 @@ def build_quotient(
     if metric == "layer":
         return LayerScaleQuotient(objective.params, structure, objective.layout, zero_blocks=zero_blocks)
     return NodeScaleQuotient(objective.params, structure, objective.layout)
-
-
-@dataclass(frozen=True)
-class SolveSettings:
-    """How the eigenpairs are searched for (see :func:`euclidean_sharpness`)."""
-
-    k: int = 1
-    method: str = "lanczos"
-    tol: float = 1e-6
-    max_iter: int | None = None
-    hvp: str = "auto"
-    seed: int = 0
-    progress: bool | None = None
-
-    def solve(self, op) -> EigenResult:
-        generator = torch.Generator(device=op.device).manual_seed(self.seed)
-        return top_eigenpairs(op, self.k, self.method, self.tol, self.max_iter, generator, self.progress)
 
 
 def riemannian_hessian_operator(

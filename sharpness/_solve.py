@@ -1,6 +1,8 @@
-"""Choose an eigen-solver by name."""
+"""Choose an eigen-solver by name, and the solver settings every sharpness measure shares."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -30,3 +32,21 @@ def top_eigenpairs(
         kwargs = {} if max_iter is None else {"max_iter": max_iter}
         return power_iteration(op, k=k, tol=tol, generator=generator, progress=progress, **kwargs)
     raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")
+
+
+@dataclass(frozen=True)
+class SolveSettings:
+    """How the eigenpairs are searched for (see :func:`sharpness.euclidean_sharpness`)."""
+
+    k: int = 1
+    method: str = "lanczos"
+    tol: float = 1e-6
+    max_iter: int | None = None
+    hvp: str = "auto"
+    seed: int = 0
+    progress: bool | None = None
+
+    def solve(self, op: SymmetricOperator) -> EigenResult:
+        """Top ``k`` eigenpairs of ``op``, from a start vector drawn with ``seed``."""
+        generator = torch.Generator(device=op.device).manual_seed(self.seed)
+        return top_eigenpairs(op, self.k, self.method, self.tol, self.max_iter, generator, self.progress)
