@@ -20,6 +20,7 @@ from sharpness._data import DataError
 from sharpness._epsilon import BALL_GEOMETRIES, epsilon_sharpness
 from sharpness._invariant import METRICS
 from sharpness._measure import measure_sharpness
+from sharpness._objective import Objective
 from sharpness._results import jsonable, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness._verify import verify_invariance
@@ -107,11 +108,17 @@ def _compute(args: argparse.Namespace) -> int:
     if args.epsilon is not None and not args.epsilon > 0:
         raise SpecError(f"--epsilon must be positive, got {args.epsilon}")
     check_writable(args.json)
+    if not args.memory_mib > 0:
+        raise SpecError(f"--memory-mib must be a positive number of MiB, got {args.memory_mib:g}")
     model, loss_fn, data = load_problem(args)
     progress = False if args.quiet else None
+    # One objective for every measure: the data are prepared and the HVP graph is built once.
+    objective = Objective(model, loss_fn, data, memory_budget=int(args.memory_mib * 2**20))
     measures, loss = {}, None
     for metric in metrics:
-        res = measure_sharpness(model, loss_fn, data, metric, k=args.k, tol=args.tol, progress=progress)
+        res = measure_sharpness(
+            model, loss_fn, data, metric, k=args.k, tol=args.tol, progress=progress, objective=objective
+        )
         loss = res.info["loss"]
         entry = {
             "value": res.value,
@@ -120,6 +127,7 @@ def _compute(args: argparse.Namespace) -> int:
             "converged": res.converged,
             "seconds": res.seconds,
             "method": res.method,
+            "hvp_strategy": res.info.get("hvp_strategy"),
             "description": METRICS[metric].description,
             "invariant_under": list(METRICS[metric].invariant_under),
         }
@@ -234,6 +242,11 @@ def _parser() -> argparse.ArgumentParser:
     compute.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
     compute.add_argument("--epsilon", type=float, help="also report epsilon-sharpness for this radius")
     compute.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
+    compute.add_argument(
+        "--memory-mib", type=float, default=2048,
+        help="memory budget for activations in MiB: above it, Hessian-vector products stream the data in chunks "
+        "instead of keeping one graph of the whole data set (default: 2048)",
+    )  # fmt: skip
     compute.add_argument("--json", help="write the results to this JSON file")
     compute.add_argument("--quiet", action="store_true", help="no progress bars")
 

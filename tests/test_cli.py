@@ -128,6 +128,22 @@ def test_compute_writes_the_documented_json(files, tmp_path):
     assert "euclidean" in r.stdout and "node" in r.stdout
 
 
+def test_small_memory_budget_streams_and_gives_the_same_measures(files, tmp_path):
+    reports = {}
+    for budget in ("2048", "0.001"):
+        out = tmp_path / f"m{budget}.json"
+        r = run_cli(
+            "compute", "--model", MODEL, "--checkpoint", str(files / "model.pt"), "--data", DATA,
+            "--metric", "euclidean", "--metric", "node", "--memory-mib", budget, "--json", str(out), "--quiet",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        reports[budget] = json.loads(out.read_text())
+    for name in ("euclidean", "node"):
+        whole, streamed = reports["2048"]["measures"][name], reports["0.001"]["measures"][name]
+        assert whole["hvp_strategy"] == "graph" and streamed["hvp_strategy"] in ("double_backward", "jvp")
+        assert streamed["value"] == pytest.approx(whole["value"], rel=1e-9)
+
+
 @pytest.mark.parametrize("checkpoint", ["wrapped.pt", "model.safetensors"])
 def test_checkpoint_formats_agree(files, checkpoint, tmp_path):
     values = []
@@ -209,6 +225,7 @@ BAD_INPUTS = {
     "zero-norm tensor, layer metric": (["--checkpoint", "{d}/zero_bias.pt", "--metric", "layer"], "0.bias"),
     "unknown metric": (["--metric", "fancy"], "unknown metric 'fancy'"),
     "non-positive epsilon": (["--epsilon", "0"], "--epsilon must be positive"),
+    "non-positive memory budget": (["--memory-mib", "0"], "--memory-mib must be a positive number"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
     "model and data do not match": (["--data", "synthetic:n=5,dim=3"], "check that --model and --data match"),
 }
