@@ -762,6 +762,8 @@ def section_memory(w, tol: float, state_dir: str, quick: bool) -> dict[str, Any]
         "ratio_rss": s["rss_first_bytes"] / max(g["rss_first_bytes"], 1),
         "ratio_torch": (s["torch_peak_bytes"] or 0) / max(g["torch_peak_bytes"] or 1, 1),
     }
+    # Any HVP-based solver holds at least v, H v and the gradient (or its graph) at once.
+    summary["hvp_floor_ratio_torch"] = 3 * summary["param_vector_bytes"] / max(g["torch_peak_bytes"] or 1, 1)
     summary["pass_rss"] = summary["ratio_rss"] <= MEMORY_TARGET
     summary["pass_torch"] = summary["ratio_torch"] <= MEMORY_TARGET
     for name, p in out.items():
@@ -798,6 +800,10 @@ def print_memory(res: dict[str, Any]) -> None:
     print(
         f"  target eigen-solve (lanczos) <= {MEMORY_TARGET}x one gradient: RSS {s['ratio_rss']:.2f}x "
         f"{verdict(s['pass_rss'])}; torch accounting {s['ratio_torch']:.2f}x {verdict(s['pass_torch'])}"
+    )
+    print(
+        f"  (floor for any HVP-based solver, torch accounting: v, Hv and the gradient = 3 parameter vectors = "
+        f"{s['hvp_floor_ratio_torch']:.2f}x one gradient's peak)"
     )
 
 
