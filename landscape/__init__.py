@@ -1,9 +1,11 @@
 """Loss landscapes of ReLU networks: the thesis's toy networks and their G-space charts, lines and
 planes of real models along random (filter/layer-normalized), Hessian-eigenvector or two-checkpoint
-directions, a fast exact grid evaluator, and matplotlib/plotly renderers."""
+directions (straight, or along the quotient metric's geodesics), planes in G-space coordinates, a
+fast exact grid evaluator, and matplotlib/plotly renderers."""
 
 from landscape._directions import Directions as Directions
 from landscape._directions import eigen_directions as eigen_directions
+from landscape._directions import gspace_directions as gspace_directions
 from landscape._directions import normalize_direction as normalize_direction
 from landscape._directions import random_directions as random_directions
 from landscape._directions import segment_direction as segment_direction
@@ -20,6 +22,7 @@ from landscape._toy_figures import TOY_FIGURES as TOY_FIGURES
 from landscape._toy_figures import toy_figure as toy_figure
 from sharpness import GridValues as GridValues
 from sharpness import evaluate_grid as evaluate_grid
+from sharpness import evaluate_points as evaluate_points
 from sharpness import grid_axis as grid_axis
 
 __all__ = [
@@ -29,7 +32,9 @@ __all__ = [
     "Surface",
     "eigen_directions",
     "evaluate_grid",
+    "evaluate_points",
     "fixed_weight_planes",
+    "gspace_directions",
     "grid_axis",
     "line_figure",
     "loss_line",

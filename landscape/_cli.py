@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from landscape._directions import NORMALIZATIONS
 from manifolds import UnsupportedModelError
+from sharpness._cli import add_model_arguments, load_problem
 from sharpness._data import DataError
 
 # Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
@@ -20,8 +22,6 @@ USER_ERRORS = (
     DataError, UnsupportedModelError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
     NotADirectoryError,
 )  # fmt: skip
-
-DTYPES = ("float32", "float64")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,44 +56,60 @@ def _formats(parser: argparse.ArgumentParser) -> None:
                         help="figure formats (default: png); an interactive .html is always written")  # fmt: skip
 
 
+def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help: str) -> None:
+    """``--span``, ``--seed``, ``--memory-mib``, ``--log``, ``--name``, ``--out``, ``--format``, ``--quiet``:
+    shared by every command that evaluates a grid around a checkpoint."""
+    parser.add_argument("--span", type=_positive_float, default=1.0,
+                        help="grid half-width in direction units (default 1)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
+    parser.add_argument("--memory-mib", type=_positive_int, default=2048,
+                        help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
+    parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
+    parser.add_argument("--name", default=name, help=f"file name stem of the outputs (default: {name_help})")
+    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    _formats(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def _problem_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--checkpoint``, ``--data``: the same specs as ``python -m sharpness``."""
-    parser.add_argument("--model", required=True,
-                        help="architecture: mlp:IN-HIDDEN-...-OUT, lenet, path/to/file.py:factory or "
-                             "package.module:factory")  # fmt: skip
-    parser.add_argument("--checkpoint", required=True, help="state_dict (.pt/.pth, read weights-only) or .safetensors")
-    parser.add_argument("--data", required=True,
-                        help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt file with arrays X "
-                             "and y; integer labels use cross-entropy, float targets mean squared error")  # fmt: skip
+    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``: defined once, by ``python -m sharpness``."""
+    # A grid evaluates thousands of points: landscapes default to float32 (the curvature CLI to float64).
+    add_model_arguments(parser, default_dtype="float32")
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     _problem_arguments(parser)
-    parser.add_argument("--directions", default="random", choices=("random", "eigen", "invariant-eigen"),
-                        help="random Gaussian directions (default), top Euclidean Hessian eigenvectors, or top "
-                             "Riemannian Hessian eigenvectors (see --metric)")  # fmt: skip
-    parser.add_argument("--norm", default="filter", choices=("filter", "layer", "none"),
-                        help="normalization of random directions: per output row/filter (Li et al. 2018, "
-                             "default), per tensor, or none")  # fmt: skip
+    parser.add_argument("--directions", default="random", choices=("random", "eigen", "invariant-eigen", "gspace"),
+                        help="random Gaussian directions (default), top Euclidean Hessian eigenvectors, top "
+                             "Riemannian Hessian eigenvectors (see --metric and --path), or random directions in "
+                             "G-space: the plane w(v + a d1 + b d2) in basis-path coordinates v, the same for every "
+                             "rescaling of the network (chains of Linear/Conv layers and ReLU-like activations "
+                             "only)")  # fmt: skip
+    parser.add_argument("--norm", choices=NORMALIZATIONS,
+                        help="normalization of random directions: per output row/filter (Li et al. 2018, default), "
+                             "per tensor (layer), per entry by |theta| (element: rescaling-invariant planes), or "
+                             "none; G-space directions: per coordinate (element, default), per coordinate block "
+                             "(layer) or none")  # fmt: skip
     parser.add_argument("--bias", default="zero", choices=("zero", "keep"),
                         help="random directions in 1-D tensors (biases): zero them (default) or keep them, "
                              "normalized as a whole")  # fmt: skip
+    parser.add_argument("--roots", default="fixed", choices=("fixed", "free"),
+                        help="G-space directions only: hold the chain-root coordinates (one per hidden unit's "
+                             "predecessor chain, setting the chain value by which w(v) divides) at the model's "
+                             "values (fixed, default: no chain value changes, no singular line at any span), or "
+                             "move them too (free: the loss spikes where a chain value crosses 0; the array "
+                             "'crossed' counts the crossings)")  # fmt: skip
     parser.add_argument("--metric", default="node", choices=("node", "layer"),
                         help="quotient metric of invariant-eigen directions (default: node)")  # fmt: skip
+    parser.add_argument("--path", default="straight", choices=("straight", "geodesic"),
+                        help="how invariant-eigen directions are followed: straight lines theta + a ξ1 + b ξ2 "
+                             "(default; the first-order retraction) or geodesics Exp_theta(a ξ1 + b ξ2) of the "
+                             "quotient metric (exact exponential map: the surface of a rescaled copy of the network "
+                             "is the same)")  # fmt: skip
     parser.add_argument("--steps", type=_positive_int,
                         help="grid points per axis (default 51, or 41 with --to; the grid always contains the "
                              "model itself)")  # fmt: skip
-    parser.add_argument("--span", type=_positive_float, default=1.0,
-                        help="grid half-width in direction units (default 1)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="evaluation dtype (default float32)")
-    parser.add_argument("--memory-mib", type=_positive_int, default=2048,
-                        help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
-    parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
-    parser.add_argument("--name", help="file name stem of the outputs (default: plane or line)")
-    parser.add_argument("--out", required=True, help="output folder (created if missing)")
-    _formats(parser)
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    _grid_arguments(parser, name=None, name_help="plane or line")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     toy.add_argument("--quiet", action="store_true", help="print nothing")
     plane = sub.add_parser(
         "plane", help="loss on a plane around a checkpoint",
-        description="Whole-data-set loss and accuracy on the plane theta + a d1 + b d2 around a checkpoint. Writes "
+        description="Whole-data-set loss and accuracy on the plane theta + a d1 + b d2 around a checkpoint (with "
+        "--path geodesic: Exp_theta(a d1 + b d2); with --directions gspace: w(v + a d1 + b d2) in G-space). Writes "
         "NAME.npz + NAME.json (redraw without recomputing), NAME.png (contour + 3D) and NAME.html (interactive).",
     )  # fmt: skip
     _model_arguments(plane)
@@ -151,7 +168,7 @@ def _fixed_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--selection", default="diagonal", choices=("diagonal", "hungarian"),
                         help="which weight of each hidden unit is fixed (default: diagonal)")  # fmt: skip
-    parser.add_argument("--norm", default="filter", choices=("filter", "layer", "none"),
+    parser.add_argument("--norm", default="filter", choices=NORMALIZATIONS,
                         help="normalization of the random directions (default: filter)")  # fmt: skip
     parser.add_argument(
         "--bias",
@@ -160,17 +177,7 @@ def _fixed_arguments(parser: argparse.ArgumentParser) -> None:
         help="random directions in 1-D tensors (biases): zero them (default) or keep them",
     )
     parser.add_argument("--steps", type=_positive_int, default=31, help="grid points per axis (default 31)")
-    parser.add_argument("--span", type=_positive_float, default=1.0,
-                        help="grid half-width in direction units (default 1)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="evaluation dtype (default float32)")
-    parser.add_argument("--memory-mib", type=_positive_int, default=2048,
-                        help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
-    parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
-    parser.add_argument("--name", default="fixed", help="file name stem of the outputs (default: fixed)")
-    parser.add_argument("--out", required=True, help="output folder (created if missing)")
-    _formats(parser)
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    _grid_arguments(parser, name="fixed", name_help="fixed")
 
 
 def _fixed(args: argparse.Namespace) -> int:
@@ -239,22 +246,18 @@ def _toy(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     """Model, loss, data and (for --to) the second parameter set, all validated before any output."""
     import torch
-    from torch import nn
 
-    from sharpness._specs import build_model, check_labels, load_checkpoint, load_data
+    from sharpness._specs import build_model, load_checkpoint
 
-    model = load_checkpoint(build_model(args.model), args.checkpoint)
-    X, y = load_data(args.data)
+    model, loss_fn, (X, y) = load_problem(args)  # the loader of python -m sharpness
     try:
         with torch.no_grad():
-            model(X[:1].to(next(model.parameters()).dtype))
+            model(X[:1])
     except RuntimeError as exc:
         raise ValueError(
             f"samples of shape {tuple(X.shape[1:])} from {args.data} do not fit the model {args.model} "
             f"({str(exc).splitlines()[0]}); check --data and --model"
         ) from None
-    check_labels(model, X, y)
-    loss_fn = nn.MSELoss() if y.is_floating_point() else nn.CrossEntropyLoss()
     target = None
     if getattr(args, "to", None):
         target = load_checkpoint(build_model(args.model), args.to)
@@ -269,14 +272,17 @@ def _real(args: argparse.Namespace) -> int:
 
     if args.command == "line" and args.range is not None and not args.range[0] < args.range[1]:
         raise ValueError(f"--range needs LO < HI, got {args.range[0]} {args.range[1]}")
-    if args.command == "line" and args.to and args.directions != "random":
-        raise ValueError("--to draws the segment between two checkpoints; leave out --directions")
+    if args.command == "line" and args.to and (args.directions != "random" or args.path != "straight"):
+        raise ValueError("--to draws the straight segment between two checkpoints; leave out --directions and --path")
+    if args.roots != "fixed" and args.directions != "gspace":
+        raise ValueError(f"--roots {args.roots} applies to --directions gspace only")
+
     model, loss_fn, data, target, dtype = _load(args)
     steps = args.steps or (41 if getattr(args, "to", None) else 51)
     common = dict(
         directions=args.directions, span=args.span, steps=steps, norm=args.norm, bias=args.bias,
-        metric=args.metric, seed=args.seed, dtype=dtype, memory_budget=args.memory_mib * 2**20,
-        progress=False if args.quiet else None,
+        metric=args.metric, path=args.path, roots=args.roots, seed=args.seed, dtype=dtype,
+        memory_budget=args.memory_mib * 2**20, progress=False if args.quiet else None,
     )  # fmt: skip
     start = time.perf_counter()
     if args.command == "plane":
@@ -313,7 +319,9 @@ def _real(args: argparse.Namespace) -> int:
     if not args.quiet:
         meta = surface.metadata
         print(f"center loss {meta['center_loss']:.6g}; {meta['n_points']} points in {meta['grid_seconds']:.2f} s "
-              f"({meta['points_per_second']:.0f} points/s, {meta['strategy']})")  # fmt: skip
+              f"({meta['points_per_second']:.0f} points/s, {meta['strategy']}, path: {meta['path']})")  # fmt: skip
+        if meta.get("crossed_points"):
+            print(f"{meta['crossed_points']} points lie beyond a singularity of the G-space map (array 'crossed')")
         print("\n".join(str(p) for p in paths))
     return 0
 

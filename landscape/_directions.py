@@ -9,9 +9,13 @@
 * The top eigenvectors of the Euclidean Hessian or of the node-wise (or layer-wise) Riemannian
   Hessian, from :mod:`sharpness`.
 * The segment from one checkpoint to another (``theta + alpha (theta_1 - theta)``).
+* Random Gaussian directions in G-space (basis-path coordinates, :class:`manifolds.GSpace`), by
+  default with the chain-root coordinates held fixed (so ``w(v)`` has no singularity on the plane),
+  each coordinate block rescaled to the norm of the centre's block.
 
-Every direction set is a flat ``(k, n)`` tensor in the objective's parameter layout plus a record
-of how it was made (seeds, normalization, eigenvalues), saved with the surface.
+Every direction set is a flat ``(k, n)`` tensor in the objective's parameter layout (for G-space
+directions: in the ``GSpace.layout`` of the coordinates, length ``dim``) plus a record of how it was
+made (seeds, normalization, eigenvalues), saved with the surface.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from manifolds import ParamLayout
+from manifolds import GSpace, ParamLayout
 from sharpness import Objective, euclidean_sharpness, invariant_sharpness
 
-NORMALIZATIONS = ("filter", "layer", "none")
+NORMALIZATIONS = ("filter", "layer", "element", "none")
 BIAS_MODES = ("zero", "keep")
 EIGEN_METRICS = ("euclidean", "node", "layer")
+GSPACE_NORMALIZATIONS = ("element", "layer", "none")
+GSPACE_ROOTS = ("fixed", "free")
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,9 @@ class Directions:
     """``k`` directions in parameter space and how they were obtained.
 
     Attributes:
-        vectors: ``(k, n)`` flat directions in the parameter layout of the point they belong to.
-        kind: ``"random"``, ``"eigen"``, ``"invariant-eigen"`` or ``"segment"``.
+        vectors: ``(k, n)`` flat directions in the parameter layout of the point they belong to
+            (kind ``"gspace"``: ``(k, dim)`` in the layout of the G-space coordinates).
+        kind: ``"random"``, ``"eigen"``, ``"invariant-eigen"``, ``"segment"`` or ``"gspace"``.
         labels: axis label of each direction.
         info: JSON-serialisable record (seeds, normalization, bias handling, eigenvalues ...).
     """
@@ -64,7 +71,10 @@ def normalize_direction(
         theta: the point the direction is drawn at.
         norm: ``"filter"``: each slice ``d[i]`` along the first (output) dimension of a tensor with
             two or more dimensions gets the norm of ``theta[i]``; ``"layer"``: each tensor gets the
-            norm of the matching tensor of ``theta``; ``"none"``: unchanged.
+            norm of the matching tensor of ``theta``; ``"element"``: each entry is multiplied by
+            ``|theta|`` there (relative changes, as in adaptive sharpness: a positive rescaling of
+            ``theta`` rescales the direction with it, so the plane of a rescaled network is the same
+            function of the coordinates); ``"none"``: unchanged.
         bias: one-dimensional tensors (biases): ``"zero"`` sets them to 0, ``"keep"`` keeps them,
             rescaled as a whole to the norm of ``theta``'s tensor (under ``"filter"`` and ``"layer"``).
 
@@ -82,6 +92,8 @@ def normalize_direction(
             out[name] = torch.zeros_like(d)
         elif norm == "none":
             out[name] = d.clone()
+        elif norm == "element":
+            out[name] = d * t.abs()
         elif norm == "filter" and d.dim() >= 2:
             dn = d.flatten(1).norm(dim=1)
             tn = t.flatten(1).norm(dim=1)
@@ -91,6 +103,18 @@ def normalize_direction(
             dn = d.norm()
             out[name] = d * (t.norm() / dn) if dn > 0 else torch.zeros_like(d)
     return out
+
+
+def _gaussian(params: Mapping[str, Tensor], seed: int) -> dict[str, Tensor]:
+    """One raw Gaussian direction shaped like ``params``: drawn in float64 from a CPU generator seeded with
+    ``seed``, then cast to each tensor's device and dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device, t.dtype) for n, t in params.items()}
+
+
+def _labels(k: int, prefix: str = "") -> tuple[str, ...]:
+    names = ("δ", "η", "ζ")
+    return tuple(prefix + (names[i] if i < len(names) else f"d{i + 1}") for i in range(k))
 
 
 def random_directions(
@@ -107,19 +131,11 @@ def random_directions(
     if k < 1:
         raise ValueError(f"need at least one direction, got k={k}")
     layout = ParamLayout.from_tensors(params)
-    ref = next(iter(params.values()))
-    vectors = []
-    for i in range(k):
-        g = torch.Generator().manual_seed(seed + i)
-        raw = {
-            n: torch.randn(t.shape, generator=g, dtype=torch.float64).to(ref.device, t.dtype) for n, t in params.items()
-        }
-        vectors.append(layout.flatten(normalize_direction(raw, params, norm, bias)))
-    names = ("δ", "η", "ζ")
+    vectors = [layout.flatten(normalize_direction(_gaussian(params, seed + i), params, norm, bias)) for i in range(k)]
     return Directions(
         vectors=torch.stack(vectors),
         kind="random",
-        labels=tuple(names[i] if i < len(names) else f"d{i + 1}" for i in range(k)),
+        labels=_labels(k),
         info={"seeds": [seed + i for i in range(k)], "normalization": norm, "bias": bias, "distribution": "gaussian"},
     )
 
@@ -139,7 +155,8 @@ def eigen_directions(
     layer-wise quotient (:func:`sharpness.invariant_sharpness`): horizontal tangent vectors of unit
     ``g``-norm, so a coordinate step of 1 is a unit step in the invariant metric (for ``"node"``,
     ``sum_k (xi_k / w_k)^2 = 1``: relative changes of the weights). Planes along them are drawn as
-    straight lines ``theta + a xi_1 + b xi_2``, the first-order retraction.
+    straight lines ``theta + a xi_1 + b xi_2`` (the first-order retraction), or with
+    ``path="geodesic"`` (:func:`landscape.loss_plane`) along the metric's exact exponential map.
 
     Returns:
         :class:`Directions` of kind ``"eigen"`` or ``"invariant-eigen"``; ``info`` holds
@@ -174,6 +191,124 @@ def eigen_directions(
     )
 
 
+def chain_root_mask(gspace: GSpace) -> Tensor:
+    """``(dim,)`` bool: which G-space coordinates are chain roots.
+
+    The chain value ``c`` of a hidden unit (the product of the predecessor weights from the input to
+    it, by which ``w(v)`` divides) is its chain root times a factor of skeleton weights. The root is the
+    coordinate of the first predecessor edge met going from the unit towards the input that is not a
+    designated (skeleton) edge: the value of the path along predecessor edges from the input to that
+    edge and along designated edges from it to the output. Every first-layer unit's predecessor entry
+    is a root; a later unit has its own root only where its predecessor entry is not the designated
+    weight of the unit it comes from (otherwise it shares that unit's root). Moving any other
+    coordinate leaves every chain value as it is.
+    """
+    pred, skeleton = gspace.predecessor_masks(), gspace.skeleton_masks()
+    device = next(iter(pred.values())).device
+    # to_edges places coordinate j at its free edge: label the coordinates 1..dim (exact in float64) and read
+    # the labels at the roots' edges (predecessor entries that are not designated; designated ones get 0)
+    labels = gspace.to_edges(torch.arange(1, gspace.dim + 1, dtype=torch.float64, device=device), fill=0.0)
+    index = torch.cat([labels[n][pred[n] & ~skeleton[n]] for n in pred]).long() - 1
+    mask = torch.zeros(gspace.dim, dtype=torch.bool, device=device)
+    mask[index] = True
+    return mask
+
+
+def gspace_directions(
+    gspace: GSpace,
+    center: Tensor,
+    k: int = 2,
+    seed: int = 0,
+    norm: str = "element",
+    bias: str = "zero",
+    roots: str = "fixed",
+) -> Directions:
+    """``k`` random Gaussian directions in G-space at the coordinates ``center``.
+
+    Drawn exactly like :func:`random_directions` (direction ``i`` from a CPU generator seeded with
+    ``seed + i``, in float64), in the coordinate layout ``gspace.layout``: one block per layer's
+    weight coordinates and one per bias.
+
+    ``roots="fixed"`` (default) sets the components on the chain roots (:func:`chain_root_mask`) to
+    exactly 0, so no hidden unit's chain value changes anywhere on the plane ``w(v + a d1 + b d2)``:
+    ``w`` never divides by a value that crosses 0, and the plane has no singular lines whatever its
+    span. ``roots="free"`` moves every coordinate; a root then crosses 0 a distance of about
+    ``|v_root| / |d_root|`` from the centre, and with the per-block scaling below most of a plane of
+    span 0.3 of a real model already lies beyond such a singular line.
+
+    ``norm="element"`` (default) multiplies every coordinate's draw by ``|v_j|``: each basis-path
+    value changes by the same relative amount in distribution, so no path whose value is small is
+    moved by many times its size (with per-block scaling the planes of trained networks are steep
+    far inside a unit span). ``norm="layer"`` rescales every block so that ``||d_B|| = ||v_B||``,
+    both norms taken over the coordinates the direction moves (with fixed roots: the block without
+    its roots). Bias blocks are zeroed (``bias="zero"``) or kept and normalized likewise (``"keep"``).
+    The coordinates, the roots and these directions are unchanged by every positive rescaling of the
+    network, so the plane is too.
+
+    Args:
+        gspace: the parametrization (:class:`manifolds.GSpace`) of the network.
+        center: ``(dim,)`` flat G-space coordinates of the centre (``gspace.coordinates(params)``).
+        k: number of directions.
+        seed: seed of the first direction.
+        norm: ``"element"`` (relative, default), ``"layer"`` (per coordinate block) or ``"none"``.
+            Filter normalization has no meaning here: the blocks of later layers are not arranged by unit.
+        bias: ``"zero"`` or ``"keep"``.
+        roots: ``"fixed"`` (default: the chain roots stay at the centre's values) or ``"free"``.
+
+    Returns:
+        :class:`Directions` of kind ``"gspace"``, vectors ``(k, dim)``; ``info`` holds ``space``,
+        ``seeds``, ``normalization``, ``bias``, ``distribution``, ``roots``, ``fixed_coordinates``,
+        ``dim`` and ``blocks``.
+    """
+    if norm not in GSPACE_NORMALIZATIONS:
+        raise ValueError(
+            f"G-space directions are normalized per coordinate ('element'), per coordinate block ('layer') or not at "
+            f"all ('none'), not {norm!r}: "
+            "the coordinates of later layers are not arranged by output unit, so there are no filters"
+        )
+    if roots not in GSPACE_ROOTS:
+        raise ValueError(f"unknown chain-root handling {roots!r}; choose one of {', '.join(GSPACE_ROOTS)}")
+    if k < 1:
+        raise ValueError(f"need at least one direction, got k={k}")
+    center = torch.as_tensor(center).detach()
+    if tuple(center.shape) != (gspace.dim,):
+        raise ValueError(f"the G-space centre must be a flat vector of length {gspace.dim}, got {tuple(center.shape)}")
+    layout = gspace.layout
+    blocks = layout.unflatten(center)
+    fixed = chain_root_mask(gspace).to(center.device) if roots == "fixed" else None
+    if fixed is not None:  # hold the roots: zero them in the draws and leave them out of the block norms
+        held = layout.unflatten(fixed)
+        blocks = {n: torch.where(held[n], 0, t) for n, t in blocks.items()}
+    vectors = []
+    for i in range(k):
+        raw = _gaussian(blocks, seed + i)
+        if fixed is not None:
+            raw = {n: torch.where(held[n], 0, t) for n, t in raw.items()}
+        vectors.append(layout.flatten(normalize_direction(raw, blocks, norm, bias)))
+    moved = "the coordinates it moves (chain roots held)" if fixed is not None else "all its coordinates"
+    return Directions(
+        vectors=torch.stack(vectors),
+        kind="gspace",
+        labels=_labels(k, "G-space "),
+        info={
+            "seeds": [seed + i for i in range(k)],
+            "normalization": norm,
+            "bias": bias,
+            "distribution": "gaussian",
+            "space": "gspace",
+            "roots": roots,
+            "fixed_coordinates": 0 if fixed is None else int(fixed.sum()),
+            "dim": gspace.dim,
+            "blocks": list(layout.names),
+            "block_normalization": {
+                "element": f"d_j = g_j |v_j| on {moved}",
+                "layer": f"||d_B|| = ||v_B|| per coordinate block, over {moved}",
+                "none": "none",
+            }[norm],
+        },
+    )
+
+
 def segment_direction(theta0: Mapping[str, Tensor], theta1: Mapping[str, Tensor]) -> Directions:
     """The direction ``theta1 - theta0``: coordinate 0 is ``theta0``, coordinate 1 is ``theta1``."""
     missing = [n for n in theta0 if n not in theta1]
@@ -195,4 +330,3 @@ def segment_direction(theta0: Mapping[str, Tensor], theta1: Mapping[str, Tensor]
 def trainable(model: nn.Module) -> dict[str, Tensor]:
     """Detached ``{name: tensor}`` of ``model``'s trainable parameters (the model is not touched)."""
     return {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-

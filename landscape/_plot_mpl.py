@@ -70,16 +70,22 @@ def contour_levels(norm: colors.Normalize, n: int = 20) -> np.ndarray:
         levels = np.array([m * 10.0**e for e in range(lo, hi + 1) for m in mantissas])
         # keep one level on either side of the data so the colors span the whole range
         inside = np.flatnonzero((levels >= norm.vmin) & (levels <= norm.vmax))
-        first, last = max(inside.min() - 1, 0) if inside.size else 0, min(inside.max() + 2, len(levels))
-        return levels[first:last] if inside.size else np.array([norm.vmin, norm.vmax])
+        if inside.size < 3:  # a narrow range (within a factor of about 5): round levels of the linear scale
+            linear = ticker.MaxNLocator(n, steps=[1, 2, 2.5, 5, 10]).tick_values(norm.vmin, norm.vmax)
+            return linear[linear > 0]
+        return levels[max(inside.min() - 1, 0) : min(inside.max() + 2, len(levels))]
     return ticker.MaxNLocator(n, steps=[1, 2, 2.5, 5, 10]).tick_values(norm.vmin, norm.vmax)
 
 
 def _level_format(levels: np.ndarray):
     span = float(np.ptp(levels)) or 1.0
+    gaps = np.diff(np.unique(levels))
+    # enough significant digits to tell neighbouring levels apart (2.302 next to 2.304), at least 2
+    step, top = (float(gaps.min()) if gaps.size else span), float(np.abs(levels).max()) or 1.0
+    digits = max(2, math.ceil(math.log10(top / step)) + 1)
 
     def fmt(value: float) -> str:
-        return f"{value:.2g}" if abs(value) >= span * 1e-6 else "0"
+        return f"{value:.{digits}g}" if abs(value) >= span * 1e-6 else "0"
 
     return fmt
 
@@ -237,7 +243,11 @@ def surface_figure(
             for ax, kind in zip(axes, kinds):
                 ax.set_title({"contour": "contours", "heatmap": "heatmap", "surface": "surface"}[kind])
         colorbar = fig.colorbar(mappable, ax=axes, shrink=0.85, aspect=30, pad=0.02, label=surfaces[0].z_label)
-        if log:
+        if log and norm.vmax < 10 * norm.vmin:  # less than a decade: LogLocator would leave it bare
+            colorbar.ax.yaxis.set_major_locator(ticker.MaxNLocator(6))
+            colorbar.ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+            colorbar.ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        elif log:
             colorbar.ax.yaxis.set_major_locator(ticker.LogLocator())
             colorbar.ax.yaxis.set_major_formatter(ticker.LogFormatterSciNotation())
         if title:

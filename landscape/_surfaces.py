@@ -1,19 +1,54 @@
-"""Loss lines and planes of real models: directions + grid evaluation + a :class:`Surface` record."""
+"""Loss lines and planes of real models: directions + grid evaluation + a :class:`Surface` record.
+
+Three kinds of chart map grid coordinates ``c = (a, b)`` to parameters:
+
+* ``"straight"``: ``theta + a d1 + b d2`` (random, Euclidean-eigen, invariant-eigen, segment
+  directions), evaluated with :func:`sharpness.evaluate_grid` and its first-layer fast path;
+* ``"geodesic"`` (invariant-eigen directions): ``Exp_theta(a xi1 + b xi2)``, the exact exponential
+  map of the quotient metric the eigenvectors belong to (node-wise: ``theta * exp((a xi1 + b xi2) /
+  theta)`` entry-wise, the straight line in log-coordinates; layer-wise: the per-block cylinder
+  geodesic). The eigenvectors are horizontal, and the total-space geodesic of a horizontal vector
+  stays horizontal and projects to the quotient geodesic, so the plane is the quotient's. Every
+  rescaling the metric is invariant under is an isometry mapping geodesics to geodesics: the plane
+  of a rescaled twin is the rescaled plane, the same function of ``(a, b)``;
+* ``"gspace"``: ``w(v + a d1 + b d2)`` with ``v`` the G-space coordinates of ``theta``, ``d_i``
+  random directions in coordinate space and ``w`` the inverse map of :class:`manifolds.GSpace` (the
+  skeleton weights held at the centre's values). By default the directions leave the chain roots at
+  the centre's values, so every hidden unit's chain value, by which ``w`` divides, is the same at
+  every point and the plane has no singular lines (``roots="free"`` moves them too). Coordinates and
+  directions are invariant under every node-wise rescaling, so the plane of a rescaled twin is the
+  same function of ``(a, b)``.
+
+Curved charts are evaluated with :func:`sharpness.evaluate_points`.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.func import vmap
 
-from landscape._directions import Directions, eigen_directions, random_directions, segment_direction, trainable
+from landscape._directions import (
+    GSPACE_ROOTS,
+    Directions,
+    chain_root_mask,
+    eigen_directions,
+    gspace_directions,
+    random_directions,
+    segment_direction,
+    trainable,
+)
 from landscape._surface import Surface
-from sharpness import Objective, evaluate_grid, grid_axis
+from manifolds import GSpace, LayerScaleQuotient, NodeScaleQuotient, analyze
+from sharpness import Objective, evaluate_grid, evaluate_points, grid_axis
 
-DIRECTION_KINDS = ("random", "eigen", "invariant-eigen")
+DIRECTION_KINDS = ("random", "eigen", "invariant-eigen", "gspace")
+PATHS = ("straight", "geodesic")
 SEGMENT_RANGE = (-0.5, 1.5)
 
 
@@ -25,32 +60,197 @@ def _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memor
     )
 
 
+def _norm(kind: str | Directions, norm: str | None) -> str:
+    """The normalization in use: ``norm``, or the default of the direction kind (filter; element in G-space)."""
+    if norm is not None:
+        return norm
+    return "element" if kind == "gspace" else "filter"
+
+
 def make_directions(
     objective: Objective,
     kind: str | Directions,
     k: int,
     seed: int = 0,
-    norm: str = "filter",
+    norm: str | None = None,
     bias: str = "zero",
     metric: str = "node",
     progress: bool | None = None,
+    gspace: GSpace | None = None,
+    roots: str = "fixed",
 ) -> Directions:
     """``k`` directions at the objective's parameters: ``"random"`` (normalized by ``norm``/``bias``),
-    ``"eigen"`` (Euclidean Hessian) or ``"invariant-eigen"`` (Riemannian Hessian under ``metric``);
-    a :class:`Directions` is passed through after a shape check."""
+    ``"eigen"`` (Euclidean Hessian), ``"invariant-eigen"`` (Riemannian Hessian under ``metric``) or
+    ``"gspace"`` (random in G-space coordinates, normalized per coordinate by default, chain roots ``roots``;
+    needs ``gspace``); a :class:`Directions` is passed through after a shape check."""
     if isinstance(kind, Directions):
-        if kind.vectors.shape != (k, objective.layout.size):
-            raise ValueError(
-                f"expected {k} directions of length {objective.layout.size}, got shape {tuple(kind.vectors.shape)}"
-            )
+        size = gspace.dim if kind.kind == "gspace" and gspace is not None else objective.layout.size
+        if kind.vectors.shape != (k, size):
+            raise ValueError(f"expected {k} directions of length {size}, got shape {tuple(kind.vectors.shape)}")
         return kind
     if kind == "random":
-        return random_directions(objective.params, k, seed, norm, bias)
+        return random_directions(objective.params, k, seed, _norm(kind, norm), bias)
     if kind == "eigen":
         return eigen_directions(objective, k, "euclidean", seed=seed, progress=progress)
     if kind == "invariant-eigen":
         return eigen_directions(objective, k, metric, seed=seed, progress=progress)
+    if kind == "gspace":
+        if gspace is None:
+            raise ValueError("G-space directions need the network's GSpace (gspace=manifolds.GSpace(model))")
+        center = gspace.coordinates(objective.params)
+        return gspace_directions(gspace, center, k, seed, _norm(kind, norm), bias, roots)
     raise ValueError(f"unknown direction kind {kind!r}; choose one of {', '.join(DIRECTION_KINDS)}")
+
+
+@dataclass(frozen=True)
+class Chart:
+    """How grid coordinates become parameters: the directions, the path and the point map.
+
+    Attributes:
+        directions: the directions (in the objective's layout; for ``path="gspace"`` in G-space).
+        path: ``"straight"``, ``"geodesic"`` or ``"gspace"``.
+        point_fn: ``(B, k) -> (B, n)`` flat parameters or ``{name: (B, *shape)}``, or ``None`` for the
+            linear grid ``theta + c @ D``.
+        info: what the metadata records about the path.
+        crossed: for G-space charts, ``(P, k)`` coordinates -> ``(P,)`` int: how many hidden units'
+            chain values of the G-space inverse map have changed sign (beyond a singularity of ``w(v)``).
+        first_layer: ``(center, directions)`` when the first layer's parameters are linear in the
+            coordinates although the chart is curved (G-space: ``W_1 = v_1 / d``), for the fast path.
+    """
+
+    directions: Directions
+    path: str
+    point_fn: Callable[[Tensor], Tensor] | None = None
+    info: dict = field(default_factory=dict)
+    crossed: Callable[[np.ndarray], np.ndarray] | None = None
+    first_layer: tuple[Tensor, Tensor] | None = None
+
+    def evaluate(self, objective: Objective, coords: np.ndarray, strategy: str, progress: bool | None):
+        if self.point_fn is None:
+            return evaluate_grid(objective, self.directions.vectors, coords, strategy=strategy, progress=progress)
+        return evaluate_points(
+            objective, self.point_fn, coords, first_layer=self.first_layer, strategy=strategy, progress=progress
+        )
+
+
+def _gspace_chart(
+    objective: Objective, directions: str | Directions, k: int, seed: int, norm, bias, roots: str
+) -> Chart:
+    """``w(v + sum c_i d_i)``: a plane in G-space coordinates mapped back to weights."""
+    gs = GSpace(objective.model, params=objective.params)  # refuses unsupported models, naming the module
+    missing = [n for n in objective.layout.names if n not in gs.names]
+    if missing:
+        raise ValueError(
+            f"parameter {missing[0]!r} is not a weight or bias of the network's layers, so G-space has no coordinate "
+            "for it; G-space planes need a model whose parameters are all layer weights and biases"
+        )
+    v = gs.coordinates(objective.params).detach()
+    d = make_directions(objective, directions, k, seed, norm, bias, gspace=gs, roots=roots)
+    D = d.vectors.to(v)
+    names = objective.layout.names
+    weights = vmap(lambda u: gs.weights(u, check=False))  # crossed singularities are counted instead
+
+    def point_fn(c: Tensor) -> dict[str, Tensor]:
+        w = weights(torch.addmm(v, c.to(v), D))
+        return {n: w[n] for n in names}
+
+    # A unit's chain value c is its chain root times a fixed factor, so w(v) is singular where a root is 0,
+    # and a root that changed sign marks a crossed singularity; the roots are coordinates, linear in (a, b).
+    where = chain_root_mask(gs).nonzero().flatten().to(v.device)
+    root0, root_dirs = v[where], D[:, where]
+    sign0 = torch.sign(root0)
+    held = bool((root_dirs == 0).all())  # fixed roots (also for given directions that happen to hold them)
+
+    def crossed(coords: np.ndarray) -> np.ndarray:
+        r = root0 + torch.as_tensor(coords).to(v) @ root_dirs
+        return (~(r * sign0 > 0)).sum(dim=-1).cpu().numpy()
+
+    # the first layer is linear in the coordinates (W_1 = v_1 / d, b_1 = u_1 / d): the fast path applies
+    with torch.no_grad():
+        ends = objective.layout.flatten(point_fn(torch.cat([torch.zeros(1, k), torch.eye(k)]).to(v)))
+    info = {
+        "path": "gspace",
+        "path_detail": "theta(a, b) = w(v + a d1 + b d2): v the G-space (basis-path) coordinates of the centre, d_i "
+        "random directions in coordinate space, w the inverse map with the skeleton weights held at the centre's "
+        "values; invariant under node-wise rescaling"
+        + (
+            "; the chain roots are held at the centre's values, so no chain value changes and w has no singularity "
+            "on the plane"
+            if held
+            else "; the chain roots move too, so w is singular where one of them crosses 0 (see crossed)"
+        ),
+        "gspace_dim": gs.dim,
+        "skeleton": "default (G-SGD: designated and predecessor entries on the diagonal, modulo the widths)",
+        "chain_roots": int(root0.numel()),
+        "roots": "fixed" if held else "free",
+    }
+    return Chart(d, "gspace", point_fn, info, crossed, first_layer=(ends[0], ends[1:] - ends[0]))
+
+
+def _geodesic_chart(objective: Objective, d: Directions) -> Chart:
+    """``Exp_theta(sum c_i xi_i)`` with the exact exponential map of the eigenvectors' quotient metric."""
+    metric = d.info.get("metric")
+    if metric not in ("node", "layer"):
+        raise ValueError(f"invariant-eigen directions need info['metric'] 'node' or 'layer', got {metric!r}")
+    structure = analyze(objective.model)
+    quotient = (NodeScaleQuotient if metric == "node" else LayerScaleQuotient)(
+        objective.params, structure, objective.layout
+    )
+    D = d.vectors.to(objective.device, objective.dtype)
+    if metric == "node":
+        # Exp_theta(xi) = theta * exp(sign(theta) G^{1/2} xi) is entry-wise and its exponent linear in xi: precompute
+        # the exponent's directions, so a batch costs one product, one exp and one multiplication (equal to
+        # quotient.expmap to rounding, zero weights included: their rows of G^{1/2} are 0)
+        theta, exponent = quotient.point, quotient.whiten(D) * torch.sign(quotient.point)
+
+        def point_fn(c: Tensor) -> Tensor:
+            return theta * torch.exp(c @ exponent)
+
+    else:
+
+        def point_fn(c: Tensor) -> Tensor:
+            return torch.stack([quotient.expmap(xi) for xi in c @ D])
+
+    detail = {
+        "node": "theta(a, b) = Exp_theta(a ξ1 + b ξ2) = theta * exp((a ξ1 + b ξ2) / theta) entry-wise: the exact "
+        "geodesic of the node-wise metric sum ξ_k^2 / theta_k^2 (a straight line in log|theta|; zero weights stay 0)",
+        "layer": "theta(a, b) = Exp_theta(a ξ1 + b ξ2): the exact geodesic of the layer-wise metric, per tensor a "
+        "cylinder R x S^(d-1) (log-norm moves linearly, the direction turns on the sphere)",
+    }[metric]
+    return Chart(d, "geodesic", point_fn, {"path": "geodesic", "path_detail": detail, "path_metric": metric})
+
+
+def make_chart(
+    objective: Objective,
+    directions: str | Directions,
+    k: int,
+    seed: int = 0,
+    norm: str | None = None,
+    bias: str = "zero",
+    metric: str = "node",
+    path: str = "straight",
+    progress: bool | None = None,
+    roots: str = "fixed",
+) -> Chart:
+    """The directions and the map from grid coordinates to parameters (see the module docstring)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+    if roots not in GSPACE_ROOTS:
+        raise ValueError(f"unknown chain-root handling {roots!r}; choose one of {', '.join(GSPACE_ROOTS)}")
+    kind = directions.kind if isinstance(directions, Directions) else directions
+    if roots != "fixed" and kind != "gspace":
+        raise ValueError(f"roots={roots!r} applies to G-space directions only, not to {kind} directions")
+    if path == "geodesic" and kind != "invariant-eigen":
+        raise ValueError(
+            f"the geodesic path follows the quotient metric of invariant-eigen directions, not of {kind} directions; "
+            "use invariant-eigen directions or the straight path"
+        )
+    if kind == "gspace":
+        return _gspace_chart(objective, directions, k, seed, norm, bias, roots)
+    d = make_directions(objective, directions, k, seed, norm, bias, metric, progress)
+    if path == "geodesic":
+        return _geodesic_chart(objective, d)
+    return Chart(d, "straight", None, {"path": "straight", "path_detail": "theta + sum_i c_i d_i"})
 
 
 def _describe(d: Directions) -> str:
@@ -62,12 +262,28 @@ def _describe(d: Directions) -> str:
         return f"the top Euclidean Hessian eigenvector{s}"
     if d.kind == "invariant-eigen":
         return f"the top Riemannian Hessian eigenvector{s} ({d.info['metric']}-wise quotient metric)"
+    if d.kind == "gspace":
+        norm = d.info["normalization"]
+        how = "normalized per coordinate block" if norm == "layer" else "unnormalized"
+        held = {"fixed": ", chain roots fixed", "free": ", chain roots free"}.get(d.info.get("roots"), "")
+        return f"random G-space direction{s} ({how}{held}, biases: {d.info['bias']})"
     return "the segment between two points"
 
 
-def _metadata(objective: Objective, d: Directions, values, center: dict, build_seconds: float) -> dict:
+def _title(chart: Chart, plane: bool) -> str:
+    d = chart.directions
+    if chart.path == "gspace":
+        where = "the G-space plane w(v + a δ + b η)" if plane else "the G-space line w(v + t δ)"
+        return f"loss on {where} of {_describe(d)}"
+    if chart.path == "geodesic":
+        return f"loss on the geodesic {'plane' if plane else 'line'} Exp(·) of {_describe(d)}"
+    return f"loss on the plane of {_describe(d)}" if plane else f"loss along {_describe(d)}"
+
+
+def _metadata(objective: Objective, chart: Chart, values, center: dict, build_seconds: float) -> dict:
     return {
-        "directions": d.to_dict(),
+        "directions": chart.directions.to_dict(),
+        **chart.info,
         "center_loss": center["loss"],
         "center_accuracy": center.get("accuracy"),
         "strategy": values.strategy,
@@ -85,6 +301,18 @@ def _metadata(objective: Objective, d: Directions, values, center: dict, build_s
     }
 
 
+def _crossed(chart: Chart, coords: np.ndarray, shape: tuple[int, ...]) -> tuple[dict, dict]:
+    """``extras`` and metadata marking the grid points beyond a G-space singularity (G-space charts only)."""
+    if chart.crossed is None:
+        return {}, {}
+    counts = chart.crossed(coords).reshape(shape)
+    note = (
+        "crossed[i, j]: how many predecessor-chain roots of w(v) (of chain_roots) have changed sign at the grid point; "
+        "each crossing passes a singularity of the G-space inverse map, where w(v) = v / c diverges as c -> 0"
+    )
+    return {"crossed": counts}, {"crossed_points": int((counts > 0).sum()), "crossed_note": note}
+
+
 def loss_plane(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -93,9 +321,11 @@ def loss_plane(
     directions: str | Directions = "random",
     span: float = 1.0,
     steps: int = 51,
-    norm: str = "filter",
+    norm: str | None = None,
     bias: str = "zero",
     metric: str = "node",
+    path: str = "straight",
+    roots: str = "fixed",
     seed: int = 0,
     strategy: str = "auto",
     dtype: torch.dtype | None = None,
@@ -105,19 +335,33 @@ def loss_plane(
     progress: bool | None = None,
     objective: Objective | None = None,
 ) -> Surface:
-    """The whole-data-set loss on the plane ``theta + a d1 + b d2``, ``a, b in [-span, span]``.
+    """The whole-data-set loss on a plane through ``theta``, ``a, b in [-span, span]``.
+
+    The plane is ``theta + a d1 + b d2`` (``path="straight"``), ``Exp_theta(a xi1 + b xi2)`` for
+    invariant-eigen directions with ``path="geodesic"``, or ``w(v + a d1 + b d2)`` in G-space for
+    ``directions="gspace"`` (see the module docstring).
 
     Args:
         model, loss_fn, data: as for :class:`sharpness.Objective`; ``theta`` is the model's parameters
             (read, never modified).
-        directions: ``"random"``, ``"eigen"``, ``"invariant-eigen"`` or a :class:`Directions` with two rows.
+        directions: ``"random"``, ``"eigen"``, ``"invariant-eigen"``, ``"gspace"`` or a
+            :class:`Directions` with two rows (of kind ``"gspace"``: in G-space coordinates).
         span: half-width of the square in direction units.
         steps: grid points per axis; the grid always contains ``(0, 0)`` (inserted when ``steps`` is even).
-        norm, bias: normalization of random directions (``"filter"``, ``"layer"``, ``"none"``; biases
+        norm, bias: normalization of random directions (``"filter"``, ``"layer"``, ``"none"``; default
+            ``"filter"``, and ``"layer"``, i.e. per coordinate block, for G-space directions; biases
             ``"zero"`` or ``"keep"``).
         metric: quotient metric of ``"invariant-eigen"`` directions (``"node"`` or ``"layer"``).
+        path: ``"straight"`` (default) or ``"geodesic"`` (invariant-eigen directions only: the exact
+            exponential map of ``metric``).
+        roots: G-space directions only: ``"fixed"`` (default) holds the chain-root coordinates at the
+            centre's values, so no hidden unit's chain value changes and ``w`` has no singular line on
+            the plane; ``"free"`` moves them like every other coordinate (see
+            :func:`landscape.gspace_directions`). Given :class:`Directions` are used as they are.
         seed: seed of the random directions (direction ``i`` uses ``seed + i``) or of the eigen-solver.
-        strategy: grid evaluation strategy (see :func:`sharpness.evaluate_grid`).
+        strategy: grid evaluation strategy (see :func:`sharpness.evaluate_grid`; curved planes use
+            :func:`sharpness.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean the loop on
+            CPU and vmap elsewhere).
         dtype, device, chunk_size, memory_budget: evaluation settings of the objective.
         progress: progress bars (``None``: only on a terminal).
         objective: reuse an existing objective (then ``model``, ``loss_fn``, ``data`` and the evaluation
@@ -125,26 +369,34 @@ def loss_plane(
 
     Returns:
         :class:`Surface` with ``loss[i, j]`` at ``(x[j], y[i])``, the accuracy for class-index
-        targets, and metadata recording the directions (seeds, normalization), the center loss and
-        the timing.
+        targets, and metadata recording the directions (seeds, normalization), the path, the center
+        loss and the timing. G-space planes also hold ``extras["crossed"]``, per grid point the number
+        of singularities of the inverse map crossed on the way from the centre (chain roots that changed
+        sign; always 0 with ``roots="fixed"``); ``metadata["crossed_points"]`` counts the points where it
+        is not 0, and ``metadata["roots"]`` says whether the chain roots were held.
+
+    Raises:
+        manifolds.UnsupportedModelError: G-space or geodesic planes of a model without the rescaling
+            symmetry (the message names the module).
     """
     obj = _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget)
     if not span > 0:
         raise ValueError(f"the span must be positive, got {span}")
     start = time.perf_counter()
-    d = make_directions(obj, directions, 2, seed, norm, bias, metric, progress)
+    chart = make_chart(obj, directions, 2, seed, norm, bias, metric, path, progress, roots)
     build = time.perf_counter() - start
     axis = grid_axis(-span, span, steps)
     yy, xx = np.meshgrid(axis, axis, indexing="ij")
-    values = evaluate_grid(obj, d.vectors, np.stack([xx.ravel(), yy.ravel()], axis=1), strategy=strategy,
-                           progress=progress)  # fmt: skip
+    coords = np.stack([xx.ravel(), yy.ravel()], axis=1)
+    values = chart.evaluate(obj, coords, strategy, progress)
     shape = (len(axis), len(axis))
+    extras, crossed = _crossed(chart, coords, shape)
+    d = chart.directions
     return Surface(
         x=axis, y=axis, loss=values.loss.reshape(shape),
         accuracy=None if values.accuracy is None else values.accuracy.reshape(shape),
-        x_label=d.labels[0], y_label=d.labels[1], z_label="loss",
-        title=f"loss on the plane of {_describe(d)}",
-        metadata=_metadata(obj, d, values, obj.evaluate(), build),
+        x_label=d.labels[0], y_label=d.labels[1], z_label="loss", title=_title(chart, plane=True), extras=extras,
+        metadata={**_metadata(obj, chart, values, obj.evaluate(), build), **crossed},
     )  # fmt: skip
 
 
@@ -158,9 +410,11 @@ def loss_line(
     span: float = 1.0,
     steps: int = 51,
     lim: tuple[float, float] | None = None,
-    norm: str = "filter",
+    norm: str | None = None,
     bias: str = "zero",
     metric: str = "node",
+    path: str = "straight",
+    roots: str = "fixed",
     seed: int = 0,
     strategy: str = "auto",
     dtype: torch.dtype | None = None,
@@ -176,8 +430,8 @@ def loss_line(
     ``d = theta_to - theta`` (``t = 0``: the model, ``t = 1``: ``to``), drawn over ``lim`` (default
     ``(-0.5, 1.5)``), as in the parametric line plots of Goodfellow et al. and Keskar et al.; the grid
     contains both ends exactly. Otherwise ``d`` is one direction of kind ``directions`` (see
-    :func:`loss_plane`) over ``lim`` (default ``(-span, span)``), like the layer-normalized lines of
-    the flatness paper's Fig. 2 (``norm="layer"``).
+    :func:`loss_plane`, including ``path`` and G-space lines ``w(v + t d)``) over ``lim`` (default
+    ``(-span, span)``), like the layer-normalized lines of the flatness paper's Fig. 2 (``norm="layer"``).
 
     Returns:
         :class:`Surface` of a line (``y`` is ``None``), loss and accuracy ``(m,)``.
@@ -185,24 +439,33 @@ def loss_line(
     obj = _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget)
     start = time.perf_counter()
     if to is not None:
+        if path != "straight" or directions == "gspace" or roots != "fixed":
+            raise ValueError(
+                "the segment between two checkpoints is a straight line; leave out the path, the directions and "
+                "the roots"
+            )
         target = trainable(to) if isinstance(to, nn.Module) else dict(to)
         d = segment_direction(obj.params, {k: v.to(obj.device, obj.dtype) for k, v in target.items()})
+        chart = Chart(d, "straight", None, {"path": "straight", "path_detail": "theta + t (theta_to - theta)"})
         lo, hi = SEGMENT_RANGE if lim is None else lim
         axis = grid_axis(lo, hi, steps, anchors=(0.0, 1.0))
     else:
         if not span > 0:
             raise ValueError(f"the span must be positive, got {span}")
-        d = make_directions(obj, directions, 1, seed, norm, bias, metric, progress)
+        chart = make_chart(obj, directions, 1, seed, norm, bias, metric, path, progress, roots)
         lo, hi = (-span, span) if lim is None else lim
         axis = grid_axis(lo, hi, steps)
     build = time.perf_counter() - start
-    values = evaluate_grid(obj, d.vectors, axis[:, None], strategy=strategy, progress=progress)
+    coords = axis[:, None]
+    values = chart.evaluate(obj, coords, strategy, progress)
+    extras, crossed = _crossed(chart, coords, (len(axis),))
     title = (
         "loss along the segment from the model (α = 0) to the second point (α = 1)"
         if to is not None
-        else f"loss along {_describe(d)}"
+        else _title(chart, plane=False)
     )
     return Surface(
-        x=axis, y=None, loss=values.loss, accuracy=values.accuracy, x_label=d.labels[0], z_label="loss",
-        title=title, metadata=_metadata(obj, d, values, obj.evaluate(), build),
+        x=axis, y=None, loss=values.loss, accuracy=values.accuracy, x_label=chart.directions.labels[0],
+        z_label="loss", title=title, extras=extras,
+        metadata={**_metadata(obj, chart, values, obj.evaluate(), build), **crossed},
     )  # fmt: skip

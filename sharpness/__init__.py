@@ -12,6 +12,7 @@ from sharpness._euclidean import euclidean_sharpness as euclidean_sharpness
 from sharpness._fixed_sharpness import fixed_sharpness as fixed_sharpness
 from sharpness._grid import GridValues as GridValues
 from sharpness._grid import evaluate_grid as evaluate_grid
+from sharpness._grid import evaluate_points as evaluate_points
 from sharpness._grid import grid_axis as grid_axis
 from sharpness._gspace_sharpness import GSpaceLoss as GSpaceLoss
 from sharpness._gspace_sharpness import gspace_hessian_operator as gspace_hessian_operator
@@ -54,6 +55,7 @@ __all__ = [
     "epsilon_sharpness",
     "euclidean_sharpness",
     "evaluate_grid",
+    "evaluate_points",
     "fixed_sharpness",
     "gspace_hessian_operator",
     "gspace_sharpness",

@@ -31,8 +31,13 @@ LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``: shared with ``python -m landscape``."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str = "float64") -> None:
+    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``: shared with ``python -m landscape``.
+
+    ``default_dtype`` is the ``--dtype`` default (and what its help says): float64 for curvature, while
+    ``python -m landscape`` passes float32 (a grid evaluates thousands of points)."""
+    if default_dtype not in DTYPES:
+        raise ValueError(f"default_dtype must be one of {', '.join(sorted(DTYPES))}, got {default_dtype!r}")
     parser.add_argument("--model", required=True, help="mlp:IN-...-OUT, lenet, path/file.py:factory or pkg.mod:factory")
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(
@@ -40,7 +45,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--loss", choices=sorted(LOSSES), default="ce", help="loss (default: ce)")
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float64", help="evaluation dtype (default: float64)"
+        "--dtype", choices=sorted(DTYPES), default=default_dtype, help=f"evaluation dtype (default: {default_dtype})"
     )
 
 
@@ -271,7 +276,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "The built-in demo (no download): scikit-learn digits, MLP 64-128-128-10, SGD + momentum with batch 32 "
             "and with the full batch until the same training loss; every measure on both minima, invariance checks, "
-            "the Euclidean measure gamed by a rescaling; writes report.md, report.json, a figure and both checkpoints."
+            "the Euclidean measure gamed by a rescaling, loss-surface planes along the top Euclidean and invariant "
+            "eigenvectors; writes report.md, report.json, two figures, the surface grids (.npz) and both checkpoints."
         ),
     )
     demo.add_argument("--out", default="demo-out", help="output folder (default: demo-out)")

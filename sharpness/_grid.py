@@ -1,4 +1,6 @@
-"""Exact whole-data-set loss (and accuracy) at every point of a grid ``theta + sum_i c_i d_i``.
+"""Exact whole-data-set loss (and accuracy) at every point of a grid ``theta + sum_i c_i d_i``
+(:func:`evaluate_grid`), or at the points ``p(c)`` of any map from grid coordinates to parameters
+(:func:`evaluate_points`: curved charts such as G-space planes or geodesic planes).
 
 Three strategies, all giving the same values (to rounding):
 
@@ -9,22 +11,25 @@ Three strategies, all giving the same values (to rounding):
   once: batched matrix products for a chain of ``Linear`` and ``ReLU``, ``torch.func.vmap`` over
   ``functional_call`` otherwise. On CPU the first layer is where the time goes: for an MLP
   784-300-100-10 it holds ~88% of the multiply-adds.
-* ``"vmap"``: the whole model vmapped over a batch of grid points (any model).
-* ``"loop"``: one ``functional_call`` per grid point (any model).
+* ``"vmap"``: the whole model vmapped over a batch of grid points (any model, any point map).
+* ``"loop"``: one ``functional_call`` per grid point (any model, any point map).
 
 ``"auto"`` takes the fast path when the model allows it, otherwise ``"loop"`` on CPU (where a
-vmapped forward pass is slower than a loop) and ``"vmap"`` elsewhere.
+vmapped forward pass is slower than a loop) and ``"vmap"`` elsewhere. The fast path needs the first
+layer's parameters to be linear in the grid coordinates: always for :func:`evaluate_grid`, and for
+:func:`evaluate_points` when the caller says so (``first_layer``; G-space planes, whose first layer is
+``v_1 / d``, qualify).
 
-The data are traversed once (outer loop over data chunks, inner loop over batches of grid points);
-the batch size comes from a memory budget (and, on CPU, a cache-friendly cap). The model's own
-parameters are never modified: points are passed functionally.
+Both functions share one driver: the data are traversed once (outer loop over data chunks, inner
+loop over batches of grid points); the batch size comes from a memory budget (and, on CPU, a
+cache-friendly cap). The model's own parameters are never modified: points are passed functionally.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +41,14 @@ from sharpness._objective import Objective, eval_mode
 from sharpness._progress import progress_bar
 
 STRATEGIES = ("auto", "first-layer", "vmap", "loop")
+
+# Maps a batch of grid coordinates ``(B, k)`` to flat parameter vectors ``(B, n)`` or ``{name: (B, *shape)}``.
+PointFn = Callable[[Tensor], "Tensor | Mapping[str, Tensor]"]
+
+# A point map is called on at most this many bytes of parameters at once where the engine consumes the
+# points piecewise (the loop, the fast path's later layers): fresh temporaries of tens of MB cost page
+# faults on every call (measured: a 32 x 266k float32 copy 0.9 ms per point, 8 x 266k 0.4 ms).
+POINT_MAP_BYTES = 8 * 2**20
 
 # On CPU, batches of more grid points run slower per point once their activations fall out of cache
 # (measured on the MLP 784-300-100-10 with 500 samples: 32 points per batch beat 8, 16 and 64).
@@ -178,33 +191,117 @@ def _loss_and_hits(loss_fn, out: Tensor, y: Tensor, classify: bool) -> tuple[Ten
     return loss, hits
 
 
+class _Points:
+    """The parameters of a batch of grid coordinates, from a point map.
+
+    The map returns flat vectors ``(B, n)`` or a ``{name: (B, *shape)}`` dict; its first output is
+    checked. Without ``rest`` the points come back as such a dict (for the loop and vmap engines);
+    with ``rest`` (the names of the layers after the first, on the fast path) as one flat ``(B, m)``
+    block of those tensors, and ``linear`` (the first layer's names, centre and directions) is compared
+    with the map's first-layer output on the first batch, since the fast path takes that layer from
+    it. When ``cache`` is set, every batch's points are kept for the later data chunks.
+    """
+
+    def __init__(
+        self, fn: PointFn, objective: Objective, cache: bool, rest: Sequence[str] | None = None,
+        linear: tuple[Sequence[str], Tensor, Tensor] | None = None,
+    ):  # fmt: skip
+        self.fn, self.layout = fn, objective.layout
+        self.dtype, self.device = objective.dtype, objective.device
+        self.cache: dict[int, Tensor | dict[str, Tensor]] | None = {} if cache else None
+        self.rest, self.linear = rest, linear
+        self.checked = False
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.step = max(1, POINT_MAP_BYTES // (self.layout.size * elem))  # points per call of the map
+
+    def _params(self, c: Tensor, points) -> dict[str, Tensor]:
+        """``{name: (B, *shape)}`` from the map's output, checked once."""
+        B, layout = c.shape[0], self.layout
+        if isinstance(points, Tensor):
+            if not self.checked and tuple(points.shape) != (B, layout.size):
+                raise ValueError(
+                    f"the point map must return flat parameter vectors of shape ({B}, {layout.size}) for {B} grid "
+                    f"points, got {tuple(points.shape)}"
+                )
+            return layout.unflatten(points.to(self.device, self.dtype))
+        if not isinstance(points, Mapping):
+            raise ValueError(f"the point map must return a tensor or a dict of tensors, got {type(points).__name__}")
+        if not self.checked:
+            for name, shape in zip(layout.names, layout.shapes):
+                got = points.get(name)
+                if got is None or tuple(got.shape) != (B, *shape):
+                    what = "nothing" if got is None else f"shape {tuple(got.shape)}"
+                    raise ValueError(
+                        f"the point map must return {name!r} with shape {(B, *shape)} for {B} grid points, got {what}"
+                    )
+        return {n: points[n].to(self.device, self.dtype) for n in layout.names}
+
+    def _check_linear(self, c: Tensor, params: dict[str, Tensor]) -> None:
+        names, theta, D = self.linear
+        got = torch.cat([params[n].reshape(c.shape[0], -1) for n in names], dim=1)
+        expected = theta + c @ D
+        eps = torch.finfo(self.dtype).eps
+        scale = float(expected.abs().max()) if expected.numel() else 0.0
+        if not torch.allclose(got, expected, rtol=1e3 * eps, atol=1e3 * eps * scale):
+            raise ValueError(
+                "the point map's first-layer parameters are not center + coords @ directions as given in "
+                "first_layer; pass the directions of the first layer's (linear) part, or leave out first_layer"
+            )
+
+    def _rest(self, c: Tensor) -> Tensor:
+        params = self._params(c, self.fn(c))
+        if not self.checked and self.linear is not None:
+            self._check_linear(c, params)
+        self.checked = True
+        return torch.cat([params[n].reshape(c.shape[0], -1) for n in self.rest], 1)
+
+    def __call__(self, lo: int, c: Tensor) -> Tensor | dict[str, Tensor]:
+        if self.cache is not None and lo in self.cache:
+            return self.cache[lo]
+        if self.rest is None:
+            out = self._params(c, self.fn(c))
+            self.checked = True
+        else:  # the whole points are dropped at once: map small sub-batches, whose temporaries stay cached
+            out = torch.cat([self._rest(c[i : i + self.step]) for i in range(0, c.shape[0], self.step)])
+        if self.cache is not None:
+            self.cache[lo] = out
+        return out
+
+
+def _linear_points(theta: Tensor, D: Tensor) -> PointFn:
+    """The point map of the linear grid ``theta + c @ D``."""
+    return lambda c: theta + c @ D
+
+
 class _Loop:
     """One ``functional_call`` of the whole model per grid point."""
 
-    def __init__(self, objective: Objective, theta: Tensor, D: Tensor):
-        self.objective, self.theta, self.D = objective, theta, D
+    def __init__(self, objective: Objective, points: _Points):
+        self.objective, self.points = objective, points
 
     def prepare(self, x: Tensor) -> Tensor:
         return x
 
-    def __call__(self, c: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
-        obj = self.objective
+    def __call__(self, lo: int, c: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
+        obj, step = self.objective, self.points.step
         losses, hits, classify = [], [], True
-        for ci in c:
-            out = functional_call(obj.model, (obj.layout.unflatten(self.theta + ci @ self.D), obj.buffers), (x,))
-            classify = _classifies(out, y)
-            loss, hit = _loss_and_hits(obj.loss_fn, out, y, classify)
-            losses.append(loss)
-            hits.append(hit)
+        for start in range(0, c.shape[0], step):  # small sub-batches of points: their temporaries stay cached
+            params = self.points(lo + start, c[start : start + step])
+            for i in range(next(iter(params.values())).shape[0]):
+                out = functional_call(obj.model, ({n: t[i] for n, t in params.items()}, obj.buffers), (x,))
+                classify = _classifies(out, y)
+                loss, hit = _loss_and_hits(obj.loss_fn, out, y, classify)
+                losses.append(loss)
+                hits.append(hit)
         return torch.stack(losses), torch.stack(hits), classify
 
 
 class _Vmap(_Loop):
     """The whole model vmapped over a batch of grid points."""
 
-    def __call__(self, c: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
+    def __call__(self, lo: int, c: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
         obj = self.objective
-        params = obj.layout.unflatten(self.theta + c @ self.D)
+        params = self.points(lo, c)
         out = vmap(lambda p: functional_call(obj.model, (p, obj.buffers), (x,)))(params)
         classify = _classifies(out[0], y)
         loss, hits = vmap(lambda o: _loss_and_hits(obj.loss_fn, o, y, classify))(out)
@@ -214,6 +311,12 @@ class _Vmap(_Loop):
 def _sub(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     """Entries under ``prefix.`` with the prefix removed (the names inside a submodule)."""
     return {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+
+
+def _columns(layout, names: Sequence[str], device: torch.device) -> Tensor:
+    """Indices of the flat entries of the tensors ``names``, in order."""
+    idx = [torch.arange(layout.slice(n).start, layout.slice(n).stop, device=device) for n in names]
+    return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=device)
 
 
 def _mlp_layers(rest: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.Module]] | None:
@@ -230,19 +333,21 @@ def _mlp_layers(rest: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.Mod
 
 class _FirstLayer:
     """The fast path: the first layer's output along the grid from ``k + 1`` products per data chunk,
-    the other layers evaluated for a batch of grid points at once."""
+    the other layers evaluated for a batch of grid points at once (their parameters from the linear
+    grid, or from a point map whose first layer is linear in the coordinates)."""
 
     def __init__(self, objective: Objective, split: _Split, theta: Tensor, D: Tensor):
         layout = objective.layout
         self.split, self.loss_fn, self.buffers = split, objective.loss_fn, objective.buffers
         self.first_theta = _sub(layout.unflatten(theta), split.first_name)
         self.first_dirs = [_sub(layout.unflatten(d), split.first_name) for d in D]
-        rest = [n for n in layout.names if not n.startswith(split.first_name + ".")]
-        self.rest_shapes = [(n, layout.shapes[layout.names.index(n)]) for n in rest]
-        idx = [torch.arange(layout.slice(n).start, layout.slice(n).stop, device=theta.device) for n in rest]
-        idx = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=theta.device)
+        self.rest_names = [n for n in layout.names if not n.startswith(split.first_name + ".")]
+        self.first_names = [n for n in layout.names if n.startswith(split.first_name + ".")]
+        self.rest_shapes = [(n, layout.shapes[layout.names.index(n)]) for n in self.rest_names]
+        rest_index = _columns(layout, self.rest_names, theta.device)
         # only the later layers' parameters are formed per grid point: a compact flat block
-        self.rest_theta, self.rest_dirs = theta[idx], D[:, idx]
+        self.rest_theta, self.rest_dirs = theta[rest_index], D[:, rest_index]
+        self.rest_points: _Points | None = None
         self.mlp = _mlp_layers(split.rest, layout.names)
 
     def prepare(self, x: Tensor) -> tuple[tuple[int, ...], Tensor]:
@@ -253,16 +358,18 @@ class _FirstLayer:
         zd = [functional_call(self.split.first, d, (xp,)) for d in self.first_dirs]
         return tuple(z0.shape), torch.stack([z0, *zd]).reshape(len(zd) + 1, -1)
 
-    def rest_params(self, c: Tensor) -> dict[str, Tensor]:
+    def rest_params(self, lo: int, c: Tensor) -> dict[str, Tensor]:
         """``{name: (P, *shape)}`` parameters of the layers after the first at the grid points ``c``."""
-        flat = self.rest_theta + c @ self.rest_dirs
+        flat = self.rest_theta + c @ self.rest_dirs if self.rest_points is None else self.rest_points(lo, c)
         out, offset = {}, 0
         for name, shape in self.rest_shapes:
             out[name] = flat[:, offset : offset + shape.numel()].reshape(c.shape[0], *shape)
             offset += shape.numel()
         return out
 
-    def __call__(self, c: Tensor, prepared: tuple[tuple[int, ...], Tensor], y: Tensor) -> tuple[Tensor, Tensor, bool]:
+    def __call__(
+        self, lo: int, c: Tensor, prepared: tuple[tuple[int, ...], Tensor], y: Tensor
+    ) -> tuple[Tensor, Tensor, bool]:
         shape, z = prepared
         # f(x; theta + sum c_i d_i) = z0 + sum c_i z_i, exact because the first layer is linear in its
         # parameters; one product with rows (1, c) writes it without a separate copy of z0 (einsum picks
@@ -271,7 +378,7 @@ class _FirstLayer:
         h = torch.einsum("pk,kn->pn", torch.cat([ones, c], dim=1), z).reshape(c.shape[0], *shape)
         if self.split.relu_first:
             h = h.relu_()  # in place: saves one pass over the largest activation
-        params = self.rest_params(c)
+        params = self.rest_params(lo, c)
         if self.mlp is not None and h.dim() == 3:
             for name, module in self.mlp:
                 if type(module) is nn.ReLU:
@@ -287,6 +394,45 @@ class _FirstLayer:
         classify = _classifies(out[0], y)
         loss, hits = vmap(lambda o: _loss_and_hits(self.loss_fn, o, y, classify))(out)
         return loss, hits, classify
+
+
+def _coords(coords: Tensor | np.ndarray, objective: Objective, k: int | None) -> Tensor:
+    C = (coords if isinstance(coords, Tensor) else torch.as_tensor(np.asarray(coords))).to(
+        objective.device, objective.dtype
+    )
+    if C.dim() != 2 or (k is not None and C.shape[1] != k):
+        raise ValueError(f"coords must have shape (P, {'k' if k is None else k}), got {tuple(C.shape)}")
+    return C
+
+
+def _run(
+    objective: Objective, engine, C: Tensor, strategy: str, batch: int, per_point: float, progress: bool | None,
+    start: float, points: _Points | None = None,
+) -> GridValues:  # fmt: skip
+    """The shared driver: data traversed once, batches of grid points inside, exact chunk weights."""
+    n_points, device = C.shape[0], objective.device
+    loss = torch.zeros(n_points, dtype=torch.float64, device=device)
+    hits = torch.zeros(n_points, dtype=torch.long, device=device)
+    classify = True
+    bar = progress_bar(n_points, "grid points", progress, unit="pt")
+    with torch.no_grad(), eval_mode(objective.model), bar:
+        for x, y, w in objective.chunks():
+            if points is not None and x.shape[0] >= objective.n_samples:
+                points.cache = None  # one chunk holds every sample: no later chunk reuses the points
+            prepared = engine.prepare(x)
+            for lo in range(0, n_points, batch):
+                c = C[lo : lo + batch]
+                chunk_loss, chunk_hits, chunk_classify = engine(lo, c, prepared, y)
+                classify = classify and chunk_classify
+                loss[lo : lo + batch] += w * chunk_loss.to(torch.float64)
+                hits[lo : lo + batch] += chunk_hits
+                bar.update(len(c) * x.shape[0] / objective.n_samples)
+    accuracy = (hits.double() / objective.n_samples).cpu().numpy() if classify else None
+    return GridValues(loss.cpu().numpy(), accuracy, strategy, batch, time.perf_counter() - start, per_point)
+
+
+def _budget(objective: Objective, memory_budget: int | None) -> int:
+    return objective.memory_budget if memory_budget is None else int(memory_budget)
 
 
 def evaluate_grid(
@@ -323,9 +469,7 @@ def evaluate_grid(
     D = torch.as_tensor(directions).to(device, dtype)
     if D.dim() != 2 or D.shape[1] != layout.size:
         raise ValueError(f"directions must have shape (k, {layout.size}), got {tuple(D.shape)}")
-    C = (coords if isinstance(coords, Tensor) else torch.as_tensor(np.asarray(coords))).to(device, dtype)
-    if C.dim() != 2 or C.shape[1] != D.shape[0]:
-        raise ValueError(f"coords must have shape (P, {D.shape[0]}), got {tuple(C.shape)}")
+    C = _coords(coords, objective, D.shape[0])
     theta = layout.flatten(objective.params) if center is None else torch.as_tensor(center).to(device, dtype)
     n_points = C.shape[0]
     chunk = objective.data.chunk_size or objective.n_samples
@@ -333,29 +477,95 @@ def evaluate_grid(
     moved = layout.size if split is None else sum(p.numel() for p in split.rest.parameters())
     per_point = _bytes_per_point(objective, min(chunk, objective.n_samples), moved)
     if batch is None:
-        budget = objective.memory_budget if memory_budget is None else int(memory_budget)
-        batch = 1 if strategy == "loop" else _batch_size(objective, budget, per_point)
+        batch = 1 if strategy == "loop" else _batch_size(objective, _budget(objective, memory_budget), per_point)
     batch = max(1, min(int(batch), n_points))
 
     if split is not None:
         engine = _FirstLayer(objective, split, theta, D)
     else:
-        engine = (_Vmap if strategy == "vmap" else _Loop)(objective, theta, D)
-    loss = torch.zeros(n_points, dtype=torch.float64, device=device)
-    hits = torch.zeros(n_points, dtype=torch.long, device=device)
-    classify = True
-    bar = progress_bar(n_points, "grid points", progress, unit="pt")
-    with torch.no_grad(), eval_mode(objective.model), bar:
-        for x, y, w in objective.chunks():
-            prepared = engine.prepare(x)
-            for lo in range(0, n_points, batch):
-                c = C[lo : lo + batch]
-                chunk_loss, chunk_hits, chunk_classify = engine(c, prepared, y)
-                classify = classify and chunk_classify
-                loss[lo : lo + batch] += w * chunk_loss.to(torch.float64)
-                hits[lo : lo + batch] += chunk_hits
-                bar.update(len(c) * x.shape[0] / objective.n_samples)
-    accuracy = (hits.double() / objective.n_samples).cpu().numpy() if classify else None
-    return GridValues(loss.cpu().numpy(), accuracy, strategy, batch, time.perf_counter() - start, per_point)
+        points = _Points(_linear_points(theta, D), objective, cache=False)  # a linear point costs one product
+        engine = (_Vmap if strategy == "vmap" else _Loop)(objective, points)
+    return _run(objective, engine, C, strategy, batch, per_point, progress, start)
 
 
+def evaluate_points(
+    objective: Objective,
+    point_fn: PointFn,
+    coords: Tensor | np.ndarray,
+    *,
+    first_layer: tuple[Tensor, Tensor] | None = None,
+    strategy: str = "auto",
+    memory_budget: int | None = None,
+    batch: int | None = None,
+    progress: bool | None = None,
+) -> GridValues:
+    """Whole-data-set loss and accuracy at the parameter points ``point_fn(coords)``.
+
+    The general form of :func:`evaluate_grid` for charts that are not linear in the coordinates
+    (a G-space plane ``w(v + a d1 + b d2)``, a geodesic plane ``Exp_theta(a xi1 + b xi2)``): the same
+    driver (data traversed once, batches sized from the memory budget, progress bar). When only the
+    later layers are curved and the first layer's parameters are ``center + c @ directions`` (as in
+    G-space, whose first layer is ``v_1 / d``), ``first_layer`` enables the first-layer fast path.
+
+    Args:
+        objective: model, loss and data (:class:`sharpness.Objective`); its data chunking is used.
+        point_fn: maps a batch of coordinates ``(B, k)`` (in ``objective.dtype`` on ``objective.device``)
+            to flat parameter vectors ``(B, n)`` in ``objective.layout``, or to a dict
+            ``{name: (B, *shape)}`` of every parameter (spares a copy); it runs without autograd.
+            With several data chunks, each batch's points are computed once and kept for the later
+            chunks while all points together take at most a quarter of the memory budget, otherwise
+            once per batch and chunk.
+        coords: ``(P, k)`` grid coordinates.
+        first_layer: ``(center, directions)``, flat ``(n,)`` and ``(k, n)``: the first layer's parameters
+            at every point are ``center + c @ directions`` on that layer's entries (other entries are not
+            read). Checked against ``point_fn`` on the first batch. Only used by the first-layer path.
+        strategy: ``"auto"`` (``"first-layer"`` when ``first_layer`` is given and the model allows it,
+            else ``"loop"`` on CPU and ``"vmap"`` elsewhere), ``"first-layer"``, ``"vmap"`` or ``"loop"``.
+        memory_budget: bytes for activations and parameter copies of one batch of grid points
+            (default: ``objective.memory_budget``); on CPU a batch holds at most ``CPU_BATCH_CAP`` points.
+        batch: grid points per batch (overrides the budget and the cap). ``point_fn`` sees at most a
+            batch at once; the loop and the fast path call it on pieces of at most ``POINT_MAP_BYTES``
+            of parameters.
+        progress: progress bar (``None``: only on a terminal).
+
+    Returns:
+        :class:`GridValues` with ``(P,)`` float64 ``loss`` (and ``accuracy`` for class-index targets).
+    """
+    start = time.perf_counter()
+    if strategy == "first-layer" and first_layer is None:
+        raise ValueError(
+            "the first-layer fast path needs a first layer that is linear in the coordinates: pass "
+            "first_layer=(center, directions), or use strategy 'loop' or 'vmap'"
+        )
+    if strategy == "auto" and first_layer is None:
+        strategy = "loop" if objective.device.type == "cpu" else "vmap"
+    strategy = choose_strategy(objective, strategy)
+    dtype, device, layout = objective.dtype, objective.device, objective.layout
+    C = _coords(coords, objective, None)
+    n_points, k = C.shape
+    split = split_first_linear(objective.model, list(objective.params)) if strategy == "first-layer" else None
+    if split is not None:
+        theta, D = (torch.as_tensor(t).to(device, dtype) for t in first_layer)
+        if tuple(theta.shape) != (layout.size,) or tuple(D.shape) != (k, layout.size):
+            raise ValueError(
+                f"first_layer must be a center of shape ({layout.size},) and directions of shape ({k}, {layout.size}), "
+                f"got {tuple(theta.shape)} and {tuple(D.shape)}"
+            )
+    moved = layout.size if split is None else sum(p.numel() for p in split.rest.parameters())
+    chunk = objective.data.chunk_size or objective.n_samples
+    per_point = _bytes_per_point(objective, min(chunk, objective.n_samples), moved)
+    budget = _budget(objective, memory_budget)
+    if batch is None:
+        batch = _batch_size(objective, budget, per_point)
+    batch = max(1, min(int(batch), max(n_points, 1)))
+    elem = torch.empty((), dtype=dtype).element_size()
+    cache = n_points * moved * elem <= budget / 4
+    if split is not None:
+        engine = _FirstLayer(objective, split, theta, D)
+        first_idx = _columns(layout, engine.first_names, device)
+        linear = (engine.first_names, theta[first_idx], D[:, first_idx])
+        points = engine.rest_points = _Points(point_fn, objective, cache, rest=engine.rest_names, linear=linear)
+    else:
+        points = _Points(point_fn, objective, cache)
+        engine = (_Vmap if strategy == "vmap" else _Loop)(objective, points)
+    return _run(objective, engine, C, strategy, batch, per_point, progress, start, points)

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 from cases import make_case, mlp
+from matplotlib.colors import LogNorm
 from torch import nn
 
 import landscape
 from landscape import _toys as toys
 from landscape._cli import main as cli_main
+from landscape._plot_mpl import contour_levels
 from sharpness import Objective
 from sharpness._grid import split_first_linear
 
@@ -242,6 +244,11 @@ def test_figures_in_every_format_with_a_shared_log_scale(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))  # atomic writes leave no temporary files
     with pytest.raises(ValueError, match="positive loss"):
         landscape.surface_figure([a.replace(loss=a.loss - 1)], log=True)
+    # a narrow log range (2.3 to 4.5: no 1-2-5 level inside) gets round levels of the linear scale
+    narrow = a.replace(loss=np.linspace(2.3, 4.5, 20).reshape(4, 5))
+    landscape.surface_figure([narrow], kinds=("contour",), log=True)
+    levels = contour_levels(LogNorm(2.3, 4.5))
+    assert len(levels) >= 5 and levels[0] <= 2.3 and levels[-1] >= 4.5 and np.all(levels > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,3 +344,21 @@ def test_cli_process_missing_checkpoint(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: checkpoint {tmp_path / 'no.pt'} does not exist"]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["mlp_bias", "cnn"])
+def test_element_normalized_random_planes_are_rescaling_invariant(name):
+    import manifolds
+
+    case = make_case(name)
+    twin = manifolds.random_rescale(case.model, kind="node", generator=torch.Generator().manual_seed(5))
+    kw = dict(directions="random", span=0.5, steps=5, seed=2, bias="keep", progress=False)
+    planes = {
+        norm: [landscape.loss_plane(m, case.loss_fn, case.data, norm=norm, **kw).loss for m in (case.model, twin)]
+        for norm in ("element", "filter")
+    }
+    original, rescaled = planes["element"]
+    np.testing.assert_allclose(rescaled, original, rtol=1e-10)
+    # filter normalization divides rows by norms that a node-wise rescaling changes unevenly
+    original, rescaled = planes["filter"]
+    assert np.max(np.abs(rescaled - original) / original) > 1e-3

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 from cases import make_case
+from test_landscape import _cli  # the command-line runner of the landscape tests
 
 import landscape
-from landscape._cli import main as cli_main
 from landscape._fixed_planes import fixed_weight_centers
 from manifolds import FixedWeightSpace
 from sharpness import Objective
@@ -83,15 +83,6 @@ def test_directions_are_zero_on_fixed_entries(case, monkeypatch, reading):
         assert torch.count_nonzero(space.free_vector(d.vectors)) > 0
         assert s.metadata["directions"]["fixed_entries"] == "zeroed"
         assert s.metadata["directions"]["seeds"] == [0, 1]
-
-
-def _cli(argv, capsys):
-    try:
-        code = cli_main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _checkpoint(tmp_path):
