@@ -2,21 +2,26 @@
 
 Run by hand, never from the tests::
 
-    python bench/gspace.py                  # full run, about a minute
+    python bench/gspace.py                  # full run, a few minutes
     python bench/gspace.py --quick          # smoke run
     python bench/gspace.py --json out.json  # also write every figure as JSON
 
 1. One training step (zero_grad, forward, backward, update) on the thesis's MNIST network shape
-   784-64-64-64-64-10 (bias-free ReLU, float32), batch 64, random data: SGD on the weights against
-   G-SGD three ways: :class:`manifolds.GOptimizer` (gradients by the hand-written inverse chain rule,
-   no autograd graph for ``w(v)``), :class:`manifolds.GModel` (fused backward, the default) and
+   784-64-64-64-64-10 (bias-free ReLU, float32, G-SGD's initialization: skeleton weights 1), random
+   data, batch 64, 256 and 1024, with 1 and 2 intra-op threads: SGD on the weights against G-SGD
+   three ways: :class:`manifolds.GOptimizer` (gradients by the hand-written inverse chain rule, no
+   autograd graph for ``w(v)``), :class:`manifolds.GModel` (fused backward, the default) and
    ``GModel(fused=False)`` (every operation of ``w(v)`` recorded by autograd); also Adam against
-   G-Adam. Steps are timed interleaved (ABAB...), in blocks; the table gives the median and the
-   minimum over blocks of the per-step process CPU time (robust to other processes on a shared
-   machine) and wall time. Then the phases of one step (zero_grad, forward, backward, update; for
-   G-SGD the update is the inverse chain rule, the wrapped optimizer's update of ``v``, and writing
-   ``w(v)`` back). Target: G-SGD <= 1.3x SGD (the G-SGD paper reports about 7 % on GPUs with
-   ResNets, whose per-step compute dwarfs the fixed cost of ``w(v)``).
+   G-Adam (batch 64). Each G-space variant runs in blocks of steps interleaved with blocks of the
+   weight-space optimizer, alternating which goes first, one pair at a time (a third variant in the
+   rotation would change what the caches hold when a block starts). A block's time is its thread
+   CPU time with 1 thread (robust to other processes on a shared machine), its wall time with 2 (the
+   process CPU time is printed too). The ratio to SGD is the median over block pairs of a G block's
+   time over the adjacent SGD block's (pairs see the same machine load), with its quartiles and the
+   ratio of the fastest blocks beside it. Then the phases of one step (zero_grad, forward, backward,
+   update; for G-SGD the update is the inverse chain rule, the wrapped optimizer's update of ``v``,
+   and writing ``w(v)`` back). Target: G-SGD <= 1.3x SGD at batch 64 (the G-SGD paper reports about
+   7 % on GPUs with ResNets, whose per-step compute dwarfs the fixed cost of ``w(v)``).
 2. Building G-space (structure discovery, skeleton, index and scale buffers, coordinates) for
    784-h-h-h-h-10 networks, against the thesis's construction, *reimplemented* here only as far as
    needed to time it: Algorithm 1 (skeleton masks), the constant-path-factor matrices of eqs.
@@ -40,7 +45,7 @@ import time
 import torch
 from torch import nn
 
-from manifolds import GModel, GOptimizer, GSpace
+from manifolds import GModel, GOptimizer, GSpace, gsgd_init_
 from sharpness._specs import mlp
 
 
@@ -50,22 +55,13 @@ def mnist_net(width: int = 64, seed: int = 0) -> nn.Sequential:
     return mlp([784, width, width, width, width, 10], bias=False)
 
 
-def gsgd_init(model: nn.Module) -> nn.Module:
-    """Skeleton and first-layer chain weights set to 1 (G-SGD's initialization), so no chain nears 0."""
-    gs = GSpace(model)
-    with torch.no_grad():
-        for name, mask in gs.skeleton_masks().items():
-            model.get_parameter(name)[mask | gs.predecessor_masks()[name]] = 1.0
-    return model
-
-
 # ------------------------------------------------------------------------------------------------
 # 1. step cost
 
 
 def step_functions(optimizer: str, lr: float, batch: int) -> dict:
     """``{label: step()}`` for the weight-space optimizer and its G-space versions on one batch."""
-    base = gsgd_init(mnist_net())
+    base = gsgd_init_(mnist_net())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 784, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
@@ -96,7 +92,7 @@ def step_functions(optimizer: str, lr: float, batch: int) -> dict:
 
 def phases(batch: int, repeats: int) -> dict:
     """Median CPU microseconds of each phase of an SGD step and a GOptimizer G-SGD step, interleaved."""
-    base = gsgd_init(mnist_net())
+    base = gsgd_init_(mnist_net())
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
     loss_fn = nn.CrossEntropyLoss()
@@ -111,22 +107,22 @@ def phases(batch: int, repeats: int) -> dict:
     samples: dict[str, list[list[float]]] = {"SGD": [], "G-SGD": []}
     for it in range(repeats + 10):
         for label, net, opt in (("SGD", plain, sgd), ("G-SGD", wrapped, gsgd)):
-            marks = [time.process_time()]
+            marks = [time.thread_time()]
             opt.zero_grad()
-            marks.append(time.process_time())
+            marks.append(time.thread_time())
             loss = loss_fn(net(x), y)
-            marks.append(time.process_time())
+            marks.append(time.thread_time())
             loss.backward()
-            marks.append(time.process_time())
+            marks.append(time.thread_time())
             if label == "SGD":
                 opt.step()
             else:  # what GOptimizer.step does, phase by phase
                 opt._pull()
-                marks.append(time.process_time())
-                opt.optimizer.step()
-                marks.append(time.process_time())
+                marks.append(time.thread_time())
+                opt._inner_step()
+                marks.append(time.thread_time())
                 opt._push()
-            marks.append(time.process_time())
+            marks.append(time.thread_time())
             if it >= 10:  # warm-up
                 samples[label].append([(b - a) * 1e6 for a, b in zip(marks, marks[1:])])
     out = {}
@@ -137,41 +133,81 @@ def phases(batch: int, repeats: int) -> dict:
     return out
 
 
-def time_steps(steps: dict, blocks: int, per_block: int) -> dict:
-    """Per-step CPU and wall microseconds of interleaved blocks: ``{label: {"cpu": [...], "wall": [...]}}``."""
-    for step in steps.values():  # warm-up (allocator, first-call dispatch)
+def time_pair(base, step, blocks: int, per_block: int) -> dict:
+    """Per-step microseconds of two step functions run in interleaved blocks, alternating which goes first:
+    ``{"base" | "step": {"cpu": [...], "wall": [...]}}``, one entry per block.
+
+    Pairs only: a third variant in the rotation would change what the caches hold when each block starts.
+    ``cpu`` is the thread's CPU time with one intra-op thread, the process's otherwise.
+    """
+    cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
+    for fn in (base, step):  # warm-up (allocator, first-call dispatch)
         for _ in range(10):
-            step()
-    times = {label: {"cpu": [], "wall": []} for label in steps}
-    for _ in range(blocks):
-        for label, step in steps.items():
-            cpu, wall = time.process_time(), time.perf_counter()
+            fn()
+    times = {label: {"cpu": [], "wall": []} for label in ("base", "step")}
+    order = [("base", base), ("step", step)]
+    for block in range(blocks):
+        for label, fn in order if block % 2 == 0 else order[::-1]:
+            cpu, wall = cpu_clock(), time.perf_counter()
             for _ in range(per_block):
-                step()
-            times[label]["cpu"].append((time.process_time() - cpu) / per_block * 1e6)
+                fn()
+            times[label]["cpu"].append((cpu_clock() - cpu) / per_block * 1e6)
             times[label]["wall"].append((time.perf_counter() - wall) / per_block * 1e6)
     return times
 
 
-def report_steps(optimizer: str, times: dict) -> dict:
-    base = times[optimizer]
-    rows = {}
-    print(f"\n{'step':34s} {'CPU median':>11s} {'CPU min':>9s} {'wall median':>12s}  ratio (CPU median / min)")
-    for label, t in times.items():
-        ratio_med = statistics.median(t["cpu"]) / statistics.median(base["cpu"])
-        ratio_min = min(t["cpu"]) / min(base["cpu"])
-        rows[label] = {
-            "cpu_median_us": statistics.median(t["cpu"]),
-            "cpu_min_us": min(t["cpu"]),
-            "wall_median_us": statistics.median(t["wall"]),
-            "ratio_cpu_median": ratio_med,
-            "ratio_cpu_min": ratio_min,
-        }
+def ratio_row(times: dict, clock: str) -> dict:
+    """Step times and the ratio of ``step`` to ``base``: the median over block pairs of their ratio (pairs
+    see the same machine load), its quartiles, and the ratio of the fastest blocks."""
+    paired = sorted(a / b for a, b in zip(times["step"][clock], times["base"][clock]))
+    q25, q50, q75 = (paired[int(q * (len(paired) - 1))] for q in (0.25, 0.5, 0.75))
+    return {
+        "cpu_median_us": statistics.median(times["step"]["cpu"]),
+        "wall_median_us": statistics.median(times["step"]["wall"]),
+        "base_cpu_median_us": statistics.median(times["base"]["cpu"]),
+        "base_wall_median_us": statistics.median(times["base"]["wall"]),
+        "ratio_paired_median": q50,
+        "ratio_paired_q25": q25,
+        "ratio_paired_q75": q75,
+        "ratio_min": min(times["step"][clock]) / min(times["base"][clock]),
+    }
+
+
+def step_costs(threads: list[int], batches: list[int], blocks: int, per_block: int) -> dict:
+    """Section 1: every (optimizer, threads, batch) configuration, then a summary of the ratios."""
+    configs = [("SGD", 1e-3, t, b) for t in threads for b in batches]
+    configs += [("Adam", 1e-4, t, batches[0]) for t in threads]
+    record: dict = {}
+    for optimizer, lr, n_threads, batch in configs:
+        torch.set_num_threads(n_threads)
+        clock = "cpu" if n_threads == 1 else "wall"
+        print(f"\n{optimizer}, batch {batch}, {n_threads} thread(s); ratios on {clock} time, pairs with {optimizer}:")
         print(
-            f"{label:34s} {statistics.median(t['cpu']):9.0f}us {min(t['cpu']):7.0f}us "
-            f"{statistics.median(t['wall']):10.0f}us  {ratio_med:.2f}x / {ratio_min:.2f}x"
+            f"{'step':34s} {'CPU median':>11s} {'wall median':>12s} {optimizer + ' CPU/wall':>16s}   "
+            "ratio: paired median [q25, q75], fastest blocks"
         )
-    return rows
+        steps = step_functions(optimizer, lr, batch)
+        base = steps.pop(optimizer)
+        rows = {}
+        for label, step in steps.items():
+            row = rows[label] = ratio_row(time_pair(base, step, blocks, per_block), clock)
+            print(
+                f"{label:34s} {row['cpu_median_us']:9.0f}us {row['wall_median_us']:10.0f}us "
+                f"{row['base_cpu_median_us']:7.0f}/{row['base_wall_median_us']:.0f}us   "
+                f"{row['ratio_paired_median']:.2f}x [{row['ratio_paired_q25']:.2f}, {row['ratio_paired_q75']:.2f}], "
+                f"{row['ratio_min']:.2f}x"
+            )
+        record[f"{optimizer}/threads={n_threads}/batch={batch}"] = rows
+    torch.set_num_threads(threads[0])
+    print("\nsummary: one G-SGD step / one SGD step (paired median; target <= 1.3 at batch 64)")
+    print(f"{'threads':>7s} {'batch':>6s} {'GOptimizer':>11s} {'GModel':>8s} {'GModel unfused':>15s}")
+    for key, rows in record.items():
+        optimizer, n_threads, batch = key.split("/")
+        if optimizer != "SGD":
+            continue
+        ratios = [rows[f"G-SGD ({v})"]["ratio_paired_median"] for v in ("GOptimizer", "GModel", "GModel, fused=False")]
+        print(f"{n_threads[8:]:>7s} {batch[6:]:>6s} {ratios[0]:10.2f}x {ratios[1]:7.2f}x {ratios[2]:14.2f}x")
+    return record
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,26 +310,29 @@ def construction(widths: list[int], thesis_widths: list[int], repeats: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="G-SGD step cost vs SGD, and G-space construction cost.")
-    parser.add_argument("--quick", action="store_true", help="smoke run (fewer repeats and widths)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
-    parser.add_argument("--batch", type=int, default=64, help="batch size of the step benchmark (default: 64)")
+    parser.add_argument("--quick", action="store_true", help="smoke run (fewer repeats, widths and sizes)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra-op threads (default: 1 2)")
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[64, 256, 1024], help="batch sizes (default: 64 256 1024)"
+    )
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    blocks, per_block = (5, 5) if args.quick else (40, 10)
+    blocks, per_block = (6, 5) if args.quick else (40, 10)
+    batches = args.batch[:1] if args.quick else args.batch
     widths = [16, 32, 64, 128] if args.quick else [16, 32, 64, 128, 256, 512, 1024]
     thesis_widths = [16, 32, 64] if args.quick else [16, 32, 64, 128, 256]
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{args.threads} thread(s), load average {os.getloadavg()[0]:.1f}"
+        f"load average {os.getloadavg()[0]:.1f}"
     )
-    record: dict = {"torch": torch.__version__, "threads": args.threads, "load_average": os.getloadavg()[0]}
-    for optimizer, lr in (("SGD", 1e-3), ("Adam", 1e-4)):
-        times = time_steps(step_functions(optimizer, lr, args.batch), blocks, per_block)
-        record[f"step_{optimizer}"] = report_steps(optimizer, times)
-    print("\nphases of one step (median process CPU time):")
-    record["phases"] = phases(args.batch, 30 if args.quick else 300)
+    record: dict = {"torch": torch.__version__, "load_average_before": os.getloadavg()[0]}
+    record["steps"] = step_costs(args.threads, batches, blocks, per_block)
+    torch.set_num_threads(1)
+    print("\nphases of one step, batch 64, 1 thread (median thread CPU time):")
+    record["phases"] = phases(64, 30 if args.quick else 300)
     record["construction"] = construction(widths, thesis_widths, 2 if args.quick else 3)
+    record["load_average_after"] = os.getloadavg()[0]
+    print(f"\nload average after: {record['load_average_after']:.1f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(record, fh, indent=1)

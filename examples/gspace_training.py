@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from manifolds import GModel, GSpace, GSpaceSingularityError
+from manifolds import GModel, GSpaceSingularityError, gsgd_init_
 
 LEARNING_RATES = (1e-1, 1e-2, 1e-3, 1e-4)
 OPTIMIZERS = {  # label: (torch optimizer, train in G-space)
@@ -64,13 +64,7 @@ def network(seed: int, init: str) -> nn.Sequential:
     for fan_in in (64, 64, 64, 64):
         layers += [nn.Linear(fan_in, 64, bias=False), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(64, 10, bias=False))
-    if init == "one":
-        gspace = GSpace(model)
-        fixed, chains = gspace.skeleton_masks(), gspace.predecessor_masks()
-        with torch.no_grad():
-            for name, mask in fixed.items():
-                model.get_parameter(name)[mask | chains[name]] = 1.0
-    return model
+    return gsgd_init_(model) if init == "one" else model
 
 
 def train(model: nn.Module, label: str, lr: float, data, epochs: int, seed: int) -> dict:

@@ -12,6 +12,7 @@ from manifolds._gauge import min_norm_gauge_parameters as min_norm_gauge_paramet
 from manifolds._gspace import GSpace as GSpace
 from manifolds._gspace import GSpaceSingularityError as GSpaceSingularityError
 from manifolds._gspace import Skeleton as Skeleton
+from manifolds._gspace import gsgd_init_ as gsgd_init_
 from manifolds._gspace_training import GModel as GModel
 from manifolds._gspace_training import GOptimizer as GOptimizer
 from manifolds._layout import ParamLayout as ParamLayout
@@ -46,6 +47,7 @@ __all__ = [
     "GSpace",
     "GSpaceSingularityError",
     "Skeleton",
+    "gsgd_init_",
     "ParamLayout",
     "LayerScaleQuotient",
     "NodeScaleQuotient",

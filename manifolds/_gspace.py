@@ -33,6 +33,7 @@ modulo the widths (one designated outgoing entry per hidden unit, one predecesso
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -295,9 +296,12 @@ class GSpace(nn.Module):
         self._root_layers = [i for i, blk in enumerate(blocks[:-1]) if blk.root_pos.numel()]
         empty_long = torch.zeros(0, dtype=torch.long, device=device)
 
-        # Layers after the first, packed into one flat vector so w(v) costs a few operations whatever the
-        # depth: packed entry e (unit b, column unit a) is W = v / (c_a d_b) = v * scale[e] / root[e], with
-        # root[e] the root coordinate of a's chain and scale[e] = 1 / (factor_a d_b), and goes to pos[e].
+        # Everything but the first layer's weight is packed into one flat vector, so w(v) costs a few
+        # operations whatever the depth: packed entry e is W = v * scale[e] / root[packed_root[e]], placed at
+        # packed_pos[e] of the packed weights (the later layers' weights in their own layout, then every
+        # bias). A weight entry (unit b, column unit a) has the root coordinate of a's chain and
+        # scale = 1 / (factor_a d_b); a bias entry of unit b has scale 1 / d_b and the constant root 1,
+        # an extra last root slot, so biases cost no operation of their own.
         chain_index = torch.cat(root_index) if root_index else empty_long
         chain_factor = torch.cat(root_factor) if root_factor else torch.ones(0, dtype=dtype, device=device)
         hidden_offset, weight_offset = 0, 0
@@ -310,6 +314,14 @@ class GSpace(nn.Module):
             skeletons.append(blk.skelflat)
             hidden_offset += blk.geometry.prev
             weight_offset += blk.skelflat.numel()
+        for blk in blocks:
+            if blk.geometry.bias is not None:
+                units = blk.geometry.out
+                positions.append(weight_offset + torch.arange(units, device=device))
+                roots_of.append(torch.full((units,), offset, dtype=torch.long, device=device))
+                scales.append(blk.invd)  # 1 / d_b (1 at the output)
+                skeletons.append(torch.zeros(units, dtype=dtype, device=device))
+                weight_offset += units
         no_float = torch.ones(0, dtype=dtype, device=device)
         self.register_buffer("packed_pos", torch.cat(positions) if positions else empty_long)
         self.register_buffer("packed_root", torch.cat(roots_of) if roots_of else empty_long)
@@ -323,7 +335,9 @@ class GSpace(nn.Module):
         self.register_buffer("root_first_pos", blocks[0].root_pos if n > 1 else empty_long)
         self.register_buffer("root_packed_pos", torch.cat(later_roots) if later_roots else empty_long)
         self.register_buffer("root_sign", torch.ones(offset, dtype=dtype, device=device))
-        roots = self._roots(self._weight_coordinates(params)[0])
+        coords = self._weight_coordinates(params)[0]
+        kernel = self._kernel()
+        roots = kernel.roots(coords[0], kernel.pack([coords[i] for i in range(1, n)]))[:-1]
         zero = (roots == 0).nonzero().flatten()
         if zero.numel():
             raise ValueError(
@@ -331,6 +345,7 @@ class GSpace(nn.Module):
                 "choose another predecessor for this unit with skeleton=Skeleton(...)"
             )
         self.root_sign.copy_(torch.sign(roots))
+        self._kernel_cache = None  # built before the signs were known
 
     def _coordinate_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {}
@@ -420,18 +435,19 @@ class GSpace(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # weights of given coordinates
     def _apply(self, fn, recurse=True):
-        self._hot_cache = None  # buffers are replaced by new tensors
+        self._kernel_cache = None  # buffers are replaced by new tensors
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._hot_cache = None  # load_state_dict(assign=True) replaces buffers
+        self._kernel_cache = None  # load_state_dict(assign=True) replaces buffers
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _hot(self) -> _Hot:
-        """Plain references to everything ``w(v)`` needs, so a training step spends no time on lookups."""
-        if getattr(self, "_hot_cache", None) is None:
-            self._hot_cache = _Hot(self)
-        return self._hot_cache
+    def _kernel(self) -> _Kernel:
+        """The precomputed hot path (rebuilt after the buffers move), so a step spends no time on lookups."""
+        kernel = self.__dict__.get("_kernel_cache")
+        if kernel is None:
+            kernel = self._kernel_cache = _Kernel(self)
+        return kernel
 
     def _split(self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> list[Tensor]:
         if isinstance(coords, Tensor):
@@ -443,29 +459,10 @@ class GSpace(nn.Module):
             raise ValueError(f"expected {len(self.layout.names)} coordinate tensors, got {len(coords)}")
         return coords
 
-    def _roots(self, weight_coords: Sequence[Tensor]) -> Tensor:
-        if len(weight_coords) == 1:
-            return weight_coords[0].new_zeros(0)
-        return self._packed_roots(weight_coords[0], self._pack(weight_coords[1:]))
-
-    def _packed_roots(self, first: Tensor, packed: Tensor) -> Tensor:
-        """The chain roots (layer order) from the first layer's coordinates and the packed later ones."""
-        hot = self._hot()
-        if not hot.later_roots:
-            return first.reshape(-1).index_select(0, hot.root_first_pos)
-        later = packed.index_select(0, hot.root_packed_pos)
-        return torch.cat([first.reshape(-1).index_select(0, hot.root_first_pos), later]) if hot.first_roots else later
-
-    @staticmethod
-    def _pack(tensors: Sequence[Tensor]) -> Tensor:
-        flat = [t.reshape(-1) for t in tensors]
-        return torch.cat(flat) if len(flat) > 1 else flat[0]
-
-    def _check_roots(self, roots: Tensor) -> None:
-        sign = self._hot().root_sign
-        if roots.numel() == 0 or (roots * sign).min().item() > 0:  # NaN fails too
-            return
-        k = int((~(roots.detach() * sign > 0)).nonzero()[0])
+    def _raise_singular(self, roots: Tensor) -> None:
+        """Raise :class:`GSpaceSingularityError` for the first chain root (``roots``, layer order) that is
+        0, NaN or of the wrong sign."""
+        k = int((~(roots.detach() * self.root_sign > 0)).nonzero()[0])
         value = float(roots[k].detach())
         what = "is 0" if value == 0 else f"changed sign (now {value:.3g})"
         raise GSpaceSingularityError(
@@ -476,82 +473,9 @@ class GSpace(nn.Module):
 
     def check(self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
         """Raise :class:`GSpaceSingularityError` if a chain value of ``coords`` is 0, NaN or changed sign."""
-        self._check_roots(self._roots(self._weight_list(self._split(coords))))
-
-    def _weight_list(self, parts: Sequence[Tensor]) -> list[Tensor]:
-        return [parts[i] for i in self._hot().weight_index]
-
-    def _packed_weights(
-        self, first: Tensor, packed: Tensor, check: bool, packed_out: Tensor | None = None
-    ) -> tuple[Tensor, tuple]:
-        """The later layers' weights, packed (``packed_skeleton`` layout), from the coordinates.
-
-        ``first`` (the first layer's coordinates) only supplies chain roots. Returns the packed weights
-        and what :meth:`_packed_grads` reuses. ``packed_out`` (no grad mode only) receives the weights in
-        place and must already hold the skeleton values, which stay.
-        """
-        hot = self._hot()
-        roots = self._packed_roots(first, packed)
-        if check:
-            self._check_roots(roots)
-        factor = hot.packed_scale / roots.index_select(0, hot.packed_root)
-        scaled = packed * factor
-        if packed_out is None:
-            return hot.packed_skeleton.scatter(0, hot.packed_pos, scaled), (roots, factor, scaled)
-        return packed_out.scatter_(0, hot.packed_pos, scaled), (roots, factor, scaled)
-
-    def _packed_grads(
-        self, cache: tuple, grad_packed_w: Tensor, packed_out: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Inverse chain rule for the packed later layers: ``(dL/dv packed, root terms of the first layer)``.
-
-        The first layer's gradient is ``dL/dW_1 / d`` plus the returned terms at ``root_first_pos``.
-        """
-        hot = self._hot()
-        roots, factor, scaled = cache
-        grad_scaled = grad_packed_w.index_select(0, hot.packed_pos)
-        grad_packed = torch.mul(grad_scaled, factor, out=packed_out)
-        # scaled = v * scale / root: its derivative in the root is -scaled / root.
-        grad_roots = torch.zeros_like(roots).scatter_add_(0, hot.packed_root, grad_scaled * scaled)
-        grad_roots = grad_roots.div_(roots).neg_()
-        if not hot.later_roots:
-            return grad_packed, grad_roots
-        grad_packed.index_add_(0, hot.root_packed_pos, grad_roots[hot.first_roots :])
-        return grad_packed, grad_roots[: hot.first_roots]
-
-    def _layer_weights(
-        self, weight_coords: Sequence[Tensor], check: bool, first_out: Tensor | None = None
-    ) -> tuple[list[Tensor], tuple]:
-        """Weights of the weight coordinates and the intermediates the inverse chain rule reuses."""
-        hot = self._hot()
-        if len(weight_coords) == 1:
-            if first_out is not None:
-                return [first_out.copy_(weight_coords[0])], ()
-            return [weight_coords[0].view_as(weight_coords[0])], ()
-        packed_w, cache = self._packed_weights(weight_coords[0], self._pack(weight_coords[1:]), check)
-        first = torch.mul(weight_coords[0], hot.invd_first, out=first_out)
-        return [first, *(w.view(s) for w, s in zip(packed_w.split(hot.packed_sizes), hot.later_shapes))], cache
-
-    def _layer_grads(self, cache: tuple, weight_grads: Sequence[Tensor]) -> list[Tensor]:
-        """Inverse chain rule: gradients w.r.t. the weight coordinates from those w.r.t. the weights."""
-        hot = self._hot()
-        if len(weight_grads) == 1:
-            return [weight_grads[0].clone()]
-        packed, first_roots = self._packed_grads(cache, self._pack(weight_grads[1:]))
-        first = (weight_grads[0] * hot.invd_first).contiguous().put_(hot.root_first_pos, first_roots, accumulate=True)
-        return [first, *(g.view(s) for g, s in zip(packed.split(hot.coordinate_sizes), hot.coordinate_shapes))]
-
-    def _coordinate_grads(self, cache: tuple, grads: Sequence[Tensor | None]) -> list[Tensor]:
-        """Coordinate gradients (``layout`` order) from parameter gradients (``names`` order, None = 0)."""
-        hot = self._hot()
-        weight_grads = [hot.zeros(shape) if grads[i] is None else grads[i] for i, shape in hot.weight_shapes]
-        out = list(grads)
-        for i, g in zip(hot.weight_index, self._layer_grads(cache, weight_grads)):
-            out[i] = g
-        for i, invd, size in hot.biases:
-            g = hot.zeros((size,)) if grads[i] is None else grads[i]
-            out[i] = g.clone() if invd is None else g * invd
-        return out
+        kernel, parts = self._kernel(), self._split(coords)
+        with torch.no_grad():
+            kernel.check(kernel.roots(parts[0], kernel.pack([parts[i] for i in kernel.packed_index]))[:-1])
 
     def weights(
         self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor], check: bool = True, fused: bool = False
@@ -559,7 +483,7 @@ class GSpace(nn.Module):
         """The weights ``w(v)`` (designated entries at their fixed values), differentiable in ``v``.
 
         Vectorized over units and layers: one gather gives every chain value ``c``, the first layer is
-        one broadcast product, and all later layers together one division and one scatter.
+        one broadcast product, and all later layers and biases together a few vectorized operations.
 
         Args:
             coords: a flat ``(dim,)`` vector, ``{name: tensor}`` or a sequence in ``layout`` order.
@@ -574,19 +498,13 @@ class GSpace(nn.Module):
         Returns:
             ``{name: tensor}`` for every layer's weight and bias, shaped like the model's parameters.
         """
-        parts = self._split(coords)
-        hot = self._hot()
-        weight_coords = [parts[i] for i in hot.weight_index]
+        kernel, parts = self._kernel(), self._split(coords)
+        packed_parts = [parts[i] for i in kernel.packed_index]
         if fused:
-            weights = _FusedWeights.apply(self, check, *weight_coords)
+            weights = _FusedWeights.apply(kernel, check, None, None, parts[0], *packed_parts)
         else:
-            weights = self._layer_weights(weight_coords, check)[0]
-        out = list(parts)
-        for i, w in zip(hot.weight_index, weights):
-            out[i] = w
-        for i, invd, _ in hot.biases:
-            out[i] = parts[i].view_as(parts[i]) if invd is None else parts[i] * invd
-        return dict(zip(self.names, out))
+            weights = kernel.weights(parts[0], kernel.pack(packed_parts), check)
+        return dict(zip(kernel.names, kernel.unpermute(weights)))
 
     def gradient(
         self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor], weight_grads: Mapping[str, Tensor]
@@ -604,10 +522,16 @@ class GSpace(nn.Module):
         Returns:
             ``{name: dL/dv}`` in ``layout`` order.
         """
+        kernel, parts = self._kernel(), self._split(coords)
         with torch.no_grad():
-            _, cache = self._layer_weights(self._weight_list(self._split(coords)), check=False)
-            grads = self._coordinate_grads(cache, [weight_grads.get(name) for name in self.names])
-        return dict(zip(self.layout.names, grads))
+            first, packed, ws = parts[0], kernel.pack([parts[i] for i in kernel.packed_index]), kernel.workspace()
+            kernel.forward(first, packed, ws, check=False)
+            grads = kernel.filled(
+                [weight_grads.get(self.names[k]) for k in kernel.order], [first.shape, *kernel.weight_shapes]
+            )
+            grad_first, grad_packed = kernel.scale_first(grads[0]), kernel.empty()
+            kernel.backward(kernel.pack(grads[1:]), ws, grad_first, grad_packed)
+        return dict(zip(self.layout.names, kernel.unpermute([grad_first, *kernel.split_coordinates(grad_packed)])))
 
     forward = weights
 
@@ -670,50 +594,387 @@ class GSpace(nn.Module):
         return f"dim={self.dim}, layers={len(self.blocks)}, hidden_units={self.n_hidden}"
 
 
-class _Hot:
-    """Plain references to a :class:`GSpace`'s buffers and sizes (rebuilt whenever the buffers move)."""
+def gsgd_init_(model: nn.Module, skeleton: Skeleton | None = None, *, example_input: Tensor | None = None) -> nn.Module:
+    """Set every designated (skeleton) weight and every hidden unit's predecessor weight of ``model`` to 1,
+    in place: the initialization of the G-SGD paper.
+
+    The weight tensors keep their shapes (``(out, in)`` for a Linear layer, ``(out, in, kh, kw)`` for a
+    Conv2d); what changes are the entries marked by ``GSpace(model, skeleton).skeleton_masks()`` and
+    ``.predecessor_masks()`` (boolean tensors shaped like the weights; one designated entry per hidden
+    unit, in the next layer's weight, and one predecessor entry per hidden unit, in its own row). Then
+    every chain value starts at 1, far from the singularity at 0, and the first layer's weights equal
+    their G-space coordinates. This changes the network function (it is a new initialization, not a
+    rescaling).
+
+    Args:
+        model: a rescalable chain of Linear/Conv2d layers (see :class:`GSpace`).
+        skeleton: designated and predecessor entries (default: the G-SGD skeleton).
+        example_input: passed to :func:`manifolds.analyze` when fx cannot trace the model.
+
+    Returns:
+        ``model`` itself.
+    """
+    gs = GSpace(model, skeleton, example_input=example_input)
+    designated, predecessor = gs.skeleton_masks(), gs.predecessor_masks()
+    with torch.no_grad():
+        for name, mask in designated.items():
+            model.get_parameter(name)[mask | predecessor[name]] = 1.0
+    return model
+
+
+class _Kernel:
+    """The hot path of ``w(v)`` and of its inverse chain rule, precomputed once per :class:`GSpace`.
+
+    Coordinates come in two parts: ``first``, the first layer's weight coordinates (its weight is
+    ``first * invd_first``, a row scaling), and ``packed``, one flat vector of everything else in
+    ``packed_index`` order (the later layers' weight coordinates, then every bias). Their weights are
+    ``packed_w``, flat too (the later weights in their own layout, then the biases), with the designated
+    entries at their fixed values. ``roots`` has one slot per chain root (layer order) and a last slot
+    holding 1, the root of the bias entries.
+
+    On a small network every tensor operation costs a fixed dispatch overhead that dwarfs its
+    arithmetic, and the tensors a step touches between forward and backward passes are out of cache, so
+    the hot path counts operations and bytes: :meth:`forward`, :meth:`packed_weights` and
+    :meth:`backward` run without autograd into tensors the caller keeps (:class:`_Workspace`, views made
+    once), and the structure of straight networks with the default skeleton (``columns``,
+    ``unit_scale``, ``root_step``, ``block_cols``) replaces gathers and scatters by broadcasts, column
+    sums and strided views. :meth:`weights` is the same map in plain differentiable operations
+    (``torch.func``, double backward).
+    """
 
     def __init__(self, gspace: GSpace):
         blocks = list(gspace.blocks)
-        self.weight_index: list[int] = []
-        self.weight_shapes: list[tuple[int, tuple[int, ...]]] = []
-        self.biases: list[tuple[int, Tensor | None, int]] = []  # (position, 1 / d or None at the output, size)
-        k = 0
-        for i, blk in enumerate(blocks):
-            g = blk.geometry
-            self.weight_index.append(k)
-            self.weight_shapes.append((k, g.shape))
-            k += 1
-            if g.bias is not None:
-                self.biases.append((k, None if i == len(blocks) - 1 else blk.invd, g.out))
-                k += 1
+        self.gspace = gspace
+        self.names = gspace.names
+        where = {name: k for k, name in enumerate(self.names)}
+        geometry = [blk.geometry for blk in blocks]
+        later = [(g.weight, (g.out * g.rest - 1, g.prev), g.shape) for g in geometry[1:]]
+        biases = [(g.bias, (g.out,), (g.out,)) for g in geometry if g.bias is not None]
+        #: names position of every packed item, and its coordinate and weight shapes
+        self.packed_index = [where[name] for name, _, _ in later + biases]
+        self.order = [0, *self.packed_index]  # names position of the kernel's outputs
+        self.coordinate_shapes = [shape for _, shape, _ in later + biases]
+        self.weight_shapes = [shape for _, _, shape in later + biases]
+        self.coordinate_sizes = [int(torch.Size(s).numel()) for s in self.coordinate_shapes]
+        self.weight_sizes = [int(torch.Size(s).numel()) for s in self.weight_shapes]
+        self.bias_sizes = [shape[0] for _, shape, _ in biases]
+        self.n_weights = sum(self.coordinate_sizes[: len(later)])  # weight entries of packed
+        self.n_weights_w = sum(self.weight_sizes[: len(later)])  # and of packed_w
+        self.first_shape = geometry[0].shape
         self.invd_first = blocks[0].invd_w
+        self.dtype, self.device = self.invd_first.dtype, self.invd_first.device
         self.root_first_pos, self.root_packed_pos = gspace.root_first_pos, gspace.root_packed_pos
-        self.first_roots, self.later_roots = self.root_first_pos.numel(), self.root_packed_pos.numel()
         self.root_sign = gspace.root_sign
-        self.packed_root, self.packed_scale = gspace.packed_root, gspace.packed_scale
-        self.packed_skeleton, self.packed_pos = gspace.packed_skeleton, gspace.packed_pos
-        self.packed_sizes = [blk.skelflat.numel() for blk in blocks[1:]]
-        self.later_shapes = [blk.geometry.shape for blk in blocks[1:]]
-        self.coordinate_sizes = [blk.row_unit.numel() for blk in blocks[1:]]
-        self.coordinate_shapes = [tuple(blk.row_unit.shape) for blk in blocks[1:]]
+        self.packed_pos, self.packed_root = gspace.packed_pos, gspace.packed_root
+        self.packed_scale, self.packed_skeleton = gspace.packed_scale, gspace.packed_skeleton
+        # packed_w gathered instead of scattered: entry e of packed_w is entry gather_pos[e] of
+        # [scaled, skeleton values] (one pass, every entry written once, no copy of the skeleton first).
+        designated = (self.packed_skeleton != 0).nonzero().flatten()  # the fixed values are nonzero
+        gather_pos = torch.empty_like(self.packed_skeleton, dtype=torch.long)
+        gather_pos[self.packed_pos] = torch.arange(self.packed_pos.numel(), device=self.device)
+        gather_pos[designated] = self.packed_pos.numel() + torch.arange(designated.numel(), device=self.device)
+        self.gather_pos, self.skeleton_values = gather_pos, self.packed_skeleton[designated]
+        self.n_first, self.n_roots = self.root_first_pos.numel(), self.root_sign.numel()
+        self.later_roots = self.n_roots > self.n_first
+        self.signs = self.root_sign.tolist()
+        self.positive = all(s > 0 for s in self.signs)  # then the check needs no sign product
+        self.size = self.packed_scale.numel()
+        self.one = torch.ones(1, dtype=self.dtype, device=self.device)
+        # All skeleton weights on the first layer's chains 1 (G-SGD's initialization): W_1 = first.
+        self.unit_first = bool((self.invd_first == 1).all())
+        # Every later layer a Linear layer on the same P units: its weight, (out, P), and coordinates,
+        # (out - 1, P), are consecutive row blocks of packed_w and packed viewed with P columns.
+        cols = {g.prev for g in geometry[1:]}
+        flat_layers = all(len(g.shape) == 2 and g.rest == 1 for g in geometry[1:])
+        self.block_cols = cols.pop() if len(cols) == 1 and flat_layers else 0
+        self.weight_rows = [g.out for g in geometry[1:]]
+        self.coordinate_rows = [g.out - 1 for g in geometry[1:]]
+        # Straight nets with the default skeleton: the chain of column a of every later layer (unit a of
+        # the layer before) has root a. Then the packed weight entries, viewed as rows of n_roots, need
+        # no gather by root (a broadcast division) and no scatter-add (a column reduction).
+        n, n_weights = self.n_roots, self.n_weights
+        self.columns = bool(n and n_weights and n_weights % n == 0 and not self.later_roots) and bool(
+            (self.packed_root[:n_weights].view(-1, n) == torch.arange(n, device=self.device)).all()
+        )
+        if self.columns:
+            self.scale_rows = self.packed_scale[:n_weights].view(-1, n)
+        # ... with every scale 1 (skeleton weights 1, no biases), W = v * (1 / root): no factor tensor.
+        self.unit_scale = self.columns and not self.bias_sizes and bool((self.packed_scale == 1).all())
+        # ... and the roots are evenly spaced entries of the first layer's coordinates (unit b fed by
+        # input b: the diagonal): (start, step) of a strided view of them.
+        self.root_step: tuple[int, int] | None = None
+        pos = self.root_first_pos.cpu()
+        if self.columns:
+            step = int(pos[1] - pos[0]) if self.n_first > 1 else 1
+            if step > 0 and torch.equal(pos, pos[0] + step * torch.arange(self.n_first)):
+                self.root_step = (int(pos[0]), step)
 
-    def zeros(self, shape: tuple[int, ...]) -> Tensor:
-        return torch.zeros(shape, dtype=self.invd_first.dtype, device=self.invd_first.device)
+    # ---------------------------------------------------------------------------------- layout
+    def empty(self, shape: int | Sequence[int] | None = None) -> Tensor:
+        """An uninitialized tensor, by default of the packed coordinates' size."""
+        return torch.empty(self.size if shape is None else shape, dtype=self.dtype, device=self.device)
+
+    def zeros(self, shape: Sequence[int]) -> Tensor:
+        return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def pack(self, parts: Sequence[Tensor]) -> Tensor:
+        """``packed`` (or its gradient, or ``packed_w``'s) from its parts, as one flat tensor."""
+        if not parts:
+            return self.empty(0)
+        return torch.cat([t.reshape(-1) for t in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+
+    def pack_weight_grads(self, grads: Sequence[Tensor]) -> Tensor:
+        """``packed_w``'s gradient from the parameters' gradients (``packed_index`` order, shaped like the
+        parameters): with row blocks one concatenation, no reshapes."""
+        if self.block_cols and not self.bias_sizes:
+            return torch.cat(list(grads)).view(-1)
+        return self.pack(grads)
+
+    def _split(self, flat: Tensor, rows: list[int], n: int, sizes: list[int], shapes: list) -> list[Tensor]:
+        if not self.block_cols:
+            return [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
+        if not self.bias_sizes:
+            return list(flat.view(-1, self.block_cols).split(rows))
+        return [*flat[:n].view(-1, self.block_cols).split(rows), *flat[n:].split(self.bias_sizes)]
+
+    def split_coordinates(self, packed: Tensor) -> list[Tensor]:
+        """Views of ``packed`` (or of its gradient), one per item, shaped as the coordinates."""
+        return self._split(packed, self.coordinate_rows, self.n_weights, self.coordinate_sizes, self.coordinate_shapes)
+
+    def split_weights(self, packed_w: Tensor) -> list[Tensor]:
+        """Views of ``packed_w`` (or of its gradient), one per item, shaped as the parameters."""
+        return self._split(packed_w, self.weight_rows, self.n_weights_w, self.weight_sizes, self.weight_shapes)
+
+    def unpermute(self, outputs: Sequence[Tensor]) -> list[Tensor]:
+        """``[first, *packed items]`` back into ``names`` order."""
+        out: list[Tensor] = [outputs[0]] * len(self.names)
+        for k, t in zip(self.order, outputs):
+            out[k] = t
+        return out
+
+    def filled(self, grads: Sequence[Tensor | None], shapes: Sequence) -> list[Tensor]:
+        """``grads`` with zeros for None (a parameter the loss does not reach)."""
+        if all(g is not None for g in grads):
+            return list(grads)
+        return [self.zeros(s) if g is None else g for g, s in zip(grads, shapes)]
+
+    def root_view(self, first: Tensor) -> Tensor:
+        """The roots' entries of ``first`` (contiguous, shaped like the first layer's coordinates, or
+        their gradient) as one strided view; needs ``root_step``."""
+        start, step = self.root_step
+        return first.as_strided((self.n_roots,), (step,), first.storage_offset() + start)
+
+    def _first_roots(self, first: Tensor) -> Tensor:
+        """The roots, all held by ``first`` in the columns case: a view where possible."""
+        if self.root_step is not None and first.is_contiguous():
+            return self.root_view(first)
+        return first.reshape(-1).index_select(0, self.root_first_pos)
+
+    def workspace(self) -> _Workspace:
+        return _Workspace(self)
+
+    # ---------------------------------------------------------------------------------- w(v)
+    def roots(self, first: Tensor, packed: Tensor) -> Tensor:
+        """The chain roots (layer order) followed by the constant 1, differentiably."""
+        parts = [first.reshape(-1).index_select(0, self.root_first_pos)]
+        if self.later_roots:
+            parts.append(packed.index_select(0, self.root_packed_pos))
+        return torch.cat([*parts, self.one])
+
+    def check(self, roots: Tensor, inverse: Tensor | None = None) -> None:
+        """Every root (without the constant slot) keeps its sign and is not 0 (nor NaN): one read-back of
+        the few values, compared in Python (cheaper than a reduction and a read-back). With ``inverse``
+        (``1 / roots``, same signs, infinite for a zero root) that is what is read."""
+        values = (roots if inverse is None else inverse).tolist()
+        if not values:
+            return
+        if not self.positive:
+            values = [v * s for v, s in zip(values, self.signs)]
+        # min > 0: every sign kept, no zero root; the sum catches a NaN (and a zero root's infinite 1 / root).
+        total = sum(values)
+        finite = math.isfinite(total) if inverse is not None else not math.isnan(total)
+        if not (min(values) > 0 and finite):
+            self.gspace._raise_singular(roots)
+
+    def weights(self, first: Tensor, packed: Tensor, check: bool) -> list[Tensor]:
+        """``[W_1, *packed weights]`` in plain differentiable operations."""
+        roots = self.roots(first, packed)
+        if check:
+            self.check(roots[:-1])
+        scaled = packed * (self.packed_scale / roots.index_select(0, self.packed_root))
+        packed_w = self.packed_skeleton.scatter(0, self.packed_pos, scaled)
+        return [first * self.invd_first, *self.split_weights(packed_w)]
+
+    def first_weight(self, first: Tensor) -> Tensor:
+        """``W_1 = first * invd_first`` as an output of an autograd Function: a view when it is ``first``."""
+        return first.view_as(first) if self.unit_first else first * self.invd_first
+
+    def scale_first(self, tensor: Tensor, out: Tensor | None = None) -> Tensor:
+        """``tensor * invd_first``: the first layer's weight from its coordinates, and its coordinates'
+        gradient (before the roots' terms) from the weight's gradient. A copy when the factor is 1."""
+        if self.unit_first:
+            return tensor.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(tensor)
+        return torch.mul(tensor, self.invd_first, out=out)
+
+    def forward(self, first: Tensor, packed: Tensor, ws: _Workspace, check: bool = True) -> None:
+        """``w(v)``'s intermediates, without autograd, into ``ws``: the roots (``1 / root`` in the columns
+        case), ``factor = scale / root`` (unless every scale is 1) and ``scaled = packed * factor`` (the
+        packed weights' values, see :meth:`packed_weights`); raises :class:`GSpaceSingularityError` if a
+        chain value is singular."""
+        if self.columns:
+            # 1 / root per column, contiguous (broadcasting a strided operand is slow), then broadcasts.
+            roots = ws.roots_source if ws.bound else self._first_roots(first)
+            torch.reciprocal(roots, out=ws.inv_roots)
+            if check:
+                self.check(roots, ws.inv_roots)
+            if self.unit_scale:
+                rows = ws.packed_rows if ws.bound else packed.view(-1, self.n_roots)
+                torch.mul(rows, ws.inv_roots, out=ws.scaled_rows)
+                return
+            torch.mul(self.scale_rows, ws.inv_roots, out=ws.factor_rows)  # the biases' part is constant
+        else:
+            if self.n_roots:
+                torch.index_select(first.reshape(-1), 0, self.root_first_pos, out=ws.roots_first)
+                if self.later_roots:
+                    torch.index_select(packed, 0, self.root_packed_pos, out=ws.roots_later)
+                if check:
+                    self.check(ws.roots_all)
+            torch.index_select(ws.roots, 0, self.packed_root, out=ws.factor)
+            torch.div(self.packed_scale, ws.factor, out=ws.factor)
+        torch.mul(packed, ws.factor, out=ws.scaled)
+
+    def packed_weights(self, ws: _Workspace, out: Tensor | None = None) -> Tensor:
+        """The packed weights from :meth:`forward`'s ``ws``, as a new tensor or into ``out``."""
+        return torch.index_select(ws.scaled_ext, 0, self.gather_pos, out=out)
+
+    def backward(self, grad_packed_w: Tensor, ws: _Workspace, grad_first: Tensor, grad_packed: Tensor) -> None:
+        """The inverse chain rule without autograd, at the point :meth:`forward` left in ``ws``.
+
+        ``grad_first`` (contiguous; the one ``ws`` is bound to, if so) holds ``scale_first(dL/dW_1)``
+        and receives the roots' terms in place; ``grad_packed`` is overwritten with ``dL/dv`` of the
+        packed coordinates, from ``grad_packed_w``, the gradient w.r.t. the packed weights (flat). Every
+        packed entry is ``W = v * factor`` with ``factor = scale / root``, so ``dL/dv = dL/dW * factor``,
+        and the root of every entry collects ``dL/dW * dW/droot = -dL/dW * scaled / root``.
+        """
+        grad_scaled = torch.index_select(grad_packed_w, 0, self.packed_pos, out=ws.work)
+        if self.unit_scale:
+            rows = ws.grad_rows if ws.grads_bound else grad_packed.view(-1, self.n_roots)
+            torch.mul(ws.work_rows, ws.inv_roots, out=rows)
+        else:
+            torch.mul(grad_scaled, ws.factor, out=grad_packed)
+        if not self.n_roots:
+            return
+        if self.columns:  # column sums, and the roots' entries of grad_first viewed: one fused update
+            torch.sum(ws.work_rows.mul_(ws.scaled_rows), 0, out=ws.grad_roots_all)
+            if self.root_step is not None:
+                target = ws.grad_first_roots if ws.grads_bound else self.root_view(grad_first)
+                target.addcmul_(ws.grad_roots_all, ws.inv_roots, value=-1)
+                return
+            ws.grad_roots_all.mul_(ws.inv_roots)
+        else:
+            ws.grad_roots.zero_().scatter_add_(0, self.packed_root, grad_scaled.mul_(ws.scaled))
+            torch.div(ws.grad_roots_all, ws.roots_all, out=ws.grad_roots_all)
+        grad_first.view(-1).index_add_(0, self.root_first_pos, ws.grad_roots_first, alpha=-1)
+        if self.later_roots:
+            grad_packed.index_add_(0, self.root_packed_pos, ws.grad_roots_later, alpha=-1)
+
+
+class _Workspace:
+    """The tensors :meth:`_Kernel.forward` and :meth:`_Kernel.backward` fill, with their views made once:
+    a caller that steps repeatedly keeps one and allocates nothing per step.
+
+    ``stamp`` counts the forward passes that filled it (see :class:`_FusedWeights`).
+    """
+
+    def __init__(self, kernel: _Kernel):
+        n_first, n_roots, n_weights = kernel.n_first, kernel.n_roots, kernel.n_weights
+        self.kernel, self.bound, self.grads_bound, self.stamp = kernel, False, False, 0
+        self.roots = torch.ones(n_roots + 1, dtype=kernel.dtype, device=kernel.device)  # last slot: constant 1
+        self.roots_first, self.roots_later, self.roots_all = (
+            self.roots[:n_first],
+            self.roots[n_first:n_roots],
+            self.roots[:n_roots],
+        )
+        self.factor, self.work = kernel.empty(), kernel.empty()
+        # scaled followed by the skeleton values: what _Kernel.packed_weights gathers the weights from
+        self.scaled_ext = torch.cat([kernel.empty(), kernel.skeleton_values])
+        self.scaled = self.scaled_ext[: kernel.size]
+        self.grad_roots = torch.zeros_like(self.roots)
+        self.grad_roots_first, self.grad_roots_later, self.grad_roots_all = (
+            self.grad_roots[:n_first],
+            self.grad_roots[n_first:n_roots],
+            self.grad_roots[:n_roots],
+        )
+        if kernel.columns:
+            rows = (-1, n_roots)
+            self.inv_roots = torch.ones(n_roots, dtype=kernel.dtype, device=kernel.device)
+            self.factor_rows = self.factor[:n_weights].view(rows)
+            self.scaled_rows = self.scaled[:n_weights].view(rows)
+            self.work_rows = self.work[:n_weights].view(rows)
+            self.factor[n_weights:] = kernel.packed_scale[n_weights:]  # biases: root 1
+
+    def bind(self, first: Tensor, packed: Tensor) -> None:
+        """Make once the views of the coordinates that every :meth:`_Kernel.forward` needs, when the
+        kernel works on them (``root_step``), for a caller whose coordinates live in fixed contiguous
+        tensors; the forward must then get these ``first`` and ``packed``."""
+        kernel = self.kernel
+        if kernel.root_step is None:
+            return
+        self.roots_source = kernel.root_view(first)
+        self.packed_rows = packed[: kernel.n_weights].view(-1, kernel.n_roots)
+        self.bound = True
+
+    def bind_grads(self, grad_first: Tensor, grad_packed: Tensor) -> None:
+        """The same for the gradients :meth:`_Kernel.backward` writes, when they are fixed tensors too."""
+        kernel = self.kernel
+        if kernel.root_step is None:
+            return
+        self.grad_first_roots = kernel.root_view(grad_first)
+        self.grad_rows = grad_packed[: kernel.n_weights].view(-1, kernel.n_roots)
+        self.grads_bound = True
 
 
 class _FusedWeights(torch.autograd.Function):
-    """``w(v)`` for the weight coordinates with the hand-written inverse chain rule as its backward."""
+    """``w(v)`` (``[W_1, *packed weights]``) with the hand-written inverse chain rule as its backward.
+
+    ``ws`` is a workspace the caller keeps across calls (GModel), or None for a fresh one. The backward
+    reads what its forward left there, unless a later forward refilled it meanwhile: then it recomputes
+    its own point from the saved coordinates (autograd checks they were not modified in place).
+    ``packed`` is the packed coordinates as one flat tensor when the caller keeps the packed coordinate
+    tensors as views of it (GModel), saving a copy per call; otherwise None.
+    """
 
     @staticmethod
-    def forward(ctx, gspace: GSpace, check: bool, *weight_coords: Tensor) -> tuple[Tensor, ...]:
-        weights, cache = gspace._layer_weights(weight_coords, check)
-        ctx.gspace, ctx.cache = gspace, cache
-        return tuple(weights)
+    def forward(
+        ctx,
+        kernel: _Kernel,
+        check: bool,
+        ws: _Workspace | None,
+        packed: Tensor | None,
+        first: Tensor,
+        *packed_coords: Tensor,
+    ) -> tuple[Tensor, ...]:
+        if packed is None:
+            packed = kernel.pack(packed_coords)
+        if ws is None:
+            ws = kernel.workspace()
+        kernel.forward(first, packed, ws, check)
+        ws.stamp += 1
+        ctx.kernel, ctx.ws, ctx.stamp = kernel, ws, ws.stamp
+        ctx.save_for_backward(first, *packed_coords)
+        return (kernel.first_weight(first), *kernel.split_weights(kernel.packed_weights(ws)))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, *weight_grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        hot = ctx.gspace._hot()
-        grads = [hot.zeros(shape) if g is None else g for g, (_, shape) in zip(weight_grads, hot.weight_shapes)]
-        return (None, None, *ctx.gspace._layer_grads(ctx.cache, grads))
+    def backward(ctx, grad_first_w: Tensor | None, *grad_items: Tensor | None) -> tuple[Tensor | None, ...]:
+        kernel, ws = ctx.kernel, ctx.ws
+        if ws.stamp != ctx.stamp:  # refilled by a later forward: recompute this call's point
+            first, *packed_coords = ctx.saved_tensors
+            ws = kernel.workspace()
+            kernel.forward(first, kernel.pack(packed_coords), ws, check=False)
+        if grad_first_w is None:
+            grad_first_w = kernel.zeros(kernel.first_shape)
+        grad_first, grad_packed = kernel.scale_first(grad_first_w), kernel.empty()
+        grad_packed_w = kernel.pack_weight_grads(kernel.filled(grad_items, kernel.weight_shapes))
+        kernel.backward(grad_packed_w, ws, grad_first, grad_packed)
+        return (None, None, None, None, grad_first, *kernel.split_coordinates(grad_packed))

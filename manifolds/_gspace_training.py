@@ -17,9 +17,13 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from manifolds._gspace import GSpace, GSpaceSingularityError, Skeleton
+from manifolds._gspace import GSpace, GSpaceSingularityError, Skeleton, _FusedWeights
 from manifolds._structure import Layer, NetworkStructure, analyze
+
+_EMPTY = torch.empty(0)  # what the shell holds between forward passes
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -72,11 +76,44 @@ class GModel(nn.Module):
         self._slots = [_owner(self.shell, name) for name in self.gspace.names]
         for module, attr in self._slots:
             del module._parameters[attr]
-            setattr(module, attr, torch.empty(0))
+            setattr(module, attr, _EMPTY)
+        self._link()
+
+    def _link(self) -> None:
+        """Make the packed coordinates (all but the first layer's weight) views of one flat tensor, so the
+        fused ``w(v)`` reads them without copying, and a workspace reused by every pass with its views of
+        the coordinates made once (see _FusedWeights). Redone by :meth:`forward` if their storage moved."""
+        kernel = self.gspace._kernel()
+        coords = list(self.coordinates)
+        params = [coords[k] for k in kernel.packed_index]
+        with torch.no_grad():
+            self._packed = kernel.pack(params).clone()
+        for p, view in zip(params, kernel.split_coordinates(self._packed)):
+            p.data = view
+        self._linked = (tuple(map(id, coords)), [p.data_ptr() for p in coords])
+        self._ws = kernel.workspace()
+        if coords[0].is_contiguous():  # detached: a view of the parameter made with grad mode on is no leaf
+            self._ws.bind(coords[0].detach(), self._packed)
 
     def weight_tensors(self) -> dict[str, Tensor]:
         """``w(v)`` at the current coordinates, differentiable: ``{name: tensor}`` like ``model``'s."""
-        return self.gspace.weights(list(self.coordinates), fused=self.fused)
+        kernel = self.gspace._kernel()
+        return dict(zip(kernel.names, kernel.unpermute(self._weight_list())))
+
+    def _weight_list(self) -> list[Tensor]:
+        """``w(v)`` in the kernel's order: the first layer's weight, then ``packed_index`` order."""
+        kernel = self.gspace._kernel()
+        # The current coordinates (torch.func.functional_call may have swapped others in).
+        coords = list(self.coordinates._parameters.values())
+        if not self.fused:
+            weights = self.gspace.weights(coords)
+            return [weights[kernel.names[k]] for k in kernel.order]
+        packed_coords = [coords[k] for k in kernel.packed_index]
+        if tuple(map(id, coords)) != self._linked[0]:  # not ours: no shared workspace, no flat tensor
+            return _FusedWeights.apply(kernel, True, None, None, coords[0], *packed_coords)
+        if [p.data_ptr() for p in coords] != self._linked[1] or self._ws.kernel is not kernel:
+            self._link()  # the coordinates or the gspace's buffers moved, e.g. by .to()
+        return _FusedWeights.apply(kernel, True, self._ws, self._packed, coords[0], *packed_coords)
 
     def weights(self) -> dict[str, Tensor]:
         """The current weights ``w(v)``, detached copies named like ``model``'s parameters."""
@@ -84,13 +121,17 @@ class GModel(nn.Module):
             return {k: w.clone() for k, w in self.gspace.weights(list(self.coordinates)).items()}
 
     def forward(self, *args, **kwargs):
-        for (module, attr), weight in zip(self._slots, self.weight_tensors().values()):
-            setattr(module, attr, weight)
+        kernel = self.gspace._kernel()
+        slots = self._slots
+        # The shell's slots are plain attributes (their parameters were deleted): set them directly.
+        for k, weight in zip(kernel.order, self._weight_list()):
+            module, attr = slots[k]
+            module.__dict__[attr] = weight
         try:
             return self.shell(*args, **kwargs)
         finally:
-            for module, attr in self._slots:  # keep no graph alive between calls
-                setattr(module, attr, torch.empty(0))
+            for module, attr in slots:  # keep no graph alive between calls
+                module.__dict__[attr] = _EMPTY
 
     def to_model(self) -> nn.Module:
         """A new copy of the original model carrying the current weights ``w(v)`` as parameters."""
@@ -133,6 +174,18 @@ def _linear_chain(tensors: list[Tensor]) -> tuple[NetworkStructure, dict[str, Te
     return NetworkStructure(tuple(layers), tuple(() for _ in layers[1:]), ()), named
 
 
+def _wrapped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step must run in the base class's wrapper: a profiler records, or a step
+    hook (the optimizer's own or a global one) is registered."""
+    return bool(
+        torch._C._autograd._profiler_enabled()
+        or optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+    )
+
+
 class GOptimizer(torch.optim.Optimizer):
     """Run ``optimizer_class`` in G-space on a model's weights (G-SGD for ``torch.optim.SGD``).
 
@@ -142,6 +195,11 @@ class GOptimizer(torch.optim.Optimizer):
     back into the model. The wrapped optimizer keeps its state between steps (so G-Adam is Adam on the
     coordinates); ``param_groups`` are the wrapped optimizer's, so learning-rate schedulers work, and
     ``step(closure)`` supports closures (LBFGS). The model's designated (skeleton) weights never change.
+
+    The model's weights after the first layer (and its biases) become views of one flat tensor that
+    ``w(v)`` is computed into, as flat-buffer optimizers keep parameters, so writing them back costs no
+    copy; each step bumps their version counters as any in-place update does. They stay the same tensor
+    objects; if their storage moves later (``model.to(...)``), steps copy into them instead.
 
     Args:
         model_or_params: the model (its structure is checked, Conv2d supported), or its parameters in
@@ -205,6 +263,7 @@ class GOptimizer(torch.optim.Optimizer):
         super().__init__(self.coordinates, dict(self.optimizer.defaults))
         self._share()
         self._refresh(write=False)  # the model already holds w(v); rewriting it would only add rounding
+        self._link()
 
     def _share(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -212,81 +271,125 @@ class GOptimizer(torch.optim.Optimizer):
         self.defaults = self.optimizer.defaults
 
     def _make_coordinates(self, values: list[Tensor]) -> list[Tensor]:
-        """Leaf coordinate tensors; those of the layers after the first share one flat storage, so a step
-        works on them packed without copying (with persistent buffers for the packed weights and gradients).
+        """Leaf coordinate tensors, and the persistent tensors of a step, so a step allocates nothing.
+
+        All coordinates but the first layer's weight are views of one flat tensor (``packed``), their
+        gradients views of another, and the model's weights after the first are computed into a third
+        (``packed_w``; see _link). Every view is made here once.
         """
-        hot = self.gspace._hot()
-        later = hot.weight_index[1:]
-        coords = [t.detach().clone() for t in values]
-        if later:
-            self._packed_v = torch.cat([coords[i].reshape(-1) for i in later])
-            self._packed_g = torch.zeros_like(self._packed_v)
-            self._packed_w = hot.packed_skeleton.clone()  # its skeleton entries are never overwritten
-            pieces = zip(later, self._packed_v.split(hot.coordinate_sizes), hot.coordinate_shapes)
-            for i, piece, shape in pieces:
-                coords[i] = piece.view(shape)
-            sizes, shapes = hot.coordinate_sizes, hot.coordinate_shapes
-            self._grad_views = [g.view(s) for g, s in zip(self._packed_g.split(sizes), shapes)]
-            self._weight_views = [w.view(s) for w, s in zip(self._packed_w.split(hot.packed_sizes), hot.later_shapes)]
+        kernel = self.gspace._kernel()
+        coords = [t.detach().clone(memory_format=torch.contiguous_format) for t in values]
+        self._packed_v = kernel.pack([coords[k] for k in kernel.packed_index]).clone()
+        for k, view in zip(kernel.packed_index, kernel.split_coordinates(self._packed_v)):
+            coords[k] = view
+        self._packed_coords = [coords[k] for k in kernel.packed_index]
+        self._packed_targets = [self._targets[k] for k in kernel.packed_index]
+        self._first_g = torch.zeros_like(coords[0])
+        self._packed_g = torch.zeros_like(self._packed_v)
+        self._grad_views = kernel.split_coordinates(self._packed_g)
+        self._packed_w = kernel.packed_skeleton.clone()
+        self._weight_views = kernel.split_weights(self._packed_w)
+        self._packed_gw = torch.zeros_like(self._packed_w)  # the model's gradients of the packed weights
+        self._gw_views = kernel.split_weights(self._packed_gw)
+        self._ws = kernel.workspace()  # w(v)'s intermediates, kept for the inverse chain rule
+        self._ws.bind(coords[0], self._packed_v)
+        self._ws.bind_grads(self._first_g, self._packed_g)
+        # What one _foreach_copy_ reads from the model's gradients (with W_1's when its factor is 1) ...
+        self._read_index = [0, *kernel.packed_index] if kernel.unit_first else kernel.packed_index
+        self._read_buffers = ([self._first_g] if kernel.unit_first else []) + self._gw_views
+        # ... and writes into its weights (until _link makes the later ones views of packed_w).
+        self._first_coordinates = coords[0]
+        self._set_writes(linked=False)
         return [c.requires_grad_(True) for c in coords]
 
+    def _set_writes(self, linked: bool) -> None:
+        """The model tensors one _foreach_copy_ writes ``w(v)`` into, and their sources: ``W_1`` when it
+        equals the first layer's coordinates, and the later weights unless they are ``packed_w``'s views."""
+        pairs = [(self._targets[0], self._first_coordinates)] if self.gspace._kernel().unit_first else []
+        if not linked:
+            pairs += zip(self._packed_targets, self._weight_views)
+        self._write_targets, self._write_sources = [t for t, _ in pairs], [s for _, s in pairs]
+        self._linked = [t.data_ptr() for t in self._packed_targets] if linked else []
+
+    def _link(self) -> None:
+        """Make the model's weights after the first views of ``packed_w`` (holding their current values),
+        so that computing them writes them, with no copy: the way flat-buffer optimizers keep
+        parameters. The model's tensors stay the same objects; as writing through ``packed_w`` bypasses
+        their version counters, :meth:`_refresh` bumps those, as any in-place update would. Where the
+        model's tensors moved since (``.to()``, a new ``.data``), steps copy into them instead."""
+        targets = self._packed_targets
+        if not targets or any(not t.is_leaf or t._base is not None for t in targets):
+            return
+        if any(t.dtype != self._packed_w.dtype or t.device != self._packed_w.device for t in targets):
+            return
+        with torch.no_grad():
+            for t, view in zip(targets, self._weight_views):
+                view.copy_(t)  # the skeleton entries equal the fixed values already
+                t.data = view
+        self._set_writes(linked=True)
+
     def _refresh(self, write: bool) -> None:
-        """Recompute ``w(v)`` and the inverse chain rule's cache; with ``write``, put ``w(v)`` in the model.
+        """Recompute ``w(v)``'s intermediates for the inverse chain rule; with ``write``, put ``w(v)`` in
+        the model.
 
         Raises :class:`GSpaceSingularityError` before anything is written if a chain value is singular.
         """
-        hot = self.gspace._hot()
-        coords, targets = self.coordinates, self._targets
-        first = hot.weight_index[0]
+        kernel = self.gspace._kernel()
+        first = self.coordinates[0]
         with torch.no_grad():
-            if len(hot.weight_index) == 1:
-                _, self._cache = self.gspace._layer_weights([coords[first]], True, targets[first] if write else None)
-            else:
-                packed_out = self._packed_w if write else None
-                _, self._cache = self.gspace._packed_weights(coords[first], self._packed_v, True, packed_out)
-                if write:
-                    torch.mul(coords[first], hot.invd_first, out=targets[first])
-                    for i, weight in zip(hot.weight_index[1:], self._weight_views):
-                        targets[i].copy_(weight)
+            kernel.forward(first, self._packed_v, self._ws)
             if write:
-                for i, invd, _ in hot.biases:
-                    if invd is None:
-                        targets[i].copy_(coords[i])
-                    else:
-                        torch.mul(coords[i], invd, out=targets[i])
-        self._versions = [c._version for c in coords]
+                if self._linked and [t.data_ptr() for t in self._packed_targets] != self._linked:
+                    self._set_writes(linked=False)  # the model's tensors moved away from packed_w
+                kernel.packed_weights(self._ws, out=self._packed_w)
+                for t in self._packed_targets if self._linked else ():
+                    increment_version(t)
+                if not kernel.unit_first:
+                    torch.mul(first, kernel.invd_first, out=self._targets[0])
+                if self._write_targets:
+                    torch._foreach_copy_(self._write_targets, self._write_sources)  # one dispatch for all
+        # The packed coordinates share one version counter: two numbers tell whether v moved.
+        self._versions = (first._version, self._packed_v._version)
 
     def _push(self) -> None:
         """Write ``w(v)`` into the model."""
         self._refresh(write=True)
 
     def _pull(self) -> None:
-        """Coordinate gradients from the model's weight gradients (None where no gradient exists)."""
-        grads = [t.grad for t in self._targets]
+        """Coordinate gradients from the model's weight gradients (a missing one counts as 0; with none
+        at all the coordinates get none either, so the wrapped optimizer skips them)."""
         coords = self.coordinates
-        if all(g is None for g in grads):
+        grads = [t.grad for t in self._targets]
+        if grads[0] is None and all(g is None for g in grads):
             for c in coords:
                 c.grad = None
             return
-        if self._versions != [c._version for c in coords]:  # moved outside step()
+        if self._versions != (coords[0]._version, self._packed_v._version):  # moved outside step()
             self._refresh(write=False)
-        hot = self.gspace._hot()
+        kernel = self.gspace._kernel()
         with torch.no_grad():
-            if len(hot.weight_index) == 1:
-                for c, g in zip(coords, self.gspace._coordinate_grads(self._cache, grads)):
-                    c.grad = g
-                return
-            weight_grads = [hot.zeros(shape) if grads[i] is None else grads[i] for i, shape in hot.weight_shapes]
-            _, first_roots = self.gspace._packed_grads(
-                self._cache, self.gspace._pack(weight_grads[1:]), packed_out=self._packed_g
-            )
-            grad = (weight_grads[0] * hot.invd_first).contiguous()
-            coords[hot.weight_index[0]].grad = grad.put_(hot.root_first_pos, first_roots, accumulate=True)
-            for i, view in zip(hot.weight_index[1:], self._grad_views):
-                coords[i].grad = view
-            for i, invd, size in hot.biases:
-                g = hot.zeros((size,)) if grads[i] is None else grads[i]
-                coords[i].grad = g.clone() if invd is None else g * invd
+            # The weight gradients into the persistent tensors, in one dispatch (W_1's scaled first if
+            # its factor is not 1).
+            sources = [grads[k] for k in self._read_index]
+            if not kernel.unit_first:
+                kernel.scale_first(
+                    kernel.zeros(kernel.first_shape) if grads[0] is None else grads[0], out=self._first_g
+                )
+            if sources:
+                try:
+                    torch._foreach_copy_(self._read_buffers, sources)
+                except TypeError:  # some are None: zeros
+                    torch._foreach_copy_(self._read_buffers, self._zero_filled(sources))
+            kernel.backward(self._packed_gw, self._ws, self._first_g, self._packed_g)
+        # The coordinates' gradients are these persistent tensors, attached once and overwritten here.
+        if coords[0].grad is not self._first_g:
+            coords[0].grad = self._first_g
+        for c, view in zip(self._packed_coords, self._grad_views):
+            if c.grad is not view:
+                c.grad = view
+
+    def _zero_filled(self, tensors: list[Tensor | None]) -> list[Tensor]:
+        return [torch.zeros_like(b) if t is None else t for t, b in zip(tensors, self._read_buffers)]
 
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """One update of the wrapped optimizer in G-space, then the model gets the new weights ``w(v)``.
@@ -299,9 +402,19 @@ class GOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        if _wrapped(self):  # the base class's wrapper: the step hooks and a profiling scope
+            return self._hooked_step(closure)
+        return self._step(closure)
+
+    # Optimizer.__init__ would wrap step() in the scope above for every call; in the middle of a training
+    # step that scope costs about as much as the whole G-space update of a small network, so step() enters
+    # it only when a profiler records or a hook is registered (hooked = True: "do not wrap").
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step(self, closure: Callable[[], Tensor] | None) -> Tensor | None:
         if closure is None:
             self._pull()
-            loss = self.optimizer.step()
+            loss = self._inner_step()
         else:
 
             def g_closure():
@@ -311,7 +424,7 @@ class GOptimizer(torch.optim.Optimizer):
                 self._pull()
                 return value
 
-            loss = self.optimizer.step(g_closure)
+            loss = self._inner_step(g_closure)
         try:
             self._push()
         except GSpaceSingularityError as err:
@@ -321,6 +434,18 @@ class GOptimizer(torch.optim.Optimizer):
                 "reset to them (the wrapped optimizer's state, e.g. momentum, already includes this step)"
             ) from err
         return loss
+
+    _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)
+
+    def _inner_step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """The wrapped optimizer's step, outside the base class's wrapper (see :meth:`step`) unless the
+        wrapped optimizer has hooks of its own or a profiler records."""
+        opt = self.optimizer
+        step = type(opt).step
+        bare = getattr(step, "__wrapped__", None)
+        if bare is None or not getattr(step, "hooked", False) or "step" in opt.__dict__ or _wrapped(opt):
+            return opt.step() if closure is None else opt.step(closure)
+        return bare(opt) if closure is None else bare(opt, closure)
 
     def resync(self) -> None:
         """Re-read the coordinates from the model's current weights (after changing them from outside).
@@ -335,7 +460,8 @@ class GOptimizer(torch.optim.Optimizer):
         self._refresh(write=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the model's weights and of the coordinates."""
+        """Clear the gradients of the model's weights (the coordinates' gradients are recomputed from
+        them by every :meth:`step`)."""
         for t in self._targets:
             if t.grad is None:
                 continue
@@ -344,7 +470,10 @@ class GOptimizer(torch.optim.Optimizer):
             else:
                 t.grad.detach_()
                 t.grad.zero_()
-        self.optimizer.zero_grad(set_to_none)
+        # The coordinates' gradients are persistent tensors that every step overwrites (or drops, when
+        # the model has no gradient at all): leave them attached rather than detach and reattach them.
+        if not set_to_none:
+            self.optimizer.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state dict plus ``"gspace"``: the coordinates and the skeleton buffers."""

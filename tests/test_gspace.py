@@ -17,8 +17,10 @@ from manifolds import (
     Skeleton,
     UnsupportedModelError,
     analyze,
+    gsgd_init_,
     random_rescale,
 )
+from manifolds._gspace import _Kernel
 from sharpness import GSpaceLoss, Objective, invariant_sharpness
 
 CASES = ("mlp_bias", "mlp_nobias", "cnn")
@@ -40,15 +42,6 @@ def straight_mlp(seed: int = 0, bias: bool = False, skeleton_value: float | None
         with torch.no_grad():
             for name, mask in GSpace(model).skeleton_masks().items():
                 model.get_parameter(name)[mask] = skeleton_value
-    return model
-
-
-def gsgd_init(model: nn.Module) -> nn.Module:
-    """Skeleton and first-layer predecessor weights set to 1, as the G-SGD paper initializes."""
-    gs = GSpace(model)
-    with torch.no_grad():
-        for name, mask in gs.skeleton_masks().items():
-            model.get_parameter(name)[mask | gs.predecessor_masks()[name]] = 1.0
     return model
 
 
@@ -159,6 +152,18 @@ def test_zero_designated_or_chain_weight_is_refused():
         model[0].weight[2, 2] = 0.0  # predecessor weight of unit 2
     with pytest.raises(ValueError, match="predecessor weight of unit 2 .* is 0"):
         GSpace(model)
+
+
+def test_gsgd_init_sets_skeleton_and_predecessor_weights_to_one():
+    model = make_case("mlp_bias").model
+    assert gsgd_init_(model) is model
+    gs = GSpace(model)
+    designated, predecessor = gs.skeleton_masks(), gs.predecessor_masks()
+    for name, mask in designated.items():
+        weight = model.get_parameter(name).detach()
+        assert torch.all(weight[mask | predecessor[name]] == 1)
+        assert torch.all(weight[~(mask | predecessor[name])] != 1)  # nothing else touched
+    assert all(torch.all(v == 1) for v in gs.skeleton_values())
 
 
 @pytest.mark.parametrize(
@@ -303,6 +308,36 @@ def test_gradient_is_the_inverse_chain_rule_everywhere(name):
         assert rel(g, solution) < 1e-9
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("skeleton_value", [1.0, None])
+def test_structured_fast_paths_match_the_general_kernel(bias, skeleton_value):
+    """Straight nets with the default skeleton replace the gathers and scatters by root with broadcasts,
+    column sums and strided views; the general index-based kernel gives the same w(v) and gradients."""
+    model = straight_mlp(seed=7, bias=bias, skeleton_value=skeleton_value)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    gs = GSpace(model)
+    fast = gs._kernel()
+    assert fast.columns and fast.root_step == (0, 6) and fast.block_cols == 4
+    assert fast.unit_first == (skeleton_value == 1.0)
+    assert fast.unit_scale == (skeleton_value == 1.0 and not bias)
+    general = _Kernel(gs)
+    general.columns, general.unit_scale, general.root_step, general.block_cols = False, False, None, 0
+    general.unit_first = False
+    v, dw = gs.coordinates(), _loss_grads(model, x, y)
+    results = []
+    for kernel in (fast, general):
+        gs._kernel_cache = kernel
+        leaf = v.clone().requires_grad_(True)
+        weights = gs.weights(leaf, fused=True)
+        (grad,) = torch.autograd.grad(nn.functional.cross_entropy(functional_call(model, weights, (x,)), y), leaf)
+        results.append((weights, grad, gs.layout.flatten(gs.gradient(v, dw))))
+    (w_fast, g_fast, icr_fast), (w_general, g_general, icr_general) = results
+    for k in gs.names:  # v * (1 / root) against v * (scale / root): rounding only
+        assert rel(w_fast[k], w_general[k]) < 1e-15
+    assert rel(g_fast, g_general) < 1e-13 and rel(icr_fast, icr_general) < 1e-13
+
+
 def test_gsgd_step_matches_explicit_update_rules():
     """One step equals eqs. (20)-(28) of the G-SGD paper (appendix 10.1), skeleton weights 1."""
     model = straight_mlp(seed=4, skeleton_value=1.0)
@@ -380,7 +415,7 @@ def test_gmodel_parameters_are_coordinates_and_forward_equals_model():
 )
 def test_skeleton_weights_never_change(optimizer, options):
     case = make_case("mlp_bias")
-    model = gsgd_init(case.model)
+    model = gsgd_init_(case.model)
     masks = GSpace(model).skeleton_masks()
     start = params_of(model)
     start_loss = case.loss_fn(model(case.X), case.y).item()
@@ -401,7 +436,7 @@ def test_skeleton_weights_never_change(optimizer, options):
 
 def test_goptimizer_keeps_adam_state_and_matches_gmodel():
     case = make_case("mlp_nobias")
-    model = gsgd_init(case.model)
+    model = gsgd_init_(case.model)
     gmodel = GModel(model)
     opt_v = torch.optim.Adam(gmodel.parameters(), lr=1e-2, betas=(0.8, 0.99), amsgrad=True)
     wrapped = copy.deepcopy(model)
@@ -419,7 +454,7 @@ def test_goptimizer_keeps_adam_state_and_matches_gmodel():
 
 def test_goptimizer_scheduler_closure_and_state_dict():
     case = make_case("mlp_bias")
-    model = gsgd_init(case.model)
+    model = gsgd_init_(case.model)
 
     def train(net, opt, steps, scheduler=None):
         for _ in range(steps):
@@ -516,6 +551,112 @@ def test_singular_chain_is_a_clear_error():
         opt.step()
     assert all(torch.equal(p, before[k]) for k, p in params_of(model).items())
     assert rel(torch.cat([c.reshape(-1) for c in opt.coordinates]), gs.coordinates()) < 1e-12
+
+
+def test_goptimizer_runs_step_hooks_and_profiles_its_step():
+    model = gsgd_init_(straight_mlp(seed=1))
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    opt = GOptimizer(model, torch.optim.SGD, lr=0.01)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert calls == ["pre", "post"]
+    with torch.profiler.profile() as prof:
+        opt.step()
+    assert "Optimizer.step#GOptimizer.step" in {event.name for event in prof.events()}
+
+
+def test_goptimizer_writes_the_model_in_place_safely():
+    """The model's later weights become views of the optimizer's weight buffer: a graph built before a
+    step is refused as after any in-place update, resync and the next step turn changed designated
+    weights back into a function-preserving rescaling, and a model whose tensors moved (.to()) gets
+    copies instead."""
+    model = gsgd_init_(straight_mlp(seed=3, bias=True))
+    x, y = torch.randn(5, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
+    opt = GOptimizer(model, torch.optim.SGD, lr=0.01)
+    nn.functional.cross_entropy(model(x), y).backward()
+    stale = nn.functional.cross_entropy(model(x), y)
+    opt.step()
+    with pytest.raises(RuntimeError, match="inplace"):
+        stale.backward()
+    masks = GSpace(model).skeleton_masks()
+    with torch.no_grad():
+        model[2].weight.mul_(3.0)  # changes designated entries too: a different function
+    out = model(x)
+    opt.resync()
+    rescaled = opt.gspace.weights(opt.coordinates)
+    assert rel(functional_call(model, rescaled, (x,)), out) < 1e-12
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert torch.all(model[2].weight[masks["2.weight"]] == 1)
+    model.float().double()  # new storage: no longer the optimizer's buffer
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # copies into the model's new tensors
+    expected = opt.gspace.weights(opt.coordinates)
+    assert all(rel(p, expected[k]) < 1e-15 for k, p in params_of(model).items())
+
+
+def test_gmodel_backward_after_another_forward_pass():
+    """GModel reuses one workspace: a pass whose backward comes after a later forward recomputes its own
+    point from the saved coordinates, and refuses if they were modified in place meanwhile."""
+    case = make_case("mlp_bias")
+    gmodel, reference = GModel(case.model), GModel(case.model, fused=False)
+    x2 = 0.5 * case.X.flip(0)
+    for net in (gmodel, reference):
+        (case.loss_fn(net(case.X), case.y) + case.loss_fn(net(x2), case.y)).backward()
+    for p, q in zip(gmodel.parameters(), reference.parameters()):
+        assert rel(p.grad, q.grad) < 1e-12
+    out = gmodel(case.X)
+    gmodel(x2)
+    with torch.no_grad():
+        gmodel.coordinates[1].mul_(2.0)  # the first layer's bias coordinates
+    with pytest.raises(RuntimeError, match="inplace"):
+        case.loss_fn(out, case.y).backward()
+
+
+def test_gmodel_functional_call_uses_the_given_coordinates():
+    case = make_case("mlp_bias")
+    gmodel = GModel(case.model)
+    twin = random_rescale(case.model, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.1)  # another function
+    other = GSpace(twin).coordinate_tensors()
+    swapped = {f"coordinates.{k}": t for k, t in enumerate(other.values())}
+    out = functional_call(gmodel, swapped, (case.X,))
+    assert rel(out, GModel(twin)(case.X)) < 1e-12
+    assert rel(gmodel(case.X), case.model(case.X)) < 1e-12  # its own coordinates again
+
+
+def test_gmodel_can_be_copied():
+    gmodel = GModel(gsgd_init_(straight_mlp(seed=5)))  # a straight net: its workspace holds views
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    twin = copy.deepcopy(gmodel)
+    for net in (gmodel, twin):
+        nn.functional.cross_entropy(net(x), y).backward()
+        torch.optim.SGD(net.parameters(), lr=0.01).step()
+    assert torch.equal(twin(x), gmodel(x))
+
+
+def test_gmodel_follows_dtype_changes():
+    """.float() replaces the coordinates' storage: GModel views them in one flat tensor again."""
+    case = make_case("mlp_bias")
+    model = gsgd_init_(case.model)
+    gmodel, reference = GModel(model).float(), GModel(model, fused=False)
+    x = case.X.float()
+    assert rel(gmodel(x).double(), model(case.X)) < 1e-5
+    case.loss_fn(gmodel(x), case.y).backward()
+    case.loss_fn(reference(case.X), case.y).backward()
+    for p, q in zip(gmodel.parameters(), reference.parameters()):
+        assert p.dtype == torch.float32 and rel(p.grad.double(), q.grad) < 1e-5
+    before = gmodel(x).detach()
+    torch.optim.SGD(gmodel.parameters(), lr=0.01).step()
+    assert not torch.equal(gmodel(x), before)  # the update reaches w(v)
+    assert rel(gmodel.to_model()(x), gmodel(x)) < 1e-5
 
 
 # ------------------------------------------------------------------------------------ sharpness
