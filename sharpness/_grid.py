@@ -349,48 +349,86 @@ class _FirstLayer:
         self.rest_theta, self.rest_dirs = theta[rest_index], D[:, rest_index]
         self.rest_points: _Points | None = None
         self.mlp = _mlp_layers(split.rest, layout.names)
+        self.scratch: dict[str, Tensor] = {}
+
+    def _scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A reused buffer of ``shape`` for the activations of a batch: a fresh tensor of tens of MB costs
+        page faults on every batch (measured: 19 MB filled in 1.8 ms fresh, 0.7 ms reused)."""
+        numel = math.prod(shape)
+        buf = self.scratch.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.scratch[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
 
     def prepare(self, x: Tensor) -> tuple[tuple[int, ...], Tensor]:
         """The first layer's output shape and ``[z0; z_1; ...; z_k]``, ``(k + 1, n * ...)``: its output at
-        theta and along each direction."""
+        theta and along each direction. For a chain of ``Linear`` and ``ReLU`` on ``(n, features)`` rows
+        the outputs are stored transposed, ``(features, n)``, see :meth:`_mlp`."""
         xp = self.split.prefix(x)
         z0 = functional_call(self.split.first, self.first_theta, (xp,))
         zd = [functional_call(self.split.first, d, (xp,)) for d in self.first_dirs]
+        if self.mlp is not None and z0.dim() == 2:
+            z0, zd = z0.T, [z.T for z in zd]
         return tuple(z0.shape), torch.stack([z0, *zd]).reshape(len(zd) + 1, -1)
 
     def rest_params(self, lo: int, c: Tensor) -> dict[str, Tensor]:
         """``{name: (P, *shape)}`` parameters of the layers after the first at the grid points ``c``."""
-        flat = self.rest_theta + c @ self.rest_dirs if self.rest_points is None else self.rest_points(lo, c)
+        if self.rest_points is None:
+            out = self._scratch("rest parameters", (c.shape[0], self.rest_theta.shape[0]), c)
+            flat = torch.addmm(self.rest_theta, c, self.rest_dirs, out=out)
+        else:
+            flat = self.rest_points(lo, c)
         out, offset = {}, 0
         for name, shape in self.rest_shapes:
             out[name] = flat[:, offset : offset + shape.numel()].reshape(c.shape[0], *shape)
             offset += shape.numel()
         return out
 
+    def _mlp(self, h: Tensor, params: dict[str, Tensor]) -> Tensor:
+        """The chain of ``Linear`` and ``ReLU`` on activations ``(P, features, n)``, as ``(P, outputs, n)``.
+
+        Samples along the last axis make every layer ``W @ h`` a batched product with the weights as
+        stored, and put the outputs in the layout in which a softmax over classes is fast (measured on
+        the MLP 784-300-100-10: the loss 6x faster than on ``(P, n, classes)``).
+        """
+        for name, module in self.mlp:
+            if type(module) is nn.ReLU:
+                h = h.relu_()
+                continue
+            weight, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
+            out = self._scratch(name, (h.shape[0], weight.shape[1], h.shape[2]), h)
+            h = torch.bmm(weight, h, out=out) if bias is None else torch.baddbmm(bias.unsqueeze(2), weight, h, out=out)
+        return h
+
+    def _mlp_loss(self, out: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """Loss and hits per point from MLP outputs ``(P, outputs, n)``."""
+        classify = not y.is_floating_point() and y.dim() == 1
+        if classify and isinstance(self.loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+            # the class axis is dim 1 both ways: a (1, C, n) input with (1, n) targets is the same loss
+            # (weights, ignore_index, label smoothing, reduction included) as (n, C) with (n,)
+            loss = vmap(lambda o: self.loss_fn(o.unsqueeze(0), y.unsqueeze(0)))(out)
+            return loss, (out.max(dim=1).indices == y).sum(dim=1), True  # max: first index among ties
+        out = out.transpose(1, 2)
+        classify = _classifies(out[0], y)
+        loss, hits = vmap(lambda o: _loss_and_hits(self.loss_fn, o, y, classify))(out)
+        return loss, hits, classify
+
     def __call__(
         self, lo: int, c: Tensor, prepared: tuple[tuple[int, ...], Tensor], y: Tensor
     ) -> tuple[Tensor, Tensor, bool]:
         shape, z = prepared
         # f(x; theta + sum c_i d_i) = z0 + sum c_i z_i, exact because the first layer is linear in its
-        # parameters; one product with rows (1, c) writes it without a separate copy of z0 (einsum picks
-        # a faster kernel than mm for this inner dimension of k + 1)
+        # parameters; one product with rows (1, c) writes it without a separate copy of z0
         ones = torch.ones(c.shape[0], 1, dtype=c.dtype, device=c.device)
-        h = torch.einsum("pk,kn->pn", torch.cat([ones, c], dim=1), z).reshape(c.shape[0], *shape)
+        h = torch.mm(torch.cat([ones, c], dim=1), z, out=self._scratch("", (c.shape[0], z.shape[1]), z))
+        h = h.view(c.shape[0], *shape)
         if self.split.relu_first:
             h = h.relu_()  # in place: saves one pass over the largest activation
         params = self.rest_params(lo, c)
         if self.mlp is not None and h.dim() == 3:
-            for name, module in self.mlp:
-                if type(module) is nn.ReLU:
-                    h = h.relu_()
-                    continue
-                w = params[f"{name}.weight"].transpose(1, 2)
-                bias = params.get(f"{name}.bias")
-                h = torch.bmm(h, w) if bias is None else torch.baddbmm(bias.unsqueeze(1), h, w)
-            out = h
-        else:
-            rest, buffers = self.split.rest, self.buffers
-            out = vmap(lambda p, z: functional_call(rest, (p, buffers), (z,)))(params, h)
+            return self._mlp_loss(self._mlp(h, params), y)
+        rest, buffers = self.split.rest, self.buffers
+        out = vmap(lambda p, z: functional_call(rest, (p, buffers), (z,)))(params, h)
         classify = _classifies(out[0], y)
         loss, hits = vmap(lambda o: _loss_and_hits(self.loss_fn, o, y, classify))(out)
         return loss, hits, classify

@@ -170,6 +170,60 @@ def test_fast_path_equals_plain_loop(name, dtype):
             assert fast.accuracy[i] == ref["accuracy"] == loop.accuracy[i]
 
 
+_MLP_LOSSES = {
+    "ce_weighted_smoothed_ignored": lambda w: nn.CrossEntropyLoss(
+        weight=w, label_smoothing=0.1, ignore_index=1, reduction="sum"
+    ),
+    "ce_smoothed_mean": lambda w: nn.CrossEntropyLoss(label_smoothing=0.2),
+    "nll_weighted": lambda w: nn.NLLLoss(weight=w, reduction="sum"),
+    "mse_on_one_hot": None,
+}
+
+
+@pytest.mark.parametrize("loss_name", list(_MLP_LOSSES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_fast_path_losses_equal_the_loop_in_float64(loss_name, bias):
+    """The MLP fast path computes class losses in a (points, classes, samples) layout: every option of
+    CrossEntropyLoss / NLLLoss must give the loop's values, and other losses take the general route."""
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    model = mlp([6, 7, 5, 4], bias=bias).double().eval()
+    X = torch.randn(23, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (23,), generator=g)
+    make = _MLP_LOSSES[loss_name]
+    if make is None:
+        loss_fn, data = nn.MSELoss(), (X, nn.functional.one_hot(y, 4).double())
+    else:
+        loss_fn, data = make(torch.rand(4, generator=g, dtype=torch.float64) + 0.5), (X, y)
+    obj = Objective(model, loss_fn, data, chunk_size=9)
+    d = landscape.random_directions(obj.params, k=2, seed=1)
+    coords = np.stack(np.meshgrid(np.linspace(-1, 1, 4), np.linspace(-0.5, 1, 3)), -1).reshape(-1, 2)
+    fast = landscape.evaluate_grid(obj, d.vectors, coords, strategy="first-layer", batch=5, progress=False)
+    loop = landscape.evaluate_grid(obj, d.vectors, coords, strategy="loop", progress=False)
+    np.testing.assert_allclose(fast.loss, loop.loss, rtol=1e-12, atol=0)
+    if make is None:
+        assert fast.accuracy is None and loop.accuracy is None
+    else:
+        np.testing.assert_array_equal(fast.accuracy, loop.accuracy)
+
+
+def test_mlp_fast_path_accuracy_breaks_ties_like_argmax():
+    """With all outputs equal every class ties: argmax picks class 0, so the accuracy is the share of 0s."""
+    model = mlp([3, 4, 3]).double().eval()
+    with torch.no_grad():
+        model[-1].weight.zero_()
+        model[-1].bias.zero_()
+    X, y = torch.randn(10, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 0, 1, 2, 2, 2, 1])
+    obj = Objective(model, nn.CrossEntropyLoss(), (X, y))
+    d = landscape.random_directions(obj.params, k=1, seed=0, norm="none", bias="keep")
+    first = obj.layout.unflatten(d.vectors[0])
+    only_first = torch.cat([(t if k.startswith("0.") else torch.zeros_like(t)).flatten() for k, t in first.items()])
+    values = landscape.evaluate_grid(obj, only_first[None], np.array([[0.0], [0.7]]), strategy="first-layer",
+                                     progress=False)  # fmt: skip
+    assert values.accuracy.tolist() == [0.3, 0.3]
+    assert values.loss == pytest.approx([math.log(3)] * 2, rel=1e-14)
+
+
 def test_auto_strategy_falls_back_for_other_models():
     class Wrapped(nn.Module):
         def __init__(self):
