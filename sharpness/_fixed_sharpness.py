@@ -66,6 +66,7 @@ def fixed_sharpness(
         objective.device,
         matmat=lambda vs: keep * hessian.matmat(keep * vs),
         project=lambda v: keep * v,
+        fresh_products=True,
     )
     result = settings.solve(op)
     low, high = representative.factor_range

@@ -124,12 +124,12 @@ def gspace_hessian_operator(
         ``(operator, loss)``: the symmetric operator on ``(dim,)`` vectors and the G-space loss it uses.
     """
     loss = GSpaceLoss(objective, gspace)
-    strategy = objective.hvp_strategy(hvp)
+    strategy = objective.hvp_strategy(hvp, autograd=True)  # products through w(v): no R-operator
 
     def apply(t: Tensor) -> Tensor:
         return loss.hvp(t, strategy)
 
-    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device)
+    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device, fresh_products=True)
     op.strategy = strategy
     return op, loss
 

@@ -21,8 +21,11 @@ from torch.func import functional_call, grad, jvp, vmap
 from manifolds import ParamLayout
 from sharpness._data import ChunkedData, DataError, cast_batch
 from sharpness._data_conv import split_data_convolution
+from sharpness._mlp_rop import add_products, forward_state, mlp_chain
 
-HVP_STRATEGIES = ("auto", "graph", "double_backward", "jvp")
+HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
+# The strategies that differentiate any model with autograd (the R-operator one needs an MLP).
+AUTOGRAD_HVP_STRATEGIES = ("graph", "double_backward", "jvp")
 
 
 @contextlib.contextmanager
@@ -127,6 +130,9 @@ class Objective:
         self.layout = ParamLayout.from_tensors(self.params)
         # Where the model starts with a convolution of the data, second derivatives skip its input gradient.
         self._data_conv = split_data_convolution(model, self.params)
+        # Where the model is a chain of Linear layers and piecewise-linear activations, HVPs by hand.
+        self._mlp = mlp_chain(model, self.params)
+        self._rop_states: list | None = None  # the chunks' cached forward state (strategy "rop")
         self.memory_budget = int(memory_budget)
         self._bytes_per_sample: float | None = None
         self.data = ChunkedData(data, chunk_size)
@@ -137,6 +143,7 @@ class Objective:
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
+        self._autograd_strategy: str | None = None
         self.gradient_seconds: float | None = None
 
     # ----------------------------------------------------------------------------------------------
@@ -263,7 +270,21 @@ class Objective:
         # The cached double-backward graph holds every chunk's activations at once.
         return 4 * self.activation_bytes_per_sample() * self.n_samples <= self.memory_budget
 
-    def _choose_strategy(self) -> str:
+    def _rop_applies(self) -> bool:
+        """Whether the R-operator products apply: an MLP chain whose first layer gets ``(n, features)`` rows."""
+        if self._mlp is None:
+            return False
+        x, _ = cast_batch(*self.data.first_batch(), self.dtype, self.device)
+        try:
+            self._mlp.features(x[:1])
+        except ValueError:
+            return False
+        return True
+
+    def _rop_fits(self) -> bool:
+        return self._mlp.state_bytes_per_sample(self.params) * self.n_samples <= self.memory_budget
+
+    def _choose_autograd_strategy(self) -> str:
         if self._graph_fits():
             return "graph"
         # Streaming: time one product of each kind on the first chunk and keep the faster.
@@ -281,16 +302,33 @@ class Objective:
                 timings[name] = min(timings[name], time.perf_counter() - start)
         return min(timings, key=timings.get)
 
-    def hvp_strategy(self, strategy: str = "auto") -> str:
-        """Resolve ``strategy`` (``"auto"`` picks once, by memory and measurement, and remembers)."""
+    def hvp_strategy(self, strategy: str = "auto", autograd: bool = False) -> str:
+        """Resolve ``strategy`` (``"auto"`` picks once, by model, memory and measurement, and remembers).
+
+        ``"auto"`` is ``"rop"`` for MLP chains (see :meth:`hvp`), else ``"graph"`` when the whole-data-set
+        graph fits in ``memory_budget``, else the faster streaming kind; with ``autograd=True`` (for
+        products through a reparametrization, which the R-operator does not see) only the autograd ones.
+        """
         if strategy not in HVP_STRATEGIES:
             raise ValueError(f"unknown HVP strategy {strategy!r}; choose one of {', '.join(HVP_STRATEGIES)}")
+        if strategy == "rop" and (autograd or self._mlp is None):
+            raise ValueError(
+                "the 'rop' HVP strategy needs an nn.Sequential of Linear layers with ReLU, LeakyReLU or Identity "
+                "activations, differentiated in its own weights; use 'graph', 'double_backward' or 'jvp'"
+            )
         if strategy != "auto":
             return strategy
         if self._strategy is None:
-            with eval_mode(self.model):
-                self._strategy = self._choose_strategy()
+            self._strategy = "rop" if self._rop_applies() else self._resolve_autograd()
+        if autograd and self._strategy == "rop":
+            return self._resolve_autograd()
         return self._strategy
+
+    def _resolve_autograd(self) -> str:
+        if self._autograd_strategy is None:
+            with eval_mode(self.model):
+                self._autograd_strategy = self._choose_autograd_strategy()
+        return self._autograd_strategy
 
     def _hvp_jvp(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
         g_fn = grad(self._weighted_loss)
@@ -331,23 +369,60 @@ class Objective:
         return [torch.zeros_like(v) if h is None else h.detach() for v, h in zip(vs, hv)]
 
     def release_graph(self) -> None:
-        """Free the cached whole-data-set graph (the next ``"graph"`` product rebuilds it)."""
+        """Free the cached whole-data-set graph and R-operator state (the next product rebuilds them)."""
         self._graph = None
+        self._rop_states = None
+
+    def _hvp_rop(self, tangents: list[dict[str, Tensor]], totals: list[dict[str, Tensor]]) -> None:
+        """Add ``H v`` for every tangent into the matching ``totals`` (``{name: view}``) by R-operator
+        products. Each chunk's forward state is kept from the first call when it fits in
+        ``memory_budget``, and recomputed per call otherwise."""
+        mlp = self._mlp
+        if self._rop_states is not None:  # no module is called: no eval mode to set
+            with torch.no_grad():
+                for state in self._rop_states:
+                    for v, into in zip(tangents, totals):
+                        add_products(mlp, self.params, state, v, into)
+            return
+        with torch.no_grad(), eval_mode(self.model):
+            keep = self._rop_fits()
+            states, value, seconds = [], 0.0, 0.0
+            for x, y, w in self.chunks():
+                start = time.perf_counter()
+                state = forward_state(mlp, self.params, x, y, self.loss_fn, w)
+                seconds += time.perf_counter() - start
+                for v, into in zip(tangents, totals):
+                    add_products(mlp, self.params, state, v, into)
+                value = value + state.loss
+                if keep:
+                    states.append(state)
+            if keep:
+                self._rop_states = states
+                self.gradient_seconds = seconds  # the forward and backward passes the products share
+            if self._value is None:
+                self._value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
 
     def hvp(self, v: Tensor, strategy: str = "auto") -> Tensor:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
 
-        ``strategy``: ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again
-        for each product (fastest; memory of one double-backward pass over all the data);
-        ``"double_backward"`` recomputes forward and backward per chunk; ``"jvp"`` is
-        forward-over-reverse ``torch.func.jvp`` of ``torch.func.grad`` per chunk; ``"auto"`` uses
-        ``"graph"`` when it fits in ``memory_budget`` and otherwise the faster streaming kind on this
-        machine (measured once).
+        ``strategy``: ``"rop"`` (MLP chains of Linear layers and ReLU/LeakyReLU/Identity only) is the
+        R-operator written out by hand (:mod:`sharpness._mlp_rop`), with each chunk's forward state
+        kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
+        ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
+        product (memory of one double-backward pass over all the data); ``"double_backward"``
+        recomputes forward and backward per chunk; ``"jvp"`` is forward-over-reverse
+        ``torch.func.jvp`` of ``torch.func.grad`` per chunk; ``"auto"`` uses ``"rop"`` where it
+        applies, else ``"graph"`` when it fits in ``memory_budget``, else the faster streaming kind on
+        this machine (measured once).
         """
         strategy = self.hvp_strategy(strategy)
         if strategy == "graph":
             products = self._hvp_graph(list(self.layout.unflatten(v).values()), batched=False)
             return self.layout.flatten(dict(zip(self.params, products)))
+        if strategy == "rop":
+            total, views = self._accumulator(v)
+            self._hvp_rop([self.layout.unflatten(v)], [dict(zip(self.params, views))])
+            return total
         fn = self._hvp_jvp if strategy == "jvp" else self._hvp_double_backward
         tangent = self.layout.unflatten(v)
         total, views = self._accumulator(v)
@@ -363,6 +438,10 @@ class Objective:
         if strategy == "graph":
             return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(tangents.values()), batched=True))))
         total, views = self._accumulator(vs)
+        if strategy == "rop":  # one pass over the data, every tangent per chunk
+            rows = [{k: t[i] for k, t in tangents.items()} for i in range(vs.shape[0])]
+            self._hvp_rop(rows, [{k: t[i] for k, t in zip(self.params, views)} for i in range(vs.shape[0])])
+            return total
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 if strategy == "jvp":
@@ -390,4 +469,4 @@ def _add_into(views: list[Tensor], parts: Iterable[Tensor]) -> None:
         view.add_(part)
 
 
-__all__ = ["DataError", "HVP_STRATEGIES", "Objective", "eval_mode"]
+__all__ = ["AUTOGRAD_HVP_STRATEGIES", "DataError", "HVP_STRATEGIES", "Objective", "eval_mode"]

@@ -44,8 +44,11 @@ def _breakdown_threshold(dtype: torch.dtype, block_size: int) -> float:
     return _BREAKDOWN_ULPS * math.sqrt(max(block_size, 1)) * torch.finfo(dtype).eps
 
 
-def _orthogonalize(v: Tensor, block: Tensor | KrylovBasis) -> tuple[Tensor, Tensor]:
+def _orthogonalize(v: Tensor, block: Tensor | KrylovBasis, overwrite: bool = False) -> tuple[Tensor, Tensor]:
     """Classical Gram-Schmidt of ``v`` (n,) against orthonormal rows (``(m, n)`` or a basis), repeated once if needed.
+
+    ``overwrite=True`` lets it work in ``v``'s own storage (the caller's vector is then consumed):
+    no new vector of size ``n`` per call.
 
     Returns:
         The orthogonalized vector ``(n,)`` and the summed coefficients ``(m,)`` it lost.
@@ -53,15 +56,26 @@ def _orthogonalize(v: Tensor, block: Tensor | KrylovBasis) -> tuple[Tensor, Tens
     blocks = block.blocks() if isinstance(block, KrylovBasis) else [block]
     if sum(b.shape[0] for b in blocks) == 0:
         return v, v.new_zeros(0)
+    if not overwrite:
+        v = v.clone()
     before = torch.linalg.vector_norm(v)
     coeffs = torch.cat([b @ v for b in blocks])
-    v = v - _combine(blocks, coeffs)
+    _subtract_combination(v, blocks, coeffs)
     # A second pass restores orthogonality lost to cancellation in the first ("twice is enough"); it
     # is only needed when the first one removed most of the vector (Daniel-Gragg-Kaufman-Stewart).
     if torch.linalg.vector_norm(v) > _DGKS_ETA * before:
         return v, coeffs
     correction = torch.cat([b @ v for b in blocks])
-    return v - _combine(blocks, correction), coeffs + correction
+    _subtract_combination(v, blocks, correction)
+    return v, coeffs + correction
+
+
+def _subtract_combination(v: Tensor, blocks: list[Tensor], coeffs: Tensor) -> None:
+    """``v -= sum_i coeffs[i] * row_i`` in place."""
+    start = 0
+    for b in blocks:
+        v.addmv_(b.T, coeffs[start : start + b.shape[0]], alpha=-1)
+        start += b.shape[0]
 
 
 def _combine(blocks: list[Tensor], coeffs: Tensor) -> Tensor:
@@ -87,10 +101,11 @@ class KrylovBasis:
         self._blocks: list[Tensor] = []
         self.size = 0
 
-    def append(self, v: Tensor) -> None:
+    def append(self, v: Tensor, scale: float = 1.0) -> None:
+        """Store ``scale * v`` as the next row (scaled on the way in: no temporary vector)."""
         if self.size == len(self._blocks) * self.block_rows:
             self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
-        self._blocks[-1][self.size % self.block_rows] = v
+        torch.mul(v, scale, out=self._blocks[-1][self.size % self.block_rows])
         self.size += 1
 
     def __getitem__(self, i: int) -> Tensor:

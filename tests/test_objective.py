@@ -15,6 +15,11 @@ from sharpness._data import DataError
 STRATEGIES = [s for s in HVP_STRATEGIES if s != "auto"]
 
 
+def strategies(obj: Objective) -> list[str]:
+    """The explicit strategies that apply to ``obj``'s model (``"rop"`` needs an MLP chain)."""
+    return [s for s in STRATEGIES if s != "rop" or obj._mlp is not None]
+
+
 def full_batch_loss(case, flat, layout):
     from torch.func import functional_call
 
@@ -28,10 +33,78 @@ def test_hvp_matches_dense_hessian(case):
     g = torch.Generator().manual_seed(1)
     v = torch.randn(obj.layout.size, generator=g)
     V = torch.randn(3, obj.layout.size, generator=g)
-    for strategy in STRATEGIES:
-        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=1e-10 * max(1, H.abs().max()))
-        torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=0, atol=1e-10 * max(1, H.abs().max()))
+    tol = 1e-10 * max(1, H.abs().max())
+    for strategy in strategies(obj):
+        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=tol)
+        torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=0, atol=tol)
     torch.testing.assert_close(dense_hessian(obj), H, rtol=0, atol=1e-12 * max(1, H.abs().max()))
+    if obj._mlp is None:
+        with pytest.raises(ValueError, match="'rop' HVP strategy needs an nn.Sequential of Linear layers"):
+            obj.hvp(v, "rop")
+    else:  # the R-operator products again, recomputing each chunk's state (it does not fit the budget)
+        streamed = Objective(case.model, case.loss_fn, case.data, chunk_size=7, memory_budget=1)
+        torch.testing.assert_close(streamed.hvp(v, "rop"), H @ v, rtol=0, atol=tol)
+        torch.testing.assert_close(streamed.hvp_batch(V, "rop"), V @ H, rtol=0, atol=tol)
+        assert streamed._rop_states is None and obj._rop_states is not None
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        [nn.Flatten(), nn.Linear(12, 7), nn.LeakyReLU(0.3), nn.Linear(7, 5), nn.Identity(), nn.Linear(5, 4, bias=False),
+         nn.ReLU(), nn.Linear(4, 3)],
+        [nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 3), nn.LeakyReLU(0.05)],
+    ],
+    ids=["leaky-identity-nobias", "ends-with-activation"],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(label_smoothing=0.1),
+        nn.CrossEntropyLoss(ignore_index=1, reduction="sum"),
+        nn.MSELoss(reduction="sum"),
+    ],
+    ids=["ce-closed-form", "ce-ignored-targets", "mse"],
+)
+def test_rop_hvp_of_other_mlp_chains_matches_dense_hessian(layers, loss_fn):
+    """Every activation, layer and loss the R-operator products take, against the dense Hessian."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*layers).double().eval()
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(31, 3, 4, generator=g, dtype=torch.float64)
+    X = X if isinstance(layers[0], nn.Flatten) else X.flatten(1)
+    y = torch.randint(0, 3, (31,), generator=g)
+    y = nn.functional.one_hot(y, 3).double() if isinstance(loss_fn, nn.MSELoss) else y
+    obj = Objective(model, loss_fn, (X, y), chunk_size=8)
+    assert obj.hvp_strategy() == "rop"
+    flat = obj.layout.flatten(obj.params)
+    H = torch.func.hessian(lambda w: loss_fn(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y))(flat)
+    v = torch.randn(flat.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(obj.hvp(v), H @ v, rtol=0, atol=1e-12 * max(1, H.abs().max()))
+
+
+def test_rop_is_not_used_where_it_does_not_apply():
+    torch.manual_seed(0)
+    y = torch.randint(0, 2, (6,))
+    tanh = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    sequence = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()  # on (n, 5, 3) inputs
+    frozen = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    frozen[0].weight.requires_grad_(False)
+    cases = [(tanh, torch.randn(6, 3, dtype=torch.float64), y), (frozen, torch.randn(6, 3, dtype=torch.float64), y),
+             (sequence, torch.randn(6, 5, 3, dtype=torch.float64), torch.randint(0, 2, (6, 5)))]  # fmt: skip
+    for model, X, target in cases:
+        if X.dim() == 3:
+            loss_fn = lambda out, t: nn.functional.cross_entropy(out.transpose(1, 2), t)  # noqa: E731
+        else:
+            loss_fn = nn.CrossEntropyLoss()
+        obj = Objective(model.eval(), loss_fn, (X, target))
+        assert obj.hvp_strategy() == "graph"
+    hooked = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    hooked[1].register_forward_hook(lambda *args: None)
+    assert Objective(hooked.eval(), nn.CrossEntropyLoss(), (torch.randn(6, 3, dtype=torch.float64), y))._mlp is None
+    obj = Objective(sequence.eval(), loss_fn, (torch.randn(6, 5, 3, dtype=torch.float64), torch.randint(0, 2, (6, 5))))
+    with pytest.raises(ValueError, match=r"\(samples, features\) rows"):
+        obj.hvp(torch.ones(obj.layout.size, dtype=torch.float64), "rop")
 
 
 def test_value_and_gradient_match_full_batch(case):
@@ -57,7 +130,7 @@ def test_same_result_whatever_the_chunking(chunk_size, as_loader):
     obj = Objective(case.model, case.loss_fn, data, chunk_size=chunk_size)
     assert obj.n_samples == case.X.shape[0]
     torch.testing.assert_close(obj.value(), reference.value(), rtol=1e-13, atol=0)
-    for strategy in STRATEGIES:
+    for strategy in strategies(obj):
         torch.testing.assert_close(obj.hvp(v, strategy), reference.hvp(v, "jvp"), rtol=1e-11, atol=1e-13)
 
 
@@ -117,17 +190,26 @@ def test_float32_and_float64():
     obj32 = Objective(case.model, case.loss_fn, case.data, dtype=torch.float32)
     assert obj32.params["0.weight"].dtype == torch.float32
     v = torch.randn(obj64.layout.size, generator=torch.Generator().manual_seed(7))
-    for strategy in STRATEGIES:
+    for strategy in strategies(obj32):
         hv32 = obj32.hvp(v.float(), strategy)
         assert hv32.dtype == torch.float32
         np.testing.assert_allclose(hv32.double().numpy(), obj64.hvp(v).numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_auto_strategy_streams_when_the_graph_does_not_fit():
-    case = make_case("mlp_bias")
+    case = make_case("cnn")
     obj = Objective(case.model, case.loss_fn, case.data, chunk_size=5, memory_budget=1000)
     assert obj.hvp_strategy() in ("double_backward", "jvp")
     assert Objective(case.model, case.loss_fn, case.data).hvp_strategy() == "graph"
+    # MLP chains: the R-operator, with its state kept or not; autograd=True asks for the others
+    mlp = make_case("mlp_bias")
+    small = Objective(mlp.model, mlp.loss_fn, mlp.data, chunk_size=5, memory_budget=1000)
+    assert small.hvp_strategy() == "rop" and not small._rop_fits()
+    assert small.hvp_strategy(autograd=True) in ("double_backward", "jvp")
+    whole = Objective(mlp.model, mlp.loss_fn, mlp.data)
+    assert whole.hvp_strategy() == "rop" and whole._rop_fits() and whole.hvp_strategy(autograd=True) == "graph"
+    with pytest.raises(ValueError, match="'rop' HVP strategy"):
+        whole.hvp_strategy("rop", autograd=True)
 
 
 def test_auto_chunk_size_follows_the_memory_budget():
