@@ -267,13 +267,19 @@ def section_hvp(w, peers: dict[str, Any], budget_s: float, min_rounds: int, max_
         cases["curvlinops HessianLinearOperator @ v"] = lambda: H_cl @ v_flat
     obj = Objective(model, loss_fn, (X, y))
     auto = obj.hvp_strategy("auto")
-    for s in ("graph", "double_backward", "jvp"):
+    ours = ["graph", "double_backward", "jvp"]
+    try:
+        ours.insert(0, obj.hvp_strategy("rop"))  # MLP chains only
+    except ValueError:
+        pass
+    for s in ours:
         cases[f"ours hvp '{s}'"] = lambda s=s: obj.hvp(v_flat, s)
     cases[f"ours hvp auto (-> {auto})"] = lambda: obj.hvp(v_flat, "auto")
     stream = Objective(model, loss_fn, (X, y), chunk_size=STREAM_CHUNK)
     for s in ("double_backward", "jvp"):
         cases[f"ours streaming x{STREAM_CHUNK} '{s}'"] = lambda s=s: stream.hvp(v_flat, s)
-    # A memory budget too small for the cached graph makes "auto" stream (it measures both kinds once).
+    # A memory budget too small for the cached graph (or R-operator state) makes "auto" stream: "rop"
+    # recomputing each chunk's state for MLPs, else the faster of the two autograd kinds, measured once.
     stream_auto = Objective(model, loss_fn, (X, y), chunk_size=STREAM_CHUNK, memory_budget=1)
     auto_stream = stream_auto.hvp_strategy("auto")
     stream_auto_name = f"ours streaming x{STREAM_CHUNK} auto (-> {auto_stream})"
@@ -287,7 +293,10 @@ def section_hvp(w, peers: dict[str, Any], budget_s: float, min_rounds: int, max_
         "ours graph": flat_rel_err(obj.hvp(v_flat, "graph"), ref),
         "ours jvp": flat_rel_err(obj.hvp(v_flat, "jvp"), ref),
         "ours streaming double_backward": flat_rel_err(stream.hvp(v_flat, "double_backward"), ref),
+        f"ours streaming auto ({auto_stream})": flat_rel_err(stream_auto.hvp(v_flat, "auto"), ref),
     }
+    if "rop" in ours:
+        agreement["ours rop"] = flat_rel_err(obj.hvp(v_flat, "rop"), ref)
     if "curvlinops" in peers:
         agreement["curvlinops"] = flat_rel_err(H_cl @ v_flat, ref)
 
@@ -685,6 +694,10 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     else:
 
         def op():
+            objective = None
+            if "memory_budget" in spec:
+                objective = Objective(model, loss_fn, (X, y), chunk_size=spec.get("chunk_size"),
+                                      memory_budget=spec["memory_budget"])  # fmt: skip
             return euclidean_sharpness(
                 model,
                 loss_fn,
@@ -695,6 +708,7 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
                 chunk_size=spec.get("chunk_size"),
                 hvp=spec.get("hvp", "auto"),
                 progress=False,
+                objective=objective,
             )
 
     def clean():
@@ -748,7 +762,7 @@ def section_memory(w, tol: float, state_dir: str, quick: bool) -> dict[str, Any]
             "method": "lanczos",
             "tol": tol,
             "chunk_size": STREAM_CHUNK,
-            "hvp": "double_backward",
+            "memory_budget": 1,  # nothing cached: auto streams (R-operator for MLPs)
         }
     out = {}
     for name, spec in probes.items():
