@@ -297,7 +297,7 @@ def construction(widths: list[int], thesis_widths: list[int], repeats: int) -> d
         t_thesis = time_call(lambda model=model: thesis_construction(model), 1) if width in thesis_widths else None
         rows.append({"width": width, "weights": m, "ours_s": t_ours, "thesis_s": t_thesis})
         thesis = (
-            f"{t_thesis * 1e3:12.1f} {t_thesis / t_ours:13.0f}x" if t_thesis is not None else f"{'-':>12s} {'-':>14s}"
+            f"{t_thesis * 1e3:12.1f} {t_thesis / t_ours:13.1f}x" if t_thesis is not None else f"{'-':>12s} {'-':>14s}"
         )
         print(f"{width:6d} {m:10d} {t_ours * 1e3:10.2f} {thesis}")
     for key in ("ours_s", "thesis_s"):

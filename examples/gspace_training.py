@@ -16,6 +16,7 @@ G-SGD needs far smaller learning rates (a run that pushes a chain value through 
 :class:`manifolds.GSpaceSingularityError` and is marked as diverged, keeping its best epoch so far).
 
 Run:  python examples/gspace_training.py [--out DIR] [--epochs 15] [--seeds 3] [--init one]
+      python examples/gspace_training.py --quick   # 2 epochs, 1 seed, lr 1e-1 and 1e-2: a few seconds
 Writes ``DIR/gspace_training.png``, ``.pdf`` and ``.json`` and prints the table behind the figure.
 """
 
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from manifolds import GModel, GSpaceSingularityError, gsgd_init_
 
 LEARNING_RATES = (1e-1, 1e-2, 1e-3, 1e-4)
+QUICK_LEARNING_RATES = LEARNING_RATES[:2]  # --quick: the same runs, fewer of them and shorter
 OPTIMIZERS = {  # label: (torch optimizer, train in G-space)
     "SGD": (torch.optim.SGD, False),
     "G-SGD": (torch.optim.SGD, True),
@@ -98,7 +100,14 @@ def train(model: nn.Module, label: str, lr: float, data, epochs: int, seed: int)
     return {"val_loss": history, "diverged": diverged}
 
 
-def plot(summary: dict[str, list[float]], counts: dict[str, list[int]], seeds: int, init: str, out: Path) -> list[Path]:
+def plot(
+    summary: dict[str, list[float]],
+    counts: dict[str, list[int]],
+    seeds: int,
+    init: str,
+    out: Path,
+    learning_rates: tuple[float, ...] = LEARNING_RATES,
+) -> list[Path]:
     """Best validation loss (mean over seeds) vs learning rate, one line per optimizer (like thesis Fig. 4.1)."""
     import matplotlib
 
@@ -108,8 +117,8 @@ def plot(summary: dict[str, list[float]], counts: dict[str, list[int]], seeds: i
     fig, ax = plt.subplots(figsize=(6.4, 4.4), constrained_layout=True)
     for label, values in summary.items():
         color, line = STYLE[label]
-        ax.plot(LEARNING_RATES, values, line, color=color, marker="o", lw=1.8, label=label)
-        for lr, value, n in zip(LEARNING_RATES, values, counts[label]):
+        ax.plot(learning_rates, values, line, color=color, marker="o", lw=1.8, label=label)
+        for lr, value, n in zip(learning_rates, values, counts[label]):
             if n < seeds and math.isfinite(value):  # some seeds diverged: mean over the rest
                 ax.annotate(f"{n}/{seeds}", (lr, value), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
@@ -132,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         "(thesis Fig. 4.1 setting, scaled down).",
     )
     parser.add_argument("--out", type=Path, default=Path("gspace-out"), help="output folder (default: gspace-out)")
-    parser.add_argument("--epochs", type=int, default=15, help="epochs per run (default: 15)")
-    parser.add_argument("--seeds", type=int, default=3, help="runs per configuration, averaged (default: 3)")
+    parser.add_argument("--epochs", type=int, help="epochs per run (default: 15, --quick 2)")
+    parser.add_argument("--seeds", type=int, help="runs per configuration, averaged (default: 3, --quick 1)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test, a few seconds: learning rates 1e-1 and 1e-2 only, 2 epochs, 1 seed",
+    )
     parser.add_argument(
         "--init",
         choices=("one", "default"),
@@ -142,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.epochs is None:
+        args.epochs = 2 if args.quick else 15
+    if args.seeds is None:
+        args.seeds = 1 if args.quick else 3
+    learning_rates = QUICK_LEARNING_RATES if args.quick else LEARNING_RATES
     if args.epochs < 1 or args.seeds < 1:
         print("error: --epochs and --seeds must be at least 1", file=sys.stderr)
         return 2
@@ -150,18 +169,18 @@ def main(argv: list[str] | None = None) -> int:
 
     data = digits()
     start = time.perf_counter()
-    runs = {label: {lr: [] for lr in LEARNING_RATES} for label in OPTIMIZERS}
-    jobs = [(seed, label, lr) for seed in range(args.seeds) for label in OPTIMIZERS for lr in LEARNING_RATES]
+    runs = {label: {lr: [] for lr in learning_rates} for label in OPTIMIZERS}
+    jobs = [(seed, label, lr) for seed in range(args.seeds) for label in OPTIMIZERS for lr in learning_rates]
     for seed, label, lr in tqdm(jobs, desc="runs", disable=args.no_progress or not sys.stderr.isatty()):
         runs[label][lr].append(train(network(seed, args.init), label, lr, data, args.epochs, seed))
 
     summary: dict[str, list[float]] = {}
     counts: dict[str, list[int]] = {}
     print(f"best validation loss over {args.epochs} epochs, mean over {args.seeds} seeds (init: {args.init})")
-    print(f"{'optimizer':10s}" + "".join(f"{f'lr={lr:g}':>16s}" for lr in LEARNING_RATES))
+    print(f"{'optimizer':10s}" + "".join(f"{f'lr={lr:g}':>16s}" for lr in learning_rates))
     for label in OPTIMIZERS:
         summary[label], counts[label], cells = [], [], []
-        for lr in LEARNING_RATES:
+        for lr in learning_rates:
             best = [min(r["val_loss"]) for r in runs[label][lr] if r["val_loss"]]
             diverged = sum(r["diverged"] is not None for r in runs[label][lr])
             value = float(np.mean(best)) if best else float("nan")
@@ -169,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             counts[label].append(len(best))
             cells.append(f"{value:.4f}" + (f" ({diverged} div)" if diverged else ""))
         print(f"{label:10s}" + "".join(f"{c:>16s}" for c in cells))
-    paths = plot(summary, counts, args.seeds, args.init, args.out)
+    paths = plot(summary, counts, args.seeds, args.init, args.out, learning_rates)
     record = {
-        "settings": vars(args) | {"out": str(args.out), "learning_rates": LEARNING_RATES},
+        "settings": vars(args) | {"out": str(args.out), "learning_rates": learning_rates},
         "best_val_loss_mean": summary,
         "runs": {label: {f"{lr:g}": v for lr, v in per_lr.items()} for label, per_lr in runs.items()},
     }

@@ -693,3 +693,41 @@ def test_gspace_sharpness_depends_on_the_skeleton():
         dense = torch.func.hessian(lambda v, loss=loss: loss.chunk_loss(v, case.X, case.y))(loss.point)
         values.append(float(torch.linalg.eigvalsh(dense)[-1]))
     assert abs(values[0] - values[1]) > 1e-3 * abs(values[0])
+
+
+@pytest.mark.parametrize("hvp", ["jvp", "double_backward"])
+@pytest.mark.parametrize("name", ["mlp_bias", "cnn"])
+def test_gspace_sharpness_streaming_hvp_strategies_are_exact_and_invariant(name, hvp):
+    """The per-chunk G-space products (``hvp="jvp"`` and ``"double_backward"``, data in several chunks of
+    unequal size) give the dense Hessian's top eigenvalue and the same value after node-wise rescaling."""
+    case = make_case(name)
+    chunk_size = 5 if name == "cnn" else 10  # 11 samples -> 5+5+1, 23 -> 10+10+3
+
+    def measure(model):
+        options = {"hvp": hvp, "chunk_size": chunk_size, "tol": 1e-10, "progress": False}
+        return invariant_sharpness(model, case.loss_fn, case.data, metric="gspace", **options)
+
+    result = measure(case.model)
+    assert result.info["hvp_strategy"] == hvp
+    loss = GSpaceLoss(Objective(case.model, case.loss_fn, case.data))
+    dense = torch.func.hessian(lambda v: loss.chunk_loss(v, case.X, case.y))(loss.point)
+    top = float(torch.linalg.eigvalsh(dense)[-1])
+    assert result.value == pytest.approx(top, rel=1e-8)
+    for seed in (7, 8):
+        twin = random_rescale(case.model, "node", scale=1.0, generator=torch.Generator().manual_seed(seed))
+        rescaled = measure(twin)
+        assert rescaled.info["hvp_strategy"] == hvp
+        assert rescaled.value == pytest.approx(result.value, rel=1e-8)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [GModel, lambda m: GOptimizer(m, torch.optim.SGD, lr=0.1), lambda m: GOptimizer(m, torch.optim.Adam, lr=1e-3)],
+    ids=["GModel", "GOptimizer-SGD", "GOptimizer-Adam"],
+)
+def test_residual_connection_is_refused_by_gmodel_and_goptimizer(build):
+    model = Residual()
+    before = params_of(model)
+    with pytest.raises(UnsupportedModelError, match="residual"):
+        build(model)
+    assert all(torch.equal(p, before[k]) for k, p in params_of(model).items())  # refused before touching it
