@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, jvp, vmap
 from manifolds import ParamLayout
 from sharpness._data import ChunkedData, DataError, cast_batch
 from sharpness._data_conv import split_data_convolution
-from sharpness._mlp_rop import add_products, forward_state, mlp_chain
+from sharpness._rop import add_products, forward_state, rop_chain
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # The strategies that differentiate any model with autograd (the R-operator one needs an MLP).
@@ -130,8 +130,9 @@ class Objective:
         self.layout = ParamLayout.from_tensors(self.params)
         # Where the model starts with a convolution of the data, second derivatives skip its input gradient.
         self._data_conv = split_data_convolution(model, self.params)
-        # Where the model is a chain of Linear layers and piecewise-linear activations, HVPs by hand.
-        self._mlp = mlp_chain(model, self.params)
+        # Where the model is a chain of affine layers and piecewise-linear modules, HVPs by hand.
+        self._rop = rop_chain(model, self.params)
+        self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_states: list | None = None  # the chunks' cached forward state (strategy "rop")
         self.memory_budget = int(memory_budget)
         self._bytes_per_sample: float | None = None
@@ -271,18 +272,22 @@ class Objective:
         return 4 * self.activation_bytes_per_sample() * self.n_samples <= self.memory_budget
 
     def _rop_applies(self) -> bool:
-        """Whether the R-operator products apply: an MLP chain whose first layer gets ``(n, features)`` rows."""
-        if self._mlp is None:
+        """Whether the R-operator products apply: a chain of supported modules that runs on these data
+        (measuring its state's size on one sample on the way)."""
+        if self._rop is None:
             return False
         x, _ = cast_batch(*self.data.first_batch(), self.dtype, self.device)
         try:
-            self._mlp.features(x[:1])
-        except ValueError:
+            with torch.no_grad(), eval_mode(self.model):
+                self._rop_bytes_per_sample = self._rop.state_bytes_per_sample(self.params, x)
+        except (ValueError, RuntimeError):  # e.g. Linear layers on (n, seq, features) inputs
             return False
         return True
 
     def _rop_fits(self) -> bool:
-        return self._mlp.state_bytes_per_sample(self.params) * self.n_samples <= self.memory_budget
+        if self._rop_bytes_per_sample is None and not self._rop_applies():
+            return False
+        return self._rop_bytes_per_sample * self.n_samples <= self.memory_budget
 
     def _choose_autograd_strategy(self) -> str:
         if self._graph_fits():
@@ -305,16 +310,17 @@ class Objective:
     def hvp_strategy(self, strategy: str = "auto", autograd: bool = False) -> str:
         """Resolve ``strategy`` (``"auto"`` picks once, by model, memory and measurement, and remembers).
 
-        ``"auto"`` is ``"rop"`` for MLP chains (see :meth:`hvp`), else ``"graph"`` when the whole-data-set
+        ``"auto"`` is ``"rop"`` where it applies (see :meth:`hvp`), else ``"graph"`` when the whole-data-set
         graph fits in ``memory_budget``, else the faster streaming kind; with ``autograd=True`` (for
         products through a reparametrization, which the R-operator does not see) only the autograd ones.
         """
         if strategy not in HVP_STRATEGIES:
             raise ValueError(f"unknown HVP strategy {strategy!r}; choose one of {', '.join(HVP_STRATEGIES)}")
-        if strategy == "rop" and (autograd or self._mlp is None):
+        if strategy == "rop" and (autograd or self._rop is None):
             raise ValueError(
-                "the 'rop' HVP strategy needs an nn.Sequential of Linear layers with ReLU, LeakyReLU or Identity "
-                "activations, differentiated in its own weights; use 'graph', 'double_backward' or 'jvp'"
+                "the 'rop' HVP strategy needs an nn.Sequential of Linear/ConvNd layers with ReLU, LeakyReLU, "
+                "MaxPool, Flatten or Identity between them, differentiated in its own weights; use 'graph', "
+                "'double_backward' or 'jvp'"
             )
         if strategy != "auto":
             return strategy
@@ -377,22 +383,22 @@ class Objective:
         """Add ``H v`` for every tangent into the matching ``totals`` (``{name: view}``) by R-operator
         products. Each chunk's forward state is kept from the first call when it fits in
         ``memory_budget``, and recomputed per call otherwise."""
-        mlp = self._mlp
+        chain = self._rop
         if self._rop_states is not None:  # no module is called: no eval mode to set
             with torch.no_grad():
                 for state in self._rop_states:
                     for v, into in zip(tangents, totals):
-                        add_products(mlp, self.params, state, v, into)
+                        add_products(chain, self.params, state, v, into)
             return
         with torch.no_grad(), eval_mode(self.model):
             keep = self._rop_fits()
             states, value, seconds = [], 0.0, 0.0
             for x, y, w in self.chunks():
                 start = time.perf_counter()
-                state = forward_state(mlp, self.params, x, y, self.loss_fn, w)
+                state = forward_state(chain, self.params, x, y, self.loss_fn, w)
                 seconds += time.perf_counter() - start
                 for v, into in zip(tangents, totals):
-                    add_products(mlp, self.params, state, v, into)
+                    add_products(chain, self.params, state, v, into)
                 value = value + state.loss
                 if keep:
                     states.append(state)
@@ -405,8 +411,9 @@ class Objective:
     def hvp(self, v: Tensor, strategy: str = "auto") -> Tensor:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
 
-        ``strategy``: ``"rop"`` (MLP chains of Linear layers and ReLU/LeakyReLU/Identity only) is the
-        R-operator written out by hand (:mod:`sharpness._mlp_rop`), with each chunk's forward state
+        ``strategy``: ``"rop"`` (``nn.Sequential`` chains of Linear/ConvNd layers with ReLU, LeakyReLU,
+        MaxPool, Flatten or Identity between them) is the R-operator written out by hand
+        (:mod:`sharpness._rop`), with each chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``

@@ -17,7 +17,7 @@ STRATEGIES = [s for s in HVP_STRATEGIES if s != "auto"]
 
 def strategies(obj: Objective) -> list[str]:
     """The explicit strategies that apply to ``obj``'s model (``"rop"`` needs an MLP chain)."""
-    return [s for s in STRATEGIES if s != "rop" or obj._mlp is not None]
+    return [s for s in STRATEGIES if s != "rop" or obj._rop is not None]
 
 
 def full_batch_loss(case, flat, layout):
@@ -38,7 +38,7 @@ def test_hvp_matches_dense_hessian(case):
         torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=tol)
         torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=0, atol=tol)
     torch.testing.assert_close(dense_hessian(obj), H, rtol=0, atol=1e-12 * max(1, H.abs().max()))
-    if obj._mlp is None:
+    if obj._rop is None:
         with pytest.raises(ValueError, match="'rop' HVP strategy needs an nn.Sequential of Linear layers"):
             obj.hvp(v, "rop")
     else:  # the R-operator products again, recomputing each chunk's state (it does not fit the budget)
@@ -83,6 +83,36 @@ def test_rop_hvp_of_other_mlp_chains_matches_dense_hessian(layers, loss_fn):
     torch.testing.assert_close(obj.hvp(v), H @ v, rtol=0, atol=1e-12 * max(1, H.abs().max()))
 
 
+@pytest.mark.parametrize(
+    "layers, x_shape",
+    [
+        ([nn.Conv1d(2, 3, 3, stride=2, padding=1), nn.LeakyReLU(0.2), nn.MaxPool1d(3, stride=1, padding=1),
+          nn.Conv1d(3, 4, 2, dilation=2, bias=False), nn.ReLU(), nn.Flatten(), nn.Linear(12, 3)], (2, 9)),
+        ([nn.MaxPool2d(2), nn.Conv2d(2, 4, 3, groups=2, padding=1), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+          nn.Flatten(), nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 3)], (2, 6, 6)),
+        ([nn.Conv3d(1, 2, 2), nn.ReLU(), nn.MaxPool3d(2), nn.Flatten(), nn.Identity(), nn.Linear(2, 3)], (1, 4, 4, 4)),
+    ],
+    ids=["conv1d-leaky-overlapping-pool", "pooled-data-grouped-conv2d-ceil", "conv3d"],
+)  # fmt: skip
+def test_rop_hvp_of_convolutional_chains_matches_dense_hessian(layers, x_shape):
+    """Strides, padding, dilation, groups, overlapping and ceil-mode pooling, pooling of the data."""
+    torch.manual_seed(1)
+    model = nn.Sequential(*layers).double().eval()
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(13, *x_shape, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (13,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    obj = Objective(model, loss_fn, (X, y), chunk_size=5)
+    assert obj.hvp_strategy() == "rop"
+    flat = obj.layout.flatten(obj.params)
+    H = torch.func.hessian(lambda w: loss_fn(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y))(flat)
+    v = torch.randn(flat.shape, generator=g, dtype=torch.float64)
+    V = torch.randn(2, flat.numel(), generator=g, dtype=torch.float64)
+    tol = 1e-12 * max(1, H.abs().max())
+    torch.testing.assert_close(obj.hvp(v), H @ v, rtol=0, atol=tol)
+    torch.testing.assert_close(obj.hvp_batch(V), V @ H, rtol=0, atol=tol)
+
+
 def test_rop_is_not_used_where_it_does_not_apply():
     torch.manual_seed(0)
     y = torch.randint(0, 2, (6,))
@@ -101,7 +131,7 @@ def test_rop_is_not_used_where_it_does_not_apply():
         assert obj.hvp_strategy() == "graph"
     hooked = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     hooked[1].register_forward_hook(lambda *args: None)
-    assert Objective(hooked.eval(), nn.CrossEntropyLoss(), (torch.randn(6, 3, dtype=torch.float64), y))._mlp is None
+    assert Objective(hooked.eval(), nn.CrossEntropyLoss(), (torch.randn(6, 3, dtype=torch.float64), y))._rop is None
     obj = Objective(sequence.eval(), loss_fn, (torch.randn(6, 5, 3, dtype=torch.float64), torch.randint(0, 2, (6, 5))))
     with pytest.raises(ValueError, match=r"\(samples, features\) rows"):
         obj.hvp(torch.ones(obj.layout.size, dtype=torch.float64), "rop")
@@ -197,10 +227,11 @@ def test_float32_and_float64():
 
 
 def test_auto_strategy_streams_when_the_graph_does_not_fit():
-    case = make_case("cnn")
-    obj = Objective(case.model, case.loss_fn, case.data, chunk_size=5, memory_budget=1000)
+    case = make_case("mlp_bias")
+    tanh = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double().eval()  # no R-operator products
+    obj = Objective(tanh, case.loss_fn, case.data, chunk_size=5, memory_budget=1000)
     assert obj.hvp_strategy() in ("double_backward", "jvp")
-    assert Objective(case.model, case.loss_fn, case.data).hvp_strategy() == "graph"
+    assert Objective(tanh, case.loss_fn, case.data).hvp_strategy() == "graph"
     # MLP chains: the R-operator, with its state kept or not; autograd=True asks for the others
     mlp = make_case("mlp_bias")
     small = Objective(mlp.model, mlp.loss_fn, mlp.data, chunk_size=5, memory_budget=1000)

@@ -1,0 +1,356 @@
+"""Exact Hessian-vector products of feed-forward chains by the R-operator, written out by hand.
+
+For an ``nn.Sequential`` of affine layers (``Linear``, ``Conv1d/2d/3d``) and piecewise-linear
+parameter-free modules (``ReLU``, ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity``),
+Pearlmutter's R-operator gives ``H v`` in closed form. Every piecewise-linear module acts, at the
+current point, as a fixed linear map ``P`` (a mask, a slope, a selection of window maxima, a reshape):
+its second derivative vanishes almost everywhere. With an affine layer ``z = A(h; W, b)``, its
+adjoints ``A_h^T`` (to the input) and ``A_W^T`` (to the weight), back-propagated errors
+``delta = dL/dz`` and a tangent ``v = (V, c)``::
+
+    forward  (tangent)  zdot = A(hdot; W) + A(h; V, c)     (hdot = 0 for the data)     hdot' = P zdot
+    loss                gdot = (d^2 loss / d out^2) hdot_out   (closed form for cross-entropy, else autograd)
+    backward (tangent)  ddot = P^T gdot;   gdot_in = A_h^T(ddot; W) + A_h^T(delta; V)
+    product             (H v)_W = A_W^T(h, ddot) + A_W^T(hdot, delta),   (H v)_b = sum of ddot
+
+Everything that does not depend on ``v`` (layer inputs, masks, pooling indices, errors, the loss's
+curvature) is one forward and one backward pass per data chunk, kept across products when it fits
+in memory. Neither pass goes below the first affine layer: the input gradient of the data, which
+autograd's double backward of a convolution computes regardless, is never formed. A product then
+costs about one gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_POOLS = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
+_CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+# ------------------------------------------------------------------------------------------------
+# affine layers
+@dataclass(frozen=True)
+class _Affine:
+    """``Linear`` or a zero-padded ``ConvNd``: ``z = A(h; W) + b``, linear in ``h`` and in ``(W, b)``."""
+
+    weight: str  # parameter names in the objective
+    bias: str | None
+    dims: int  # 0 for Linear, else the convolution's spatial dimensions
+    stride: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    groups: int = 1
+
+    def apply(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if not self.dims:
+            if h.dim() != 2:
+                raise ValueError(
+                    f"the R-operator HVP needs Linear layers to see (samples, features) rows, got shape "
+                    f"{tuple(h.shape)}; use the 'graph', 'double_backward' or 'jvp' strategy"
+                )
+            return h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+        conv = _CONV_FUNCTIONS[self.dims]
+        return conv(h, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def _conv_backward(self, g: Tensor, h: Tensor, weight: Tensor, mask: list[bool]) -> tuple:
+        return torch.ops.aten.convolution_backward(
+            g, h, weight, None, self.stride, self.padding, self.dilation, False, [0] * self.dims, self.groups, mask
+        )
+
+    def input_adjoint(self, g: Tensor, h: Tensor, weight: Tensor) -> Tensor:
+        """``A_h^T g``: the error at the layer's input ``h`` from the error ``g`` at its output."""
+        if not self.dims:
+            return g @ weight
+        return self._conv_backward(g, h, weight, [True, False, False])[0]
+
+    def add_weight_adjoint(self, into: Tensor, h: Tensor, g: Tensor, weight: Tensor) -> None:
+        """``into += A_W^T(h, g)``: the weight gradient of ``<g, A(h; W)>``."""
+        if not self.dims:
+            into.addmm_(g.T, h)
+        else:
+            into.add_(self._conv_backward(g, h, weight, [False, True, False])[1])
+
+    def bias_adjoint(self, g: Tensor) -> Tensor:
+        return g.sum(0) if g.dim() == 2 else g.sum(dim=[0, *range(2, g.dim())])
+
+
+def _affine(name: str, module: nn.Module, params: Mapping[str, Tensor]) -> _Affine | None:
+    weight, bias = f"{name}.weight", f"{name}.bias" if module.bias is not None else None
+    if weight not in params or (bias is not None and bias not in params):
+        return None  # a frozen parameter: the products here move every affine parameter
+    if type(module) is nn.Linear:
+        return _Affine(weight, bias, 0)
+    dims = _CONVS[type(module)]
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return None
+    return _Affine(weight, bias, dims, tuple(module.stride), tuple(module.padding), tuple(module.dilation),
+                   module.groups)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# piecewise-linear modules: at the current point, fixed linear maps P
+@dataclass(frozen=True)
+class _Slope:
+    """``ReLU`` (slope 0) or ``LeakyReLU``: ``P`` multiplies by 1 where ``z > 0`` and ``slope`` elsewhere
+    (at 0 the negative side's, as autograd)."""
+
+    slope: float
+
+    def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        positive = z > 0
+        s = positive.to(z.dtype) if self.slope == 0.0 else torch.full_like(z, self.slope).masked_fill_(positive, 1.0)
+        return z * s, s
+
+    def tangent(self, zdot: Tensor, s: Tensor) -> Tensor:
+        return zdot * s
+
+    def adjoint(self, g: Tensor, s: Tensor) -> Tensor:
+        return g * s
+
+
+@dataclass(frozen=True)
+class _MaxPool:
+    """``MaxPoolNd``: ``P`` picks each window's maximum (the first one among ties, as autograd)."""
+
+    pool: Callable
+    kernel_size: object
+    stride: object
+    padding: object
+    dilation: object
+    ceil_mode: bool
+
+    def forward(self, h: Tensor) -> tuple[Tensor, tuple[Tensor, torch.Size]]:
+        out, idx = self.pool(h, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, True)
+        return out, (idx, h.shape)
+
+    def tangent(self, hdot: Tensor, saved: tuple[Tensor, torch.Size]) -> Tensor:
+        idx, _ = saved
+        n, c = idx.shape[:2]
+        return hdot.reshape(n, c, -1).gather(2, idx.reshape(n, c, -1)).view(idx.shape)
+
+    def adjoint(self, g: Tensor, saved: tuple[Tensor, torch.Size]) -> Tensor:
+        idx, shape = saved
+        n, c = idx.shape[:2]
+        out = g.new_zeros(n, c, shape[2:].numel())
+        return out.scatter_add_(2, idx.reshape(n, c, -1), g.reshape(n, c, -1)).view(shape)
+
+
+@dataclass(frozen=True)
+class _Reshape:
+    """``Flatten`` (or ``Identity``): ``P`` reshapes."""
+
+    module: nn.Module
+
+    def forward(self, h: Tensor) -> tuple[Tensor, torch.Size]:
+        return self.module(h), h.shape
+
+    def tangent(self, hdot: Tensor, shape: torch.Size) -> Tensor:
+        return self.module(hdot)
+
+    def adjoint(self, g: Tensor, shape: torch.Size) -> Tensor:
+        return g.reshape(shape)
+
+
+def _piecewise_linear(module: nn.Module) -> _Slope | _MaxPool | _Reshape | None:
+    kind = type(module)
+    if kind is nn.ReLU:
+        return _Slope(0.0)
+    if kind is nn.LeakyReLU:
+        return _Slope(float(module.negative_slope))
+    if kind in _POOLS:
+        if getattr(module, "return_indices", False):
+            return None
+        return _MaxPool(_POOLS[kind], module.kernel_size, module.stride, module.padding, module.dilation,
+                        module.ceil_mode)  # fmt: skip
+    if kind in (nn.Flatten, nn.Identity):
+        return _Reshape(module)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RopChain:
+    """An ``nn.Sequential`` read as parameter-free ``prefix`` modules applied to the data, then ``ops``:
+    affine layers and piecewise-linear maps, the first op affine."""
+
+    prefix: tuple
+    ops: tuple
+
+    @property
+    def affine(self) -> list[_Affine]:
+        return [op for op in self.ops if isinstance(op, _Affine)]
+
+    def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
+        """Bytes one sample's cached state takes (every op's input and the affine layers' errors, about
+        three activations per op), measured by one forward pass of ``x[:1]``."""
+        h = x[:1]
+        for op in self.prefix:
+            h = op.forward(h)[0]
+        total = h.numel()
+        for op in self.ops:
+            h = op.apply(h, params[op.weight], params[op.bias] if op.bias else None) if isinstance(op, _Affine) \
+                else op.forward(h)[0]  # fmt: skip
+            total += 3 * h.numel()
+        return total * h.element_size()
+
+
+def rop_chain(model: nn.Module, params: Mapping[str, Tensor]) -> RopChain | None:
+    """Read ``model`` as a chain the R-operator products handle, or ``None`` when it is not one.
+
+    It must be an ``nn.Sequential`` (no hooks) of ``Linear``, zero-padded ``Conv1d/2d/3d``, ``ReLU``,
+    ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten`` and ``Identity`` modules, with at least one affine
+    layer and every affine layer's parameters among ``params`` (the trainable ones).
+    """
+    if not isinstance(model, nn.Sequential) or _has_hooks(model):
+        return None
+    prefix, ops = [], []
+    for name, module in model.named_children():
+        if _has_hooks(module):
+            return None
+        if type(module) is nn.Linear or type(module) in _CONVS:
+            op = _affine(name, module, params)
+        else:
+            op = _piecewise_linear(module)
+        if op is None:
+            return None
+        (ops if ops or isinstance(op, _Affine) else prefix).append(op)
+    if not ops:
+        return None
+    return RopChain(tuple(prefix), tuple(ops))
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ChunkState:
+    """What a chunk's products share: each op's input or saved map, the affine layers' output errors,
+    and the loss's curvature in the outputs: softmax probabilities (cross-entropy, closed form) or its
+    graph."""
+
+    saved: list  # per op: the input h (affine) or what P needs (slopes, indices, shape)
+    deltas: dict[int, Tensor]  # per affine op index: dL/dz (weighted)
+    loss: Tensor  # the weighted loss, detached
+    probs: Tensor | None = None  # softmax of the outputs, when the loss is a plain cross-entropy
+    scale: float = 1.0  # ... and the factor of its Hessian: chunk weight (over the chunk size for a mean)
+    out: Tensor | None = None  # otherwise the outputs, a leaf of the loss graph,
+    out_grad: Tensor | None = None  # and d(weighted loss)/d out with its graph
+    extra: dict = field(default_factory=dict)
+
+    def loss_hvp(self, out_dot: Tensor) -> Tensor:
+        """``(d^2 loss / d out^2) out_dot`` for an output tangent."""
+        if self.probs is not None:  # scale * (diag(p) - p p^T) out_dot, per sample
+            p = self.probs
+            pd = p * out_dot
+            return pd.sub_(p * pd.sum(dim=1, keepdim=True)).mul_(self.scale)
+        with torch.enable_grad():
+            return torch.autograd.grad(self.out_grad, self.out, grad_outputs=out_dot, retain_graph=True)[0]
+
+
+def _plain_cross_entropy(loss_fn: Callable, out: Tensor, y: Tensor) -> bool:
+    """Whether ``loss_fn(out, y)`` is a cross-entropy whose Hessian in ``out`` is ``diag(p) - p p^T`` per sample
+    (over the chunk size for a mean): no class weights, ``(n, C)`` outputs, class-index targets, none
+    ignored. Label smoothing only moves the gradient."""
+    return (
+        type(loss_fn) is nn.CrossEntropyLoss
+        and loss_fn.weight is None
+        and loss_fn.reduction in ("mean", "sum")
+        and out.dim() == 2
+        and not y.is_floating_point()
+        and y.dim() == 1
+        and not bool((y == loss_fn.ignore_index).any())
+    )
+
+
+def forward_state(
+    chain: RopChain,
+    params: Mapping[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    weight: float,
+) -> ChunkState:
+    """One chunk's forward and backward pass; ``weight * loss_fn(out, y)`` is the chunk's share of the loss."""
+    h = x
+    for op in chain.prefix:
+        h = op.forward(h)[0]
+    saved: list = []
+    for op in chain.ops:
+        if isinstance(op, _Affine):
+            saved.append(h)
+            h = op.apply(h, params[op.weight], params[op.bias] if op.bias else None)
+        else:
+            h, s = op.forward(h)
+            saved.append(s)
+    closed_form = _plain_cross_entropy(loss_fn, h, y)
+    with torch.enable_grad():
+        out = h.detach().requires_grad_(True)
+        value = weight * loss_fn(out, y)
+        (out_grad,) = torch.autograd.grad(value, out, create_graph=not closed_form)
+    deltas: dict[int, Tensor] = {}
+    g = out_grad.detach()
+    for i in range(len(chain.ops) - 1, -1, -1):
+        op = chain.ops[i]
+        if isinstance(op, _Affine):
+            deltas[i] = g
+            if i == 0:
+                break  # nothing below the first layer has parameters
+            g = op.input_adjoint(g, saved[i], params[op.weight])
+        else:
+            g = op.adjoint(g, saved[i])
+    if closed_form:
+        scale = weight / h.shape[0] if loss_fn.reduction == "mean" else weight
+        return ChunkState(saved, deltas, value.detach(), probs=torch.softmax(h, dim=1), scale=scale)
+    return ChunkState(saved, deltas, value.detach(), out=out, out_grad=out_grad)
+
+
+def add_products(
+    chain: RopChain,
+    params: Mapping[str, Tensor],
+    state: ChunkState,
+    v: Mapping[str, Tensor],
+    into: Mapping[str, Tensor],
+) -> None:
+    """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place."""
+    ops, saved, deltas = chain.ops, state.saved, state.deltas
+    # tangent forward; the affine layers' input tangents are kept for the products
+    input_dots: dict[int, Tensor | None] = {}
+    h_dot: Tensor | None = None  # the data do not move
+    for i, op in enumerate(ops):
+        if isinstance(op, _Affine):
+            input_dots[i] = h_dot
+            z_dot = op.apply(saved[i], v[op.weight], v[op.bias] if op.bias else None)
+            if h_dot is not None:
+                z_dot.add_(op.apply(h_dot, params[op.weight], None))
+            h_dot = z_dot
+        else:
+            h_dot = op.tangent(h_dot, saved[i])
+    g_dot = state.loss_hvp(h_dot)
+    # tangent backward, accumulating the products
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if not isinstance(op, _Affine):
+            g_dot = op.adjoint(g_dot, saved[i])
+            continue
+        weight = params[op.weight]
+        op.add_weight_adjoint(into[op.weight], saved[i], g_dot, weight)
+        if input_dots[i] is not None:
+            op.add_weight_adjoint(into[op.weight], input_dots[i], deltas[i], weight)
+        if op.bias:
+            into[op.bias].add_(op.bias_adjoint(g_dot))
+        if i == 0:
+            break
+        g_in = op.input_adjoint(g_dot, saved[i], weight)
+        g_dot = g_in.add_(op.input_adjoint(deltas[i], saved[i], v[op.weight]))
+
+
+__all__ = ["ChunkState", "RopChain", "add_products", "forward_state", "rop_chain"]
