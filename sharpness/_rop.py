@@ -192,8 +192,8 @@ class RopChain:
         return [op for op in self.ops if isinstance(op, _Affine)]
 
     def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
-        """Bytes one sample's cached state takes (every op's input and the affine layers' errors, about
-        three activations per op), measured by one forward pass of ``x[:1]``."""
+        """Bytes one sample's cached state takes (every op's input or map and the affine layers' errors:
+        at most three activations per op), measured by one forward pass of ``x[:1]``."""
         h = x[:1]
         for op in self.prefix:
             h = op.forward(h)[0]
@@ -296,14 +296,17 @@ def forward_state(
         out = h.detach().requires_grad_(True)
         value = weight * loss_fn(out, y)
         (out_grad,) = torch.autograd.grad(value, out, create_graph=not closed_form)
+    # The products need the errors of every affine layer but the first (whose input, the data, has no
+    # tangent): back-propagation stops at the second one.
+    affine = [i for i, op in enumerate(chain.ops) if isinstance(op, _Affine)]
     deltas: dict[int, Tensor] = {}
     g = out_grad.detach()
-    for i in range(len(chain.ops) - 1, -1, -1):
+    for i in range(len(chain.ops) - 1, affine[1] - 1 if len(affine) > 1 else len(chain.ops), -1):
         op = chain.ops[i]
         if isinstance(op, _Affine):
             deltas[i] = g
-            if i == 0:
-                break  # nothing below the first layer has parameters
+            if i == affine[1]:
+                break
             g = op.input_adjoint(g, saved[i], params[op.weight])
         else:
             g = op.adjoint(g, saved[i])

@@ -54,8 +54,9 @@ def test_hvp_matches_dense_hessian(case):
         [nn.Flatten(), nn.Linear(12, 7), nn.LeakyReLU(0.3), nn.Linear(7, 5), nn.Identity(), nn.Linear(5, 4, bias=False),
          nn.ReLU(), nn.Linear(4, 3)],
         [nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 3), nn.LeakyReLU(0.05)],
+        [nn.Flatten(), nn.Linear(12, 3)],
     ],
-    ids=["leaky-identity-nobias", "ends-with-activation"],
+    ids=["leaky-identity-nobias", "ends-with-activation", "one-layer"],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "loss_fn",
