@@ -45,7 +45,7 @@ _workloads = sys.modules["_workloads"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_workloads)
 make_workload = _workloads.make_workload
 
-from landscape import random_directions  # noqa: E402
+from landscape import loss_plane, random_directions  # noqa: E402
 from sharpness import Objective, evaluate_grid, grid_axis  # noqa: E402
 
 
@@ -91,6 +91,28 @@ def time_loss_landscapes(model, loss_fn, X, y, steps: int, span: float, no_grad:
     return seconds, facts
 
 
+def plane_kinds(model, loss_fn, X, y, steps: int) -> list[dict]:
+    """Time ``landscape.loss_plane`` for every kind of plane: directions (and their eigen-solves) and grid."""
+    kinds = {
+        "random, filter-normalized (straight)": {"directions": "random"},
+        "invariant-eigen, node metric (straight)": {"directions": "invariant-eigen"},
+        "invariant-eigen, node metric (geodesic)": {"directions": "invariant-eigen", "path": "geodesic"},
+        "G-space, chain roots held": {"directions": "gspace", "span": 0.5},
+    }
+    print(f"\nplane kinds, {steps}x{steps} grid (landscape.loss_plane; direction time includes eigen-solves)")
+    print(f"{'plane':<42} {'strategy':>12} {'directions s':>13} {'grid s':>7} {'points/s':>9}")
+    rows = []
+    for name, kwargs in kinds.items():
+        surface = loss_plane(model, loss_fn, (X, y), steps=steps, progress=False, **{"span": 1.0, **kwargs})
+        meta = surface.metadata
+        row = {"plane": name, "strategy": meta["strategy"], "direction_seconds": meta["direction_seconds"],
+               "grid_seconds": meta["grid_seconds"], "points_per_second": steps**2 / meta["grid_seconds"]}  # fmt: skip
+        rows.append(row)
+        print(f"{name:<42} {row['strategy']:>12} {row['direction_seconds']:13.2f} {row['grid_seconds']:7.2f} "
+              f"{row['points_per_second']:9.0f}")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=51, help="grid points per axis (default 51)")
@@ -99,6 +121,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the best time counts (default 3)")
     parser.add_argument("--budget-mib", type=int, default=256, help="memory budget of the grid (default 256 MiB)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--kinds", type=int, default=0, metavar="STEPS",
+                        help="also time every kind of plane loss_plane draws (random, invariant-eigen straight and "
+                             "geodesic, G-space) on a STEPS x STEPS grid (e.g. 21; default: skip)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -185,8 +210,10 @@ def main() -> None:
         memory.append({"budget_bytes": budget_mib * 2**20, "batch": r.batch, "bytes_per_point": r.bytes_per_point})
         print(f"memory: budget {budget_mib:4d} MiB -> batch {r.batch:2d} points x {r.bytes_per_point / 2**20:.1f} MiB "
               f"estimated per point = {r.batch * r.bytes_per_point / 2**20:.1f} MiB in flight")  # fmt: skip
+    kinds = plane_kinds(model, loss_fn, X, y, args.kinds) if args.kinds else []
     if args.json:
         Path(args.json).write_text(json.dumps({
+            "plane_kinds": kinds,
             "rows": [{"method": n, "seconds": t, "best_points_per_second": n_points / min(t)}
                      for n, t in times.items()],
             "max_relative_difference": float(rel.max()), "memory": memory, "loss_landscapes": ll_facts,
