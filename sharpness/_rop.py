@@ -1,7 +1,8 @@
 """Exact Hessian-vector products of feed-forward chains by the R-operator, written out by hand.
 
 For an ``nn.Sequential`` of affine layers (``Linear``, ``Conv1d/2d/3d``) and piecewise-linear
-parameter-free modules (``ReLU``, ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity``),
+parameter-free modules (``ReLU``, ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity``, and
+dropout, which is the identity in the eval mode the objective evaluates in),
 Pearlmutter's R-operator gives ``H v`` in closed form. Every piecewise-linear module acts, at the
 current point, as a fixed linear map ``P`` (a mask, a slope, a selection of window maxima, a reshape):
 its second derivative vanishes almost everywhere. With an affine layer ``z = A(h; W, b)``, its
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 _CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 _POOLS = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -148,7 +150,7 @@ class _MaxPool:
 
 @dataclass(frozen=True)
 class _Reshape:
-    """``Flatten`` (or ``Identity``): ``P`` reshapes."""
+    """``Flatten``: ``P`` reshapes."""
 
     module: nn.Module
 
@@ -162,7 +164,22 @@ class _Reshape:
         return g.reshape(shape)
 
 
-def _piecewise_linear(module: nn.Module) -> _Slope | _MaxPool | _Reshape | None:
+@dataclass(frozen=True)
+class _Identity:
+    """``Identity``, and dropout (the identity in the eval mode HVPs run in): ``P`` is the identity. The
+    module is never called, so a model left in training mode still gets its eval-mode products."""
+
+    def forward(self, h: Tensor) -> tuple[Tensor, None]:
+        return h, None
+
+    def tangent(self, hdot: Tensor, saved: None) -> Tensor:
+        return hdot
+
+    def adjoint(self, g: Tensor, saved: None) -> Tensor:
+        return g
+
+
+def _piecewise_linear(module: nn.Module) -> _Slope | _MaxPool | _Reshape | _Identity | None:
     kind = type(module)
     if kind is nn.ReLU:
         return _Slope(0.0)
@@ -173,8 +190,10 @@ def _piecewise_linear(module: nn.Module) -> _Slope | _MaxPool | _Reshape | None:
             return None
         return _MaxPool(_POOLS[kind], module.kernel_size, module.stride, module.padding, module.dilation,
                         module.ceil_mode)  # fmt: skip
-    if kind in (nn.Flatten, nn.Identity):
+    if kind is nn.Flatten:
         return _Reshape(module)
+    if kind is nn.Identity or kind in _DROPOUTS:
+        return _Identity()
     return None
 
 
@@ -209,7 +228,7 @@ def rop_chain(model: nn.Module, params: Mapping[str, Tensor]) -> RopChain | None
     """Read ``model`` as a chain the R-operator products handle, or ``None`` when it is not one.
 
     It must be an ``nn.Sequential`` (no hooks) of ``Linear``, zero-padded ``Conv1d/2d/3d``, ``ReLU``,
-    ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten`` and ``Identity`` modules, with at least one affine
+    ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity`` and dropout modules, with at least one affine
     layer and every affine layer's parameters among ``params`` (the trainable ones).
     """
     if not isinstance(model, nn.Sequential) or _has_hooks(model):

@@ -55,8 +55,9 @@ def test_hvp_matches_dense_hessian(case):
          nn.ReLU(), nn.Linear(4, 3)],
         [nn.Linear(12, 6), nn.ReLU(), nn.Linear(6, 3), nn.LeakyReLU(0.05)],
         [nn.Flatten(), nn.Linear(12, 3)],
+        [nn.Flatten(), nn.Dropout(0.5), nn.Linear(12, 6), nn.ReLU(), nn.Dropout(0.3), nn.Linear(6, 3)],
     ],
-    ids=["leaky-identity-nobias", "ends-with-activation", "one-layer"],
+    ids=["leaky-identity-nobias", "ends-with-activation", "one-layer", "dropout-in-eval-mode"],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "loss_fn",
@@ -112,6 +113,25 @@ def test_rop_hvp_of_convolutional_chains_matches_dense_hessian(layers, x_shape):
     tol = 1e-12 * max(1, H.abs().max())
     torch.testing.assert_close(obj.hvp(v), H @ v, rtol=0, atol=tol)
     torch.testing.assert_close(obj.hvp_batch(V), V @ H, rtol=0, atol=tol)
+
+
+def test_rop_products_of_a_model_left_in_training_mode_are_the_eval_mode_ones():
+    """Dropout is the identity in eval mode, where products run, also when the state is reused."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3)).double()
+    X, y = torch.randn(17, 5, dtype=torch.float64), torch.randint(0, 3, (17,))
+    with pytest.warns(UserWarning, match="training mode"):
+        obj = Objective(model, nn.CrossEntropyLoss(), (X, y))
+    assert model.training and obj.hvp_strategy() == "rop"
+    eval_model = copy.deepcopy(model).eval()
+    flat = obj.layout.flatten(obj.params)
+    H = torch.func.hessian(
+        lambda w: nn.functional.cross_entropy(torch.func.functional_call(eval_model, obj.layout.unflatten(w), (X,)), y)
+    )(flat)
+    v = torch.randn(flat.shape, dtype=torch.float64)
+    for _ in range(2):  # the first product builds the state, the second reuses it
+        torch.testing.assert_close(obj.hvp(v), H @ v, rtol=0, atol=1e-12 * max(1, H.abs().max()))
+    assert model.training
 
 
 def test_rop_is_not_used_where_it_does_not_apply():
