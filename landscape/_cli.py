@@ -8,6 +8,8 @@ atomically, so an interrupted run leaves no half-written file.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -124,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     toy.add_argument("--figure", required=True, choices=("1.5", "1.6", "4.9", "gspace-1.5", "gspace-4.9"),
                      help="which figure (see the description above)")  # fmt: skip
     toy.add_argument("--fixed", type=float, nargs="+",
-                     help="values of the fixed weight w1 (4.9 and gspace-4.9 only; default 1 6 10)")  # fmt: skip
+                     help="values w1 > 0 of the fixed weight (4.9 and gspace-4.9 only; default 1 6 10)")  # fmt: skip
     toy.add_argument("--steps", type=_positive_int, default=201, help="grid points per axis (default 201)")
     toy.add_argument("--out", required=True, help="output folder (created if missing)")
     _formats(toy)
@@ -230,17 +232,56 @@ def _fixed(args: argparse.Namespace) -> int:
 
 def _toy(args: argparse.Namespace) -> int:
     from landscape._toy_figures import toy_figure
-    from landscape._toys import FIG_4_9_FIXED
+    from landscape._toys import FIG_4_9_FIXED, LIM_4_9
 
     if args.fixed is not None and args.figure not in ("4.9", "gspace-4.9"):
         raise ValueError(f"--fixed applies to figures 4.9 and gspace-4.9 only, not {args.figure}")
     if args.steps < 3:
         raise ValueError(f"--steps must be at least 3 for a toy surface, got {args.steps}")
-    fixed = FIG_4_9_FIXED if args.fixed is None else args.fixed
+    fixed = FIG_4_9_FIXED if args.fixed is None else _check_toy_fixed(args.fixed, LIM_4_9[1])
     paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps)
     if not args.quiet:
         print("\n".join(str(p) for p in paths))
     return 0
+
+
+def _check_out(text: str) -> None:
+    """Refuse an ``--out`` that cannot become the output folder, before any computation.
+
+    It must be a folder or not exist yet; if it does not exist, its nearest existing ancestor must be a
+    writable folder (``mkdir(parents=True)`` creates the rest).
+    """
+    out = Path(text)
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {text} is a broken symbolic link, not a folder")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {text} exists and is not a folder")
+    ancestor = out.absolute()
+    while not (ancestor.exists() or ancestor.is_symlink()):
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"--out {text} cannot be created: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {text} cannot be written: no write permission in {ancestor}")
+
+
+def _check_toy_fixed(values: list[float], lim_hi: float) -> tuple[float, ...]:
+    """The toy Fig. 4.9 values of ``w1``: positive (the figure's weights are positive), finite (also
+    ``w1`` times the window's upper end, the G-space chart's ``v1`` range), and distinct file names."""
+    out = tuple(float(v) for v in values)
+    for v in out:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--fixed values must be positive finite numbers (Fig. 4.9 uses positive weights), "
+                             f"got {v:g}")  # fmt: skip
+        if not math.isfinite(v * lim_hi):
+            raise ValueError(f"--fixed value {v:g} is too large: w1 * {lim_hi:g} overflows")
+    seen: dict[str, float] = {}
+    for v in out:
+        if f"{v:g}" in seen:
+            raise ValueError(f"--fixed values {seen[f'{v:g}']!r} and {v!r} are equal to 6 significant digits, "
+                             "which name the files and panels; give distinct values")  # fmt: skip
+        seen[f"{v:g}"] = v
+    return out
 
 
 def _load(args: argparse.Namespace):
@@ -329,6 +370,7 @@ def _real(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_out(args.out)  # before any computation: a bad --out must not cost a whole grid
         if args.command == "fixed":
             return _fixed(args)
         return _toy(args) if args.command == "toy" else _real(args)

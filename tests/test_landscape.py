@@ -17,6 +17,7 @@ from matplotlib.colors import LogNorm
 from torch import nn
 
 import landscape
+import sharpness
 from landscape import _toys as toys
 from landscape._cli import main as cli_main
 from landscape._plot_mpl import contour_levels
@@ -398,6 +399,192 @@ def test_cli_process_missing_checkpoint(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: checkpoint {tmp_path / 'no.pt'} does not exist"]
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_out_naming_a_file_exits_2_before_any_computation(tmp_path, capsys, monkeypatch):
+    from landscape import _surfaces, _toy_figures
+
+    def boom(*args, **kwargs):
+        raise AssertionError("computed although --out is unusable")
+
+    monkeypatch.setattr(_surfaces, "loss_plane", boom)
+    monkeypatch.setattr(_toy_figures, "toy_figure", boom)
+    ckpt = _checkpoint(tmp_path)
+    taken = tmp_path / "taken.txt"
+    taken.write_text("keep me\n")
+    plane = ["plane", "--model", "mlp:6-5-3", "--checkpoint", str(ckpt), "--data", "synthetic:n=40,dim=6,classes=3",
+             "--steps", "3", "--quiet"]  # fmt: skip
+    toy = ["toy", "--figure", "1.5", "--steps", "5", "--quiet"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for argv, out, expected in [
+        (plane, taken, f"error: --out {taken} exists and is not a folder"),
+        (toy, taken, f"error: --out {taken} exists and is not a folder"),
+        (plane, taken / "sub", f"error: --out {taken / 'sub'} cannot be created: {taken} is not a folder"),
+        (toy, taken / "sub" / "deeper", f"error: --out {taken / 'sub' / 'deeper'} cannot be created: {taken} is not "
+                                         "a folder"),
+    ]:  # fmt: skip
+        code, stdout, err = _cli([*argv, "--out", str(out)], capsys)
+        assert code == 2 and stdout == ""
+        assert err.strip().splitlines() == [expected]
+    assert taken.read_text() == "keep me\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+@pytest.mark.parametrize("fixed", [["nan"], ["1", "inf"], ["1e400"], ["-2"], ["0"], ["1e308"], ["6", "6.0000001"]])
+@pytest.mark.parametrize("figure", ["4.9", "gspace-4.9"])
+def test_cli_toy_bad_fixed_values_exit_2_with_one_sentence(tmp_path, capsys, figure, fixed):
+    out = tmp_path / "o"
+    code, stdout, err = _cli(["toy", "--figure", figure, "--fixed", *fixed, "--steps", "5", "--out", str(out)], capsys)
+    assert code == 2 and stdout == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: --fixed "), err
+    assert "array" not in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def _relu(t):
+    return np.maximum(t, 0.0)
+
+
+def _npz(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+# figure -> {surface file stem: analytic loss at (x, y) (y is None for curves)}
+_TOY_LOSSES = {
+    "1.5": {
+        "fig1_5_a": lambda w, _: np.sin(_relu(w)),
+        "fig1_5_b": lambda w1, w2: np.sin(w2 * _relu(w1)),
+    },
+    "1.6": {"fig1_6_b": lambda w1, w2: np.sin(w2 * _relu(w1))},
+    "gspace-1.5": {
+        "gspace1_5_weights": lambda w1, w2: np.sin(w2 * _relu(w1)),
+        "gspace1_5_v_pos": lambda v, _: np.sin(_relu(v)),
+        "gspace1_5_v_neg": lambda v, _: np.sin(-_relu(-v)),
+    },
+    "gspace-4.9": {
+        "gspace4_9": lambda v1, v2: np.sin(_relu(v1 + v2)),
+        "gspace4_9_window": lambda v1, v2: np.sin(_relu(v1 + v2)),
+    },
+}
+
+
+@pytest.mark.parametrize("figure", list(_TOY_LOSSES))
+def test_cli_toy_figures_store_the_analytic_loss(tmp_path, capsys, figure):
+    argv = ["toy", "--figure", figure, "--steps", "7", "--out", str(tmp_path), "--quiet"]
+    if figure == "gspace-4.9":
+        argv += ["--fixed", "1", "2"]
+    code, out, err = _cli(argv, capsys)
+    assert code == 0 and out == "", err
+    stem = "fig" + figure.replace(".", "_") if figure[0].isdigit() else figure.replace("-", "").replace(".", "_")
+    for suffix in (".png", ".html"):
+        assert (tmp_path / (stem + suffix)).stat().st_size > 1000, stem + suffix
+    rng = np.random.default_rng(0)
+    for name, fn in _TOY_LOSSES[figure].items():
+        assert (tmp_path / f"{name}.json").stat().st_size > 0
+        f = _npz(tmp_path / f"{name}.npz")
+        x, y, loss = f["x"], f["y"], f["loss"]
+        if y.size == 0:  # a curve: 8 * steps + 1 points
+            assert loss.shape == x.shape == (57,)
+            for j in (0, len(x) - 1, *rng.integers(0, len(x), 3)):
+                assert loss[j] == pytest.approx(fn(x[j], None), abs=1e-12)
+            assert np.max(np.abs(loss - fn(x, None))) <= 1e-12
+        else:
+            assert loss.shape == (len(y), len(x)) == (7, 7)
+            for i, j in ((0, 0), (6, 6), (1, 5), (5, 2), (3, 3)):  # loss[i, j] is the loss at (x[j], y[i])
+                assert loss[i, j] == pytest.approx(fn(x[j], y[i]), abs=1e-12)
+            assert np.ptp(loss) > 0.5  # not a flat panel
+        if name == "gspace1_5_v_pos":
+            assert float(f["sign"]) == 1.0
+        if name == "gspace1_5_v_neg":
+            assert float(f["sign"]) == -1.0
+    if figure == "1.6":
+        f = _npz(tmp_path / "fig1_6_b.npz")
+        pts, grads = f["arrow_points"], f["arrow_gradient"]
+        assert pts.shape == grads.shape == (len(toys.FIG_1_6_LEVELS) * len(toys.FIG_1_6_ALPHAS), 2)
+        w1, w2 = pts[:, 0], pts[:, 1]
+        c = np.cos(w2 * _relu(w1))
+        np.testing.assert_allclose(grads, np.stack([c * w2 * (w1 > 0), c * _relu(w1)], -1), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(w1 * w2, f["arrow_level"], rtol=1e-12)
+        assert sorted(set(f["arrow_alpha"].tolist())) == sorted(toys.FIG_1_6_ALPHAS)
+        assert f["invariant_levels"].tolist() == list(toys.FIG_1_6_LEVELS)
+    if figure == "gspace-4.9":
+        f = _npz(tmp_path / "gspace4_9.npz")
+        assert f["fixed"].tolist() == [1.0, 2.0]
+        lo, hi = toys.LIM_4_9
+        for i, b in enumerate((1.0, 2.0)):
+            outline = f[f"outline_{i}"]  # the window w2, w3 in [lo, hi] of the plane w1 = b, as (b w3, w2 w3)
+            assert outline[:, 0].min() == pytest.approx(b * lo) and outline[:, 0].max() == pytest.approx(b * hi)
+            assert outline[:, 1].max() == pytest.approx(hi * hi)
+        assert f["x"][-1] == pytest.approx(2.0 * hi)  # the G-space window covers every outline
+
+
+def test_cli_toy_writes_every_figure_format(tmp_path, capsys):
+    code, _, err = _cli(["toy", "--figure", "1.6", "--steps", "5", "--format", "png", "pdf", "svg", "--out",
+                         str(tmp_path), "--quiet"], capsys)  # fmt: skip
+    assert code == 0, err
+    png, pdf, svg = (tmp_path / f"fig1_6.{ext}" for ext in ("png", "pdf", "svg"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+    head = svg.read_bytes()[:200].lstrip()
+    assert head.startswith((b"<?xml", b"<svg")) and b"<svg" in svg.read_bytes()[:2000]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_cli_plane_metadata_records_timing_directions_and_center_loss(tmp_path, capsys):
+    from sharpness._specs import build_model, load_checkpoint, load_data
+
+    ckpt, out, data = _checkpoint(tmp_path), tmp_path / "out", "synthetic:n=40,dim=6,classes=3"
+    code, _, err = _cli(["plane", "--model", "mlp:6-5-3", "--checkpoint", str(ckpt), "--data", data, "--out",
+                         str(out), "--steps", "3", "--seed", "5", "--norm", "layer", "--quiet"], capsys)  # fmt: skip
+    assert code == 0, err
+    meta = json.loads((out / "plane.json").read_text())["metadata"]
+    for key in ("grid_seconds", "direction_seconds", "total_seconds"):
+        assert isinstance(meta[key], float) and meta[key] > 0, key
+    assert meta["total_seconds"] >= meta["grid_seconds"]
+    assert meta["directions"]["seeds"] == [5, 6]
+    assert meta["directions"]["normalization"] == "layer"
+    assert meta["dtype"] == "float32" and meta["n_points"] == 9
+    model = load_checkpoint(build_model("mlp:6-5-3"), str(ckpt)).float().eval()
+    X, y = load_data(data)
+    expected = Objective(model, nn.CrossEntropyLoss(), (X.float(), y)).evaluate()["loss"]
+    assert meta["center_loss"] == pytest.approx(expected, rel=1e-6)
+    s = landscape.Surface.load(out / "plane")
+    assert s.loss[s.center_index()] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["first-layer", "vmap"])
+def test_evaluate_grid_batch_follows_the_memory_budget(strategy):
+    from sharpness._grid import CPU_BATCH_CAP
+
+    torch.manual_seed(0)
+    model = mlp([5, 8, 6, 3]).double().eval()
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(17, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (17,), generator=g))
+    obj = Objective(model, nn.CrossEntropyLoss(), data)
+    d = landscape.random_directions(obj.params, k=2, seed=0)
+    coords = np.stack(np.meshgrid(np.linspace(-1, 1, 7), np.linspace(-1, 1, 6)), -1).reshape(-1, 2)
+    assert len(coords) > CPU_BATCH_CAP
+
+    def run(budget):
+        return sharpness.evaluate_grid(obj, d.vectors, coords, strategy=strategy, memory_budget=budget,
+                                       progress=False)  # fmt: skip
+
+    per_point = run(10**12).bytes_per_point
+    assert per_point > 0
+    reference = run(10**12)
+    assert reference.batch == CPU_BATCH_CAP  # a generous budget: the CPU cap
+    for k in (1, 2, 5, CPU_BATCH_CAP - 1):
+        budget = math.ceil(k * per_point)
+        values = run(budget)
+        assert values.strategy == strategy
+        assert values.batch == k and values.bytes_per_point == per_point
+        assert values.batch * values.bytes_per_point <= budget < (values.batch + 1) * values.bytes_per_point
+        if k > 1:
+            assert run(budget - 1).batch == k - 1  # a byte less: one point less
+        np.testing.assert_allclose(values.loss, reference.loss, rtol=1e-12, atol=0)
+        np.testing.assert_array_equal(values.accuracy, reference.accuracy)
+    assert run(1).batch == 1  # below one point's bytes: still one point at a time
 
 
 @pytest.mark.parametrize("name", ["mlp_bias", "cnn"])

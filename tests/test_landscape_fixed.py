@@ -125,3 +125,44 @@ def test_cli_fixed_bad_values_exit_2(tmp_path, capsys, values):
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert "Traceback" not in err and stdout == ""
     assert not out.exists()
+
+
+def test_cli_fixed_panels_share_one_color_scale(tmp_path, capsys, monkeypatch):
+    from matplotlib.contour import ContourSet
+    from mpl_toolkits.mplot3d.art3d import Poly3DCollection
+
+    from landscape import _plot_mpl
+
+    figures = []
+
+    def spy(fig, *args, **kwargs):  # keep the figure, skip rendering it (the other CLI tests write it)
+        figures.append(fig)
+        return []
+
+    monkeypatch.setattr(_plot_mpl, "save_figure", spy)
+    out = tmp_path / "out"
+    code, _, err = _cli([*_args(tmp_path, out), "--values", "0.5", "1", "2", "--span", "2"], capsys)
+    assert code == 0, err
+    (fig,) = figures
+    losses = [landscape.Surface.load(out / f"fixed_b{b:g}").loss for b in VALUES]
+    lo, hi = min(float(z.min()) for z in losses), max(float(z.max()) for z in losses)
+    # reading (a) changes the function: the panels' own ranges differ, so a shared scale is not automatic
+    assert len({(float(z.min()), float(z.max())) for z in losses}) == len(VALUES)
+    assert any(float(z.min()) > lo or float(z.max()) < hi for z in losses)
+    filled, surfaces3d, colorbars = [], [], []
+    for ax in fig.axes:
+        for artist in ax.collections:
+            if isinstance(artist, ContourSet) and artist.filled:
+                filled.append(artist)
+            elif isinstance(artist, Poly3DCollection):
+                surfaces3d.append(artist)
+            if getattr(artist, "colorbar", None) is not None:
+                colorbars.append(artist.colorbar)
+    assert len(filled) == len(surfaces3d) == len(VALUES)  # a contour and a 3D panel per value
+    limits = {(m.norm.vmin, m.norm.vmax) for m in filled + surfaces3d + [c.mappable for c in colorbars]}
+    assert limits == {(lo, hi)}
+    # one colorbar; for contours it spans the level boundaries, which enclose the shared range
+    assert len(colorbars) == 1 and colorbars[0].vmin <= lo and colorbars[0].vmax >= hi
+    # every filled contour's levels cover the shared range, not just its own panel's
+    for cs in filled:
+        assert cs.levels[0] <= lo and cs.levels[-1] >= hi
