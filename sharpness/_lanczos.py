@@ -139,12 +139,22 @@ def lanczos(
 
     with progress_bar(max_iter, "lanczos", progress) as bar:
         while True:
-            w = op.project(op.matvec(basis[m - 1]))
+            q = basis[m - 1]
+            w = op.project(op.matvec(q))
+            if not op.fresh_products:
+                w = w.clone()  # worked on in place below
             w_norm = float(torch.linalg.vector_norm(w))
-            w, coeffs = _orthogonalize(w, basis, overwrite=op.fresh_products)
+            # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
+            # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
+            # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
+            alpha = float(torch.dot(q, w))
+            w.sub_(q, alpha=alpha)
+            if m > 1:
+                w.sub_(basis[m - 2], alpha=betas[-1])
+            w, coeffs = _orthogonalize(w, basis, overwrite=True)
             # Rounding of the projection must not let excluded directions into the basis.
             w = op.project(w)
-            alphas.append(float(coeffs[m - 1]))
+            alphas.append(alpha + float(coeffs[m - 1]))
             beta = float(torch.linalg.vector_norm(w))
             if beta <= _breakdown_threshold(op.dtype, m) * w_norm:
                 beta = 0.0
