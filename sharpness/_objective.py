@@ -24,8 +24,6 @@ from sharpness._data_conv import split_data_convolution
 from sharpness._rop import add_products, forward_state, rop_chain
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
-# The strategies that differentiate any model with autograd (the R-operator one needs an MLP).
-AUTOGRAD_HVP_STRATEGIES = ("graph", "double_backward", "jvp")
 
 
 @contextlib.contextmanager
@@ -319,8 +317,8 @@ class Objective:
         if strategy == "rop" and (autograd or self._rop is None):
             raise ValueError(
                 "the 'rop' HVP strategy needs an nn.Sequential of Linear/ConvNd layers with ReLU, LeakyReLU, "
-                "MaxPool, Flatten or Identity between them, differentiated in its own weights; use 'graph', "
-                "'double_backward' or 'jvp'"
+                "MaxPool, Flatten, Identity or dropout between them, differentiated in its own weights; use "
+                "'graph', 'double_backward' or 'jvp'"
             )
         if strategy != "auto":
             return strategy
@@ -412,7 +410,7 @@ class Objective:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
 
         ``strategy``: ``"rop"`` (``nn.Sequential`` chains of Linear/ConvNd layers with ReLU, LeakyReLU,
-        MaxPool, Flatten or Identity between them) is the R-operator written out by hand
+        MaxPool, Flatten, Identity or dropout between them) is the R-operator written out by hand
         (:mod:`sharpness._rop`), with each chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
@@ -476,4 +474,4 @@ def _add_into(views: list[Tensor], parts: Iterable[Tensor]) -> None:
         view.add_(part)
 
 
-__all__ = ["AUTOGRAD_HVP_STRATEGIES", "DataError", "HVP_STRATEGIES", "Objective", "eval_mode"]
+__all__ = ["DataError", "HVP_STRATEGIES", "Objective", "eval_mode"]
