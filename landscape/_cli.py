@@ -53,6 +53,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _file_stem(text: str) -> str:
+    """A file name without folders: outputs go into ``--out`` only."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"must be a file name without folders, got {text!r}")
+    return text
+
+
 def _formats(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", nargs="+", default=["png"], choices=("png", "pdf", "svg"),
                         help="figure formats (default: png); an interactive .html is always written")  # fmt: skip
@@ -67,7 +74,8 @@ def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help
     parser.add_argument("--memory-mib", type=_positive_int, default=2048,
                         help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
     parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
-    parser.add_argument("--name", default=name, help=f"file name stem of the outputs (default: {name_help})")
+    parser.add_argument("--name", type=_file_stem, default=name,
+                        help=f"file name stem of the outputs (default: {name_help})")  # fmt: skip
     parser.add_argument("--out", required=True, help="output folder (created if missing)")
     _formats(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

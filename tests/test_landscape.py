@@ -369,6 +369,8 @@ def test_cli_plane_and_segment_write_files(tmp_path, capsys):
         {"--steps": "0"},
         {"--steps": "-3"},
         {"--data": "synthetic:n=40,dim=7,classes=3"},
+        {"--name": "sub/plane"},
+        {"--name": ".."},
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys, change):
