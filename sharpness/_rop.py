@@ -24,7 +24,7 @@ costs about one gradient.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -206,10 +206,6 @@ class RopChain:
     prefix: tuple
     ops: tuple
 
-    @property
-    def affine(self) -> list[_Affine]:
-        return [op for op in self.ops if isinstance(op, _Affine)]
-
     def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
         """Bytes one sample's cached state takes (every op's input or map and the affine layers' errors:
         at most three activations per op), measured by one forward pass of ``x[:1]``."""
@@ -263,7 +259,6 @@ class ChunkState:
     scale: float = 1.0  # ... and the factor of its Hessian: chunk weight (over the chunk size for a mean)
     out: Tensor | None = None  # otherwise the outputs, a leaf of the loss graph,
     out_grad: Tensor | None = None  # and d(weighted loss)/d out with its graph
-    extra: dict = field(default_factory=dict)
 
     def loss_hvp(self, out_dot: Tensor) -> Tensor:
         """``(d^2 loss / d out^2) out_dot`` for an output tangent."""
