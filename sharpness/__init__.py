@@ -20,6 +20,7 @@ from sharpness._gspace_sharpness import gspace_sharpness as gspace_sharpness
 from sharpness._hessian import HessianOperator as HessianOperator
 from sharpness._invariant import invariant_sharpness as invariant_sharpness
 from sharpness._lanczos import lanczos as lanczos
+from sharpness._lanczos_low_memory import low_memory_lanczos as low_memory_lanczos
 from sharpness._measure import measure_sharpness as measure_sharpness
 from sharpness._objective import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness._objective import Objective as Objective
@@ -63,6 +64,7 @@ __all__ = [
     "hutchinson_trace",
     "invariant_sharpness",
     "lanczos",
+    "low_memory_lanczos",
     "measure_sharpness",
     "power_iteration",
     "verify_invariance",

@@ -22,6 +22,7 @@ from sharpness._invariant import METRICS
 from sharpness._measure import measure_sharpness
 from sharpness._objective import Objective
 from sharpness._results import jsonable, write_text_atomic
+from sharpness._solve import SOLVERS
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness._verify import verify_invariance
 
@@ -122,7 +123,8 @@ def _compute(args: argparse.Namespace) -> int:
     measures, loss = {}, None
     for metric in metrics:
         res = measure_sharpness(
-            model, loss_fn, data, metric, k=args.k, tol=args.tol, progress=progress, objective=objective
+            model, loss_fn, data, metric, k=args.k, method=args.method, tol=args.tol, progress=progress,
+            objective=objective,
         )
         loss = res.info["loss"]
         entry = {
@@ -247,6 +249,11 @@ def _parser() -> argparse.ArgumentParser:
     compute.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
     compute.add_argument("--epsilon", type=float, help="also report epsilon-sharpness for this radius")
     compute.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
+    compute.add_argument(
+        "--method", choices=SOLVERS, default="lanczos",
+        help="eigen-solver: lanczos (default; keeps its Krylov basis, one parameter vector per iteration), "
+        "low-memory-lanczos (three parameter vectors, about twice the Hessian-vector products) or power",
+    )  # fmt: skip
     compute.add_argument(
         "--memory-mib", type=float, default=2048,
         help="memory budget for activations in MiB: above it, Hessian-vector products stream the data in chunks "

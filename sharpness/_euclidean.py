@@ -40,7 +40,10 @@ def euclidean_sharpness(
         model, loss_fn, data: as for :class:`Objective` (``data``: ``(X, y)``, a DataLoader or an
             iterable of batches).
         k: number of eigenpairs.
-        method: ``"lanczos"`` (default) or ``"power"`` (deflated power iteration).
+        method: ``"lanczos"`` (default; keeps its Krylov basis, one parameter vector per iteration),
+            ``"low-memory-lanczos"`` (three parameter vectors whatever the iteration count, about twice
+            the Hessian-vector products; see :func:`low_memory_lanczos`) or ``"power"`` (deflated power
+            iteration).
         tol: relative residual tolerance (Lanczos) or relative change of the Rayleigh quotient (power).
         max_iter: solver iteration cap (solver default if ``None``).
         chunk_size, dtype, device: evaluation settings of the objective.

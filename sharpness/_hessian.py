@@ -26,5 +26,8 @@ class HessianOperator(SymmetricOperator):
     def _matvec(self, v: Tensor) -> Tensor:
         return self.objective.hvp(v, self.strategy)
 
+    def _matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
+        return self.objective.hvp(v, self.strategy, out=out)
+
     def _matmat(self, vs: Tensor) -> Tensor:
         return self.objective.hvp_batch(vs, self.strategy)

@@ -158,7 +158,8 @@ def invariant_sharpness(
 
     ``method="power"`` is the Riemannian power method (Rangamani et al., Algorithm 1) on horizontal
     vectors, returning the largest algebraic eigenvalue; ``"lanczos"`` (default) needs far fewer
-    Hessian-vector products.
+    Hessian-vector products, and ``"low-memory-lanczos"`` trades twice the products for a memory of
+    three parameter vectors.
 
     Args:
         model, loss_fn, data: as for :class:`Objective`. The model must be a chain of Linear/Conv2d

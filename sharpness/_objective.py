@@ -195,9 +195,10 @@ class Objective:
             return self._weighted_loss(params, x, y, w)
         return w * self.loss_fn(self._data_conv(params, self.buffers, x), y)
 
-    def _accumulator(self, like: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """A zero flat ``(..., n)`` sum and its per-parameter views, to add chunk results in place."""
-        total = torch.zeros_like(like)
+    def _accumulator(self, like: Tensor, out: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+        """A flat ``(..., n)`` sum (zero, or ``out`` to add to) and its per-parameter views, to add chunk
+        results in place."""
+        total = torch.zeros_like(like) if out is None else out
         return total, list(self.layout.unflatten(total).values())
 
     def _params(self, params: Mapping[str, Tensor] | Tensor | None) -> dict[str, Tensor]:
@@ -406,8 +407,12 @@ class Objective:
             if self._value is None:
                 self._value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
 
-    def hvp(self, v: Tensor, strategy: str = "auto") -> Tensor:
+    def hvp(self, v: Tensor, strategy: str = "auto", out: Tensor | None = None) -> Tensor:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
+
+        ``out``: an ``(n,)`` tensor (not sharing storage with ``v``) that ``H v`` is *added* to in place
+        and returned; the chunk results go straight into it, with no product-sized temporary for the
+        ``"rop"``, ``"double_backward"`` and ``"jvp"`` strategies.
 
         ``strategy``: ``"rop"`` (``nn.Sequential`` chains of Linear/ConvNd layers with ReLU, LeakyReLU,
         MaxPool, Flatten, Identity or dropout between them) is the R-operator written out by hand
@@ -423,14 +428,15 @@ class Objective:
         strategy = self.hvp_strategy(strategy)
         if strategy == "graph":
             products = self._hvp_graph(list(self.layout.unflatten(v).values()), batched=False)
-            return self.layout.flatten(dict(zip(self.params, products)))
+            flat = self.layout.flatten(dict(zip(self.params, products)))
+            return flat if out is None else out.add_(flat)
         if strategy == "rop":
-            total, views = self._accumulator(v)
+            total, views = self._accumulator(v, out)
             self._hvp_rop([self.layout.unflatten(v)], [dict(zip(self.params, views))])
             return total
         fn = self._hvp_jvp if strategy == "jvp" else self._hvp_double_backward
         tangent = self.layout.unflatten(v)
-        total, views = self._accumulator(v)
+        total, views = self._accumulator(v, out)
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 _add_into(views, fn(tangent, x, y, w).values())

@@ -49,6 +49,18 @@ class SymmetricOperator(ABC):
         self.n_matvec += 1
         return self._matvec(v)
 
+    def matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
+        """``out += A @ v`` in place and return ``out`` (both ``(n,)``, not sharing storage).
+
+        Operators that can add their product straight into ``out`` (:class:`HessianOperator`) spare a
+        product-sized temporary: low-memory solvers keep one vector fewer that way.
+        """
+        self.n_matvec += 1
+        return self._matvec_add(v, out)
+
+    def _matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
+        return out.add_(self._matvec(v))
+
     def matmat(self, vs: Tensor) -> Tensor:
         """``(A @ vs.T).T`` for a block ``vs`` of shape ``(k, n)``."""
         self.n_matvec += vs.shape[0]

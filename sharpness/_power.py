@@ -20,40 +20,13 @@ from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult
 from sharpness._solver_vectors import (
-    _as_vector,
     _breakdown_threshold,
     _canonical_signs,
     _check_k,
     _orthogonalize,
-    _random,
+    _start_vector,
     _true_residuals,
 )
-
-
-def _start(
-    op: SymmetricOperator,
-    found: Tensor,
-    v0: Tensor | None,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """Unit start vector ``(n,)`` in the operator's subspace, orthogonal to the rows of ``found``."""
-    if v0 is None:
-        v = op.project(_random((op.size,), op, generator))
-    else:
-        v = op.project(_as_vector(v0, op))
-    before = float(torch.linalg.vector_norm(v))
-    v, _ = _orthogonalize(v, found)
-    # Project again: rounding of the projection must not let excluded directions in.
-    v, _ = _orthogonalize(op.project(v), found)
-    norm = float(torch.linalg.vector_norm(v))
-    if before == 0.0 or norm <= _breakdown_threshold(op.dtype, found.shape[0]) * before:
-        if v0 is not None:
-            raise ValueError("v0 has no component in the operator's subspace; pass another v0 or none")
-        raise ValueError(
-            f"more eigenpairs were asked than the dimension {found.shape[0]} of the operator's subspace; "
-            f"ask for at most {found.shape[0]}"
-        )
-    return v / norm
 
 
 def _run(
@@ -192,13 +165,13 @@ def power_iteration(
         for i in range(k):
             bar.set_description(f"power {i + 1}/{k}")
             start = v0 if i == 0 else None
-            x = _start(op, found, start, generator)
+            x = _start_vector(op, found, start, generator)
             ok = True
             if shift == 0.0:
                 x, ok = _run(apply, x, 0.0, tol, vector_tol, max_iter, eps, history, found_values, bar)
                 if history[-1]["eigenvalues"][-1] < 0.0:
                     shift = history[-1]["eigenvalues"][-1]
-                    x = _start(op, found, start, generator)
+                    x = _start_vector(op, found, start, generator)
             if shift != 0.0:
                 x, ok_shifted = _run(
                     apply, x, shift, tol, vector_tol, max_iter, eps, history, found_values, bar

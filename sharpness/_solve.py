@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from sharpness._lanczos import lanczos
+from sharpness._lanczos_low_memory import low_memory_lanczos
 from sharpness._operator import SymmetricOperator
 from sharpness._power import power_iteration
 from sharpness._results import EigenResult
 
-SOLVERS = ("lanczos", "power")
+SOLVERS = ("lanczos", "low-memory-lanczos", "power")
 
 
 def top_eigenpairs(
@@ -28,6 +29,8 @@ def top_eigenpairs(
         raise ValueError(f"k must be at least 1, got {k}")
     if method == "lanczos":
         return lanczos(op, k=k, tol=tol, max_iter=max_iter, generator=generator, progress=progress)
+    if method == "low-memory-lanczos":
+        return low_memory_lanczos(op, k=k, tol=tol, max_iter=max_iter, generator=generator, progress=progress)
     if method == "power":
         kwargs = {} if max_iter is None else {"max_iter": max_iter}
         return power_iteration(op, k=k, tol=tol, generator=generator, progress=progress, **kwargs)

@@ -143,6 +143,33 @@ def _fresh_direction(
     return v / norm
 
 
+def _start_vector(
+    op: SymmetricOperator,
+    found: Tensor | KrylovBasis,
+    v0: Tensor | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """Unit start vector ``(n,)`` in the operator's subspace, orthogonal to the rows of ``found``."""
+    rows = found.size if isinstance(found, KrylovBasis) else found.shape[0]
+    if v0 is None:
+        v = op.project(_random((op.size,), op, generator))
+    else:
+        v = op.project(_as_vector(v0, op))
+    before = float(torch.linalg.vector_norm(v))
+    v, _ = _orthogonalize(v, found)
+    # Project again: rounding of the projection must not let excluded directions in.
+    v, _ = _orthogonalize(op.project(v), found)
+    norm = float(torch.linalg.vector_norm(v))
+    if before == 0.0 or norm <= _breakdown_threshold(op.dtype, rows) * before:
+        if v0 is not None:
+            raise ValueError("v0 has no component in the operator's subspace; pass another v0 or none")
+        raise ValueError(
+            f"more eigenpairs were asked than the dimension {rows} of the operator's subspace; "
+            f"ask for at most {rows}"
+        )
+    return v / norm
+
+
 def _project_rows(op: SymmetricOperator, block: Tensor) -> Tensor:
     """``op.project`` applied to every row of ``block`` (b, n)."""
     return torch.stack([op.project(row) for row in block])

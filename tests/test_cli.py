@@ -130,18 +130,22 @@ def test_compute_writes_the_documented_json(files, tmp_path):
 
 def test_small_memory_budget_streams_and_gives_the_same_measures(files, tmp_path):
     reports = {}
-    for budget in ("2048", "0.001"):
-        out = tmp_path / f"m{budget}.json"
+    for budget, method in (("2048", "lanczos"), ("0.001", "lanczos"), ("0.001", "low-memory-lanczos")):
+        out = tmp_path / f"m{budget}{method}.json"
         r = run_cli(
             "compute", "--model", MODEL, "--checkpoint", str(files / "model.pt"), "--data", DATA,
-            "--metric", "euclidean", "--metric", "node", "--memory-mib", budget, "--json", str(out), "--quiet",
+            "--metric", "euclidean", "--metric", "node", "--memory-mib", budget, "--method", method,
+            "--json", str(out), "--quiet",
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
-        reports[budget] = json.loads(out.read_text())
+        reports[budget, method] = json.loads(out.read_text())
     for name in ("euclidean", "node"):
-        whole, streamed = reports["2048"]["measures"][name], reports["0.001"]["measures"][name]
+        whole, streamed = reports["2048", "lanczos"]["measures"][name], reports["0.001", "lanczos"]["measures"][name]
         assert whole["hvp_strategy"] == streamed["hvp_strategy"] == "rop"  # kept state / recomputed per chunk
         assert streamed["value"] == pytest.approx(whole["value"], rel=1e-9)
+        low = reports["0.001", "low-memory-lanczos"]["measures"][name]
+        assert low["method"] == "low-memory-lanczos" and low["converged"]
+        assert low["value"] == pytest.approx(whole["value"], rel=1e-9)
 
 
 @pytest.mark.parametrize("checkpoint", ["wrapped.pt", "model.safetensors"])

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from sharpness import Objective, dense_hessian, euclidean_sharpness, hutchinson_trace
 from sharpness._hessian import HessianOperator
 
-SOLVER_TOL = {"lanczos": 1e-10, "power": 1e-13}
+SOLVER_TOL = {"lanczos": 1e-10, "low-memory-lanczos": 1e-10, "power": 1e-13}
 
 
 def dense_top(case, k):
@@ -19,7 +19,7 @@ def dense_top(case, k):
     return np.linalg.eigh(H)[0][::-1][:k], H
 
 
-@pytest.mark.parametrize("method", ["lanczos", "power"])
+@pytest.mark.parametrize("method", ["lanczos", "low-memory-lanczos", "power"])
 def test_top3_match_dense_eigh(case, method):
     ref, _ = dense_top(case, 3)
     res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3, method=method, tol=SOLVER_TOL[method],
@@ -41,7 +41,7 @@ def test_negative_dominant_spectrum_reports_largest_algebraic():
     ref, H = dense_top(case, 1)
     full = np.linalg.eigvalsh(H)
     assert abs(full[0]) > abs(full[-1])  # the case really is negative-dominant
-    for method in ("lanczos", "power"):
+    for method in ("lanczos", "low-memory-lanczos", "power"):
         res = euclidean_sharpness(case.model, case.loss_fn, case.data, method=method, tol=SOLVER_TOL[method],
                                   max_iter=5000, progress=False)
         assert res.value == pytest.approx(ref[0], rel=1e-8), method

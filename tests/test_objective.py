@@ -34,9 +34,14 @@ def test_hvp_matches_dense_hessian(case):
     v = torch.randn(obj.layout.size, generator=g)
     V = torch.randn(3, obj.layout.size, generator=g)
     tol = 1e-10 * max(1, H.abs().max())
+    start = torch.randn(obj.layout.size, generator=g)
     for strategy in strategies(obj):
         torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=tol)
         torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=0, atol=tol)
+        # out=: the product is added to what out holds, in out's own storage
+        out = start.clone()
+        assert obj.hvp(v, strategy, out=out) is out
+        torch.testing.assert_close(out, start + H @ v, rtol=0, atol=tol)
     torch.testing.assert_close(dense_hessian(obj), H, rtol=0, atol=1e-12 * max(1, H.abs().max()))
     if obj._rop is None:
         with pytest.raises(ValueError, match="'rop' HVP strategy needs an nn.Sequential of Linear layers"):
@@ -45,6 +50,8 @@ def test_hvp_matches_dense_hessian(case):
         streamed = Objective(case.model, case.loss_fn, case.data, chunk_size=7, memory_budget=1)
         torch.testing.assert_close(streamed.hvp(v, "rop"), H @ v, rtol=0, atol=tol)
         torch.testing.assert_close(streamed.hvp_batch(V, "rop"), V @ H, rtol=0, atol=tol)
+        out = start.clone()
+        torch.testing.assert_close(streamed.hvp(v, "rop", out=out), start + H @ v, rtol=0, atol=tol)
         assert streamed._rop_states is None and obj._rop_states is not None
 
 

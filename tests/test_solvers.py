@@ -7,13 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from sharpness import CallableOperator, DenseOperator, hutchinson_trace, lanczos, power_iteration
+from sharpness import (
+    CallableOperator,
+    DenseOperator,
+    hutchinson_trace,
+    lanczos,
+    low_memory_lanczos,
+    power_iteration,
+)
 
-SOLVERS = [lanczos, power_iteration]
+SOLVERS = [lanczos, low_memory_lanczos, power_iteration]
+METHOD = {lanczos: "lanczos", low_memory_lanczos: "low-memory-lanczos", power_iteration: "power"}
 # Power iteration's vectors converge half as fast (in digits) as its Rayleigh quotients.
-VECTOR_TOL = {lanczos: 1e-8, power_iteration: 1e-5}
-RESIDUAL_TOL = {lanczos: 1e-8, power_iteration: 1e-5}
-SOLVE_TOL = {lanczos: 1e-10, power_iteration: 1e-12}
+VECTOR_TOL = {lanczos: 1e-8, low_memory_lanczos: 1e-8, power_iteration: 1e-5}
+RESIDUAL_TOL = {lanczos: 1e-8, low_memory_lanczos: 1e-8, power_iteration: 1e-5}
+SOLVE_TOL = {lanczos: 1e-10, low_memory_lanczos: 1e-10, power_iteration: 1e-12}
 
 
 def orthogonal(n: int, seed: int) -> torch.Tensor:
@@ -73,7 +81,7 @@ def test_top_eigenpairs_match_dense(solver, k):
     assert result.converged
     assert result.n_matvec == op.n_matvec
     assert result.value == float(result.eigenvalues[0])
-    assert result.method == ("lanczos" if solver is lanczos else "power")
+    assert result.method == METHOD[solver]
     assert result.iterations == len(result.history)
     assert result.seconds > 0.0
 
@@ -177,6 +185,9 @@ def test_multiple_of_identity(solver):
     if solver is lanczos:
         # Every Krylov space is invariant after one product: two restarts give the three copies.
         assert result.info["restarts"] == 2 and result.n_matvec == 3
+    if solver is low_memory_lanczos:
+        # One product per pair: each Krylov space is invariant at once, and no vector is regenerated.
+        assert result.info["krylov_dimensions"] == [1, 1, 1] and result.n_matvec == 3
 
 
 def test_power_finds_every_copy_of_a_repeated_eigenvalue():
@@ -242,8 +253,9 @@ def test_non_convergence_is_flagged(solver):
     op = DenseOperator(with_spectrum(well_separated(120)))
     result = solve(solver, op, 1, max_iter=2)
     assert not result.converged
-    # Power iteration spends one more product on the true residual of its last iterate.
-    assert result.iterations == 2 and result.n_matvec == op.n_matvec == (3 if solver is power_iteration else 2)
+    # Power iteration spends one more product on the true residual of its last iterate, low-memory
+    # Lanczos one on regenerating the second Lanczos vector for the Ritz vector.
+    assert result.iterations == 2 and result.n_matvec == op.n_matvec == (2 if solver is lanczos else 3)
     assert math.isfinite(result.value) and result.value < 100.0
     assert float(result.residuals[0]) > 1e-3
 
@@ -357,3 +369,90 @@ def test_lanczos_residual_estimates_equal_true_residuals(dtype):
 def test_lanczos_rejects_unknown_residual_kind():
     with pytest.raises(ValueError, match="residuals must be one of estimate, true"):
         lanczos(DenseOperator(torch.eye(3, dtype=torch.float64)), residuals="exact", progress=False)
+
+
+def test_low_memory_lanczos_matches_lanczos_and_counts_its_products():
+    matrix = with_spectrum(well_separated(120))
+    full = solve(lanczos, DenseOperator(matrix), 3)
+    op = DenseOperator(matrix)
+    low = solve(low_memory_lanczos, op, 3)
+    np.testing.assert_allclose(low.eigenvalues.numpy(), full.eigenvalues.numpy(), rtol=1e-12)
+    # Per pair: m first-pass products, m - 1 more to regenerate the Lanczos vectors of its Ritz vector.
+    dims = low.info["krylov_dimensions"]
+    assert low.n_matvec == op.n_matvec == sum(2 * m - 1 for m in dims)
+    assert low.iterations == len(low.history) == sum(dims)
+    assert low.info["residuals"] == "estimate"
+    # The history carries the pairs found so far and the current top Ritz value.
+    assert [len(h["eigenvalues"]) for h in low.history] == [1] * dims[0] + [2] * dims[1] + [3] * dims[2]
+    assert low.history[-1]["residual"] <= 1e-10
+    true = solve(low_memory_lanczos, DenseOperator(matrix), 3, residuals="true")
+    assert true.info["residuals"] == "true" and float(true.residuals.max()) < 1e-9
+    with pytest.raises(ValueError, match="residuals must be one of"):
+        solve(low_memory_lanczos, op, 1, residuals="exact")
+    with pytest.raises(ValueError, match="max_iter must be at least 1"):
+        solve(low_memory_lanczos, op, 1, max_iter=0)
+
+
+def test_low_memory_lanczos_finds_every_copy_of_a_repeated_eigenvalue():
+    q = orthogonal(60, seed=8)
+    matrix = with_spectrum(np.concatenate([[50.0, 50.0, 30.0], np.linspace(-10.0, 10.0, 57)]), seed=8)
+    result = solve(low_memory_lanczos, DenseOperator(matrix), 3)
+    np.testing.assert_allclose(result.eigenvalues.numpy(), [50.0, 50.0, 30.0], rtol=1e-10)
+    coordinates = result.eigenvectors[:2] @ q[:, :2]
+    np.testing.assert_allclose((coordinates @ coordinates.T).numpy(), np.eye(2), atol=1e-9)
+    np.testing.assert_allclose((result.eigenvectors @ result.eigenvectors.T).numpy(), np.eye(3), atol=1e-12)
+
+
+def test_low_memory_lanczos_float32_converges_before_ghosts_appear():
+    # In float32 the Lanczos vectors lose orthogonality as soon as the top Ritz value converges; the
+    # first pass stops there, and the regenerated Ritz vector has the estimated residual.
+    matrix = with_spectrum(np.concatenate([[10.0, 9.99], np.linspace(-1.0, 8.9, 398)]), seed=13)
+    op = DenseOperator(matrix.float())
+    result = solve(low_memory_lanczos, op, 1, tol=1e-6)
+    assert result.converged and result.value == pytest.approx(10.0, rel=1e-6)
+    vector = result.eigenvectors[0].double()
+    residual = float(torch.linalg.vector_norm(matrix @ vector - result.value * vector)) / 10.0
+    assert residual < 1e-5
+
+
+class _Diagonal(CallableOperator):
+    """``diag(d)``, adding its products into ``out`` in place (as the Hessian operator does)."""
+
+    def __init__(self, d: torch.Tensor):
+        super().__init__(lambda v: d * v, d.numel(), d.dtype, fresh_products=True)
+        self.d = d
+
+    def _matvec_add(self, v, out):
+        return out.addcmul_(self.d, v)
+
+
+def _peak_bytes(fn, trace_path) -> int:
+    """Peak of torch's CPU allocator bytes during ``fn`` above the level before it (profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(str(trace_path))
+    with open(trace_path) as fh:
+        events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    assert events
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - before
+
+
+def test_low_memory_lanczos_holds_three_vectors_whatever_the_iterations(tmp_path):
+    n = 1 << 18  # 1 MiB float32 vectors
+    d = torch.cat([torch.tensor([10.0, 9.5]), torch.linspace(-1.0, 9.0, n - 2)]).float()
+    vector_bytes = 4 * n
+
+    def run(solver):
+        result = solver(_Diagonal(d), k=1, tol=1e-5, generator=torch.Generator().manual_seed(0), progress=False)
+        assert result.value == pytest.approx(10.0, rel=1e-5)
+        return result
+
+    low = _peak_bytes(lambda: run(low_memory_lanczos), tmp_path / "low.json")
+    full = _peak_bytes(lambda: run(lanczos), tmp_path / "full.json")
+    iterations = run(low_memory_lanczos).iterations
+    assert iterations > 20  # a basis would be large
+    assert low < 3.2 * vector_bytes
+    assert full > 16 * vector_bytes

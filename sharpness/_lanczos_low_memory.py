@@ -1,0 +1,215 @@
+"""Lanczos without a stored Krylov basis: a few parameter-sized vectors of memory, whatever the number of
+iterations (two passes per eigenpair, deflation between pairs)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from sharpness._lanczos import RESIDUALS, _top_ritz
+from sharpness._operator import SymmetricOperator
+from sharpness._progress import progress_bar
+from sharpness._results import EigenResult
+from sharpness._solver_vectors import (
+    KrylovBasis,
+    _breakdown_threshold,
+    _canonical_signs,
+    _check_k,
+    _orthogonalize,
+    _residual_scale,
+    _start_vector,
+    _true_residuals,
+)
+
+
+class _Recurrence:
+    """The three-term Lanczos step of ``B = D P A P D`` (``P`` = ``op.project``, ``D`` = projection
+    orthogonal to the rows of ``found``) on two vectors: the current one and the previous one, whose
+    storage receives the next product (:meth:`SymmetricOperator.matvec_add`)."""
+
+    def __init__(self, op: SymmetricOperator, found: KrylovBasis):
+        self.op, self.found = op, found
+
+    def step(self, q: Tensor, previous: Tensor | None, beta_prev: float, alpha: float | None) -> tuple[Tensor, float]:
+        """``w = B q - alpha q - beta_prev previous``, unnormalized, consuming ``previous``.
+
+        ``alpha=None`` computes it (``q^T B q``, with one local re-orthogonalization against ``q``);
+        a given ``alpha`` replays a step of the first pass.
+
+        Returns:
+            ``(w, alpha)``.
+        """
+        if previous is None:
+            w = self.op.matvec(q)
+            if not self.op.fresh_products:
+                w = w.clone()  # worked on in place below
+        else:
+            w = self.op.matvec_add(q, previous.mul_(-beta_prev))
+        if alpha is None:
+            alpha = float(torch.dot(q, w))
+            w.sub_(q, alpha=alpha)
+            # One more pass against q: the subtraction above cancels most of w when q is nearly an eigenvector.
+            correction = float(torch.dot(q, w))
+            w.sub_(q, alpha=correction)
+            alpha += correction
+        else:
+            w.sub_(q, alpha=alpha)
+        # Project and deflate last, so the rounding the subtractions leave along excluded and found
+        # directions is removed every step instead of growing with the recurrence.
+        w = self.op.project(w)
+        if self.found.size:
+            w, _ = _orthogonalize(w, self.found, overwrite=True)
+        return w, alpha
+
+
+def _first_pass(
+    rec: _Recurrence, q0: Tensor, tol: float, max_iter: int, history: list[dict], found_values: list[float], bar
+) -> tuple[list[float], list[float], float, np.ndarray, float, bool]:
+    """Lanczos coefficients until the top Ritz pair of ``B`` meets ``tol``; the vectors are dropped.
+
+    Returns:
+        ``alphas`` ``(m,)``, ``betas`` ``(m-1,)``, the top Ritz value, its ``T``-eigenvector ``(m,)``, its
+        relative residual estimate and whether it met ``tol`` (or the Krylov space became invariant).
+    """
+    op = rec.op
+    q, previous, beta = q0.clone(), None, 0.0
+    alphas: list[float] = []
+    betas: list[float] = []
+    while True:
+        w, alpha = rec.step(q, previous, beta, None)
+        alphas.append(alpha)
+        beta = float(torch.linalg.vector_norm(w))
+        theta, s, anorm = _top_ritz(alphas, betas, 1)
+        invariant = beta <= _breakdown_threshold(op.dtype, 2) * max(anorm, abs(alpha))
+        estimate = 0.0 if invariant else beta * abs(float(s[-1, 0]))
+        relative = estimate / float(_residual_scale(theta, anorm, op.dtype)[0])
+        history.append({"iteration": len(history) + 1, "eigenvalues": [*found_values, float(theta[0])],
+                        "residual": relative})  # fmt: skip
+        bar.update(1)
+        bar.set_postfix(residual=f"{relative:.1e}", refresh=False)
+        if invariant or relative <= tol or len(alphas) == max_iter:
+            return alphas, betas, float(theta[0]), s[:, 0], relative, invariant or relative <= tol
+        betas.append(beta)
+        previous, q = q, w.mul_(1.0 / beta)
+
+
+def _ritz_vector(rec: _Recurrence, q0: Tensor, alphas: list[float], betas: list[float], s: np.ndarray) -> Tensor:
+    """``sum_j s_j q_j`` over the Lanczos vectors of the first pass, regenerated with its coefficients
+    (``len(alphas) - 1`` more products); returned with unit norm. Consumes ``q0``'s storage."""
+    q, previous = q0, None
+    y = q0 * float(s[0])
+    for j in range(len(alphas) - 1):
+        w, _ = rec.step(q, previous, betas[j - 1] if j else 0.0, alphas[j])
+        previous, q = q, w.mul_(1.0 / betas[j])
+        y.add_(q, alpha=float(s[j + 1]))
+    del q, previous  # before y is scaled: the peak is three vectors
+    return y.div_(torch.linalg.vector_norm(y))
+
+
+def low_memory_lanczos(
+    op: SymmetricOperator,
+    k: int = 1,
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    v0: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool | None = None,
+    residuals: str = "estimate",
+) -> EigenResult:
+    """The ``k`` largest algebraic eigenpairs of a symmetric operator by Lanczos without a stored basis.
+
+    For models whose parameters dominate memory (a Krylov basis of ``m`` vectors costs ``m`` parameter
+    vectors): apart from the ``k`` vectors it returns, this solver holds three vectors of size ``n``
+    (two, plus what the operator's ``matvec_add`` needs, in the first pass) however many iterations it
+    runs, against ``m + 2`` for :func:`lanczos`. The price is operator products: about twice as many.
+
+    Pairs are found one after the other, each by two passes over the same Krylov space of
+    ``B = D P A P D`` (``P`` = ``op.project``, ``D`` = projection orthogonal to the pairs already
+    found, so a repeated eigenvalue is found once per copy):
+
+    1. the three-term recurrence alone (each vector is re-orthogonalized against the current one only)
+       runs until the top Ritz value of the tridiagonal ``T`` meets the stopping rule of
+       :func:`lanczos`: ``|beta_m s_m| <= tol * max(|theta|, eps ||T||)``. The vectors are not kept.
+       Without full reorthogonalization they lose orthogonality once ``theta`` converges and ``T`` then
+       gains copies of it ("ghosts", Paige 1976), which leave the top Ritz value itself unchanged;
+    2. the same recurrence is replayed from the same start vector with the stored coefficients, to
+       sum the Ritz vector ``sum_j s_j q_j`` (``m - 1`` products).
+
+    Args:
+        op: the symmetric operator, size ``n``.
+        k: number of eigenpairs.
+        tol: relative tolerance of the Ritz residual estimate of each pair.
+        max_iter: first-pass iteration limit of each pair, at least 1; default 300.
+        v0: ``(n,)`` start vector of the first pair (projected); random otherwise.
+        generator: random source for start vectors.
+        progress: show a progress bar (``None``: only on a terminal).
+        residuals: ``"estimate"`` reports the Ritz residual estimates; ``"true"`` spends one more
+            ``op.matmat`` of the ``k`` vectors (counted in ``n_matvec``) on ``||A v - theta v||``.
+
+    Returns:
+        ``EigenResult`` with ``eigenvalues`` ``(k,)`` float64 descending (top Ritz values), unit
+        ``eigenvectors`` ``(k, n)`` in the operator's dtype, relative ``residuals``, one history record
+        per first-pass iteration, ``converged`` when every pair met ``tol``, and in ``info`` the
+        first-pass Krylov dimension of each pair and which residuals were reported.
+
+    Raises:
+        ValueError: bad ``k``/``max_iter``/``residuals``, a ``v0`` with no component in the subspace,
+            or ``k`` larger than the dimension of the subspace the operator lives on.
+    """
+    started = time.perf_counter()
+    _check_k(k, op.size)
+    if residuals not in RESIDUALS:
+        raise ValueError(f"residuals must be one of {', '.join(RESIDUALS)}, got {residuals!r}")
+    max_iter = 300 if max_iter is None else int(max_iter)
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be at least 1, got {max_iter}")
+    matvecs_before = op.n_matvec
+    found = KrylovBasis(op.size, op.dtype, op.device, block_rows=1)  # one exact-size row per pair
+    values: list[float] = []
+    estimates: list[float] = []
+    dimensions: list[int] = []
+    history: list[dict] = []
+    converged = True
+
+    with progress_bar(None, "low-memory lanczos", progress) as bar:
+        for i in range(k):
+            bar.set_description(f"low-memory lanczos {i + 1}/{k}")
+            rec = _Recurrence(op, found)
+            q0 = _start_vector(op, found, v0 if i == 0 else None, generator)
+            alphas, betas, theta, s, estimate, ok = _first_pass(rec, q0, tol, max_iter, history, values, bar)
+            y = _ritz_vector(rec, q0, alphas, betas, s)
+            del q0
+            # Exactly orthogonal to the pairs found so far before it deflates the next runs.
+            y, _ = _orthogonalize(op.project(y), found, overwrite=True)
+            found.append(y, 1.0 / float(torch.linalg.vector_norm(y)))
+            del y
+            values.append(theta)
+            estimates.append(estimate)
+            dimensions.append(len(alphas))
+            converged = converged and ok
+
+    order = np.argsort(values)[::-1].copy()
+    vectors = torch.stack([found[j] for j in order])
+    del found
+    vectors = _canonical_signs(vectors)
+    eigenvalues = torch.tensor(values, dtype=torch.float64)[order]
+    if residuals == "true":
+        eigenvalues, relative = _true_residuals(op, vectors, eigenvalues)
+    else:
+        relative = torch.tensor(estimates, dtype=torch.float64)[order]
+    return EigenResult(
+        eigenvalues=eigenvalues,
+        eigenvectors=vectors,
+        residuals=relative,
+        n_matvec=op.n_matvec - matvecs_before,
+        iterations=len(history),
+        converged=converged,
+        history=history,
+        method="low-memory-lanczos",
+        tol=tol,
+        seconds=time.perf_counter() - started,
+        info={"krylov_dimensions": [dimensions[j] for j in order], "residuals": residuals},
+    )
