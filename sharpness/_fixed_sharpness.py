@@ -66,7 +66,6 @@ def fixed_sharpness(
         objective.device,
         matmat=lambda vs: keep * hessian.matmat(keep * vs),
         project=lambda v: keep * v,
-        fresh_products=True,
     )
     result = settings.solve(op)
     low, high = representative.factor_range

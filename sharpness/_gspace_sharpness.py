@@ -129,7 +129,7 @@ def gspace_hessian_operator(
     def apply(t: Tensor) -> Tensor:
         return loss.hvp(t, strategy)
 
-    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device, fresh_products=True)
+    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device)
     op.strategy = strategy
     return op, loss
 

@@ -16,8 +16,6 @@ class HessianOperator(SymmetricOperator):
         strategy: how products are computed (see :meth:`Objective.hvp`); resolved once.
     """
 
-    fresh_products = True  # every product is a new accumulator
-
     def __init__(self, objective: Objective, strategy: str = "auto"):
         super().__init__(objective.layout.size, objective.dtype, objective.device)
         self.objective = objective

@@ -93,8 +93,7 @@ def riemannian_hessian_operator(
     egrad = objective.gradient()
     apply: Callable[[Tensor], Tensor] = quotient.whitened_hessian(egrad, hessian.matvec)
     op = CallableOperator(
-        apply, objective.layout.size, objective.dtype, objective.device, project=quotient.whitened_projection,
-        fresh_products=True,
+        apply, objective.layout.size, objective.dtype, objective.device, project=quotient.whitened_projection
     )
     op.strategy = hessian.strategy
     return op, egrad

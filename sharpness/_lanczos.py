@@ -140,17 +140,20 @@ def lanczos(
     with progress_bar(max_iter, "lanczos", progress) as bar:
         while True:
             q = basis[m - 1]
-            w = op.project(op.matvec(q))
-            if not op.fresh_products:
-                w = w.clone()  # worked on in place below
+            # The next vector is built in its own basis row: the product is added onto -beta q_{m-1} there
+            # (no product-sized temporary, no copy into the basis).
+            row = basis.next_row()
+            if m > 1:
+                torch.mul(basis[m - 2], -betas[-1], out=row)
+            else:
+                row.zero_()
+            w = op.project(op.matvec_add(q, row))
             w_norm = float(torch.linalg.vector_norm(w))
             # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
             # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
             # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
             alpha = float(torch.dot(q, w))
             w.sub_(q, alpha=alpha)
-            if m > 1:
-                w.sub_(basis[m - 2], alpha=betas[-1])
             w, coeffs = _orthogonalize(w, basis, overwrite=True)
             # Rounding of the projection must not let excluded directions into the basis.
             w = op.project(w)

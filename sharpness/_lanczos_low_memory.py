@@ -42,12 +42,8 @@ class _Recurrence:
         Returns:
             ``(w, alpha)``.
         """
-        if previous is None:
-            w = self.op.matvec(q)
-            if not self.op.fresh_products:
-                w = w.clone()  # worked on in place below
-        else:
-            w = self.op.matvec_add(q, previous.mul_(-beta_prev))
+        start = torch.zeros_like(q) if previous is None else previous.mul_(-beta_prev)
+        w = self.op.matvec_add(q, start)
         if alpha is None:
             alpha = float(torch.dot(q, w))
             w.sub_(q, alpha=alpha)

@@ -24,12 +24,7 @@ class SymmetricOperator(ABC):
         size: dimension ``n``.
         dtype, device: of the vectors it accepts and returns.
         n_matvec: number of vectors the operator has been applied to so far.
-        fresh_products: ``True`` when every ``matvec`` returns a new tensor that nothing else holds,
-            so a solver may work in its storage (Lanczos orthogonalizes it in place); ``False`` (the
-            default) makes solvers copy first.
     """
-
-    fresh_products = False
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.size = int(size)
@@ -101,8 +96,7 @@ class DenseOperator(SymmetricOperator):
 
 
 class CallableOperator(SymmetricOperator):
-    """Wraps ``matvec`` (and optionally a batched ``matmat``) functions on flat vectors; pass
-    ``fresh_products=True`` when ``matvec`` always returns a new tensor (see :class:`SymmetricOperator`)."""
+    """Wraps ``matvec`` (and optionally a batched ``matmat``) functions on flat vectors."""
 
     def __init__(
         self,
@@ -112,10 +106,8 @@ class CallableOperator(SymmetricOperator):
         device: torch.device | str = "cpu",
         matmat: Callable[[Tensor], Tensor] | None = None,
         project: Callable[[Tensor], Tensor] | None = None,
-        fresh_products: bool = False,
     ):
         super().__init__(size, dtype, device)
-        self.fresh_products = fresh_products
         self._mv = matvec
         self._mm = matmat
         self._project = project

@@ -103,10 +103,15 @@ class KrylovBasis:
 
     def append(self, v: Tensor, scale: float = 1.0) -> None:
         """Store ``scale * v`` as the next row (scaled on the way in: no temporary vector)."""
+        torch.mul(v, scale, out=self.next_row())  # in place when v is that row
+        self.size += 1
+
+    def next_row(self) -> Tensor:
+        """Storage of the row :meth:`append` fills next (allocated if needed), for a vector to be built in
+        place; appending that same tensor then only scales it."""
         if self.size == len(self._blocks) * self.block_rows:
             self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
-        torch.mul(v, scale, out=self._blocks[-1][self.size % self.block_rows])
-        self.size += 1
+        return self._blocks[-1][self.size % self.block_rows]
 
     def __getitem__(self, i: int) -> Tensor:
         return self._blocks[i // self.block_rows][i % self.block_rows]

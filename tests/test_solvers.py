@@ -419,7 +419,7 @@ class _Diagonal(CallableOperator):
     """``diag(d)``, adding its products into ``out`` in place (as the Hessian operator does)."""
 
     def __init__(self, d: torch.Tensor):
-        super().__init__(lambda v: d * v, d.numel(), d.dtype, fresh_products=True)
+        super().__init__(lambda v: d * v, d.numel(), d.dtype)
         self.d = d
 
     def _matvec_add(self, v, out):
