@@ -4,6 +4,9 @@ parameter points (the engine under ``landscape`` and the demo's loss-surface pan
 
 from sharpness._data import ChunkedData as ChunkedData
 from sharpness._data import DataError as DataError
+from sharpness._density import SpectralDensity as SpectralDensity
+from sharpness._density import hessian_spectral_density as hessian_spectral_density
+from sharpness._density import spectral_density as spectral_density
 from sharpness._epsilon import BALL_GEOMETRIES as BALL_GEOMETRIES
 from sharpness._epsilon import BallGeometry as BallGeometry
 from sharpness._epsilon import EpsilonSharpness as EpsilonSharpness
@@ -50,6 +53,7 @@ __all__ = [
     "HessianOperator",
     "InvarianceReport",
     "Objective",
+    "SpectralDensity",
     "SymmetricOperator",
     "TraceResult",
     "dense_hessian",
@@ -60,6 +64,7 @@ __all__ = [
     "fixed_sharpness",
     "gspace_hessian_operator",
     "gspace_sharpness",
+    "hessian_spectral_density",
     "grid_axis",
     "hutchinson_trace",
     "invariant_sharpness",
@@ -67,5 +72,6 @@ __all__ = [
     "low_memory_lanczos",
     "measure_sharpness",
     "power_iteration",
+    "spectral_density",
     "verify_invariance",
 ]

@@ -50,6 +50,44 @@ def _top_ritz(alphas: list[float], betas: list[float], k: int) -> tuple[np.ndarr
     return values[::-1].copy(), vectors[:, ::-1].copy(), anorm
 
 
+def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) -> tuple[Tensor, float, float]:
+    """One fully reorthogonalized Lanczos step from the last row ``q_m`` of ``basis``.
+
+    Args:
+        op: the operator (its ``project`` is applied to the new vector).
+        basis: the orthonormal Lanczos vectors so far, ``m >= 1`` rows.
+        beta_prev: the coefficient coupling rows ``m - 1`` and ``m`` (ignored when ``m == 1``).
+
+    Returns:
+        ``(w, alpha, beta)``: the unnormalized next vector ``(n,)`` (it lives in the basis's next row,
+        so ``basis.append(w, 1 / beta)`` only scales it), ``alpha = q_m^T A q_m`` and ``beta = ||w||``,
+        set to 0 when ``w`` is rounding (the Krylov space is invariant).
+    """
+    m = basis.size
+    q = basis[m - 1]
+    # The next vector is built in its own basis row: the product is added onto -beta q_{m-1} there
+    # (no product-sized temporary, no copy into the basis).
+    row = basis.next_row()
+    if m > 1:
+        torch.mul(basis[m - 2], -beta_prev, out=row)
+    else:
+        row.zero_()
+    w = op.project(op.matvec_add(q, row))
+    w_norm = float(torch.linalg.vector_norm(w))
+    # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
+    # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
+    # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
+    alpha = float(torch.dot(q, w))
+    w.sub_(q, alpha=alpha)
+    w, coeffs = _orthogonalize(w, basis, overwrite=True)
+    # Rounding of the projection must not let excluded directions into the basis.
+    w = op.project(w)
+    beta = float(torch.linalg.vector_norm(w))
+    if beta <= _breakdown_threshold(op.dtype, m) * w_norm:
+        beta = 0.0
+    return w, alpha + float(coeffs[m - 1]), beta
+
+
 def lanczos(
     op: SymmetricOperator,
     k: int = 1,
@@ -139,28 +177,8 @@ def lanczos(
 
     with progress_bar(max_iter, "lanczos", progress) as bar:
         while True:
-            q = basis[m - 1]
-            # The next vector is built in its own basis row: the product is added onto -beta q_{m-1} there
-            # (no product-sized temporary, no copy into the basis).
-            row = basis.next_row()
-            if m > 1:
-                torch.mul(basis[m - 2], -betas[-1], out=row)
-            else:
-                row.zero_()
-            w = op.project(op.matvec_add(q, row))
-            w_norm = float(torch.linalg.vector_norm(w))
-            # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
-            # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
-            # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
-            alpha = float(torch.dot(q, w))
-            w.sub_(q, alpha=alpha)
-            w, coeffs = _orthogonalize(w, basis, overwrite=True)
-            # Rounding of the projection must not let excluded directions into the basis.
-            w = op.project(w)
-            alphas.append(alpha + float(coeffs[m - 1]))
-            beta = float(torch.linalg.vector_norm(w))
-            if beta <= _breakdown_threshold(op.dtype, m) * w_norm:
-                beta = 0.0
+            w, alpha, beta = lanczos_step(op, basis, betas[-1] if m > 1 else 0.0)
+            alphas.append(alpha)
 
             theta, s, anorm = _top_ritz(alphas, betas, k)
             estimates = beta * np.abs(s[-1])
