@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _workloads import WORKLOADS, build_model, make_workload  # noqa: E402
 
-from sharpness import HessianOperator, Objective, euclidean_sharpness  # noqa: E402
+from sharpness import HessianOperator, Objective, euclidean_sharpness, hessian_spectral_density  # noqa: E402
 
 TARGET_ACCURACY = 1e-5
 HVP_TARGET = 1.3
@@ -861,6 +861,26 @@ def section_pitfalls(w, peers: dict[str, Any], solve: dict[str, Any] | None) -> 
             "value": float(r.eigenvalues[0]),
         }
 
+    # spectral density: PyHessian's density() calls torch.eig, removed from torch in 2.0
+    density: dict[str, Any] = {}
+    if "pyhessian" in peers:
+        ph = peers["pyhessian"]
+        try:
+            ph.hessian(model, loss_fn, data=(w.X, w.y), cuda=False).density(iter=20, n_v=1)
+            density["PyHessian density(iter=20, n_v=1)"] = {"works": True}
+        except Exception as exc:  # noqa: BLE001 - the failure itself is what is reported
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            density["PyHessian density(iter=20, n_v=1)"] = {"works": False, "error": f"{type(exc).__name__}: {message}"}
+        model.zero_grad(set_to_none=True)
+    secs, _, d = timed(lambda: hessian_spectral_density(model, loss_fn, (w.X, w.y), n_probes=1, n_steps=20,
+                                                        progress=False))  # fmt: skip
+    nodes = torch.cat(d.nodes)
+    density["ours hessian_spectral_density(n_probes=1, n_steps=20)"] = {
+        "works": True, "seconds": secs, "n_hvp": d.n_matvec, "min_node": float(nodes.min()),
+        "max_node": float(nodes.max()),
+    }  # fmt: skip
+    out["spectral_density"] = density
+
     # unequal batches: 120 + 80 samples; the exact Hessian of the 200-sample mean loss vs each tool's
     X, y = w.X[:200], w.y[:200]
     batches = [(X[:120], y[:120]), (X[120:], y[120:])]
@@ -910,6 +930,16 @@ def print_pitfalls(res: dict[str, Any]) -> None:
             f"  hessian-eigenthings lanczos(k=1) defaults to max_iter=min(2k, n-1): {he['iterations']} Lanczos steps, "
             f"converged flag {he['converged_flag']} (the residual test only flags, it does not extend the run)"
         )
+    for tool, r in res.get("spectral_density", {}).items():
+        if not r["works"]:
+            print(f"  {tool}: fails on torch {torch.__version__}: {r['error'][:150]}")
+        elif "seconds" in r:
+            print(
+                f"  {tool}: {r['n_hvp']} HVPs, {fmt_s(r['seconds'])}, nodes in [{r['min_node']:.4g}, "
+                f"{r['max_node']:.6g}]"
+            )
+        else:
+            print(f"  {tool}: works")
     split = res["unequal_batches_120_80"]
     print(
         f"  unequal batches (120 + 80 samples of the 200-sample mean loss, exact lambda_max "

@@ -17,11 +17,12 @@ from torch import nn
 
 from manifolds import UnsupportedModelError
 from sharpness._data import DataError
+from sharpness._density import hessian_spectral_density
 from sharpness._epsilon import BALL_GEOMETRIES, epsilon_sharpness
 from sharpness._invariant import METRICS
 from sharpness._measure import measure_sharpness
 from sharpness._objective import Objective
-from sharpness._results import jsonable, write_text_atomic
+from sharpness._results import jsonable, write_atomic, write_text_atomic
 from sharpness._solve import SOLVERS
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness._verify import verify_invariance
@@ -206,6 +207,50 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+def _density(args: argparse.Namespace) -> int:
+    if args.probes < 1:
+        raise SpecError(f"--probes must be at least 1, got {args.probes}")
+    if args.steps < 1:
+        raise SpecError(f"--steps must be at least 1, got {args.steps}")
+    if args.sigma is not None and not args.sigma > 0:
+        raise SpecError(f"--sigma must be positive, got {args.sigma}")
+    if args.plot is not None and os.path.splitext(args.plot)[1].lower() not in PLOT_FORMATS:
+        raise SpecError(f"--plot must end in {', '.join(PLOT_FORMATS)}, got {args.plot}")
+    check_writable(args.json)
+    check_writable(args.plot)
+    model, loss_fn, data = load_problem(args)
+    result = hessian_spectral_density(
+        model, loss_fn, data, n_probes=args.probes, n_steps=args.steps, seed=args.seed,
+        progress=False if args.quiet else None,
+    )  # fmt: skip
+    mean, stderr = result.moment(1)
+    nodes = torch.cat(result.nodes)
+    print(
+        f"loss {result.info['loss']:.6g}   parameters {result.info['n_params']}   data {args.data}\n"
+        f"{result.n_probes} probes x {args.steps} Lanczos steps, {result.n_matvec} HVPs, {result.seconds:.2f} s\n"
+        f"eigenvalue range seen [{float(nodes.min()):.6g}, {float(nodes.max()):.6g}]   "
+        f"mean eigenvalue {mean:.6g} +- {stderr:.2g} (trace / n)"
+    )
+    if args.json:
+        report = {**result.to_dict(), "model": args.model, "checkpoint": args.checkpoint, "data": args.data,
+                  "dtype": args.dtype, "versions": _versions()}  # fmt: skip
+        write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
+    if args.plot:
+        import io
+
+        import matplotlib.pyplot as plt
+
+        ax = result.plot(sigma=args.sigma)
+        buffer = io.BytesIO()
+        ax.figure.savefig(buffer, format=os.path.splitext(args.plot)[1][1:].lower(), dpi=150)
+        plt.close(ax.figure)
+        write_atomic(args.plot, buffer.getvalue())
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from sharpness._demo import run_demo
 
@@ -277,6 +322,22 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", help="write the report to this JSON file")
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
 
+    density = sub.add_parser(
+        "density",
+        help="Hessian eigenvalue density of a checkpoint (stochastic Lanczos quadrature)",
+        description="Eigenvalue density of the Hessian of the loss over the whole data set by stochastic Lanczos "
+        "quadrature (Rademacher probes, fully reorthogonalized Lanczos): prints the range and mean, writes the "
+        "quadratures as JSON and the smoothed density as a figure.",
+    )
+    add_model_arguments(density)
+    density.add_argument("--probes", type=int, default=10, help="random probes (default: 10)")
+    density.add_argument("--steps", type=int, default=64, help="Lanczos steps per probe (default: 64)")
+    density.add_argument("--seed", type=int, default=0, help="seed of the probes (default: 0)")
+    density.add_argument("--sigma", type=float, help="Gaussian width of the plotted density (default: 1%% of range)")
+    density.add_argument("--json", help="write the quadratures and moments to this JSON file")
+    density.add_argument("--plot", help="write the density figure here (.png, .pdf or .svg)")
+    density.add_argument("--quiet", action="store_true", help="no progress bars")
+
     demo = sub.add_parser(
         "demo",
         help="the built-in demo: small- vs full-batch minima on digits",
@@ -297,7 +358,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compute": _compute, "verify": _verify, "demo": _demo}[args.command](args)
+        return {"compute": _compute, "verify": _verify, "density": _density, "demo": _demo}[args.command](args)
     except USER_ERRORS as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: {message}", file=sys.stderr)

@@ -123,13 +123,13 @@ class SpectralDensity:
         sigma = self.default_sigma() if sigma is None else sigma
         grid = self.grid(points, sigma)
         values = self.density(grid, sigma)
-        if log:  # the smoothed density underflows far from every node
-            values = values.clamp_min(1e-12)
+        if log:  # the smoothed density underflows far from every node: show ten decades below the peak
+            values = values.clamp_min(1e-10 * float(values.max()))
             ax.set_yscale("log")
         ax.plot(grid.numpy(), values.numpy(), **line_kwargs)
         ax.set_xlabel("eigenvalue")
         ax.set_ylabel("density")
-        ax.set_title(f"spectral density (SLQ: {self.n_probes} probes x {self.n_steps} steps, sigma={sigma:.2g})")
+        ax.set_title(f"SLQ: {self.n_probes} probes x {self.n_steps} steps, sigma={sigma:.2g}", fontsize=9)
         return ax
 
 

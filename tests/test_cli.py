@@ -91,7 +91,7 @@ def files(tmp_path_factory):
 
 
 def test_help():
-    for args in (["--help"], ["compute", "--help"], ["verify", "--help"], ["demo", "--help"]):
+    for args in (["--help"], ["compute", "--help"], ["verify", "--help"], ["density", "--help"], ["demo", "--help"]):
         r = run_cli(*args)
         assert r.returncode == 0 and "usage" in r.stdout
 
@@ -278,3 +278,33 @@ def test_verify_bad_arguments(files):
     for extra, expected in ((["--trials", "0"], "--trials"), (["--scale", "-1"], "--scale")):
         r = run_cli(*base, *extra)
         assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr
+
+
+def test_density_writes_json_and_figure(files, tmp_path):
+    out, fig = tmp_path / "d.json", tmp_path / "d.png"
+    r = run_cli(
+        "density", "--model", MODEL, "--checkpoint", str(files / "model.pt"), "--data", DATA,
+        "--probes", "3", "--steps", "12", "--json", str(out), "--plot", str(fig), "--quiet",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["n_probes"] == 3 and report["n_steps"] == 12 and report["n_hvp"] == 36
+    assert len(report["nodes"]) == 3 and all(len(n) == 12 for n in report["nodes"])
+    assert all(abs(sum(w) - 1.0) < 1e-6 for w in report["weights"])
+    assert report["hvp_strategy"] == "rop" and report["model"] == MODEL and "torch" in report["versions"]
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mean eigenvalue" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--steps", "0"], "--steps must be at least 1"), (["--probes", "0"], "--probes must be at least 1"),
+     (["--sigma", "-1"], "--sigma must be positive"), (["--plot", "d.jpg"], "--plot must end in")],
+)  # fmt: skip
+def test_density_bad_input_is_one_sentence_and_no_file(files, tmp_path, extra, message):
+    out = tmp_path / "d.json"
+    r = run_cli("density", "--model", MODEL, "--checkpoint", str(files / "model.pt"), "--data", DATA,
+                "--json", str(out), *extra, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists() and not (tmp_path / "d.jpg").exists()
+
