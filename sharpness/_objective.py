@@ -426,6 +426,8 @@ class Objective:
         this machine (measured once).
         """
         strategy = self.hvp_strategy(strategy)
+        if out is not None:
+            _check_out(out, v)
         if strategy == "graph":
             products = self._hvp_graph(list(self.layout.unflatten(v).values()), batched=False)
             flat = self.layout.flatten(dict(zip(self.params, products)))
@@ -472,6 +474,24 @@ class Objective:
                 g, list(p.values()), grad_outputs=list(tangents.values()), allow_unused=True, is_grads_batched=True
             )
         return {k: torch.zeros_like(tangents[k]) if h is None else h for k, h in zip(self.params, hv)}
+
+
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    """First and one-past-last byte a tensor's elements occupy."""
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _check_out(out: Tensor, v: Tensor) -> None:
+    """``out`` must match ``v`` and must not overlap it: the product is added to ``out`` while ``v`` is read."""
+    if out.shape != v.shape or out.dtype != v.dtype or out.device != v.device:
+        raise ValueError(
+            f"out must have v's shape, dtype and device ({tuple(v.shape)}, {v.dtype}, {v.device}), "
+            f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
+    (a0, a1), (b0, b1) = _byte_range(out), _byte_range(v)
+    if a0 < b1 and b0 < a1:
+        raise ValueError("out must not share memory with v")
 
 
 def _add_into(views: list[Tensor], parts: Iterable[Tensor]) -> None:

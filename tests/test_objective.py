@@ -52,6 +52,13 @@ def test_hvp_matches_dense_hessian(case):
         torch.testing.assert_close(streamed.hvp_batch(V, "rop"), V @ H, rtol=0, atol=tol)
         out = start.clone()
         torch.testing.assert_close(streamed.hvp(v, "rop", out=out), start + H @ v, rtol=0, atol=tol)
+    # rows of one block may be v and out; v itself, or a mismatched out, may not
+    block = torch.stack([v, start])
+    torch.testing.assert_close(obj.hvp(block[0], out=block[1]), start + H @ v, rtol=0, atol=tol)
+    with pytest.raises(ValueError, match="must not share memory"):
+        obj.hvp(v, out=v)
+    with pytest.raises(ValueError, match="shape, dtype and device"):
+        obj.hvp(v, out=start[:-1])
         assert streamed._rop_states is None and obj._rop_states is not None
 
 
