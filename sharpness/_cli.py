@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -215,10 +216,12 @@ def _density(args: argparse.Namespace) -> int:
         raise SpecError(f"--probes must be at least 1, got {args.probes}")
     if args.steps < 1:
         raise SpecError(f"--steps must be at least 1, got {args.steps}")
-    if args.sigma is not None and not args.sigma > 0:
+    if args.sigma is not None and not (math.isfinite(args.sigma) and args.sigma > 0):
         raise SpecError(f"--sigma must be positive, got {args.sigma}")
     if args.plot is not None and os.path.splitext(args.plot)[1].lower() not in PLOT_FORMATS:
         raise SpecError(f"--plot must end in {', '.join(PLOT_FORMATS)}, got {args.plot}")
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        raise SpecError("--json and --plot name the same file")
     check_writable(args.json)
     check_writable(args.plot)
     model, loss_fn, data = load_problem(args)
@@ -228,17 +231,15 @@ def _density(args: argparse.Namespace) -> int:
     )  # fmt: skip
     mean, stderr = result.moment(1)
     nodes = torch.cat(result.nodes)
+    steps = max(t.numel() for t in result.nodes)
     print(
         f"loss {result.info['loss']:.6g}   parameters {result.info['n_params']}   data {args.data}\n"
-        f"{result.n_probes} probes x {args.steps} Lanczos steps, {result.n_matvec} HVPs, {result.seconds:.2f} s\n"
-        f"eigenvalue range seen [{float(nodes.min()):.6g}, {float(nodes.max()):.6g}]   "
-        f"mean eigenvalue {mean:.6g} +- {stderr:.2g} (trace / n)"
+        f"{result.n_probes} probes x up to {steps} Lanczos steps, {result.n_matvec} HVPs, {result.seconds:.2f} s\n"
+        f"eigenvalue range seen [{float(nodes.min()):.6g}, {float(nodes.max()):.6g}]   mean eigenvalue {mean:.6g}"
+        + ("" if stderr is None else f" +- {stderr:.2g}") + " (trace / n)"
     )
-    if args.json:
-        report = {**result.to_dict(), "model": args.model, "checkpoint": args.checkpoint, "data": args.data,
-                  "dtype": args.dtype, "versions": _versions()}  # fmt: skip
-        write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
-    if args.plot:
+    figure = None
+    if args.plot:  # rendered before anything is written: a failure leaves no file behind
         import io
 
         import matplotlib.pyplot as plt
@@ -247,7 +248,13 @@ def _density(args: argparse.Namespace) -> int:
         buffer = io.BytesIO()
         ax.figure.savefig(buffer, format=os.path.splitext(args.plot)[1][1:].lower(), dpi=150)
         plt.close(ax.figure)
-        write_atomic(args.plot, buffer.getvalue())
+        figure = buffer.getvalue()
+    if args.json:
+        report = {**result.to_dict(), "model": args.model, "checkpoint": args.checkpoint, "data": args.data,
+                  "dtype": args.dtype, "versions": _versions()}  # fmt: skip
+        write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
+    if figure is not None:
+        write_atomic(args.plot, figure)
     return 0
 
 

@@ -55,14 +55,14 @@ class SpectralDensity:
     def n_probes(self) -> int:
         return len(self.nodes)
 
-    def moment(self, p: int) -> tuple[float, float]:
-        """Estimate of ``tr(A^p) / n`` and its standard error over the probes.
+    def moment(self, p: int) -> tuple[float, float | None]:
+        """Estimate of ``tr(A^p) / n`` and its standard error over the probes (``None`` for one probe).
 
         With ``p <= 2 n_steps - 1`` each probe's value is exactly ``v^T A^p v`` for its unit probe
         ``v``; ``p = 1`` is the Hutchinson estimate of the mean eigenvalue.
         """
         per_probe = np.array([float((w * t**p).sum()) for t, w in zip(self.nodes, self.weights)])
-        stderr = float(per_probe.std(ddof=1) / math.sqrt(len(per_probe))) if len(per_probe) > 1 else math.nan
+        stderr = float(per_probe.std(ddof=1) / math.sqrt(len(per_probe))) if len(per_probe) > 1 else None
         return float(per_probe.mean()), stderr
 
     def default_sigma(self) -> float:
@@ -173,11 +173,13 @@ def spectral_density(
         ValueError: bad counts, a probe of the wrong size, or one with no component in the subspace.
     """
     started = time.perf_counter()
-    if probes is None and (isinstance(n_probes, bool) or not isinstance(n_probes, int) or n_probes < 1):
+    if probes is None and (isinstance(n_probes, bool) or not isinstance(n_probes, (int, np.integer)) or n_probes < 1):
         raise ValueError(f"n_probes must be a positive integer, got {n_probes!r}")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
         raise ValueError(f"n_steps must be a positive integer, got {n_steps!r}")
-    steps = min(n_steps, op.size)
+    if probes is not None and (probes.dim() != 2 or probes.shape[0] < 1 or probes.shape[1] != op.size):
+        raise ValueError(f"probes must have shape (p >= 1, {op.size}), got {tuple(probes.shape)}")
+    steps = min(int(n_steps), op.size)
     count = n_probes if probes is None else probes.shape[0]
     matvecs_before = op.n_matvec
     nodes: list[Tensor] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -73,7 +74,8 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
     else:
         row.zero_()
     w = op.project(op.matvec_add(q, row))
-    w_norm = float(torch.linalg.vector_norm(w))
+    # ||A q||, the scale of the breakdown test: w = A q - beta q_{m-1} with q_{m-1} orthogonal to it.
+    w_norm = math.hypot(float(torch.linalg.vector_norm(w)), beta_prev if m > 1 else 0.0)
     # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
     # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
     # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sharpness._lanczos import RESIDUALS, _top_ritz
+from sharpness._lanczos import _top_ritz
 from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult
@@ -21,8 +21,10 @@ from sharpness._solver_vectors import (
     _orthogonalize,
     _residual_scale,
     _start_vector,
-    _true_residuals,
 )
+
+# Restarts of a pair's first pass from its own Ritz vector when that vector's true residual misses tol.
+_MAX_RESTARTS = 3
 
 
 class _Recurrence:
@@ -62,13 +64,23 @@ class _Recurrence:
 
 
 def _first_pass(
-    rec: _Recurrence, q0: Tensor, tol: float, max_iter: int, history: list[dict], found_values: list[float], bar
-) -> tuple[list[float], list[float], float, np.ndarray, float, bool]:
+    rec: _Recurrence,
+    q0: Tensor,
+    tol: float,
+    max_iter: int,
+    norm_floor: float,
+    history: list[dict],
+    found_values: list[float],
+    bar,
+) -> tuple[list[float], list[float], float, np.ndarray, bool, float]:
     """Lanczos coefficients until the top Ritz pair of ``B`` meets ``tol``; the vectors are dropped.
 
+    ``norm_floor``: a known lower bound on ``||A||`` (from earlier pairs), so that the residual scale
+    ``eps ||A||`` does not collapse once deflation has removed every nonzero eigenvalue.
+
     Returns:
-        ``alphas`` ``(m,)``, ``betas`` ``(m-1,)``, the top Ritz value, its ``T``-eigenvector ``(m,)``, its
-        relative residual estimate and whether it met ``tol`` (or the Krylov space became invariant).
+        ``alphas`` ``(m,)``, ``betas`` ``(m-1,)``, the top Ritz value, its ``T``-eigenvector ``(m,)``,
+        whether its estimate met ``tol`` (or the Krylov space became invariant), and ``||T||``.
     """
     op = rec.op
     q, previous, beta = q0.clone(), None, 0.0
@@ -79,17 +91,28 @@ def _first_pass(
         alphas.append(alpha)
         beta = float(torch.linalg.vector_norm(w))
         theta, s, anorm = _top_ritz(alphas, betas, 1)
-        invariant = beta <= _breakdown_threshold(op.dtype, 2) * max(anorm, abs(alpha))
+        scale_norm = max(anorm, norm_floor)
+        # Breakdown is judged on this Krylov space's own scale: a large eigenvalue deflated earlier must not
+        # make a residual of the current pair look like rounding; unless the whole space is rounding next
+        # to ||A|| (deflation removed every nonzero eigenvalue).
+        threshold = _breakdown_threshold(op.dtype, 2)
+        invariant = beta <= threshold * max(anorm, abs(alpha)) or max(beta, anorm) <= threshold * norm_floor
         estimate = 0.0 if invariant else beta * abs(float(s[-1, 0]))
-        relative = estimate / float(_residual_scale(theta, anorm, op.dtype)[0])
+        relative = estimate / float(_residual_scale(theta, scale_norm, op.dtype)[0])
         history.append({"iteration": len(history) + 1, "eigenvalues": [*found_values, float(theta[0])],
                         "residual": relative})  # fmt: skip
         bar.update(1)
         bar.set_postfix(residual=f"{relative:.1e}", refresh=False)
         if invariant or relative <= tol or len(alphas) == max_iter:
-            return alphas, betas, float(theta[0]), s[:, 0], relative, invariant or relative <= tol
+            return alphas, betas, float(theta[0]), s[:, 0], invariant or relative <= tol, anorm
         betas.append(beta)
         previous, q = q, w.mul_(1.0 / beta)
+
+
+def _true_residual(op: SymmetricOperator, y: Tensor, theta: float, norm: float) -> float:
+    """``||P (A y - theta y)|| / max(|theta|, eps norm)`` for a unit ``y``, with one product (two vectors)."""
+    r = op.project(op.matvec_add(y, y * -theta))
+    return float(torch.linalg.vector_norm(r)) / float(_residual_scale(np.array([theta]), norm, op.dtype)[0])
 
 
 def _ritz_vector(rec: _Recurrence, q0: Tensor, alphas: list[float], betas: list[float], s: np.ndarray) -> Tensor:
@@ -113,7 +136,6 @@ def low_memory_lanczos(
     v0: Tensor | None = None,
     generator: torch.Generator | None = None,
     progress: bool | None = None,
-    residuals: str = "estimate",
 ) -> EigenResult:
     """The ``k`` largest algebraic eigenpairs of a symmetric operator by Lanczos without a stored basis.
 
@@ -132,74 +154,85 @@ def low_memory_lanczos(
        Without full reorthogonalization they lose orthogonality once ``theta`` converges and ``T`` then
        gains copies of it ("ghosts", Paige 1976), which leave the top Ritz value itself unchanged;
     2. the same recurrence is replayed from the same start vector with the stored coefficients, to
-       sum the Ritz vector ``sum_j s_j q_j`` (``m - 1`` products).
+       sum the Ritz vector ``sum_j s_j q_j`` (``m - 1`` products);
+    3. one more product gives the true residual ``||A y - theta y||`` of that vector. When a large
+       eigenvalue of the other sign has converged first, the replay can miss the Ritz vector; the
+       pair is then restarted from ``y`` (at most 3 times) until the true residual meets ``tol``
+       (or ``10 eps ||A|| / |theta|``, the rounding floor of the products).
 
     Args:
         op: the symmetric operator, size ``n``.
         k: number of eigenpairs.
-        tol: relative tolerance of the Ritz residual estimate of each pair.
+        tol: relative tolerance of the residual of each pair.
         max_iter: first-pass iteration limit of each pair, at least 1; default 300.
         v0: ``(n,)`` start vector of the first pair (projected); random otherwise.
         generator: random source for start vectors.
         progress: show a progress bar (``None``: only on a terminal).
-        residuals: ``"estimate"`` reports the Ritz residual estimates; ``"true"`` spends one more
-            ``op.matmat`` of the ``k`` vectors (counted in ``n_matvec``) on ``||A v - theta v||``.
 
     Returns:
         ``EigenResult`` with ``eigenvalues`` ``(k,)`` float64 descending (top Ritz values), unit
-        ``eigenvectors`` ``(k, n)`` in the operator's dtype, relative ``residuals``, one history record
-        per first-pass iteration, ``converged`` when every pair met ``tol``, and in ``info`` the
-        first-pass Krylov dimension of each pair and which residuals were reported.
+        ``eigenvectors`` ``(k, n)`` in the operator's dtype, their true relative ``residuals``, one
+        history record per first-pass iteration, ``converged`` when every pair met ``tol``, and in
+        ``info`` the first-pass Krylov dimension and the number of restarts of each pair.
 
     Raises:
-        ValueError: bad ``k``/``max_iter``/``residuals``, a ``v0`` with no component in the subspace,
+        ValueError: bad ``k``/``max_iter``, a ``v0`` with no component in the subspace,
             or ``k`` larger than the dimension of the subspace the operator lives on.
     """
     started = time.perf_counter()
     _check_k(k, op.size)
-    if residuals not in RESIDUALS:
-        raise ValueError(f"residuals must be one of {', '.join(RESIDUALS)}, got {residuals!r}")
     max_iter = 300 if max_iter is None else int(max_iter)
     if max_iter < 1:
         raise ValueError(f"max_iter must be at least 1, got {max_iter}")
     matvecs_before = op.n_matvec
     found = KrylovBasis(op.size, op.dtype, op.device, block_rows=1)  # one exact-size row per pair
     values: list[float] = []
-    estimates: list[float] = []
+    true_residuals: list[float] = []
     dimensions: list[int] = []
+    restarts: list[int] = []
     history: list[dict] = []
     converged = True
+    norm_floor = 0.0  # largest ||T|| so far: a lower bound on ||A||
+    eps = torch.finfo(op.dtype).eps
 
     with progress_bar(None, "low-memory lanczos", progress) as bar:
         for i in range(k):
             bar.set_description(f"low-memory lanczos {i + 1}/{k}")
             rec = _Recurrence(op, found)
-            q0 = _start_vector(op, found, v0 if i == 0 else None, generator)
-            alphas, betas, theta, s, estimate, ok = _first_pass(rec, q0, tol, max_iter, history, values, bar)
-            y = _ritz_vector(rec, q0, alphas, betas, s)
-            del q0
-            # Exactly orthogonal to the pairs found so far before it deflates the next runs.
-            y, _ = _orthogonalize(op.project(y), found, overwrite=True)
-            found.append(y, 1.0 / float(torch.linalg.vector_norm(y)))
+            start = _start_vector(op, found, v0 if i == 0 else None, generator)
+            for attempt in range(_MAX_RESTARTS + 1):
+                alphas, betas, theta, s, ok, anorm = _first_pass(
+                    rec, start, tol, max_iter, norm_floor, history, values, bar
+                )
+                norm_floor = max(norm_floor, anorm, abs(theta))
+                y = _ritz_vector(rec, start, alphas, betas, s)
+                start = None  # its storage was consumed by the replay
+                # Exactly orthogonal to the pairs found so far before it deflates the next runs.
+                y, _ = _orthogonalize(op.project(y), found, overwrite=True)
+                y.div_(torch.linalg.vector_norm(y))
+                residual = _true_residual(op, y, theta, norm_floor)
+                # Once a large eigenvalue of the other sign has converged the vectors are no longer
+                # orthogonal and the replayed sum can miss the Ritz vector: a restart from it repairs that.
+                accepted = residual <= max(tol, 10 * eps * norm_floor / max(abs(theta), eps * norm_floor))
+                if accepted or not ok or attempt == _MAX_RESTARTS:
+                    break
+                start = y
+            found.append(y)
             del y
             values.append(theta)
-            estimates.append(estimate)
+            true_residuals.append(residual)
             dimensions.append(len(alphas))
-            converged = converged and ok
+            restarts.append(attempt)
+            converged = converged and ok and accepted
 
     order = np.argsort(values)[::-1].copy()
     vectors = torch.stack([found[j] for j in order])
     del found
     vectors = _canonical_signs(vectors)
-    eigenvalues = torch.tensor(values, dtype=torch.float64)[order]
-    if residuals == "true":
-        eigenvalues, relative = _true_residuals(op, vectors, eigenvalues)
-    else:
-        relative = torch.tensor(estimates, dtype=torch.float64)[order]
     return EigenResult(
-        eigenvalues=eigenvalues,
+        eigenvalues=torch.tensor(values, dtype=torch.float64)[order],
         eigenvectors=vectors,
-        residuals=relative,
+        residuals=torch.tensor(true_residuals, dtype=torch.float64)[order],
         n_matvec=op.n_matvec - matvecs_before,
         iterations=len(history),
         converged=converged,
@@ -207,5 +240,6 @@ def low_memory_lanczos(
         method="low-memory-lanczos",
         tol=tol,
         seconds=time.perf_counter() - started,
-        info={"krylov_dimensions": [dimensions[j] for j in order], "residuals": residuals},
+        info={"krylov_dimensions": [dimensions[j] for j in order], "restarts": [restarts[j] for j in order],
+              "residuals": "true"},  # fmt: skip
     )

@@ -99,19 +99,26 @@ class KrylovBasis:
     def __init__(self, n: int, dtype: torch.dtype, device: torch.device, block_rows: int = 8):
         self.n, self.dtype, self.device, self.block_rows = n, dtype, device, block_rows
         self._blocks: list[Tensor] = []
+        self._spare: Tensor | None = None
         self.size = 0
 
     def append(self, v: Tensor, scale: float = 1.0) -> None:
         """Store ``scale * v`` as the next row (scaled on the way in: no temporary vector)."""
-        torch.mul(v, scale, out=self.next_row())  # in place when v is that row
+        if self.size == len(self._blocks) * self.block_rows:
+            self._spare = None  # v may be it: it stays alive until copied into the new block
+            self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
+        torch.mul(v, scale, out=self._blocks[-1][self.size % self.block_rows])  # in place when v is that row
         self.size += 1
 
     def next_row(self) -> Tensor:
-        """Storage of the row :meth:`append` fills next (allocated if needed), for a vector to be built in
-        place; appending that same tensor then only scales it."""
-        if self.size == len(self._blocks) * self.block_rows:
-            self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
-        return self._blocks[-1][self.size % self.block_rows]
+        """Storage for the vector :meth:`append` stores next, to be built in place: the next row of the last
+        block, or a single spare vector when every block is full (a new block is only allocated when
+        that vector is appended, so a last, discarded vector never costs a whole block)."""
+        if self.size < len(self._blocks) * self.block_rows:
+            return self._blocks[-1][self.size % self.block_rows]
+        if self._spare is None:
+            self._spare = torch.empty(self.n, dtype=self.dtype, device=self.device)
+        return self._spare
 
     def __getitem__(self, i: int) -> Tensor:
         return self._blocks[i // self.block_rows][i % self.block_rows]

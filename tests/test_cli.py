@@ -299,7 +299,8 @@ def test_density_writes_json_and_figure(files, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [(["--steps", "0"], "--steps must be at least 1"), (["--probes", "0"], "--probes must be at least 1"),
-     (["--sigma", "-1"], "--sigma must be positive"), (["--plot", "d.jpg"], "--plot must end in")],
+     (["--sigma", "-1"], "--sigma must be positive"), (["--sigma", "inf"], "--sigma must be positive"),
+     (["--plot", "d.jpg"], "--plot must end in"), (["--plot", "d.json.png", "--json", "d.json.png"], "same file")],
 )  # fmt: skip
 def test_density_bad_input_is_one_sentence_and_no_file(files, tmp_path, extra, message):
     out = tmp_path / "d.json"

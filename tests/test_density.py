@@ -130,7 +130,8 @@ def test_hessian_density_matches_the_dense_hessian_quadratic_forms(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"n_probes": 0}, "n_probes must be a positive integer"), ({"n_steps": 0}, "n_steps must be a positive integer"),
-     ({"probes": torch.ones(1, 3)}, "v0 has 3 entries")],
+     ({"probes": torch.ones(1, 3)}, r"probes must have shape \(p >= 1, 6\)"),
+     ({"probes": torch.ones(0, 6)}, r"probes must have shape")],
 )  # fmt: skip
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -144,3 +145,13 @@ def test_result_type_and_float32():
     assert isinstance(result, SpectralDensity)
     assert all(t.dtype == torch.float64 for t in result.nodes)
     assert float(torch.cat(result.nodes).max()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_one_probe_has_no_standard_error_and_its_json_says_null(tmp_path):
+    result = spectral_density(DenseOperator(torch.eye(5, dtype=torch.float64) * 2.0), n_probes=1, n_steps=3,
+                              generator=torch.Generator().manual_seed(0), progress=False)  # fmt: skip
+    assert result.moment(1) == (pytest.approx(2.0, rel=1e-14), None)
+    result.save_json(tmp_path / "d.json")
+    saved = json.loads((tmp_path / "d.json").read_text())
+    assert saved["mean_eigenvalue_stderr"] is None and saved["n_hvp"] == 1
+
