@@ -10,6 +10,7 @@ PyHessian implementation calls the removed ``torch.eig`` and fails on current to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from sharpness._euclidean import euclidean_info
 from sharpness._hessian import HessianOperator
 from sharpness._lanczos import lanczos_step
 from sharpness._objective import Objective
@@ -242,6 +244,4 @@ def hessian_spectral_density(
     op = HessianOperator(obj, hvp)
     generator = torch.Generator(device=op.device).manual_seed(seed)
     result = spectral_density(op, n_probes, n_steps, generator=generator, progress=progress)
-    info = {"metric": "euclidean", "loss": float(obj.value()), "n_params": obj.layout.size,
-            "n_samples": obj.n_samples, "hvp_strategy": op.strategy}  # fmt: skip
-    return SpectralDensity(result.nodes, result.weights, result.n_steps, result.n_matvec, result.seconds, info)
+    return dataclasses.replace(result, info=euclidean_info(obj, op))

@@ -64,12 +64,16 @@ def euclidean_sharpness(
     return result.replace(
         layout=obj.layout,
         seconds=time.perf_counter() - start,
-        info={
-            **result.info,
-            "metric": "euclidean",
-            "loss": float(obj.value()),
-            "n_params": obj.layout.size,
-            "n_samples": obj.n_samples,
-            "hvp_strategy": op.strategy,
-        },
+        info={**result.info, **euclidean_info(obj, op)},
     )
+
+
+def euclidean_info(obj: Objective, op: HessianOperator) -> dict:
+    """What every Euclidean-Hessian result records about its objective and products."""
+    return {
+        "metric": "euclidean",
+        "loss": float(obj.value()),
+        "n_params": obj.layout.size,
+        "n_samples": obj.n_samples,
+        "hvp_strategy": op.strategy,
+    }

@@ -227,7 +227,7 @@ def low_memory_lanczos(
 
     order = np.argsort(values)[::-1].copy()
     vectors = torch.stack([found[j] for j in order])
-    del found
+    del found, rec  # the recurrence holds the basis too
     vectors = _canonical_signs(vectors)
     return EigenResult(
         eigenvalues=torch.tensor(values, dtype=torch.float64)[order],
