@@ -20,7 +20,7 @@ from sharpness._solver_vectors import (
     _canonical_signs,
     _check_k,
     _fresh_direction,
-    _orthogonalize,
+    _gram_schmidt,
     _residual_scale,
     _true_residuals,
 )
@@ -74,17 +74,19 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
     else:
         row.zero_()
     w = op.project(op.matvec_add(q, row))
-    # ||A q||, the scale of the breakdown test: w = A q - beta q_{m-1} with q_{m-1} orthogonal to it.
-    w_norm = math.hypot(float(torch.linalg.vector_norm(w)), beta_prev if m > 1 else 0.0)
     # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
     # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
     # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
     alpha = float(torch.dot(q, w))
     w.sub_(q, alpha=alpha)
-    w, coeffs = _orthogonalize(w, basis, overwrite=True)
+    w, coeffs, norm, rest = _gram_schmidt(w, basis, overwrite=True)
+    # ||A q||, the scale of the breakdown test, without a pass over a vector: A q is
+    # beta_prev q_{m-1} + alpha q_m + (what Gram-Schmidt was given), three orthogonal parts.
+    w_norm = math.sqrt((beta_prev if m > 1 else 0.0) ** 2 + alpha**2 + rest**2)
     # Rounding of the projection must not let excluded directions into the basis.
-    w = op.project(w)
-    beta = float(torch.linalg.vector_norm(w))
+    projected = op.project(w)
+    beta = norm if projected is w else float(torch.linalg.vector_norm(projected))
+    w = projected
     if beta <= _breakdown_threshold(op.dtype, m) * w_norm:
         beta = 0.0
     return w, alpha + float(coeffs[m - 1]), beta
@@ -210,8 +212,9 @@ def lanczos(
             betas.append(beta)
             m += 1
 
-    vectors = basis.combine(torch.as_tensor(s.copy(), dtype=op.dtype, device=op.device))
-    vectors = _canonical_signs(vectors / torch.linalg.vector_norm(vectors, dim=1, keepdim=True))
+    vectors = _canonical_signs(
+        basis.combine(torch.as_tensor(s.copy(), dtype=op.dtype, device=op.device)), normalize=True
+    )
     values = torch.from_numpy(theta)
     if residuals == "true":
         values, relative = _true_residuals(op, vectors, values)

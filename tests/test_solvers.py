@@ -487,3 +487,52 @@ def test_low_memory_lanczos_converges_on_zero_eigenvalues():
     assert result.converged and result.n_matvec < 100
     np.testing.assert_allclose(result.eigenvalues.numpy(), [3.0, 2.0, 1.0, 0.0, 0.0], atol=1e-12)
 
+
+
+# ---- vector helpers the solvers share ----------------------------------------------------------
+@pytest.mark.parametrize("second_pass", [False, True])
+def test_gram_schmidt_norms_are_those_of_the_vectors(second_pass):
+    from sharpness._solver_vectors import KrylovBasis, _gram_schmidt
+
+    n = 50
+    block = orthogonal(n, 3)[:9].clone()
+    basis = KrylovBasis(n, torch.float64, torch.device("cpu"), block_rows=4)  # rows spread over 3 blocks
+    for row in block:
+        basis.append(row)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(n, generator=g)
+    if second_pass:  # almost all of v in the span: the first pass removes most of it, DGKS repeats it
+        v = block.T @ torch.randn(9, generator=g) + 1e-9 * v
+    for rows in (block, basis):
+        w, coeffs, norm, before = _gram_schmidt(v, rows)
+        assert before == pytest.approx(float(torch.linalg.vector_norm(v)), rel=1e-12)
+        assert norm == pytest.approx(float(torch.linalg.vector_norm(w)), rel=1e-12)
+        assert float((block @ w).abs().max()) <= 1e-14 * before
+        torch.testing.assert_close(coeffs, block @ v, rtol=0, atol=1e-14 * before)
+        assert w is not v  # overwrite=False works in a copy
+
+
+def test_canonical_signs_in_place_normalized_and_tie_rule():
+    from sharpness._solver_vectors import _canonical_signs
+
+    rows = torch.tensor([[1.0, -3.0, 2.0], [0.5, 4.0, -1.0], [2.0, -2.0, 0.0], [0.0, 0.0, 0.0]])
+    out = _canonical_signs(rows.clone())
+    torch.testing.assert_close(out[0], torch.tensor([-1.0, 3.0, -2.0]))  # largest magnitude -3 flipped
+    torch.testing.assert_close(out[1], torch.tensor([0.5, 4.0, -1.0]))
+    torch.testing.assert_close(out[2], torch.tensor([2.0, -2.0, 0.0]))  # tie: the largest stays positive
+    torch.testing.assert_close(out[3], torch.zeros(3))
+    unit = rows[:3].clone()
+    result = _canonical_signs(unit, normalize=True)
+    assert result.data_ptr() == unit.data_ptr()
+    torch.testing.assert_close(torch.linalg.vector_norm(result, dim=1), torch.ones(3, dtype=rows.dtype))
+    torch.testing.assert_close(result[0], torch.tensor([-1.0, 3.0, -2.0]) / math.sqrt(14.0))
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_user_start_vector_is_left_untouched(solver):
+    a = with_spectrum(well_separated(30))
+    v0 = torch.randn(30, generator=torch.Generator().manual_seed(5))
+    kept = v0.clone()
+    solve(solver, DenseOperator(a), 3, v0=v0)
+    solve(solver, DenseOperator(a, project=lambda v: v), 2, v0=v0)
+    assert torch.equal(v0, kept)
