@@ -305,16 +305,38 @@ def forward_state(
         else:
             h, s = op.forward(h)
             saved.append(s)
-    closed_form = _plain_cross_entropy(loss_fn, h, y)
+    if _plain_cross_entropy(loss_fn, h, y):
+        # Closed form: no autograd graph (its engine costs more than a small chunk's loss itself).
+        probs = torch.softmax(h, dim=1)
+        scale = weight / h.shape[0] if loss_fn.reduction == "mean" else weight
+        value = weight * loss_fn(h, y)
+        out_grad = _cross_entropy_gradient(probs, y, loss_fn.label_smoothing, scale)
+        return ChunkState(saved, _output_errors(chain, params, saved, out_grad), value, probs=probs, scale=scale)
     with torch.enable_grad():
         out = h.detach().requires_grad_(True)
         value = weight * loss_fn(out, y)
-        (out_grad,) = torch.autograd.grad(value, out, create_graph=not closed_form)
-    # The products need the errors of every affine layer but the first (whose input, the data, has no
-    # tangent): back-propagation stops at the second one.
+        (out_grad,) = torch.autograd.grad(value, out, create_graph=True)
+    errors = _output_errors(chain, params, saved, out_grad.detach())
+    return ChunkState(saved, errors, value.detach(), out=out, out_grad=out_grad)
+
+
+def _cross_entropy_gradient(probs: Tensor, y: Tensor, smoothing: float, scale: float) -> Tensor:
+    """``scale * (p - t)``: the gradient in the outputs of ``scale`` times the summed cross-entropy, with
+    softmax ``probs`` (n, C) and target distribution ``t = (1 - smoothing) onehot(y) + smoothing / C``."""
+    g = probs - smoothing / probs.shape[1]
+    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0 - smoothing
+    return g.mul_(scale)
+
+
+def _output_errors(chain: RopChain, params: Mapping[str, Tensor], saved: list, out_grad: Tensor) -> dict[int, Tensor]:
+    """The loss's errors ``dL/dz`` at the outputs of the affine layers, from ``dL/d out``.
+
+    The products need the errors of every affine layer but the first (whose input, the data, has no
+    tangent): back-propagation stops at the second one.
+    """
     affine = [i for i, op in enumerate(chain.ops) if isinstance(op, _Affine)]
     deltas: dict[int, Tensor] = {}
-    g = out_grad.detach()
+    g = out_grad
     for i in range(len(chain.ops) - 1, affine[1] - 1 if len(affine) > 1 else len(chain.ops), -1):
         op = chain.ops[i]
         if isinstance(op, _Affine):
@@ -324,10 +346,7 @@ def forward_state(
             g = op.input_adjoint(g, saved[i], params[op.weight])
         else:
             g = op.adjoint(g, saved[i])
-    if closed_form:
-        scale = weight / h.shape[0] if loss_fn.reduction == "mean" else weight
-        return ChunkState(saved, deltas, value.detach(), probs=torch.softmax(h, dim=1), scale=scale)
-    return ChunkState(saved, deltas, value.detach(), out=out, out_grad=out_grad)
+    return deltas
 
 
 def add_products(

@@ -77,10 +77,11 @@ def test_hvp_matches_dense_hessian(case):
     "loss_fn",
     [
         nn.CrossEntropyLoss(label_smoothing=0.1),
+        nn.CrossEntropyLoss(label_smoothing=0.2, reduction="sum"),
         nn.CrossEntropyLoss(ignore_index=1, reduction="sum"),
         nn.MSELoss(reduction="sum"),
     ],
-    ids=["ce-closed-form", "ce-ignored-targets", "mse"],
+    ids=["ce-closed-form", "ce-closed-form-sum", "ce-ignored-targets", "mse"],
 )
 def test_rop_hvp_of_other_mlp_chains_matches_dense_hessian(layers, loss_fn):
     """Every activation, layer and loss the R-operator products take, against the dense Hessian."""
@@ -97,6 +98,8 @@ def test_rop_hvp_of_other_mlp_chains_matches_dense_hessian(layers, loss_fn):
     H = torch.func.hessian(lambda w: loss_fn(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y))(flat)
     v = torch.randn(flat.shape, generator=g, dtype=torch.float64)
     torch.testing.assert_close(obj.hvp(v), H @ v, rtol=0, atol=1e-12 * max(1, H.abs().max()))
+    # The loss the products' forward state recorded (closed form for a plain cross-entropy) is the loss.
+    torch.testing.assert_close(obj.value(), loss_fn(model(X), y), rtol=1e-13, atol=0)
 
 
 @pytest.mark.parametrize(
