@@ -63,7 +63,7 @@ def _gram_schmidt(
         return v, v.new_zeros(0), norm, norm
     if not overwrite:
         v = v.clone()
-    coeffs = torch.cat([b @ v for b in blocks]) if len(blocks) > 1 else blocks[0] @ v
+    coeffs = _coefficients(blocks, v)
     _subtract_combination(v, blocks, coeffs)
     after = float(torch.linalg.vector_norm(v))
     before = math.hypot(float(torch.linalg.vector_norm(coeffs)), after)
@@ -71,7 +71,7 @@ def _gram_schmidt(
     # is only needed when the first one removed most of the vector (Daniel-Gragg-Kaufman-Stewart).
     if after > _DGKS_ETA * before:
         return v, coeffs, after, before
-    correction = torch.cat([b @ v for b in blocks])
+    correction = _coefficients(blocks, v)
     _subtract_combination(v, blocks, correction)
     return v, coeffs + correction, float(torch.linalg.vector_norm(v)), before
 
@@ -80,6 +80,11 @@ def _orthogonalize(v: Tensor, block: Tensor | KrylovBasis, overwrite: bool = Fal
     """:func:`_gram_schmidt` without the norms: ``(orthogonalized v, summed coefficients)``."""
     v, coeffs, _, _ = _gram_schmidt(v, block, overwrite)
     return v, coeffs
+
+
+def _coefficients(blocks: list[Tensor], v: Tensor) -> Tensor:
+    """``rows @ v`` over the rows of ``blocks``: ``(m,)``."""
+    return torch.cat([b @ v for b in blocks]) if len(blocks) > 1 else blocks[0] @ v
 
 
 def _subtract_combination(v: Tensor, blocks: list[Tensor], coeffs: Tensor) -> None:
@@ -145,6 +150,22 @@ class KrylovBasis:
         return _combine(self.blocks(), coeffs)
 
 
+def _unit_orthogonal(
+    op: SymmetricOperator, block: Tensor | KrylovBasis, v: Tensor, owned: bool
+) -> Tensor | None:
+    """``v`` (n,) projected, made orthogonal to the rows of ``block`` and scaled to unit norm; ``None``
+    when nothing of it is left beyond rounding (``block`` spans what ``v`` has in the subspace).
+    ``owned=False`` leaves ``v`` itself untouched."""
+    v, _, _, before = _gram_schmidt(op.project(v), block, overwrite=owned)
+    # Project again: rounding of the projection must not let excluded directions in.
+    v, _, norm, _ = _gram_schmidt(op.project(v), block, overwrite=True)
+    rows = block.size if isinstance(block, KrylovBasis) else block.shape[0]
+    if before == 0.0 or norm <= _breakdown_threshold(op.dtype, rows) * before:
+        return None
+    # Not owned and nothing to orthogonalize against: v may still be the caller's tensor.
+    return v.div_(norm) if owned else v / norm
+
+
 def _fresh_direction(
     op: SymmetricOperator, block: Tensor | KrylovBasis, generator: torch.Generator | None
 ) -> Tensor | None:
@@ -153,16 +174,7 @@ def _fresh_direction(
     Returns:
         ``(n,)`` unit vector, or ``None`` when ``block`` already spans the subspace.
     """
-    v = op.project(_random((op.size,), op, generator))
-    v, _, _, start = _gram_schmidt(v, block, overwrite=True)
-    if start == 0.0:
-        return None
-    # Project again: rounding of the projection must not let excluded directions in.
-    v, _, norm, _ = _gram_schmidt(op.project(v), block, overwrite=True)
-    rows = block.size if isinstance(block, KrylovBasis) else block.shape[0]
-    if norm <= _breakdown_threshold(op.dtype, rows) * start:
-        return None
-    return v.div_(norm)
+    return _unit_orthogonal(op, block, _random((op.size,), op, generator), owned=True)
 
 
 def _start_vector(
@@ -172,23 +184,19 @@ def _start_vector(
     generator: torch.Generator | None,
 ) -> Tensor:
     """Unit start vector ``(n,)`` in the operator's subspace, orthogonal to the rows of ``found``."""
-    rows = found.size if isinstance(found, KrylovBasis) else found.shape[0]
     if v0 is None:
-        v = op.project(_random((op.size,), op, generator))
+        v = _fresh_direction(op, found, generator)
     else:
-        v = op.project(_as_vector(v0, op))
-    # A user's v0 may be what v still is: it is only worked on in a copy.
-    v, _, _, before = _gram_schmidt(v, found, overwrite=v0 is None)
-    # Project again: rounding of the projection must not let excluded directions in.
-    v, _, norm, _ = _gram_schmidt(op.project(v), found, overwrite=True)
-    if before == 0.0 or norm <= _breakdown_threshold(op.dtype, rows) * before:
+        v = _unit_orthogonal(op, found, _as_vector(v0, op), owned=False)
+    if v is None:
         if v0 is not None:
             raise ValueError("v0 has no component in the operator's subspace; pass another v0 or none")
+        rows = found.size if isinstance(found, KrylovBasis) else found.shape[0]
         raise ValueError(
             f"more eigenpairs were asked than the dimension {rows} of the operator's subspace; "
             f"ask for at most {rows}"
         )
-    return v / norm
+    return v
 
 
 def _project_rows(op: SymmetricOperator, block: Tensor) -> Tensor:
