@@ -536,3 +536,22 @@ def test_user_start_vector_is_left_untouched(solver):
     solve(solver, DenseOperator(a), 3, v0=v0)
     solve(solver, DenseOperator(a, project=lambda v: v), 2, v0=v0)
     assert torch.equal(v0, kept)
+
+
+@pytest.mark.parametrize("m", [1, 2, 9, 64, 65, 90])  # 64/65: either side of the switch to the selective solver
+def test_top_ritz_pairs_are_those_of_the_dense_tridiagonal(m):
+    from sharpness._lanczos import _top_ritz
+
+    rng = np.random.default_rng(m)
+    d, e = rng.standard_normal(m), rng.uniform(0.1, 1.0, m - 1)
+    dense = np.diag(d) + np.diag(e, 1) + np.diag(e, -1)
+    values, vectors = np.linalg.eigh(dense)
+    for k in {1, min(3, m), m}:
+        theta, s, anorm = _top_ritz(list(d), list(e), k)
+        np.testing.assert_allclose(theta, values[::-1][:k], rtol=0, atol=1e-13)
+        assert np.all(np.diff(theta) <= 0)
+        np.testing.assert_allclose(dense @ s, s * theta, rtol=0, atol=1e-12)  # eigenvectors, in order
+        np.testing.assert_allclose(np.linalg.norm(s, axis=0), 1.0, rtol=1e-13)
+        gershgorin = np.max(np.abs(d) + np.abs(np.r_[0.0, e]) + np.abs(np.r_[e, 0.0]))
+        assert anorm == pytest.approx(gershgorin, rel=1e-15)
+        assert anorm >= np.abs(values).max()
