@@ -74,6 +74,10 @@ HVP_TARGET = 1.3
 STREAM_TARGET = 3.0
 SOLVE_TARGET = 0.5
 MEMORY_TARGET = 2.0
+# Solve contenders are re-run round-robin at least ``repeats`` times, more while a round of them fits this
+# many times in SOLVE_BUDGET_S (fast workloads: a steadier median), up to SOLVE_MAX_REPEATS.
+SOLVE_BUDGET_S = 10.0
+SOLVE_MAX_REPEATS = 21
 STREAM_CHUNK = 100
 LOW_MEMORY_CHUNK = 50  # chunk size of the low-memory eigen-solve configuration (section 3)
 
@@ -586,6 +590,10 @@ def section_solve(w, peers: dict[str, Any], repeats: int, quick: bool) -> dict[s
         for side in (True, False)
     }
     contenders = [(r, run) for r, run in winners if r["times"][0] <= 2.0 * first[r["tool"] == "ours"]]
+    if not quick:
+        round_s = sum(r["times"][0] for r, _ in contenders)
+        repeats = max(repeats, min(SOLVE_MAX_REPEATS, int(SOLVE_BUDGET_S / max(round_s, 1e-9))))
+        repeats -= 1 - repeats % 2  # odd: the median is one of the runs
     for _ in range(repeats - 1):
         for rec, run in contenders:
             secs, cpu, _ = timed(run)
@@ -633,7 +641,8 @@ def print_solve(res: dict[str, Any]) -> None:
     repeats = res["repeats"]
     print(
         "  (each setting runs once; the first one per family that reaches 1e-5 is re-run, round-robin with the "
-        f"other families',\n   and timed as the median of {repeats} (1 with --quick); 'skipped': a looser setting "
+        f"other families',\n   and timed as the median of {repeats} (at least 5, as many rounds as fit in "
+        f"{SOLVE_BUDGET_S:g} s, at most {SOLVE_MAX_REPEATS}; 1 with --quick); 'skipped': a looser setting "
         "of the same family already reached 1e-5,\n   tighter ones only add iterations. Wall time includes building "
         "the operator/graph.)"
     )
