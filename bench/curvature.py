@@ -29,7 +29,7 @@ Adam from a fixed seed). Sections:
 2. time to the top eigenvalue within 1e-5 relative error of a float64 reference (our Lanczos,
    tol=1e-10, cross-checked with scipy ``eigsh`` on our float64 operator); each tool's stopping
    settings are swept loose to tight and the fastest setting that reaches 1e-5 is timed
-   (median of 5; target: ours <= 0.5x the fastest peer);
+   (median of as many rounds as fit in 10 s, 5 to 21; target: ours <= 0.5x the fastest peer);
 3. peak memory of our eigen-solve vs one gradient, each in a fresh subprocess (target <= 2x), for
    the default ``lanczos`` and the low-memory configuration (``low-memory-lanczos``, nothing cached,
    chunks of 50);

@@ -29,7 +29,7 @@ from sharpness._solver_vectors import (
 RESIDUALS = ("estimate", "true")
 
 # Tridiagonal matrices up to this size are solved whole (LAPACK stev), larger ones with scipy's selective solver.
-_DENSE_RITZ = 64
+_WHOLE_RITZ = 64
 
 
 def _top_ritz(alphas: list[float], betas: list[float], k: int) -> tuple[np.ndarray, np.ndarray, float]:
@@ -44,7 +44,7 @@ def _top_ritz(alphas: list[float], betas: list[float], k: int) -> tuple[np.ndarr
     m = d.shape[0]
     if m == 1:
         values, vectors = d, np.ones((1, 1))
-    elif m <= _DENSE_RITZ:
+    elif m <= _WHOLE_RITZ:
         # LAPACK's tridiagonal solver called directly: a few microseconds, where building a dense T
         # or scipy's eigh_tridiagonal wrapper costs several times that on every Lanczos step.
         values, vectors, info = _stev(d, e, compute_v=1)

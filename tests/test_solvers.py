@@ -488,7 +488,6 @@ def test_low_memory_lanczos_converges_on_zero_eigenvalues():
     np.testing.assert_allclose(result.eigenvalues.numpy(), [3.0, 2.0, 1.0, 0.0, 0.0], atol=1e-12)
 
 
-
 # ---- vector helpers the solvers share ----------------------------------------------------------
 @pytest.mark.parametrize("second_pass", [False, True])
 def test_gram_schmidt_norms_are_those_of_the_vectors(second_pass):
