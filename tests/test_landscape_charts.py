@@ -234,7 +234,8 @@ def test_gspace_plane_points_are_the_inverse_map_of_normalized_coordinate_direct
     assert torch.equal(free.directions.vectors, old.vectors) and free.directions.info["roots"] == "free"
     coords = torch.tensor([[0.0, 0.0], [0.05, -0.02], [-0.03, 0.04]])
     for c, p in zip(coords, obj.layout.flatten(free.point_fn(coords))):
-        torch.testing.assert_close(p, obj.layout.flatten(gs.weights(v + c @ old.vectors, check=False)), rtol=0, atol=0)
+        torch.testing.assert_close(p, obj.layout.flatten(gs.weights(v + c @ old.vectors, check=False)), rtol=1e-15,
+                                   atol=1e-15)  # fmt: skip
     # the default draws the same Gaussians (block by block, as random_directions), zeroes the roots, scales the rest
     for i, vec in enumerate(d.vectors):
         g = torch.Generator().manual_seed(11 + i)

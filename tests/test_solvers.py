@@ -467,13 +467,14 @@ def test_low_memory_lanczos_repairs_its_vector_when_a_large_negative_eigenvalue_
     # -5000 converges before 3: the vectors lose orthogonality and the replayed Ritz vector has a component
     # along the -5000 direction (true residual 3.9e-7 in float64, 2.8e-3 in float32, against estimates of
     # 5e-11 and 5e-6). A restart from that vector repairs it, and the true residual is what is reported.
+    # Whether float32 rounding loses enough orthogonality to need the restart depends on the machine's BLAS.
     matrix = with_spectrum(np.concatenate([[3.0, 1.0], [-5000.0], np.linspace(-5.0, 0.0, 77)]), seed=1)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     result = low_memory_lanczos(DenseOperator(matrix.to(dtype)), tol=tol, generator=torch.Generator().manual_seed(0),
                                 progress=False)  # fmt: skip
     vector = result.eigenvectors[0].double()
     true = float(torch.linalg.vector_norm(matrix @ vector - result.value * vector)) / 3.0
-    assert result.converged and result.info["restarts"] == [1]
+    assert result.converged and result.info["restarts"] in ([[1]] if dtype == torch.float64 else [[0], [1]])
     assert true < (1e-10 if dtype == torch.float64 else 1e-4)
     assert float(result.residuals[0]) == pytest.approx(true, rel=1e-3 if dtype == torch.float64 else 0.1)
     assert result.value == pytest.approx(3.0, rel=1e-12 if dtype == torch.float64 else 1e-5)
