@@ -8,10 +8,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from sharpness._data_span import DataSpanHessian, data_span_hessian
 from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._results import EigenResult
 from sharpness._solve import SolveSettings
+
+# Eigenvectors found in data-span coordinates are mapped back through H v, so their eigenvalues must stand
+# this many rounding units (of the largest one) above zero.
+_NONZERO_ULPS = 100.0
 
 
 def euclidean_sharpness(
@@ -30,6 +35,7 @@ def euclidean_sharpness(
     seed: int = 0,
     progress: bool | None = None,
     objective: Objective | None = None,
+    data_span: bool | None = None,
 ) -> EigenResult:
     """Largest ``k`` eigenvalues of the Euclidean Hessian of the loss over the whole data set.
 
@@ -51,29 +57,61 @@ def euclidean_sharpness(
         seed: seed of the random start vector.
         progress: show a progress bar (``None``: only on a terminal).
         objective: reuse an existing objective instead of building one.
+        data_span: solve with the first ``Linear`` layer's weight in coordinates of the span of its inputs
+            (exact, and cheaper when there are fewer samples than input features: see
+            :mod:`sharpness._data_span`); ``None`` where that applies, ``True`` requires it, ``False`` never.
 
     Returns:
         :class:`EigenResult` with ``.value`` the largest eigenvalue (units of the loss per squared
         parameter unit), eigenvectors mappable to parameters with ``.parameter_vectors()``, and
-        ``info`` holding ``loss``, ``n_params``, ``n_samples``, ``hvp_strategy`` and ``metric``.
+        ``info`` holding ``loss``, ``n_params``, ``n_samples``, ``hvp_strategy``, ``metric`` and ``data_span``.
     """
     obj = objective or Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
     start = time.perf_counter()
-    op = HessianOperator(obj, hvp)
-    result = SolveSettings(k, method, tol, max_iter, hvp, seed, progress).solve(op)
-    return result.replace(
-        layout=obj.layout,
-        seconds=time.perf_counter() - start,
-        info={**result.info, **euclidean_info(obj, op)},
-    )
+    result = solve_euclidean(obj, SolveSettings(k, method, tol, max_iter, hvp, seed, progress), data_span)
+    return result.replace(layout=obj.layout, seconds=time.perf_counter() - start)
 
 
-def euclidean_info(obj: Objective, op: HessianOperator) -> dict:
-    """What every Euclidean-Hessian result records about its objective and products."""
+def solve_euclidean(objective: Objective, settings: SolveSettings, data_span: bool | None = None) -> EigenResult:
+    """Top eigenpairs of the Hessian of ``objective`` under ``settings``, with the first layer in data-span
+    coordinates where they apply (``data_span=None``; ``True`` requires them, ``False`` never uses them; see
+    :mod:`sharpness._data_span`), its ``info`` completed by :func:`euclidean_info`.
+
+    In data-span coordinates the Hessian's exact null space outside the span is left out, so when one of the
+    ``k`` eigenvalues found there is not positive (zeros from outside the span may rank above it) the pairs
+    are solved again in full coordinates; ``n_matvec`` counts both solves and the products that map the
+    eigenvectors back.
+    """
+    op = HessianOperator(objective, settings.hvp)
+    span = None if data_span is False else data_span_hessian(op)
+    if span is None and data_span:
+        raise ValueError(
+            "data-span coordinates need R-operator products with the chunk states in memory, a first Linear "
+            "layer and fewer samples than its input features; pass data_span=None or False"
+        )
+    spent = 0
+    if span is not None:
+        result = settings.solve(span)
+        values = result.eigenvalues
+        if float(values.min()) > _NONZERO_ULPS * torch.finfo(span.dtype).eps * float(values.abs().max()):
+            return result.replace(
+                eigenvectors=span.lift(result.eigenvectors),
+                n_matvec=result.n_matvec + result.k,
+                info={**result.info, **euclidean_info(objective, op, span)},
+            )
+        spent = result.n_matvec
+    result = settings.solve(op)
+    return result.replace(n_matvec=result.n_matvec + spent, info={**result.info, **euclidean_info(objective, op)})
+
+
+def euclidean_info(obj: Objective, op: HessianOperator, span: DataSpanHessian | None = None) -> dict:
+    """What every Euclidean-Hessian result records about its objective and products (``data_span``: the samples
+    and input features of the data-span coordinates the solve ran in, or ``None``)."""
     return {
         "metric": "euclidean",
         "loss": float(obj.value()),
         "n_params": obj.layout.size,
         "n_samples": obj.n_samples,
         "hvp_strategy": op.strategy,
+        "data_span": None if span is None else {"samples": span.samples, "features": span.features},
     }

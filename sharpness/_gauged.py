@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 
 from manifolds import NetworkStructure, analyze, min_norm_gauge_parameters
-from sharpness._hessian import HessianOperator
+from sharpness._euclidean import solve_euclidean
 from sharpness._objective import Objective
 from sharpness._results import EigenResult
 from sharpness._solve import SolveSettings
@@ -40,7 +40,7 @@ def minnorm_sharpness(
         :class:`EigenResult` with Euclidean unit eigenvectors at the gauged parameters
         (``coordinates="gauged"``), ``info`` holding ``gauge_iterations``, ``gauge_gamma`` (eq. (20)
         imbalance left), ``gauge_converged``, ``gauge_norm_reduction`` (``||W||^2`` after / before)
-        and ``hvp_strategy``.
+        and what :func:`sharpness._euclidean.euclidean_info` records (``hvp_strategy``, ``data_span``, ...).
 
     Raises:
         UnsupportedModelError: positive rescaling is not a symmetry of the model.
@@ -57,8 +57,7 @@ def minnorm_sharpness(
             RuntimeWarning,
             stacklevel=3,
         )
-    op = HessianOperator(objective.with_params(gauged), settings.hvp)
-    result = settings.solve(op)
+    result = solve_euclidean(objective.with_params(gauged), settings)
     return result.replace(
         coordinates="gauged",
         info={
@@ -67,6 +66,5 @@ def minnorm_sharpness(
             "gauge_gamma": history.gamma,
             "gauge_converged": history.converged,
             "gauge_norm_reduction": history.objective[-1] / history.objective[0],
-            "hvp_strategy": op.strategy,
         },
     )

@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, jvp, vmap
 from manifolds import ParamLayout
 from sharpness._data import ChunkedData, DataError, cast_batch
 from sharpness._data_conv import split_data_convolution
-from sharpness._rop import add_products, forward_state, rop_chain
+from sharpness._rop import ChunkState, RopChain, add_products, forward_state, rop_chain
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 
@@ -378,34 +378,52 @@ class Objective:
         self._graph = None
         self._rop_states = None
 
+    def rop_states(self) -> tuple[RopChain, list[ChunkState]] | None:
+        """The R-operator chain and every chunk's forward state (:mod:`sharpness._rop`), computed once and
+        kept; ``None`` where those products do not apply or the states do not fit in ``memory_budget``."""
+        if self._rop_states is None:
+            if self._rop is None or not self._rop_fits():
+                return None
+            with torch.no_grad(), eval_mode(self.model):
+                self._rop_states = self._rop_pass()
+        return self._rop, self._rop_states
+
+    def _rop_pass(self, products: Callable[[ChunkState], None] | None = None) -> list[ChunkState]:
+        """One pass over the data building each chunk's forward state: kept and returned, or, with
+        ``products``, applied to them and dropped chunk by chunk (streaming). Records the loss on the way."""
+        states, value, seconds = [], 0.0, 0.0
+        for x, y, w in self.chunks():
+            start = time.perf_counter()
+            state = forward_state(self._rop, self.params, x, y, self.loss_fn, w)
+            seconds += time.perf_counter() - start
+            if products is None:
+                states.append(state)
+            else:
+                products(state)
+            value = value + state.loss
+        if products is None:
+            self.gradient_seconds = seconds  # the forward and backward passes the kept products share
+        if self._value is None:
+            self._value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
+        return states
+
     def _hvp_rop(self, tangents: list[dict[str, Tensor]], totals: list[dict[str, Tensor]]) -> None:
         """Add ``H v`` for every tangent into the matching ``totals`` (``{name: view}``) by R-operator
         products. Each chunk's forward state is kept from the first call when it fits in
-        ``memory_budget``, and recomputed per call otherwise."""
-        chain = self._rop
-        if self._rop_states is not None:  # no module is called: no eval mode to set
-            with torch.no_grad():
-                for state in self._rop_states:
-                    for v, into in zip(tangents, totals):
-                        add_products(chain, self.params, state, v, into)
-            return
-        with torch.no_grad(), eval_mode(self.model):
-            keep = self._rop_fits()
-            states, value, seconds = [], 0.0, 0.0
-            for x, y, w in self.chunks():
-                start = time.perf_counter()
-                state = forward_state(chain, self.params, x, y, self.loss_fn, w)
-                seconds += time.perf_counter() - start
-                for v, into in zip(tangents, totals):
-                    add_products(chain, self.params, state, v, into)
-                value = value + state.loss
-                if keep:
-                    states.append(state)
-            if keep:
-                self._rop_states = states
-                self.gradient_seconds = seconds  # the forward and backward passes the products share
-            if self._value is None:
-                self._value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
+        ``memory_budget``, and recomputed per call, one chunk at a time, otherwise."""
+
+        def products(state: ChunkState) -> None:
+            for v, into in zip(tangents, totals):
+                add_products(self._rop, self.params, state, v, into)
+
+        kept = self.rop_states()
+        with torch.no_grad():
+            if kept is not None:  # no module is called: no eval mode to set
+                for state in kept[1]:
+                    products(state)
+                return
+            with eval_mode(self.model):
+                self._rop_pass(products)
 
     def hvp(self, v: Tensor, strategy: str = "auto", out: Tensor | None = None) -> Tensor:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.

@@ -355,8 +355,16 @@ def add_products(
     state: ChunkState,
     v: Mapping[str, Tensor],
     into: Mapping[str, Tensor],
+    first_dot: Tensor | None = None,
+    first_errors: Tensor | None = None,
 ) -> None:
-    """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place."""
+    """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
+
+    For products whose first-layer weights live in other coordinates (:mod:`sharpness._data_span`),
+    ``first_dot`` ``(chunk, out_features)`` is the first layer's output tangent from its weight (its bias
+    tangent is added to it in place) and ``first_errors``, of the same shape, receives the tangent errors at
+    that output; the first layer's weight is then neither read in ``v`` nor written in ``into``.
+    """
     ops, saved, deltas = chain.ops, state.saved, state.deltas
     # tangent forward; the affine layers' input tangents are kept for the products
     input_dots: dict[int, Tensor | None] = {}
@@ -364,7 +372,10 @@ def add_products(
     for i, op in enumerate(ops):
         if isinstance(op, _Affine):
             input_dots[i] = h_dot
-            z_dot = op.apply(saved[i], v[op.weight], v[op.bias] if op.bias else None)
+            if i == 0 and first_dot is not None:
+                z_dot = first_dot if op.bias is None else first_dot.add_(v[op.bias])
+            else:
+                z_dot = op.apply(saved[i], v[op.weight], v[op.bias] if op.bias else None)
             if h_dot is not None:
                 z_dot.add_(op.apply(h_dot, params[op.weight], None))
             h_dot = z_dot
@@ -378,7 +389,10 @@ def add_products(
             g_dot = op.adjoint(g_dot, saved[i])
             continue
         weight = params[op.weight]
-        op.add_weight_adjoint(into[op.weight], saved[i], g_dot, weight)
+        if i == 0 and first_errors is not None:
+            first_errors.copy_(g_dot)
+        else:
+            op.add_weight_adjoint(into[op.weight], saved[i], g_dot, weight)
         if input_dots[i] is not None:
             op.add_weight_adjoint(into[op.weight], input_dots[i], deltas[i], weight)
         if op.bias:

@@ -69,6 +69,9 @@ def _build(name: str, g: torch.Generator) -> tuple[nn.Module, Callable, torch.Te
     if name == "mlp_nobias":
         model = mlp([5, 7, 3, 4, 2], bias=False)
         return (model, *_classification(model, (5,), 23, 2, g))
+    if name == "mlp_wide":  # fewer samples than input features: data-span coordinates apply
+        model = mlp([10, 6, 4, 3])
+        return (model, *_classification(model, (10,), 7, 3, g))
     if name == "cnn":
         model = small_cnn()
         return (model, *_classification(model, (1, 6, 6), 11, 3, g))
@@ -85,8 +88,8 @@ def _build(name: str, g: torch.Generator) -> tuple[nn.Module, Callable, torch.Te
     raise KeyError(name)
 
 
-CASE_NAMES = ("mlp_bias", "mlp_nobias", "cnn", "mlp_mse_sum", "negative_dominant")
-RESCALABLE_CASES = ("mlp_bias", "mlp_nobias", "cnn")
+CASE_NAMES = ("mlp_bias", "mlp_nobias", "mlp_wide", "cnn", "mlp_mse_sum", "negative_dominant")
+RESCALABLE_CASES = ("mlp_bias", "mlp_nobias", "mlp_wide", "cnn")
 
 
 def make_case(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:

@@ -1,0 +1,171 @@
+"""The Euclidean Hessian with the first layer's weight in coordinates of the span of the data.
+
+A first ``Linear`` layer sees the data only through ``z = X W^T`` (``X``: the ``n`` inputs of that layer,
+``(n, d)``). When ``n < d``, a weight direction ``V`` whose rows are orthogonal to the rows of ``X`` changes
+nothing (``X V^T = 0``): the Hessian vanishes on those ``h (d - n)`` directions, and the first-layer block of
+every product ``H v`` is ``E^T X``, ``E`` ``(n, h)`` being the tangent errors at the layer's output, so it
+lies in the span of the data. With ``X^T = Q R`` (QR factorization, ``L = R^T`` lower triangular ``(n, n)``),
+the coordinates ``U = V Q`` ``(h, n)`` of that span keep norms (``||V|| = ||U||`` for ``V = U Q^T``), and the
+first layer's two products become
+
+    zdot = X V^T = L U^T,        (H v)_U = E^T L,
+
+products by an ``n x n`` triangular matrix instead of by the ``n x d`` data (the zero blocks above the
+diagonal are skipped), while every solver vector is ``h (d - n)`` entries shorter. Every nonzero eigenvalue
+of ``H`` is one of the operator here, with its eigenvector in the span; the rest of ``H``'s spectrum is 0.
+
+An eigenvector ``u`` of eigenvalue ``lambda != 0`` is mapped back without inverting ``L`` (which the data's
+conditioning would amplify): ``v = H v / lambda``, whose first-layer block ``E^T X / lambda`` is one more
+product's tangent errors times the data.
+
+The factorization is Householder QR in the objective's dtype: backward stable, so the products are those
+of data within rounding of ``X``, whatever its conditioning; rank-deficient data only add exact zero
+eigenvalues to the operator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from manifolds import ParamLayout
+from sharpness._hessian import HessianOperator
+from sharpness._objective import Objective
+from sharpness._operator import SymmetricOperator
+from sharpness._rop import ChunkState, RopChain, add_products
+from sharpness._solver_vectors import _canonical_signs
+
+# Rows of L per block of the triangular products: blocks much smaller than this run below the matrix
+# product's best speed, so the zero half of L is skipped in at most 4 x 4 blocks.
+_BLOCK_ROWS = 250
+_MAX_BLOCKS = 4
+
+
+class _LowerTriangular:
+    """A lower-triangular ``(n, n)`` matrix ``L`` multiplied block by block, the zero blocks above the diagonal
+    skipped (with ``b x b`` blocks, ``(b + 1) / (2 b)`` of the dense work)."""
+
+    def __init__(self, lower: Tensor):
+        n = lower.shape[0]
+        count = max(1, min(_MAX_BLOCKS, round(n / _BLOCK_ROWS)))
+        self.bounds = [n * i // count for i in range(count + 1)]
+        self.blocks = {
+            (i, j): lower[self._rows(i), self._rows(j)].contiguous() for i in range(count) for j in range(i + 1)
+        }
+        self.count = count
+
+    def _rows(self, i: int) -> slice:
+        return slice(self.bounds[i], self.bounds[i + 1])
+
+    def dense(self) -> Tensor:
+        """``L`` as one ``(n, n)`` matrix."""
+        first = self.blocks[0, 0]
+        out = first.new_zeros(self.bounds[-1], self.bounds[-1])
+        for (i, j), block in self.blocks.items():
+            out[self._rows(i), self._rows(j)] = block
+        return out
+
+    def left(self, b: Tensor, out: Tensor) -> Tensor:
+        """``out = L @ b`` for ``b`` ``(n, c)``."""
+        for i in range(self.count):
+            rows = out[self._rows(i)]
+            torch.mm(self.blocks[i, 0], b[self._rows(0)], out=rows)
+            for j in range(1, i + 1):
+                rows.addmm_(self.blocks[i, j], b[self._rows(j)])
+        return out
+
+    def right_add(self, a: Tensor, out: Tensor) -> Tensor:
+        """``out += a @ L`` for ``a`` ``(c, n)``."""
+        for j in range(self.count):
+            columns = out[:, self._rows(j)]
+            for i in range(j, self.count):
+                columns.addmm_(a[:, self._rows(i)], self.blocks[i, j])
+        return out
+
+
+class DataSpanHessian(SymmetricOperator):
+    """The Euclidean Hessian of ``objective`` with its first ``Linear`` weight ``(h, d)`` in data-span coordinates
+    ``(h, n)`` (see the module docstring); the other parameters are as they are. Build it with
+    :func:`data_span_hessian`.
+
+    Attributes:
+        layout: the flat layout of its vectors (the first weight's shape is ``(h, n)``).
+        objective, weight: the objective and the name of the first layer's weight.
+        samples, features: ``n`` and ``d``.
+    """
+
+    def __init__(self, objective: Objective, chain: RopChain, states: list[ChunkState], inputs: Tensor, lower: Tensor):
+        self.objective, self.chain, self.states = objective, chain, states
+        self.weight = chain.ops[0].weight
+        self.inputs = inputs
+        self.samples, self.features = inputs.shape
+        hidden = objective.params[self.weight].shape[0]
+        shapes = {
+            name: (hidden, self.samples) if name == self.weight else p.shape for name, p in objective.params.items()
+        }
+        self.layout = ParamLayout.from_tensors({name: torch.empty(s, device="meta") for name, s in shapes.items()})
+        super().__init__(self.layout.size, objective.dtype, objective.device)
+        self.factor = _LowerTriangular(lower)
+        bounds = [0]
+        for state in states:
+            bounds.append(bounds[-1] + state.saved[0].shape[0])
+        self._chunks = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        self._first_dot = inputs.new_empty(self.samples, hidden)
+        self._errors = inputs.new_empty(self.samples, hidden)
+
+    def _tangent_errors(self, tangent: dict[str, Tensor], into: dict[str, Tensor]) -> Tensor:
+        """Add the blocks of ``H v`` but the first weight's to ``into`` and return the tangent errors ``E``
+        ``(n, h)`` at the first layer's output (a buffer, overwritten by the next product)."""
+        first_dot = self.factor.left(tangent[self.weight].T, self._first_dot)
+        with torch.no_grad():
+            for rows, state in zip(self._chunks, self.states):
+                add_products(
+                    self.chain, self.objective.params, state, tangent, into, first_dot[rows], self._errors[rows]
+                )
+        return self._errors
+
+    def _matvec(self, v: Tensor) -> Tensor:
+        return self._matvec_add(v, torch.zeros_like(v))
+
+    def _matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
+        into = self.layout.unflatten(out)
+        errors = self._tangent_errors(self.layout.unflatten(v), into)
+        self.factor.right_add(errors.T, into[self.weight])
+        return out
+
+    def lift(self, vectors: Tensor) -> Tensor:
+        """Parameter-space unit eigenvectors ``(k, N)`` from this operator's eigenvectors ``(k, size)`` of nonzero
+        eigenvalues: ``H v`` normalized, one product each (counted in ``n_matvec``), largest-magnitude entry
+        positive."""
+        params = self.objective.layout
+        out = vectors.new_zeros(vectors.shape[0], params.size)
+        for u, row in zip(vectors, out):
+            full = params.unflatten(row)
+            errors = self._tangent_errors(self.layout.unflatten(u), full)
+            torch.mm(errors.T, self.inputs, out=full[self.weight])
+        self.n_matvec += vectors.shape[0]
+        return _canonical_signs(out, normalize=True)
+
+
+def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
+    """``op`` in data-span coordinates where they apply: R-operator products (``op.strategy == "rop"``) whose
+    chunk states are kept in memory, a first affine layer that is ``Linear``, and fewer samples than it has
+    input features. ``None`` otherwise."""
+    if op.strategy != "rop":
+        return None
+    kept = op.objective.rop_states()
+    if kept is None:
+        return None
+    chain, states = kept
+    if chain.ops[0].dims != 0:
+        return None
+    inputs = [state.saved[0] for state in states]
+    samples, features = sum(x.shape[0] for x in inputs), inputs[0].shape[1]
+    if samples >= features:
+        return None
+    data = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+    _, upper = torch.linalg.qr(data.T, mode="r")
+    return DataSpanHessian(op.objective, chain, states, data, upper.T)
+
+
+__all__ = ["DataSpanHessian", "data_span_hessian"]
