@@ -4,9 +4,9 @@ A first ``Linear`` layer sees the data only through ``z = X W^T`` (``X``: the ``
 ``(n, d)``). When ``n < d``, a weight direction ``V`` whose rows are orthogonal to the rows of ``X`` changes
 nothing (``X V^T = 0``): the Hessian vanishes on those ``h (d - n)`` directions, and the first-layer block of
 every product ``H v`` is ``E^T X``, ``E`` ``(n, h)`` being the tangent errors at the layer's output, so it
-lies in the span of the data. With ``X^T = Q R`` (QR factorization, ``L = R^T`` lower triangular ``(n, n)``),
-the coordinates ``U = V Q`` ``(h, n)`` of that span keep norms (``||V|| = ||U||`` for ``V = U Q^T``), and the
-first layer's two products become
+lies in the span of the data. With ``X X^T = L L^T`` (``L`` lower triangular ``(n, n)``, so ``X = L Q^T`` with
+orthonormal columns ``Q`` ``(d, n)``), the coordinates ``U = V Q`` ``(h, n)`` of that span keep norms
+(``||V|| = ||U||`` for ``V = U Q^T``), and the first layer's two products become
 
     zdot = X V^T = L U^T,        (H v)_U = E^T L,
 
@@ -18,8 +18,10 @@ An eigenvector ``u`` of eigenvalue ``lambda != 0`` is mapped back without invert
 conditioning would amplify): ``v = H v / lambda``, whose first-layer block ``E^T X / lambda`` is one more
 product's tangent errors times the data.
 
-The factorization is Householder QR in the objective's dtype: backward stable, so the products are those
-of data within rounding of ``X``, whatever its conditioning; rank-deficient data only add exact zero
+The operator's spectrum depends on ``L`` only through ``L L^T``, so the Cholesky factor of the Gram matrix,
+computed in the objective's dtype, gives the eigenvalues to the rounding of the Gram matrix (that of the
+full products' matrix products); where the Gram matrix is not numerically positive definite (duplicate
+samples) the factor comes from a QR factorization of ``X^T``, whose rank deficiency only adds zero
 eigenvalues to the operator.
 """
 
@@ -164,8 +166,17 @@ def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     if samples >= features:
         return None
     data = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-    _, upper = torch.linalg.qr(data.T, mode="r")
-    return DataSpanHessian(op.objective, chain, states, data, upper.T)
+    return DataSpanHessian(op.objective, chain, states, data, _gram_factor(data))
+
+
+def _gram_factor(data: Tensor) -> Tensor:
+    """A lower-triangular ``L`` ``(n, n)`` with ``L L^T = X X^T`` for the rows of ``data`` ``(n, d)``: the Cholesky
+    factor of the Gram matrix, or, where rounding leaves that matrix not positive definite (duplicate or
+    nearly dependent samples), the transposed R of a QR factorization of ``X^T``."""
+    lower, info = torch.linalg.cholesky_ex(data @ data.T)
+    if int(info) == 0:
+        return lower
+    return torch.linalg.qr(data.T, mode="r")[1].T
 
 
 __all__ = ["DataSpanHessian", "data_span_hessian"]

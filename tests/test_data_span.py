@@ -157,3 +157,22 @@ def test_where_data_span_coordinates_do_not_apply():
     # the chunk states do not fit in memory: products stream, the span operator needs them kept
     streamed = Objective(wide.model, wide.loss_fn, wide.data, chunk_size=2, memory_budget=1)
     assert data_span_hessian(HessianOperator(streamed)) is None
+
+
+def test_duplicate_samples_factor_by_qr_and_keep_the_spectrum():
+    from sharpness._data_span import _gram_factor
+
+    case = make_case("mlp_wide")
+    X, y = torch.cat([case.X, case.X[:2]]), torch.cat([case.y, case.y[:2]])  # 9 samples, rank 7
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(X @ X.T)
+    lower = _gram_factor(X)
+    torch.testing.assert_close(lower @ lower.T, X @ X.T, rtol=0, atol=1e-12)
+    assert torch.equal(lower, torch.tril(lower))
+    H = dense_hessian(Objective(case.model, case.loss_fn, (X, y)))
+    ref = np.linalg.eigvalsh(H.numpy())[::-1][:3]
+    res = euclidean_sharpness(case.model, case.loss_fn, (X, y), k=3, tol=1e-10, progress=False)
+    assert res.info["data_span"] == {"samples": 9, "features": 10}
+    np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
+    for lam, v in zip(res.eigenvalues, res.eigenvectors):
+        assert float(torch.linalg.vector_norm(H @ v - lam * v)) / float(lam) < 1e-8
