@@ -207,7 +207,7 @@ def spectral_density(
                 bar.update(1)
                 if len(alphas) == steps or beta == 0.0:
                     break  # an invariant Krylov space makes the quadrature exact with fewer nodes
-                basis.append(w, 1.0 / beta)
+                basis.append(w)
                 betas.append(beta)
             del basis, w
             t, wt = _quadrature(alphas, betas)

@@ -15,6 +15,7 @@ from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult
 from sharpness._solver_vectors import (
+    _DGKS_ETA,
     KrylovBasis,
     _as_vector,
     _breakdown_threshold,
@@ -23,6 +24,7 @@ from sharpness._solver_vectors import (
     _fresh_direction,
     _gram_schmidt,
     _residual_scale,
+    _subtract_combination,
     _true_residuals,
 )
 
@@ -69,9 +71,10 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
         beta_prev: the coefficient coupling rows ``m - 1`` and ``m`` (ignored when ``m == 1``).
 
     Returns:
-        ``(w, alpha, beta)``: the unnormalized next vector ``(n,)`` (it lives in the basis's next row,
-        so ``basis.append(w, 1 / beta)`` only scales it), ``alpha = q_m^T A q_m`` and ``beta = ||w||``,
-        set to 0 when ``w`` is rounding (the Krylov space is invariant).
+        ``(w, alpha, beta)``: the next Lanczos vector ``(n,)``, of unit norm (it lives in the basis's next
+        row, so ``basis.append(w)`` copies nothing), ``alpha = q_m^T A q_m`` and ``beta``, its norm before
+        normalization; ``beta`` is 0, and ``w`` left unnormalized, when ``w`` is rounding (the Krylov space
+        is invariant).
     """
     m = basis.size
     q = basis[m - 1]
@@ -82,23 +85,55 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
         torch.mul(basis[m - 2], -beta_prev, out=row)
     else:
         row.zero_()
-    w = op.project(op.matvec_add(q, row))
+    product = op.matvec_add(q, row)
+    w = op.project(product)
     # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
     # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
     # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
     alpha = float(torch.dot(q, w))
     w.sub_(q, alpha=alpha)
+    threshold = _breakdown_threshold(op.dtype, m)
+    if w is product:  # no projection: Gram-Schmidt, normalization and the norms in two passes over the basis
+        w, coeffs, beta, rest = _orthonormalize(w, basis, threshold, beta_prev if m > 1 else 0.0, alpha)
+        return w, alpha + float(coeffs[m - 1]), beta
     w, coeffs, norm, rest = _gram_schmidt(w, basis, overwrite=True)
-    # ||A q||, the scale of the breakdown test, without a pass over a vector: A q is
-    # beta_prev q_{m-1} + alpha q_m + (what Gram-Schmidt was given), three orthogonal parts.
-    w_norm = math.sqrt((beta_prev if m > 1 else 0.0) ** 2 + alpha**2 + rest**2)
     # Rounding of the projection must not let excluded directions into the basis.
-    projected = op.project(w)
-    beta = norm if projected is w else float(torch.linalg.vector_norm(projected))
-    w = projected
-    if beta <= _breakdown_threshold(op.dtype, m) * w_norm:
-        beta = 0.0
-    return w, alpha + float(coeffs[m - 1]), beta
+    w = op.project(w)
+    beta = float(torch.linalg.vector_norm(w))
+    if beta <= threshold * _product_norm(beta_prev if m > 1 else 0.0, alpha, rest):
+        return w, alpha + float(coeffs[m - 1]), 0.0
+    return w.div_(beta), alpha + float(coeffs[m - 1]), beta
+
+
+def _product_norm(beta_prev: float, alpha: float, rest: float) -> float:
+    """``||A q_m||``, the scale of the breakdown test, without a pass over a vector: ``A q_m`` is
+    ``beta_prev q_{m-1} + alpha q_m`` plus what Gram-Schmidt was given, three orthogonal parts."""
+    return math.sqrt(beta_prev**2 + alpha**2 + rest**2)
+
+
+def _orthonormalize(
+    w: Tensor, basis: KrylovBasis, threshold: float, beta_prev: float, alpha: float
+) -> tuple[Tensor, Tensor, float, float]:
+    """Gram-Schmidt of ``w`` (the basis's next row, consumed) against ``basis``, normalized: ``(unit w, summed
+    coefficients, its norm beta before normalizing, the norm it had)``, ``beta = 0`` (``w`` not normalized)
+    at a breakdown.
+
+    One pass gives the coefficients and ``||w||^2`` together; when one Gram-Schmidt pass is enough (DGKS),
+    ``beta^2 = ||w||^2 - ||coefficients||^2`` loses at most a few rounding units, and a second pass subtracts
+    and normalizes at once. Otherwise the general :func:`_gram_schmidt` (a repeated pass, explicit norm).
+    """
+    coeffs, before_sq = basis.coefficients_and_norm(w)
+    after_sq = before_sq - float(torch.dot(coeffs, coeffs))
+    if after_sq > _DGKS_ETA**2 * before_sq:
+        beta, before = math.sqrt(after_sq), math.sqrt(before_sq)
+        if beta <= threshold * _product_norm(beta_prev, alpha, before):
+            return w, coeffs, 0.0, before
+        _subtract_combination(w, basis.blocks(), coeffs, scale=1.0 / beta)
+        return w, coeffs, beta, before
+    w, coeffs, beta, before = _gram_schmidt(w, basis, overwrite=True)
+    if beta <= threshold * _product_norm(beta_prev, alpha, before):
+        return w, coeffs, 0.0, before
+    return w.div_(beta), coeffs, beta, before
 
 
 def lanczos(
@@ -217,7 +252,7 @@ def lanczos(
                 restarts += 1
                 basis.append(nxt)
             else:
-                basis.append(w, 1.0 / beta)
+                basis.append(w)
             betas.append(beta)
             m += 1
 

@@ -87,12 +87,14 @@ def _coefficients(blocks: list[Tensor], v: Tensor) -> Tensor:
     return torch.cat([b @ v for b in blocks]) if len(blocks) > 1 else blocks[0] @ v
 
 
-def _subtract_combination(v: Tensor, blocks: list[Tensor], coeffs: Tensor) -> None:
-    """``v -= sum_i coeffs[i] * row_i`` in place."""
+def _subtract_combination(v: Tensor, blocks: list[Tensor], coeffs: Tensor, scale: float = 1.0) -> None:
+    """``v = scale * (v - sum_i coeffs[i] * row_i)`` in place, in one pass over the rows and ``v``."""
     start = 0
     for b in blocks:
-        v.addmv_(b.T, coeffs[start : start + b.shape[0]], alpha=-1)
+        v.addmv_(b.T, coeffs[start : start + b.shape[0]], beta=scale if start == 0 else 1.0, alpha=-scale)
         start += b.shape[0]
+    if start == 0 and scale != 1.0:
+        v.mul_(scale)
 
 
 def _combine(blocks: list[Tensor], coeffs: Tensor) -> Tensor:
@@ -120,11 +122,14 @@ class KrylovBasis:
         self.size = 0
 
     def append(self, v: Tensor, scale: float = 1.0) -> None:
-        """Store ``scale * v`` as the next row (scaled on the way in: no temporary vector)."""
+        """Store ``scale * v`` as the next row (scaled on the way in: no temporary vector; nothing to do when
+        ``v`` is that row, from :meth:`next_row`, and ``scale`` is 1)."""
         if self.size == len(self._blocks) * self.block_rows:
             self._spare = None  # v may be it: it stays alive until copied into the new block
             self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
-        torch.mul(v, scale, out=self._blocks[-1][self.size % self.block_rows])  # in place when v is that row
+        row = self._blocks[-1][self.size % self.block_rows]
+        if scale != 1.0 or v.data_ptr() != row.data_ptr():
+            torch.mul(v, scale, out=row)
         self.size += 1
 
     def next_row(self) -> Tensor:
@@ -144,6 +149,16 @@ class KrylovBasis:
         """Views of the filled rows, block by block."""
         full, rest = divmod(self.size, self.block_rows)
         return self._blocks[:full] + ([self._blocks[full][:rest]] if rest else [])
+
+    def coefficients_and_norm(self, v: Tensor) -> tuple[Tensor, float]:
+        """``(rows @ v, ||v||^2)`` for the vector about to be stored (:meth:`next_row`), in one pass over the
+        basis and ``v`` when ``v`` is that row of the last block."""
+        full, rest = divmod(self.size, self.block_rows)
+        if self.size < len(self._blocks) * self.block_rows and v.data_ptr() == self._blocks[-1][rest].data_ptr():
+            last = self._blocks[full][: rest + 1] @ v
+            coeffs = torch.cat([*(b @ v for b in self._blocks[:full]), last[:-1]]) if full else last[:-1]
+            return coeffs, float(last[-1])
+        return _coefficients(self.blocks(), v), float(torch.dot(v, v))
 
     def combine(self, coeffs: Tensor) -> Tensor:
         """``coeffs.T @ rows``: ``(m, k)`` coefficients -> ``(k, n)`` combinations of the rows."""

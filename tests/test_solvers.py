@@ -512,6 +512,73 @@ def test_gram_schmidt_norms_are_those_of_the_vectors(second_pass):
         assert w is not v  # overwrite=False works in a copy
 
 
+@pytest.mark.parametrize("rows", [3, 4, 9])  # the next row mid-block, at a block's start, after full blocks
+def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction(rows):
+    from sharpness._solver_vectors import KrylovBasis, _subtract_combination
+
+    n = 40
+    block = orthogonal(n, 4)[:rows].clone()
+    basis = KrylovBasis(n, torch.float64, torch.device("cpu"), block_rows=4)
+    for row in block:
+        basis.append(row)
+    v = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    nxt = basis.next_row()
+    nxt.copy_(v)
+    for target in (nxt, v.clone()):  # the next row itself (one pass) or any other vector
+        coeffs, norm_sq = basis.coefficients_and_norm(target)
+        torch.testing.assert_close(coeffs, block @ v, rtol=0, atol=1e-14)
+        assert norm_sq == pytest.approx(float(v @ v), rel=1e-14)
+    expected = 0.25 * (v - block.T @ coeffs)
+    _subtract_combination(nxt, basis.blocks(), coeffs, scale=0.25)
+    torch.testing.assert_close(nxt, expected, rtol=0, atol=1e-14)
+    before = nxt.clone()
+    basis.append(nxt)  # already in place: nothing copied or scaled
+    torch.testing.assert_close(basis[rows], before, rtol=0, atol=0)
+    empty = torch.ones(3)
+    _subtract_combination(empty, [], torch.zeros(0), scale=0.5)
+    torch.testing.assert_close(empty, torch.full((3,), 0.5))
+
+
+@pytest.mark.parametrize("case", ["one pass", "second pass", "breakdown"])
+def test_lanczos_step_returns_the_normalized_three_term_recurrence(case):
+    from sharpness._lanczos import lanczos_step
+    from sharpness._solver_vectors import KrylovBasis
+
+    n = 30
+    a = with_spectrum(np.linspace(-2.0, 3.0, n), seed=3)
+    if case == "breakdown":  # q on a 2-dimensional invariant subspace: the second step's vector is rounding
+        q = orthogonal(n, 3)  # the eigenvectors with_spectrum used
+        q0 = (q[:, 0] + q[:, 1]) / math.sqrt(2.0)
+    else:
+        q0 = torch.randn(n, generator=torch.Generator().manual_seed(7))
+        q0 /= torch.linalg.vector_norm(q0)
+    op = DenseOperator(a)
+    basis = KrylovBasis(n, torch.float64, torch.device("cpu"), block_rows=2)
+    basis.append(q0)
+    w, alpha, beta = lanczos_step(op, basis, 0.0)
+    r = a @ q0 - alpha * q0
+    assert alpha == pytest.approx(float(q0 @ a @ q0), rel=1e-13)
+    assert beta == pytest.approx(float(torch.linalg.vector_norm(r)), rel=1e-12)
+    torch.testing.assert_close(w, r / beta, rtol=0, atol=1e-13)
+    basis.append(w)
+    if case == "second pass":  # an operator whose product lies almost in the basis: DGKS repeats the pass
+        near = basis[0] * 5.0 + basis[1] * 3.0
+        op = CallableOperator(lambda v: near + 1e-6 * a @ v, n, torch.float64)
+    w2, alpha2, beta2 = lanczos_step(op, basis, beta)
+    if case == "breakdown":
+        assert beta2 == 0.0
+        return
+    rows = torch.stack([basis[0], basis[1]])
+    assert float(torch.linalg.vector_norm(w2)) == pytest.approx(1.0, abs=1e-14)
+    assert float((rows @ w2).abs().max()) < 1e-14
+    product = op.matvec(basis[1])
+    rest = product - beta * basis[0] - alpha2 * basis[1]
+    rest -= rows.T @ (rows @ rest)
+    assert alpha2 == pytest.approx(float(basis[1] @ product), rel=1e-12)
+    assert beta2 == pytest.approx(float(torch.linalg.vector_norm(rest)), rel=1e-8)
+    torch.testing.assert_close(w2, rest / beta2, rtol=0, atol=1e-8 if case == "second pass" else 1e-13)
+
+
 def test_canonical_signs_in_place_normalized_and_tie_rule():
     from sharpness._solver_vectors import _canonical_signs
 
