@@ -41,6 +41,8 @@ from sharpness._solver_vectors import _canonical_signs
 # product's best speed, so the zero half of L is skipped in at most 4 x 4 blocks.
 _BLOCK_ROWS = 250
 _MAX_BLOCKS = 4
+# Data-span coordinates are used where their set-up costs at most the work this many products save.
+_PAYBACK_PRODUCTS = 6
 
 
 class _LowerTriangular:
@@ -118,8 +120,8 @@ class DataSpanHessian(SymmetricOperator):
     def _tangent_errors(self, tangent: dict[str, Tensor], into: dict[str, Tensor]) -> Tensor:
         """Add the blocks of ``H v`` but the first weight's to ``into`` and return the tangent errors ``E``
         ``(n, h)`` at the first layer's output (a buffer, overwritten by the next product)."""
-        first_dot = self.factor.left(tangent[self.weight].T, self._first_dot)
         with torch.no_grad():
+            first_dot = self.factor.left(tangent[self.weight].T, self._first_dot)
             for rows, state in zip(self._chunks, self.states):
                 add_products(
                     self.chain, self.objective.params, state, tangent, into, first_dot[rows], self._errors[rows]
@@ -152,7 +154,8 @@ class DataSpanHessian(SymmetricOperator):
 def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     """``op`` in data-span coordinates where they apply: R-operator products (``op.strategy == "rop"``) whose
     chunk states are kept in memory, a first affine layer that is ``Linear``, and fewer samples than it has
-    input features. ``None`` otherwise."""
+    input features, by enough that the set-up pays for itself within a few products (:func:`_pays_off`).
+    ``None`` otherwise."""
     if op.strategy != "rop":
         return None
     kept = op.objective.rop_states()
@@ -163,10 +166,22 @@ def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
         return None
     inputs = [state.saved[0] for state in states]
     samples, features = sum(x.shape[0] for x in inputs), inputs[0].shape[1]
-    if samples >= features:
+    hidden = op.objective.params[chain.ops[0].weight].shape[0]
+    if samples >= features or not _pays_off(samples, features, hidden):
         return None
     data = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
     return DataSpanHessian(op.objective, chain, states, data, _gram_factor(data))
+
+
+def _pays_off(samples: int, features: int, hidden: int) -> bool:
+    """Whether the factorization (the Gram matrix, ``n^2 d`` multiply-adds, and its Cholesky factor, counted
+    as ``n^3`` for its lower speed) costs at most what the first layer's products save in
+    ``_PAYBACK_PRODUCTS`` products (``2 n h (d - 3 n / 4)`` each with 2 x 2 blocks). With ``n`` close to ``d``
+    and a narrow first layer it would not: a top-eigenvalue solve takes 10-20 products, and mapping each
+    eigenvector back about one more."""
+    setup = samples**2 * features + samples**3
+    saved = 2 * samples * hidden * (features - 0.75 * samples)
+    return setup <= _PAYBACK_PRODUCTS * saved
 
 
 def _gram_factor(data: Tensor) -> Tensor:

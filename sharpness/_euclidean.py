@@ -87,7 +87,8 @@ def solve_euclidean(objective: Objective, settings: SolveSettings, data_span: bo
     if span is None and data_span:
         raise ValueError(
             "data-span coordinates need R-operator products with the chunk states in memory, a first Linear "
-            "layer and fewer samples than its input features; pass data_span=None or False"
+            "layer and fewer samples than its input features, by enough to pay for their set-up; pass "
+            "data_span=None or False"
         )
     spent = 0
     if span is not None:

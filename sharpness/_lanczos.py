@@ -73,8 +73,8 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
     Returns:
         ``(w, alpha, beta)``: the next Lanczos vector ``(n,)``, of unit norm (it lives in the basis's next
         row, so ``basis.append(w)`` copies nothing), ``alpha = q_m^T A q_m`` and ``beta``, its norm before
-        normalization; ``beta`` is 0, and ``w`` left unnormalized, when ``w`` is rounding (the Krylov space
-        is invariant).
+        normalization; ``beta`` is 0 when that vector is rounding (the Krylov space is invariant), and ``w``
+        is then meaningless.
     """
     m = basis.size
     q = basis[m - 1]
@@ -92,31 +92,25 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
     # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
     alpha = float(torch.dot(q, w))
     w.sub_(q, alpha=alpha)
-    threshold = _breakdown_threshold(op.dtype, m)
-    if w is product:  # no projection: Gram-Schmidt, normalization and the norms in two passes over the basis
-        w, coeffs, beta, rest = _orthonormalize(w, basis, threshold, beta_prev if m > 1 else 0.0, alpha)
-        return w, alpha + float(coeffs[m - 1]), beta
-    w, coeffs, norm, rest = _gram_schmidt(w, basis, overwrite=True)
-    # Rounding of the projection must not let excluded directions into the basis.
-    w = op.project(w)
-    beta = float(torch.linalg.vector_norm(w))
-    if beta <= threshold * _product_norm(beta_prev if m > 1 else 0.0, alpha, rest):
-        return w, alpha + float(coeffs[m - 1]), 0.0
-    return w.div_(beta), alpha + float(coeffs[m - 1]), beta
+    if w is product:  # no projection: Gram-Schmidt, the norms and the normalization in two passes over the basis
+        w, coeffs, beta, before = _orthonormalize(w, basis)
+    else:
+        w, coeffs, _, before = _gram_schmidt(w, basis, overwrite=True)
+        w = op.project(w)  # rounding of the projection must not let excluded directions into the basis
+        beta = float(torch.linalg.vector_norm(w))
+        if beta > 0.0:
+            w.div_(beta)
+    # ||A q_m||, the scale of the breakdown test, without a pass over a vector: A q_m is
+    # beta_prev q_{m-1} + alpha q_m + (what Gram-Schmidt was given), three orthogonal parts.
+    scale = math.sqrt((beta_prev if m > 1 else 0.0) ** 2 + alpha**2 + before**2)
+    if beta <= _breakdown_threshold(op.dtype, m) * scale:
+        beta = 0.0
+    return w, alpha + float(coeffs[m - 1]), beta
 
 
-def _product_norm(beta_prev: float, alpha: float, rest: float) -> float:
-    """``||A q_m||``, the scale of the breakdown test, without a pass over a vector: ``A q_m`` is
-    ``beta_prev q_{m-1} + alpha q_m`` plus what Gram-Schmidt was given, three orthogonal parts."""
-    return math.sqrt(beta_prev**2 + alpha**2 + rest**2)
-
-
-def _orthonormalize(
-    w: Tensor, basis: KrylovBasis, threshold: float, beta_prev: float, alpha: float
-) -> tuple[Tensor, Tensor, float, float]:
+def _orthonormalize(w: Tensor, basis: KrylovBasis) -> tuple[Tensor, Tensor, float, float]:
     """Gram-Schmidt of ``w`` (the basis's next row, consumed) against ``basis``, normalized: ``(unit w, summed
-    coefficients, its norm beta before normalizing, the norm it had)``, ``beta = 0`` (``w`` not normalized)
-    at a breakdown.
+    coefficients, the norm beta it had before normalizing, the norm it had before Gram-Schmidt)``.
 
     One pass gives the coefficients and ``||w||^2`` together; when one Gram-Schmidt pass is enough (DGKS),
     ``beta^2 = ||w||^2 - ||coefficients||^2`` loses at most a few rounding units, and a second pass subtracts
@@ -125,15 +119,11 @@ def _orthonormalize(
     coeffs, before_sq = basis.coefficients_and_norm(w)
     after_sq = before_sq - float(torch.dot(coeffs, coeffs))
     if after_sq > _DGKS_ETA**2 * before_sq:
-        beta, before = math.sqrt(after_sq), math.sqrt(before_sq)
-        if beta <= threshold * _product_norm(beta_prev, alpha, before):
-            return w, coeffs, 0.0, before
+        beta = math.sqrt(after_sq)
         _subtract_combination(w, basis.blocks(), coeffs, scale=1.0 / beta)
-        return w, coeffs, beta, before
+        return w, coeffs, beta, math.sqrt(before_sq)
     w, coeffs, beta, before = _gram_schmidt(w, basis, overwrite=True)
-    if beta <= threshold * _product_norm(beta_prev, alpha, before):
-        return w, coeffs, 0.0, before
-    return w.div_(beta), coeffs, beta, before
+    return (w.div_(beta) if beta > 0.0 else w), coeffs, beta, before
 
 
 def lanczos(

@@ -154,6 +154,15 @@ def test_where_data_span_coordinates_do_not_apply():
         assert res.info["data_span"] is None
         with pytest.raises(ValueError, match="data-span coordinates need"):
             euclidean_sharpness(case.model, case.loss_fn, case.data, progress=False, data_span=True, **kwargs)
+    # fewer samples than features, but too close to their number for the set-up to pay for itself
+    from sharpness._data_span import _pays_off
+
+    assert _pays_off(500, 784, 300) and _pays_off(7, 10, 6)
+    assert not _pays_off(3000, 3072, 300) and not _pays_off(700, 784, 300)
+    torch.manual_seed(0)
+    near = mlp([10, 2, 3]).double().eval()  # 9 samples of 10 features, 2 hidden units
+    X, y = torch.randn(9, 10, generator=torch.Generator().manual_seed(1)), torch.arange(9) % 3
+    assert euclidean_sharpness(near, wide.loss_fn, (X, y), tol=1e-8, progress=False).info["data_span"] is None
     # the chunk states do not fit in memory: products stream, the span operator needs them kept
     streamed = Objective(wide.model, wide.loss_fn, wide.data, chunk_size=2, memory_budget=1)
     assert data_span_hessian(HessianOperator(streamed)) is None

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from sharpness import HVP_STRATEGIES, Objective, dense_hessian
 from sharpness._data import DataError
+from sharpness._rop import _MaxPool, _Slope, _SlopePool
 
 STRATEGIES = [s for s in HVP_STRATEGIES if s != "auto"]
 
@@ -123,6 +124,14 @@ def test_rop_hvp_of_convolutional_chains_matches_dense_hessian(layers, x_shape):
     loss_fn = nn.CrossEntropyLoss()
     obj = Objective(model, loss_fn, (X, y), chunk_size=5)
     assert obj.hvp_strategy() == "rop"
+    # a slope followed by a max-pool is one map, its slope kept at the pooled resolution
+    chain, states = obj.rop_states()
+    fused = [i for i, op in enumerate(chain.ops) if isinstance(op, _SlopePool)]
+    assert fused and not any(isinstance(op, (_Slope, _MaxPool)) and isinstance(nxt, _MaxPool)
+                             for op, nxt in zip(chain.ops, chain.ops[1:]))  # fmt: skip
+    for i in fused:
+        idx, _, slope = states[0].saved[i]
+        assert slope.shape == idx.shape
     flat = obj.layout.flatten(obj.params)
     H = torch.func.hessian(lambda w: loss_fn(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y))(flat)
     v = torch.randn(flat.shape, generator=g, dtype=torch.float64)
