@@ -41,49 +41,52 @@ from sharpness._solver_vectors import _canonical_signs
 # product's best speed, so the zero half of L is skipped in at most 4 x 4 blocks.
 _BLOCK_ROWS = 250
 _MAX_BLOCKS = 4
-# Data-span coordinates are used where their set-up costs at most the work this many products save.
+# Data-span coordinates are used where their set-up costs at most the work this many products save, or
+# where it is negligible (multiply-adds: a tenth of a millisecond).
 _PAYBACK_PRODUCTS = 6
+_NEGLIGIBLE_SETUP = 10**7
+
+
+def _block_count(n: int) -> int:
+    """Blocks per side of the triangular products with an ``n x n`` factor."""
+    return max(1, min(_MAX_BLOCKS, round(n / _BLOCK_ROWS)))
 
 
 class _LowerTriangular:
     """A lower-triangular ``(n, n)`` matrix ``L`` multiplied block by block, the zero blocks above the diagonal
-    skipped (with ``b x b`` blocks, ``(b + 1) / (2 b)`` of the dense work)."""
+    skipped (with ``b x b`` blocks, ``(b + 1) / (2 b)`` of the dense work).
+
+    Attributes:
+        count: blocks per side; bounds: their row offsets; blocks: ``{(i, j): block}`` for ``j <= i``.
+    """
 
     def __init__(self, lower: Tensor):
         n = lower.shape[0]
-        count = max(1, min(_MAX_BLOCKS, round(n / _BLOCK_ROWS)))
-        self.bounds = [n * i // count for i in range(count + 1)]
+        self.count = _block_count(n)
+        self.bounds = [n * i // self.count for i in range(self.count + 1)]
         self.blocks = {
-            (i, j): lower[self._rows(i), self._rows(j)].contiguous() for i in range(count) for j in range(i + 1)
+            (i, j): lower[self.rows(i), self.rows(j)].contiguous() for i in range(self.count) for j in range(i + 1)
         }
-        self.count = count
 
-    def _rows(self, i: int) -> slice:
+    def rows(self, i: int) -> slice:
+        """The rows (and columns) of block ``i``."""
         return slice(self.bounds[i], self.bounds[i + 1])
-
-    def dense(self) -> Tensor:
-        """``L`` as one ``(n, n)`` matrix."""
-        first = self.blocks[0, 0]
-        out = first.new_zeros(self.bounds[-1], self.bounds[-1])
-        for (i, j), block in self.blocks.items():
-            out[self._rows(i), self._rows(j)] = block
-        return out
 
     def left(self, b: Tensor, out: Tensor) -> Tensor:
         """``out = L @ b`` for ``b`` ``(n, c)``."""
         for i in range(self.count):
-            rows = out[self._rows(i)]
-            torch.mm(self.blocks[i, 0], b[self._rows(0)], out=rows)
+            rows = out[self.rows(i)]
+            torch.mm(self.blocks[i, 0], b[self.rows(0)], out=rows)
             for j in range(1, i + 1):
-                rows.addmm_(self.blocks[i, j], b[self._rows(j)])
+                rows.addmm_(self.blocks[i, j], b[self.rows(j)])
         return out
 
     def right_add(self, a: Tensor, out: Tensor) -> Tensor:
         """``out += a @ L`` for ``a`` ``(c, n)``."""
         for j in range(self.count):
-            columns = out[:, self._rows(j)]
+            columns = out[:, self.rows(j)]
             for i in range(j, self.count):
-                columns.addmm_(a[:, self._rows(i)], self.blocks[i, j])
+                columns.addmm_(a[:, self.rows(i)], self.blocks[i, j])
         return out
 
 
@@ -96,13 +99,13 @@ class DataSpanHessian(SymmetricOperator):
         layout: the flat layout of its vectors (the first weight's shape is ``(h, n)``).
         objective, weight: the objective and the name of the first layer's weight.
         samples, features: ``n`` and ``d``.
+        factor: the triangular factor ``L`` of the Gram matrix of the data.
     """
 
-    def __init__(self, objective: Objective, chain: RopChain, states: list[ChunkState], inputs: Tensor, lower: Tensor):
+    def __init__(self, objective: Objective, chain: RopChain, states: list[ChunkState], lower: Tensor):
         self.objective, self.chain, self.states = objective, chain, states
         self.weight = chain.ops[0].weight
-        self.inputs = inputs
-        self.samples, self.features = inputs.shape
+        self.samples, self.features = lower.shape[0], states[0].saved[0].shape[1]
         hidden = objective.params[self.weight].shape[0]
         shapes = {
             name: (hidden, self.samples) if name == self.weight else p.shape for name, p in objective.params.items()
@@ -114,8 +117,12 @@ class DataSpanHessian(SymmetricOperator):
         for state in states:
             bounds.append(bounds[-1] + state.saved[0].shape[0])
         self._chunks = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        self._first_dot = inputs.new_empty(self.samples, hidden)
-        self._errors = inputs.new_empty(self.samples, hidden)
+        self._first_dot = lower.new_empty(self.samples, hidden)
+        self._errors = lower.new_empty(self.samples, hidden)
+
+    def info(self) -> dict:
+        """What a result records of these coordinates: ``{"samples": n, "features": d}``."""
+        return {"samples": self.samples, "features": self.features}
 
     def _tangent_errors(self, tangent: dict[str, Tensor], into: dict[str, Tensor]) -> Tensor:
         """Add the blocks of ``H v`` but the first weight's to ``into`` and return the tangent errors ``E``
@@ -123,9 +130,8 @@ class DataSpanHessian(SymmetricOperator):
         with torch.no_grad():
             first_dot = self.factor.left(tangent[self.weight].T, self._first_dot)
             for rows, state in zip(self._chunks, self.states):
-                add_products(
-                    self.chain, self.objective.params, state, tangent, into, first_dot[rows], self._errors[rows]
-                )
+                first_layer = (first_dot[rows], self._errors[rows])
+                add_products(self.chain, self.objective.params, state, tangent, into, first_layer)
         return self._errors
 
     def _matvec(self, v: Tensor) -> Tensor:
@@ -146,7 +152,8 @@ class DataSpanHessian(SymmetricOperator):
         for u, row in zip(vectors, out):
             full = params.unflatten(row)
             errors = self._tangent_errors(self.layout.unflatten(u), full)
-            torch.mm(errors.T, self.inputs, out=full[self.weight])
+            for rows, state in zip(self._chunks, self.states):  # E^T X, chunk by chunk: the data are not copied
+                full[self.weight].addmm_(errors[rows].T, state.saved[0])
         self.n_matvec += vectors.shape[0]
         return _canonical_signs(out, normalize=True)
 
@@ -169,29 +176,33 @@ def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     hidden = op.objective.params[chain.ops[0].weight].shape[0]
     if samples >= features or not _pays_off(samples, features, hidden):
         return None
-    data = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-    return DataSpanHessian(op.objective, chain, states, data, _gram_factor(data))
+    return DataSpanHessian(op.objective, chain, states, _gram_factor(inputs))
 
 
 def _pays_off(samples: int, features: int, hidden: int) -> bool:
     """Whether the factorization (the Gram matrix, ``n^2 d`` multiply-adds, and its Cholesky factor, counted
     as ``n^3`` for its lower speed) costs at most what the first layer's products save in
-    ``_PAYBACK_PRODUCTS`` products (``2 n h (d - 3 n / 4)`` each with 2 x 2 blocks). With ``n`` close to ``d``
-    and a narrow first layer it would not: a top-eigenvalue solve takes 10-20 products, and mapping each
-    eigenvector back about one more."""
+    ``_PAYBACK_PRODUCTS`` products (``2 n h (d - f n)`` each, ``f = (b + 1) / (2 b)`` the share of ``b x b``
+    blocks the triangular products compute). With ``n`` close to ``d`` and a narrow first layer it would not:
+    a top-eigenvalue solve takes 10-20 products, and mapping each eigenvector back about one more. A set-up of
+    fewer than ``_NEGLIGIBLE_SETUP`` multiply-adds always pays."""
+    blocks = _block_count(samples)
     setup = samples**2 * features + samples**3
-    saved = 2 * samples * hidden * (features - 0.75 * samples)
-    return setup <= _PAYBACK_PRODUCTS * saved
+    saved = 2 * samples * hidden * (features - (blocks + 1) / (2 * blocks) * samples)
+    return setup <= max(_NEGLIGIBLE_SETUP, _PAYBACK_PRODUCTS * saved)
 
 
-def _gram_factor(data: Tensor) -> Tensor:
-    """A lower-triangular ``L`` ``(n, n)`` with ``L L^T = X X^T`` for the rows of ``data`` ``(n, d)``: the Cholesky
-    factor of the Gram matrix, or, where rounding leaves that matrix not positive definite (duplicate or
-    nearly dependent samples), the transposed R of a QR factorization of ``X^T``."""
-    lower, info = torch.linalg.cholesky_ex(data @ data.T)
+def _gram_factor(chunks: list[Tensor]) -> Tensor:
+    """A lower-triangular ``L`` ``(n, n)`` with ``L L^T = X X^T``, ``X`` ``(n, d)`` the rows of ``chunks``: the
+    Cholesky factor of the Gram matrix (built block by block), or, where rounding leaves that matrix not
+    positive definite (duplicate or nearly dependent samples), the transposed R of a QR factorization of
+    ``X^T``."""
+    gram = torch.cat([torch.cat([a @ b.T for b in chunks], dim=1) for a in chunks]) if len(chunks) > 1 \
+        else chunks[0] @ chunks[0].T  # fmt: skip
+    lower, info = torch.linalg.cholesky_ex(gram)
     if int(info) == 0:
         return lower
-    return torch.linalg.qr(data.T, mode="r")[1].T
+    return torch.linalg.qr(torch.cat(chunks).T, mode="r")[1].T
 
 
 __all__ = ["DataSpanHessian", "data_span_hessian"]

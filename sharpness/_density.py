@@ -244,4 +244,4 @@ def hessian_spectral_density(
     op = HessianOperator(obj, hvp)
     generator = torch.Generator(device=op.device).manual_seed(seed)
     result = spectral_density(op, n_probes, n_steps, generator=generator, progress=progress)
-    return dataclasses.replace(result, info=euclidean_info(obj, op))
+    return dataclasses.replace(result, info={**euclidean_info(obj), "hvp_strategy": op.strategy})

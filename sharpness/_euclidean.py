@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from sharpness._data_span import DataSpanHessian, data_span_hessian
+from sharpness._data_span import data_span_hessian
 from sharpness._hessian import HessianOperator
 from sharpness._objective import Objective
 from sharpness._results import EigenResult
@@ -69,18 +69,24 @@ def euclidean_sharpness(
     obj = objective or Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
     start = time.perf_counter()
     result = solve_euclidean(obj, SolveSettings(k, method, tol, max_iter, hvp, seed, progress), data_span)
-    return result.replace(layout=obj.layout, seconds=time.perf_counter() - start)
+    return result.replace(
+        layout=obj.layout, seconds=time.perf_counter() - start, info={**result.info, **euclidean_info(obj)}
+    )
 
 
 def solve_euclidean(objective: Objective, settings: SolveSettings, data_span: bool | None = None) -> EigenResult:
     """Top eigenpairs of the Hessian of ``objective`` under ``settings``, with the first layer in data-span
-    coordinates where they apply (``data_span=None``; ``True`` requires them, ``False`` never uses them; see
-    :mod:`sharpness._data_span`), its ``info`` completed by :func:`euclidean_info`.
+    coordinates where they apply (``data_span=None``; ``True`` raises where they do not, ``False`` never uses
+    them; see :mod:`sharpness._data_span`); ``info`` gains ``hvp_strategy`` and ``data_span`` (the samples and
+    input features of the data-span coordinates the pairs were found in, or ``None``).
 
     In data-span coordinates the Hessian's exact null space outside the span is left out, so when one of the
-    ``k`` eigenvalues found there is not positive (zeros from outside the span may rank above it) the pairs
-    are solved again in full coordinates; ``n_matvec`` counts both solves and the products that map the
-    eigenvectors back.
+    ``k`` eigenvalues found there is not positive (zeros from outside the span may rank above it), or ``k``
+    exceeds the span operator's size, the pairs are solved in full coordinates, whatever ``data_span`` says;
+    ``n_matvec`` counts both solves and the products that map the eigenvectors back. The residuals and history
+    reported are those of the solve that found the pairs: in data-span coordinates, of ``u``, while the
+    eigenvector returned is ``H v / lambda`` normalized (``v`` the parameters ``u`` stands for), whose residual
+    is of the same order.
     """
     op = HessianOperator(objective, settings.hvp)
     span = None if data_span is False else data_span_hessian(op)
@@ -91,28 +97,22 @@ def solve_euclidean(objective: Objective, settings: SolveSettings, data_span: bo
             "data_span=None or False"
         )
     spent = 0
-    if span is not None:
+    if span is not None and settings.k <= span.size:
         result = settings.solve(span)
         values = result.eigenvalues
         if float(values.min()) > _NONZERO_ULPS * torch.finfo(span.dtype).eps * float(values.abs().max()):
             return result.replace(
                 eigenvectors=span.lift(result.eigenvectors),
                 n_matvec=result.n_matvec + result.k,
-                info={**result.info, **euclidean_info(objective, op, span)},
+                info={**result.info, "hvp_strategy": op.strategy, "data_span": span.info()},
             )
         spent = result.n_matvec
     result = settings.solve(op)
-    return result.replace(n_matvec=result.n_matvec + spent, info={**result.info, **euclidean_info(objective, op)})
+    return result.replace(
+        n_matvec=result.n_matvec + spent, info={**result.info, "hvp_strategy": op.strategy, "data_span": None}
+    )
 
 
-def euclidean_info(obj: Objective, op: HessianOperator, span: DataSpanHessian | None = None) -> dict:
-    """What every Euclidean-Hessian result records about its objective and products (``data_span``: the samples
-    and input features of the data-span coordinates the solve ran in, or ``None``)."""
-    return {
-        "metric": "euclidean",
-        "loss": float(obj.value()),
-        "n_params": obj.layout.size,
-        "n_samples": obj.n_samples,
-        "hvp_strategy": op.strategy,
-        "data_span": None if span is None else {"samples": span.samples, "features": span.features},
-    }
+def euclidean_info(obj: Objective) -> dict:
+    """What every Euclidean-Hessian result records about its objective."""
+    return {"metric": "euclidean", "loss": float(obj.value()), "n_params": obj.layout.size, "n_samples": obj.n_samples}

@@ -40,7 +40,7 @@ def minnorm_sharpness(
         :class:`EigenResult` with Euclidean unit eigenvectors at the gauged parameters
         (``coordinates="gauged"``), ``info`` holding ``gauge_iterations``, ``gauge_gamma`` (eq. (20)
         imbalance left), ``gauge_converged``, ``gauge_norm_reduction`` (``||W||^2`` after / before)
-        and what :func:`sharpness._euclidean.euclidean_info` records (``hvp_strategy``, ``data_span``, ...).
+        ``hvp_strategy`` and ``data_span`` (see :func:`sharpness._euclidean.solve_euclidean`).
 
     Raises:
         UnsupportedModelError: positive rescaling is not a symmetry of the model.

@@ -71,8 +71,9 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
         beta_prev: the coefficient coupling rows ``m - 1`` and ``m`` (ignored when ``m == 1``).
 
     Returns:
-        ``(w, alpha, beta)``: the next Lanczos vector ``(n,)``, of unit norm (it lives in the basis's next
-        row, so ``basis.append(w)`` copies nothing), ``alpha = q_m^T A q_m`` and ``beta``, its norm before
+        ``(w, alpha, beta)``: the next Lanczos vector ``(n,)``, of unit norm (built in the basis's next row,
+        so ``basis.append(w)`` copies nothing, unless every block was full and it lives in the spare vector, or
+        the operator's projection made a new one), ``alpha = q_m^T A q_m`` and ``beta``, its norm before
         normalization; ``beta`` is 0 when that vector is rounding (the Krylov space is invariant), and ``w``
         is then meaningless.
     """
@@ -92,7 +93,7 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
     # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
     alpha = float(torch.dot(q, w))
     w.sub_(q, alpha=alpha)
-    if w is product:  # no projection: Gram-Schmidt, the norms and the normalization in two passes over the basis
+    if w is product:  # nothing projected out (project returns v itself then): two passes over the basis
         w, coeffs, beta, before = _orthonormalize(w, basis)
     else:
         w, coeffs, _, before = _gram_schmidt(w, basis, overwrite=True)

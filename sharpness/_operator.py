@@ -62,7 +62,10 @@ class SymmetricOperator(ABC):
         return self._matmat(vs)
 
     def project(self, v: Tensor) -> Tensor:
-        """Orthogonal projection onto the subspace the operator lives on (identity by default)."""
+        """Orthogonal projection onto the subspace the operator lives on (identity by default).
+
+        Contract the solvers rely on: ``v`` is never modified; the result is ``v`` itself when the operator has
+        no projection, and a new tensor otherwise."""
         return v
 
     def to_scipy(self) -> spla.LinearOperator:

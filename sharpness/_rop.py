@@ -397,16 +397,16 @@ def add_products(
     state: ChunkState,
     v: Mapping[str, Tensor],
     into: Mapping[str, Tensor],
-    first_dot: Tensor | None = None,
-    first_errors: Tensor | None = None,
+    first_layer: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
 
     For products whose first-layer weights live in other coordinates (:mod:`sharpness._data_span`),
-    ``first_dot`` ``(chunk, out_features)`` is the first layer's output tangent from its weight (its bias
-    tangent is added to it in place) and ``first_errors``, of the same shape, receives the tangent errors at
-    that output; the first layer's weight is then neither read in ``v`` nor written in ``into``.
+    ``first_layer = (first_dot, first_errors)``, both ``(chunk, out_features)``: the first layer's output tangent
+    from its weight (its bias tangent is added to it in place), and where the tangent errors at that output
+    are written; the first layer's weight is then neither read in ``v`` nor written in ``into``.
     """
+    first_dot, first_errors = first_layer if first_layer is not None else (None, None)
     ops, saved, deltas = chain.ops, state.saved, state.deltas
     # tangent forward; the affine layers' input tangents are kept for the products
     input_dots: dict[int, Tensor | None] = {}

@@ -19,11 +19,20 @@ def span_operator(case, **objective_kwargs) -> DataSpanHessian:
     return span
 
 
+def dense_factor(factor) -> torch.Tensor:
+    """The triangular factor's blocks assembled into one ``(n, n)`` float64 matrix."""
+    n = factor.bounds[-1]
+    out = torch.zeros(n, n, dtype=torch.float64)
+    for (i, j), block in factor.blocks.items():
+        out[factor.rows(i), factor.rows(j)] = block.double()
+    return out
+
+
 def span_map(span: DataSpanHessian) -> torch.Tensor:
     """``(N, size)``: the isometry from the operator's coordinates to parameters, built densely in float64
     (``V = U L^{-1} X`` for the first weight, the identity elsewhere)."""
-    X = span.inputs.double()
-    basis = torch.linalg.solve_triangular(span.factor.dense().double(), X, upper=False)  # L^{-1} X: orthonormal rows
+    X = torch.cat([state.saved[0] for state in span.states]).double()
+    basis = torch.linalg.solve_triangular(dense_factor(span.factor), X, upper=False)  # L^{-1} X: orthonormal rows
     params = span.objective.layout
     columns = []
     for u in torch.eye(span.size, dtype=torch.float64):
@@ -157,11 +166,12 @@ def test_where_data_span_coordinates_do_not_apply():
     # fewer samples than features, but too close to their number for the set-up to pay for itself
     from sharpness._data_span import _pays_off
 
-    assert _pays_off(500, 784, 300) and _pays_off(7, 10, 6)
-    assert not _pays_off(3000, 3072, 300) and not _pays_off(700, 784, 300)
+    assert _pays_off(500, 784, 300) and _pays_off(700, 784, 300) and _pays_off(7, 10, 6)  # F1; 3 x 3 blocks; tiny
+    assert not _pays_off(3000, 3072, 300) and not _pays_off(750, 784, 300)
     torch.manual_seed(0)
-    near = mlp([10, 2, 3]).double().eval()  # 9 samples of 10 features, 2 hidden units
-    X, y = torch.randn(9, 10, generator=torch.Generator().manual_seed(1)), torch.arange(9) % 3
+    near = mlp([310, 2, 3]).double().eval()  # 300 samples of 310 features, 2 hidden units
+    X, y = torch.randn(300, 310, generator=torch.Generator().manual_seed(1)), torch.arange(300) % 3
+    assert not _pays_off(300, 310, 2)
     assert euclidean_sharpness(near, wide.loss_fn, (X, y), tol=1e-8, progress=False).info["data_span"] is None
     # the chunk states do not fit in memory: products stream, the span operator needs them kept
     streamed = Objective(wide.model, wide.loss_fn, wide.data, chunk_size=2, memory_budget=1)
@@ -175,9 +185,12 @@ def test_duplicate_samples_factor_by_qr_and_keep_the_spectrum():
     X, y = torch.cat([case.X, case.X[:2]]), torch.cat([case.y, case.y[:2]])  # 9 samples, rank 7
     with pytest.raises(torch.linalg.LinAlgError):
         torch.linalg.cholesky(X @ X.T)
-    lower = _gram_factor(X)
-    torch.testing.assert_close(lower @ lower.T, X @ X.T, rtol=0, atol=1e-12)
-    assert torch.equal(lower, torch.tril(lower))
+    for chunks in ([X], [X[:4], X[4:]]):
+        lower = _gram_factor(chunks)
+        torch.testing.assert_close(lower @ lower.T, X @ X.T, rtol=0, atol=1e-12)
+        assert torch.equal(lower, torch.tril(lower))
+    well_posed = _gram_factor([case.X[:3], case.X[3:]])  # blocks of the Gram matrix: the Cholesky factor
+    torch.testing.assert_close(well_posed, torch.linalg.cholesky(case.X @ case.X.T), rtol=0, atol=1e-13)
     H = dense_hessian(Objective(case.model, case.loss_fn, (X, y)))
     ref = np.linalg.eigvalsh(H.numpy())[::-1][:3]
     res = euclidean_sharpness(case.model, case.loss_fn, (X, y), k=3, tol=1e-10, progress=False)
@@ -185,3 +198,31 @@ def test_duplicate_samples_factor_by_qr_and_keep_the_spectrum():
     np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
     for lam, v in zip(res.eigenvalues, res.eigenvectors):
         assert float(torch.linalg.vector_norm(H @ v - lam * v)) / float(lam) < 1e-8
+
+
+@pytest.mark.parametrize("n", [7, 374, 375, 1000, 1301])  # 1, 1, 2, 4 and 4 blocks per side
+def test_triangular_products_by_blocks_are_the_dense_ones(n):
+    from sharpness._data_span import _LowerTriangular
+
+    g = torch.Generator().manual_seed(n)
+    lower = torch.tril(torch.randn(n, n, generator=g))
+    factor = _LowerTriangular(lower)
+    assert factor.count == {7: 1, 374: 1, 375: 2, 1000: 4, 1301: 4}[n]
+    b = torch.randn(n, 5, generator=g)
+    torch.testing.assert_close(factor.left(b, torch.empty(n, 5)), lower @ b, rtol=0, atol=1e-10 * n)
+    a = torch.randn(3, n, generator=g)
+    wide = torch.randn(3, n + 4, generator=g)
+    out = wide[:, 2 : n + 2]  # not contiguous: a block of a longer vector, as the operator's output is
+    expected = out + a @ lower
+    factor.right_add(a, out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10 * n)
+    torch.testing.assert_close(dense_factor(factor), lower, rtol=0, atol=0)
+
+
+def test_more_pairs_than_the_span_has_are_solved_in_full_coordinates():
+    case = make_case("mlp_wide")
+    span = span_operator(case)
+    k = span.size + 1
+    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=k, method="power", tol=1e-6, max_iter=200,
+                              progress=False)  # fmt: skip
+    assert res.info["data_span"] is None and res.eigenvalues.shape == (k,)

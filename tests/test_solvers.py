@@ -513,8 +513,13 @@ def test_gram_schmidt_norms_are_those_of_the_vectors(second_pass):
 
 
 @pytest.mark.parametrize("rows", [3, 4, 9])  # the next row mid-block, at a block's start, after full blocks
-def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction(rows):
+def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction(rows, monkeypatch):
+    import sharpness._solver_vectors as vectors
     from sharpness._solver_vectors import KrylovBasis, _subtract_combination
+
+    separate = []  # calls of the path with a separate pass for the norm
+    original = vectors._coefficients
+    monkeypatch.setattr(vectors, "_coefficients", lambda *args: separate.append(1) or original(*args))
 
     n = 40
     block = orthogonal(n, 4)[:rows].clone()
@@ -524,8 +529,11 @@ def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction
     v = torch.randn(n, generator=torch.Generator().manual_seed(2))
     nxt = basis.next_row()
     nxt.copy_(v)
-    for target in (nxt, v.clone()):  # the next row itself (one pass) or any other vector
+    # the next row of a block: one pass; the spare vector of a full basis (rows=4) or any other vector: two
+    for target, passes in ((nxt, [1] if rows % 4 == 0 else []), (v.clone(), [1])):
+        separate.clear()
         coeffs, norm_sq = basis.coefficients_and_norm(target)
+        assert separate == passes
         torch.testing.assert_close(coeffs, block @ v, rtol=0, atol=1e-14)
         assert norm_sq == pytest.approx(float(v @ v), rel=1e-14)
     expected = 0.25 * (v - block.T @ coeffs)
@@ -540,9 +548,14 @@ def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction
 
 
 @pytest.mark.parametrize("case", ["one pass", "second pass", "breakdown"])
-def test_lanczos_step_returns_the_normalized_three_term_recurrence(case):
+def test_lanczos_step_returns_the_normalized_three_term_recurrence(case, monkeypatch):
+    import sharpness._lanczos as lanczos_module
     from sharpness._lanczos import lanczos_step
     from sharpness._solver_vectors import KrylovBasis
+
+    repeated = []  # calls of the general Gram-Schmidt (a repeated pass): only where one pass is not enough
+    original = lanczos_module._gram_schmidt
+    monkeypatch.setattr(lanczos_module, "_gram_schmidt", lambda *a, **kw: repeated.append(1) or original(*a, **kw))
 
     n = 30
     a = with_spectrum(np.linspace(-2.0, 3.0, n), seed=3)
@@ -564,7 +577,9 @@ def test_lanczos_step_returns_the_normalized_three_term_recurrence(case):
     if case == "second pass":  # an operator whose product lies almost in the basis: DGKS repeats the pass
         near = basis[0] * 5.0 + basis[1] * 3.0
         op = CallableOperator(lambda v: near + 1e-6 * a @ v, n, torch.float64)
+    repeated.clear()
     w2, alpha2, beta2 = lanczos_step(op, basis, beta)
+    assert repeated == ([1] if case == "second pass" else [])
     if case == "breakdown":
         assert beta2 == 0.0
         return
