@@ -197,8 +197,8 @@ def _gram_factor(chunks: list[Tensor]) -> Tensor:
     Cholesky factor of the Gram matrix (built block by block), or, where rounding leaves that matrix not
     positive definite (duplicate or nearly dependent samples), the transposed R of a QR factorization of
     ``X^T``."""
-    gram = torch.cat([torch.cat([a @ b.T for b in chunks], dim=1) for a in chunks]) if len(chunks) > 1 \
-        else chunks[0] @ chunks[0].T  # fmt: skip
+    rows = [torch.cat([a @ b.T for b in chunks], dim=1) for a in chunks]
+    gram = rows[0] if len(rows) == 1 else torch.cat(rows)
     lower, info = torch.linalg.cholesky_ex(gram)
     if int(info) == 0:
         return lower
