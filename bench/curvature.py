@@ -69,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _workloads import WORKLOADS, build_model, make_workload  # noqa: E402
 
-from sharpness import HessianOperator, Objective, euclidean_sharpness, hessian_spectral_density  # noqa: E402
+from sharpness import HessianOperator, Objective, Solver, euclidean_sharpness, hessian_spectral_density  # noqa: E402
 
 TARGET_ACCURACY = 1e-5
 HVP_TARGET = 1.3
@@ -405,9 +405,7 @@ def reference_eigenvalue(w) -> dict[str, Any]:
     model, loss_fn, X, y = w.model, w.loss_fn, w.X, w.y
     obj = Objective(model, loss_fn, (X, y), dtype=torch.float64)  # one float64 graph for both solvers
     secs, _, res = timed(
-        lambda: euclidean_sharpness(
-            model, loss_fn, (X, y), k=1, method="lanczos", tol=1e-10, progress=False, objective=obj
-        )
+        lambda: euclidean_sharpness(None, None, None, 1, solver=Solver(tol=1e-10), progress=False, objective=obj)
     )
     op = HessianOperator(obj)
     v0 = np.random.default_rng(2).standard_normal(op.size)
@@ -445,8 +443,8 @@ def solver_families(w, peers: dict[str, Any], quick: bool) -> list[tuple[str, st
 
     def ours(method, tol, data_span=None):
         def run(seed):
-            r = euclidean_sharpness(model, loss_fn, (X, y), k=1, method=method, tol=tol, seed=seed, progress=False,
-                                    data_span=data_span)  # fmt: skip
+            r = euclidean_sharpness(model, loss_fn, (X, y), 1, solver=Solver(method, tol, seed=seed),
+                                    data_span=data_span, progress=False)  # fmt: skip
             return float(r.value), r.n_matvec
 
         return run
@@ -751,22 +749,10 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     else:
 
         def op():
-            objective = None
-            if "memory_budget" in spec:
-                objective = Objective(model, loss_fn, (X, y), chunk_size=spec.get("chunk_size"),
-                                      memory_budget=spec["memory_budget"])  # fmt: skip
-            return euclidean_sharpness(
-                model,
-                loss_fn,
-                (X, y),
-                k=1,
-                method=spec["method"],
-                tol=spec["tol"],
-                chunk_size=spec.get("chunk_size"),
-                hvp=spec.get("hvp", "auto"),
-                progress=False,
-                objective=objective,
-            )
+            budget = {"memory_budget": spec["memory_budget"]} if "memory_budget" in spec else {}
+            objective = Objective(model, loss_fn, (X, y), chunk_size=spec.get("chunk_size"), **budget)
+            solver = Solver(spec["method"], spec["tol"], hvp=spec.get("hvp", "auto"))
+            return euclidean_sharpness(None, None, None, 1, solver=solver, progress=False, objective=objective)
 
     def clean():
         model.zero_grad(set_to_none=True)
@@ -944,12 +930,13 @@ def section_pitfalls(w, peers: dict[str, Any], solve: dict[str, Any] | None) -> 
     v = torch.randn(n, generator=torch.Generator().manual_seed(4))
     exact_obj = Objective(model, loss_fn, (X, y), dtype=torch.float64)
     exact = exact_obj.hvp(v.double(), "double_backward")
-    lam_exact = float(euclidean_sharpness(model, loss_fn, (X, y), tol=1e-10, dtype=torch.float64, progress=False).value)
+    lam_exact = float(euclidean_sharpness(model, loss_fn, (X, y), solver=Solver(tol=1e-10), dtype=torch.float64,
+                                          progress=False).value)  # fmt: skip
     split: dict[str, Any] = {"lambda_exact": lam_exact}
     ours = Objective(model, loss_fn, batches)
     split["ours"] = {
         "hvp_rel_err": flat_rel_err(ours.hvp(v, "double_backward"), exact),
-        "lambda": float(euclidean_sharpness(model, loss_fn, batches, tol=1e-8, progress=False).value),
+        "lambda": float(euclidean_sharpness(model, loss_fn, batches, solver=Solver(tol=1e-8), progress=False).value),
     }
     if "hessian-eigenthings" in peers:
         he = peers["hessian-eigenthings"]

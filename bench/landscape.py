@@ -45,7 +45,7 @@ _workloads = sys.modules["_workloads"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_workloads)
 make_workload = _workloads.make_workload
 
-from landscape import loss_plane, random_directions  # noqa: E402
+from landscape import DirectionSpec, Grid, loss_plane, random_directions  # noqa: E402
 from sharpness import Objective, evaluate_grid, grid_axis  # noqa: E402
 
 
@@ -94,16 +94,16 @@ def time_loss_landscapes(model, loss_fn, X, y, steps: int, span: float, no_grad:
 def plane_kinds(model, loss_fn, X, y, steps: int) -> list[dict]:
     """Time ``landscape.loss_plane`` for every kind of plane: directions (and their eigen-solves) and grid."""
     kinds = {
-        "random, filter-normalized (straight)": {"directions": "random"},
-        "invariant-eigen, node metric (straight)": {"directions": "invariant-eigen"},
-        "invariant-eigen, node metric (geodesic)": {"directions": "invariant-eigen", "path": "geodesic"},
-        "G-space, chain roots held": {"directions": "gspace", "span": 0.5},
+        "random, filter-normalized (straight)": (DirectionSpec("random"), 1.0),
+        "invariant-eigen, node metric (straight)": (DirectionSpec("invariant-eigen"), 1.0),
+        "invariant-eigen, node metric (geodesic)": (DirectionSpec("invariant-eigen", path="geodesic"), 1.0),
+        "G-space, chain roots held": (DirectionSpec("gspace"), 0.5),
     }
     print(f"\nplane kinds, {steps}x{steps} grid (landscape.loss_plane; direction time includes eigen-solves)")
     print(f"{'plane':<42} {'strategy':>12} {'directions s':>13} {'grid s':>7} {'points/s':>9}")
     rows = []
-    for name, kwargs in kinds.items():
-        surface = loss_plane(model, loss_fn, (X, y), steps=steps, progress=False, **{"span": 1.0, **kwargs})
+    for name, (spec, span) in kinds.items():
+        surface = loss_plane(model, loss_fn, (X, y), spec, grid=Grid(span, steps), progress=False)
         meta = surface.metadata
         row = {"plane": name, "strategy": meta["strategy"], "direction_seconds": meta["direction_seconds"],
                "grid_seconds": meta["grid_seconds"], "points_per_second": steps**2 / meta["grid_seconds"]}  # fmt: skip

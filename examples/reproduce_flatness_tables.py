@@ -216,11 +216,8 @@ def measure_point(model: nn.Module, data: tuple[Tensor, Tensor], kind: str, star
             # Measures that move by orders of magnitude need no tight tolerance (saves products).
             loose = measure == "euclidean" or (kind == "node" and measure == "layer")
             tol = args.loose_tol if loose else tols[dtype]
-            common = dict(tol=tol, max_iter=args.max_iter, seed=start_seed, progress=args.progress, objective=obj)
-            if measure == "euclidean":
-                res = sharpness.euclidean_sharpness(model, loss_fn, data, **common)
-            else:
-                res = sharpness.invariant_sharpness(model, loss_fn, data, metric=measure, **common)
+            solver = sharpness.Solver(tol=tol, max_iter=args.max_iter, seed=start_seed)
+            res = sharpness.get_measure(measure).sharpness(obj, 1, solver, args.progress)
             out[f"{measure} {_dtype_name(dtype)}"] = {
                 "value": res.value,
                 "n_matvec": res.n_matvec,

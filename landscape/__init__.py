@@ -15,6 +15,8 @@ from landscape._plot_mpl import save_figure as save_figure
 from landscape._plot_mpl import surface_figure as surface_figure
 from landscape._plot_plotly import plotly_figure as plotly_figure
 from landscape._plot_plotly import write_html as write_html
+from landscape._specs import DirectionSpec as DirectionSpec
+from landscape._specs import Grid as Grid
 from landscape._surface import Surface as Surface
 from landscape._surfaces import loss_line as loss_line
 from landscape._surfaces import loss_plane as loss_plane
@@ -27,7 +29,9 @@ from sharpness import grid_axis as grid_axis
 
 __all__ = [
     "TOY_FIGURES",
+    "DirectionSpec",
     "Directions",
+    "Grid",
     "GridValues",
     "Surface",
     "eigen_directions",

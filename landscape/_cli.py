@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 from landscape._directions import NORMALIZATIONS
+from landscape._specs import DirectionSpec, Grid
 from manifolds import UnsupportedModelError
+from sharpness import Objective
 from sharpness._cli import add_model_arguments, load_problem
 from sharpness._data import DataError
 
@@ -196,12 +198,14 @@ def _fixed(args: argparse.Namespace) -> int:
     from landscape._plot_plotly import plotly_figure, write_html
 
     values = _check_values(args.values)
+    spec = DirectionSpec(norm=args.norm, bias=args.bias, seed=args.seed)
+    grid = Grid(span=args.span, steps=args.steps)
     model, loss_fn, data, _, dtype = _load(args)
     start = time.perf_counter()
+    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=int(args.memory_mib * 2**20))
     surfaces = fixed_weight_planes(
-        model, loss_fn, data, values, reading=args.reading, selection=args.selection, span=args.span,
-        steps=args.steps, norm=args.norm, bias=args.bias, seed=args.seed, dtype=dtype,
-        memory_budget=args.memory_mib * 2**20, progress=False if args.quiet else None,
+        None, None, None, values, reading=args.reading, selection=args.selection, directions=spec, grid=grid,
+        objective=objective, progress=False if args.quiet else None,
     )  # fmt: skip
     total = time.perf_counter() - start
     surfaces = [
@@ -325,20 +329,21 @@ def _real(args: argparse.Namespace) -> int:
         raise ValueError("--to draws the straight segment between two checkpoints; leave out --directions and --path")
     if args.roots != "fixed" and args.directions != "gspace":
         raise ValueError(f"--roots {args.roots} applies to --directions gspace only")
+    spec = DirectionSpec(args.directions, args.norm, args.bias, args.metric, args.path, args.roots, args.seed)
+    grid = Grid(span=args.span, steps=args.steps or (41 if getattr(args, "to", None) else 51))
 
     model, loss_fn, data, target, dtype = _load(args)
-    steps = args.steps or (41 if getattr(args, "to", None) else 51)
-    common = dict(
-        directions=args.directions, span=args.span, steps=steps, norm=args.norm, bias=args.bias,
-        metric=args.metric, path=args.path, roots=args.roots, seed=args.seed, dtype=dtype,
-        memory_budget=args.memory_mib * 2**20, progress=False if args.quiet else None,
-    )  # fmt: skip
+    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=int(args.memory_mib * 2**20))
+    progress = False if args.quiet else None
     start = time.perf_counter()
     if args.command == "plane":
-        surface = loss_plane(model, loss_fn, data, **common)
+        surface = loss_plane(None, None, None, spec, grid=grid, objective=objective, progress=progress)
     else:
         lim = tuple(args.range) if args.range else None
-        surface = loss_line(model, loss_fn, data, to=target, lim=lim, **common)
+        if target is not None:
+            spec = DirectionSpec()  # the segment: its direction is the difference of the two checkpoints
+        surface = loss_line(None, None, None, spec, to=target, lim=lim, grid=grid, objective=objective,
+                            progress=progress)  # fmt: skip
     surface = surface.replace(
         metadata={
             **surface.metadata, "model": args.model, "checkpoint": args.checkpoint, "data": args.data,

@@ -27,13 +27,24 @@ import torch
 from torch import Tensor, nn
 
 from manifolds import GSpace, ParamLayout
-from sharpness import Objective, euclidean_sharpness, invariant_sharpness
+from sharpness import MEASURES, Measure, Objective, Solver, get_measure
 
 NORMALIZATIONS = ("filter", "layer", "element", "none")
 BIAS_MODES = ("zero", "keep")
-EIGEN_METRICS = ("euclidean", "node", "layer")
 GSPACE_NORMALIZATIONS = ("element", "layer", "none")
 GSPACE_ROOTS = ("fixed", "free")
+
+
+def check_normalization(norm: str, gspace: bool = False) -> None:
+    """Refuse a normalization that random (or, with ``gspace``, G-space) directions do not have."""
+    if gspace and norm not in GSPACE_NORMALIZATIONS:
+        raise ValueError(
+            f"G-space directions are normalized per coordinate ('element'), per coordinate block ('layer') or not at "
+            f"all ('none'), not {norm!r}: "
+            "the coordinates of later layers are not arranged by output unit, so there are no filters"
+        )
+    if not gspace and norm not in NORMALIZATIONS:
+        raise ValueError(f"unknown direction normalization {norm!r}; choose one of {', '.join(NORMALIZATIONS)}")
 
 
 @dataclass(frozen=True)
@@ -81,8 +92,7 @@ def normalize_direction(
     Returns:
         A new ``{name: tensor}``; rows or tensors where ``theta`` or ``d`` is zero become zero.
     """
-    if norm not in NORMALIZATIONS:
-        raise ValueError(f"unknown direction normalization {norm!r}; choose one of {', '.join(NORMALIZATIONS)}")
+    check_normalization(norm)
     if bias not in BIAS_MODES:
         raise ValueError(f"unknown bias handling {bias!r}; choose one of {', '.join(BIAS_MODES)}")
     out = {}
@@ -143,12 +153,12 @@ def random_directions(
 def eigen_directions(
     objective: Objective,
     k: int = 2,
-    metric: str = "euclidean",
+    metric: str | Measure = "euclidean",
     tol: float = 1e-4,
     seed: int = 0,
     progress: bool | None = None,
 ) -> Directions:
-    """The top ``k`` Hessian eigenvectors at the objective's parameters.
+    """The top ``k`` Hessian eigenvectors of a measure at the objective's parameters.
 
     ``metric="euclidean"``: eigenvectors of the Euclidean Hessian (unit Euclidean norm).
     ``metric="node"`` / ``"layer"``: eigenvectors of the Riemannian Hessian on the node-wise /
@@ -157,36 +167,36 @@ def eigen_directions(
     ``sum_k (xi_k / w_k)^2 = 1``: relative changes of the weights). Planes along them are drawn as
     straight lines ``theta + a xi_1 + b xi_2`` (the first-order retraction), or with
     ``path="geodesic"`` (:func:`landscape.loss_plane`) along the metric's exact exponential map.
+    Any measure with a metric ball (:attr:`sharpness.Measure.has_ball`) works, by name or object; the
+    others return vectors at another point (a canonical representative) or in other coordinates.
 
     Returns:
-        :class:`Directions` of kind ``"eigen"`` or ``"invariant-eigen"``; ``info`` holds
-        ``metric``, ``eigenvalues``, ``residuals``, ``converged`` and ``n_hvp``.
+        :class:`Directions` of kind ``"eigen"`` (a measure without invariance) or ``"invariant-eigen"``;
+        ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged`` and ``n_hvp``.
     """
-    if metric not in EIGEN_METRICS:
-        raise ValueError(f"unknown eigenvector metric {metric!r}; choose one of {', '.join(EIGEN_METRICS)}")
-    if metric == "euclidean":
-        result = euclidean_sharpness(
-            objective.model, objective.loss_fn, None, k=k, tol=tol, seed=seed, progress=progress, objective=objective
+    measure = get_measure(metric)
+    if not measure.has_ball:
+        eligible = ", ".join(name for name, m in MEASURES.items() if m.has_ball)
+        raise ValueError(
+            f"eigenvector directions need tangent vectors at the point with a metric; the {measure.name!r} measure "
+            f"has none (choose one of {eligible})"
         )
-    else:
-        result = invariant_sharpness(
-            objective.model, objective.loss_fn, None, metric=metric, k=k, tol=tol, seed=seed, progress=progress,
-            objective=objective,
-        )  # fmt: skip
+    result = measure.sharpness(objective, k, Solver(tol=tol, seed=seed), progress)
     values = result.eigenvalues.tolist()
-    prefix = "v" if metric == "euclidean" else "ξ"
+    invariant = bool(measure.invariant_under)
+    prefix = "ξ" if invariant else "v"
     return Directions(
         vectors=result.eigenvectors.to(objective.dtype),
-        kind="eigen" if metric == "euclidean" else "invariant-eigen",
+        kind="invariant-eigen" if invariant else "eigen",
         labels=tuple(f"{prefix}{i + 1} (λ{i + 1} = {v:.3g})" for i, v in enumerate(values)),
         info={
-            "metric": metric,
+            "metric": measure.name,
             "eigenvalues": values,
             "residuals": result.residuals.tolist(),
             "converged": bool(result.converged),
             "n_hvp": int(result.n_matvec),
             "seed": seed,
-            "normalization": "unit Euclidean norm" if metric == "euclidean" else "unit norm in the quotient metric",
+            "normalization": f"unit norm in the {measure.name} metric",
         },
     )
 
@@ -260,12 +270,7 @@ def gspace_directions(
         ``seeds``, ``normalization``, ``bias``, ``distribution``, ``roots``, ``fixed_coordinates``,
         ``dim`` and ``blocks``.
     """
-    if norm not in GSPACE_NORMALIZATIONS:
-        raise ValueError(
-            f"G-space directions are normalized per coordinate ('element'), per coordinate block ('layer') or not at "
-            f"all ('none'), not {norm!r}: "
-            "the coordinates of later layers are not arranged by output unit, so there are no filters"
-        )
+    check_normalization(norm, gspace=True)
     if roots not in GSPACE_ROOTS:
         raise ValueError(f"unknown chain-root handling {roots!r}; choose one of {', '.join(GSPACE_ROOTS)}")
     if k < 1:

@@ -21,10 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from landscape._directions import Directions, random_directions
+from landscape._specs import DirectionSpec, Grid
 from landscape._surface import Surface
-from landscape._surfaces import _describe, _objective, loss_plane
+from landscape._surfaces import _describe, loss_plane
 from manifolds import FixedWeightSpace
-from sharpness import Objective
+from sharpness import Objective, build_objective
 
 READINGS = ("a", "b")
 
@@ -75,25 +76,18 @@ def free_plane_directions(
 
 
 def fixed_weight_planes(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module | None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
     data: object,
     values: Sequence[float] = (0.5, 1.0, 2.0),
     *,
     reading: str = "a",
     selection: str | Mapping[str, Tensor] = "diagonal",
-    span: float = 1.0,
-    steps: int = 31,
-    norm: str = "filter",
-    bias: str = "zero",
-    seed: int = 0,
-    strategy: str = "auto",
+    directions: DirectionSpec | None = None,
+    grid: Grid | None = None,
     dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    chunk_size: int | None = None,
-    memory_budget: int = 2 * 2**30,
-    progress: bool | None = None,
     objective: Objective | None = None,
+    progress: bool | None = None,
 ) -> list[Surface]:
     """One loss plane in the free-weight subspace per fixed-weight value ``b``.
 
@@ -105,27 +99,30 @@ def fixed_weight_planes(
             every fixed weight ``+-b`` (same function, another gauge).
         selection: which weights are fixed (``"diagonal"``, ``"hungarian"`` or a mask), chosen once at
             the model's parameters (the Hungarian selection aims at the geometric mean of ``values``).
-        span, steps, norm, bias, seed, strategy, dtype, device, chunk_size, memory_budget, progress,
-        objective: as for :func:`landscape.loss_plane`. The directions of every plane use seeds
-            ``seed`` and ``seed + 1``, are normalized against that plane's center and are zero on the
-            fixed entries.
+        directions: random directions only (``DirectionSpec(norm=..., bias=..., seed=...)``; default filter
+            normalization): the directions of every plane use seeds ``seed`` and ``seed + 1``, are normalized
+            against that plane's center and are zero on the fixed entries.
+        grid: span, points per axis and strategy (default ``Grid(steps=31)``).
+        dtype, objective, progress: as for :func:`landscape.loss_plane`.
 
     Returns:
         One :class:`Surface` per value, with the title naming the reading and ``b``, ``extras["fixed"]``
         holding ``b`` and metadata ``reading``, ``fixed_value``, ``selection``, ``n_fixed``, ``n_free``.
     """
+    spec, grid = directions or DirectionSpec(), grid or Grid(steps=31)
+    if spec.kind != "random" or spec.path != "straight":
+        raise ValueError("fixed-weight planes use random straight directions in the free weights; set only their "
+                         "norm, bias and seed")  # fmt: skip
     values = _check_values(values)
     if reading not in READINGS:
         raise ValueError(f"unknown reading {reading!r}; choose 'a' (set the fixed weights) or 'b' (rescale)")
-    base = _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget)
+    base = build_objective(model, loss_fn, data, objective, dtype=dtype)
     target = math.exp(sum(math.log(v) for v in values) / len(values))
     space = FixedWeightSpace(base.model, selection, value=target, params=base.params)
     surfaces = []
     for b, center in zip(values, fixed_weight_centers(base, space, values, reading)):
-        d = free_plane_directions(center, space, seed, norm, bias)
-        obj = base.with_params(center)
-        s = loss_plane(model, loss_fn, data, directions=d, span=span, steps=steps, strategy=strategy,
-                       progress=progress, objective=obj)  # fmt: skip
+        d = free_plane_directions(center, space, spec.seed, spec.normalization, spec.bias)
+        s = loss_plane(None, None, None, d, grid=grid, objective=base.with_params(center), progress=progress)
         selection_name = selection if isinstance(selection, str) else "mask"
         surfaces.append(
             s.replace(

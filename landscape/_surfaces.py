@@ -24,6 +24,7 @@ Curved charts are evaluated with :func:`sharpness.evaluate_points`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,6 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from landscape._directions import (
-    GSPACE_ROOTS,
     Directions,
     chain_root_mask,
     eigen_directions,
@@ -43,63 +43,44 @@ from landscape._directions import (
     segment_direction,
     trainable,
 )
+from landscape._specs import DirectionSpec, Grid, as_direction_spec
 from landscape._surface import Surface
-from manifolds import GSpace, LayerScaleQuotient, NodeScaleQuotient, analyze
-from sharpness import Objective, evaluate_grid, evaluate_points, grid_axis
+from manifolds import GSpace
+from sharpness import (
+    Measure,
+    Objective,
+    QuotientMeasure,
+    build_objective,
+    evaluate_grid,
+    evaluate_points,
+    get_measure,
+    grid_axis,
+)
 
-DIRECTION_KINDS = ("random", "eigen", "invariant-eigen", "gspace")
-PATHS = ("straight", "geodesic")
 SEGMENT_RANGE = (-0.5, 1.5)
 
 
-def _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget) -> Objective:
-    if objective is not None:
-        return objective
-    return Objective(
-        model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device, memory_budget=memory_budget
-    )
-
-
-def _norm(kind: str | Directions, norm: str | None) -> str:
-    """The normalization in use: ``norm``, or the default of the direction kind (filter; element in G-space)."""
-    if norm is not None:
-        return norm
-    return "element" if kind == "gspace" else "filter"
-
-
 def make_directions(
-    objective: Objective,
-    kind: str | Directions,
-    k: int,
-    seed: int = 0,
-    norm: str | None = None,
-    bias: str = "zero",
-    metric: str = "node",
-    progress: bool | None = None,
-    gspace: GSpace | None = None,
-    roots: str = "fixed",
+    objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None, gspace: GSpace | None = None
 ) -> Directions:
-    """``k`` directions at the objective's parameters: ``"random"`` (normalized by ``norm``/``bias``),
-    ``"eigen"`` (Euclidean Hessian), ``"invariant-eigen"`` (Riemannian Hessian under ``metric``) or
-    ``"gspace"`` (random in G-space coordinates, normalized per coordinate by default, chain roots ``roots``;
-    needs ``gspace``); a :class:`Directions` is passed through after a shape check."""
-    if isinstance(kind, Directions):
-        size = gspace.dim if kind.kind == "gspace" and gspace is not None else objective.layout.size
-        if kind.vectors.shape != (k, size):
-            raise ValueError(f"expected {k} directions of length {size}, got shape {tuple(kind.vectors.shape)}")
-        return kind
-    if kind == "random":
-        return random_directions(objective.params, k, seed, _norm(kind, norm), bias)
-    if kind == "eigen":
-        return eigen_directions(objective, k, "euclidean", seed=seed, progress=progress)
-    if kind == "invariant-eigen":
-        return eigen_directions(objective, k, metric, seed=seed, progress=progress)
-    if kind == "gspace":
-        if gspace is None:
-            raise ValueError("G-space directions need the network's GSpace (gspace=manifolds.GSpace(model))")
-        center = gspace.coordinates(objective.params)
-        return gspace_directions(gspace, center, k, seed, _norm(kind, norm), bias, roots)
-    raise ValueError(f"unknown direction kind {kind!r}; choose one of {', '.join(DIRECTION_KINDS)}")
+    """``k`` directions at the objective's parameters as ``spec`` says (G-space directions need ``gspace``);
+    given :class:`Directions` are passed through after a shape check."""
+    if isinstance(spec.kind, Directions):
+        given = spec.kind
+        size = gspace.dim if given.kind == "gspace" and gspace is not None else objective.layout.size
+        if given.vectors.shape != (k, size):
+            raise ValueError(f"expected {k} directions of length {size}, got shape {tuple(given.vectors.shape)}")
+        return given
+    if spec.kind == "random":
+        return random_directions(objective.params, k, spec.seed, spec.normalization, spec.bias)
+    if spec.kind == "eigen":
+        return eigen_directions(objective, k, "euclidean", seed=spec.seed, progress=progress)
+    if spec.kind == "invariant-eigen":
+        return eigen_directions(objective, k, spec.metric, seed=spec.seed, progress=progress)
+    if gspace is None:
+        raise ValueError("G-space directions need the network's GSpace (gspace=manifolds.GSpace(model))")
+    center = gspace.coordinates(objective.params)
+    return gspace_directions(gspace, center, k, spec.seed, spec.normalization, spec.bias, spec.roots)
 
 
 @dataclass(frozen=True)
@@ -133,9 +114,7 @@ class Chart:
         )
 
 
-def _gspace_chart(
-    objective: Objective, directions: str | Directions, k: int, seed: int, norm, bias, roots: str
-) -> Chart:
+def _gspace_chart(objective: Objective, spec: DirectionSpec, k: int) -> Chart:
     """``w(v + sum c_i d_i)``: a plane in G-space coordinates mapped back to weights."""
     gs = GSpace(objective.model, params=objective.params)  # refuses unsupported models, naming the module
     missing = [n for n in objective.layout.names if n not in gs.names]
@@ -145,7 +124,7 @@ def _gspace_chart(
             "for it; G-space planes need a model whose parameters are all layer weights and biases"
         )
     v = gs.coordinates(objective.params).detach()
-    d = make_directions(objective, directions, k, seed, norm, bias, gspace=gs, roots=roots)
+    d = make_directions(objective, spec, k, gspace=gs)
     D = d.vectors.to(v)
     names = objective.layout.names
     weights = vmap(lambda u: gs.weights(u, check=False))  # crossed singularities are counted instead
@@ -187,69 +166,27 @@ def _gspace_chart(
     return Chart(d, "gspace", point_fn, info, crossed, first_layer=(ends[0], ends[1:] - ends[0]))
 
 
-def _geodesic_chart(objective: Objective, d: Directions) -> Chart:
+def _geodesic_chart(objective: Objective, d: Directions, measure: Measure) -> Chart:
     """``Exp_theta(sum c_i xi_i)`` with the exact exponential map of the eigenvectors' quotient metric."""
-    metric = d.info.get("metric")
-    if metric not in ("node", "layer"):
-        raise ValueError(f"invariant-eigen directions need info['metric'] 'node' or 'layer', got {metric!r}")
-    structure = analyze(objective.model)
-    quotient = (NodeScaleQuotient if metric == "node" else LayerScaleQuotient)(
-        objective.params, structure, objective.layout
-    )
-    D = d.vectors.to(objective.device, objective.dtype)
-    if metric == "node":
-        # Exp_theta(xi) = theta * exp(sign(theta) G^{1/2} xi) is entry-wise and its exponent linear in xi: precompute
-        # the exponent's directions, so a batch costs one product, one exp and one multiplication (equal to
-        # quotient.expmap to rounding, zero weights included: their rows of G^{1/2} are 0)
-        theta, exponent = quotient.point, quotient.whiten(D) * torch.sign(quotient.point)
-
-        def point_fn(c: Tensor) -> Tensor:
-            return theta * torch.exp(c @ exponent)
-
-    else:
-
-        def point_fn(c: Tensor) -> Tensor:
-            return torch.stack([quotient.expmap(xi) for xi in c @ D])
-
-    detail = {
-        "node": "theta(a, b) = Exp_theta(a ξ1 + b ξ2) = theta * exp((a ξ1 + b ξ2) / theta) entry-wise: the exact "
-        "geodesic of the node-wise metric sum ξ_k^2 / theta_k^2 (a straight line in log|theta|; zero weights stay 0)",
-        "layer": "theta(a, b) = Exp_theta(a ξ1 + b ξ2): the exact geodesic of the layer-wise metric, per tensor a "
-        "cylinder R x S^(d-1) (log-norm moves linearly, the direction turns on the sphere)",
-    }[metric]
-    return Chart(d, "geodesic", point_fn, {"path": "geodesic", "path_detail": detail, "path_metric": metric})
-
-
-def make_chart(
-    objective: Objective,
-    directions: str | Directions,
-    k: int,
-    seed: int = 0,
-    norm: str | None = None,
-    bias: str = "zero",
-    metric: str = "node",
-    path: str = "straight",
-    progress: bool | None = None,
-    roots: str = "fixed",
-) -> Chart:
-    """The directions and the map from grid coordinates to parameters (see the module docstring)."""
-    if path not in PATHS:
-        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
-    if roots not in GSPACE_ROOTS:
-        raise ValueError(f"unknown chain-root handling {roots!r}; choose one of {', '.join(GSPACE_ROOTS)}")
-    kind = directions.kind if isinstance(directions, Directions) else directions
-    if roots != "fixed" and kind != "gspace":
-        raise ValueError(f"roots={roots!r} applies to G-space directions only, not to {kind} directions")
-    if path == "geodesic" and kind != "invariant-eigen":
+    if d.info.get("metric") != measure.name or not isinstance(measure, QuotientMeasure):
         raise ValueError(
-            f"the geodesic path follows the quotient metric of invariant-eigen directions, not of {kind} directions; "
-            "use invariant-eigen directions or the straight path"
+            f"geodesic planes need invariant-eigen directions of a quotient metric, got {d.info.get('metric')!r} "
+            f"directions under the {measure.name!r} measure"
         )
-    if kind == "gspace":
-        return _gspace_chart(objective, directions, k, seed, norm, bias, roots)
-    d = make_directions(objective, directions, k, seed, norm, bias, metric, progress)
-    if path == "geodesic":
-        return _geodesic_chart(objective, d)
+    quotient = measure.quotient(objective)
+    point_fn = quotient.geodesic_map(d.vectors.to(objective.device, objective.dtype))
+    detail = f"theta(a, b) = Exp_theta(a ξ1 + b ξ2): {quotient.geodesic}"
+    return Chart(d, "geodesic", point_fn, {"path": "geodesic", "path_detail": detail, "path_metric": measure.name})
+
+
+def make_chart(objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None) -> Chart:
+    """The directions and the map from grid coordinates to parameters (see the module docstring)."""
+    if spec.kind_name == "gspace":
+        return _gspace_chart(objective, spec, k)
+    d = make_directions(objective, spec, k, progress)
+    if spec.path == "geodesic":
+        given = isinstance(spec.kind, Directions)
+        return _geodesic_chart(objective, d, get_measure(d.info.get("metric") if given else spec.metric))
     return Chart(d, "straight", None, {"path": "straight", "path_detail": "theta + sum_i c_i d_i"})
 
 
@@ -314,58 +251,32 @@ def _crossed(chart: Chart, coords: np.ndarray, shape: tuple[int, ...]) -> tuple[
 
 
 def loss_plane(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module | None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
     data: object,
+    directions: str | Directions | DirectionSpec = "random",
     *,
-    directions: str | Directions = "random",
-    span: float = 1.0,
-    steps: int = 51,
-    norm: str | None = None,
-    bias: str = "zero",
-    metric: str = "node",
-    path: str = "straight",
-    roots: str = "fixed",
-    seed: int = 0,
-    strategy: str = "auto",
+    grid: Grid | None = None,
     dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    chunk_size: int | None = None,
-    memory_budget: int = 2 * 2**30,
-    progress: bool | None = None,
     objective: Objective | None = None,
+    progress: bool | None = None,
 ) -> Surface:
     """The whole-data-set loss on a plane through ``theta``, ``a, b in [-span, span]``.
 
     The plane is ``theta + a d1 + b d2`` (``path="straight"``), ``Exp_theta(a xi1 + b xi2)`` for
     invariant-eigen directions with ``path="geodesic"``, or ``w(v + a d1 + b d2)`` in G-space for
-    ``directions="gspace"`` (see the module docstring).
+    G-space directions (see the module docstring).
 
     Args:
         model, loss_fn, data: as for :class:`sharpness.Objective`; ``theta`` is the model's parameters
-            (read, never modified).
-        directions: ``"random"``, ``"eigen"``, ``"invariant-eigen"``, ``"gspace"`` or a
-            :class:`Directions` with two rows (of kind ``"gspace"``: in G-space coordinates).
-        span: half-width of the square in direction units.
-        steps: grid points per axis; the grid always contains ``(0, 0)`` (inserted when ``steps`` is even).
-        norm, bias: normalization of random directions (``"filter"``, ``"layer"``, ``"none"``; default
-            ``"filter"``, and ``"layer"``, i.e. per coordinate block, for G-space directions; biases
-            ``"zero"`` or ``"keep"``).
-        metric: quotient metric of ``"invariant-eigen"`` directions (``"node"`` or ``"layer"``).
-        path: ``"straight"`` (default) or ``"geodesic"`` (invariant-eigen directions only: the exact
-            exponential map of ``metric``).
-        roots: G-space directions only: ``"fixed"`` (default) holds the chain-root coordinates at the
-            centre's values, so no hidden unit's chain value changes and ``w`` has no singular line on
-            the plane; ``"free"`` moves them like every other coordinate (see
-            :func:`landscape.gspace_directions`). Given :class:`Directions` are used as they are.
-        seed: seed of the random directions (direction ``i`` uses ``seed + i``) or of the eigen-solver.
-        strategy: grid evaluation strategy (see :func:`sharpness.evaluate_grid`; curved planes use
-            :func:`sharpness.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean the loop on
-            CPU and vmap elsewhere).
-        dtype, device, chunk_size, memory_budget: evaluation settings of the objective.
+            (read, never modified); not used when ``objective`` is given.
+        directions: a :class:`DirectionSpec` (kind, normalization, metric, path, chain roots, seed), or just
+            its kind (``"random"``, ``"eigen"``, ``"invariant-eigen"``, ``"gspace"``) or precomputed
+            :class:`Directions` with two rows (of kind ``"gspace"``: in G-space coordinates) with the defaults.
+        grid: span, points per axis and evaluation strategy (default ``Grid()``: span 1, 51 x 51 points).
+        dtype: evaluation dtype (``None``: the model's).
+        objective: an existing objective (chunking, device and memory budget set there) instead of a new one.
         progress: progress bars (``None``: only on a terminal).
-        objective: reuse an existing objective (then ``model``, ``loss_fn``, ``data`` and the evaluation
-            settings are taken from it).
 
     Returns:
         :class:`Surface` with ``loss[i, j]`` at ``(x[j], y[i])``, the accuracy for class-index
@@ -379,16 +290,15 @@ def loss_plane(
         manifolds.UnsupportedModelError: G-space or geodesic planes of a model without the rescaling
             symmetry (the message names the module).
     """
-    obj = _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget)
-    if not span > 0:
-        raise ValueError(f"the span must be positive, got {span}")
+    spec, grid = as_direction_spec(directions), grid or Grid()
+    obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
     start = time.perf_counter()
-    chart = make_chart(obj, directions, 2, seed, norm, bias, metric, path, progress, roots)
+    chart = make_chart(obj, spec, 2, progress)
     build = time.perf_counter() - start
-    axis = grid_axis(-span, span, steps)
+    axis = grid_axis(-grid.span, grid.span, grid.steps)
     yy, xx = np.meshgrid(axis, axis, indexing="ij")
     coords = np.stack([xx.ravel(), yy.ravel()], axis=1)
-    values = chart.evaluate(obj, coords, strategy, progress)
+    values = chart.evaluate(obj, coords, grid.strategy, progress)
     shape = (len(axis), len(axis))
     extras, crossed = _crossed(chart, coords, shape)
     d = chart.directions
@@ -401,63 +311,59 @@ def loss_plane(
 
 
 def loss_line(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module | None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
     data: object,
+    directions: str | Directions | DirectionSpec = "random",
     *,
     to: nn.Module | Mapping[str, Tensor] | None = None,
-    directions: str | Directions = "random",
-    span: float = 1.0,
-    steps: int = 51,
     lim: tuple[float, float] | None = None,
-    norm: str | None = None,
-    bias: str = "zero",
-    metric: str = "node",
-    path: str = "straight",
-    roots: str = "fixed",
-    seed: int = 0,
-    strategy: str = "auto",
+    grid: Grid | None = None,
     dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    chunk_size: int | None = None,
-    memory_budget: int = 2 * 2**30,
-    progress: bool | None = None,
     objective: Objective | None = None,
+    progress: bool | None = None,
 ) -> Surface:
     """The whole-data-set loss along a line ``theta + t d``.
 
     With ``to`` (a second model or its parameters) the line is the segment direction
     ``d = theta_to - theta`` (``t = 0``: the model, ``t = 1``: ``to``), drawn over ``lim`` (default
     ``(-0.5, 1.5)``), as in the parametric line plots of Goodfellow et al. and Keskar et al.; the grid
-    contains both ends exactly. Otherwise ``d`` is one direction of kind ``directions`` (see
-    :func:`loss_plane`, including ``path`` and G-space lines ``w(v + t d)``) over ``lim`` (default
-    ``(-span, span)``), like the layer-normalized lines of the flatness paper's Fig. 2 (``norm="layer"``).
+    contains both ends exactly. Otherwise ``d`` is one direction as ``directions`` says (see
+    :func:`loss_plane`, including the path and G-space lines ``w(v + t d)``) over ``lim`` (default
+    ``(-grid.span, grid.span)``), like the layer-normalized lines of the flatness paper's Fig. 2
+    (``DirectionSpec(norm="layer")``).
+
+    Args:
+        model, loss_fn, data, directions, dtype, objective, progress: as for :func:`loss_plane`.
+        to: the other end of a segment (a model or its parameters); then ``directions`` must be left as it is.
+        lim: ``(lo, hi)`` range of ``t`` instead of the default.
+        grid: points and evaluation strategy (default ``Grid()``; its ``span`` sets the default range).
 
     Returns:
         :class:`Surface` of a line (``y`` is ``None``), loss and accuracy ``(m,)``.
     """
-    obj = _objective(model, loss_fn, data, objective, dtype, device, chunk_size, memory_budget)
+    spec, grid = as_direction_spec(directions), grid or Grid()
+    if lim is not None and not (len(lim) == 2 and all(map(math.isfinite, lim)) and lim[0] < lim[1]):
+        raise ValueError(f"lim must be (lo, hi) with finite lo < hi, got {lim!r}")
+    if to is not None and spec != DirectionSpec():
+        raise ValueError(
+            "the segment between two checkpoints is a straight line; leave out the path, the directions and the roots"
+        )
+    obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
     start = time.perf_counter()
     if to is not None:
-        if path != "straight" or directions == "gspace" or roots != "fixed":
-            raise ValueError(
-                "the segment between two checkpoints is a straight line; leave out the path, the directions and "
-                "the roots"
-            )
         target = trainable(to) if isinstance(to, nn.Module) else dict(to)
         d = segment_direction(obj.params, {k: v.to(obj.device, obj.dtype) for k, v in target.items()})
         chart = Chart(d, "straight", None, {"path": "straight", "path_detail": "theta + t (theta_to - theta)"})
         lo, hi = SEGMENT_RANGE if lim is None else lim
-        axis = grid_axis(lo, hi, steps, anchors=(0.0, 1.0))
+        axis = grid_axis(lo, hi, grid.steps, anchors=(0.0, 1.0))
     else:
-        if not span > 0:
-            raise ValueError(f"the span must be positive, got {span}")
-        chart = make_chart(obj, directions, 1, seed, norm, bias, metric, path, progress, roots)
-        lo, hi = (-span, span) if lim is None else lim
-        axis = grid_axis(lo, hi, steps)
+        chart = make_chart(obj, spec, 1, progress)
+        lo, hi = (-grid.span, grid.span) if lim is None else lim
+        axis = grid_axis(lo, hi, grid.steps)
     build = time.perf_counter() - start
     coords = axis[:, None]
-    values = chart.evaluate(obj, coords, strategy, progress)
+    values = chart.evaluate(obj, coords, grid.strategy, progress)
     extras, crossed = _crossed(chart, coords, (len(axis),))
     title = (
         "loss along the segment from the model (α = 0) to the second point (α = 1)"

@@ -17,6 +17,7 @@ from manifolds._gspace_training import GModel as GModel
 from manifolds._gspace_training import GOptimizer as GOptimizer
 from manifolds._layout import ParamLayout as ParamLayout
 from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
+from manifolds._quotient import QUOTIENTS as QUOTIENTS
 from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
 from manifolds._quotient import NodeScaleQuotient as NodeScaleQuotient
 from manifolds._structure import Layer as Layer
@@ -51,6 +52,7 @@ __all__ = [
     "ParamLayout",
     "LayerScaleQuotient",
     "NodeScaleQuotient",
+    "QUOTIENTS",
     "Layer",
     "NetworkStructure",
     "NodeSymmetry",

@@ -33,6 +33,8 @@ from geoopt.manifolds.base import Manifold
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from manifolds._quotient import QUOTIENTS
+
 
 def _sum_all(t: Tensor, keepdim: bool) -> Tensor:
     """Sum over every dimension; ``keepdim`` keeps them as size-1 dims (broadcastable to ``t``)."""
@@ -221,9 +223,6 @@ class LogEuclidean(Manifold):
         return v * _ratio(y, x)
 
 
-_MANIFOLDS = {"layer": LayerScaleEuclidean, "node": LogEuclidean}
-
-
 def quotient_parameters(model: nn.Module, metric: str = "layer", *, exclude: Iterable[str] = ()) -> nn.Module:
     """A deep copy of ``model`` whose trainable parameters are ``geoopt.ManifoldParameter``s.
 
@@ -249,9 +248,9 @@ def quotient_parameters(model: nn.Module, metric: str = "layer", *, exclude: Ite
         ValueError: unknown ``metric``; a name in ``exclude`` that ``model`` does not have; with
             ``metric="layer"``, a trainable tensor that is all zeros (the message names it).
     """
-    if metric not in _MANIFOLDS:
-        raise ValueError(f"unknown metric {metric!r}; use 'layer' or 'node'")
-    manifold = _MANIFOLDS[metric]()
+    if metric not in QUOTIENTS:
+        raise ValueError(f"unknown metric {metric!r}; use one of {', '.join(QUOTIENTS)}")
+    manifold = QUOTIENTS[metric].geoopt_manifold()
     out = copy.deepcopy(model)
     aliases: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for name, p in out.named_parameters(remove_duplicate=False):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -61,9 +62,25 @@ class _Quotient(ABC):
     on request under the layer-wise metric, exactly-zero weights under the node-wise metric).
     """
 
+    name: ClassVar[str]  # the key of QUOTIENTS
+    invariant_under: ClassVar[tuple[str, ...]]  # rescaling kinds that are isometries of the metric
+    geodesic: ClassVar[str]  # what expmap does, in one sentence for figure metadata
     layout: ParamLayout
     point: Tensor  # (n,)
     sqrt_metric: Tensor  # (n,) diagonal of G^{1/2}; 0 marks a dropped entry
+
+    @classmethod
+    @abstractmethod
+    def geoopt_manifold(cls):
+        """The per-tensor ``geoopt`` manifold with this metric (for :func:`manifolds.quotient_parameters`)."""
+
+    def geodesic_map(self, directions: Tensor) -> Callable[[Tensor], Tensor]:
+        """``c (B, k) -> (B, n)``: the points ``Exp(sum_i c_i directions_i)`` for tangent ``directions (k, n)``."""
+
+        def points(c: Tensor) -> Tensor:
+            return torch.stack([self.expmap(xi) for xi in c @ directions])
+
+        return points
 
     def inner(self, eta: Tensor, xi: Tensor) -> Tensor:
         """``g_w(eta, xi)`` for flat tangent vectors ``(n,)`` (a 0-dim tensor)."""
@@ -159,6 +176,19 @@ class LayerScaleQuotient(_Quotient):
             other parameters).
     """
 
+    name = "layer"
+    invariant_under = ("layer",)
+    geodesic = (
+        "the exact geodesic of the layer-wise metric: per tensor a cylinder R x S^(d-1) (the log-norm moves "
+        "linearly, the direction turns on the sphere)"
+    )
+
+    @classmethod
+    def geoopt_manifold(cls):
+        from manifolds._geoopt import LayerScaleEuclidean
+
+        return LayerScaleEuclidean()
+
     def __init__(
         self,
         point: Mapping[str, Tensor] | Tensor,
@@ -249,6 +279,19 @@ class NodeScaleQuotient(_Quotient):
         layout: flat layout (default: from ``point``).
     """
 
+    name = "node"
+    invariant_under = ("node", "layer")
+    geodesic = (
+        "the exact geodesic of the node-wise metric sum xi_k^2 / w_k^2: w * exp(xi / w) entry-wise, a straight "
+        "line in log|w| (zero weights stay 0)"
+    )
+
+    @classmethod
+    def geoopt_manifold(cls):
+        from manifolds._geoopt import LogEuclidean
+
+        return LogEuclidean()
+
     def __init__(
         self,
         point: Mapping[str, Tensor] | Tensor,
@@ -278,3 +321,18 @@ class NodeScaleQuotient(_Quotient):
 
     def expmap(self, xi: Tensor) -> Tensor:
         return self.point * torch.exp(self.whiten(xi) * self._sign)  # w exp(xi / w); zeros stay 0
+
+    def geodesic_map(self, directions: Tensor) -> Callable[[Tensor], Tensor]:
+        # Exp(xi) = w * exp(sign(w) G^{1/2} xi) is entry-wise with an exponent linear in xi: precompute the
+        # exponent's directions, so a batch costs one product, one exp and one multiplication (equal to expmap
+        # to rounding, zero weights included: their rows of G^{1/2} are 0).
+        point, exponent = self.point, self.whiten(directions) * self._sign
+
+        def points(c: Tensor) -> Tensor:
+            return point * torch.exp(c @ exponent)
+
+        return points
+
+
+# name -> quotient geometry; every consumer (sharpness measures, landscape geodesics, geoopt parameters) asks here.
+QUOTIENTS: dict[str, type[_Quotient]] = {cls.name: cls for cls in (LayerScaleQuotient, NodeScaleQuotient)}

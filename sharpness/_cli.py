@@ -19,19 +19,21 @@ from torch import nn
 from manifolds import UnsupportedModelError
 from sharpness._data import DataError
 from sharpness._density import hessian_spectral_density
-from sharpness._epsilon import BALL_GEOMETRIES, epsilon_sharpness
-from sharpness._invariant import METRICS
-from sharpness._measure import measure_sharpness
+from sharpness._epsilon import epsilon_sharpness, second_order
 from sharpness._objective import Objective
+from sharpness._registry import MEASURES, get_measure
 from sharpness._results import jsonable, write_atomic, write_text_atomic
-from sharpness._solve import SOLVERS
+from sharpness._solve import SOLVERS, Solver
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
-from sharpness._verify import verify_invariance
+from sharpness._verify import Rescalings, verify_invariance
 
 # Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
 USER_ERRORS = (SpecError, DataError, UnsupportedModelError, ValueError, OSError)
 LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# What `compute` measures without --metric: the three metric measures (the others are coordinate-dependent and
+# slower; `--metric all` adds them).
+DEFAULT_COMPUTE = ("euclidean", "layer", "node")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str = "float64") -> None:
@@ -85,13 +87,16 @@ def check_writable(path: str | None) -> None:
         raise SpecError(f"cannot write {path}: the folder {folder} does not exist or is not writable")
 
 
-def _metrics(names: list[str] | None) -> list[str]:
-    names = names or ["euclidean", "layer", "node"]
+def _measures(names: list[str] | None) -> list[str] | None:
+    """The measures named by repeated ``--metric`` options (``None``: the command's default; ``all``: every
+    registered measure)."""
+    if not names:
+        return None
     if "all" in names:
-        return list(METRICS)
-    unknown = [n for n in names if n not in METRICS]
+        return list(MEASURES)
+    unknown = [n for n in names if n not in MEASURES]
     if unknown:
-        raise SpecError(f"unknown metric {unknown[0]!r}; choose from {', '.join([*METRICS, 'all'])}")
+        raise SpecError(f"unknown metric {unknown[0]!r}; choose from {', '.join([*MEASURES, 'all'])}")
     return list(dict.fromkeys(names))
 
 
@@ -110,50 +115,45 @@ def _versions() -> dict:
 
 
 def _compute(args: argparse.Namespace) -> int:
-    metrics = _metrics(args.metric)
+    names = _measures(args.metric) or list(DEFAULT_COMPUTE)
     if args.k < 1:
         raise SpecError(f"--k must be at least 1, got {args.k}")
-    if args.epsilon is not None and not args.epsilon > 0:
-        raise SpecError(f"--epsilon must be positive, got {args.epsilon}")
-    check_writable(args.json)
-    if not args.memory_mib > 0:
+    if args.epsilon is not None and not (math.isfinite(args.epsilon) and args.epsilon > 0):
+        raise SpecError(f"--epsilon must be positive and finite, got {args.epsilon}")
+    if not (math.isfinite(args.memory_mib) and args.memory_mib > 0):
         raise SpecError(f"--memory-mib must be a positive number of MiB, got {args.memory_mib:g}")
+    if not (math.isfinite(args.tol) and args.tol > 0):
+        raise SpecError(f"--tol must be a positive number, got {args.tol}")
+    solver = Solver(method=args.method, tol=args.tol)
+    check_writable(args.json)
     model, loss_fn, data = load_problem(args)
     progress = False if args.quiet else None
-    # One objective for every measure: the data are prepared and the HVP graph is built once.
+    # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
     objective = Objective(model, loss_fn, data, memory_budget=int(args.memory_mib * 2**20))
-    measures, loss = {}, None
-    for metric in metrics:
-        res = measure_sharpness(
-            model, loss_fn, data, metric, k=args.k, method=args.method, tol=args.tol, progress=progress,
-            objective=objective,
-        )
-        loss = res.info["loss"]
-        entry = {
-            "value": res.value,
-            "eigenvalues": res.eigenvalues.tolist(),
-            "n_hvp": res.n_matvec,
-            "converged": res.converged,
-            "seconds": res.seconds,
-            "method": res.method,
-            "hvp_strategy": res.info.get("hvp_strategy"),
-            "description": METRICS[metric].description,
-            "invariant_under": list(METRICS[metric].invariant_under),
-        }
+    measures = {}
+    for name in names:
+        measure = get_measure(name)
+        res = measure.sharpness(objective, args.k, solver, progress)
+        entry = {**res.to_dict(), "measure": measure.to_dict()}
         if args.epsilon is not None:
-            entry["epsilon_second_order"] = res.value * args.epsilon**2 / (2 * (1 + loss))
-            if metric in BALL_GEOMETRIES:
-                eps = epsilon_sharpness(model, loss_fn, data, args.epsilon, metric=metric, eigen=res, progress=progress)
-                entry["epsilon_measured"] = eps.measured
-        measures[metric] = entry
+            if measure.has_ball:
+                eps = epsilon_sharpness(None, None, None, args.epsilon, measure, eigen=res, objective=objective,
+                                        progress=progress)  # fmt: skip
+                entry["epsilon"] = eps.to_dict(with_eigen=False)
+            else:
+                entry["epsilon"] = {"epsilon": args.epsilon, "second_order": second_order(res.value, args.epsilon,
+                                    res.info["loss"]), "measured": None}  # fmt: skip
+        measures[name] = entry
     report = {
-        "loss": loss,
-        "n_params": sum(p.numel() for p in model.parameters()),
+        **objective.facts(),
         "measures": measures,
+        "solver": solver.to_dict(),
+        "k": args.k,
         "model": args.model,
         "checkpoint": args.checkpoint,
         "data": args.data,
         "dtype": args.dtype,
+        "memory_mib": args.memory_mib,
         "epsilon": args.epsilon,
         "versions": _versions(),
     }
@@ -173,19 +173,21 @@ def _table(report: dict) -> str:
     for name, m in report["measures"].items():
         row = f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f}"
         if eps:
-            measured = m.get("epsilon_measured")
+            measured = m["epsilon"]["measured"]
             shown = "-" if measured is None else format(measured, ".4g")
-            row += f" {m['epsilon_second_order']:>16.4g} {shown:>15}"
-        lines.append(row + "   " + (", ".join(m["invariant_under"]) or "nothing"))
+            row += f" {m['epsilon']['second_order']:>16.4g} {shown:>15}"
+        lines.append(row + "   " + (", ".join(m["measure"]["invariant_under"]) or "nothing"))
     return "\n".join(lines)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    metrics = _metrics(args.metric)
+    metrics = _measures(args.metric)
     if args.trials < 1:
         raise SpecError(f"--trials must be at least 1, got {args.trials}")
-    if not args.scale > 0:
-        raise SpecError(f"--scale must be positive, got {args.scale}")
+    if not (math.isfinite(args.scale) and args.scale > 0):
+        raise SpecError(f"--scale must be a positive number, got {args.scale}")
+    if not (math.isfinite(args.rtol) and args.rtol > 0):
+        raise SpecError(f"--rtol must be a positive number, got {args.rtol}")
     check_writable(args.json)
     model, loss_fn, data = load_problem(args)
     kinds = ("node", "layer") if args.kind == "both" else (args.kind,)
@@ -193,14 +195,11 @@ def _verify(args: argparse.Namespace) -> int:
         model,
         loss_fn,
         data,
-        kinds=kinds,
-        trials=args.trials,
-        scale=args.scale,
-        metrics=metrics,
-        dtype=DTYPES[args.dtype],
+        metrics,
+        rescalings=Rescalings(kinds=kinds, trials=args.trials, scale=args.scale),
         rtol=args.rtol,
+        dtype=DTYPES[args.dtype],
         progress=False if args.quiet else None,
-        print_table=False,
     )
     print(report.table())
     if args.json:
@@ -296,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
     compute.add_argument(
         "--metric",
         action="append",
-        help="repeatable; euclidean, layer, node, ... or all (default: euclidean, layer, node)",
+        help=f"repeatable; one of {', '.join(MEASURES)}, or all (default: {', '.join(DEFAULT_COMPUTE)})",
     )
     compute.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
     compute.add_argument("--epsilon", type=float, help="also report epsilon-sharpness for this radius")
@@ -321,7 +320,10 @@ def _parser() -> argparse.ArgumentParser:
         "exit code 1 if a measure that claims invariance changes by more than --rtol.",
     )
     add_model_arguments(verify)
-    verify.add_argument("--metric", action="append", help="repeatable; default: euclidean, layer, node; or all")
+    verify.add_argument(
+        "--metric", action="append",
+        help=f"repeatable; one of {', '.join(MEASURES)}, or all (default: every measure that applies to the model)",
+    )  # fmt: skip
     verify.add_argument("--trials", type=int, default=3, help="rescaled copies per kind (default: 3)")
     verify.add_argument("--kind", choices=["node", "layer", "both"], default="both", help="rescaling kind")
     verify.add_argument("--scale", type=float, default=1.0, help="std of the log rescaling factors (default: 1)")

@@ -30,12 +30,13 @@ from sharpness._demo_surfaces import (
     surfaces_markdown,
     surfaces_summary,
 )
-from sharpness._invariant import METRICS
-from sharpness._measure import measure_sharpness
+from sharpness._invariant import measure_sharpness
 from sharpness._progress import progress_bar
+from sharpness._registry import MEASURES
 from sharpness._results import EigenResult, jsonable, write_text_atomic
+from sharpness._solve import Solver
 from sharpness._specs import mlp
-from sharpness._verify import verify_invariance
+from sharpness._verify import Rescalings, verify_invariance
 
 
 def digits_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +122,8 @@ def _game_euclidean(model: nn.Module, X, y, target: float, tol: float) -> tuple[
     for a in (2.0, 4.0, 8.0, 16.0, 32.0, 64.0):
         lambdas = [a] + [1.0] * (len(structure.layers) - 2) + [1.0 / a]
         twin = manifolds.rescale_model(model, manifolds.layer_factors(structure, lambdas))
-        result = measure_sharpness(twin, nn.CrossEntropyLoss(), (X, y), "euclidean", k=2, tol=tol, progress=False)
+        result = measure_sharpness(twin, nn.CrossEntropyLoss(), (X, y), "euclidean", 2, solver=Solver(tol=tol),
+                                    progress=False)  # fmt: skip
         if result.value > target:
             break
     summary = {"lambdas": lambdas, "euclidean": result.value, "target": target, "reversed": result.value > target}
@@ -157,14 +159,15 @@ def run_demo(
 
     X64 = X.double()
     tol = 1e-8
+    solver = Solver(tol=tol)
     results, eigen = {}, {}
     for key, model in models.items():
         m64 = model.double().eval()
         measures, eigen[key] = {}, {}
-        for metric in METRICS:
+        for metric in MEASURES:
             # the surface planes need the top two eigenvectors; one solve serves the table and the figure
             k = 2 if metric in SURFACE_METRICS else 1
-            res = measure_sharpness(m64, nn.CrossEntropyLoss(), (X64, y), metric, k=k, tol=tol, progress=progress)
+            res = measure_sharpness(m64, nn.CrossEntropyLoss(), (X64, y), metric, k, solver=solver, progress=progress)
             measures[metric] = {
                 "value": res.value,
                 "eigenvalues": res.eigenvalues.tolist(),
@@ -178,7 +181,7 @@ def run_demo(
         results[key] = {"training": runs[key].__dict__, "measures": measures}
     ratios = {
         m: results["full_batch"]["measures"][m]["value"] / results["small_batch"]["measures"][m]["value"]
-        for m in METRICS
+        for m in MEASURES
     }
     flat, sharp = sorted(models, key=lambda key: results[key]["measures"]["node"]["value"])
     gamed, twin, twin_euclidean = _game_euclidean(
@@ -187,7 +190,7 @@ def run_demo(
     gamed.update(rescaled=flat, other=sharp)
     # the twin's invariant eigenvectors are computed afresh (not mapped from the original's): the
     # identical invariant panels are then a check, not a construction
-    twin_node = measure_sharpness(twin, nn.CrossEntropyLoss(), (X64, y), "node", k=2, tol=tol, progress=progress)
+    twin_node = measure_sharpness(twin, nn.CrossEntropyLoss(), (X64, y), "node", 2, solver=solver, progress=progress)
     networks = {key: (models[key], eigen[key]) for key in models}
     networks["rescaled"] = (twin, {"euclidean": twin_euclidean, "node": twin_node})
     panels, axes = surface_panels(networks, (X64, y), steps=grid_steps, progress=progress)
@@ -196,11 +199,9 @@ def run_demo(
         models["small_batch"],
         nn.CrossEntropyLoss(),
         (X64, y),
-        trials=2,
-        tol=1e-10,
-        seed=seed,
+        rescalings=Rescalings(trials=2, seed=seed),
+        solver=Solver(tol=1e-10, seed=seed),
         progress=progress,
-        print_table=False,
     )
     verify = report.to_dict()
     summary = {
@@ -242,7 +243,7 @@ def _markdown(s: dict, table: str) -> str:
     for m, ratio in s["full_over_small"].items():
         lines.append(f"| {m} | {sb['measures'][m]['value']:.4g} | {fb['measures'][m]['value']:.4g} | {ratio:.3g} |")
     lines += ["", "What the measures are (values are not comparable across measures, only across minima):", ""]
-    lines += [f"- `{name}`: {spec.description}" for name, spec in METRICS.items() if name in s["full_over_small"]]
+    lines += [f"- `{name}`: {m.description}" for name, m in MEASURES.items() if name in s["full_over_small"]]
     if "fixed" in sb["measures"] and "factor_min" in sb["measures"]["fixed"]:
         low = min(sb["measures"]["fixed"]["factor_min"], fb["measures"]["fixed"]["factor_min"])
         lines += [

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-import manifolds
 from sharpness._grid import evaluate_grid, grid_axis
 from sharpness._objective import Objective
+from sharpness._registry import get_measure
 from sharpness._results import EigenResult
 
 SURFACE_METRICS = ("euclidean", "node")
@@ -54,24 +54,19 @@ class SurfacePanel:
 
 
 def plane_directions(result: EigenResult, objective: Objective, metric: str) -> Tensor:
-    """The top-2 eigenvectors of ``result`` as ``(2, n)`` ambient directions of unit length in ``metric``
-    (Euclidean norm for ``"euclidean"``, node-metric norm and horizontal for ``"node"``), signs fixed."""
+    """The top-2 eigenvectors of ``result`` as ``(2, n)`` ambient directions of unit length in the measure
+    ``metric`` (one of :data:`SURFACE_METRICS`), horizontal, with the largest entry of each in the measure's
+    whitened coordinates positive."""
+    if metric not in SURFACE_METRICS:
+        raise ValueError(f"no surface plane for metric {metric!r}; choose one of {', '.join(SURFACE_METRICS)}")
     if result.k < 2:
         raise ValueError(f"a plane needs two eigenvectors; the {metric} measure returned {result.k}")
-    vectors = result.eigenvectors[:2].to(objective.dtype)
-    if metric == "euclidean":
-        whitened = vectors
-        unit = vectors / torch.linalg.vector_norm(vectors, dim=1, keepdim=True)
-    elif metric == "node":
-        quotient = manifolds.NodeScaleQuotient(objective.params, manifolds.analyze(objective.model), objective.layout)
-        horizontal = torch.stack([quotient.proj_horizontal(v) for v in vectors])
-        unit = torch.stack([v / quotient.norm(v) for v in horizontal])
-        whitened = quotient.whiten(unit)
-    else:
-        raise ValueError(f"no surface plane for metric {metric!r}; choose one of {', '.join(SURFACE_METRICS)}")
+    ball = get_measure(metric).ball(objective)
+    whitened = torch.stack([ball.project(ball.whiten(v)) for v in result.eigenvectors[:2].to(objective.dtype)])
+    whitened = whitened / torch.linalg.vector_norm(whitened, dim=1, keepdim=True)
     top = whitened.abs().argmax(dim=1)
     signs = torch.sign(whitened[torch.arange(2), top])
-    return unit * signs[:, None]
+    return ball.unwhiten(whitened * signs[:, None])
 
 
 def surface_panels(

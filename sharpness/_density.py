@@ -22,10 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from sharpness._euclidean import euclidean_info
 from sharpness._hessian import HessianOperator
 from sharpness._lanczos import lanczos_step
-from sharpness._objective import Objective
+from sharpness._objective import Objective, build_objective
 from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
@@ -223,25 +222,23 @@ def hessian_spectral_density(
     n_probes: int = 10,
     n_steps: int = 64,
     *,
-    chunk_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
     hvp: str = "auto",
     seed: int = 0,
-    progress: bool | None = None,
+    dtype: torch.dtype | None = None,
     objective: Objective | None = None,
+    progress: bool | None = None,
 ) -> SpectralDensity:
     """Eigenvalue density of the Euclidean Hessian of the loss over the whole data set (SLQ, see
     :func:`spectral_density`); ``info`` holds ``loss``, ``n_params``, ``n_samples`` and ``hvp_strategy``.
 
     Args:
-        model, loss_fn, data, chunk_size, dtype, device, hvp, progress, objective: as for
-            :func:`euclidean_sharpness`.
+        model, loss_fn, data, dtype, objective, progress: as for :func:`euclidean_sharpness`.
+        hvp: Hessian-vector product strategy (see :meth:`Objective.hvp`).
         n_probes, n_steps: as for :func:`spectral_density`.
         seed: seed of the random probes.
     """
-    obj = objective or Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
+    obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
     op = HessianOperator(obj, hvp)
     generator = torch.Generator(device=op.device).manual_seed(seed)
     result = spectral_density(op, n_probes, n_steps, generator=generator, progress=progress)
-    return dataclasses.replace(result, info={**euclidean_info(obj), "hvp_strategy": op.strategy})
+    return dataclasses.replace(result, info={"metric": "euclidean", **obj.facts(), "hvp_strategy": op.strategy})

@@ -22,67 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from manifolds import NetworkStructure, ParamLayout
-from sharpness._invariant import build_quotient
-from sharpness._measure import check_metric, measure_sharpness
-from sharpness._objective import Objective
+from manifolds import ParamLayout
+from sharpness._measure import Measure
+from sharpness._objective import Objective, build_objective
 from sharpness._progress import progress_bar
+from sharpness._registry import get_measure
 from sharpness._results import EigenResult, jsonable, write_text_atomic
-
-
-@dataclass(frozen=True)
-class BallGeometry:
-    """The metric ball ``{R(xi) : ||xi||_g <= eps}`` around a point, in whitened coordinates ``zeta``.
-
-    In ``zeta`` the metric is Euclidean, so the ball is ``{||zeta|| <= eps}`` intersected with the
-    (whitened) horizontal space.
-
-    Attributes:
-        retract: ``zeta (d,) -> flat parameters (n,)``, ``R(unwhiten(zeta))``; must be differentiable
-            with ``torch.func.vjp``.
-        project: orthogonal projection of ``zeta (d,)`` onto the whitened horizontal space.
-        whiten: tangent vector (the eigenvector coordinates of the metric's :class:`EigenResult`) ->
-            ``zeta``.
-        unwhiten: ``zeta`` -> tangent vector.
-    """
-
-    retract: Callable[[Tensor], Tensor]
-    project: Callable[[Tensor], Tensor]
-    whiten: Callable[[Tensor], Tensor]
-    unwhiten: Callable[[Tensor], Tensor]
-
-
-def _identity(v: Tensor) -> Tensor:
-    return v
-
-
-def euclidean_ball(
-    objective: Objective, metric: str, structure: NetworkStructure | None, zero_blocks: str
-) -> BallGeometry:
-    """The Euclidean ball with ``R(xi) = w + xi`` (Definition 1 of the flatness paper)."""
-    point = objective.layout.flatten(objective.params)
-    return BallGeometry(retract=lambda zeta: point + zeta, project=_identity, whiten=_identity, unwhiten=_identity)
-
-
-def quotient_ball(
-    objective: Objective, metric: str, structure: NetworkStructure | None, zero_blocks: str
-) -> BallGeometry:
-    """The ball of the ``"layer"`` or ``"node"`` quotient metric, retracted with its exact exponential map."""
-    quotient = build_quotient(objective, metric, structure, zero_blocks)
-    return BallGeometry(
-        retract=lambda zeta: quotient.expmap(quotient.unwhiten(zeta)),
-        project=quotient.whitened_projection,
-        whiten=quotient.whiten,
-        unwhiten=quotient.unwhiten,
-    )
-
-
-# metric name -> function(objective, metric, structure, zero_blocks) -> BallGeometry
-BALL_GEOMETRIES: dict[str, Callable[..., BallGeometry]] = {
-    "euclidean": euclidean_ball,
-    "layer": quotient_ball,
-    "node": quotient_ball,
-}
+from sharpness._solve import Solver
 
 
 @dataclass(frozen=True)
@@ -137,8 +83,9 @@ class EpsilonSharpness:
             raise ValueError("this result has no parameter layout; use .perturbed (flat)")
         return self.layout.unflatten(self.perturbed)
 
-    def to_dict(self, with_vectors: bool = False) -> dict:
-        """JSON-serialisable summary (the maximizer and perturbed point only on request: they are large)."""
+    def to_dict(self, with_vectors: bool = False, with_eigen: bool = True) -> dict:
+        """JSON-serialisable summary (the maximizer and perturbed point only on request: they are large;
+        ``with_eigen=False`` leaves out the eigen-solve's record, for reports that hold it already)."""
         out = {
             "epsilon": self.epsilon,
             "metric": self.metric,
@@ -152,8 +99,9 @@ class EpsilonSharpness:
             "step_size": self.step_size,
             "seconds": self.seconds,
             "history": self.history,
-            "eigen": self.lambda_max.to_dict(),
         }
+        if with_eigen:
+            out["eigen"] = self.lambda_max.to_dict()
         if with_vectors:
             out["maximizer"] = self.maximizer
             out["perturbed"] = self.perturbed
@@ -164,6 +112,11 @@ class EpsilonSharpness:
         write_text_atomic(path, json.dumps(self.to_dict(with_vectors), indent=2))
 
 
+def second_order(lambda_max: float, epsilon: float, loss: float) -> float:
+    """The second-order epsilon-sharpness ``lambda_max eps^2 / (2 (1 + f))`` (dimensionless)."""
+    return lambda_max * epsilon**2 / (2.0 * (1.0 + loss))
+
+
 def _into_ball(zeta: Tensor, radius: float) -> Tensor:
     """Radial projection of ``zeta`` onto the closed ball of ``radius``."""
     norm = float(torch.linalg.vector_norm(zeta))
@@ -171,51 +124,41 @@ def _into_ball(zeta: Tensor, radius: float) -> Tensor:
 
 
 def epsilon_sharpness(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module | None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
     data: object,
     epsilon: float,
-    metric: str = "node",
+    metric: str | Measure = "node",
+    *,
     steps: int = 20,
     step_size: float = 0.5,
-    *,
     eigen: EigenResult | None = None,
-    method: str = "lanczos",
-    tol: float = 1e-8,
-    max_iter: int | None = None,
-    chunk_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    hvp: str = "auto",
-    seed: int = 0,
+    solver: Solver | None = None,
     objective: Objective | None = None,
-    structure: NetworkStructure | None = None,
-    zero_blocks: str = "error",
     progress: bool | None = None,
 ) -> EpsilonSharpness:
     """Epsilon-sharpness of ``model`` in ``metric``: its second-order estimate and a measured maximum.
 
     The maximum of ``zeta -> f(R(zeta))`` over the horizontal ball ``||zeta|| <= eps`` (whitened
-    coordinates, ``R`` the metric's retraction: ``w + zeta`` for ``"euclidean"``,
-    ``expmap(unwhiten(zeta))`` for the quotients) is searched by projected gradient ascent started at
-    ``+-eps`` times the top eigenvector (the maximizer to second order), keeping the better start. The
-    gradient in ``zeta`` is the Euclidean gradient at the moved point pulled back through ``R`` with
-    ``torch.func.vjp``; each step moves ``step_size * eps / sqrt(t + 1)`` along the normalized projected
-    gradient and is projected back onto the horizontal space and the ball. The model is not modified.
+    coordinates, ``R`` the measure's retraction: ``w + zeta`` for ``"euclidean"``,
+    ``expmap(unwhiten(zeta))`` for the quotients; see :meth:`Measure.ball`) is searched by projected
+    gradient ascent started at ``+-eps`` times the top eigenvector (the maximizer to second order), keeping
+    the better start. The gradient in ``zeta`` is the Euclidean gradient at the moved point pulled back
+    through ``R`` with ``torch.func.vjp``; each step moves ``step_size * eps / sqrt(t + 1)`` along the
+    normalized projected gradient and is projected back onto the horizontal space and the ball. The model
+    is not modified.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective`.
+        model, loss_fn, data: as for :class:`Objective` (not used when ``objective`` is given).
         epsilon: ball radius ``> 0`` in the metric (see :attr:`EpsilonSharpness.epsilon`).
-        metric: a key of :data:`BALL_GEOMETRIES` (``"euclidean"``, ``"layer"``, ``"node"``).
+        metric: a measure with a ball (:attr:`Measure.has_ball`: ``"euclidean"``, ``"layer"``, ``"node"``),
+            by name or object.
         steps: ascent steps per start (``0``: evaluate the two starts only).
         step_size: first step length as a fraction of ``epsilon``.
-        eigen: a precomputed top eigenpair of this metric at this point (e.g. to sweep ``epsilon``);
-            computed with :func:`measure_sharpness` when ``None``.
-        method, tol, max_iter, hvp, seed: eigen-solver settings (see :func:`euclidean_sharpness`).
-        chunk_size, dtype, device: evaluation settings of the objective.
-        objective: reuse an existing objective instead of building one.
-        structure: a precomputed :func:`manifolds.analyze` result (quotient metrics).
-        zero_blocks: layer-wise metric only: ``"error"`` or ``"exclude"`` for zero-norm tensors.
+        eigen: a precomputed top eigenpair of this measure at this point (e.g. to sweep ``epsilon``);
+            computed with :meth:`Measure.sharpness` when ``None``.
+        solver: eigen-solver settings for that eigenpair (default ``Solver()``).
+        objective: an existing objective instead of a new one.
         progress: progress bar over the ascent evaluations and the eigen-solve (``None``: only on a
             terminal).
 
@@ -223,31 +166,24 @@ def epsilon_sharpness(
         :class:`EpsilonSharpness`.
 
     Raises:
-        ValueError: unknown metric, a metric without a ball geometry, ``epsilon <= 0``, ``steps < 0``,
-            or an ``eigen`` of another metric.
+        ValueError: unknown measure, a measure without a ball, ``epsilon <= 0``, ``steps < 0``,
+            or an ``eigen`` of another measure.
         UnsupportedModelError: a quotient metric on a model without the rescaling symmetry.
     """
     started = time.perf_counter()
-    check_metric(metric)
-    if metric not in BALL_GEOMETRIES:
-        raise ValueError(
-            f"epsilon-sharpness needs the ball geometry (retraction and horizontal projection) of metric "
-            f"{metric!r}; register it in sharpness._epsilon.BALL_GEOMETRIES (available: {', '.join(BALL_GEOMETRIES)})"
-        )
-    if not (math.isfinite(epsilon) and epsilon > 0):
+    measure = get_measure(metric)
+    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"epsilon must be a positive radius, got {epsilon!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if eigen is not None and eigen.info.get("metric") != metric:
-        raise ValueError(f"eigen was computed for metric {eigen.info.get('metric')!r}, not {metric!r}")
+    if eigen is not None and eigen.info.get("metric") != measure.name:
+        raise ValueError(f"eigen was computed for metric {eigen.info.get('metric')!r}, not {measure.name!r}")
+    metric = measure.name
 
-    obj = objective or Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
-    geometry = BALL_GEOMETRIES[metric](obj, metric, structure, zero_blocks)
+    obj = build_objective(model, loss_fn, data, objective)
+    geometry = measure.ball(obj)
     if eigen is None:
-        eigen = measure_sharpness(
-            obj.model, loss_fn, data, metric, objective=obj, k=1, method=method, tol=tol, max_iter=max_iter,
-            hvp=hvp, seed=seed, progress=progress, structure=structure, zero_blocks=zero_blocks,
-        )
+        eigen = measure.sharpness(obj, 1, solver, progress)
     direction = geometry.project(geometry.whiten(eigen.eigenvectors[0].to(obj.device, obj.dtype)))
     norm = float(torch.linalg.vector_norm(direction))
     if norm == 0.0:
@@ -297,7 +233,7 @@ def epsilon_sharpness(
         epsilon=float(epsilon),
         metric=metric,
         loss=f0,
-        second_order=eigen.value * epsilon**2 / (2.0 * scale),
+        second_order=second_order(eigen.value, epsilon, f0),
         measured=(best_value - f0) / scale,
         maximizer=geometry.unwhiten(best_zeta),
         perturbed=geometry.retract(best_zeta).detach(),

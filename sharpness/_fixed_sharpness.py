@@ -11,72 +11,61 @@ the weights' scales, so the measure built on it is not invariant.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from torch import Tensor
 
-from manifolds import FixedWeightSpace, NetworkStructure
+from manifolds import FixedWeightSpace
 from sharpness._hessian import HessianOperator
+from sharpness._measure import CurvatureOperator, Measure
 from sharpness._objective import Objective
 from sharpness._operator import CallableOperator
-from sharpness._results import EigenResult
-from sharpness._solve import SolveSettings
 
 
-def fixed_sharpness(
-    objective: Objective,
-    metric: str,
-    settings: SolveSettings,
-    structure: NetworkStructure | None,
-    zero_blocks: str,
-    selection: str | Mapping[str, Tensor] = "diagonal",
-) -> EigenResult:
-    """Top eigenpairs of ``P H P`` at the representative of ``objective.params`` with every fixed weight +-1.
+@dataclass(frozen=True)
+class Fixed(Measure):
+    """The top eigenvalue of ``P H P`` at the representative of the point whose fixed weights are all +-1.
 
     ``H`` is the Euclidean Hessian there and ``P`` the coordinate projection onto the free weights, so the
-    eigenvalues are those of the free-free block of ``H`` (the solver works in the range of ``P``; the
-    fixed coordinates never enter the spectrum).
+    eigenvalues are those of the free-free block of ``H`` (the solver works in the range of ``P``; the fixed
+    coordinates never enter the spectrum). Eigenvectors are unit vectors at the representative, zero on the
+    fixed entries (``coordinates="fixed"``); ``info`` holds ``n_free``, ``n_fixed``, ``factor_min`` /
+    ``factor_max`` (range of the node factors that moved the point to the representative).
 
-    Args:
-        objective: loss over the data set at the point to measure.
-        metric: ``"fixed"`` (fixed by the measure registry).
-        settings: ``SolveSettings`` of the eigen-solver.
-        structure: a precomputed :func:`manifolds.analyze` result, or ``None``.
-        zero_blocks: unused (the Euclidean metric has no zero-norm blocks); fixed by the registry.
-        selection: which weights are fixed (see :class:`manifolds.FixedWeightSpace`); only a
-            gauge-independent one (``"diagonal"``, or a fixed mask) gives a rescaling-invariant measure.
+    Attributes:
+        selection: which weights are fixed (see :class:`manifolds.FixedWeightSpace`); only a gauge-independent
+            one (``"diagonal"``, the default, or a fixed mask) gives a rescaling-invariant measure.
 
-    Returns:
-        :class:`EigenResult` with unit eigenvectors at the representative, zero on the fixed entries
-        (``coordinates="fixed"``); ``info`` holds ``n_free``, ``n_fixed``, ``factor_min`` / ``factor_max``
-        (range of the node factors that moved the point to the representative) and ``hvp_strategy``.
-
-    Raises:
+    Raises (from :meth:`operator`):
         UnsupportedModelError: positive rescaling is not a symmetry of the model.
         ValueError: a fixed weight is zero (no rescaling makes it +-1).
     """
-    space = FixedWeightSpace(objective.model, selection, params=objective.params, structure=structure)
-    representative = space.rescale_to_fixed_value(objective.params, 1.0)
-    hessian = HessianOperator(objective.with_params(representative.params), settings.hvp)
-    keep = space.free_mask.to(device=objective.device, dtype=objective.dtype)
 
-    op = CallableOperator(
-        lambda v: keep * hessian.matvec(keep * v),
-        objective.layout.size,
-        objective.dtype,
-        objective.device,
-        matmat=lambda vs: keep * hessian.matmat(keep * vs),
-        project=lambda v: keep * v,
+    selection: str | Mapping[str, Tensor] = "diagonal"
+
+    name = "fixed"
+    description = (
+        "Hessian restricted to the free weights at the representative whose fixed weights (one outgoing weight "
+        "per hidden unit, diagonal selection) are all +-1: invariant under node-, channel- and layer-wise "
+        "rescaling"
     )
-    result = settings.solve(op)
-    low, high = representative.factor_range
-    return result.replace(
-        coordinates="fixed",
-        info={
-            **result.info,
-            "n_free": space.n_free,
-            "n_fixed": space.n_fixed,
-            "factor_min": low,
-            "factor_max": high,
-            "hvp_strategy": hessian.strategy,
-        },
-    )
+    invariant_under = ("node", "layer")
+
+    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        space = FixedWeightSpace(objective.model, self.selection, params=objective.params,
+                                 structure=objective.structure)  # fmt: skip
+        representative = space.rescale_to_fixed_value(objective.params, 1.0)
+        hessian = HessianOperator(objective.with_params(representative.params), hvp)
+        keep = space.free_mask.to(device=objective.device, dtype=objective.dtype)
+        op = CallableOperator(
+            lambda v: keep * hessian.matvec(keep * v),
+            objective.layout.size,
+            objective.dtype,
+            objective.device,
+            matmat=lambda vs: keep * hessian.matmat(keep * vs),
+            project=lambda v: keep * v,
+        )
+        low, high = representative.factor_range
+        info = {"n_free": space.n_free, "n_fixed": space.n_fixed, "factor_min": low, "factor_max": high,
+                "hvp_strategy": hessian.strategy}  # fmt: skip
+        return CurvatureOperator(op, coordinates="fixed", info=info)

@@ -15,15 +15,16 @@ with the same skeleton.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from torch.func import grad, jvp
 
-from manifolds import GSpace, NetworkStructure, analyze
+from manifolds import GSpace
+from sharpness._measure import CurvatureOperator, Measure
 from sharpness._objective import Objective, eval_mode
 from sharpness._operator import CallableOperator
-from sharpness._results import EigenResult
-from sharpness._solve import SolveSettings
 
 
 class GSpaceLoss:
@@ -33,17 +34,16 @@ class GSpaceLoss:
         objective: the loss over the data set (its ``params`` are the point).
         gspace: the parametrization (default: the G-SGD skeleton of ``objective.model`` at
             ``objective.params``).
-        structure: a precomputed :func:`manifolds.analyze` result.
 
     Attributes:
         gspace: the parametrization.
         point: ``(dim,)`` coordinates of ``objective.params``.
     """
 
-    def __init__(self, objective: Objective, gspace: GSpace | None = None, structure: NetworkStructure | None = None):
+    def __init__(self, objective: Objective, gspace: GSpace | None = None):
         self.objective = objective
         if gspace is None:
-            gspace = GSpace(structure or analyze(objective.model), params=objective.params)
+            gspace = GSpace(objective.structure, params=objective.params)
         self.gspace = gspace
         self._others = {k: t for k, t in objective.params.items() if k not in gspace.names}
         self.point = gspace.coordinates(objective.params).detach()
@@ -134,28 +134,31 @@ def gspace_hessian_operator(
     return op, loss
 
 
-def gspace_sharpness(
-    obj: Objective, metric: str, settings: SolveSettings, structure: NetworkStructure | None, zero_blocks: str
-) -> EigenResult:
-    """Top eigenpairs of the G-space Hessian (``metric="gspace"`` of :func:`invariant_sharpness`).
+@dataclass(frozen=True)
+class GSpaceMeasure(Measure):
+    """The top eigenvalue of the Hessian of ``L(w(v))`` in G-space (basis-path values, default skeleton).
 
-    The eigenvectors are found in G-space (unit norm there) and returned pushed forward to weight
-    space, ``J xi`` with ``J = dw/dv`` (``coordinates="tangent"``, zero on the fixed skeleton weights),
-    so ``result.parameter_vectors()`` works as for the other measures; ``xi`` itself is
-    ``torch.func.jvp(gspace.coordinates, (params,), (J xi,))``.
+    The eigenvectors are found in G-space (unit norm there) and returned pushed forward to weight space,
+    ``J xi`` with ``J = dw/dv`` (``coordinates="tangent"``, zero on the fixed skeleton weights), so
+    ``result.parameter_vectors()`` works as for the other measures; ``xi`` itself is
+    ``torch.func.jvp(gspace.coordinates, (params,), (J xi,))``. ``info`` holds ``gspace_dim`` and
+    ``gspace_grad_norm``. Coordinate-dependent: see the module docstring.
     """
-    gspace = GSpace(structure or analyze(obj.model), params=obj.params)
-    op, loss = gspace_hessian_operator(obj, gspace, settings.hvp)
-    result = settings.solve(op)
-    _, gradient = loss.value_and_gradient()
-    vectors = torch.stack([loss.pushforward(xi) for xi in result.eigenvectors])
-    return result.replace(
-        eigenvectors=vectors,
-        coordinates="tangent",
-        info={
-            **result.info,
-            "gspace_dim": gspace.dim,
-            "gspace_grad_norm": float(gradient.norm()),
-            "hvp_strategy": op.strategy,
-        },
+
+    name = "gspace"
+    description = (
+        "Hessian of L(w(v)) in G-space (basis-path values): invariant under node- and layer-wise rescaling, "
+        "but coordinate-dependent (it changes with the skeleton), unlike the metric measures"
     )
+    invariant_under = ("node", "layer")
+
+    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        gspace = GSpace(objective.structure, params=objective.params)
+        op, loss = gspace_hessian_operator(objective, gspace, hvp)
+        _, gradient = loss.value_and_gradient()
+
+        def to_parameters(vectors: Tensor) -> Tensor:
+            return torch.stack([loss.pushforward(xi) for xi in vectors])
+
+        info = {"gspace_dim": gspace.dim, "gspace_grad_norm": float(gradient.norm()), "hvp_strategy": op.strategy}
+        return CurvatureOperator(op, to_parameters=to_parameters, coordinates="tangent", info=info)

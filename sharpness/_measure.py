@@ -1,59 +1,150 @@
-"""One entry point for every sharpness measure registered in :data:`sharpness._invariant.METRICS`."""
+"""What a sharpness measure is: one object per geometry, asked by every consumer.
+
+A :class:`Measure` says what it is (``name``, ``description``), which rescalings leave it unchanged
+(``invariant_under``), which symmetric operator it gives an :class:`~sharpness.Objective` (its top
+eigenvalues are the measure), how that operator's eigenvectors map back to parameters, and, where the
+measure has one, its epsilon ball (a retraction and a horizontal projection in whitened coordinates).
+Sharpness, epsilon-sharpness, invariance verification and the landscape's eigenvector planes all take
+the same object, so a new geometry is written once, in one place.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from sharpness._euclidean import euclidean_sharpness
-from sharpness._invariant import MEASURE_FUNCTIONS, METRICS, invariant_sharpness
-from sharpness._results import EigenResult
-
-# Options that only quotient-type measures read; the Euclidean Hessian does not depend on them.
-_QUOTIENT_ONLY_OPTIONS = ("structure", "zero_blocks")
+from sharpness._objective import Objective
+from sharpness._operator import SymmetricOperator
+from sharpness._results import EigenResult, jsonable
+from sharpness._solve import Solver
 
 
-def check_metric(metric: str) -> None:
-    """Raise ``ValueError`` unless ``metric`` is registered and has a measure function."""
-    if metric not in METRICS:
-        raise ValueError(f"unknown sharpness metric {metric!r}; choose one of {', '.join(METRICS)}")
-    if metric != "euclidean" and metric not in MEASURE_FUNCTIONS:
+def _identity(v: Tensor) -> Tensor:
+    return v
+
+
+@dataclass(frozen=True)
+class BallGeometry:
+    """The metric ball ``{R(xi) : ||xi||_g <= eps}`` around a point, in whitened coordinates ``zeta``.
+
+    In ``zeta`` the metric is Euclidean, so the ball is ``{||zeta|| <= eps}`` intersected with the
+    (whitened) horizontal space.
+
+    Attributes:
+        retract: ``zeta (d,) -> flat parameters (n,)``, ``R(unwhiten(zeta))``; must be differentiable
+            with ``torch.func.vjp``.
+        project: orthogonal projection of ``zeta (d,)`` onto the whitened horizontal space.
+        whiten: tangent vector (the eigenvector coordinates of the measure's :class:`EigenResult`) ->
+            ``zeta``.
+        unwhiten: ``zeta`` -> tangent vector.
+    """
+
+    retract: Callable[[Tensor], Tensor]
+    project: Callable[[Tensor], Tensor] = _identity
+    whiten: Callable[[Tensor], Tensor] = _identity
+    unwhiten: Callable[[Tensor], Tensor] = _identity
+
+
+@dataclass
+class CurvatureOperator:
+    """A measure's symmetric operator at one point, and how its eigenvectors become parameter vectors.
+
+    Attributes:
+        operator: the symmetric operator on ``(d,)`` vectors whose top eigenvalues are the measure.
+        to_parameters: ``(k, d)`` unit eigenvectors of ``operator`` -> ``(k, n)`` flat vectors in the
+            objective's parameter layout (what :attr:`EigenResult.coordinates` names).
+        coordinates: what the mapped vectors are: ``"euclidean"`` (unit Euclidean parameter vectors),
+            ``"tangent"`` (tangent vectors at the point, unit in the measure's metric), ``"gauged"`` /
+            ``"fixed"`` (unit Euclidean vectors at the canonical representative the measure moved to).
+        info: facts about the operator recorded in every result (``hvp_strategy`` and the measure's own).
+    """
+
+    operator: SymmetricOperator
+    to_parameters: Callable[[Tensor], Tensor] = _identity
+    coordinates: str = "euclidean"
+    info: dict = field(default_factory=dict)
+
+
+class Measure(ABC):
+    """A sharpness measure: the top eigenvalues of a symmetric curvature operator of the loss.
+
+    Subclasses are frozen dataclasses whose fields are the measure's options (e.g. which tensors the
+    layer-wise metric leaves out); they set the class attributes and implement :meth:`operator`, and a
+    measure with an epsilon ball implements :meth:`ball` too. The registry :data:`sharpness.MEASURES`
+    holds one default instance per name.
+
+    Attributes:
+        name: the registry key (``"euclidean"``, ``"layer"``, ``"node"``, ...).
+        description: one sentence on what the measure is.
+        invariant_under: the rescaling kinds (``"node"``, ``"layer"``) that leave it unchanged.
+        needs_symmetry: whether the measure is defined only for models whose hidden units can be
+            rescaled (every measure but the Euclidean one).
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    invariant_under: ClassVar[tuple[str, ...]]
+    needs_symmetry: ClassVar[bool] = True
+
+    @abstractmethod
+    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        """The measure's operator at ``objective.params`` (``hvp``: the Hessian-vector product strategy)."""
+
+    def ball(self, objective: Objective) -> BallGeometry:
+        """The measure's epsilon ball at ``objective.params`` (for :func:`sharpness.epsilon_sharpness`).
+
+        Raises:
+            ValueError: the measure has no ball geometry.
+        """
         raise ValueError(
-            f"metric {metric!r} is listed in METRICS but has no entry in MEASURE_FUNCTIONS; "
-            "register its measure function there"
+            f"the {self.name!r} measure has no metric ball (retraction and horizontal projection), so it has no "
+            "epsilon-sharpness; use 'euclidean', 'layer' or 'node'"
         )
 
+    @property
+    def has_ball(self) -> bool:
+        """Whether :meth:`ball` is implemented (epsilon-sharpness is defined for this measure)."""
+        return type(self).ball is not Measure.ball
 
-def measure_sharpness(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    data: object,
-    metric: str,
-    **kwargs,
-) -> EigenResult:
-    """Top Hessian eigenvalues of the loss under any registered metric, by name.
+    def solve(self, objective: Objective, k: int, solver: Solver, progress: bool | None = None) -> EigenResult:
+        """Top ``k`` eigenpairs of :meth:`operator`, eigenvectors mapped to parameters (no timing or facts
+        about the objective: :meth:`sharpness` adds those)."""
+        bound = self.operator(objective, solver.hvp)
+        result = solver.solve(bound.operator, k, progress)
+        return result.replace(
+            eigenvectors=bound.to_parameters(result.eigenvectors),
+            coordinates=bound.coordinates,
+            info={**result.info, **bound.info},
+        )
 
-    ``"euclidean"`` goes to :func:`euclidean_sharpness`, every other name in ``METRICS`` to
-    :func:`invariant_sharpness` (which dispatches through ``MEASURE_FUNCTIONS``), so metrics
-    registered later are measured here without changes.
+    def sharpness(self, objective: Objective, k: int = 1, solver: Solver | None = None,
+                  progress: bool | None = None) -> EigenResult:  # fmt: skip
+        """The measure at ``objective.params``: its top ``k`` eigenpairs and how they were found.
 
-    Args:
-        model, loss_fn, data: as for :class:`Objective`.
-        metric: a key of :data:`METRICS`, e.g. ``"euclidean"``, ``"layer"`` or ``"node"``.
-        **kwargs: solver and evaluation options shared by the measures (``k``, ``method``, ``tol``,
-            ``max_iter``, ``chunk_size``, ``dtype``, ``device``, ``hvp``, ``seed``, ``progress``,
-            ``objective``) and the quotient options ``structure`` and ``zero_blocks``, which the
-            Euclidean measure ignores (its Hessian does not depend on them).
+        Returns:
+            :class:`EigenResult` with ``.value`` the measure, ``layout`` and ``seconds`` set, and ``info``
+            holding ``metric`` (this measure's name), ``loss``, ``n_params``, ``n_samples``,
+            ``hvp_strategy`` and the measure's own facts.
+        """
+        start = time.perf_counter()
+        result = self.solve(objective, k, solver or Solver(), progress)
+        return result.replace(
+            layout=objective.layout,
+            seconds=time.perf_counter() - start,
+            info={**result.info, "metric": self.name, **objective.facts()},
+        )
 
-    Returns:
-        The measure's :class:`EigenResult`; ``info["metric"]`` names the metric.
-
-    Raises:
-        ValueError: ``metric`` is not registered.
-    """
-    check_metric(metric)
-    if metric == "euclidean":
-        options = {key: value for key, value in kwargs.items() if key not in _QUOTIENT_ONLY_OPTIONS}
-        return euclidean_sharpness(model, loss_fn, data, **options)
-    return invariant_sharpness(model, loss_fn, data, metric, **kwargs)
+    def to_dict(self) -> dict:
+        """JSON-serialisable description: name, description, invariances and options."""
+        return jsonable({
+            "name": self.name,
+            "description": self.description,
+            "invariant_under": list(self.invariant_under),
+            "options": {f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+        })

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vmap
 
-from manifolds import ParamLayout
+from manifolds import NetworkStructure, ParamLayout, analyze
 from sharpness._data import ChunkedData, DataError, cast_batch
 from sharpness._data_conv import split_data_convolution
 from sharpness._rop import ChunkState, RopChain, add_products, forward_state, rop_chain
@@ -85,6 +85,7 @@ class Objective:
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
             whether the Hessian-vector products may keep a whole-data-set graph alive.
         params: evaluate at these parameter values instead of the module's (same names).
+        structure: :func:`manifolds.analyze` of ``model``, when already known (see :attr:`structure`).
 
     Attributes:
         params: ``{name: tensor}`` of the trainable parameters (detached copies in ``dtype``).
@@ -104,6 +105,7 @@ class Objective:
         reduction: str | None = None,
         memory_budget: int = 2 * 2**30,
         params: Mapping[str, Tensor] | None = None,
+        structure: NetworkStructure | None = None,
     ):
         if model.training:
             warnings.warn(
@@ -144,12 +146,27 @@ class Objective:
         self._strategy: str | None = None
         self._autograd_strategy: str | None = None
         self.gradient_seconds: float | None = None
+        # filled once, shared by the with_params copies
+        self._structure: list[NetworkStructure] = [] if structure is None else [structure]
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
+    def facts(self) -> dict:
+        """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
+        trainable parameters the Hessian is taken over) and ``n_samples``."""
+        return {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples}
+
+    @property
+    def structure(self) -> NetworkStructure:
+        """:func:`manifolds.analyze` of the model: its layers and which rescalings it admits (computed once,
+        shared with the :meth:`with_params` copies)."""
+        if not self._structure:
+            self._structure.append(analyze(self.model, example_input=self.data.first_batch()[0]))
+        return self._structure[0]
+
     def with_params(self, params: Mapping[str, Tensor]) -> Objective:
         """The same model, loss and data evaluated at other parameter values (same names and shapes)."""
-        return Objective(
+        twin = Objective(
             self.model,
             self.loss_fn,
             self.data,
@@ -160,6 +177,8 @@ class Objective:
             memory_budget=self.memory_budget,
             params=params,
         )
+        twin._structure = self._structure
+        return twin
 
     def activation_bytes_per_sample(self) -> float:
         """Estimated bytes of one sample's forward activations (measured once on a few samples)."""
@@ -519,3 +538,27 @@ def _add_into(views: list[Tensor], parts: Iterable[Tensor]) -> None:
 
 
 __all__ = ["DataError", "HVP_STRATEGIES", "Objective", "eval_mode"]
+
+
+def build_objective(
+    model: nn.Module | None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
+    data: object,
+    objective: Objective | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Objective:
+    """``objective`` when given (then ``dtype`` must be ``None`` or its own), else ``Objective(model, loss_fn,
+    data, dtype=dtype)``: the one place the public functions get their objective from.
+
+    Raises:
+        ValueError: neither an objective nor a model, loss and data are given, or ``dtype`` contradicts the
+            given objective's.
+    """
+    if objective is not None:
+        if dtype is not None and dtype != objective.dtype:
+            raise ValueError(f"dtype={dtype} contradicts the given objective's {objective.dtype}; pass one of them")
+        return objective
+    if model is None or loss_fn is None or data is None:
+        raise ValueError("give a model, a loss and data, or an objective")
+    return Objective(model, loss_fn, data, dtype=dtype)

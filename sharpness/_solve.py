@@ -1,13 +1,16 @@
-"""Choose an eigen-solver by name, and the solver settings every sharpness measure shares."""
+"""Choose an eigen-solver by name, and the solver settings every sharpness measure shares (:class:`Solver`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 from sharpness._lanczos import lanczos
 from sharpness._lanczos_low_memory import low_memory_lanczos
+from sharpness._objective import HVP_STRATEGIES
 from sharpness._operator import SymmetricOperator
 from sharpness._power import power_iteration
 from sharpness._results import EigenResult
@@ -38,18 +41,50 @@ def top_eigenpairs(
 
 
 @dataclass(frozen=True)
-class SolveSettings:
-    """How the eigenpairs are searched for (see :func:`sharpness.euclidean_sharpness`)."""
+class Solver:
+    """How the top eigenpairs of a curvature operator are searched for: one settings object shared by every
+    sharpness measure, epsilon-sharpness, invariance verification and eigenvector directions.
 
-    k: int = 1
+    Attributes:
+        method: ``"lanczos"`` (default; keeps its Krylov basis, one parameter vector per iteration),
+            ``"low-memory-lanczos"`` (three parameter vectors whatever the iteration count, about twice the
+            Hessian-vector products; see :func:`sharpness.low_memory_lanczos`) or ``"power"`` (deflated power
+            iteration; on a quotient this is the Riemannian power method of Rangamani et al., Algorithm 1).
+        tol: relative residual tolerance (Lanczos) or relative change of the Rayleigh quotient (power).
+        max_iter: iteration cap (``None``: the solver's default). A solve that stops on it says
+            ``converged=False``.
+        hvp: Hessian-vector product strategy (see :meth:`sharpness.Objective.hvp`): ``"auto"``, ``"rop"``,
+            ``"graph"``, ``"double_backward"`` or ``"jvp"``.
+        seed: seed of the random start vector.
+
+    Raises:
+        ValueError: an unknown ``method`` or ``hvp``, a ``tol`` that is not a positive number, or a
+            ``max_iter`` below 1.
+    """
+
     method: str = "lanczos"
     tol: float = 1e-6
     max_iter: int | None = None
     hvp: str = "auto"
     seed: int = 0
-    progress: bool | None = None
 
-    def solve(self, op: SymmetricOperator) -> EigenResult:
-        """Top ``k`` eigenpairs of ``op``, from a start vector drawn with ``seed``."""
+    def __post_init__(self) -> None:
+        if self.method not in SOLVERS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(SOLVERS)}")
+        if self.hvp not in HVP_STRATEGIES:
+            raise ValueError(f"unknown hvp strategy {self.hvp!r}; choose one of {', '.join(HVP_STRATEGIES)}")
+        if isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not (0 < self.tol < math.inf):
+            raise ValueError(f"tol must be a positive number, got {self.tol!r}")
+        if self.max_iter is not None and (isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int)
+                                          or self.max_iter < 1):  # fmt: skip
+            raise ValueError(f"max_iter must be a positive integer or None, got {self.max_iter!r}")
+
+    def solve(self, op: SymmetricOperator, k: int = 1, progress: bool | None = None) -> EigenResult:
+        """Top ``k`` eigenpairs of ``op``, from a start vector drawn with ``seed`` (``progress``: show a
+        progress bar; ``None``: only on a terminal)."""
         generator = torch.Generator(device=op.device).manual_seed(self.seed)
-        return top_eigenpairs(op, self.k, self.method, self.tol, self.max_iter, generator, self.progress)
+        return top_eigenpairs(op, k, self.method, self.tol, self.max_iter, generator, progress)
+
+    def to_dict(self) -> dict:
+        """The settings as a JSON-serialisable dictionary."""
+        return dataclasses.asdict(self)

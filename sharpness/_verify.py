@@ -5,7 +5,7 @@ network's function unchanged, so a measure of the function's sharpness should no
 Euclidean top eigenvalue does (Dinh et al. 2017), the layer-wise quotient measure of Rangamani et al.
 is invariant under layer-wise rescaling only, and the node-wise quotient measure under both.
 :func:`verify_invariance` checks each registered measure against the invariances it claims
-(:attr:`MetricSpec.invariant_under`) and prints the table of Tables 2-3 of the flatness paper.
+(:attr:`Measure.invariant_under`) and prints the table of Tables 2-3 of the flatness paper.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from torch.func import functional_call
 
 from manifolds import UnsupportedModelError, analyze, random_factors, rescale_parameters
 from sharpness._data import ChunkedData
-from sharpness._invariant import METRICS
-from sharpness._measure import check_metric, measure_sharpness
+from sharpness._measure import Measure
 from sharpness._objective import Objective, eval_mode
 from sharpness._progress import progress_bar
+from sharpness._registry import MEASURES, get_measure
 from sharpness._results import jsonable, write_text_atomic
+from sharpness._solve import Solver
 
 KINDS = ("node", "layer")
 VERDICTS = ("invariant", "changes", "FAILED")
@@ -86,7 +87,7 @@ class InvarianceReport:
     Attributes:
         metrics: measured metrics, in registry order.
         kinds: rescaling kinds applied (``"node"``, ``"layer"``).
-        claims: ``metric -> kinds`` the metric claims invariance under (``MetricSpec.invariant_under``).
+        claims: ``metric -> kinds`` the metric claims invariance under (``Measure.invariant_under``).
         original: ``metric -> (k,)`` top eigenvalues at the given parameters, largest first.
         rescaled: ``metric -> kind -> (trials, k)`` top eigenvalues at the rescaled copies.
         relative_differences: ``metric -> kind -> (trials,)`` :func:`relative_difference` of each copy.
@@ -97,7 +98,7 @@ class InvarianceReport:
         trials: rescaled copies per kind.
         scale: standard deviation of the log rescaling factors.
         k: eigenvalues compared per measure.
-        seed: seed of the rescalings and of the solvers' start vectors.
+        seed: seed of the rescalings.
         dtype: evaluation dtype (``"float64"``).
         method: eigen-solver.
         tol: eigen-solver tolerance.
@@ -262,65 +263,73 @@ class InvarianceReport:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
 
 
-def _check_kinds(kinds: str | Iterable[str]) -> tuple[str, ...]:
-    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
-    unknown = [kind for kind in kinds if kind not in KINDS]
-    if unknown or not kinds or len(set(kinds)) != len(kinds):
-        raise ValueError(f"kinds must be distinct rescaling kinds out of {', '.join(KINDS)}, got {kinds!r}")
-    return kinds
+@dataclass(frozen=True)
+class Rescalings:
+    """The random function-preserving rescalings :func:`verify_invariance` applies.
+
+    Attributes:
+        kinds: rescaling kinds, out of ``"node"`` (one factor per hidden unit or channel) and ``"layer"``
+            (one factor per layer, product 1).
+        trials: rescaled copies per kind.
+        scale: standard deviation of the log factors (1.0 gives factors of about e^{+-1}).
+        seed: seed of the factors.
+
+    Raises:
+        ValueError: an unknown or repeated kind, ``trials < 1`` or a negative or non-finite ``scale``.
+    """
+
+    kinds: tuple[str, ...] = KINDS
+    trials: int = 5
+    scale: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+        unknown = [kind for kind in kinds if kind not in KINDS]
+        if unknown or not kinds or len(set(kinds)) != len(kinds):
+            raise ValueError(f"kinds must be distinct rescaling kinds out of {', '.join(KINDS)}, got {self.kinds!r}")
+        object.__setattr__(self, "kinds", kinds)
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise ValueError(f"trials must be a positive integer, got {self.trials!r}")
+        if not (isinstance(self.scale, (int, float)) and 0.0 <= self.scale < math.inf):
+            raise ValueError(f"scale must be a non-negative finite log-std, got {self.scale!r}")
 
 
 def verify_invariance(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     data: object,
-    kinds: str | Iterable[str] = KINDS,
-    trials: int = 5,
-    scale: float = 1.0,
-    metrics: str | Iterable[str] | None = None,
-    k: int = 1,
-    tol: float = 1e-10,
-    dtype: torch.dtype = torch.float64,
-    seed: int = 0,
-    rtol: float = 1e-6,
-    progress: bool | None = None,
-    print_table: bool = True,
+    metrics: str | Measure | Iterable[str | Measure] | None = None,
     *,
-    method: str = "lanczos",
-    max_iter: int | None = None,
-    chunk_size: int | None = None,
-    device: torch.device | str | None = None,
-    hvp: str = "auto",
-    zero_blocks: str = "exclude",
+    rescalings: Rescalings | None = None,
+    k: int = 1,
+    rtol: float = 1e-6,
+    solver: Solver | None = None,
+    dtype: torch.dtype = torch.float64,
+    progress: bool | None = None,
 ) -> InvarianceReport:
     """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
 
-    For each kind in ``kinds`` and each of ``trials`` copies, random positive factors are drawn
-    (:func:`manifolds.random_factors`: log-normal with log-std ``scale``, one per hidden unit for
-    ``"node"``, one per layer with product 1 for ``"layer"``) and applied to the parameters in
-    ``dtype`` (as :func:`manifolds.random_rescale` does, but after the cast, so a float32 model is
-    rescaled without float32 rounding). Each copy is checked to compute the same outputs on the data,
-    then every metric's top ``k`` eigenvalues are recomputed and compared with the original ones.
+    For each kind in ``rescalings.kinds`` and each of ``rescalings.trials`` copies, random positive factors
+    are drawn (:func:`manifolds.random_factors`: log-normal with log-std ``rescalings.scale``, one per hidden
+    unit for ``"node"``, one per layer with product 1 for ``"layer"``) and applied to the parameters in
+    ``dtype`` (as :func:`manifolds.random_rescale` does, but after the cast, so a float32 model is rescaled
+    without float32 rounding). Each copy is checked to compute the same outputs on the data, then every
+    measure's top ``k`` eigenvalues are recomputed and compared with the original ones. ``print(report)``
+    shows the table of Tables 2-3 of the flatness paper.
 
     Args:
         model, loss_fn, data: as for :class:`Objective`; ``model`` is never modified.
-        kinds: rescaling kinds, out of ``"node"`` and ``"layer"``.
-        trials: rescaled copies per kind.
-        scale: standard deviation of the log rescaling factors (1.0 gives factors of ~e^{+-1}).
-        metrics: metric names in :data:`METRICS`; ``None`` measures every registered metric that
-            applies to the model (one that raises :class:`manifolds.UnsupportedModelError` at the
-            original parameters is listed in ``skipped`` instead).
+        metrics: measures (names in :data:`MEASURES` or :class:`Measure` objects); ``None`` measures every
+            registered measure that applies to the model (one that raises
+            :class:`manifolds.UnsupportedModelError` at the original parameters is listed in ``skipped``).
+        rescalings: the copies to make (default ``Rescalings()``: 5 node-wise and 5 layer-wise, log-std 1).
         k: eigenvalues compared per measure.
-        tol: eigen-solver tolerance (tight, so solver error stays far below ``rtol``).
-        dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
-        seed: seed of the rescaling factors and of the solvers' start vectors.
         rtol: relative difference up to which a measure counts as unchanged.
+        solver: eigen-solver settings (default ``Solver(tol=1e-10)``: tight, so solver error stays far
+            below ``rtol``).
+        dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
         progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
-        print_table: print :meth:`InvarianceReport.table`.
-        method, max_iter, hvp: eigen-solver settings (see :func:`euclidean_sharpness`).
-        chunk_size, device: evaluation settings of the objective.
-        zero_blocks: layer-wise metric only; ``"exclude"`` (default) leaves zero-norm tensors out of the
-            tangent space, which keeps the measure invariant (rescaling maps zero to zero).
 
     Returns:
         The :class:`InvarianceReport`; ``.passed`` says whether every claimed invariance held.
@@ -329,56 +338,56 @@ def verify_invariance(
         UnsupportedModelError: positive rescaling is not a symmetry of ``model`` (the message names the
             offending module), or a rescaled copy computes different outputs (an operation the
             structure analysis did not see).
-        ValueError: unknown kind or metric, ``trials < 1`` or negative ``scale``.
+        ValueError: an unknown measure, an empty list of measures, or a ``rtol`` that is not positive.
     """
     started = time.perf_counter()
-    kinds = _check_kinds(kinds)
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be a positive integer, got {trials!r}")
-    if not scale >= 0.0:
-        raise ValueError(f"scale must be a non-negative log-std, got {scale!r}")
+    rescalings = rescalings or Rescalings()
+    solver = solver or Solver(tol=1e-10)
+    if not (isinstance(rtol, (int, float)) and 0.0 < rtol < math.inf):
+        raise ValueError(f"rtol must be a positive number, got {rtol!r}")
     explicit = metrics is not None
-    names = tuple(METRICS) if metrics is None else ((metrics,) if isinstance(metrics, str) else tuple(metrics))
-    if not names:
-        raise ValueError("metrics is empty; name at least one of " + ", ".join(METRICS))
-    for name in names:
-        check_metric(name)
+    if metrics is None:
+        measures = tuple(MEASURES.values())
+    elif isinstance(metrics, (str, Measure)):
+        measures = (get_measure(metrics),)
+    else:
+        measures = tuple(get_measure(m) for m in metrics)
+    if not measures:
+        raise ValueError("metrics is empty; name at least one of " + ", ".join(MEASURES))
+    names = tuple(m.name for m in measures)
+    if len(set(names)) != len(names):
+        raise ValueError(f"metrics names a measure twice: {', '.join(names)}")
 
     # Refuse a model without the symmetry before any evaluation (a one-shot iterator is read once here).
     data = ChunkedData(data)
     structure = analyze(model, example_input=data.first_batch()[0])
     structure.require_rescalable("the invariance table of random function-preserving rescalings")
-    obj = Objective(model, loss_fn, data, chunk_size=chunk_size, dtype=dtype, device=device)
-
-    def measure(objective: Objective, metric: str):
-        return measure_sharpness(
-            objective.model, loss_fn, data, metric, objective=objective, k=k, method=method, tol=tol,
-            max_iter=max_iter, hvp=hvp, seed=seed, progress=False, structure=structure, zero_blocks=zero_blocks,
-        )
+    obj = Objective(model, loss_fn, data, dtype=dtype, structure=structure)
 
     original: dict[str, tuple[float, ...]] = {}
     converged: dict[str, bool] = {}
     skipped: dict[str, str] = {}
-    for name in names:
+    for measure in measures:
         try:
-            result = measure(obj, name)
+            result = measure.solve(obj, k, solver)
         except UnsupportedModelError as err:
             if explicit:
                 raise
-            skipped[name] = str(err)
+            skipped[measure.name] = str(err)
             continue
-        original[name] = _as_floats(result.eigenvalues)
-        converged[name] = result.converged
-    measured = tuple(name for name in names if name in original)
+        original[measure.name] = _as_floats(result.eigenvalues)
+        converged[measure.name] = result.converged
+    measured = tuple(m for m in measures if m.name in original)
 
-    generator = torch.Generator().manual_seed(seed)
-    rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m: {kind: [] for kind in kinds} for m in measured}
+    kinds, trials = rescalings.kinds, rescalings.trials
+    generator = torch.Generator().manual_seed(rescalings.seed)
+    rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m.name: {kind: [] for kind in kinds} for m in measured}
     output_differences: dict[str, list[float]] = {kind: [] for kind in kinds}
     limit = _output_tolerance(obj.dtype)
     with progress_bar(len(kinds) * trials, "rescaled copies", progress) as bar:
         for kind in kinds:
             for trial in range(trials):
-                factors = random_factors(structure, kind, scale, generator, dtype=obj.dtype)
+                factors = random_factors(structure, kind, rescalings.scale, generator, dtype=obj.dtype)
                 twin = obj.with_params(rescale_parameters(obj.params, structure, factors))
                 difference = _output_difference(obj, twin)
                 if not difference <= limit:
@@ -389,17 +398,17 @@ def verify_invariance(
                         "activation) that the structure analysis could not see"
                     )
                 output_differences[kind].append(difference)
-                for name in measured:
-                    result = measure(twin, name)
-                    rescaled[name][kind].append(_as_floats(result.eigenvalues))
-                    converged[name] = converged[name] and result.converged
+                for measure in measured:
+                    result = measure.solve(twin, k, solver)
+                    rescaled[measure.name][kind].append(_as_floats(result.eigenvalues))
+                    converged[measure.name] = converged[measure.name] and result.converged
                 bar.update(1)
                 bar.set_postfix(kind=kind, refresh=False)
 
-    report = InvarianceReport(
-        metrics=measured,
+    return InvarianceReport(
+        metrics=tuple(m.name for m in measured),
         kinds=kinds,
-        claims={m: tuple(METRICS[m].invariant_under) for m in measured},
+        claims={m.name: tuple(m.invariant_under) for m in measured},
         original=original,
         rescaled={m: {kind: tuple(v) for kind, v in per_kind.items()} for m, per_kind in rescaled.items()},
         relative_differences={
@@ -410,15 +419,12 @@ def verify_invariance(
         converged=converged,
         rtol=float(rtol),
         trials=trials,
-        scale=float(scale),
+        scale=float(rescalings.scale),
         k=k,
-        seed=seed,
+        seed=rescalings.seed,
         dtype=str(obj.dtype).removeprefix("torch."),
-        method=method,
-        tol=float(tol),
+        method=solver.method,
+        tol=float(solver.tol),
         skipped=skipped,
         seconds=time.perf_counter() - started,
     )
-    if print_table:
-        print(report.table())
-    return report

@@ -124,7 +124,12 @@ def test_compute_writes_the_documented_json(files, tmp_path):
         m = report["measures"][name]
         assert len(m["eigenvalues"]) == 2 and m["value"] == m["eigenvalues"][0]
         assert m["converged"] is True and m["n_hvp"] > 0 and m["seconds"] >= 0
-        assert m["epsilon_second_order"] > 0 and m["epsilon_measured"] >= 0
+        assert m["epsilon"]["second_order"] > 0 and m["epsilon"]["measured"] >= 0 and m["epsilon"]["epsilon"] == 0.01
+        assert m["measure"]["name"] == name and m["metric"] == name and m["tol"] == 1e-6 and m["residuals"]
+    for name in ("fixed", "minnorm", "gspace"):  # no metric ball: the second-order estimate only
+        m = report["measures"][name]
+        assert m["epsilon"]["measured"] is None and m["epsilon"]["second_order"] > 0
+    assert report["solver"] == {"method": "lanczos", "tol": 1e-6, "max_iter": None, "hvp": "auto", "seed": 0}
     assert "euclidean" in r.stdout and "node" in r.stdout
 
 
@@ -230,6 +235,10 @@ BAD_INPUTS = {
     "unknown metric": (["--metric", "fancy"], "unknown metric 'fancy'"),
     "non-positive epsilon": (["--epsilon", "0"], "--epsilon must be positive"),
     "non-positive memory budget": (["--memory-mib", "0"], "--memory-mib must be a positive number"),
+    "infinite memory budget": (["--memory-mib", "inf"], "--memory-mib must be a positive number"),
+    "negative tolerance": (["--tol", "-1"], "--tol must be a positive number"),
+    "NaN tolerance": (["--tol", "nan"], "--tol must be a positive number"),
+    "infinite epsilon": (["--epsilon", "inf"], "--epsilon must be positive"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
     "model and data do not match": (["--data", "synthetic:n=5,dim=3"], "check that --model and --data match"),
 }
@@ -275,7 +284,9 @@ def test_gelu_refusal_says_what_remains_meaningful(files):
 
 def test_verify_bad_arguments(files):
     base = ["verify", "--model", MODEL, "--checkpoint", str(files / "model.pt"), "--data", DATA, "--quiet"]
-    for extra, expected in ((["--trials", "0"], "--trials"), (["--scale", "-1"], "--scale")):
+    cases = ((["--trials", "0"], "--trials"), (["--scale", "-1"], "--scale"), (["--scale", "inf"], "--scale"),
+             (["--rtol", "nan"], "--rtol must be a positive number"), (["--rtol", "0"], "--rtol"))  # fmt: skip
+    for extra, expected in cases:
         r = run_cli(*base, *extra)
         assert r.returncode == 2 and expected in r.stderr and "Traceback" not in r.stderr
 

@@ -8,7 +8,7 @@ from cases import make_case, mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from sharpness import Objective, dense_hessian, euclidean_sharpness
+from sharpness import Euclidean, Objective, Solver, dense_hessian, euclidean_sharpness
 from sharpness._data_span import DataSpanHessian, data_span_hessian
 from sharpness._hessian import HessianOperator
 
@@ -87,9 +87,11 @@ def test_top_eigenpairs_match_dense_and_come_back_in_parameter_space(method):
     ref = np.linalg.eigvalsh(H.numpy())[::-1][:3]
     assert ref[2] > 1e-6  # positive top 3: the span solve's answer stands
     tol = 1e-13 if method == "power" else 1e-10
-    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3, method=method, tol=tol, max_iter=5000,
+    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3,
+                              solver=Solver(method=method, tol=tol, max_iter=5000),
                               progress=False)  # fmt: skip
-    full = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3, method=method, tol=tol, max_iter=5000,
+    full = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3,
+                               solver=Solver(method=method, tol=tol, max_iter=5000),
                                progress=False, data_span=False)  # fmt: skip
     assert res.info["data_span"] == {"samples": 7, "features": 10} and full.info["data_span"] is None
     np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
@@ -109,20 +111,21 @@ def test_same_eigenvalues_whatever_chunking_and_data_form(chunk_size):
     H = dense_hessian(Objective(case.model, case.loss_fn, case.data))
     ref = np.linalg.eigvalsh(H.numpy())[::-1][:2]
     for data in (case.data, DataLoader(TensorDataset(case.X, case.y), batch_size=2)):
-        res = euclidean_sharpness(case.model, case.loss_fn, data, k=2, tol=1e-10, chunk_size=chunk_size,
-                                  progress=False)  # fmt: skip
+        objective = Objective(case.model, case.loss_fn, data, chunk_size=chunk_size)
+        res = Euclidean().sharpness(objective, 2, Solver(tol=1e-10), progress=False)
         assert res.info["data_span"] is not None
         np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
 
 
 def test_sum_reduction_and_float32():
     case = make_case("mlp_wide")
-    mean = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-10, progress=False)
-    total = euclidean_sharpness(case.model, nn.CrossEntropyLoss(reduction="sum"), case.data, tol=1e-10,
+    mean = euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(tol=1e-10), progress=False)
+    total = euclidean_sharpness(case.model, nn.CrossEntropyLoss(reduction="sum"), case.data, solver=Solver(tol=1e-10),
                                 progress=False)  # fmt: skip
     assert total.info["data_span"] is not None
     assert total.value == pytest.approx(mean.value * 7, rel=1e-10)
-    single = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-5, dtype=torch.float32, progress=False)
+    single = euclidean_sharpness(case.model, case.loss_fn, case.data,
+                                 solver=Solver(tol=1e-5), dtype=torch.float32, progress=False)
     assert single.info["data_span"] is not None and single.eigenvectors.dtype == torch.float32
     assert single.value == pytest.approx(mean.value, rel=1e-5)
 
@@ -142,27 +145,28 @@ def test_zero_eigenvalues_outside_the_span_are_not_missed():
     assert float(np.linalg.eigvalsh(torch.stack([span.matvec(e) for e in torch.eye(span.size)]).numpy())[-1]) < -1e-3
     # (a single Krylov vector sees one copy of the repeated 0: deflated power iteration finds several)
     for method, k in [("lanczos", 1), ("power", 3)]:
-        res = euclidean_sharpness(model, loss_fn, (X, y), k=k, method=method, tol=1e-10, progress=False)
+        res = euclidean_sharpness(model, loss_fn, (X, y), k=k, solver=Solver(method=method, tol=1e-10), progress=False)
         assert res.info["data_span"] is None and res.converged
         np.testing.assert_allclose(res.eigenvalues.numpy(), 0.0, atol=1e-12)
         for v in res.eigenvectors:
             assert float(torch.linalg.vector_norm(H @ v)) < (1e-12 if method == "lanczos" else 1e-6)
-        full = euclidean_sharpness(model, loss_fn, (X, y), k=k, method=method, tol=1e-10, progress=False,
+        full = euclidean_sharpness(model, loss_fn, (X, y), k=k, solver=Solver(method=method, tol=1e-10), progress=False,
                                    data_span=False)  # fmt: skip
         assert res.n_matvec > full.n_matvec
 
 
 def test_where_data_span_coordinates_do_not_apply():
     wide = make_case("mlp_wide")
-    for case, kwargs in [
-        (make_case("mlp_bias"), {}),  # 23 samples of 5 features
-        (make_case("cnn"), {}),  # the first layer is a convolution
-        (wide, {"hvp": "graph"}),  # no R-operator products
+    for case, hvp in [
+        (make_case("mlp_bias"), "auto"),  # 23 samples of 5 features
+        (make_case("cnn"), "auto"),  # the first layer is a convolution
+        (wide, "graph"),  # no R-operator products
     ]:
-        res = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-8, progress=False, **kwargs)
+        res = euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(tol=1e-8, hvp=hvp), progress=False)
         assert res.info["data_span"] is None
         with pytest.raises(ValueError, match="data-span coordinates need"):
-            euclidean_sharpness(case.model, case.loss_fn, case.data, progress=False, data_span=True, **kwargs)
+            euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(hvp=hvp), data_span=True,
+                                progress=False)  # fmt: skip
     # fewer samples than features, but too close to their number for the set-up to pay for itself
     from sharpness._data_span import _pays_off
 
@@ -172,7 +176,8 @@ def test_where_data_span_coordinates_do_not_apply():
     near = mlp([310, 2, 3]).double().eval()  # 300 samples of 310 features, 2 hidden units
     X, y = torch.randn(300, 310, generator=torch.Generator().manual_seed(1)), torch.arange(300) % 3
     assert not _pays_off(300, 310, 2)
-    assert euclidean_sharpness(near, wide.loss_fn, (X, y), tol=1e-8, progress=False).info["data_span"] is None
+    assert euclidean_sharpness(near, wide.loss_fn, (X, y),
+                               solver=Solver(tol=1e-8), progress=False).info["data_span"] is None
     # the chunk states do not fit in memory: products stream, the span operator needs them kept
     streamed = Objective(wide.model, wide.loss_fn, wide.data, chunk_size=2, memory_budget=1)
     assert data_span_hessian(HessianOperator(streamed)) is None
@@ -193,7 +198,7 @@ def test_duplicate_samples_factor_by_qr_and_keep_the_spectrum():
     torch.testing.assert_close(well_posed, torch.linalg.cholesky(case.X @ case.X.T), rtol=0, atol=1e-13)
     H = dense_hessian(Objective(case.model, case.loss_fn, (X, y)))
     ref = np.linalg.eigvalsh(H.numpy())[::-1][:3]
-    res = euclidean_sharpness(case.model, case.loss_fn, (X, y), k=3, tol=1e-10, progress=False)
+    res = euclidean_sharpness(case.model, case.loss_fn, (X, y), k=3, solver=Solver(tol=1e-10), progress=False)
     assert res.info["data_span"] == {"samples": 9, "features": 10}
     np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
     for lam, v in zip(res.eigenvalues, res.eigenvectors):
@@ -223,6 +228,7 @@ def test_more_pairs_than_the_span_has_are_solved_in_full_coordinates():
     case = make_case("mlp_wide")
     span = span_operator(case)
     k = span.size + 1
-    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=k, method="power", tol=1e-6, max_iter=200,
+    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=k,
+                              solver=Solver(method="power", tol=1e-6, max_iter=200),
                               progress=False)  # fmt: skip
     assert res.info["data_span"] is None and res.eigenvalues.shape == (k,)

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import manifolds
-from sharpness import Objective, measure_sharpness
+from sharpness import MEASURES as METRICS
+from sharpness import Objective, Solver, measure_sharpness
 from sharpness._demo import digits_data, run_demo
 from sharpness._demo_surfaces import SURFACE_METRICS, plane_directions, surface_panels
-from sharpness._invariant import METRICS
 from sharpness._specs import mlp
 
 ROWS = ("small_batch", "full_batch", "rescaled")
@@ -124,7 +124,7 @@ def test_node_planes_map_onto_the_rescaled_twin_under_a_generic_node_rescaling(n
     networks, directions = {}, {}
     for row, model in (("original", case.model), ("twin", twin)):
         results = {
-            m: measure_sharpness(model, case.loss_fn, case.data, m, k=2, tol=1e-12, progress=False)
+            m: measure_sharpness(model, case.loss_fn, case.data, m, k=2, solver=Solver(tol=1e-12), progress=False)
             for m in SURFACE_METRICS
         }
         networks[row] = (model, results)

@@ -7,10 +7,8 @@ import pytest
 import torch
 from cases import make_case
 
-from manifolds import analyze, random_rescale
-from sharpness import Objective, dense_hessian, epsilon_sharpness
-from sharpness._epsilon import BALL_GEOMETRIES
-from sharpness._invariant import MEASURE_FUNCTIONS, METRICS, MetricSpec, build_quotient, quotient_sharpness
+from manifolds import random_rescale
+from sharpness import MEASURES, Objective, Solver, dense_hessian, epsilon_sharpness
 
 METRIC_NAMES = ("euclidean", "layer", "node")
 
@@ -63,7 +61,8 @@ def test_measured_matches_second_order_for_small_eps(critical_point, metric):
     eigen = None
     gaps = []
     for eps in (1e-1, 1e-2, 1e-3):
-        res = epsilon_sharpness(model, loss_fn, data, eps, metric=metric, eigen=eigen, tol=1e-10, progress=False)
+        res = epsilon_sharpness(model, loss_fn, data, eps, metric=metric, eigen=eigen,
+                                solver=Solver(tol=1e-10), progress=False)
         eigen = res.lambda_max
         assert res.second_order == pytest.approx(eigen.value * eps**2 / (2 * (1 + res.loss)), rel=1e-14)
         gaps.append(abs(res.ratio - 1))
@@ -101,7 +100,7 @@ def test_maximizer_is_horizontal_and_inside_the_ball(metric):
         norm, projected = torch.linalg.vector_norm(xi), xi
         moved = obj.layout.flatten(obj.params) + xi
     else:
-        quotient = build_quotient(obj, metric)
+        quotient = MEASURES[metric].quotient(obj)
         norm, projected = quotient.norm(xi), quotient.proj_horizontal(xi)
         moved = quotient.expmap(xi)
     assert float(norm) <= eps * (1 + 1e-12)
@@ -117,9 +116,10 @@ def test_maximizer_is_horizontal_and_inside_the_ball(metric):
 def test_node_epsilon_sharpness_invariant_under_node_rescaling():
     case = make_case("cnn")
     twin = random_rescale(case.model, "node", 1.0, torch.Generator().manual_seed(3))
-    a = epsilon_sharpness(case.model, case.loss_fn, case.data, 0.2, metric="node", steps=10, tol=1e-10,
+    a = epsilon_sharpness(case.model, case.loss_fn, case.data, 0.2, metric="node", steps=10, solver=Solver(tol=1e-10),
                           progress=False)
-    b = epsilon_sharpness(twin, case.loss_fn, case.data, 0.2, metric="node", steps=10, tol=1e-10, progress=False)
+    b = epsilon_sharpness(twin, case.loss_fn, case.data, 0.2, metric="node", steps=10,
+                          solver=Solver(tol=1e-10), progress=False)
     assert a.second_order == pytest.approx(b.second_order, rel=1e-6)
     assert a.measured == pytest.approx(b.measured, rel=1e-6)
     assert a.measured > 0
@@ -159,18 +159,19 @@ def test_bad_arguments_are_named(monkeypatch):
     eigen = epsilon_sharpness(*args, 0.1, metric="euclidean", steps=0, progress=False).lambda_max
     with pytest.raises(ValueError, match="eigen was computed for metric 'euclidean', not 'node'"):
         epsilon_sharpness(*args, 0.1, metric="node", eigen=eigen, progress=False)
-    # a metric registered for eigenvalues but without a ball geometry is named, with the fix
-    monkeypatch.setitem(METRICS, "plain", MetricSpec("plain", "no ball", ()))
-    monkeypatch.setitem(MEASURE_FUNCTIONS, "plain", quotient_sharpness)
-    with pytest.raises(ValueError, match="register it in sharpness._epsilon.BALL_GEOMETRIES"):
-        epsilon_sharpness(*args, 0.1, metric="plain", progress=False)
-    assert "plain" not in BALL_GEOMETRIES
+    # a measure without a ball geometry is named, with the measures that have one
+    for name in ("minnorm", "fixed", "gspace"):
+        assert not MEASURES[name].has_ball
+        with pytest.raises(ValueError, match=f"the '{name}' measure has no metric ball .* use 'euclidean', 'layer'"):
+            epsilon_sharpness(*args, 0.1, metric=name, progress=False)
+    assert [name for name, m in MEASURES.items() if m.has_ball] == ["euclidean", "layer", "node"]
 
 
-def test_structure_can_be_reused():
+def test_structure_is_analyzed_once_per_objective():
     case = make_case("cnn")
-    structure = analyze(case.model)
-    a = epsilon_sharpness(case.model, case.loss_fn, case.data, 0.1, metric="node", steps=2, structure=structure,
-                          progress=False)
+    objective = Objective(case.model, case.loss_fn, case.data)
+    twin = objective.with_params(objective.params)
+    assert twin.structure is objective.structure  # copies at other points share the analysis
+    a = epsilon_sharpness(None, None, None, 0.1, metric="node", steps=2, objective=objective, progress=False)
     b = epsilon_sharpness(case.model, case.loss_fn, case.data, 0.1, metric="node", steps=2, progress=False)
     assert a.measured == b.measured

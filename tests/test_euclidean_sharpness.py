@@ -8,7 +8,7 @@ import torch
 from cases import make_case
 from torch.utils.data import DataLoader, TensorDataset
 
-from sharpness import Objective, dense_hessian, euclidean_sharpness, hutchinson_trace
+from sharpness import Euclidean, Objective, Solver, dense_hessian, euclidean_sharpness, hutchinson_trace
 from sharpness._hessian import HessianOperator
 
 SOLVER_TOL = {"lanczos": 1e-10, "low-memory-lanczos": 1e-10, "power": 1e-13}
@@ -22,8 +22,8 @@ def dense_top(case, k):
 @pytest.mark.parametrize("method", ["lanczos", "low-memory-lanczos", "power"])
 def test_top3_match_dense_eigh(case, method):
     ref, _ = dense_top(case, 3)
-    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3, method=method, tol=SOLVER_TOL[method],
-                              max_iter=5000, progress=False)
+    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=3,
+                              solver=Solver(method=method, tol=SOLVER_TOL[method], max_iter=5000), progress=False)
     assert res.converged
     np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8, atol=0)
     assert res.value == pytest.approx(ref[0], rel=1e-8)
@@ -42,8 +42,8 @@ def test_negative_dominant_spectrum_reports_largest_algebraic():
     full = np.linalg.eigvalsh(H)
     assert abs(full[0]) > abs(full[-1])  # the case really is negative-dominant
     for method in ("lanczos", "low-memory-lanczos", "power"):
-        res = euclidean_sharpness(case.model, case.loss_fn, case.data, method=method, tol=SOLVER_TOL[method],
-                                  max_iter=5000, progress=False)
+        res = euclidean_sharpness(case.model, case.loss_fn, case.data,
+                                  solver=Solver(method=method, tol=SOLVER_TOL[method], max_iter=5000), progress=False)
         assert res.value == pytest.approx(ref[0], rel=1e-8), method
 
 
@@ -52,15 +52,15 @@ def test_same_eigenvalues_whatever_chunking_and_data_form(chunk_size):
     case = make_case("cnn")
     ref, _ = dense_top(case, 2)
     for data in (case.data, DataLoader(TensorDataset(case.X, case.y), batch_size=4)):
-        res = euclidean_sharpness(case.model, case.loss_fn, data, k=2, tol=1e-10, chunk_size=chunk_size,
-                                  progress=False)
+        objective = Objective(case.model, case.loss_fn, data, chunk_size=chunk_size)
+        res = Euclidean().sharpness(objective, 2, Solver(tol=1e-10), progress=False)
         np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
 
 
 def test_sum_reduction_scales_eigenvalues_by_n():
     case = make_case("mlp_mse_sum")
-    total = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-10, progress=False)
-    mean = euclidean_sharpness(case.model, torch.nn.MSELoss(), case.data, tol=1e-10, progress=False)
+    total = euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(tol=1e-10), progress=False)
+    mean = euclidean_sharpness(case.model, torch.nn.MSELoss(), case.data, solver=Solver(tol=1e-10), progress=False)
     assert total.value == pytest.approx(mean.value * case.y.numel(), rel=1e-9)
 
 
@@ -74,7 +74,7 @@ def test_hutchinson_trace_within_three_standard_errors(case):
 
 def test_result_reports_how_it_was_obtained(tmp_path):
     case = make_case("mlp_bias")
-    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=2, tol=1e-8, progress=False)
+    res = euclidean_sharpness(case.model, case.loss_fn, case.data, k=2, solver=Solver(tol=1e-8), progress=False)
     assert res.method == "lanczos" and res.n_matvec > 0 and res.iterations > 0 and res.history
     assert res.info["metric"] == "euclidean" and res.info["n_params"] == 75 and res.info["n_samples"] == 23
     path = tmp_path / "r.json"
@@ -86,7 +86,8 @@ def test_result_reports_how_it_was_obtained(tmp_path):
 
 def test_float32_agrees_with_float64():
     case = make_case("mlp_bias")
-    r64 = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-10, progress=False)
-    r32 = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-5, dtype=torch.float32, progress=False)
+    r64 = euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(tol=1e-10), progress=False)
+    r32 = euclidean_sharpness(case.model, case.loss_fn, case.data,
+                              solver=Solver(tol=1e-5), dtype=torch.float32, progress=False)
     assert r32.eigenvectors.dtype == torch.float32
     assert r32.value == pytest.approx(r64.value, rel=1e-4)

@@ -22,8 +22,17 @@ from manifolds import (
     rescale_parameters,
     rescale_to_fixed_value,
 )
-from sharpness import Objective, dense_hessian, euclidean_sharpness, invariant_sharpness, verify_invariance
-from sharpness._invariant import MEASURE_FUNCTIONS, METRICS
+from sharpness import (
+    MEASURES,
+    Fixed,
+    Objective,
+    Rescalings,
+    Solver,
+    dense_hessian,
+    euclidean_sharpness,
+    invariant_sharpness,
+    verify_invariance,
+)
 
 
 class ReverseRegistered(nn.Module):
@@ -382,7 +391,7 @@ def fixed_reference(case):
 def test_fixed_sharpness_matches_dense_reference(name):
     case = make_case(name)
     reference = fixed_reference(case)
-    result = invariant_sharpness(case.model, case.loss_fn, case.data, metric="fixed", k=2, tol=1e-12)
+    result = invariant_sharpness(case.model, case.loss_fn, case.data, metric="fixed", k=2, solver=Solver(tol=1e-12))
     assert result.converged and result.coordinates == "fixed"
     torch.testing.assert_close(result.eigenvalues, reference.flip(0)[:2], rtol=1e-8, atol=1e-10)
     assert result.info["n_fixed"] == analyze(case.model).n_hidden
@@ -393,7 +402,7 @@ def test_fixed_sharpness_matches_dense_reference(name):
     # Cross-check through the parametrization: a FixModel of the representative trains the free block.
     rep = rescale_to_fixed_value(case.model)
     fixed = FixModel(rep.model, selection=rep.space.mask)
-    euclid = euclidean_sharpness(fixed, case.loss_fn, case.data, tol=1e-12)
+    euclid = euclidean_sharpness(fixed, case.loss_fn, case.data, solver=Solver(tol=1e-12))
     assert euclid.value == pytest.approx(float(reference[-1]), rel=1e-8)
 
 
@@ -401,7 +410,7 @@ def test_fixed_sharpness_matches_dense_reference(name):
 def test_fixed_sharpness_invariant_under_rescaling(name):
     case = make_case(name)
     structure = analyze(case.model)
-    original = invariant_sharpness(case.model, case.loss_fn, case.data, metric="fixed", tol=1e-12).value
+    original = invariant_sharpness(case.model, case.loss_fn, case.data, metric="fixed", solver=Solver(tol=1e-12)).value
     params = {k: p.detach() for k, p in case.model.named_parameters()}
     g = torch.Generator().manual_seed(7)
     lambdas = [3.0, 0.25] + [1.0] * (len(structure.layers) - 3) + [4 / 3]
@@ -410,21 +419,20 @@ def test_fixed_sharpness_invariant_under_rescaling(name):
             case.model, case.loss_fn, case.data, params=rescale_parameters(params, structure, factors)
         )
         value = invariant_sharpness(
-            case.model, case.loss_fn, case.data, metric="fixed", tol=1e-12, objective=objective
+            case.model, case.loss_fn, case.data, metric="fixed", solver=Solver(tol=1e-12), objective=objective
         ).value
         assert value == pytest.approx(original, rel=1e-8)
-    euclidean = euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-10).value
+    euclidean = euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(tol=1e-10)).value
     twin = random_rescale(case.model, "node", generator=torch.Generator().manual_seed(7))
-    assert euclidean_sharpness(twin, case.loss_fn, case.data, tol=1e-10).value != pytest.approx(euclidean, rel=1e-2)
+    assert euclidean_sharpness(twin, case.loss_fn, case.data,
+                               solver=Solver(tol=1e-10)).value != pytest.approx(euclidean, rel=1e-2)
 
 
 def test_fixed_metric_registered_and_verified():
-    assert METRICS["fixed"].invariant_under == ("node", "layer")
-    assert "fixed" in MEASURE_FUNCTIONS
+    assert MEASURES["fixed"].invariant_under == ("node", "layer") and MEASURES["fixed"] == Fixed("diagonal")
     case = make_case("mlp_bias")
-    report = verify_invariance(
-        case.model, case.loss_fn, case.data, trials=1, metrics=("euclidean", "fixed"), progress=False, print_table=False
-    )
+    report = verify_invariance(case.model, case.loss_fn, case.data, ("euclidean", "fixed"),
+                               rescalings=Rescalings(trials=1), progress=False)  # fmt: skip
     assert report.passed
     for kind in ("node", "layer"):
         assert report.verdict("fixed", kind) == "invariant"
@@ -436,5 +444,6 @@ def test_network_without_hidden_units_has_nothing_to_fix():
     fixed = FixModel(model, fixed_factor=True)
     assert fixed.n_fixed == 0 and fixed.n_free == n_params(model) and fixed.fixed_values().numel() == 0
     assert rescale_to_fixed_value(model).factor_range == (1.0, 1.0)
-    value = invariant_sharpness(model, case.loss_fn, case.data, metric="fixed", tol=1e-12).value
-    assert value == pytest.approx(euclidean_sharpness(model, case.loss_fn, case.data, tol=1e-12).value, rel=1e-10)
+    value = invariant_sharpness(model, case.loss_fn, case.data, metric="fixed", solver=Solver(tol=1e-12)).value
+    assert value == pytest.approx(euclidean_sharpness(model, case.loss_fn, case.data,
+                                                      solver=Solver(tol=1e-12)).value, rel=1e-10)

@@ -15,7 +15,7 @@ from manifolds import (
     random_rescale,
     rescale_parameters,
 )
-from sharpness import Objective, dense_hessian, invariant_sharpness
+from sharpness import Objective, Solver, dense_hessian, invariant_sharpness
 
 P_VALUES = (1.0, 2.0, 3.5)
 TIGHT = 1e-13  # gauge tolerance where weights are compared to 1e-8 (error ~ tol / (1 - rate))
@@ -143,7 +143,8 @@ def test_not_converging_says_so():
 
 
 def minnorm(model, case):
-    return invariant_sharpness(model, case.loss_fn, case.data, metric="minnorm", tol=1e-10, progress=False)
+    return invariant_sharpness(model, case.loss_fn, case.data, metric="minnorm",
+                               solver=Solver(tol=1e-10), progress=False)
 
 
 def test_minnorm_sharpness_is_euclidean_top_eigenvalue_at_the_gauge(rescalable_case):

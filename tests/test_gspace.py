@@ -21,7 +21,7 @@ from manifolds import (
     random_rescale,
 )
 from manifolds._gspace import _Kernel
-from sharpness import GSpaceLoss, Objective, invariant_sharpness
+from sharpness import GSpaceLoss, GSpaceMeasure, Objective, Solver, invariant_sharpness
 
 CASES = ("mlp_bias", "mlp_nobias", "cnn")
 
@@ -667,7 +667,8 @@ def test_gspace_sharpness_is_invariant_and_matches_dense_hessian(name):
     case = make_case(name)
 
     def measure(model):
-        return invariant_sharpness(model, case.loss_fn, case.data, metric="gspace", tol=1e-10, progress=False)
+        return invariant_sharpness(model, case.loss_fn, case.data, metric="gspace",
+                                   solver=Solver(tol=1e-10), progress=False)
 
     result = measure(case.model)
     loss = GSpaceLoss(Objective(case.model, case.loss_fn, case.data))
@@ -704,8 +705,8 @@ def test_gspace_sharpness_streaming_hvp_strategies_are_exact_and_invariant(name,
     chunk_size = 5 if name == "cnn" else 10  # 11 samples -> 5+5+1, 23 -> 10+10+3
 
     def measure(model):
-        options = {"hvp": hvp, "chunk_size": chunk_size, "tol": 1e-10, "progress": False}
-        return invariant_sharpness(model, case.loss_fn, case.data, metric="gspace", **options)
+        objective = Objective(model, case.loss_fn, case.data, chunk_size=chunk_size)
+        return GSpaceMeasure().sharpness(objective, 1, Solver(tol=1e-10, hvp=hvp), progress=False)
 
     result = measure(case.model)
     assert result.info["hvp_strategy"] == hvp

@@ -14,7 +14,7 @@ from manifolds import (
     random_rescale,
     rescale_parameters,
 )
-from sharpness import Objective, dense_hessian, euclidean_sharpness, invariant_sharpness
+from sharpness import Layer, Objective, Solver, dense_hessian, euclidean_sharpness, invariant_sharpness
 
 
 def _dense_problem(case):
@@ -88,7 +88,7 @@ REFERENCES = {"node": node_reference, "layer": layer_reference}
 def test_top_eigenvalues_match_dense_reference(rescalable_case, metric):
     ref = REFERENCES[metric](rescalable_case)[:3]
     res = invariant_sharpness(rescalable_case.model, rescalable_case.loss_fn, rescalable_case.data,
-                              metric=metric, k=3, tol=1e-11, progress=False)
+                              metric=metric, k=3, solver=Solver(tol=1e-11), progress=False)
     assert res.converged
     np.testing.assert_allclose(res.eigenvalues.numpy(), ref, rtol=1e-8)
     assert res.info["riemannian_grad_norm"] > 1e-3  # a non-critical point: connection terms matter
@@ -97,9 +97,10 @@ def test_top_eigenvalues_match_dense_reference(rescalable_case, metric):
 @pytest.mark.parametrize("metric", ["layer", "node"])
 def test_power_method_agrees_with_lanczos(metric):
     case = make_case("mlp_bias")
-    lz = invariant_sharpness(case.model, case.loss_fn, case.data, metric=metric, tol=1e-11, progress=False)
-    pw = invariant_sharpness(case.model, case.loss_fn, case.data, metric=metric, method="power", tol=1e-14,
-                             max_iter=5000, progress=False)
+    lz = invariant_sharpness(case.model, case.loss_fn, case.data, metric=metric,
+                             solver=Solver(tol=1e-11), progress=False)
+    pw = invariant_sharpness(case.model, case.loss_fn, case.data, metric=metric,
+                             solver=Solver(method="power", tol=1e-14, max_iter=5000), progress=False)
     assert pw.method == "power" and pw.converged
     assert pw.value == pytest.approx(lz.value, rel=1e-8)
 
@@ -108,7 +109,7 @@ def _rescaled_values(case, metric, kind, seeds=(1, 2)):
     values = []
     for seed in seeds:
         model = random_rescale(case.model, kind=kind, scale=1.0, generator=torch.Generator().manual_seed(seed))
-        values.append(invariant_sharpness(model, case.loss_fn, case.data, metric=metric, tol=1e-11,
+        values.append(invariant_sharpness(model, case.loss_fn, case.data, metric=metric, solver=Solver(tol=1e-11),
                                           progress=False).value)
     return np.array(values)
 
@@ -116,13 +117,15 @@ def _rescaled_values(case, metric, kind, seeds=(1, 2)):
 @pytest.mark.parametrize("kind", ["node", "layer"])
 def test_node_measure_is_invariant_under_every_rescaling(rescalable_case, kind):
     c = rescalable_case
-    base = invariant_sharpness(c.model, c.loss_fn, c.data, metric="node", tol=1e-11, progress=False).value
+    base = invariant_sharpness(c.model, c.loss_fn, c.data, metric="node",
+                               solver=Solver(tol=1e-11), progress=False).value
     np.testing.assert_allclose(_rescaled_values(c, "node", kind), base, rtol=1e-8)
 
 
 def test_layer_measure_is_invariant_under_layer_rescaling(rescalable_case):
     c = rescalable_case
-    base = invariant_sharpness(c.model, c.loss_fn, c.data, metric="layer", tol=1e-11, progress=False).value
+    base = invariant_sharpness(c.model, c.loss_fn, c.data, metric="layer",
+                               solver=Solver(tol=1e-11), progress=False).value
     np.testing.assert_allclose(_rescaled_values(c, "layer", "layer"), base, rtol=1e-8)
 
 
@@ -130,16 +133,18 @@ def test_layer_measure_changes_under_node_rescaling(rescalable_case):
     """Documents a limitation users must know: the flatness paper's layer-wise measure is not
     invariant under the full (node-wise) symmetry group."""
     c = rescalable_case
-    base = invariant_sharpness(c.model, c.loss_fn, c.data, metric="layer", tol=1e-11, progress=False).value
+    base = invariant_sharpness(c.model, c.loss_fn, c.data, metric="layer",
+                               solver=Solver(tol=1e-11), progress=False).value
     rel = np.abs(_rescaled_values(c, "layer", "node") - base) / base
     assert rel.max() > 0.1
 
 
 def test_euclidean_sharpness_is_not_invariant():
     c = make_case("mlp_bias")
-    base = euclidean_sharpness(c.model, c.loss_fn, c.data, tol=1e-11, progress=False).value
+    base = euclidean_sharpness(c.model, c.loss_fn, c.data, solver=Solver(tol=1e-11), progress=False).value
     model = random_rescale(c.model, kind="layer", generator=torch.Generator().manual_seed(1))
-    assert abs(euclidean_sharpness(model, c.loss_fn, c.data, tol=1e-11, progress=False).value - base) > 0.1 * base
+    assert abs(euclidean_sharpness(model, c.loss_fn, c.data,
+                                   solver=Solver(tol=1e-11), progress=False).value - base) > 0.1 * base
 
 
 def _slopes(f, t_values):
@@ -195,16 +200,17 @@ def test_zero_norm_block_layer_metric_error_or_exclude():
         c.model[2].bias.zero_()
     with pytest.raises(ValueError, match=r"2\.bias"):
         invariant_sharpness(c.model, c.loss_fn, c.data, metric="layer", progress=False)
-    res = invariant_sharpness(c.model, c.loss_fn, c.data, metric="layer", zero_blocks="exclude", tol=1e-10,
-                              progress=False)
+    exclude = Layer(zero_blocks="exclude")
+    res = invariant_sharpness(c.model, c.loss_fn, c.data, exclude, solver=Solver(tol=1e-10), progress=False)
     model = random_rescale(c.model, kind="layer", generator=torch.Generator().manual_seed(4))
-    res2 = invariant_sharpness(model, c.loss_fn, c.data, metric="layer", zero_blocks="exclude", tol=1e-10,
-                               progress=False)
+    res2 = invariant_sharpness(model, c.loss_fn, c.data, exclude, solver=Solver(tol=1e-10), progress=False)
     assert res2.value == pytest.approx(res.value, rel=1e-8)
     assert float(res.parameter_vectors()[0]["2.bias"].abs().max()) == 0.0
 
 
 def test_unknown_metric_is_refused():
     c = make_case("mlp_bias")
-    with pytest.raises(ValueError, match="unknown invariant metric"):
+    with pytest.raises(ValueError, match="unknown sharpness metric 'fancy'; choose one of euclidean, layer, node"):
         invariant_sharpness(c.model, c.loss_fn, c.data, metric="fancy", progress=False)
+    with pytest.raises(ValueError, match="'euclidean' measure is not invariant under any rescaling"):
+        invariant_sharpness(c.model, c.loss_fn, c.data, metric="euclidean", progress=False)

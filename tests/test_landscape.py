@@ -113,7 +113,7 @@ def test_filter_normalization_matches_row_and_filter_norms(name):
 
 def test_eigen_direction_curvature_is_the_eigenvalue():
     case = make_case("mlp_bias")
-    s = landscape.loss_line(case.model, case.loss_fn, case.data, directions="eigen", span=1e-3, steps=3,
+    s = landscape.loss_line(case.model, case.loss_fn, case.data, "eigen", grid=landscape.Grid(span=1e-3, steps=3),
                             progress=False)  # fmt: skip
     h = s.x[2]
     curvature = (s.loss[0] - 2 * s.loss[1] + s.loss[2]) / h**2
@@ -250,7 +250,8 @@ def test_plane_contains_center_and_leaves_model_untouched(steps):
     before = copy.deepcopy(case.model.state_dict())
     case.model.train()  # the surface is evaluated in eval mode and the mode is given back
     with pytest.warns(UserWarning, match="training mode"):
-        s = landscape.loss_plane(case.model, case.loss_fn, case.data, span=0.5, steps=steps, progress=False)
+        s = landscape.loss_plane(case.model, case.loss_fn, case.data, grid=landscape.Grid(span=0.5, steps=steps),
+                                 progress=False)
     assert case.model.training
     case.model.eval()
     i, j = s.center_index()
@@ -265,7 +266,7 @@ def test_plane_contains_center_and_leaves_model_untouched(steps):
 
 def test_segment_line_hits_both_checkpoints():
     a, b = make_case("mlp_bias", seed=0), make_case("mlp_bias", seed=1)
-    s = landscape.loss_line(a.model, a.loss_fn, a.data, to=b.model, steps=41, progress=False)
+    s = landscape.loss_line(a.model, a.loss_fn, a.data, to=b.model, grid=landscape.Grid(steps=41), progress=False)
     assert s.x[0] == -0.5 and s.x[-1] == 1.5
     end = Objective(b.model, a.loss_fn, a.data).evaluate()["loss"]
     assert s.loss[np.flatnonzero(s.x == 1.0)[0]] == pytest.approx(end, rel=1e-12)
@@ -274,7 +275,8 @@ def test_segment_line_hits_both_checkpoints():
 
 def test_surface_npz_json_round_trip(tmp_path):
     case = make_case("mlp_bias")
-    s = landscape.loss_plane(case.model, case.loss_fn, case.data, steps=3, seed=7, progress=False)
+    s = landscape.loss_plane(case.model, case.loss_fn, case.data, directions=landscape.DirectionSpec(seed=7),
+                             grid=landscape.Grid(steps=3), progress=False)
     npz, meta = s.save(tmp_path / "plane")
     back = landscape.Surface.load(tmp_path / "plane")
     for field in ("x", "y", "loss", "accuracy"):
@@ -595,9 +597,10 @@ def test_element_normalized_random_planes_are_rescaling_invariant(name):
 
     case = make_case(name)
     twin = manifolds.random_rescale(case.model, kind="node", generator=torch.Generator().manual_seed(5))
-    kw = dict(directions="random", span=0.5, steps=5, seed=2, bias="keep", progress=False)
+    grid = landscape.Grid(span=0.5, steps=5)
     planes = {
-        norm: [landscape.loss_plane(m, case.loss_fn, case.data, norm=norm, **kw).loss for m in (case.model, twin)]
+        norm: [landscape.loss_plane(m, case.loss_fn, case.data, landscape.DirectionSpec(norm=norm, bias="keep", seed=2),
+                                    grid=grid, progress=False).loss for m in (case.model, twin)]  # fmt: skip
         for norm in ("element", "filter")
     }
     original, rescaled = planes["element"]

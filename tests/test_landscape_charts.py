@@ -17,6 +17,7 @@ import landscape
 import manifolds
 import sharpness
 from landscape._directions import chain_root_mask
+from landscape._specs import DirectionSpec
 from landscape._surfaces import make_chart
 from sharpness import Objective
 
@@ -129,17 +130,18 @@ def _chain_values(gs: manifolds.GSpace, weights: dict) -> list[torch.Tensor]:
 def test_gspace_plane_is_the_same_for_a_node_rescaled_twin(name, roots):
     case = GSPACE_MODELS[name]()
     twin = _twin(case.model)
-    kw = dict(steps=7, span=0.5, seed=3, roots=roots, progress=False)
-    s = landscape.loss_plane(case.model, case.loss_fn, case.data, directions="gspace", **kw)
-    t = landscape.loss_plane(twin, case.loss_fn, case.data, directions="gspace", **kw)
+    kw = dict(grid=landscape.Grid(span=0.5, steps=7), progress=False)
+    spec = landscape.DirectionSpec("gspace", roots=roots, seed=3)
+    s = landscape.loss_plane(case.model, case.loss_fn, case.data, spec, **kw)
+    t = landscape.loss_plane(twin, case.loss_fn, case.data, spec, **kw)
     np.testing.assert_allclose(t.loss, s.loss, rtol=1e-10, atol=0)
     np.testing.assert_array_equal(t.extras["crossed"], s.extras["crossed"])
     assert s.metadata["roots"] == s.metadata["directions"]["roots"] == roots
     if roots == "free":
         return
     # the Euclidean filter-normalized planes of the same two networks are different surfaces
-    e_s = landscape.loss_plane(case.model, case.loss_fn, case.data, **kw)
-    e_t = landscape.loss_plane(twin, case.loss_fn, case.data, **kw)
+    e_s = landscape.loss_plane(case.model, case.loss_fn, case.data, landscape.DirectionSpec(seed=3), **kw)
+    e_t = landscape.loss_plane(twin, case.loss_fn, case.data, landscape.DirectionSpec(seed=3), **kw)
     assert np.max(np.abs(e_t.loss - e_s.loss) / e_s.loss) > 1e-2
     # the centre is on the grid and has the model's loss
     exact = Objective(case.model, case.loss_fn, case.data).evaluate()
@@ -158,7 +160,7 @@ def test_gspace_plane_is_the_same_for_a_node_rescaled_twin(name, roots):
 def test_gspace_fast_path_equals_the_loop(name):
     case = make_case(name)
     obj = Objective(case.model, case.loss_fn, case.data, chunk_size=4)
-    chart = make_chart(obj, "gspace", 2, seed=2, bias="keep")
+    chart = make_chart(obj, DirectionSpec("gspace", seed=2, bias="keep"), 2)
     coords = np.random.default_rng(0).uniform(-1, 1, size=(23, 2))
     fast = landscape.evaluate_points(obj, chart.point_fn, coords, first_layer=chart.first_layer, batch=6,
                                      progress=False)  # fmt: skip
@@ -190,7 +192,7 @@ def test_gspace_default_plane_holds_every_chain_value_and_crosses_nothing(name):
     case = GSPACE_MODELS[name]()
     obj = Objective(case.model, case.loss_fn, case.data)
     gs = manifolds.GSpace(case.model, params=obj.params)
-    chart = make_chart(obj, "gspace", 2, seed=3, bias="keep")
+    chart = make_chart(obj, DirectionSpec("gspace", seed=3, bias="keep"), 2)
     mask = chain_root_mask(gs)
     assert torch.count_nonzero(chart.directions.vectors[:, mask]) == 0
     assert torch.count_nonzero(chart.directions.vectors[:, ~mask]) == 2 * int((~mask).sum())
@@ -207,12 +209,14 @@ def test_gspace_default_plane_holds_every_chain_value_and_crosses_nothing(name):
         torch.testing.assert_close(x, y, rtol=1e-13, atol=0)
     assert not chart.crossed(coords).any()
     for span in (0.5, 50.0):  # no singular line anywhere, unlike with the roots free
-        s = landscape.loss_plane(case.model, case.loss_fn, case.data, directions="gspace", span=span, steps=5,
-                                 bias="keep", progress=False)  # fmt: skip
+        s = landscape.loss_plane(case.model, case.loss_fn, case.data,
+                                 directions=landscape.DirectionSpec("gspace", bias="keep"),
+                                 grid=landscape.Grid(span=span, steps=5), progress=False)  # fmt: skip
         assert not s.extras["crossed"].any() and s.metadata["crossed_points"] == 0
         assert s.metadata["roots"] == "fixed" and np.all(np.isfinite(s.loss))
-    free = landscape.loss_plane(case.model, case.loss_fn, case.data, directions="gspace", span=50.0, steps=5,
-                                bias="keep", roots="free", progress=False)  # fmt: skip
+    free = landscape.loss_plane(case.model, case.loss_fn, case.data,
+                                directions=landscape.DirectionSpec("gspace", bias="keep", roots="free"),
+                                grid=landscape.Grid(span=50.0, steps=5), progress=False)  # fmt: skip
     assert free.metadata["crossed_points"] > 0
 
 
@@ -221,7 +225,7 @@ def test_gspace_plane_points_are_the_inverse_map_of_normalized_coordinate_direct
     obj = Objective(case.model, case.loss_fn, case.data)
     gs = manifolds.GSpace(case.model, params=obj.params)
     v = gs.coordinates(obj.params).detach()
-    chart = make_chart(obj, "gspace", 2, seed=11, norm="layer", bias="keep")
+    chart = make_chart(obj, DirectionSpec("gspace", seed=11, norm="layer", bias="keep"), 2)
     d = chart.directions
     assert d.vectors.shape == (2, gs.dim) and d.info["seeds"] == [11, 12]
     moved = (~chain_root_mask(gs)).to(v)
@@ -230,7 +234,7 @@ def test_gspace_plane_points_are_the_inverse_map_of_normalized_coordinate_direct
             assert float(block.norm()) == pytest.approx(float((ref * keep).norm()), rel=1e-12), name
     # roots="free": the old directions, each whole block scaled to ||v_B||, and the old points
     old = landscape.random_directions(gs.layout.unflatten(v), 2, seed=11, norm="layer", bias="keep")
-    free = make_chart(obj, "gspace", 2, seed=11, norm="layer", bias="keep", roots="free")
+    free = make_chart(obj, DirectionSpec("gspace", seed=11, norm="layer", bias="keep", roots="free"), 2)
     assert torch.equal(free.directions.vectors, old.vectors) and free.directions.info["roots"] == "free"
     coords = torch.tensor([[0.0, 0.0], [0.05, -0.02], [-0.03, 0.04]])
     for c, p in zip(coords, obj.layout.flatten(free.point_fn(coords))):
@@ -243,13 +247,13 @@ def test_gspace_plane_points_are_the_inverse_map_of_normalized_coordinate_direct
         for (_, block), (_, r), (_, ref) in zip(*(gs.layout.blocks(t) for t in (vec, raw * moved, v * moved))):
             torch.testing.assert_close(block, r * (ref.norm() / r.norm()), rtol=1e-14, atol=0)
     # the default, norm="element": the same draws times |v_j|, zero on the roots
-    relative = make_chart(obj, "gspace", 2, seed=11, bias="keep").directions
+    relative = make_chart(obj, DirectionSpec("gspace", seed=11, bias="keep"), 2).directions
     assert relative.info["normalization"] == "element"
     for i, vec in enumerate(relative.vectors):
         g = torch.Generator().manual_seed(11 + i)
         raw = torch.cat([torch.randn(len(b), generator=g, dtype=torch.float64) for _, b in gs.layout.blocks(v)])
         torch.testing.assert_close(vec, raw * moved * v.abs(), rtol=1e-15, atol=0)
-    zeroed = make_chart(obj, "gspace", 1, seed=11).directions  # bias="zero": bias blocks stay put
+    zeroed = make_chart(obj, DirectionSpec("gspace", seed=11), 1).directions  # bias="zero": bias blocks stay put
     assert all(torch.count_nonzero(b) == 0 for n, b in gs.layout.blocks(zeroed.vectors[0]) if n.endswith("bias"))
     coords = torch.tensor([[0.0, 0.0], [0.05, -0.02], [-0.03, 0.04]])
     points = obj.layout.flatten(chart.point_fn(coords))
@@ -265,8 +269,9 @@ def test_gspace_plane_points_are_the_inverse_map_of_normalized_coordinate_direct
 
 def test_gspace_marks_points_beyond_a_singularity_when_the_roots_move():
     case = make_case("mlp_bias")
-    s = landscape.loss_line(case.model, case.loss_fn, case.data, directions="gspace", span=3.0, steps=61,
-                            roots="free", progress=False)  # fmt: skip
+    s = landscape.loss_line(case.model, case.loss_fn, case.data,
+                            directions=landscape.DirectionSpec("gspace", roots="free"),
+                            grid=landscape.Grid(span=3.0, steps=61), progress=False)  # fmt: skip
     crossed = s.extras["crossed"]
     assert crossed.shape == s.x.shape and crossed[s.center_index()] == 0
     assert crossed.max() >= 2  # far enough out, chain values of w(v) change sign
@@ -275,7 +280,7 @@ def test_gspace_marks_points_beyond_a_singularity_when_the_roots_move():
     assert np.all(np.diff(crossed[j:]) >= 0) and np.all(np.diff(crossed[: j + 1]) <= 0)
     # a point is marked exactly when a chain root of its coordinates changed sign
     obj = Objective(case.model, case.loss_fn, case.data)
-    chart = make_chart(obj, "gspace", 1, roots="free")
+    chart = make_chart(obj, DirectionSpec("gspace", roots="free"), 1)
     gs = manifolds.GSpace(case.model, params=obj.params)
     v = gs.coordinates(obj.params).detach()
     for x, marked in zip(s.x, crossed):
@@ -284,7 +289,7 @@ def test_gspace_marks_points_beyond_a_singularity_when_the_roots_move():
             assert not marked
         except manifolds.GSpaceSingularityError:
             assert marked
-    held = landscape.loss_line(case.model, case.loss_fn, case.data, directions="gspace", span=3.0, steps=61,
+    held = landscape.loss_line(case.model, case.loss_fn, case.data, "gspace", grid=landscape.Grid(span=3.0, steps=61),
                                progress=False)  # fmt: skip
     assert not held.extras["crossed"].any() and held.metadata["roots"] == "fixed"
 
@@ -293,12 +298,16 @@ def test_gspace_refuses_unsupported_models_and_filter_normalization():
     model = nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)).double().eval()
     data = (torch.randn(6, 3), torch.randint(0, 2, (6,)))
     with pytest.raises(manifolds.UnsupportedModelError, match="GELU"):
-        landscape.loss_plane(model, nn.CrossEntropyLoss(), data, directions="gspace", steps=3, progress=False)
+        landscape.loss_plane(model, nn.CrossEntropyLoss(), data, directions=landscape.DirectionSpec("gspace"),
+                             grid=landscape.Grid(steps=3), progress=False)
     case = make_case("mlp_bias")
     with pytest.raises(ValueError, match="per coordinate block"):
-        landscape.loss_plane(case.model, case.loss_fn, case.data, directions="gspace", norm="filter", steps=3)
+        landscape.loss_plane(case.model, case.loss_fn, case.data,
+                             directions=landscape.DirectionSpec("gspace", norm="filter"), grid=landscape.Grid(steps=3))
     with pytest.raises(ValueError, match="not of gspace directions"):
-        landscape.loss_plane(case.model, case.loss_fn, case.data, directions="gspace", path="geodesic", steps=3)
+        landscape.loss_plane(case.model, case.loss_fn, case.data,
+                             directions=landscape.DirectionSpec("gspace", path="geodesic"),
+                             grid=landscape.Grid(steps=3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +319,8 @@ def test_gspace_refuses_unsupported_models_and_filter_normalization():
 def test_geodesic_plane_is_the_same_for_a_rescaled_twin(name, metric, kind):
     case = make_case(name)
     twin = _twin(case.model, kind)
-    kw = dict(directions="invariant-eigen", metric=metric, path="geodesic", steps=5, span=0.5, progress=False)
+    kw = dict(directions=landscape.DirectionSpec("invariant-eigen", metric=metric, path="geodesic"),
+              grid=landscape.Grid(span=0.5, steps=5), progress=False)  # fmt: skip
     s = landscape.loss_plane(case.model, case.loss_fn, case.data, **kw)
     t = landscape.loss_plane(twin, case.loss_fn, case.data, **kw)
     # the whitened Riemannian Hessians agree, so the solver finds the same eigenvectors (signs included)
@@ -326,7 +336,7 @@ def test_geodesic_plane_is_the_same_for_a_rescaled_twin(name, metric, kind):
 def test_geodesic_points_are_the_exponential_map_and_agree_with_straight_lines_to_first_order():
     case = make_case("mlp_bias")
     obj = Objective(case.model, case.loss_fn, case.data)
-    chart = make_chart(obj, "invariant-eigen", 2, path="geodesic")
+    chart = make_chart(obj, DirectionSpec("invariant-eigen", path="geodesic"), 2)
     theta, D = obj.layout.flatten(obj.params), chart.directions.vectors
     coords = torch.tensor([[0.3, -0.2], [-0.1, 0.4]])
     points = chart.point_fn(coords)
@@ -338,7 +348,7 @@ def test_geodesic_points_are_the_exponential_map_and_agree_with_straight_lines_t
     zeroed = {k: v.clone() for k, v in obj.params.items()}
     zeroed["0.weight"][0, :2] = 0
     given = landscape.Directions(D, "invariant-eigen", ("a", "b"), {"metric": "node"})
-    at_zero = make_chart(obj.with_params(zeroed), given, 2, path="geodesic")
+    at_zero = make_chart(obj.with_params(zeroed), DirectionSpec(given, path="geodesic"), 2)
     moved = obj.layout.unflatten(at_zero.point_fn(coords))["0.weight"]
     assert torch.count_nonzero(moved[:, 0, :2]) == 0 and torch.all(torch.isfinite(moved))
     # Exp(t xi) = theta + t xi + t^2 xi^2 / (2 theta) + O(t^3)
@@ -349,11 +359,12 @@ def test_geodesic_points_are_the_exponential_map_and_agree_with_straight_lines_t
         torch.testing.assert_close(gap / t**2, xi**2 / (2 * theta), rtol=t * float((xi / theta).abs().max()),
                                    atol=rounding)  # fmt: skip
     # the losses along the two paths agree to first order: the gap shrinks like t^2, the loss change like t
-    kw = dict(directions="invariant-eigen", steps=3, progress=False, objective=obj)
     gaps, slopes = [], []
     for span in (1e-2, 5e-3):
-        curved = landscape.loss_line(case.model, case.loss_fn, case.data, path="geodesic", span=span, **kw)
-        straight = landscape.loss_line(case.model, case.loss_fn, case.data, span=span, **kw)
+        kw = dict(grid=landscape.Grid(span=span, steps=3), progress=False, objective=obj)
+        geodesic = landscape.DirectionSpec("invariant-eigen", path="geodesic")
+        curved = landscape.loss_line(None, None, None, geodesic, **kw)
+        straight = landscape.loss_line(None, None, None, "invariant-eigen", **kw)
         gaps.append(abs(curved.loss[2] - straight.loss[2]))
         slopes.append(abs(straight.loss[2] - straight.loss[1]))
     assert gaps[0] / gaps[1] == pytest.approx(4.0, rel=0.05)
@@ -363,9 +374,11 @@ def test_geodesic_points_are_the_exponential_map_and_agree_with_straight_lines_t
 def test_geodesic_path_needs_invariant_eigen_directions():
     case = make_case("mlp_bias")
     with pytest.raises(ValueError, match="invariant-eigen"):
-        landscape.loss_plane(case.model, case.loss_fn, case.data, path="geodesic", steps=3)
+        landscape.loss_plane(case.model, case.loss_fn, case.data, directions=landscape.DirectionSpec(path="geodesic"),
+                             grid=landscape.Grid(steps=3))
     with pytest.raises(ValueError, match="unknown path"):
-        landscape.loss_plane(case.model, case.loss_fn, case.data, path="curly", steps=3)
+        landscape.loss_plane(case.model, case.loss_fn, case.data, directions=landscape.DirectionSpec(path="curly"),
+                             grid=landscape.Grid(steps=3))
 
 
 # ---------------------------------------------------------------------------------------------

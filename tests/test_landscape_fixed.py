@@ -25,7 +25,7 @@ def case():
 def planes(case):
     return {
         r: landscape.fixed_weight_planes(
-            case.model, case.loss_fn, (case.X, case.y), VALUES, reading=r, steps=5, progress=False
+            case.model, case.loss_fn, (case.X, case.y), VALUES, reading=r, grid=landscape.Grid(steps=5), progress=False
         )  # fmt: skip
         for r in ("a", "b")
     }
@@ -68,13 +68,13 @@ def test_directions_are_zero_on_fixed_entries(case, monkeypatch, reading):
     seen = []
     real = _fixed_planes.loss_plane
 
-    def spy(*args, directions, **kwargs):
+    def spy(model, loss_fn, data, directions, **kwargs):
         seen.append(directions)
-        return real(*args, directions=directions, **kwargs)
+        return real(model, loss_fn, data, directions, **kwargs)
 
     monkeypatch.setattr(_fixed_planes, "loss_plane", spy)
     surfaces = landscape.fixed_weight_planes(case.model, case.loss_fn, (case.X, case.y), VALUES, reading=reading,
-                                             steps=3, progress=False)  # fmt: skip
+                                             grid=landscape.Grid(steps=3), progress=False)  # fmt: skip
     _, space, _ = _centers(case, reading)
     assert len(seen) == len(VALUES)
     for d, s in zip(seen, surfaces):

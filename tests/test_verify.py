@@ -1,6 +1,7 @@
 """Invariance verification and the metric-name entry point: which measures survive random rescalings."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -9,8 +10,17 @@ from cases import make_case, mlp
 from torch import nn
 
 from manifolds import UnsupportedModelError
-from sharpness import euclidean_sharpness, invariant_sharpness, measure_sharpness, verify_invariance
-from sharpness._invariant import MEASURE_FUNCTIONS, METRICS, MetricSpec, quotient_sharpness
+from sharpness import (
+    MEASURES,
+    Euclidean,
+    Node,
+    Rescalings,
+    Solver,
+    euclidean_sharpness,
+    invariant_sharpness,
+    measure_sharpness,
+    verify_invariance,
+)
 from sharpness._verify import InvarianceReport, relative_difference
 
 BASE_METRICS = ("euclidean", "layer", "node")
@@ -22,8 +32,8 @@ def report(request):
     torch.set_default_dtype(torch.float64)
     case = make_case(request.param)
     try:
-        yield verify_invariance(case.model, case.loss_fn, case.data, trials=2, k=1, metrics=BASE_METRICS,
-                                progress=False, print_table=False)
+        yield verify_invariance(case.model, case.loss_fn, case.data, BASE_METRICS, rescalings=Rescalings(trials=2),
+                                progress=False)  # fmt: skip
     finally:
         torch.set_default_dtype(old)
 
@@ -86,22 +96,42 @@ def test_json_round_trip(report, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left
 
 
-def test_wrong_claim_is_reported_as_failed(monkeypatch, capsys):
-    monkeypatch.setitem(METRICS, "euclidean", MetricSpec("euclidean", "claims too much", ("node", "layer")))
+@dataclass(frozen=True)
+class _Boastful(Euclidean):
+    """The Euclidean measure claiming invariances it does not have."""
+
+    name = "boastful"
+    invariant_under = ("node", "layer")
+
+
+def test_wrong_claim_is_reported_as_failed():
     case = make_case("mlp_bias")
-    rep = verify_invariance(case.model, case.loss_fn, case.data, trials=1, metrics=["euclidean"], progress=False)
-    assert rep.verdict("euclidean", "node") == "FAILED" and rep.verdict("euclidean", "layer") == "FAILED"
+    rep = verify_invariance(case.model, case.loss_fn, case.data, [_Boastful()], rescalings=Rescalings(trials=1),
+                            progress=False)  # fmt: skip
+    assert rep.metrics == ("boastful",) and rep.claims == {"boastful": ("node", "layer")}
+    assert rep.verdict("boastful", "node") == "FAILED" and rep.verdict("boastful", "layer") == "FAILED"
     assert not rep.passed
-    printed = capsys.readouterr().out
-    assert printed == rep.table() + "\n"
-    assert "FAILED: changed by more than rtol" in printed
+    assert str(rep) == rep.table()
+    assert "FAILED: changed by more than rtol" in rep.table()
+
+
+def test_verdict_draws_the_line_at_rtol():
+    case = make_case("mlp_bias")
+    small = Rescalings(kinds="layer", trials=1, scale=1e-4)
+    rep = verify_invariance(case.model, case.loss_fn, case.data, [_Boastful()], rescalings=small, progress=False)
+    change = rep.max_relative_difference("boastful", "layer")
+    assert 1e-8 < change < 1e-2
+    for rtol, verdict in ((change * 1.01, "invariant"), (change * 0.99, "FAILED")):
+        again = verify_invariance(case.model, case.loss_fn, case.data, [_Boastful()], rescalings=small, rtol=rtol,
+                                  progress=False)  # fmt: skip
+        assert again.verdict("boastful", "layer") == verdict
 
 
 def test_not_rescalable_model_is_refused_naming_the_module():
     model = mlp([5, 4, 3], activation=nn.GELU)
     data = (torch.randn(7, 5), torch.randn(7, 3))
     with pytest.raises(UnsupportedModelError, match=r"module '1' \(GELU\)"):
-        verify_invariance(model, nn.MSELoss(), data, trials=1, progress=False, print_table=False)
+        verify_invariance(model, nn.MSELoss(), data, rescalings=Rescalings(trials=1), progress=False)
 
 
 class _HiddenGelu(nn.Module):
@@ -122,14 +152,13 @@ def test_rescaled_copy_that_changes_the_function_raises():
     model = _HiddenGelu().double().eval()
     data = (torch.randn(7, 5), torch.randn(7, 3))
     with pytest.raises(UnsupportedModelError, match="changes the model's outputs"):
-        verify_invariance(model, nn.MSELoss(), data, trials=1, metrics=["euclidean"], progress=False,
-                          print_table=False)
+        verify_invariance(model, nn.MSELoss(), data, ["euclidean"], rescalings=Rescalings(trials=1), progress=False)
 
 
 def test_float32_model_is_checked_in_float64():
     case = make_case("mlp_bias", dtype=torch.float32)
-    rep = verify_invariance(case.model, case.loss_fn, case.data, kinds="node", trials=1, metrics=["node"],
-                            progress=False, print_table=False)
+    rep = verify_invariance(case.model, case.loss_fn, case.data, ["node"], rescalings=Rescalings("node", 1),
+                            progress=False)  # fmt: skip
     assert rep.dtype == "float64" and rep.kinds == ("node",)
     assert rep.max_relative_difference("node", "node") <= 1e-8
     assert next(case.model.parameters()).dtype == torch.float32  # the model is left alone
@@ -138,76 +167,105 @@ def test_float32_model_is_checked_in_float64():
 def test_model_is_not_modified():
     case = make_case("mlp_bias")
     before = {k: v.clone() for k, v in case.model.state_dict().items()}
-    verify_invariance(case.model, case.loss_fn, case.data, kinds=["layer"], trials=1, metrics=["layer"],
-                      progress=False, print_table=False)
+    verify_invariance(case.model, case.loss_fn, case.data, ["layer"], rescalings=Rescalings(["layer"], 1),
+                      progress=False)  # fmt: skip
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k])
 
 
 def _only_metrics(monkeypatch, keep):
-    for name in list(METRICS):
+    for name in list(MEASURES):
         if name not in keep:
-            monkeypatch.delitem(METRICS, name)
+            monkeypatch.delitem(MEASURES, name)
+
+
+@dataclass(frozen=True)
+class _NodeAgain(Node):
+    """The node-wise measure under another name."""
+
+    name = "node_again"
 
 
 def test_metrics_registered_later_are_picked_up(monkeypatch):
-    spec = MetricSpec("node_again", "the node-wise measure under another name", ("node", "layer"))
-    monkeypatch.setitem(METRICS, spec.name, spec)
-    monkeypatch.setitem(MEASURE_FUNCTIONS, spec.name, lambda obj, _m, *args: quotient_sharpness(obj, "node", *args))
-    _only_metrics(monkeypatch, ("euclidean", "node", spec.name))
+    monkeypatch.setitem(MEASURES, "node_again", _NodeAgain())
+    _only_metrics(monkeypatch, ("euclidean", "node", "node_again"))
     case = make_case("mlp_nobias")
-    direct = measure_sharpness(case.model, case.loss_fn, case.data, spec.name, tol=1e-10, progress=False)
-    assert direct.info["metric"] == spec.name
-    rep = verify_invariance(case.model, case.loss_fn, case.data, trials=1, progress=False, print_table=False)
-    assert rep.metrics == ("euclidean", "node", spec.name)
-    assert rep.original[spec.name] == rep.original["node"] == (direct.value,)
-    assert rep.verdict(spec.name, "node") == "invariant" and rep.passed
+    direct = measure_sharpness(case.model, case.loss_fn, case.data, "node_again", solver=Solver(tol=1e-10),
+                               progress=False)  # fmt: skip
+    assert direct.info["metric"] == "node_again"
+    rep = verify_invariance(case.model, case.loss_fn, case.data, rescalings=Rescalings(trials=1), progress=False)
+    assert rep.metrics == ("euclidean", "node", "node_again")
+    assert rep.original["node_again"] == rep.original["node"] == (direct.value,)
+    assert rep.verdict("node_again", "node") == "invariant" and rep.passed
+
+
+@dataclass(frozen=True)
+class _Picky(Node):
+    """A measure that applies to no model."""
+
+    name = "picky"
+    invariant_under = ("node",)
+
+    def solve(self, *_args, **_kwargs):
+        raise UnsupportedModelError("Cannot compute the picky measure for this model.")
 
 
 def test_metric_that_does_not_apply_is_skipped_unless_asked_for(monkeypatch):
-    def refuse(*_args):
-        raise UnsupportedModelError("Cannot compute the picky measure for this model.")
-
-    monkeypatch.setitem(METRICS, "picky", MetricSpec("picky", "applies to no model", ("node",)))
-    monkeypatch.setitem(MEASURE_FUNCTIONS, "picky", refuse)
+    monkeypatch.setitem(MEASURES, "picky", _Picky())
     _only_metrics(monkeypatch, ("node", "picky"))
     case = make_case("mlp_bias")
-    rep = verify_invariance(case.model, case.loss_fn, case.data, kinds="layer", trials=1, progress=False,
-                            print_table=False)
+    rep = verify_invariance(case.model, case.loss_fn, case.data, rescalings=Rescalings("layer", 1), progress=False)
     assert rep.metrics == ("node",)
     assert rep.skipped == {"picky": "Cannot compute the picky measure for this model."}
     assert "skipped picky" in rep.table()
     with pytest.raises(UnsupportedModelError, match="picky"):
-        verify_invariance(case.model, case.loss_fn, case.data, kinds="layer", trials=1, metrics=["picky"],
-                          progress=False, print_table=False)
+        verify_invariance(case.model, case.loss_fn, case.data, ["picky"], rescalings=Rescalings("layer", 1),
+                          progress=False)  # fmt: skip
 
 
-def test_measure_sharpness_dispatches_by_name():
+def test_measure_sharpness_dispatches_by_name_and_object():
     case = make_case("cnn")
-    eu = measure_sharpness(case.model, case.loss_fn, case.data, "euclidean", tol=1e-10, progress=False,
-                           zero_blocks="exclude")  # quotient-only options are ignored for the Euclidean Hessian
-    assert eu.value == euclidean_sharpness(case.model, case.loss_fn, case.data, tol=1e-10, progress=False).value
+    solver = Solver(tol=1e-10)
+    eu = measure_sharpness(case.model, case.loss_fn, case.data, "euclidean", solver=solver, progress=False)
+    assert eu.value == euclidean_sharpness(case.model, case.loss_fn, case.data, solver=solver, progress=False).value
     for metric in ("layer", "node"):
-        res = measure_sharpness(case.model, case.loss_fn, case.data, metric, tol=1e-10, progress=False)
-        ref = invariant_sharpness(case.model, case.loss_fn, case.data, metric, tol=1e-10, progress=False)
-        assert res.info["metric"] == metric and res.value == ref.value
+        res = measure_sharpness(case.model, case.loss_fn, case.data, metric, solver=solver, progress=False)
+        ref = invariant_sharpness(case.model, case.loss_fn, case.data, metric, solver=solver, progress=False)
+        by_object = measure_sharpness(case.model, case.loss_fn, case.data, MEASURES[metric], solver=solver,
+                                      progress=False)  # fmt: skip
+        assert res.info["metric"] == metric and res.value == ref.value == by_object.value
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"metrics": ["hessian"]}, "unknown sharpness metric 'hessian'"),
-        ({"kinds": ["channel"]}, "kinds must be distinct rescaling kinds"),
-        ({"kinds": []}, "kinds must be distinct rescaling kinds"),
-        ({"trials": 0}, "trials must be a positive integer"),
-        ({"scale": -1.0}, "scale must be a non-negative"),
         ({"metrics": []}, "metrics is empty"),
+        ({"metrics": ["node", Node()]}, "metrics names a measure twice"),
+        ({"rtol": 0.0}, "rtol must be a positive number"),
+        ({"rtol": float("nan")}, "rtol must be a positive number"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
     case = make_case("mlp_bias")
     with pytest.raises(ValueError, match=message):
-        verify_invariance(case.model, case.loss_fn, case.data, progress=False, print_table=False, **kwargs)
+        verify_invariance(case.model, case.loss_fn, case.data, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kinds": ["channel"]}, "kinds must be distinct rescaling kinds"),
+        ({"kinds": []}, "kinds must be distinct rescaling kinds"),
+        ({"kinds": ["node", "node"]}, "kinds must be distinct rescaling kinds"),
+        ({"trials": 0}, "trials must be a positive integer"),
+        ({"scale": -1.0}, "scale must be a non-negative"),
+        ({"scale": float("inf")}, "scale must be a non-negative finite"),
+    ],
+)
+def test_bad_rescalings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Rescalings(**kwargs)
 
 
 def test_relative_difference_compares_on_the_scale_of_the_top_eigenvalue():

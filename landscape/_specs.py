@@ -1,0 +1,113 @@
+"""Settings of a line or plane: how its directions are made (:class:`DirectionSpec`) and its grid (:class:`Grid`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from landscape._directions import BIAS_MODES, GSPACE_ROOTS, Directions, check_normalization
+from sharpness import Measure, get_measure
+
+DIRECTION_KINDS = ("random", "eigen", "invariant-eigen", "gspace")
+PATHS = ("straight", "geodesic")
+GRID_STRATEGIES = ("auto", "first-layer", "vmap", "loop")
+
+
+@dataclass(frozen=True)
+class DirectionSpec:
+    """How the directions of a line or plane through ``theta`` are made, and the path along them.
+
+    Attributes:
+        kind: ``"random"`` (Gaussian, normalized by ``norm``), ``"eigen"`` (top Euclidean Hessian
+            eigenvectors), ``"invariant-eigen"`` (top eigenvectors of the Riemannian Hessian of ``metric``),
+            ``"gspace"`` (random in G-space coordinates), or precomputed :class:`Directions` (used as they are).
+        norm: normalization of random directions: ``"filter"`` (default; Li et al. 2018), ``"layer"``,
+            ``"element"`` or ``"none"``; of G-space directions ``"element"`` (default), ``"layer"`` or ``"none"``.
+        bias: ``"zero"`` (default) or ``"keep"`` for one-dimensional tensors of random directions.
+        metric: the measure of ``"invariant-eigen"`` directions (``"node"`` or ``"layer"``, or a
+            :class:`sharpness.Measure`).
+        path: ``"straight"`` (``theta + a d1 + b d2``) or ``"geodesic"`` (``Exp_theta(a xi1 + b xi2)``, the exact
+            exponential map of ``metric``; invariant-eigen directions only).
+        roots: G-space directions only: ``"fixed"`` (default) holds the chain-root coordinates at the centre's
+            values, so ``w(v)`` has no singular line on the plane; ``"free"`` moves them too.
+        seed: seed of random directions (direction ``i`` uses ``seed + i``) or of the eigen-solver.
+
+    Raises:
+        ValueError: an unknown value, or a combination that does not exist (``roots`` for directions other than
+            G-space, a geodesic path for directions other than invariant-eigen, a normalization the kind lacks).
+    """
+
+    kind: str | Directions = "random"
+    norm: str | None = None
+    bias: str = "zero"
+    metric: str | Measure = "node"
+    path: str = "straight"
+    roots: str = "fixed"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        kind = self.kind_name
+        if kind not in DIRECTION_KINDS and not isinstance(self.kind, Directions):
+            raise ValueError(f"unknown direction kind {kind!r}; choose one of {', '.join(DIRECTION_KINDS)}")
+        if self.path not in PATHS:
+            raise ValueError(f"unknown path {self.path!r}; choose one of {', '.join(PATHS)}")
+        if self.roots not in GSPACE_ROOTS:
+            raise ValueError(f"unknown chain-root handling {self.roots!r}; choose one of {', '.join(GSPACE_ROOTS)}")
+        if self.bias not in BIAS_MODES:
+            raise ValueError(f"bias must be one of {', '.join(BIAS_MODES)}, got {self.bias!r}")
+        if self.norm is not None:
+            check_normalization(self.norm, gspace=kind == "gspace")
+        if self.roots != "fixed" and kind != "gspace":
+            raise ValueError(f"roots={self.roots!r} applies to G-space directions only, not to {kind} directions")
+        if self.path == "geodesic" and kind != "invariant-eigen":
+            raise ValueError(
+                f"the geodesic path follows the quotient metric of invariant-eigen directions, not of {kind} "
+                "directions; use invariant-eigen directions or the straight path"
+            )
+        get_measure(self.metric)  # an unknown measure name is refused here, before any computation
+
+    @property
+    def kind_name(self) -> str:
+        """The kind as a name (that of given :class:`Directions` included)."""
+        return self.kind.kind if isinstance(self.kind, Directions) else self.kind
+
+    @property
+    def normalization(self) -> str:
+        """The normalization in use: ``norm``, or the kind's default (filter; element in G-space)."""
+        if self.norm is not None:
+            return self.norm
+        return "element" if self.kind_name == "gspace" else "filter"
+
+
+def as_direction_spec(directions: str | Directions | DirectionSpec) -> DirectionSpec:
+    """``directions`` as a :class:`DirectionSpec` (a kind name or given :class:`Directions` with the defaults)."""
+    return directions if isinstance(directions, DirectionSpec) else DirectionSpec(directions)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The grid of a line or plane and how it is evaluated.
+
+    Attributes:
+        span: half-width of the square (or of the line) in direction units, ``> 0``.
+        steps: grid points per axis, ``>= 2``; the grid always contains the centre (inserted when ``steps`` is
+            even).
+        strategy: ``"auto"``, ``"first-layer"``, ``"vmap"`` or ``"loop"`` (see :func:`sharpness.evaluate_grid`;
+            curved planes use :func:`sharpness.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean
+            the loop on CPU and vmap elsewhere).
+
+    Raises:
+        ValueError: a span that is not a positive finite number, fewer than 2 steps, or an unknown strategy.
+    """
+
+    span: float = 1.0
+    steps: int = 51
+    strategy: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.span, bool) or not isinstance(self.span, (int, float)) or not (0 < self.span < math.inf):
+            raise ValueError(f"the span must be positive, got {self.span}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+            raise ValueError(f"steps must be an integer of at least 2, got {self.steps!r}")
+        if self.strategy not in GRID_STRATEGIES:
+            raise ValueError(f"unknown grid strategy {self.strategy!r}; choose one of {', '.join(GRID_STRATEGIES)}")

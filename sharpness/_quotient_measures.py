@@ -1,0 +1,102 @@
+"""Scale-invariant sharpness on a rescaling quotient: the top eigenvalues of the exact Riemannian Hessian.
+
+The geometry itself (metric, horizontal projection, Levi-Civita Hessian, exponential map) is a quotient class
+of :mod:`manifolds`; the measures here bind it to an objective.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+from manifolds import LayerScaleQuotient, NodeScaleQuotient
+from sharpness._hessian import HessianOperator
+from sharpness._measure import BallGeometry, CurvatureOperator, Measure
+from sharpness._objective import Objective
+from sharpness._operator import CallableOperator
+
+
+class QuotientMeasure(Measure):
+    """The top eigenvalue of the Riemannian Hessian on a rescaling quotient (:meth:`quotient`).
+
+    The operator is the whitened Riemannian Hessian restricted to the horizontal space (a symmetric map on
+    ``zeta = G^{1/2} xi``); its eigenvectors come back as horizontal tangent vectors of unit ``g``-norm
+    (``coordinates="tangent"``), and ``info["riemannian_grad_norm"]`` says how far the point is from a
+    critical point (the Levi-Civita terms make the value exact there too). Units: dimensionless (loss per
+    squared relative change of the weights).
+    """
+
+    @abstractmethod
+    def quotient(self, objective: Objective) -> LayerScaleQuotient | NodeScaleQuotient:
+        """The quotient geometry at ``objective.params``."""
+
+    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        quotient = self.quotient(objective)
+        hessian = HessianOperator(objective, hvp)
+        egrad = objective.gradient()
+        op = CallableOperator(
+            quotient.whitened_hessian(egrad, hessian.matvec),
+            objective.layout.size,
+            objective.dtype,
+            objective.device,
+            project=quotient.whitened_projection,
+        )
+        return CurvatureOperator(
+            op,
+            to_parameters=quotient.unwhiten,
+            coordinates="tangent",
+            info={
+                "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
+                "hvp_strategy": hessian.strategy,
+            },
+        )
+
+    def ball(self, objective: Objective) -> BallGeometry:
+        """The ball of the quotient metric, retracted with its exact exponential map."""
+        quotient = self.quotient(objective)
+        return BallGeometry(
+            retract=lambda zeta: quotient.expmap(quotient.unwhiten(zeta)),
+            project=quotient.whitened_projection,
+            whiten=quotient.whiten,
+            unwhiten=quotient.unwhiten,
+        )
+
+
+@dataclass(frozen=True)
+class Layer(QuotientMeasure):
+    """The layer-wise quotient metric of Rangamani et al.: ``g(eta, xi) = sum_B <eta_B, xi_B> / ||w_B||^2``.
+
+    Invariant under layer-wise rescaling only: a node-wise rescaling changes it (see
+    :func:`sharpness.verify_invariance`).
+
+    Attributes:
+        zero_blocks: ``"error"`` (default) refuses a tensor of zero norm (the metric ``1/||w_B||^2`` is
+            undefined there), naming it; ``"exclude"`` leaves such tensors out of the tangent space (they are
+            fixed points of every rescaling, so the rest of the geometry is unchanged).
+    """
+
+    zero_blocks: str = "error"
+
+    name = "layer"
+    description = "layer-wise quotient metric (Rangamani et al.): invariant under layer-wise rescaling only"
+    invariant_under = LayerScaleQuotient.invariant_under
+
+    def quotient(self, objective: Objective) -> LayerScaleQuotient:
+        return LayerScaleQuotient(objective.params, objective.structure, objective.layout, self.zero_blocks)
+
+
+@dataclass(frozen=True)
+class Node(QuotientMeasure):
+    """The node-wise quotient metric ``g(eta, xi) = sum_k eta_k xi_k / w_k^2``.
+
+    In ``u = log|w|`` it is Euclidean and every positive rescaling a translation, so its Riemannian Hessian is
+    exactly ``diag(w) H diag(w) + diag(w * g)``: invariant under node-, channel- and layer-wise rescaling at
+    every point (the elementwise adaptive sharpness of Kwon et al. 2021, made exact).
+    """
+
+    name = "node"
+    description = "node-wise quotient metric: invariant under node-, channel- and layer-wise rescaling"
+    invariant_under = NodeScaleQuotient.invariant_under
+
+    def quotient(self, objective: Objective) -> NodeScaleQuotient:
+        return NodeScaleQuotient(objective.params, objective.structure, objective.layout)
