@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from manifolds import GModel, GOptimizer, GSpace, gsgd_init_
-from sharpness._specs import mlp
+from sharpness.cli import mlp
 
 
 def mnist_net(width: int = 64, seed: int = 0) -> nn.Sequential:

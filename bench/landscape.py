@@ -12,8 +12,8 @@ Times, in one run on the same model, data and grid size (points per second, high
   ``torch.no_grad()``;
 * a plain per-point loop: ``functional_call(model, theta + a d1 + b d2, X)`` per grid point under
   ``torch.no_grad()``;
-* ``sharpness.evaluate_grid(strategy="vmap")``: the whole model vmapped over batches of grid points;
-* ``sharpness.evaluate_grid()`` (auto: the first-layer fast path for this model).
+* ``landscape.evaluate_grid(strategy="vmap")``: the whole model vmapped over batches of grid points;
+* ``landscape.evaluate_grid()`` (auto: the first-layer fast path for this model).
 
 Every method runs ``--repeat`` times, interleaved, and its best time counts (the machine may be
 shared). The script also checks that the fast path's values equal the plain loop's (relative 1e-6),
@@ -45,8 +45,8 @@ _workloads = sys.modules["_workloads"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_workloads)
 make_workload = _workloads.make_workload
 
-from landscape import DirectionSpec, Grid, loss_plane, random_directions  # noqa: E402
-from sharpness import Objective, evaluate_grid, grid_axis  # noqa: E402
+from landscape import DirectionSpec, Grid, evaluate_grid, grid_axis, loss_plane, random_directions  # noqa: E402  # noqa: E402
+from sharpness import Objective  # noqa: E402
 
 
 def _coords(steps: int, span: float) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +170,7 @@ def main() -> None:
         print("loss-landscapes is not installed (pip install --no-deps loss-landscapes); its rows are skipped")
     methods["plain per-point loop (functional_call, no_grad)"] = loop
     methods["naive vmap over functional_call"] = ours("vmap")
-    methods["sharpness.evaluate_grid (auto)"] = ours("auto")
+    methods["landscape.evaluate_grid (auto)"] = ours("auto")
     times: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(args.repeat):  # interleaved, so a change in machine load hits every method alike
         for name, run in methods.items():
@@ -186,7 +186,7 @@ def main() -> None:
         if name.startswith("naive"):
             label += f" (batch {naive.batch})"
         if name.startswith("landscape"):
-            label = f"sharpness.evaluate_grid, {fast.strategy} (batch {fast.batch})"
+            label = f"landscape.evaluate_grid, {fast.strategy} (batch {fast.batch})"
         vs_ll = f"{best[ll_name] / seconds:5.2f}x" if ll_name else "  -"
         print(f"{label:<62} {seconds:7.2f} {n_points / seconds:9.0f} {vs_ll:>6} {best[loop_name] / seconds:6.2f}x")
 

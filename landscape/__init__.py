@@ -10,22 +10,22 @@ from landscape._directions import normalize_direction as normalize_direction
 from landscape._directions import random_directions as random_directions
 from landscape._directions import segment_direction as segment_direction
 from landscape._fixed_planes import fixed_weight_planes as fixed_weight_planes
+from landscape._grid import GridValues as GridValues
+from landscape._grid import evaluate_grid as evaluate_grid
+from landscape._grid import evaluate_points as evaluate_points
+from landscape._grid import grid_axis as grid_axis
 from landscape._plot_mpl import line_figure as line_figure
 from landscape._plot_mpl import save_figure as save_figure
 from landscape._plot_mpl import surface_figure as surface_figure
 from landscape._plot_plotly import plotly_figure as plotly_figure
 from landscape._plot_plotly import write_html as write_html
-from landscape._specs import DirectionSpec as DirectionSpec
-from landscape._specs import Grid as Grid
+from landscape._settings import DirectionSpec as DirectionSpec
+from landscape._settings import Grid as Grid
 from landscape._surface import Surface as Surface
 from landscape._surfaces import loss_line as loss_line
 from landscape._surfaces import loss_plane as loss_plane
 from landscape._toy_figures import TOY_FIGURES as TOY_FIGURES
 from landscape._toy_figures import toy_figure as toy_figure
-from sharpness import GridValues as GridValues
-from sharpness import evaluate_grid as evaluate_grid
-from sharpness import evaluate_points as evaluate_points
-from sharpness import grid_axis as grid_axis
 
 __all__ = [
     "TOY_FIGURES",

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from landscape._directions import Directions, random_directions
-from landscape._specs import DirectionSpec, Grid
+from landscape._settings import DirectionSpec, Grid
 from landscape._surface import Surface
 from landscape._surfaces import _describe, loss_plane
 from manifolds import FixedWeightSpace

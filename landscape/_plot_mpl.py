@@ -23,7 +23,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 
 from landscape._surface import Surface
-from sharpness._results import write_atomic
+from sharpness.io import write_atomic
 
 FORMATS = ("png", "pdf", "svg")
 KINDS = ("contour", "heatmap", "surface")

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from landscape._surface import Surface
-from sharpness._results import write_atomic
+from sharpness.io import write_atomic
 
 
 @dataclass(frozen=True)

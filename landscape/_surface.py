@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sharpness._results import jsonable, write_atomic, write_text_atomic
+from sharpness.io import jsonable, write_atomic, write_text_atomic
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Three kinds of chart map grid coordinates ``c = (a, b)`` to parameters:
 
 * ``"straight"``: ``theta + a d1 + b d2`` (random, Euclidean-eigen, invariant-eigen, segment
-  directions), evaluated with :func:`sharpness.evaluate_grid` and its first-layer fast path;
+  directions), evaluated with :func:`landscape.evaluate_grid` and its first-layer fast path;
 * ``"geodesic"`` (invariant-eigen directions): ``Exp_theta(a xi1 + b xi2)``, the exact exponential
   map of the quotient metric the eigenvectors belong to (node-wise: ``theta * exp((a xi1 + b xi2) /
   theta)`` entry-wise, the straight line in log-coordinates; layer-wise: the per-block cylinder
@@ -19,7 +19,7 @@ Three kinds of chart map grid coordinates ``c = (a, b)`` to parameters:
   directions are invariant under every node-wise rescaling, so the plane of a rescaled twin is the
   same function of ``(a, b)``.
 
-Curved charts are evaluated with :func:`sharpness.evaluate_points`.
+Curved charts are evaluated with :func:`landscape.evaluate_points`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from landscape._directions import (
     segment_direction,
     trainable,
 )
-from landscape._specs import DirectionSpec, Grid, as_direction_spec
+from landscape._grid import evaluate_grid, evaluate_points, grid_axis
+from landscape._settings import DirectionSpec, Grid, as_direction_spec
 from landscape._surface import Surface
 from manifolds import GSpace
 from sharpness import (
@@ -51,10 +52,7 @@ from sharpness import (
     Objective,
     QuotientMeasure,
     build_objective,
-    evaluate_grid,
-    evaluate_points,
     get_measure,
-    grid_axis,
 )
 
 SEGMENT_RANGE = (-0.5, 1.5)

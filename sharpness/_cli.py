@@ -1,4 +1,4 @@
-"""``python -m sharpness``: compute, verify and demo from the command line.
+"""``python -m sharpness``: compute, verify and density from the command line.
 
 Bad input gets one sentence on stderr naming the problem and the fix, exit code 2, no traceback,
 and no output file (outputs are written atomically, and only after the work succeeded).
@@ -11,21 +11,20 @@ import json
 import math
 import os
 import sys
-import time
 
 import torch
 from torch import nn
 
 from manifolds import UnsupportedModelError
-from sharpness._data import DataError
-from sharpness._density import hessian_spectral_density
-from sharpness._epsilon import epsilon_sharpness, second_order
-from sharpness._objective import Objective
-from sharpness._registry import MEASURES, get_measure
 from sharpness._results import jsonable, write_atomic, write_text_atomic
-from sharpness._solve import SOLVERS, Solver
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
-from sharpness._verify import Rescalings, verify_invariance
+from sharpness.measures._epsilon import epsilon_sharpness, second_order
+from sharpness.measures._registry import MEASURES, get_measure
+from sharpness.measures._verify import Rescalings, verify_invariance
+from sharpness.products._data import DataError
+from sharpness.products._objective import Objective
+from sharpness.solvers._density import hessian_spectral_density
+from sharpness.solvers._solve import SOLVERS, Solver
 
 # Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
 USER_ERRORS = (SpecError, DataError, UnsupportedModelError, ValueError, OSError)
@@ -257,25 +256,6 @@ def _density(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from sharpness._demo import run_demo
-
-    if not args.threshold > 0:
-        raise SpecError(f"--threshold must be positive, got {args.threshold}")
-    out = os.path.abspath(args.out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SpecError(f"--out {args.out} is a file; give a folder")
-    parent = os.path.dirname(out)
-    if not os.access(parent if not os.path.exists(out) else out, os.W_OK):
-        raise SpecError(f"cannot write to {args.out}: permission denied")
-    start = time.perf_counter()
-    summary = run_demo(args.out, seed=args.seed, threshold=args.threshold, progress=False if args.quiet else None)
-    with open(os.path.join(args.out, "report.md")) as fh:
-        print(fh.read())
-    print(f"written to {args.out}/ in {time.perf_counter() - start:.0f} s")
-    return 0 if summary["invariance"]["passed"] else 1
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sharpness", description="Scale-invariant sharpness of ReLU networks."
@@ -347,27 +327,13 @@ def _parser() -> argparse.ArgumentParser:
     density.add_argument("--plot", help="write the density figure here (.png, .pdf or .svg)")
     density.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    demo = sub.add_parser(
-        "demo",
-        help="the built-in demo: small- vs full-batch minima on digits",
-        description=(
-            "The built-in demo (no download): scikit-learn digits, MLP 64-128-128-10, SGD + momentum with batch 32 "
-            "and with the full batch until the same training loss; every measure on both minima, invariance checks, "
-            "the Euclidean measure gamed by a rescaling, loss-surface planes along the top Euclidean and invariant "
-            "eigenvectors; writes report.md, report.json, two figures, the surface grids (.npz) and both checkpoints."
-        ),
-    )
-    demo.add_argument("--out", default="demo-out", help="output folder (default: demo-out)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    demo.add_argument("--threshold", type=float, default=1e-2, help="training-loss threshold (default: 0.01)")
-    demo.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compute": _compute, "verify": _verify, "density": _density, "demo": _demo}[args.command](args)
+        return {"compute": _compute, "verify": _verify, "density": _density}[args.command](args)
     except USER_ERRORS as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: {message}", file=sys.stderr)

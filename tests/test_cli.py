@@ -91,7 +91,7 @@ def files(tmp_path_factory):
 
 
 def test_help():
-    for args in (["--help"], ["compute", "--help"], ["verify", "--help"], ["density", "--help"], ["demo", "--help"]):
+    for args in (["--help"], ["compute", "--help"], ["verify", "--help"], ["density", "--help"]):
         r = run_cli(*args)
         assert r.returncode == 0 and "usage" in r.stdout
 

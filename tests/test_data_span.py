@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sharpness import Euclidean, Objective, Solver, dense_hessian, euclidean_sharpness
-from sharpness._data_span import DataSpanHessian, data_span_hessian
-from sharpness._hessian import HessianOperator
+from sharpness.products._data_span import DataSpanHessian, data_span_hessian
+from sharpness.products._hessian import HessianOperator
 
 
 def span_operator(case, **objective_kwargs) -> DataSpanHessian:
@@ -168,7 +168,7 @@ def test_where_data_span_coordinates_do_not_apply():
             euclidean_sharpness(case.model, case.loss_fn, case.data, solver=Solver(hvp=hvp), data_span=True,
                                 progress=False)  # fmt: skip
     # fewer samples than features, but too close to their number for the set-up to pay for itself
-    from sharpness._data_span import _pays_off
+    from sharpness.products._data_span import _pays_off
 
     assert _pays_off(500, 784, 300) and _pays_off(700, 784, 300) and _pays_off(7, 10, 6)  # F1; 3 x 3 blocks; tiny
     assert not _pays_off(3000, 3072, 300) and not _pays_off(750, 784, 300)
@@ -184,7 +184,7 @@ def test_where_data_span_coordinates_do_not_apply():
 
 
 def test_duplicate_samples_factor_by_qr_and_keep_the_spectrum():
-    from sharpness._data_span import _gram_factor
+    from sharpness.products._data_span import _gram_factor
 
     case = make_case("mlp_wide")
     X, y = torch.cat([case.X, case.X[:2]]), torch.cat([case.y, case.y[:2]])  # 9 samples, rank 7
@@ -207,7 +207,7 @@ def test_duplicate_samples_factor_by_qr_and_keep_the_spectrum():
 
 @pytest.mark.parametrize("n", [7, 374, 375, 1000, 1301])  # 1, 1, 2, 4 and 4 blocks per side
 def test_triangular_products_by_blocks_are_the_dense_ones(n):
-    from sharpness._data_span import _LowerTriangular
+    from sharpness.products._data_span import _LowerTriangular
 
     g = torch.Generator().manual_seed(n)
     lower = torch.tril(torch.randn(n, n, generator=g))

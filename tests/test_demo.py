@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import manifolds
+from landscape._demo import digits_data, run_demo
+from landscape._demo_surfaces import SURFACE_METRICS, plane_directions, surface_panels
 from sharpness import MEASURES as METRICS
 from sharpness import Objective, Solver, measure_sharpness
-from sharpness._demo import digits_data, run_demo
-from sharpness._demo_surfaces import SURFACE_METRICS, plane_directions, surface_panels
 from sharpness._specs import mlp
 
 ROWS = ("small_batch", "full_batch", "rescaled")
@@ -146,3 +146,25 @@ def test_node_planes_map_onto_the_rescaled_twin_under_a_generic_node_rescaling(n
     for row in networks:
         for metric in SURFACE_METRICS:
             assert panels[row][metric].loss[3, 3] == pytest.approx(centre, rel=1e-12)
+
+
+def _exit_code(main, argv) -> int:
+    """``main(argv)``'s exit code, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def test_demo_command_line_refuses_bad_input_before_training(tmp_path, capsys):
+    from landscape._cli import main
+
+    assert _exit_code(main, ["demo", "--help"]) == 0 and "report.md" in capsys.readouterr().out
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("")
+    for argv, message in ((["demo", "--out", str(a_file)], "is not a folder"),
+                          (["demo", "--out", str(tmp_path / "o"), "--threshold", "0"], "--threshold")):  # fmt: skip
+        code = _exit_code(main, argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -9,7 +9,7 @@ from cases import make_case
 from torch.utils.data import DataLoader, TensorDataset
 
 from sharpness import Euclidean, Objective, Solver, dense_hessian, euclidean_sharpness, hutchinson_trace
-from sharpness._hessian import HessianOperator
+from sharpness.products._hessian import HessianOperator
 
 SOLVER_TOL = {"lanczos": 1e-10, "low-memory-lanczos": 1e-10, "power": 1e-13}
 

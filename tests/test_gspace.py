@@ -1,4 +1,4 @@
-"""G-space (manifolds._gspace*, sharpness._gspace_sharpness) against the thesis's Tables 2.1-2.3, the
+"""G-space (manifolds._gspace*, sharpness.measures._gspace) against the thesis's Tables 2.1-2.3, the
 explicit G-SGD update rules (20)-(28) of the G-SGD paper (appendix 10.1), autograd, and rescalings."""
 
 import copy

@@ -17,12 +17,11 @@ from matplotlib.colors import LogNorm
 from torch import nn
 
 import landscape
-import sharpness
 from landscape import _toys as toys
 from landscape._cli import main as cli_main
+from landscape._grid import split_first_linear
 from landscape._plot_mpl import contour_levels
 from sharpness import Objective
-from sharpness._grid import split_first_linear
 
 # ---------------------------------------------------------------------------------------------
 # toy networks
@@ -559,7 +558,7 @@ def test_cli_plane_metadata_records_timing_directions_and_center_loss(tmp_path, 
 
 @pytest.mark.parametrize("strategy", ["first-layer", "vmap"])
 def test_evaluate_grid_batch_follows_the_memory_budget(strategy):
-    from sharpness._grid import CPU_BATCH_CAP
+    from landscape._grid import CPU_BATCH_CAP
 
     torch.manual_seed(0)
     model = mlp([5, 8, 6, 3]).double().eval()
@@ -571,7 +570,7 @@ def test_evaluate_grid_batch_follows_the_memory_budget(strategy):
     assert len(coords) > CPU_BATCH_CAP
 
     def run(budget):
-        return sharpness.evaluate_grid(obj, d.vectors, coords, strategy=strategy, memory_budget=budget,
+        return landscape.evaluate_grid(obj, d.vectors, coords, strategy=strategy, memory_budget=budget,
                                        progress=False)  # fmt: skip
 
     per_point = run(10**12).bytes_per_point

@@ -15,9 +15,8 @@ from torch import nn
 
 import landscape
 import manifolds
-import sharpness
 from landscape._directions import chain_root_mask
-from landscape._specs import DirectionSpec
+from landscape._settings import DirectionSpec
 from landscape._surfaces import make_chart
 from sharpness import Objective
 
@@ -40,9 +39,9 @@ def test_evaluate_points_matches_a_per_point_value_loop(name, strategy):
     obj = Objective(case.model, case.loss_fn, case.data, chunk_size=5)  # several data chunks
     point_fn, _, _ = _curved(obj)
     coords = np.stack(np.meshgrid(np.linspace(-0.6, 0.6, 4), np.linspace(-0.4, 0.5, 3)), -1).reshape(-1, 2)
-    values = sharpness.evaluate_points(obj, point_fn, coords, strategy=strategy, batch=5, progress=False)
+    values = landscape.evaluate_points(obj, point_fn, coords, strategy=strategy, batch=5, progress=False)
     assert values.strategy == strategy and values.batch == 5 and values.loss.shape == (12,)
-    as_dict = sharpness.evaluate_points(obj, lambda c: obj.layout.unflatten(point_fn(c)), coords, strategy=strategy,
+    as_dict = landscape.evaluate_points(obj, lambda c: obj.layout.unflatten(point_fn(c)), coords, strategy=strategy,
                                         batch=5, progress=False)  # fmt: skip
     np.testing.assert_array_equal(as_dict.loss, values.loss)
     for i, c in enumerate(coords):

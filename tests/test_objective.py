@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from sharpness import HVP_STRATEGIES, Objective, dense_hessian
-from sharpness._data import DataError
-from sharpness._rop import _MaxPool, _Slope, _SlopePool
+from sharpness.products._data import DataError
+from sharpness.products._rop import _MaxPool, _Slope, _SlopePool
 
 STRATEGIES = [s for s in HVP_STRATEGIES if s != "auto"]
 
@@ -352,7 +352,7 @@ def test_data_convolution_path_gives_exact_hvps(dim, conv_kwargs):
 
 
 def test_data_convolution_path_only_where_it_applies():
-    from sharpness._data_conv import split_data_convolution
+    from sharpness.products._data_conv import split_data_convolution
 
     def names(m):
         return [k for k, _ in m.named_parameters()]

@@ -492,7 +492,7 @@ def test_low_memory_lanczos_converges_on_zero_eigenvalues():
 # ---- vector helpers the solvers share ----------------------------------------------------------
 @pytest.mark.parametrize("second_pass", [False, True])
 def test_gram_schmidt_norms_are_those_of_the_vectors(second_pass):
-    from sharpness._solver_vectors import KrylovBasis, _gram_schmidt
+    from sharpness.solvers._vectors import KrylovBasis, _gram_schmidt
 
     n = 50
     block = orthogonal(n, 3)[:9].clone()
@@ -514,8 +514,8 @@ def test_gram_schmidt_norms_are_those_of_the_vectors(second_pass):
 
 @pytest.mark.parametrize("rows", [3, 4, 9])  # the next row mid-block, at a block's start, after full blocks
 def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction(rows, monkeypatch):
-    import sharpness._solver_vectors as vectors
-    from sharpness._solver_vectors import KrylovBasis, _subtract_combination
+    import sharpness.solvers._vectors as vectors
+    from sharpness.solvers._vectors import KrylovBasis, _subtract_combination
 
     separate = []  # calls of the path with a separate pass for the norm
     original = vectors._coefficients
@@ -549,9 +549,9 @@ def test_basis_coefficients_with_the_norm_of_its_next_row_and_scaled_subtraction
 
 @pytest.mark.parametrize("case", ["one pass", "second pass", "breakdown"])
 def test_lanczos_step_returns_the_normalized_three_term_recurrence(case, monkeypatch):
-    import sharpness._lanczos as lanczos_module
-    from sharpness._lanczos import lanczos_step
-    from sharpness._solver_vectors import KrylovBasis
+    import sharpness.solvers._lanczos as lanczos_module
+    from sharpness.solvers._lanczos import lanczos_step
+    from sharpness.solvers._vectors import KrylovBasis
 
     repeated = []  # calls of the general Gram-Schmidt (a repeated pass): only where one pass is not enough
     original = lanczos_module._gram_schmidt
@@ -595,7 +595,7 @@ def test_lanczos_step_returns_the_normalized_three_term_recurrence(case, monkeyp
 
 
 def test_canonical_signs_in_place_normalized_and_tie_rule():
-    from sharpness._solver_vectors import _canonical_signs
+    from sharpness.solvers._vectors import _canonical_signs
 
     rows = torch.tensor([[1.0, -3.0, 2.0], [0.5, 4.0, -1.0], [2.0, -2.0, 0.0], [0.0, 0.0, 0.0]])
     out = _canonical_signs(rows.clone())
@@ -622,7 +622,7 @@ def test_user_start_vector_is_left_untouched(solver):
 
 @pytest.mark.parametrize("m", [1, 2, 9, 64, 65, 90])  # 64/65: either side of the switch to the selective solver
 def test_top_ritz_pairs_are_those_of_the_dense_tridiagonal(m):
-    from sharpness._lanczos import _top_ritz
+    from sharpness.solvers._lanczos import _top_ritz
 
     rng = np.random.default_rng(m)
     d, e = rng.standard_normal(m), rng.uniform(0.1, 1.0, m - 1)

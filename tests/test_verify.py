@@ -21,7 +21,7 @@ from sharpness import (
     measure_sharpness,
     verify_invariance,
 )
-from sharpness._verify import InvarianceReport, relative_difference
+from sharpness.measures._verify import InvarianceReport, relative_difference
 
 BASE_METRICS = ("euclidean", "layer", "node")
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.func import hessian
 
-from sharpness._objective import Objective, eval_mode
+from sharpness.products._objective import Objective, eval_mode
 
 
 def dense_hessian(objective: Objective) -> Tensor:

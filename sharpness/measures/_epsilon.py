@@ -23,12 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from manifolds import ParamLayout
-from sharpness._measure import Measure
-from sharpness._objective import Objective, build_objective
 from sharpness._progress import progress_bar
-from sharpness._registry import get_measure
 from sharpness._results import EigenResult, jsonable, write_text_atomic
-from sharpness._solve import Solver
+from sharpness.measures._measure import Measure
+from sharpness.measures._registry import get_measure
+from sharpness.products._objective import Objective, build_objective
+from sharpness.solvers._solve import Solver
 
 
 @dataclass(frozen=True)

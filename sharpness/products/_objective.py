@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vmap
 
 from manifolds import NetworkStructure, ParamLayout, analyze
-from sharpness._data import ChunkedData, DataError, cast_batch
-from sharpness._data_conv import split_data_convolution
-from sharpness._rop import ChunkState, RopChain, add_products, forward_state, rop_chain
+from sharpness.products._data import ChunkedData, DataError, cast_batch
+from sharpness.products._data_conv import split_data_convolution
+from sharpness.products._rop import ChunkState, RopChain, add_products, forward_state, rop_chain
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 
@@ -209,7 +209,7 @@ class Objective:
 
     def _autograd_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, w: float) -> Tensor:
         """:meth:`_weighted_loss` for the autograd HVP paths (graph, double backward): same value and
-        derivatives, through :mod:`sharpness._data_conv` where the model allows it."""
+        derivatives, through :mod:`sharpness.products._data_conv` where the model allows it."""
         if self._data_conv is None or x.requires_grad:
             return self._weighted_loss(params, x, y, w)
         return w * self.loss_fn(self._data_conv(params, self.buffers, x), y)
@@ -398,7 +398,7 @@ class Objective:
         self._rop_states = None
 
     def rop_states(self) -> tuple[RopChain, list[ChunkState]] | None:
-        """The R-operator chain and every chunk's forward state (:mod:`sharpness._rop`), computed once and
+        """The R-operator chain and every chunk's forward state (:mod:`sharpness.products._rop`), computed once and
         kept; ``None`` where those products do not apply or the states do not fit in ``memory_budget``."""
         if self._rop_states is None:
             if self._rop is None or not self._rop_fits():
@@ -453,7 +453,7 @@ class Objective:
 
         ``strategy``: ``"rop"`` (``nn.Sequential`` chains of Linear/ConvNd layers with ReLU, LeakyReLU,
         MaxPool, Flatten, Identity or dropout between them) is the R-operator written out by hand
-        (:mod:`sharpness._rop`), with each chunk's forward state
+        (:mod:`sharpness.products._rop`), with each chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``

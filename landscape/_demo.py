@@ -6,7 +6,7 @@ minima falls as the loss falls, so only minima at matched loss can be compared).
 every registered sharpness on both minima, verifies invariance under random rescalings, shows a
 function-preserving rescaling that games the Euclidean measure, draws the loss on the planes of the
 top-2 Euclidean and invariant Hessian eigenvectors of both minima and of the rescaled twin
-(:mod:`sharpness._demo_surfaces`), and writes a report.
+(:mod:`landscape._demo_surfaces`), and writes a report.
 """
 
 from __future__ import annotations
@@ -22,29 +22,24 @@ from safetensors.torch import save_file
 from torch import nn
 
 import manifolds
-from sharpness._demo_figures import sharpness_figure, surfaces_figure
-from sharpness._demo_surfaces import (
+from landscape._demo_figures import sharpness_figure, surfaces_figure
+from landscape._demo_surfaces import (
     SURFACE_METRICS,
     save_surfaces,
     surface_panels,
     surfaces_markdown,
     surfaces_summary,
 )
-from sharpness._invariant import measure_sharpness
-from sharpness._progress import progress_bar
-from sharpness._registry import MEASURES
-from sharpness._results import EigenResult, jsonable, write_text_atomic
-from sharpness._solve import Solver
-from sharpness._specs import mlp
-from sharpness._verify import Rescalings, verify_invariance
+from sharpness import MEASURES, EigenResult, Rescalings, Solver, measure_sharpness, verify_invariance
+from sharpness.cli import load_data, mlp
+from sharpness.io import jsonable, progress_bar, write_text_atomic
 
 
 def digits_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's 8x8 digits (shipped with the package): ``X`` ``(1797, 64)`` in [0, 1], ``y``."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    return torch.tensor(digits.data / 16.0, dtype=dtype), torch.tensor(digits.target, dtype=torch.long)
+    """scikit-learn's 8x8 digits (shipped with the package): ``X`` ``(1797, 64)`` in [0, 1], ``y``; the data
+    ``--data digits`` names on the command lines."""
+    X, y = load_data("digits")
+    return X.to(dtype), y.long()
 
 
 NAMES = {"small_batch": "small-batch", "full_batch": "full-batch"}

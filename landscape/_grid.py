@@ -37,8 +37,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from sharpness._objective import Objective, eval_mode
-from sharpness._progress import progress_bar
+from sharpness import Objective
+from sharpness.io import progress_bar
+from sharpness.products import eval_mode
 
 STRATEGIES = ("auto", "first-layer", "vmap", "loop")
 

@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass
 
 from landscape._directions import BIAS_MODES, GSPACE_ROOTS, Directions, check_normalization
+from landscape._grid import STRATEGIES
 from sharpness import Measure, get_measure
 
 DIRECTION_KINDS = ("random", "eigen", "invariant-eigen", "gspace")
 PATHS = ("straight", "geodesic")
-GRID_STRATEGIES = ("auto", "first-layer", "vmap", "loop")
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ class Grid:
         span: half-width of the square (or of the line) in direction units, ``> 0``.
         steps: grid points per axis, ``>= 2``; the grid always contains the centre (inserted when ``steps`` is
             even).
-        strategy: ``"auto"``, ``"first-layer"``, ``"vmap"`` or ``"loop"`` (see :func:`sharpness.evaluate_grid`;
-            curved planes use :func:`sharpness.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean
+        strategy: ``"auto"``, ``"first-layer"``, ``"vmap"`` or ``"loop"`` (see :func:`landscape.evaluate_grid`;
+            curved planes use :func:`landscape.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean
             the loop on CPU and vmap elsewhere).
 
     Raises:
@@ -109,5 +109,5 @@ class Grid:
             raise ValueError(f"the span must be positive, got {self.span}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
             raise ValueError(f"steps must be an integer of at least 2, got {self.steps!r}")
-        if self.strategy not in GRID_STRATEGIES:
-            raise ValueError(f"unknown grid strategy {self.strategy!r}; choose one of {', '.join(GRID_STRATEGIES)}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown grid strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from sharpness._lanczos import lanczos
-from sharpness._lanczos_low_memory import low_memory_lanczos
-from sharpness._objective import HVP_STRATEGIES
-from sharpness._operator import SymmetricOperator
-from sharpness._power import power_iteration
 from sharpness._results import EigenResult
+from sharpness.products._objective import HVP_STRATEGIES
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._lanczos import lanczos
+from sharpness.solvers._lanczos_low_memory import low_memory_lanczos
+from sharpness.solvers._power import power_iteration
 
 SOLVERS = ("lanczos", "low-memory-lanczos", "power")
 

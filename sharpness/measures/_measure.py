@@ -19,10 +19,10 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from sharpness._objective import Objective
-from sharpness._operator import SymmetricOperator
 from sharpness._results import EigenResult, jsonable
-from sharpness._solve import Solver
+from sharpness.products._objective import Objective
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._solve import Solver
 
 
 def _identity(v: Tensor) -> Tensor:

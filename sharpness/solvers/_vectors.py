@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sharpness._operator import SymmetricOperator
+from sharpness.products._operator import SymmetricOperator
 
 # A vector left by Gram-Schmidt is taken to lie in the span of the block (invariant or exhausted
 # subspace) when its norm is below this many rounding units (times sqrt of the block size) of the

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import TraceResult
-from sharpness._solver_vectors import _project_rows
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._vectors import _project_rows
 
 
 def hutchinson_trace(

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from sharpness._data_span import data_span_hessian
-from sharpness._hessian import HessianOperator
-from sharpness._measure import BallGeometry, CurvatureOperator, Measure
-from sharpness._objective import Objective, build_objective
 from sharpness._results import EigenResult
-from sharpness._solve import Solver
+from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
+from sharpness.products._data_span import data_span_hessian
+from sharpness.products._hessian import HessianOperator
+from sharpness.products._objective import Objective, build_objective
+from sharpness.solvers._solve import Solver
 
 # Eigenvectors found in data-span coordinates are mapped back through H v, so their eigenvalues must stand
 # this many rounding units (of the largest one) above zero.

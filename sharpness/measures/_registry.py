@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from sharpness._euclidean import Euclidean
-from sharpness._fixed_sharpness import Fixed
-from sharpness._gauged import MinNorm
-from sharpness._gspace_sharpness import GSpaceMeasure
-from sharpness._measure import Measure
-from sharpness._quotient_measures import Layer, Node
+from sharpness.measures._euclidean import Euclidean
+from sharpness.measures._fixed import Fixed
+from sharpness.measures._gspace import GSpaceMeasure
+from sharpness.measures._measure import Measure
+from sharpness.measures._minnorm import MinNorm
+from sharpness.measures._quotient import Layer, Node
 
 # name -> measure with default options; a measure added here is measured, verified and offered by the command
 # line without any other change.

@@ -22,13 +22,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from sharpness._hessian import HessianOperator
-from sharpness._lanczos import lanczos_step
-from sharpness._objective import Objective, build_objective
-from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
-from sharpness._solver_vectors import KrylovBasis, _as_vector, _breakdown_threshold, _random
+from sharpness.products._hessian import HessianOperator
+from sharpness.products._objective import Objective, build_objective
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._lanczos import lanczos_step
+from sharpness.solvers._vectors import KrylovBasis, _as_vector, _breakdown_threshold, _random
 
 
 @dataclass(frozen=True)

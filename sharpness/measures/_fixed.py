@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from manifolds import FixedWeightSpace
-from sharpness._hessian import HessianOperator
-from sharpness._measure import CurvatureOperator, Measure
-from sharpness._objective import Objective
-from sharpness._operator import CallableOperator
+from sharpness.measures._measure import CurvatureOperator, Measure
+from sharpness.products._hessian import HessianOperator
+from sharpness.products._objective import Objective
+from sharpness.products._operator import CallableOperator
 
 
 @dataclass(frozen=True)

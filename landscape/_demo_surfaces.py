@@ -28,10 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from sharpness._grid import evaluate_grid, grid_axis
-from sharpness._objective import Objective
-from sharpness._registry import get_measure
-from sharpness._results import EigenResult
+from landscape._grid import evaluate_grid, grid_axis
+from sharpness import EigenResult, Objective, get_measure
 
 SURFACE_METRICS = ("euclidean", "node")
 # Half-width of every plane in a column: RANGE_SCALE / sqrt(largest lambda_1 of the column), so the

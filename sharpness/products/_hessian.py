@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from sharpness._objective import Objective
-from sharpness._operator import SymmetricOperator
+from sharpness.products._objective import Objective
+from sharpness.products._operator import SymmetricOperator
 
 
 class HessianOperator(SymmetricOperator):

@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult
-from sharpness._solver_vectors import (
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._vectors import (
     _breakdown_threshold,
     _canonical_signs,
     _check_k,

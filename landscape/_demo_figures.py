@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from sharpness._demo_surfaces import SURFACE_METRICS, SurfacePanel
+from landscape._demo_surfaces import SURFACE_METRICS, SurfacePanel
 
 COLUMN_TITLES = {
     "euclidean": "Euclidean Hessian plane\n(unit Euclidean norm)",

@@ -11,10 +11,10 @@ from scipy.linalg import eigh_tridiagonal
 from scipy.linalg.lapack import dstev as _stev
 from torch import Tensor
 
-from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult
-from sharpness._solver_vectors import (
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._vectors import (
     _DGKS_ETA,
     KrylovBasis,
     _as_vector,

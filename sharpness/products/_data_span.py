@@ -31,11 +31,11 @@ import torch
 from torch import Tensor
 
 from manifolds import ParamLayout
-from sharpness._hessian import HessianOperator
-from sharpness._objective import Objective
-from sharpness._operator import SymmetricOperator
-from sharpness._rop import ChunkState, RopChain, add_products
-from sharpness._solver_vectors import _canonical_signs
+from sharpness.products._hessian import HessianOperator
+from sharpness.products._objective import Objective
+from sharpness.products._operator import SymmetricOperator
+from sharpness.products._rop import ChunkState, RopChain, add_products
+from sharpness.solvers._vectors import _canonical_signs
 
 # Rows of L per block of the triangular products: blocks much smaller than this run below the matrix
 # product's best speed, so the zero half of L is skipped in at most 4 x 4 blocks.

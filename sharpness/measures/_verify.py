@@ -22,13 +22,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from manifolds import UnsupportedModelError, analyze, random_factors, rescale_parameters
-from sharpness._data import ChunkedData
-from sharpness._measure import Measure
-from sharpness._objective import Objective, eval_mode
 from sharpness._progress import progress_bar
-from sharpness._registry import MEASURES, get_measure
 from sharpness._results import jsonable, write_text_atomic
-from sharpness._solve import Solver
+from sharpness.measures._measure import Measure
+from sharpness.measures._registry import MEASURES, get_measure
+from sharpness.products._data import ChunkedData
+from sharpness.products._objective import Objective, eval_mode
+from sharpness.solvers._solve import Solver
 
 KINDS = ("node", "layer")
 VERDICTS = ("invariant", "changes", "FAILED")

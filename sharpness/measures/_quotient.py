@@ -10,10 +10,10 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 from manifolds import LayerScaleQuotient, NodeScaleQuotient
-from sharpness._hessian import HessianOperator
-from sharpness._measure import BallGeometry, CurvatureOperator, Measure
-from sharpness._objective import Objective
-from sharpness._operator import CallableOperator
+from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
+from sharpness.products._hessian import HessianOperator
+from sharpness.products._objective import Objective
+from sharpness.products._operator import CallableOperator
 
 
 class QuotientMeasure(Measure):

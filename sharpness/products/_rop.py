@@ -401,7 +401,7 @@ def add_products(
 ) -> None:
     """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
 
-    For products whose first-layer weights live in other coordinates (:mod:`sharpness._data_span`),
+    For products whose first-layer weights live in other coordinates (:mod:`sharpness.products._data_span`),
     ``first_layer = (first_dot, first_errors)``, both ``(chunk, out_features)``: the first layer's output tangent
     from its weight (its bias tangent is added to it in place), and where the tangent errors at that output
     are written; the first layer's weight is then neither read in ``v`` nor written in ``into``.

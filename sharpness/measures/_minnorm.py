@@ -11,11 +11,11 @@ import warnings
 from dataclasses import dataclass
 
 from manifolds import min_norm_gauge_parameters
-from sharpness._euclidean import Euclidean
-from sharpness._measure import CurvatureOperator, Measure
-from sharpness._objective import Objective
 from sharpness._results import EigenResult
-from sharpness._solve import Solver
+from sharpness.measures._euclidean import Euclidean
+from sharpness.measures._measure import CurvatureOperator, Measure
+from sharpness.products._objective import Objective
+from sharpness.solvers._solve import Solver
 
 # The eigenvalue inherits the gauge's error, so the gauge is solved far below solver tolerances.
 GAUGE_TOL = 1e-12

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from sharpness._measure import Measure
-from sharpness._objective import Objective, build_objective
-from sharpness._registry import get_measure
 from sharpness._results import EigenResult
-from sharpness._solve import Solver
+from sharpness.measures._measure import Measure
+from sharpness.measures._registry import get_measure
+from sharpness.products._objective import Objective, build_objective
+from sharpness.solvers._solve import Solver
 
 
 def measure_sharpness(

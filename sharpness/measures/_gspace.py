@@ -22,9 +22,9 @@ from torch import Tensor
 from torch.func import grad, jvp
 
 from manifolds import GSpace
-from sharpness._measure import CurvatureOperator, Measure
-from sharpness._objective import Objective, eval_mode
-from sharpness._operator import CallableOperator
+from sharpness.measures._measure import CurvatureOperator, Measure
+from sharpness.products._objective import Objective, eval_mode
+from sharpness.products._operator import CallableOperator
 
 
 class GSpaceLoss:

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sharpness._lanczos import _top_ritz
-from sharpness._operator import SymmetricOperator
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult
-from sharpness._solver_vectors import (
+from sharpness.products._operator import SymmetricOperator
+from sharpness.solvers._lanczos import _top_ritz
+from sharpness.solvers._vectors import (
     KrylovBasis,
     _breakdown_threshold,
     _canonical_signs,

@@ -1,0 +1,28 @@
+"""Command-line pieces shared by ``python -m sharpness`` and ``python -m landscape``: the model, checkpoint,
+data, loss and dtype arguments, their safe loaders, and the error types that mean bad input."""
+
+from sharpness._cli import DTYPES as DTYPES
+from sharpness._cli import USER_ERRORS as USER_ERRORS
+from sharpness._cli import add_model_arguments as add_model_arguments
+from sharpness._cli import check_writable as check_writable
+from sharpness._cli import load_problem as load_problem
+from sharpness._specs import SpecError as SpecError
+from sharpness._specs import build_model as build_model
+from sharpness._specs import lenet as lenet
+from sharpness._specs import load_checkpoint as load_checkpoint
+from sharpness._specs import load_data as load_data
+from sharpness._specs import mlp as mlp
+
+__all__ = [
+    "DTYPES",
+    "USER_ERRORS",
+    "SpecError",
+    "add_model_arguments",
+    "build_model",
+    "check_writable",
+    "lenet",
+    "load_checkpoint",
+    "load_data",
+    "load_problem",
+    "mlp",
+]

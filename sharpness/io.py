@@ -1,0 +1,8 @@
+"""Output plumbing shared by the toolkit's packages: atomic file writes, JSON-ready values and progress bars."""
+
+from sharpness._progress import progress_bar as progress_bar
+from sharpness._results import jsonable as jsonable
+from sharpness._results import write_atomic as write_atomic
+from sharpness._results import write_text_atomic as write_text_atomic
+
+__all__ = ["jsonable", "progress_bar", "write_atomic", "write_text_atomic"]

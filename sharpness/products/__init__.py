@@ -1,0 +1,28 @@
+"""The whole-data-set objective and its exact products: the loss, gradient and Hessian-vector products of a
+model over all its data (chunked, exactly weighted), and symmetric operators built on them."""
+
+from sharpness.products._data import ChunkedData as ChunkedData
+from sharpness.products._data import DataError as DataError
+from sharpness.products._hessian import HessianOperator as HessianOperator
+from sharpness.products._objective import HVP_STRATEGIES as HVP_STRATEGIES
+from sharpness.products._objective import Objective as Objective
+from sharpness.products._objective import build_objective as build_objective
+from sharpness.products._objective import eval_mode as eval_mode
+from sharpness.products._operator import CallableOperator as CallableOperator
+from sharpness.products._operator import DenseOperator as DenseOperator
+from sharpness.products._operator import SymmetricOperator as SymmetricOperator
+from sharpness.products._reference import dense_hessian as dense_hessian
+
+__all__ = [
+    "HVP_STRATEGIES",
+    "CallableOperator",
+    "ChunkedData",
+    "DataError",
+    "DenseOperator",
+    "HessianOperator",
+    "Objective",
+    "SymmetricOperator",
+    "build_objective",
+    "dense_hessian",
+    "eval_mode",
+]
