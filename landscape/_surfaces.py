@@ -343,7 +343,7 @@ def loss_line(
     spec, grid = as_direction_spec(directions), grid or Grid()
     if lim is not None and not (len(lim) == 2 and all(map(math.isfinite, lim)) and lim[0] < lim[1]):
         raise ValueError(f"lim must be (lo, hi) with finite lo < hi, got {lim!r}")
-    if to is not None and spec != DirectionSpec():
+    if to is not None and (isinstance(spec.kind, Directions) or spec != DirectionSpec()):
         raise ValueError(
             "the segment between two checkpoints is a straight line; leave out the path, the directions and the roots"
         )

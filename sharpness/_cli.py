@@ -168,7 +168,8 @@ def _table(report: dict) -> str:
     head = f"{'measure':<10} {'top eigenvalue':>15} {'HVPs':>6} {'converged':>9} {'seconds':>8}"
     if eps:
         head += f" {'eps (2nd order)':>16} {'eps (measured)':>15}"
-    lines += [head + "   invariant under", "-" * len(head)]
+    head += "   invariant under"
+    lines += [head, "-" * len(head)]
     for name, m in report["measures"].items():
         row = f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f}"
         if eps:

@@ -13,8 +13,7 @@ from torch import nn
 import manifolds
 from landscape._demo import digits_data, run_demo
 from landscape._demo_surfaces import SURFACE_METRICS, plane_directions, surface_panels
-from sharpness import MEASURES as METRICS
-from sharpness import Objective, Solver, measure_sharpness
+from sharpness import MEASURES, Objective, Solver, measure_sharpness
 from sharpness._specs import mlp
 
 ROWS = ("small_batch", "full_batch", "rescaled")
@@ -37,7 +36,7 @@ def test_demo_writes_report_checkpoints_and_figures(demo):
     for key in ("small_batch", "full_batch"):
         run = report["minima"][key]["training"]
         assert run["loss"] <= 0.3  # both stopped at the same threshold
-        assert set(report["minima"][key]["measures"]) == set(METRICS)
+        assert set(report["minima"][key]["measures"]) == set(MEASURES)
         for metric in SURFACE_METRICS:  # one k=2 solve serves the table and the figure
             measure = report["minima"][key]["measures"][metric]
             assert len(measure["eigenvalues"]) == 2 and measure["value"] == measure["eigenvalues"][0]

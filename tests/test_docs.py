@@ -5,7 +5,8 @@
   ```python {.no-run} instead (rendered as Python by GitHub and MkDocs); use that sparingly.
 - Every relative link (``[text](path)`` or ``![alt](path)``) points to an existing file.
 - Every ``python -m sharpness SUB`` / ``python -m landscape SUB`` in a ```bash block names a real
-  subcommand (read from the command line's ``--help``).
+  subcommand (read from the command line's ``--help``), and the shell blocks of the pages in
+  ``SHELL_FILES`` run after their Python blocks (``{.no-run}`` marks installs and the demo).
 """
 
 from __future__ import annotations
@@ -88,6 +89,15 @@ def all_subcommands() -> dict[str, frozenset[str]]:
     return found
 
 
+def shell_blocks(path: Path) -> list[str]:
+    """The shell blocks that run (not the ones marked ``{.no-run}``: installs, the minute-long demo)."""
+    return [
+        body
+        for info, body in fenced_blocks(path.read_text(encoding="utf-8"))
+        if language(info) in ("bash", "sh", "shell") and "no-run" not in info
+    ]
+
+
 def bash_commands(path: Path) -> list[tuple[str, str]]:
     """``(package, subcommand)`` of every ``python -m sharpness|landscape SUB`` in the file's shell blocks."""
     return [
@@ -98,12 +108,16 @@ def bash_commands(path: Path) -> list[tuple[str, str]]:
     ]
 
 
+# The pages whose shell blocks run too, after their Python blocks and in the same folder (the Python blocks
+# write the checkpoint, data and model file the commands read).
+SHELL_FILES = ("getting-started.md",)
 # Only the files that have something to check are parametrized: a test that can only skip checks nothing.
 PYTHON_FILES = [p for p in DOC_FILES if python_blocks(p)]
 COMMAND_FILES = [p for p in DOC_FILES if bash_commands(p)]
 
 
 def test_the_checked_files_are_the_ones_with_examples():
+    assert all(shell_blocks(ROOT / "docs" / name) for name in SHELL_FILES)
     names = {p.name for p in PYTHON_FILES}
     assert {"README.md", "getting-started.md", "math.md"} <= names  # the API tour, the jobs, the math
     assert {"README.md", "getting-started.md"} <= {p.name for p in COMMAND_FILES}
@@ -116,6 +130,8 @@ def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
     script.write_text(
         "\n".join(f"# --- block {i + 1} of {path.name}\n{body}" for i, body in enumerate(blocks)), encoding="utf-8"
     )
+    shell = shell_blocks(path) if path.name in SHELL_FILES else []
+    (tmp_path / "blocks.sh").write_text("set -euo pipefail\n" + "\n".join(shell), encoding="utf-8")
     env = {
         **os.environ,
         "MPLBACKEND": "Agg",
@@ -125,6 +141,11 @@ def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
         result = subprocess.run(
             [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
         )
+        if result.returncode == 0 and shell:
+            # `python` in the commands is the interpreter running the tests
+            env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+            result = subprocess.run(["bash", "blocks.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                    timeout=TIMEOUT_S)  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the python blocks of {path.name} ran longer than {TIMEOUT_S} s:\n{exc.stderr}")
     assert result.returncode == 0, (

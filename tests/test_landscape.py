@@ -607,3 +607,32 @@ def test_element_normalized_random_planes_are_rescaling_invariant(name):
     # filter normalization divides rows by norms that a node-wise rescaling changes unevenly
     original, rescaled = planes["filter"]
     assert np.max(np.abs(rescaled - original) / original) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: landscape.Grid(span=0.0), "the span must be positive"),
+        (lambda: landscape.Grid(span=float("inf")), "the span must be positive"),
+        (lambda: landscape.Grid(steps=1), "steps must be an integer of at least 2"),
+        (lambda: landscape.Grid(strategy="fast"), "unknown grid strategy 'fast'"),
+        (lambda: landscape.DirectionSpec("diagonal"), "unknown direction kind 'diagonal'"),
+        (lambda: landscape.DirectionSpec(roots="free"), "applies to G-space directions only"),
+        (lambda: landscape.DirectionSpec(path="geodesic"), "geodesic path follows the quotient metric"),
+        (lambda: landscape.DirectionSpec("gspace", norm="filter"), "per coordinate block"),
+        (lambda: landscape.DirectionSpec(norm="rows"), "unknown direction normalization 'rows'"),
+        (lambda: landscape.DirectionSpec(bias="drop"), "bias must be one of zero, keep"),
+        (lambda: landscape.DirectionSpec("invariant-eigen", metric="fisher"), "unknown sharpness metric 'fisher'"),
+    ],
+)
+def test_settings_objects_refuse_bad_values_when_made(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_segment_refuses_directions_of_its_own():
+    a, b = make_case("mlp_bias"), make_case("mlp_bias", seed=1)
+    given = landscape.random_directions(dict(a.model.named_parameters()), 1, seed=0)
+    for directions in (given, "eigen", landscape.DirectionSpec(seed=3)):
+        with pytest.raises(ValueError, match="the segment between two checkpoints is a straight line"):
+            landscape.loss_line(a.model, a.loss_fn, a.data, directions, to=b.model, progress=False)

@@ -369,7 +369,7 @@ def verify_invariance(
     skipped: dict[str, str] = {}
     for measure in measures:
         try:
-            result = measure.solve(obj, k, solver)
+            result = measure.solve(obj, k, solver, progress=False)
         except UnsupportedModelError as err:
             if explicit:
                 raise
@@ -399,7 +399,7 @@ def verify_invariance(
                     )
                 output_differences[kind].append(difference)
                 for measure in measured:
-                    result = measure.solve(twin, k, solver)
+                    result = measure.solve(twin, k, solver, progress=False)
                     rescaled[measure.name][kind].append(_as_floats(result.eigenvalues))
                     converged[measure.name] = converged[measure.name] and result.converged
                 bar.update(1)
