@@ -33,7 +33,7 @@ from torch import Tensor
 
 from manifolds._layout import ParamLayout
 from manifolds._node_symmetry import NodeSymmetry
-from manifolds._structure import NetworkStructure
+from manifolds._structure import NetworkStructure, UnsupportedModelError
 
 
 def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
@@ -171,9 +171,9 @@ class LayerScaleQuotient(_Quotient):
         structure: :func:`manifolds.analyze` of the network (must be rescalable).
         layout: flat layout (default: from ``point``).
         zero_blocks: ``"error"`` (default) refuses a block of zero norm, naming it (e.g. zero-initialised
-            biases); ``"exclude"`` drops such blocks from the tangent space (they are fixed points of
-            every rescaling, so the remaining geometry is unchanged; the Hessian is restricted to the
-            other parameters).
+            biases), with :class:`UnsupportedModelError` (the metric does not exist there); ``"exclude"``
+            drops such blocks from the tangent space (they are fixed points of every rescaling, so the
+            remaining geometry is unchanged; the Hessian is restricted to the other parameters).
     """
 
     name = "layer"
@@ -207,8 +207,8 @@ class LayerScaleQuotient(_Quotient):
         self._block_id = torch.repeat_interleave(torch.arange(n_blocks, device=self.point.device), sizes)
         norms = self._block_sum(self.point * self.point).sqrt()
         zero = [name for name, nrm in zip(self.layout.names, norms.tolist()) if nrm == 0.0]
-        if zero and zero_blocks == "error":
-            raise ValueError(
+        if zero and zero_blocks == "error":  # the metric does not exist at this point
+            raise UnsupportedModelError(
                 f"tensor {', '.join(zero)} has zero norm, so the layer-wise metric 1/||w_B||^2 is undefined "
                 "there; pass zero_blocks='exclude' to leave such tensors out, or use the node-wise metric"
             )

@@ -13,6 +13,7 @@ from manifolds import UnsupportedModelError
 from sharpness import (
     MEASURES,
     Euclidean,
+    Layer,
     Node,
     Rescalings,
     Solver,
@@ -173,10 +174,20 @@ def test_model_is_not_modified():
         assert torch.equal(v, before[k])
 
 
-def _only_metrics(monkeypatch, keep):
-    for name in list(MEASURES):
+@pytest.fixture
+def registry():
+    """The measure registry, restored afterwards with its entries in their order (the registry's order is
+    the order in which measures are verified and offered)."""
+    saved = dict(MEASURES)
+    yield MEASURES
+    MEASURES.clear()
+    MEASURES.update(saved)
+
+
+def _only_metrics(registry, keep):
+    for name in list(registry):
         if name not in keep:
-            monkeypatch.delitem(MEASURES, name)
+            del registry[name]
 
 
 @dataclass(frozen=True)
@@ -186,9 +197,9 @@ class _NodeAgain(Node):
     name = "node_again"
 
 
-def test_metrics_registered_later_are_picked_up(monkeypatch):
-    monkeypatch.setitem(MEASURES, "node_again", _NodeAgain())
-    _only_metrics(monkeypatch, ("euclidean", "node", "node_again"))
+def test_metrics_registered_later_are_picked_up(registry):
+    registry["node_again"] = _NodeAgain()
+    _only_metrics(registry, ("euclidean", "node", "node_again"))
     case = make_case("mlp_nobias")
     direct = measure_sharpness(case.model, case.loss_fn, case.data, "node_again", solver=Solver(tol=1e-10),
                                progress=False)  # fmt: skip
@@ -210,9 +221,9 @@ class _Picky(Node):
         raise UnsupportedModelError("Cannot compute the picky measure for this model.")
 
 
-def test_metric_that_does_not_apply_is_skipped_unless_asked_for(monkeypatch):
-    monkeypatch.setitem(MEASURES, "picky", _Picky())
-    _only_metrics(monkeypatch, ("node", "picky"))
+def test_metric_that_does_not_apply_is_skipped_unless_asked_for(registry):
+    registry["picky"] = _Picky()
+    _only_metrics(registry, ("node", "picky"))
     case = make_case("mlp_bias")
     rep = verify_invariance(case.model, case.loss_fn, case.data, rescalings=Rescalings("layer", 1), progress=False)
     assert rep.metrics == ("node",)
@@ -273,3 +284,17 @@ def test_relative_difference_compares_on_the_scale_of_the_top_eigenvalue():
     assert relative_difference([4.0, 0.0], [4.0, 2.0]) == 0.5
     assert relative_difference([0.0], [0.0]) == 0.0
     assert relative_difference([0.0], [1.0]) == float("inf")
+
+
+def test_layer_metric_is_skipped_where_it_does_not_exist_unless_asked_for():
+    case = make_case("mlp_bias")
+    with torch.no_grad():
+        case.model[2].bias.zero_()  # the layer-wise metric 1/||b||^2 does not exist at this point
+    rep = verify_invariance(case.model, case.loss_fn, case.data, rescalings=Rescalings(trials=1), progress=False)
+    assert "layer" not in rep.metrics and "2.bias" in rep.skipped["layer"] and rep.passed
+    with pytest.raises(UnsupportedModelError, match=r"2\.bias"):
+        verify_invariance(case.model, case.loss_fn, case.data, ["layer"], rescalings=Rescalings(trials=1),
+                          progress=False)  # fmt: skip
+    excluded = verify_invariance(case.model, case.loss_fn, case.data, [Layer(zero_blocks="exclude")],
+                                 rescalings=Rescalings(trials=1), progress=False)  # fmt: skip
+    assert excluded.metrics == ("layer",) and excluded.passed
