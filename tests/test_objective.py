@@ -9,8 +9,7 @@ from cases import make_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from sharpness import HVP_STRATEGIES, Objective, dense_hessian
-from sharpness.products._data import DataError
+from sharpness import HVP_STRATEGIES, DataError, Objective, dense_hessian
 from sharpness.products._rop import _MaxPool, _Slope, _SlopePool
 
 STRATEGIES = [s for s in HVP_STRATEGIES if s != "auto"]
@@ -369,3 +368,41 @@ def test_data_convolution_path_only_where_it_applies():
         assert split_data_convolution(model, names(model)) is None
     # The convolution's weight is not among the differentiated parameters.
     assert split_data_convolution(plain, ["0.bias"]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_every_integer_label_dtype_gives_the_int64_values(dtype):
+    case = make_case("mlp_bias")
+    as_long = Objective(case.model, case.loss_fn, (case.X, case.y.long()))
+    other = Objective(case.model, case.loss_fn, (case.X, case.y.to(dtype)))
+    v = torch.randn(as_long.layout.size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert float(other.value()) == float(as_long.value())
+    torch.testing.assert_close(other.gradient(), as_long.gradient(), rtol=0, atol=0)
+    for strategy in ("rop", "double_backward"):  # the closed-form cross-entropy indexes by the labels
+        torch.testing.assert_close(other.hvp(v, strategy), as_long.hvp(v, strategy), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("data", "loss_fn", "message"),
+    [
+        ((torch.randn(6, 5), torch.randn(6)), nn.MSELoss(), r"targets of shape \(\) per sample do not match .* \(3,\)"),
+        ((torch.randn(6, 5), torch.randn(6, 1)), nn.MSELoss(), r"reshape the targets to \(n, 3\)"),
+        ((torch.randn(6, 5), torch.tensor([0, 1, 2, 3, 0, 1])), nn.CrossEntropyLoss(),
+         r"range over \[0, 3\] .* 3 outputs"),
+        ((torch.randn(6, 5), torch.tensor([0, -2, 1, 2, 0, 1])), nn.CrossEntropyLoss(), r"range over \[-2, 2\]"),
+        ((torch.randn(6, 5), torch.ones(6, dtype=torch.bool)), nn.CrossEntropyLoss(), "targets are booleans"),
+        ((torch.randn(6, 5, dtype=torch.complex64), torch.zeros(6).long()), nn.CrossEntropyLoss(), "complex"),
+        ((torch.ones(6, 5, dtype=torch.bool), torch.zeros(6).long()), nn.CrossEntropyLoss(), "inputs are booleans"),
+    ],
+)
+def test_targets_a_loss_would_misread_are_refused(data, loss_fn, message):
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)).eval()
+    with pytest.raises(DataError, match=message):
+        Objective(model, loss_fn, data)
+
+
+def test_targets_of_the_outputs_shape_and_ignored_labels_are_accepted():
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)).eval()
+    assert float(Objective(model, nn.MSELoss(), (torch.randn(6, 5), torch.randn(6, 3))).value()) > 0
+    ignored = torch.tensor([0, -100, 1, 2, -100, 1])  # CrossEntropyLoss's ignore_index
+    assert float(Objective(model, nn.CrossEntropyLoss(), (torch.randn(6, 5), ignored)).value()) > 0

@@ -39,6 +39,14 @@ def _split_batch(batch: object) -> tuple[Tensor, Tensor]:
         raise DataError("inputs and targets must be tensors")
     if x.shape[0] != y.shape[0]:
         raise DataError(f"inputs have {x.shape[0]} samples but targets have {y.shape[0]}; give one target per sample")
+    if x.is_complex() or y.is_complex():
+        raise DataError("inputs and targets must be real numbers; complex tensors are not supported")
+    if x.dtype == torch.bool:
+        raise DataError("inputs are booleans; give them as floating-point numbers (e.g. x.float())")
+    if y.dtype == torch.bool:
+        raise DataError(
+            "targets are booleans; give class indices as integers (y.long()) or 0/1 regression targets as floats"
+        )
     return x, y
 
 
@@ -101,7 +109,10 @@ class ChunkedData:
 def cast_batch(
     x: Tensor, y: Tensor, dtype: torch.dtype | None, device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """Move a batch to ``device``; floating tensors also to ``dtype`` (integer labels stay integer)."""
+    """Move a batch to ``device``; floating tensors also to ``dtype``; integer targets (class labels) to int64.
+
+    Every integer dtype converts to int64 exactly. Losses read other integer dtypes differently or not at all:
+    ``cross_entropy`` takes uint8 labels, but indexing with a uint8 tensor selects by mask, not by index."""
     x = x.to(device=device, dtype=dtype if dtype is not None and x.is_floating_point() else None)
-    y = y.to(device=device, dtype=dtype if dtype is not None and y.is_floating_point() else None)
+    y = y.to(device=device, dtype=(dtype if dtype is not None else None) if y.is_floating_point() else torch.int64)
     return x, y

@@ -139,6 +139,7 @@ class Objective:
         self.data = ChunkedData(data, chunk_size)
         if chunk_size is None:
             self.data = ChunkedData(self.data, self._auto_chunk_size())
+        self._check_targets()
         self.n_samples = self.data.n_samples
         self._weight = 1.0 / self.n_samples if self.reduction == "mean" else 1.0
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
@@ -151,6 +152,31 @@ class Objective:
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
+    def _check_targets(self) -> None:
+        """Refuse, on the first batch, targets that a torch loss would broadcast against the outputs (regression
+        targets of another shape) or that lie outside the classes (class labels)."""
+        if not isinstance(self.loss_fn, nn.modules.loss._Loss):
+            return  # a plain function defines its own target format
+        x, y = cast_batch(*self.data.first_batch(), self.dtype, self.device)
+        with torch.no_grad(), eval_mode(self.model):
+            out = functional_call(self.model, (self.params, self.buffers), (x[:1],))
+        name = type(self.loss_fn).__name__
+        if y.is_floating_point():
+            if out.shape[1:] != y.shape[1:]:
+                raise DataError(
+                    f"targets of shape {tuple(y.shape[1:])} per sample do not match the model's outputs of shape "
+                    f"{tuple(out.shape[1:])} per sample, which {name} would broadcast into a different loss; "
+                    f"reshape the targets to (n, {', '.join(map(str, out.shape[1:]))})"
+                )
+        elif isinstance(self.loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and out.dim() >= 2 and y.numel():
+            classes, ignore = out.shape[1], self.loss_fn.ignore_index
+            kept = y[y != ignore]
+            if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
+                raise DataError(
+                    f"class labels range over [{int(kept.min())}, {int(kept.max())}] but the model has {classes} "
+                    f"outputs; {name} needs labels in [0, {classes - 1}]"
+                )
+
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
         trainable parameters the Hessian is taken over) and ``n_samples``."""
