@@ -10,28 +10,20 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 from landscape._directions import NORMALIZATIONS
 from landscape._settings import PATHS, DirectionSpec, Grid
-from manifolds import UnsupportedModelError
-from sharpness import MEASURES, DataError, Objective
-from sharpness.cli import add_model_arguments, load_problem
-
-# Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
-USER_ERRORS = (
-    DataError, UnsupportedModelError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
-    NotADirectoryError,
-)  # fmt: skip
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one line on stderr (exit code 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+from sharpness import MEASURES, Objective
+from sharpness.cli import (
+    OneLineParser,
+    add_model_arguments,
+    check_outputs,
+    command_inputs,
+    load_problem,
+    run_command,
+)
 
 
 def _positive_int(text: str) -> int:
@@ -125,8 +117,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m landscape", description="Loss landscapes of ReLU networks.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="python -m landscape", description="Loss landscapes of ReLU networks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     toy = sub.add_parser(
         "toy", help="the thesis's toy networks (Figs. 1.5, 1.6, 4.9) and their G-space charts",
         description="Draw a toy figure of the thesis: 1.5 (networks a and b), 1.6 (invariant lines and exact "
@@ -223,6 +215,7 @@ def _fixed(args: argparse.Namespace) -> int:
     values = _check_values(args.values)
     spec = DirectionSpec(norm=args.norm, bias=args.bias, seed=args.seed)
     grid = Grid(span=args.span, steps=args.steps)
+    _check_files(args, [args.name], [f"{args.name}_b{b:g}" for b in values])
     model, loss_fn, data, _, dtype = _load(args)
     start = time.perf_counter()
     objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=int(args.memory_mib * 2**20))
@@ -319,6 +312,15 @@ def _check_toy_fixed(values: list[float], lim_hi: float) -> tuple[float, ...]:
     return out
 
 
+def _check_files(args: argparse.Namespace, figures: list[str], surfaces: list[str]) -> None:
+    """Refuse, before any computation, output files under ``--out`` that would replace an input or cannot be
+    written (``figures``: stems of the figures and the HTML, ``surfaces``: stems of ``.npz`` + ``.json``)."""
+    out = Path(args.out)
+    names = [f"{stem}.{ext}" for stem in figures for ext in (*args.format, "html")]
+    names += [f"{stem}.{ext}" for stem in surfaces for ext in ("npz", "json")]
+    check_outputs([("the output", out / name) for name in names], command_inputs(args), new_folder=True)
+
+
 def _load(args: argparse.Namespace):
     """Model, loss, data and (for --to) the second parameter set, all validated before any output."""
     import torch
@@ -355,6 +357,7 @@ def _real(args: argparse.Namespace) -> int:
     spec = DirectionSpec(args.directions, args.norm, args.bias, args.metric, args.path, args.roots, args.seed)
     grid = Grid(span=args.span, steps=args.steps or (41 if getattr(args, "to", None) else 51))
 
+    _check_files(args, [args.name or args.command], [args.name or args.command])
     model, loss_fn, data, target, dtype = _load(args)
     objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=int(args.memory_mib * 2**20))
     progress = False if args.quiet else None
@@ -403,12 +406,20 @@ def _real(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked(command):
+    """``command`` after the checks every command shares, before any computation: a bad ``--out`` must not
+    cost a whole grid."""
+
+    def run(args: argparse.Namespace) -> int:
+        _check_out(args.out)
+        return command(args)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        _check_out(args.out)  # before any computation: a bad --out must not cost a whole grid
-        commands = {"fixed": _fixed, "toy": _toy, "demo": _demo}
-        return commands.get(args.command, _real)(args)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    def parse_and_run(argv: list[str] | None) -> int:
+        args = _parser().parse_args(argv)
+        return _checked({"fixed": _fixed, "toy": _toy, "demo": _demo}.get(args.command, _real))(args)
+
+    return run_command(parse_and_run, argv)

@@ -53,6 +53,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     )
 
 
+def command_inputs(args: argparse.Namespace) -> tuple[str | None, ...]:
+    """The files a command reads (checkpoints and a data file), which no output may replace."""
+    return (args.checkpoint, args.data, getattr(args, "to", None))
+
+
 def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Model (checkpoint loaded, eval mode, in ``--dtype``), loss and data from the shared arguments."""
     model = build_model(args.model)
@@ -61,6 +66,12 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     dtype = DTYPES[args.dtype]
     model = model.to(dtype)
     X = X.to(dtype)
+    # finite in the checkpoint's own dtype (checked on loading) is not enough: a cast to float32 can overflow
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise SpecError(f"checkpoint tensor {name} overflows in {args.dtype}; use --dtype float64")
+    if not bool(torch.isfinite(X).all()):
+        raise SpecError(f"the data {args.data} overflow in {args.dtype}; use --dtype float64")
     if args.loss == "mse":
         if not y.is_floating_point():
             raise SpecError("--loss mse needs real-valued targets y; use --loss ce for class labels")
@@ -77,13 +88,57 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     return model, LOSSES[args.loss](), (X, y)
 
 
-def check_writable(path: str | None) -> None:
-    """Refuse an output path whose folder does not exist or cannot be written, before any work."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise SpecError(f"cannot write {path}: the folder {folder} does not exist or is not writable")
+def check_outputs(
+    outputs: list[tuple[str, str | os.PathLike | None]], inputs: tuple[str | None, ...] = (), new_folder: bool = False
+) -> None:
+    """Refuse, before any work, output paths that cannot be written or would destroy something: a folder that
+    does not exist or cannot be written, a name longer than the file system allows, an existing path that is
+    not a regular file (a folder, a device, a pipe), a path that is (or links to) one of the ``inputs``, and
+    two outputs that are the same file. ``outputs``: ``(what, path or None)`` pairs, ``what`` naming the output
+    in messages (``"--json"``);
+    ``new_folder``: the outputs' folder may not exist yet (it is created later; its creation is checked apart)."""
+    given = [(flag, os.fspath(path)) for flag, path in outputs if path is not None]
+    sources = {os.path.realpath(path) for path in inputs if path is not None and os.path.exists(path)}
+    seen: dict[str, str] = {}
+    for flag, path in given:
+        target = os.path.realpath(path)
+        folder, name = os.path.split(target)
+        existing = folder
+        while new_folder and not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not new_folder and (not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK)):
+            raise SpecError(f"cannot write {flag} {path}: the folder {folder} does not exist or is not writable")
+        if len(os.fsencode(name)) > os.pathconf(existing, "PC_NAME_MAX"):
+            raise SpecError(f"cannot write {flag} {path}: the file name is longer than the file system allows")
+        if os.path.lexists(target) and not os.path.isfile(target):
+            raise SpecError(f"cannot write {flag} {path}: it exists and is not a regular file")
+        if target in sources:
+            raise SpecError(f"{flag} {path} is one of the inputs; writing it would destroy that input")
+        if target in seen:
+            raise SpecError(f"{seen[target]} and {flag} name the same file {path}; give them different names")
+        seen[target] = flag
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit code 2), like every other refusal."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def run_command(command, args, user_errors: tuple[type[BaseException], ...] = USER_ERRORS) -> int:
+    """``command(args)``'s exit code, with bad input as one sentence on stderr and exit code 2, and Ctrl-C as
+    ``interrupted`` and exit code 130 (no traceback; outputs are only written atomically at the end). Parse the
+    command line inside ``command``, so that Ctrl-C there is caught too."""
+    try:
+        return command(args)
+    except user_errors as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def _measures(names: list[str] | None) -> list[str] | None:
@@ -124,7 +179,7 @@ def _compute(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.tol) and args.tol > 0):
         raise SpecError(f"--tol must be a positive number, got {args.tol}")
     solver = Solver(method=args.method, tol=args.tol)
-    check_writable(args.json)
+    check_outputs([("--json", args.json)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
     progress = False if args.quiet else None
     # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
@@ -188,7 +243,7 @@ def _verify(args: argparse.Namespace) -> int:
         raise SpecError(f"--scale must be a positive number, got {args.scale}")
     if not (math.isfinite(args.rtol) and args.rtol > 0):
         raise SpecError(f"--rtol must be a positive number, got {args.rtol}")
-    check_writable(args.json)
+    check_outputs([("--json", args.json)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
     kinds = ("node", "layer") if args.kind == "both" else (args.kind,)
     report = verify_invariance(
@@ -219,10 +274,7 @@ def _density(args: argparse.Namespace) -> int:
         raise SpecError(f"--sigma must be positive, got {args.sigma}")
     if args.plot is not None and os.path.splitext(args.plot)[1].lower() not in PLOT_FORMATS:
         raise SpecError(f"--plot must end in {', '.join(PLOT_FORMATS)}, got {args.plot}")
-    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
-        raise SpecError("--json and --plot name the same file")
-    check_writable(args.json)
-    check_writable(args.plot)
+    check_outputs([("--json", args.json), ("--plot", args.plot)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
     result = hessian_spectral_density(
         model, loss_fn, data, n_probes=args.probes, n_steps=args.steps, seed=args.seed,
@@ -258,10 +310,8 @@ def _density(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m sharpness", description="Scale-invariant sharpness of ReLU networks."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="python -m sharpness", description="Scale-invariant sharpness of ReLU networks.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     compute = sub.add_parser(
         "compute",
@@ -332,10 +382,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
+    def parse_and_run(argv: list[str] | None) -> int:
+        args = _parser().parse_args(argv)
         return {"compute": _compute, "verify": _verify, "density": _density}[args.command](args)
-    except USER_ERRORS as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+
+    return run_command(parse_and_run, argv)

@@ -18,10 +18,18 @@ from manifolds import ParamLayout
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same folder, then rename
-    it, so no half-written file is ever left."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    it, so no half-written file is ever left.
+
+    A symbolic link is followed: its target is written (atomically) and the link stays a link. A path that
+    exists and is not a regular file (a folder, a device, a pipe, a socket) is refused with ``ValueError``:
+    the rename would replace it.
+    """
+    path = os.path.realpath(os.fspath(path))
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path} exists and is not a regular file; it is not replaced")
+    directory = os.path.dirname(path)
+    # A short temporary name: the final name may already be as long as the file system allows.
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     umask = os.umask(0)
     os.umask(umask)
     try:

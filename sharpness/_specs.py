@@ -72,7 +72,7 @@ def build_model(spec: str) -> nn.Module:
                 raise SpecError(f"model file {where} does not exist; give path/to/file.py:factory")
             module_spec = importlib.util.spec_from_file_location(f"_user_model_{abs(hash(where))}", where)
             module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            _call_user_code(f"model file {where}", module_spec.loader.exec_module, module)
         else:
             try:
                 module = importlib.import_module(where)
@@ -81,13 +81,35 @@ def build_model(spec: str) -> nn.Module:
         factory = getattr(module, factory_name, None)
         if not callable(factory):
             raise SpecError(f"{where} has no function {factory_name!r}; the model spec is FILE.py:FUNCTION")
-        model = factory()
+        model = _call_user_code(f"model factory {spec}", factory)
         if not isinstance(model, nn.Module):
             raise SpecError(f"{spec} returned {type(model).__name__}, not an nn.Module")
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, path/to/file.py:factory or package.module:factory"
     )
+
+
+def _call_user_code(what: str, fn, *args):
+    """``fn(*args)`` for code the user wrote (a model file, a factory): its exception, or its ``sys.exit``, is
+    reported as one sentence naming it instead of a traceback or a silent exit."""
+    try:
+        return fn(*args)
+    except SystemExit as exc:
+        raise SpecError(f"{what} called sys.exit({exc.code!r}) instead of returning a model") from None
+    except Exception as exc:  # any error in user code is bad input here
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SpecError(f"{what} raised {type(exc).__name__}{': ' + detail if detail else ''}") from None
+
+
+def _require_regular_file(path: str, what: str) -> None:
+    """Refuse a path that is missing, a folder, or not a regular file (a pipe would block the read for ever)."""
+    if not os.path.exists(path):
+        raise SpecError(f"{what} {path} does not exist")
+    if os.path.isdir(path):
+        raise SpecError(f"{what} {path} is a folder; give the file")
+    if not os.path.isfile(path):
+        raise SpecError(f"{what} {path} is not a regular file (a pipe, a device or a socket); give a file")
 
 
 def _parse_options(text: str, spec: str) -> dict[str, str]:
@@ -119,8 +141,7 @@ def _synthetic(spec: str) -> tuple[Tensor, Tensor]:
 
 
 def _from_file(path: str) -> tuple[Tensor, Tensor]:
-    if not os.path.exists(path):
-        raise SpecError(f"data file {path} does not exist")
+    _require_regular_file(path, "data file")
     if path.endswith(".npz"):
         try:
             with np.load(path, allow_pickle=False) as f:
@@ -182,10 +203,7 @@ def _torch_load(path: str, what: str) -> dict:
 
 def load_state_dict(path: str) -> dict[str, Tensor]:
     """A state_dict from ``.pt``/``.pth`` (weights_only) or ``.safetensors``, never unpickling objects."""
-    if not os.path.exists(path):
-        raise SpecError(f"checkpoint {path} does not exist")
-    if os.path.isdir(path):
-        raise SpecError(f"checkpoint {path} is a folder; give the checkpoint file")
+    _require_regular_file(path, "checkpoint")
     if path.endswith(".safetensors"):
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -3,9 +3,12 @@ data, loss and dtype arguments, their safe loaders, and the error types that mea
 
 from sharpness._cli import DTYPES as DTYPES
 from sharpness._cli import USER_ERRORS as USER_ERRORS
+from sharpness._cli import OneLineParser as OneLineParser
 from sharpness._cli import add_model_arguments as add_model_arguments
-from sharpness._cli import check_writable as check_writable
+from sharpness._cli import check_outputs as check_outputs
+from sharpness._cli import command_inputs as command_inputs
 from sharpness._cli import load_problem as load_problem
+from sharpness._cli import run_command as run_command
 from sharpness._specs import SpecError as SpecError
 from sharpness._specs import build_model as build_model
 from sharpness._specs import lenet as lenet
@@ -16,13 +19,16 @@ from sharpness._specs import mlp as mlp
 __all__ = [
     "DTYPES",
     "USER_ERRORS",
+    "OneLineParser",
     "SpecError",
     "add_model_arguments",
     "build_model",
-    "check_writable",
+    "check_outputs",
+    "command_inputs",
     "lenet",
     "load_checkpoint",
     "load_data",
     "load_problem",
     "mlp",
+    "run_command",
 ]

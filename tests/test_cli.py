@@ -43,6 +43,16 @@ class Residual(nn.Module):
 
 def res_net():
     return Residual()
+
+
+def raises():
+    raise RuntimeError("no GPU here")
+
+
+def exits():
+    import sys
+
+    sys.exit(0)
 """
 
 
@@ -83,10 +93,14 @@ def files(tmp_path_factory):
     np.savez(d / "nan_data.npz", X=X_nan, y=y)
     torch.save({"X": torch.from_numpy(X), "y": torch.from_numpy(y)}, d / "data.pt")
     (d / "factory.py").write_text(FACTORY)
+    (d / "broken.py").write_text("def model(:\n")
+    os.mkfifo(d / "pipe.pt")  # reading it would block for ever
+    torch.save({**state, "0.bias": torch.full((6,), 1e300, dtype=torch.float64)}, d / "huge_float64.pt")
     namespace = {}
     exec(FACTORY, namespace)
     torch.save(namespace["bn_net"]().state_dict(), d / "bn.pt")
     torch.save(namespace["res_net"]().state_dict(), d / "res.pt")
+    torch.save(mlp([784, 300, 100, 10]).state_dict(), d / "big.pt")
     return d
 
 
@@ -240,6 +254,16 @@ BAD_INPUTS = {
     "NaN tolerance": (["--tol", "nan"], "--tol must be a positive number"),
     "infinite epsilon": (["--epsilon", "inf"], "--epsilon must be positive"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
+    "output is the checkpoint": (["--json", "{d}/model.pt"], "is one of the inputs"),
+    "output is the data file": (["--data", "{d}/good.npz", "--json", "{d}/good.npz"], "is one of the inputs"),
+    "output name too long": (["--json", "{d}/" + "x" * 300 + ".json"], "longer than the file system allows"),
+    "output is a device": (["--json", "/dev/null"], "is not a regular file"),
+    "checkpoint is a named pipe": (["--checkpoint", "{d}/pipe.pt"], "is not a regular file"),
+    "factory raises": (["--model", "{d}/factory.py:raises"], "raised RuntimeError: no GPU here"),
+    "factory calls sys.exit": (["--model", "{d}/factory.py:exits"], "called sys.exit(0)"),
+    "model file does not parse": (["--model", "{d}/broken.py:model"], "raised SyntaxError"),
+    "weights overflow in float32": (["--checkpoint", "{d}/huge_float64.pt", "--dtype", "float32"],
+                                    "overflows in float32"),
     "model and data do not match": (["--data", "synthetic:n=5,dim=3"], "check that --model and --data match"),
 }
 
@@ -263,6 +287,7 @@ def test_bad_input_is_one_sentence_and_exit_2(files, tmp_path, name):
     assert expected in lines[0], lines[0]
     assert not out.exists()
     assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith(".tmp")]
+    assert all(Path(p).stat().st_size > 0 for p in (files / "model.pt", files / "good.npz"))  # inputs kept
 
 
 def test_gelu_refusal_says_what_remains_meaningful(files):
@@ -280,6 +305,32 @@ def test_gelu_refusal_says_what_remains_meaningful(files):
     )
     assert r.returncode == 2
     assert "GELU" in r.stderr and "Euclidean" in r.stderr
+
+
+def test_usage_errors_are_one_line():
+    for args in (["compute"], ["compute", "--model", MODEL, "--k", "two"], ["nonsense"]):
+        r = run_cli(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+
+
+def test_ctrl_c_is_one_word_and_exit_130(files, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sharpness", "compute", "--model", "mlp:784-300-100-10", "--checkpoint",
+         str(files / "big.pt"), "--data", "synthetic:n=3000,dim=784", "--metric", "all", "--k", "5", "--tol", "1e-12",
+         "--json", str(out), "--quiet"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    time.sleep(8)  # past the start-up, into the computation
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip() == "interrupted", err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
 def test_verify_bad_arguments(files):
@@ -320,3 +371,22 @@ def test_density_bad_input_is_one_sentence_and_no_file(files, tmp_path, extra, m
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists() and not (tmp_path / "d.jpg").exists()
 
+
+
+def test_atomic_writer_follows_links_and_refuses_what_it_would_replace(tmp_path):
+    from sharpness.io import write_atomic
+
+    target = tmp_path / "target.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"  # the link stays a link, its target is written
+    long_name = tmp_path / ("y" * 250)  # the temporary name does not grow with the final one
+    write_atomic(long_name, b"bytes")
+    assert long_name.read_bytes() == b"bytes"
+    os.mkfifo(tmp_path / "pipe")
+    for path in (tmp_path / "pipe", tmp_path):  # a pipe, a folder
+        with pytest.raises(ValueError, match="is not a regular file"):
+            write_atomic(path, "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target.json", "link.json", "y" * 250, "pipe"])

@@ -387,6 +387,24 @@ def test_cli_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys, cha
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["plane", "fixed"])
+def test_cli_outputs_never_replace_an_input(tmp_path, capsys, command):
+    ckpt = _checkpoint(tmp_path)
+    X, y = torch.randn(40, 6), torch.arange(40) % 3
+    np.savez(tmp_path / "data.npz", X=X.numpy(), y=y.numpy())
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    # the plane's own data file under --out, or the checkpoint as one of the per-value surfaces
+    name, clash = ("data", "data.npz") if command == "plane" else ("ckpt", "ckpt_b1.npz")
+    if command == "fixed":
+        ckpt = ckpt.rename(tmp_path / clash)
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    argv = [command, "--model", "mlp:6-5-3", "--checkpoint", str(ckpt), "--data", str(tmp_path / "data.npz"),
+            "--out", str(tmp_path), "--name", name, "--steps", "3", "--quiet"]  # fmt: skip
+    code, _, err = _cli(argv + (["--values", "1"] if command == "fixed" else []), capsys)
+    assert code == 2 and f"the output {tmp_path / clash} is one of the inputs" in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_cli_toy_rejects_fixed_for_other_figures(tmp_path, capsys):
     code, _, err = _cli(["toy", "--figure", "1.5", "--fixed", "2", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "--fixed" in err and len(err.strip().splitlines()) == 1
