@@ -148,7 +148,6 @@ def _from_file(path: str) -> tuple[Tensor, Tensor]:
                 arrays = {k: f[k] for k in f.files}
         except (ValueError, OSError) as exc:
             raise SpecError(f"{path} is not a readable .npz file ({exc})") from None
-        arrays = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
     elif path.endswith((".pt", ".pth")):
         arrays = _torch_load(path, what="data file")
     else:
@@ -156,7 +155,22 @@ def _from_file(path: str) -> tuple[Tensor, Tensor]:
     missing = [k for k in ("X", "y") if k not in arrays]
     if missing:
         raise SpecError(f"data file {path} has no {' or '.join(missing)}; it must hold arrays named X and y")
-    return arrays["X"], arrays["y"]
+    return _numeric_tensor(arrays["X"], "X", path), _numeric_tensor(arrays["y"], "y", path)
+
+
+def _numeric_tensor(value: object, name: str, path: str) -> Tensor:
+    """``value`` as a dense tensor of real numbers, or a sentence saying what it is instead."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":  # text, dates, durations, objects, complex numbers
+            raise SpecError(f"array {name} in {path} holds {value.dtype} values; X and y must be numbers")
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if not isinstance(value, Tensor):
+        raise SpecError(f"entry {name} in {path} is a {type(value).__name__}, not a tensor; save torch tensors")
+    if value.layout != torch.strided:
+        raise SpecError(f"tensor {name} in {path} is {value.layout} (sparse); save it dense with .to_dense()")
+    if value.is_complex():
+        raise SpecError(f"tensor {name} in {path} holds complex numbers; X and y must be real")
+    return value
 
 
 def load_data(spec: str) -> tuple[Tensor, Tensor]:

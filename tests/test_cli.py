@@ -88,6 +88,10 @@ def files(tmp_path_factory):
     np.savez(d / "short_y.npz", X=X, y=y[:5])
     np.savez(d / "bad_labels.npz", X=X, y=y + 5)
     np.savez(d / "empty.npz", X=X[:0], y=y[:0])
+    np.savez(d / "text_labels.npz", X=X, y=np.array([f"class {i}" for i in y]))
+    np.savez(d / "date_inputs.npz", X=np.full((20, 8), np.datetime64("2026-11-25")), y=y)
+    torch.save({"X": torch.from_numpy(X), "y": (np.arange(20) % 3).tolist()}, d / "list_labels.pt")
+    torch.save({"X": torch.from_numpy(X).to_sparse(), "y": torch.from_numpy(y)}, d / "sparse_inputs.pt")
     X_nan = X.copy()
     X_nan[3, 2] = np.nan
     np.savez(d / "nan_data.npz", X=X_nan, y=y)
@@ -255,6 +259,10 @@ BAD_INPUTS = {
     "infinite epsilon": (["--epsilon", "inf"], "--epsilon must be positive"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
     "output is the checkpoint": (["--json", "{d}/model.pt"], "is one of the inputs"),
+    "text labels in .npz": (["--data", "{d}/text_labels.npz"], "array y in"),
+    "dates in .npz": (["--data", "{d}/date_inputs.npz"], "X and y must be numbers"),
+    "a list in .pt data": (["--data", "{d}/list_labels.pt"], "is a list, not a tensor"),
+    "sparse tensor in .pt data": (["--data", "{d}/sparse_inputs.pt"], "sparse"),
     "output is the data file": (["--data", "{d}/good.npz", "--json", "{d}/good.npz"], "is one of the inputs"),
     "output name too long": (["--json", "{d}/" + "x" * 300 + ".json"], "longer than the file system allows"),
     "output is a device": (["--json", "/dev/null"], "is not a regular file"),
