@@ -9,6 +9,11 @@ from manifolds._fixed_model import FixModel as FixModel
 from manifolds._gauge import GaugeHistory as GaugeHistory
 from manifolds._gauge import min_norm_gauge as min_norm_gauge
 from manifolds._gauge import min_norm_gauge_parameters as min_norm_gauge_parameters
+from manifolds._graph import TracedNetwork as TracedNetwork
+from manifolds._graph import trace_network as trace_network
+from manifolds._group import Action as Action
+from manifolds._group import RescalingGroup as RescalingGroup
+from manifolds._group_discovery import Pin as Pin
 from manifolds._gspace import GSpace as GSpace
 from manifolds._gspace import GSpaceSingularityError as GSpaceSingularityError
 from manifolds._gspace import Skeleton as Skeleton
@@ -24,6 +29,7 @@ from manifolds._structure import Layer as Layer
 from manifolds._structure import NetworkStructure as NetworkStructure
 from manifolds._structure import UnsupportedModelError as UnsupportedModelError
 from manifolds._structure import analyze as analyze
+from manifolds._structure import buffer_group as buffer_group
 from manifolds._structure import layer_factors as layer_factors
 from manifolds._structure import random_factors as random_factors
 from manifolds._structure import random_rescale as random_rescale
@@ -50,6 +56,12 @@ __all__ = [
     "Skeleton",
     "gsgd_init_",
     "ParamLayout",
+    "Action",
+    "Pin",
+    "RescalingGroup",
+    "TracedNetwork",
+    "trace_network",
+    "buffer_group",
     "LayerScaleQuotient",
     "NodeScaleQuotient",
     "QUOTIENTS",

@@ -1,34 +1,34 @@
 """Minimum-norm gauge fixing: the function-preserving rescaling with the smallest entry-wise p-norm.
 
-Algorithm 1 of the minimum-norm gauge paper. Every hidden unit (conv channel) ``i`` gets the factor
+Algorithm 1 of the minimum-norm gauge paper, on the network's exact rescaling group (residual
+connections, BatchNorm and concatenation included; see :func:`manifolds.analyze`). Every free scale
+``k`` of the group gets the factor
 
-    a_i = (sum_out |W_ji|^p / sum_in |W_ij|^p) ** (1 / (4 p)),
+    a_k = (sum_out |w|^p / sum_in |w|^p) ** (1 / (4 p)),
 
-then ``W_ij <- W_ij a_i / a_j`` and ``b_i <- b_i a_i`` (a node-wise rescaling, so the function is
-unchanged), repeated until ``max_i |a_i - 1| < tol``. The objective ``sum |W_ij|^p`` counts weights
-only, biases are rescaled with their unit but not counted (as in the paper). All units are updated
-at once from the same iterate (a Jacobi update, the paper's Algorithm 1 computes every ``a_i`` before
-rescaling anything); Lemma 2.3 shows this update never increases the objective, and Theorem 2.1 that
-it converges to the global minimizer, the unique representative whose every hidden unit has equal
-incoming and outgoing weight p-norms (Lemma 2.2, eq. (9)).
+where "in" are the weight entries that scale with ``e^{s_k}`` (a unit's incoming weights, a BatchNorm's
+``weight``) and "out" those that scale with ``e^{-s_k}`` (its outgoing weights). Every entry has at most
+one in-scale and one out-scale, so the objective ``sum |w|^p`` is a sum of ``A e^{p (s_i - s_j)}`` terms;
+each update is the paper's Jacobi step (all scales from the same iterate), which by
+``e^{p(a-b)} <= (e^{2pa} + e^{-2pb}) / 2`` never increases the objective (Lemma 2.3), and converges to
+the unique representative whose every free scale has equal in- and out-sums (Lemma 2.2, eq. (9)).
+Biases are rescaled with their unit but not counted (as in the paper).
 
-Implementation: ``|W|^p`` summed over the entries that join one unit to one unit of the previous
-layer (one kernel for a conv, ``in_group`` columns for a Linear after Flatten) gives a matrix ``A_l``
-of shape ``(units_l, units_{l-1})``. Under cumulative node factors ``c`` it becomes
-``A_l * c_l^p / c_{l-1}^p``, so every iteration costs two matrix-vector products per layer and the
+Implementation: ``|w|^p`` is summed once over the axes along which an entry's scales do not vary (a
+kernel's spatial extent), so an iteration costs a few passes over per-(channel, channel) sums and the
 weights are rescaled once at the end (no rounding drift from repeated rescaling).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from manifolds._structure import NetworkStructure, _rescaled_copy, analyze, rescale_parameters
+from manifolds._group import Action, RescalingGroup
+from manifolds._structure import NetworkStructure, _acted_copy, analyze
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,17 @@ class GaugeHistory:
 
     Attributes:
         p: exponent of the entry-wise norm.
-        objective: ``||W||_{p,p}^p = sum |W_ij|^p`` over all layer weights (biases excluded), one value
-            per iterate, starting with the initial network (``iterations + 1`` values).
+        objective: ``sum |w|^p`` over all weight tensors (biases excluded), one value per iterate, starting
+            with the initial network (``iterations + 1`` values).
         max_imbalance: eq. (20) of the paper per iterate (same length as ``objective``):
-            ``max_i |in_i - out_i| / (in_i + out_i)`` over hidden units, with ``in_i`` / ``out_i`` the
-            sums of ``|W|^p`` over the unit's incoming / outgoing weights; in ``[0, 1]``, 0 when balanced.
+            ``max_k |in_k - out_k| / (in_k + out_k)`` over the group's free scales, with ``in_k`` / ``out_k``
+            the sums of ``|w|^p`` over the weights that scale with ``e^{s_k}`` / ``e^{-s_k}``; in ``[0, 1]``,
+            0 when balanced.
         gamma: ``max_imbalance`` of the returned network.
         iterations: number of updates applied.
-        converged: whether the last update had ``max_i |a_i - 1| < tol``.
-        factors: cumulative node factors, one ``(hidden_units[l],)`` float64 tensor per hidden layer:
-            ``rescale_parameters(params, structure, factors)`` is the gauged network.
+        converged: whether the last update had ``max_k |a_k - 1| < tol``.
+        log_scales: ``(dim,)`` float64 log-scales of the node-wise group (``structure.group``):
+            ``structure.group.act(params, log_scales)`` is the gauged network.
     """
 
     p: float
@@ -55,60 +56,75 @@ class GaugeHistory:
     gamma: float
     iterations: int
     converged: bool
-    factors: tuple[Tensor, ...]
+    log_scales: Tensor
 
 
-def _unit_norms(params: Mapping[str, Tensor], structure: NetworkStructure, p: float) -> list[Tensor]:
-    """``A_l``: ``|W_l|^p`` summed per (unit, previous unit) pair, ``(out_units, previous units)`` float64."""
-    mats = []
-    for i, layer in enumerate(structure.layers):
-        # Columns grouped by unit of the previous layer (input channels / features for the first).
-        prev_units = structure.layers[i - 1].out_units if i > 0 else layer.in_units
-        weight = params[layer.weight].detach().to(torch.float64)
-        if not bool(torch.isfinite(weight).all()):
-            raise ValueError(f"layer '{layer.name}' has non-finite weights; the minimum-norm gauge needs finite ones")
-        # Same grouping as rescale_parameters: (out, prev_units, in_group * kernel size).
-        mats.append(weight.abs().pow(p).reshape(weight.shape[0], prev_units, -1).sum(-1))
-    return mats
+@dataclass(frozen=True)
+class _Term:
+    """``|w|^p`` of one weight tensor summed over the axes along which its scale does not vary."""
+
+    magnitude: Tensor  # (joint shape of plus and minus) float64
+    plus: Tensor  # class indices, expanded to the joint shape
+    minus: Tensor
 
 
-def _in_out(mats: Sequence[Tensor], log_c: Sequence[Tensor], p: float) -> tuple[list[Tensor], list[Tensor], float]:
-    """In- and out-norms (``sum |W|^p``) of every hidden unit under factors ``exp(log_c)``, and the objective."""
-    ones_in = torch.ones(mats[0].shape[1], dtype=torch.float64, device=mats[0].device)
-    ones_out = torch.ones(mats[-1].shape[0], dtype=torch.float64, device=mats[-1].device)
-    up = [torch.exp(p * lc) for lc in log_c]  # c^p: rows of layer l scale by it
-    down = [torch.exp(-p * lc) for lc in log_c]  # c^-p: columns of layer l + 1 scale by it
-    rows = [up[i] if i < len(up) else ones_out for i in range(len(mats))]
-    cols = [down[i - 1] if i > 0 else ones_in for i in range(len(mats))]
-    row_sums = [r * (m @ c) for m, r, c in zip(mats, rows, cols)]
-    incoming = row_sums[:-1]
-    outgoing = [d * (m.T @ r) for m, r, d in zip(mats[1:], rows[1:], down)]
-    objective = float(sum(s.sum() for s in row_sums))
-    return incoming, outgoing, objective
+def _terms(params: Mapping[str, Tensor], actions: Sequence[Action], dim: int, p: float) -> tuple[list[_Term], float]:
+    terms, constant = [], 0.0
+    for a in actions:
+        if a.role != "weight":
+            continue
+        w = params[a.name].detach().to(torch.float64)
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"{a.name} has non-finite entries; the minimum-norm gauge needs finite weights")
+        plus = a.plus if a.plus is not None else torch.full((1,) * w.dim(), dim)
+        minus = a.minus if a.minus is not None else torch.full((1,) * w.dim(), dim)
+        joint = torch.broadcast_shapes(plus.shape, minus.shape)
+        summed = tuple(i for i, size in enumerate(joint) if size == 1 and w.shape[i] != 1)
+        magnitude = w.abs().pow(p)
+        magnitude = magnitude.sum(dim=summed, keepdim=True) if summed else magnitude
+        plus, minus = plus.expand(joint).to(w.device), minus.expand(joint).to(w.device)
+        moving = plus != minus  # an entry whose two ends share a scale never changes
+        constant += float(magnitude[~moving].sum())
+        terms.append(_Term(magnitude[moving], plus[moving], minus[moving]))
+    return terms, constant
 
 
-def _imbalance(incoming: Sequence[Tensor], outgoing: Sequence[Tensor]) -> float:
-    return max(float(((i - o).abs() / (i + o)).max()) for i, o in zip(incoming, outgoing))
+def _in_out(terms: Sequence[_Term], constant: float, s: Tensor, p: float) -> tuple[Tensor, Tensor, float]:
+    """In- and out-sums of ``|w|^p`` per free scale under log-scales ``s`` (with the trailing 0), and the objective."""
+    incoming, outgoing = torch.zeros_like(s), torch.zeros_like(s)
+    total = constant
+    for t in terms:
+        value = t.magnitude * torch.exp(p * (s[t.plus] - s[t.minus]))
+        incoming.index_add_(0, t.plus, value)
+        outgoing.index_add_(0, t.minus, value)
+        total += float(value.sum())
+    return incoming[:-1], outgoing[:-1], total
 
 
-def _check_units(structure: NetworkStructure, incoming: Sequence[Tensor], outgoing: Sequence[Tensor]) -> None:
-    """A unit with no incoming or no outgoing weight has no minimum-norm gauge (its factor runs off to 0 or inf)."""
-    for layer, norms_in, norms_out in zip(structure.layers[:-1], incoming, outgoing):
-        for norms, side in ((norms_in, "incoming"), (norms_out, "outgoing")):
-            dead = torch.nonzero(norms == 0).flatten()
-            if dead.numel():
-                raise ValueError(
-                    f"hidden unit {int(dead[0])} of layer '{layer.name}' ({layer.module_type}) has all "
-                    f"{side} weights zero ({dead.numel()} such unit(s) in that layer), so no rescaling "
-                    "minimizes the weight norm (its factor would run off to 0 or infinity); prune the unit "
-                    "(it does not depend on the input or does not reach the output) before gauge fixing"
-                )
+def _imbalance(incoming: Tensor, outgoing: Tensor) -> float:
+    if not incoming.numel():
+        return 0.0
+    return float(((incoming - outgoing).abs() / (incoming + outgoing)).max())
+
+
+def _check_scales(group: RescalingGroup, incoming: Tensor, outgoing: Tensor) -> None:
+    """A scale with no incoming or no outgoing weight has no minimum-norm gauge (it runs off to 0 or inf)."""
+    for norms, side in ((incoming, "incoming"), (outgoing, "outgoing")):
+        dead = torch.nonzero(norms == 0).flatten()
+        if dead.numel():
+            members = group.classes[int(dead[0])]
+            raise ValueError(
+                f"the channel(s) {', '.join(members[:3])}{' ...' if len(members) > 3 else ''} have all {side} "
+                f"weights zero ({dead.numel()} such scale(s)), so no rescaling minimizes the weight norm (the "
+                "scale would run off to 0 or infinity); prune the unit (it does not depend on the input or does "
+                "not reach the output) before gauge fixing"
+            )
 
 
 def _solve(
     params: Mapping[str, Tensor], structure: NetworkStructure, p: float, tol: float, max_iter: int
 ) -> GaugeHistory:
-    structure.require_rescalable("the minimum-norm gauge")
+    group = structure.require_group("the minimum-norm gauge")
     if not p > 0:
         raise ValueError(f"the norm exponent p must be positive, got {p}")
     if not tol > 0:
@@ -116,25 +132,28 @@ def _solve(
     if max_iter < 0:
         raise ValueError(f"max_iter must be non-negative, got {max_iter}")
     p = float(p)
-    mats = _unit_norms(params, structure, p)
-    log_c = [torch.zeros(h, dtype=torch.float64, device=mats[0].device) for h in structure.hidden_units]
-    incoming, outgoing, objective = _in_out(mats, log_c, p)
-    if not log_c:  # a single layer has no hidden unit and nothing to balance
-        return GaugeHistory(p, [objective], [0.0], 0.0, 0, True, ())
-    _check_units(structure, incoming, outgoing)
+    missing = [a.name for a in group.parameter_actions if a.name not in params]
+    if missing:
+        raise KeyError(f"params lack {', '.join(missing)}, which the rescaling group acts on")
+    terms, constant = _terms(params, group.parameter_actions, group.dim, p)
+    device = terms[0].magnitude.device if terms else torch.device("cpu")
+    s = torch.zeros(group.dim + 1, dtype=torch.float64, device=device)
+    incoming, outgoing, objective = _in_out(terms, constant, s, p)
+    if not group.dim:  # nothing to balance
+        return GaugeHistory(p, [objective], [0.0], 0.0, 0, True, s[:-1].cpu())
+    _check_scales(group, incoming, outgoing)
     objectives, imbalances = [objective], [_imbalance(incoming, outgoing)]
     converged, iterations = False, 0
     while iterations < max_iter and not converged:
-        # log a_i = (log out_i - log in_i) / (4p), all units from the same iterate (Jacobi).
-        steps = [(torch.log(o) - torch.log(i)) / (4 * p) for i, o in zip(incoming, outgoing)]
-        log_c = [lc + s for lc, s in zip(log_c, steps)]
-        incoming, outgoing, objective = _in_out(mats, log_c, p)
+        # log a_k = (log out_k - log in_k) / (4p), every scale from the same iterate (Jacobi).
+        step = (torch.log(outgoing) - torch.log(incoming)) / (4 * p)
+        s[:-1] += step
+        incoming, outgoing, objective = _in_out(terms, constant, s, p)
         objectives.append(objective)
         imbalances.append(_imbalance(incoming, outgoing))
         iterations += 1
-        converged = max(float(torch.expm1(s).abs().max()) for s in steps) < tol
-    factors = tuple(torch.exp(lc) for lc in log_c)
-    return GaugeHistory(p, objectives, imbalances, imbalances[-1], iterations, converged, factors)
+        converged = float(torch.expm1(step).abs().max()) < tol
+    return GaugeHistory(p, objectives, imbalances, imbalances[-1], iterations, converged, s[:-1].cpu())
 
 
 def min_norm_gauge_parameters(
@@ -151,7 +170,7 @@ def min_norm_gauge_parameters(
 
     Args:
         params: ``{name: tensor}`` containing at least every layer's weight and bias; not modified.
-        structure: from :func:`analyze`; must be rescalable.
+        structure: from :func:`analyze` (its ``group`` is used).
         p: exponent of the entry-wise norm ``sum |W_ij|^p``, any ``p > 0``.
         tol: stop once an update has ``max_i |a_i - 1| < tol``. The distance to the exact gauge is
             about ``tol / (1 - rate)`` for the linear convergence rate of the updates, so ask for a
@@ -163,14 +182,12 @@ def min_norm_gauge_parameters(
         by ``history.factors``, everything else passed through), and the :class:`GaugeHistory`.
 
     Raises:
-        UnsupportedModelError: positive rescaling is not a symmetry of the structure.
+        UnsupportedModelError: the structure has no rescaling group (fx could not trace the model).
         ValueError: bad ``p``, ``tol`` or ``max_iter``, non-finite weights, or a hidden unit whose
             incoming or outgoing weights are all zero (named in the message).
     """
     history = _solve(params, structure, p, tol, max_iter)
-    if not history.factors:
-        return dict(params), history
-    return rescale_parameters(params, structure, history.factors), history
+    return structure.group.act(params, history.log_scales), history
 
 
 def min_norm_gauge(
@@ -189,7 +206,7 @@ def min_norm_gauge(
     any rescaling of ``model`` gauges to the same weights.
 
     Args:
-        model: a chain of Linear/Conv2d layers with positively homogeneous operations between them.
+        model: any network fx can trace (its group comes from :func:`analyze`).
         p: exponent of the entry-wise norm, any ``p > 0``.
         tol: stop once an update has ``max_i |a_i - 1| < tol`` (see :func:`min_norm_gauge_parameters`).
         max_iter: most updates.
@@ -199,7 +216,7 @@ def min_norm_gauge(
         ``(gauged_model, history)``, see :class:`GaugeHistory`.
 
     Raises:
-        UnsupportedModelError: positive rescaling is not a symmetry of ``model`` (e.g. GELU, BatchNorm).
+        UnsupportedModelError: fx cannot trace ``model``, so its rescaling group is unknown.
         ValueError: as for :func:`min_norm_gauge_parameters`.
 
     Example:
@@ -209,7 +226,5 @@ def min_norm_gauge(
         True
     """
     structure = analyze(model, example_input)
-    history = _solve(dict(model.named_parameters()), structure, p, tol, max_iter)
-    if not history.factors:
-        return copy.deepcopy(model), history
-    return _rescaled_copy(model, structure, history.factors), history
+    history = _solve(dict(model.named_parameters(remove_duplicate=False)), structure, p, tol, max_iter)
+    return _acted_copy(model, structure.group, history.log_scales), history

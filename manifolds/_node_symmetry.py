@@ -1,106 +1,89 @@
-"""Linear algebra of the node-wise rescaling symmetry in log coordinates ``u = log|w|``.
+"""Linear algebra of a rescaling group in log coordinates ``u = log|w|``.
 
-Rescaling hidden unit ``a`` by ``exp(t c_a)`` adds ``t c_a`` to ``u`` on its incoming weights and bias and
-subtracts it on its outgoing weights, so the orbit through any point is an affine subspace
-``u + range(J)`` with a constant ``(n, H)`` matrix ``J`` of entries ``+1, -1, 0``. :class:`NodeSymmetry`
-applies ``J``, its transpose, its Gram matrix and the projection onto ``range(J)^perp`` without forming
-``J``: every weight block is viewed as ``(out_units, prev_units, rest)`` and handled by broadcasting.
+The group element ``exp(t c)`` adds ``t (c[plus] - c[minus])`` to ``u`` entry-wise (see
+:class:`manifolds.RescalingGroup`), so the orbit through any point is an affine subspace ``u + range(J)``
+with a constant ``(n, dim)`` matrix ``J`` whose rows hold at most one ``+1`` and one ``-1``.
+:class:`NodeSymmetry` applies ``J``, its transpose, its Gram matrix and the projection onto
+``range(J)^perp`` without forming ``J``: each tensor's class indices broadcast against it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from manifolds._group import RescalingGroup
 from manifolds._layout import ParamLayout
-from manifolds._structure import NetworkStructure
+
+# Above this many classes the Gram matrix is factored as a sparse matrix on the CPU.
+_DENSE_LIMIT = 4096
 
 
 @dataclass(frozen=True)
 class _Block:
-    weight: slice  # position of the weight in the flat vector
-    bias: slice | None
-    out_units: int
-    prev_units: int  # units of the previous layer (1 for the first layer: no column factor)
-    rest: int  # weight entries per (output unit, previous unit) pair: in_group * kernel size
-    row: int | None  # offset of this layer's units among the H hidden units (None for the last layer)
-    col: int | None  # offset of the previous layer's units (None for the first layer)
+    where: slice  # position of the tensor in the flat vector
+    shape: tuple[int, ...]
+    plus: Tensor | None  # class indices broadcastable to shape; dim = "no term"
+    minus: Tensor | None
+
+
+def _reduce_to(x: Tensor, index: Tensor, batch: int) -> Tensor:
+    """Sum ``x`` ``(k, *shape)`` over the axes along which ``index`` broadcasts: ``(k, index.numel())``."""
+    dims = tuple(batch + i for i, size in enumerate(index.shape) if size == 1 and x.shape[batch + i] != 1)
+    if dims:
+        x = x.sum(dim=dims, keepdim=True)
+    return x.reshape(x.shape[0], index.numel())
 
 
 class NodeSymmetry:
-    """The infinitesimal node-wise rescaling ``J`` (``(n, H)``) of a rescalable network in log coordinates.
+    """The infinitesimal action ``J`` (``(n, dim)``) of a rescaling group in log coordinates.
 
     Args:
-        structure: from :func:`manifolds.analyze`; must be rescalable.
-        layout: flat layout of the parameters; must contain every layer's weight and bias. Parameters
-            outside the layers get zero rows of ``J``.
+        group: the group (:attr:`manifolds.NetworkStructure.group` or ``.layer_group``).
+        layout: flat layout of the parameters; must contain every tensor the group acts on. Parameters it
+            does not act on get zero rows of ``J``.
 
     Attributes:
-        dim: ``H``, the number of hidden units (columns of ``J``).
-        size: ``n``, the length of the flat parameter vector (rows of ``J``).
+        dim: number of columns of ``J`` (the group's dimension).
+        size: ``n``, the length of the flat parameter vector.
     """
 
-    def __init__(self, structure: NetworkStructure, layout: ParamLayout):
-        structure.require_rescalable("the node-wise rescaling symmetry")
-        missing = [
-            name
-            for layer in structure.layers
-            for name in (layer.weight, layer.bias)
-            if name is not None and name not in layout.names
-        ]
+    def __init__(self, group: RescalingGroup, layout: ParamLayout):
+        actions = group.parameter_actions
+        missing = [a.name for a in actions if a.name not in layout.names]
         if missing:
-            raise ValueError(f"the parameter layout lacks {', '.join(missing)}; include every layer's parameters")
-        self.dim = structure.n_hidden
-        self.size = layout.size
-        offsets = [0]
-        for h in structure.hidden_units:
-            offsets.append(offsets[-1] + h)
-        n_layers = len(structure.layers)
-        blocks = []
-        for i, layer in enumerate(structure.layers):
-            numel = layout.shapes[layout.names.index(layer.weight)].numel()
-            prev = structure.hidden_units[i - 1] if i > 0 else 1
-            blocks.append(
-                _Block(
-                    weight=layout.slice(layer.weight),
-                    bias=layout.slice(layer.bias) if layer.bias is not None else None,
-                    out_units=layer.out_units,
-                    prev_units=prev,
-                    rest=numel // (layer.out_units * prev),
-                    row=offsets[i] if i < n_layers - 1 else None,
-                    col=offsets[i - 1] if i > 0 else None,
-                )
+            raise ValueError(
+                f"the parameter layout lacks {', '.join(missing)}; include every parameter the group acts on"
             )
-        self._blocks = tuple(blocks)
-        self._cholesky: dict[torch.device, Tensor] = {}
+        self.dim = group.dim
+        self.size = layout.size
+        self._blocks = tuple(_Block(layout.slice(a.name), a.shape, a.plus, a.minus) for a in actions)
+        self._factor: dict[torch.device, object] = {}
 
     def apply(self, c: Tensor) -> Tensor:
-        """``J c``: the derivative of ``log|w|`` along the rescaling by ``exp(t c)`` at ``t = 0``.
+        """``J c``: the derivative of ``log|w|`` along the rescaling ``exp(t c)`` at ``t = 0``.
 
         Args:
-            c: ``(H,)`` or ``(k, H)``.
+            c: ``(dim,)`` or ``(k, dim)``.
 
         Returns:
-            ``(n,)`` or ``(k, n)``: ``+c[a]`` on the incoming weights and bias of unit ``a``, ``-c[a]`` on
-            its outgoing weights, 0 on parameters outside the layers.
+            ``(n,)`` or ``(k, n)``.
         """
         if c.shape[-1] != self.dim:
             raise ValueError(f"expected a last dimension of {self.dim}, got shape {tuple(c.shape)}")
         batch = c.shape[:-1]
+        ext = torch.cat([c, c.new_zeros(*batch, 1)], dim=-1)
         out = c.new_zeros(*batch, self.size)
         for b in self._blocks:
-            value = c.new_zeros(())
-            if b.row is not None:
-                rows = c[..., b.row : b.row + b.out_units]
-                value = value + rows[..., :, None, None]
-                if b.bias is not None:
-                    out[..., b.bias] = rows
-            if b.col is not None:
-                value = value - c[..., None, b.col : b.col + b.prev_units, None]
-            shape = (*batch, b.out_units, b.prev_units, b.rest)
-            out[..., b.weight] = value.expand(shape).reshape(*batch, -1)
+            value = ext.new_zeros(*batch, *[1] * len(b.shape))
+            if b.plus is not None:
+                value = value + ext[..., b.plus.to(c.device)]
+            if b.minus is not None:
+                value = value - ext[..., b.minus.to(c.device)]
+            out[..., b.where] = value.expand(*batch, *b.shape).reshape(*batch, b.where.stop - b.where.start)
         return out
 
     def apply_transpose(self, v: Tensor) -> Tensor:
@@ -110,40 +93,72 @@ class NodeSymmetry:
             v: ``(n,)`` or ``(k, n)``.
 
         Returns:
-            ``(H,)`` or ``(k, H)``.
+            ``(dim,)`` or ``(k, dim)``.
         """
         if v.shape[-1] != self.size:
             raise ValueError(f"expected a last dimension of {self.size}, got shape {tuple(v.shape)}")
         batch = v.shape[:-1]
-        out = v.new_zeros(*batch, self.dim)
+        flat = v.reshape(-1, self.size)
+        out = flat.new_zeros(flat.shape[0], self.dim + 1)
         for b in self._blocks:
-            block = v[..., b.weight].reshape(*batch, b.out_units, b.prev_units, b.rest)
-            if b.row is not None:
-                rows = block.sum(dim=(-2, -1))
-                if b.bias is not None:
-                    rows = rows + v[..., b.bias]
-                out[..., b.row : b.row + b.out_units] += rows
-            if b.col is not None:
-                out[..., b.col : b.col + b.prev_units] -= block.sum(dim=(-3, -1))
-        return out
+            block = flat[:, b.where].reshape(flat.shape[0], *b.shape)
+            for index, sign in ((b.plus, 1.0), (b.minus, -1.0)):
+                if index is not None:
+                    idx = index.to(v.device).expand(*index.shape)
+                    reduced = _reduce_to(block, idx, 1)
+                    out.index_add_(1, idx.reshape(-1), reduced if sign > 0 else -reduced)
+        return out[:, : self.dim].reshape(*batch, self.dim)
+
+    def _counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pairs ``(plus, minus)`` of class indices over all entries, with multiplicities."""
+        keys, weights = [], []
+        none = self.dim
+        for b in self._blocks:
+            plus = b.plus if b.plus is not None else torch.full((1,) * len(b.shape), none)
+            minus = b.minus if b.minus is not None else torch.full((1,) * len(b.shape), none)
+            joint = torch.broadcast_shapes(plus.shape, minus.shape)
+            multiplicity = int(np.prod(b.shape)) // int(np.prod(joint))
+            pair = plus.expand(joint).reshape(-1) * (none + 1) + minus.expand(joint).reshape(-1)
+            unique, count = torch.unique(pair, return_counts=True)
+            keys.append(unique)
+            weights.append(count * multiplicity)
+        if not keys:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, np.zeros(0)
+        key, weight = torch.cat(keys), torch.cat(weights).to(torch.float64)
+        return (key // (none + 1)).numpy(), (key % (none + 1)).numpy(), weight.numpy()
 
     def gram(self) -> Tensor:
-        """``J^T J``, ``(H, H)`` float64: block tridiagonal over layers.
+        """``J^T J``, ``(dim, dim)`` float64 (dense).
 
-        A unit's diagonal entry counts its incoming weights, bias and outgoing weights; units of
-        adjacent layers share ``rest`` weights, each contributing ``(+1)(-1)``; all else is 0.
+        Row ``e_p - e_m`` of an entry contributes ``+1`` to both diagonals and ``-1`` off the diagonal.
         """
-        gram = torch.zeros(self.dim, self.dim, dtype=torch.float64)
-        diagonal = torch.zeros(self.dim, dtype=torch.float64)
-        for b in self._blocks:
-            if b.row is not None:
-                diagonal[b.row : b.row + b.out_units] += b.prev_units * b.rest + (b.bias is not None)
-            if b.col is not None:
-                diagonal[b.col : b.col + b.prev_units] += b.out_units * b.rest
-            if b.row is not None and b.col is not None:
-                gram[b.row : b.row + b.out_units, b.col : b.col + b.prev_units] = -b.rest
-                gram[b.col : b.col + b.prev_units, b.row : b.row + b.out_units] = -b.rest
-        return gram + torch.diag(diagonal)
+        return torch.from_numpy(self._sparse_gram().toarray())
+
+    def _sparse_gram(self):
+        from scipy import sparse
+
+        p, m, w = self._counts()
+        n = self.dim + 1
+        counts = sparse.coo_matrix((w, (p, m)), shape=(n, n)).tocsr()
+        gram = sparse.diags(np.asarray(counts.sum(axis=1)).ravel() + np.asarray(counts.sum(axis=0)).ravel())
+        gram = (gram - counts - counts.T).tocsc()
+        return gram[: self.dim, : self.dim]
+
+    def _solve(self, rhs: Tensor) -> Tensor:
+        """``(J^T J)^{-1} rhs`` for ``rhs`` ``(k, dim)`` float64, factored once per device."""
+        factor = self._factor.get(rhs.device)
+        if factor is None:
+            if self.dim <= _DENSE_LIMIT:
+                factor = torch.linalg.cholesky(torch.from_numpy(self._sparse_gram().toarray())).to(rhs.device)
+            else:
+                from scipy.sparse.linalg import splu
+
+                factor = splu(self._sparse_gram().tocsc())
+            self._factor[rhs.device] = factor
+        if isinstance(factor, Tensor):
+            return torch.cholesky_solve(rhs.T, factor).T
+        return torch.from_numpy(factor.solve(rhs.T.cpu().numpy())).T.to(rhs.device)
 
     def project_out(self, v: Tensor) -> Tensor:
         """``v - J (J^T J)^{-1} J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)``.
@@ -152,14 +167,10 @@ class NodeSymmetry:
             v: ``(n,)`` or ``(k, n)``.
 
         Returns:
-            Same shape and dtype as ``v``; solved in float64 with a Cholesky factor computed once.
+            Same shape and dtype as ``v``; solved in float64 with a factor computed once.
         """
         if self.dim == 0:
             return v.clone()
-        chol = self._cholesky.get(v.device)
-        if chol is None:
-            chol = torch.linalg.cholesky(self.gram()).to(v.device)
-            self._cholesky[v.device] = chol
         rhs = self.apply_transpose(v).to(torch.float64)
-        coef = torch.cholesky_solve(rhs.reshape(-1, self.dim).T, chol).T.reshape(rhs.shape)
+        coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape)
         return v - self.apply(coef.to(v.dtype))

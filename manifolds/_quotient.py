@@ -45,14 +45,14 @@ def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None
     return layout.flatten({k: v.detach() for k, v in point.items()}), layout
 
 
-def _check_covered(structure: NetworkStructure, layout: ParamLayout) -> None:
-    covered = {n for layer in structure.layers for n in (layer.weight, layer.bias) if n is not None}
-    outside = [n for n in layout.names if n not in covered]
-    if outside:
-        raise ValueError(
-            f"parameters {', '.join(outside)} are not weights or biases of the network's Linear/Conv2d "
-            "layers, so the rescaling symmetry does not act on them; remove them from the point"
-        )
+def _orthonormal_rows(basis: Tensor) -> Tensor:
+    """An orthonormal basis (rows) of the span of ``basis`` rows; directions of zero length are dropped
+    (a class acting only on excluded tensors), so they never project out an arbitrary direction."""
+    if not basis.shape[0]:
+        return basis
+    u, sigma, _ = torch.linalg.svd(basis.T, full_matrices=False)
+    keep = sigma > sigma.max() * basis.shape[1] * torch.finfo(basis.dtype).eps
+    return u[:, keep].T
 
 
 class _Quotient(ABC):
@@ -168,7 +168,8 @@ class LayerScaleQuotient(_Quotient):
 
     Args:
         point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
-        structure: :func:`manifolds.analyze` of the network (must be rescalable).
+        structure: :func:`manifolds.analyze` of the network; its ``layer_group`` (one scale per module output,
+            residual connections and BatchNorm included) gives the vertical space.
         layout: flat layout (default: from ``point``).
         zero_blocks: ``"error"`` (default) refuses a block of zero norm, naming it (e.g. zero-initialised
             biases), with :class:`UnsupportedModelError` (the metric does not exist there); ``"exclude"``
@@ -196,12 +197,16 @@ class LayerScaleQuotient(_Quotient):
         layout: ParamLayout | None = None,
         zero_blocks: str = "error",
     ):
-        structure.require_rescalable("the layer-wise quotient metric")
+        if structure.layer_group is None:
+            raise UnsupportedModelError(
+                f"Cannot build the layer-wise quotient metric: the rescaling group is unknown, because "
+                f"{structure.group_failure}."
+            )
         if zero_blocks not in ("error", "exclude"):
             raise ValueError(f"zero_blocks must be 'error' or 'exclude', got {zero_blocks!r}")
         self.point, self.layout = _flat_point(point, layout)
-        _check_covered(structure, self.layout)
         self.structure = structure
+        self.symmetry = NodeSymmetry(structure.layer_group, self.layout)
         n_blocks = len(self.layout.names)
         sizes = torch.tensor([s.numel() for s in self.layout.shapes], device=self.point.device)
         self._block_id = torch.repeat_interleave(torch.arange(n_blocks, device=self.point.device), sizes)
@@ -217,23 +222,15 @@ class LayerScaleQuotient(_Quotient):
         inv = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
         self.sqrt_metric = inv[self._block_id]
         basis = self.whitened_vertical_basis()
-        self._q = torch.linalg.qr(basis.T).Q.T if basis.shape[0] else basis  # orthonormal rows
+        self._q = _orthonormal_rows(basis)
 
     def _block_sum(self, x: Tensor) -> Tensor:
         return torch.zeros(len(self.layout.names), dtype=x.dtype, device=x.device).index_add_(0, self._block_id, x)
 
     def whitened_vertical_basis(self) -> Tensor:
-        layers = self.structure.layers
-        rows = []
-        unit = self.whiten(self.point)  # every kept block has unit norm here
-        for j in range(len(layers) - 1):  # gamma = e_j: beta_j = +1, beta_{j+1} = -1, gamma_j = +1
-            v = torch.zeros_like(self.point)
-            for name, sign in ((layers[j].weight, 1.0), (layers[j + 1].weight, -1.0), (layers[j].bias, 1.0)):
-                if name is not None:
-                    sl = self.layout.slice(name)
-                    v[sl] += sign * unit[sl]
-            rows.append(v)
-        return torch.stack(rows) if rows else self.point.new_zeros(0, self.layout.size)
+        # The orbit's tangent along log-scales c is w * (J c); every block is scaled by one factor per class.
+        eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
+        return self.whiten(self.point * self.symmetry.apply(eye))
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
         return zeta - (zeta @ self._q.T) @ self._q
@@ -275,7 +272,10 @@ class NodeScaleQuotient(_Quotient):
 
     Args:
         point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
-        structure: :func:`manifolds.analyze` of the network (must be rescalable).
+        structure: :func:`manifolds.analyze` of the network; its ``group`` gives the horizontal projection.
+            Without a group (fx cannot trace the model) nothing is projected: the Hessian is still invariant,
+            and the rescaling directions lie in its kernel, so only zero eigenvalues are affected
+            (``projected`` is ``False``).
         layout: flat layout (default: from ``point``).
     """
 
@@ -298,20 +298,30 @@ class NodeScaleQuotient(_Quotient):
         structure: NetworkStructure,
         layout: ParamLayout | None = None,
     ):
-        structure.require_rescalable("the node-wise quotient metric")
         self.point, self.layout = _flat_point(point, layout)
-        _check_covered(structure, self.layout)
         self.structure = structure
-        self.symmetry = NodeSymmetry(structure, self.layout)
+        self.symmetry = NodeSymmetry(structure.group, self.layout) if structure.group is not None else None
+        self.projected = self.symmetry is not None
+        self.projection_note = (
+            None
+            if self.projected
+            else "not projected onto the horizontal space: the rescaling group is unknown "
+            f"({structure.group_failure}); the rescaling directions lie in the Hessian's kernel, so only zero "
+            "eigenvalues can differ"
+        )
         absw = self.point.abs()
         self.sqrt_metric = torch.where(absw > 0, 1.0 / torch.where(absw > 0, absw, 1.0), 0.0)
         self._sign = torch.sign(self.point)
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
         # whitened = sign(w) * (log coordinates), where the projection is Euclidean onto range(J)^perp
+        if self.symmetry is None:
+            return zeta
         return self._sign * self.symmetry.project_out(self._sign * zeta)
 
     def whitened_vertical_basis(self) -> Tensor:
+        if self.symmetry is None:
+            return self.point.new_zeros(0, self.layout.size)
         eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
         return self._sign * self.symmetry.apply(eye)
 

@@ -22,12 +22,17 @@ loss), is unchanged, and the input to the first layer is untouched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, fx, nn
+
+from manifolds._graph import TracedNetwork, trace_network
+from manifolds._group import RescalingGroup
+from manifolds._group_discovery import discover
 
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
 
@@ -113,24 +118,45 @@ class Layer:
 
 @dataclass(frozen=True)
 class NetworkStructure:
-    """The layers of a network in forward order, what lies between them, and what breaks rescaling.
+    """What :func:`analyze` finds: the network's exact rescaling group, and its chain of layers if it is one.
 
     Attributes:
         layers: Linear/Conv2d layers in forward order.
         operations: ``len(layers) - 1`` entries; entry ``i`` names the operations between layer ``i``
             and ``i + 1`` in order, e.g. ``("ReLU", "MaxPool2d")``.
-        problems: one sentence per reason the rescaling symmetry fails, naming the offending module
-            (or function).
+        problems: one sentence per reason the network is not a plain chain of Linear/Conv2d layers with
+            positively homogeneous operations between them (what G-space and fixed weights need), naming
+            the offending module (or function). Empty for a chain.
+        group: the exact diagonal rescaling group (one scale per class of channels), or ``None`` when the
+            graph could not be read (see ``group_failure``).
+        layer_group: its subgroup with one scale per module output (what the layer-wise metric needs).
+        group_failure: why ``group`` is ``None``.
     """
 
     layers: tuple[Layer, ...]
     operations: tuple[tuple[str, ...], ...]
     problems: tuple[str, ...]
+    group: RescalingGroup | None = field(default=None, compare=False)
+    layer_group: RescalingGroup | None = field(default=None, compare=False)
+    group_failure: str | None = None
+    traced: TracedNetwork | None = field(default=None, compare=False, repr=False)
 
     @property
     def rescalable(self) -> bool:
-        """Whether every node-wise (hence every layer-wise) positive rescaling preserves the function."""
+        """Whether the network is a plain chain on which every node-wise rescaling preserves the function."""
         return not self.problems
+
+    def require_group(self, what: str) -> RescalingGroup:
+        """The node-wise group, or :class:`UnsupportedModelError` saying why it is unknown.
+
+        Args:
+            what: the computation that needs it, e.g. ``"a function-preserving rescaling"``.
+        """
+        if self.group is None:
+            raise UnsupportedModelError(
+                f"Cannot compute {what}: the rescaling group is unknown, because {self.group_failure}."
+            )
+        return self.group
 
     @property
     def hidden_units(self) -> tuple[int, ...]:
@@ -143,16 +169,18 @@ class NetworkStructure:
         return sum(self.hidden_units)
 
     def require_rescalable(self, what: str) -> None:
-        """Raise :class:`UnsupportedModelError` if the structure has problems.
+        """Raise :class:`UnsupportedModelError` unless the network is a plain chain (see ``problems``).
 
         Args:
-            what: the computation that needs the symmetry, e.g. ``"the node-wise invariant sharpness"``.
+            what: the computation that is defined for chains only, e.g. ``"the G-space parametrization"``.
         """
         if self.problems:
+            shown = "; ".join(self.problems[:2])
+            more = f" (and {len(self.problems) - 2} more reason(s))" if len(self.problems) > 2 else ""
             raise UnsupportedModelError(
-                f"Cannot compute {what}, because positive rescaling is not a symmetry of this model: "
-                f"{'; '.join(self.problems)}; the Euclidean measure remains meaningful for it but is not "
-                "rescaling-invariant."
+                f"Cannot build {what}, which is defined for chains of Linear/Conv2d layers with positively "
+                f"homogeneous operations between them: {shown}{more}. The node, layer, minnorm and euclidean "
+                "measures remain available for this model."
             )
 
 
@@ -483,42 +511,58 @@ def _assemble(model: nn.Module, trace: _Trace) -> NetworkStructure:
 
 
 def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStructure:
-    """Find the layers of ``model`` in forward order and everything that breaks rescaling symmetry.
+    """Read ``model`` once: its exact rescaling group, and its chain of layers when it is one.
 
-    Accepted between layers: ReLU, LeakyReLU, Identity, max/average (adaptive) 2-D pooling, Flatten
-    (module, ``torch.flatten``, ``.view``, ``.reshape``, ``.flatten``), Dropout, multiplication by a
-    constant number, and their functional forms. Anything else between layers, a residual addition or
-    concatenation, a layer called twice, a graph that is not a single chain, or a parameterized module
-    other than Linear/Conv2d (anywhere) is recorded in ``problems``. The model is not modified.
+    The group (``structure.group``, with ``structure.layer_group`` its one-scale-per-module subgroup) is
+    found on the :mod:`torch.fx` graph with the rules of :mod:`manifolds._group_discovery`: residual
+    additions tie scales, BatchNorm and non-homogeneous activations pin them, unknown operations pin their
+    inputs and outputs. ``print(structure.group.describe())`` shows its dimension and every pinned channel
+    with its reason.
+
+    The chain view (``layers``, ``operations``, ``problems``) is what G-space and fixed weights need:
+    Linear/Conv2d layers in forward order with only ReLU, LeakyReLU, Identity, max/average (adaptive)
+    pooling, Flatten, Dropout or a constant factor between them. A residual connection, a normalization,
+    a non-homogeneous activation between layers, a layer called twice or a parameterized module other than
+    Linear/Conv2d is recorded in ``problems``. The model is not modified.
 
     Args:
         model: the network.
-        example_input: one input batch; used only if fx tracing fails and ``model`` is not an
-            ``nn.Sequential``, to record the call order of leaf modules with hooks (this sees no
-            functional operations or additions, see the module docstring).
+        example_input: one input batch, for the tensor shapes (without it the input shape is guessed from
+            the first Linear or convolution); if fx cannot trace the model and it is not an
+            ``nn.Sequential``, the chain is read from the call order of leaf modules recorded with hooks
+            (which sees no functional operations; there is no group then).
 
     Returns:
-        The structure; check ``.rescalable`` or call ``.require_rescalable(...)``.
+        The structure.
 
     Raises:
         UnsupportedModelError: fx tracing fails, the model is no ``nn.Sequential`` and no
             ``example_input`` is given.
     """
+    traced = trace_network(model, example_input)
     if isinstance(model, _LAYER_TYPES):
-        return _assemble(model, _trace_modules(model, [("", model)]))
-    try:
-        graph = _Tracer().trace(model)
-    except Exception as err:  # tracing runs arbitrary user code; any failure means "use a fallback"
-        if isinstance(model, nn.Sequential):
-            return _assemble(model, _trace_modules(model, _sequential_calls(model)))
-        if example_input is None:
-            raise UnsupportedModelError(
-                f"Cannot find the layers of {type(model).__name__} because torch.fx cannot trace its "
-                f"forward ({type(err).__name__}: {err}); pass example_input=<one input batch> or build "
-                "the model as an nn.Sequential."
-            ) from err
-        return _assemble(model, _trace_modules(model, _hook_calls(model, example_input)))
-    return _assemble(model, _trace_fx(model, graph))
+        chain = _trace_modules(model, [("", model)])
+    elif traced.sequential:
+        chain = _trace_modules(model, _sequential_calls(model))
+    elif traced.graph is not None:
+        chain = _trace_fx(model, traced.graph)
+    elif example_input is None:
+        raise UnsupportedModelError(
+            f"Cannot find the layers of {type(model).__name__} because {traced.failure}; pass "
+            "example_input=<one input batch> or build the model as an nn.Sequential."
+        )
+    else:
+        chain = _trace_modules(model, _hook_calls(model, example_input))
+    structure = _assemble(model, chain)
+    if not traced.has_shapes:
+        return dataclasses.replace(structure, group_failure=traced.failure, traced=traced)
+    discovery = discover(model, traced.graph)
+    return dataclasses.replace(
+        structure,
+        group=RescalingGroup(discovery, "node"),
+        layer_group=RescalingGroup(discovery, "layer"),
+        traced=traced,
+    )
 
 
 def _check_factors(structure: NetworkStructure, factors: Sequence[Tensor]) -> None:
@@ -642,19 +686,49 @@ def _rescaled_copy(model: nn.Module, structure: NetworkStructure, factors: Seque
 
 
 def rescale_model(model: nn.Module, factors: Sequence[Tensor], *, example_input: Tensor | None = None) -> nn.Module:
-    """A rescaled deep copy of ``model`` that computes the same function (``model`` is untouched).
+    """A deep copy of a chain network rescaled by node factors, computing the same function.
+
+    For any traceable model use :func:`random_rescale` or ``RescalingGroup.act``; this takes the factors
+    of :func:`layer_factors` / :func:`random_factors` (one tensor per hidden layer of a chain).
 
     Args:
-        model: the network; must be rescalable.
+        model: a chain network (``analyze(model).rescalable``); ``model`` is untouched.
         factors: as for :func:`rescale_parameters`.
         example_input: passed to :func:`analyze` (needed only when fx cannot trace the model).
 
     Raises:
-        UnsupportedModelError: positive rescaling is not a symmetry of ``model``.
+        UnsupportedModelError: ``model`` is not a chain.
     """
     structure = analyze(model, example_input)
-    structure.require_rescalable("a function-preserving rescaling")
+    structure.require_rescalable("a rescaling by per-layer node factors")
     return _rescaled_copy(model, structure, factors)
+
+
+def buffer_group(model: nn.Module, example_input: Tensor | None = None) -> RescalingGroup:
+    """The node-wise group when BatchNorm running statistics may scale too.
+
+    The channels feeding an eval-mode BatchNorm are free then: scaling them by ``c`` with the running mean
+    by ``c`` and the running variance by ``c^2`` leaves the output unchanged up to the layer's ``eps``.
+    The sharpness measures keep buffers fixed, so their group is ``analyze(model).group``; this one is for
+    random rescalings that also change what the Euclidean measure sees.
+
+    Raises:
+        UnsupportedModelError: fx cannot trace ``model`` or its shapes are unknown.
+    """
+    traced = trace_network(model, example_input)
+    if not traced.has_shapes:
+        raise UnsupportedModelError(f"Cannot find the rescaling group: {traced.failure}.")
+    return RescalingGroup(discover(model, traced.graph, buffers=True), "node")
+
+
+def _acted_copy(model: nn.Module, group: RescalingGroup, log_scales: Tensor) -> nn.Module:
+    twin = copy.deepcopy(model)
+    own = dict(twin.named_parameters(remove_duplicate=False)) | dict(twin.named_buffers(remove_duplicate=False))
+    new = group.act({a.name: own[a.name].detach() for a in group.actions}, log_scales)
+    with torch.no_grad():
+        for name, value in new.items():
+            own[name].copy_(value)
+    return twin
 
 
 def random_rescale(
@@ -664,23 +738,35 @@ def random_rescale(
     generator: torch.Generator | None = None,
     *,
     example_input: Tensor | None = None,
+    buffers: bool = False,
 ) -> nn.Module:
     """A randomly rescaled deep copy of ``model`` that computes the same function.
 
+    The log-scales are i.i.d. ``N(0, scale^2)``, one per free class of the node-wise group (``"node"``) or of
+    the layer-wise group (``"layer"``: one per module output class); see :func:`analyze`. Works on any
+    traceable model (residual connections, BatchNorm, concatenation, weight sharing).
+
     Args:
-        model: the network; must be rescalable.
-        kind: ``"node"`` (one factor per hidden unit/channel) or ``"layer"`` (one per layer), see
-            :func:`random_factors`.
-        scale: standard deviation of the log factors.
+        model: the network.
+        kind: ``"node"`` or ``"layer"``.
+        scale: standard deviation of the log-scales.
         generator: random generator, or ``None`` for the global one.
-        example_input: passed to :func:`analyze` (needed only when fx cannot trace the model).
+        example_input: passed to :func:`analyze` (for the shapes).
+        buffers: (``kind="node"`` only) also scale the channels feeding each BatchNorm with its running mean
+            (by ``c``) and variance (by ``c^2``): the function is preserved up to BatchNorm's ``eps``.
 
     Raises:
-        ValueError: unknown ``kind``.
-        UnsupportedModelError: positive rescaling is not a symmetry of ``model``.
+        ValueError: unknown ``kind``, or ``buffers=True`` with ``kind="layer"``.
+        UnsupportedModelError: the rescaling group of ``model`` is unknown (fx cannot trace it).
     """
     if kind not in ("node", "layer"):
         raise ValueError(f"unknown rescaling kind {kind!r}; use 'node' or 'layer'")
-    structure = analyze(model, example_input)
-    structure.require_rescalable(f"a function-preserving {kind}-wise rescaling")
-    return _rescaled_copy(model, structure, random_factors(structure, kind, scale, generator))
+    if buffers:
+        if kind != "node":
+            raise ValueError("buffers=True rescales BatchNorm statistics node-wise; use kind='node'")
+        group = buffer_group(model, example_input)
+    else:
+        structure = analyze(model, example_input)
+        structure.require_group(f"a function-preserving {kind}-wise rescaling")
+        group = structure.group if kind == "node" else structure.layer_group
+    return _acted_copy(model, group, group.random_log_scales(scale, generator))

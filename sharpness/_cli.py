@@ -42,7 +42,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     ``python -m landscape`` passes float32 (a grid evaluates thousands of points)."""
     if default_dtype not in DTYPES:
         raise ValueError(f"default_dtype must be one of {', '.join(sorted(DTYPES))}, got {default_dtype!r}")
-    parser.add_argument("--model", required=True, help="mlp:IN-...-OUT, lenet, path/file.py:factory or pkg.mod:factory")
+    parser.add_argument("--model", required=True, help="mlp:IN-...-OUT, lenet, resnet:20[,width=W], path/file.py:factory or pkg.mod:factory")
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(
         "--data", required=True, help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt with X and y"
@@ -185,9 +185,17 @@ def _compute(args: argparse.Namespace) -> int:
     # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
     objective = Objective(model, loss_fn, data, memory_budget=int(args.memory_mib * 2**20))
     measures = {}
+    # Measures asked for by name must apply; by default or with `all`, one that does not is recorded with its reason.
+    skip_unsupported = not args.metric or "all" in args.metric
     for name in names:
         measure = get_measure(name)
-        res = measure.sharpness(objective, args.k, solver, progress)
+        try:
+            res = measure.sharpness(objective, args.k, solver, progress)
+        except UnsupportedModelError as err:
+            if not skip_unsupported:
+                raise
+            measures[name] = {"skipped": str(err), "measure": measure.to_dict()}
+            continue
         entry = {**res.to_dict(), "measure": measure.to_dict()}
         if args.epsilon is not None:
             if measure.has_ball:
@@ -226,6 +234,9 @@ def _table(report: dict) -> str:
     head += "   invariant under"
     lines += [head, "-" * len(head)]
     for name, m in report["measures"].items():
+        if "skipped" in m:
+            lines.append(f"{name:<10} skipped: {m['skipped']}")
+            continue
         row = f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f}"
         if eps:
             measured = m["epsilon"]["measured"]

@@ -1,7 +1,9 @@
 """Models, data and checkpoints named on the command line, loaded safely.
 
 Model SPEC: ``mlp:784-300-100-10`` (``nn.Sequential`` of Linear/ReLU: keys ``0.weight``, ``0.bias``,
-``2.weight`` ...), ``lenet`` (the flatness paper's C1 on 1x28x28 inputs), or ``path/to/file.py:factory``
+``2.weight`` ...), ``lenet`` (the flatness paper's C1 on 1x28x28 inputs), ``resnet:20`` (a CIFAR-style
+ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=``, ``channels=``, e.g.
+``resnet:20,width=2``), or ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
 Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``
@@ -25,6 +27,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from sharpness._resnet import resnet
 
 
 class SpecError(ValueError):
@@ -53,6 +57,28 @@ def lenet() -> nn.Sequential:
     )  # fmt: skip
 
 
+def _resnet(spec: str) -> nn.Module:
+    """``resnet:DEPTH[,width=W,classes=C,channels=I]``, e.g. ``resnet:20`` or ``resnet:56,width=2``."""
+    head, _, rest = spec.partition(",")
+    depth_text = head[len("resnet:") :] if head.startswith("resnet:") else "20"
+    options = _parse_options(rest, spec)
+    unknown = set(options) - {"width", "classes", "channels"}
+    if unknown:
+        names = ", ".join(sorted(unknown))
+        raise SpecError(f"model spec {spec!r}: unknown option(s) {names}; use width, classes, channels")
+    try:
+        depth = int(depth_text or 20)
+        values = {k: int(v) for k, v in options.items()}
+    except ValueError:
+        raise SpecError(
+            f"model spec {spec!r}: depth, width, classes and channels are integers, e.g. resnet:20,width=2"
+        ) from None
+    try:
+        return resnet(depth, values.get("width", 1), values.get("classes", 10), values.get("channels", 3))
+    except ValueError as err:
+        raise SpecError(f"model spec {spec!r}: {err}") from None
+
+
 def build_model(spec: str) -> nn.Module:
     """An ``nn.Module`` from a model SPEC (see the module docstring)."""
     if spec.startswith("mlp:"):
@@ -65,6 +91,8 @@ def build_model(spec: str) -> nn.Module:
         return mlp(widths)
     if spec == "lenet":
         return lenet()
+    if spec == "resnet" or spec.startswith("resnet:"):
+        return _resnet(spec)
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
         if where.endswith(".py"):
@@ -86,7 +114,8 @@ def build_model(spec: str) -> nn.Module:
             raise SpecError(f"{spec} returned {type(model).__name__}, not an nn.Module")
         return model
     raise SpecError(
-        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, path/to/file.py:factory or package.module:factory"
+        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, path/to/file.py:factory or "
+        "package.module:factory"
     )
 
 
@@ -116,7 +145,7 @@ def _parse_options(text: str, spec: str) -> dict[str, str]:
     options = {}
     for item in filter(None, text.split(",")):
         if "=" not in item:
-            raise SpecError(f"data spec {spec!r}: option {item!r} is not KEY=VALUE")
+            raise SpecError(f"spec {spec!r}: option {item!r} is not KEY=VALUE")
         key, value = item.split("=", 1)
         options[key.strip()] = value.strip()
     return options

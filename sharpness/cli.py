@@ -9,6 +9,7 @@ from sharpness._cli import check_outputs as check_outputs
 from sharpness._cli import command_inputs as command_inputs
 from sharpness._cli import load_problem as load_problem
 from sharpness._cli import run_command as run_command
+from sharpness._resnet import resnet as resnet
 from sharpness._specs import SpecError as SpecError
 from sharpness._specs import build_model as build_model
 from sharpness._specs import lenet as lenet
@@ -30,5 +31,6 @@ __all__ = [
     "load_data",
     "load_problem",
     "mlp",
+    "resnet",
     "run_command",
 ]

@@ -104,6 +104,12 @@ def files(tmp_path_factory):
     exec(FACTORY, namespace)
     torch.save(namespace["bn_net"]().state_dict(), d / "bn.pt")
     torch.save(namespace["res_net"]().state_dict(), d / "res.pt")
+    for name in ("gelu_net", "bn_net", "res_net"):
+        net = namespace[name]()
+        with torch.no_grad():  # off initialisation: no zero BatchNorm bias
+            for p in net.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(d / f"{name}.safetensors"))
     torch.save(mlp([784, 300, 100, 10]).state_dict(), d / "big.pt")
     return d
 
@@ -237,9 +243,9 @@ BAD_INPUTS = {
     "unknown model spec": (["--model", "resnet9000"], "unknown model spec"),
     "unknown factory": (["--model", "{d}/factory.py:nothing_here"], "no function 'nothing_here'"),
     "factory returns no module": (["--model", "{d}/factory.py:not_a_module"], "not an nn.Module"),
-    "non-homogeneous activation": (
-        ["--model", "{d}/factory.py:gelu_net", "--checkpoint", "{d}/model.pt", "--metric", "node"],
-        "Euclidean measure remains meaningful",
+    "G-space of a non-chain": (
+        ["--model", "{d}/factory.py:gelu_net", "--checkpoint", "{d}/model.pt", "--metric", "gspace"],
+        "The node, layer, minnorm and euclidean measures remain available",
     ),
     "BatchNorm with gspace": (
         ["--model", "{d}/factory.py:bn_net", "--checkpoint", "{d}/bn.pt", "--metric", "gspace"],
@@ -298,21 +304,48 @@ def test_bad_input_is_one_sentence_and_exit_2(files, tmp_path, name):
     assert all(Path(p).stat().st_size > 0 for p in (files / "model.pt", files / "good.npz"))  # inputs kept
 
 
-def test_gelu_refusal_says_what_remains_meaningful(files):
-    r = run_cli(
-        "compute",
-        "--model",
-        f"{files}/factory.py:gelu_net",
-        "--checkpoint",
-        str(files / "model.pt"),
-        "--data",
-        DATA,
-        "--metric",
-        "node",
-        "--quiet",
-    )
-    assert r.returncode == 2
-    assert "GELU" in r.stderr and "Euclidean" in r.stderr
+@pytest.mark.parametrize("factory", ["gelu_net", "bn_net", "res_net"])
+def test_metric_all_measures_what_applies_and_records_why_not(files, tmp_path, factory):
+    """Residual, BatchNorm and GELU networks: every invariant measure runs; chain-only ones say why not."""
+    out = tmp_path / "all.json"
+    model = str(files / f"{factory}.safetensors")
+    r = run_cli("compute", "--model", f"{files}/factory.py:{factory}", "--checkpoint", model, "--data", DATA,
+                "--metric", "all", "--quiet", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    measures = json.loads(out.read_text())["measures"]
+    for name in ("euclidean", "node", "minnorm"):
+        assert measures[name]["value"] > 0, name
+    for name in ("gspace", "fixed"):
+        assert "defined for chains" in measures[name]["skipped"]
+        assert "The node, layer, minnorm and euclidean measures remain available" in measures[name]["skipped"]
+    assert "skipped: Cannot build" in r.stdout
+
+
+def test_resnet20_checkpoint_compute_and_verify(tmp_path):
+    """The built-in CIFAR ResNet-20 with BatchNorm: saved by a test, measured and verified from the command line."""
+    from sharpness.cli import resnet
+
+    torch.manual_seed(0)
+    model = resnet(20)
+    with torch.no_grad():  # a checkpoint off initialisation: BatchNorm biases and statistics not trivial
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("running_var"):
+                b.uniform_(0.5, 1.5)
+    save_file(model.state_dict(), str(tmp_path / "r20.safetensors"))
+    data = "synthetic:n=4,shape=3x32x32,classes=10"
+    common = ["--model", "resnet:20", "--checkpoint", str(tmp_path / "r20.safetensors"), "--data", data, "--quiet"]
+    r = run_cli("compute", *common, "--metric", "node", "--metric", "euclidean", "--json", str(tmp_path / "c.json"))
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["n_params"] == 272474
+    assert report["measures"]["node"]["value"] > 0 and report["measures"]["node"]["converged"]
+    r = run_cli("verify", *common, "--metric", "node", "--metric", "euclidean", "--trials", "1", "--kind", "node",
+                "--json", str(tmp_path / "v.json"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    verdicts = json.loads((tmp_path / "v.json").read_text())
+    assert verdicts["passed"], verdicts
 
 
 def test_usage_errors_are_one_line():

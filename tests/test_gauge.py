@@ -103,8 +103,9 @@ def test_one_update_is_the_jacobi_step_of_algorithm_1(rescalable_case, p):
     model = rescalable_case.model
     _, history = min_norm_gauge(model, p=p, max_iter=1)
     assert history.iterations == 1 and not history.converged
-    for factor, (incoming, outgoing) in zip(history.factors, unit_norms(model, p)):
-        torch.testing.assert_close(factor, (outgoing / incoming) ** (1 / (4 * p)), rtol=1e-12, atol=0)
+    # On a chain the group's free scales are the hidden units in forward order.
+    expected = torch.cat([(outgoing / incoming) ** (1 / (4 * p)) for incoming, outgoing in unit_norms(model, p)])
+    torch.testing.assert_close(torch.exp(history.log_scales), expected, rtol=1e-12, atol=0)
 
 
 def test_functional_form_matches_the_model_form():
@@ -114,20 +115,37 @@ def test_functional_form_matches_the_model_form():
     gauged, _ = min_norm_gauge(case.model, p=2.0)
     for name, value in gauged.named_parameters():
         assert torch.equal(gauged_params[name], value.detach()), name
-    assert all(f.dtype == torch.float64 and bool((f > 0).all()) for f in history.factors)
+    assert history.log_scales.dtype == torch.float64 and history.log_scales.shape == (analyze(case.model).group.dim,)
 
 
-def test_refuses_non_rescalable_model():
+class _Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.relu(h) if h.sum() > 0 else torch.relu(-h))
+
+
+def test_refuses_a_model_without_a_group():
+    with pytest.raises(UnsupportedModelError, match="rescaling group is unknown, because torch.fx cannot trace"):
+        min_norm_gauge(_Untraceable(), example_input=torch.randn(3, 5))
+
+
+def test_pinned_units_are_left_alone():
     model = mlp([3, 4, 2], activation=nn.GELU).double()
-    with pytest.raises(UnsupportedModelError, match="GELU"):
-        min_norm_gauge(model)
+    gauged, history = min_norm_gauge(model)
+    assert history.iterations == 0 and history.log_scales.shape == (0,)
+    for (name, a), (_, b) in zip(model.named_parameters(), gauged.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_dead_unit_is_named():
     model = make_case("mlp_bias").model
     with torch.no_grad():
         model[2].weight[3].zero_()  # unit 3 of layer '2' has no incoming weight
-    with pytest.raises(ValueError, match=r"hidden unit 3 of layer '2' \(Linear\) has all incoming"):
+    with pytest.raises(ValueError, match=r"channel\(s\) output of module '2' \(Linear\)\[3\] have all incoming"):
         min_norm_gauge(model)
 
 
@@ -167,8 +185,7 @@ def test_minnorm_sharpness_is_invariant(rescalable_case, kind):
     assert minnorm(twin, case).value == pytest.approx(minnorm(case.model, case).value, rel=1e-8)
 
 
-def test_minnorm_refuses_non_rescalable_model():
+def test_minnorm_refuses_a_model_without_a_group():
     case = make_case("mlp_bias")
-    model = mlp([5, 4, 6, 3], activation=nn.GELU).double().eval()
-    with pytest.raises(UnsupportedModelError):
-        minnorm(model, case)
+    with pytest.raises(UnsupportedModelError, match="rescaling group is unknown"):
+        minnorm(_Untraceable().double().eval(), case)

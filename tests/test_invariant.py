@@ -9,7 +9,6 @@ from cases import make_case, mlp
 from manifolds import (
     LayerScaleQuotient,
     NodeScaleQuotient,
-    UnsupportedModelError,
     analyze,
     random_rescale,
     rescale_parameters,
@@ -185,13 +184,18 @@ def test_expmap_of_vertical_vector_stays_in_the_orbit():
         assert float(obj.value(moved)) == pytest.approx(float(obj.value()), rel=1e-12)
 
 
-def test_non_homogeneous_activation_is_refused_with_its_name():
+def test_non_homogeneous_activation_pins_its_units():
+    """GELU pins every hidden unit: nothing to project, and the node measure is the log-coordinate Hessian."""
     c = make_case("mlp_bias")
     model = mlp([5, 4, 6, 3], activation=torch.nn.GELU).double().eval()
-    with pytest.raises(UnsupportedModelError, match="GELU"):
-        invariant_sharpness(model, c.loss_fn, c.data, metric="node", progress=False)
-    # the Euclidean measure remains available
-    assert euclidean_sharpness(model, c.loss_fn, c.data, progress=False).value > 0
+    group = analyze(model).group
+    assert group.dim == 0
+    assert any("GELU is not positively homogeneous" in str(pin) for pin in group.pins)
+    result = invariant_sharpness(model, c.loss_fn, c.data, metric="node", solver=Solver(tol=1e-12), progress=False)
+    obj = Objective(model, c.loss_fn, c.data)
+    w = obj.layout.flatten(obj.params)
+    log_hessian = w[:, None] * dense_hessian(obj) * w[None, :] + torch.diag(w * obj.gradient())
+    assert result.value == pytest.approx(float(torch.linalg.eigvalsh(log_hessian)[-1]), rel=1e-9)
 
 
 def test_zero_norm_block_layer_metric_error_or_exclude():

@@ -72,10 +72,12 @@ def test_layer_kind_matches_flatness_paper_formula():
         cumulative *= lam  # b_i -> (lambda_1 ... lambda_i) b_i
         torch.testing.assert_close(new[layer.bias], cumulative * old[layer.bias], rtol=1e-13, atol=0)
 
-    # random_rescale draws the same factors from the same generator state
+    # random_rescale's layer kind: one free scale per hidden layer, every tensor scaled by one number
+    assert structure.layer_group.dim == len(structure.layers) - 1
     rescaled = random_rescale(model, "layer", scale=1.0, generator=torch.Generator().manual_seed(0))
     for name, value in params_of(rescaled).items():
-        torch.testing.assert_close(value, new[name], rtol=1e-15, atol=0)
+        ratio = value / old[name]
+        torch.testing.assert_close(ratio, torch.full_like(ratio, ratio.flatten()[0].item()), rtol=1e-13, atol=0)
 
 
 def test_layer_factors_reproduce_paper_example():
@@ -360,16 +362,23 @@ def test_problems_name_the_offending_module(case_name):
     assert len(structure.problems) == n_problems, structure.problems
     assert sum(fragment in p for p in structure.problems) == 1, structure.problems
     with pytest.raises(UnsupportedModelError) as info:
-        structure.require_rescalable("the node-wise invariant sharpness")
+        structure.require_rescalable("the G-space parametrization")
     message = str(info.value)
-    assert message.startswith("Cannot compute the node-wise invariant sharpness")
+    assert message.startswith("Cannot build the G-space parametrization, which is defined for chains")
     assert fragment in message
-    assert "Euclidean measure remains meaningful" in message
+    assert "The node, layer, minnorm and euclidean measures remain available" in message
+    # Not a chain, but the exact group still exists and random elements of it preserve the function.
+    model = model.double().eval()
+    shape = next(n for n in structure.traced.graph.nodes if n.op == "placeholder").meta["shape"]
+    x = torch.randn(6, *shape[1:], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for kind in ("node", "layer"):
-        with pytest.raises(UnsupportedModelError, match="not a symmetry"):
-            random_rescale(model, kind)
-    with pytest.raises(UnsupportedModelError):
-        NodeSymmetry(structure, ParamLayout.from_module(model))
+        twin = random_rescale(model, kind, generator=torch.Generator().manual_seed(1))
+        for a, b in zip(_outputs(twin(x)), _outputs(model(x)), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _outputs(out):
+    return out if isinstance(out, tuple) else (out,)
 
 
 def test_non_chain_details():
@@ -452,7 +461,7 @@ def _symmetry(case_name):
     # An extra parameter outside the layers, placed first so that layer offsets are non-trivial.
     tensors = {"extra": torch.randn(3, generator=torch.Generator().manual_seed(9)), **params_of(model)}
     layout = ParamLayout.from_tensors(tensors)
-    return structure, layout, tensors, NodeSymmetry(structure, layout)
+    return structure, layout, tensors, NodeSymmetry(structure.group, layout)
 
 
 def _dense_j(sym: NodeSymmetry) -> torch.Tensor:
@@ -490,6 +499,10 @@ def test_node_symmetry_is_derivative_of_log_weights(case_name):
     offsets = [0, *torch.tensor(structure.hidden_units).cumsum(0).tolist()]
     factors = [torch.exp(t * c[a:b]) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     rescaled = rescale_parameters(tensors, structure, factors)
+    # On a chain the group's free scales are the hidden units in forward order, so both agree.
+    acted = structure.group.act(tensors, t * c)
+    for name, value in rescaled.items():
+        torch.testing.assert_close(acted[name], value, rtol=1e-14, atol=0)
     log_diff = (layout.flatten(rescaled).abs().log() - layout.flatten(tensors).abs().log()) / t
     torch.testing.assert_close(sym.apply(c), log_diff, rtol=0, atol=1e-10)
     assert sym.apply(c).abs().max() > 0.5

@@ -128,11 +128,19 @@ def test_verdict_draws_the_line_at_rtol():
         assert again.verdict("boastful", "layer") == verdict
 
 
-def test_not_rescalable_model_is_refused_naming_the_module():
-    model = mlp([5, 4, 3], activation=nn.GELU)
+def test_pinned_units_leave_nothing_to_rescale():
+    """GELU pins every hidden unit: the group is trivial, so every measure trivially keeps its value."""
+    model = mlp([5, 4, 3], activation=nn.GELU).eval()
     data = (torch.randn(7, 5), torch.randn(7, 3))
-    with pytest.raises(UnsupportedModelError, match=r"module '1' \(GELU\)"):
-        verify_invariance(model, nn.MSELoss(), data, rescalings=Rescalings(trials=1), progress=False)
+    rep = verify_invariance(model, nn.MSELoss(), data, rescalings=Rescalings(trials=1), progress=False)
+    assert rep.passed and rep.max_relative_difference("euclidean", "node") == 0.0
+
+
+def test_an_untraceable_model_is_refused_saying_why():
+    model = _HiddenGelu().double().eval()
+    data = (torch.randn(7, 5), torch.randn(7, 3))
+    with pytest.raises(UnsupportedModelError, match="rescaling group is unknown, because torch.fx cannot trace"):
+        verify_invariance(model, nn.MSELoss(), data, ["euclidean"], rescalings=Rescalings(trials=1), progress=False)
 
 
 class _HiddenGelu(nn.Module):
@@ -149,11 +157,22 @@ class _HiddenGelu(nn.Module):
         return self.b(x)
 
 
-def test_rescaled_copy_that_changes_the_function_raises():
-    model = _HiddenGelu().double().eval()
-    data = (torch.randn(7, 5), torch.randn(7, 3))
+def test_rescaled_copy_that_changes_the_function_raises(monkeypatch):
+    """A wrong rule would show as changed outputs: verification checks every copy before measuring it."""
+    from manifolds import RescalingGroup
+
+    act = RescalingGroup.act
+
+    def wrong(self, tensors, log_scales):
+        out = act(self, tensors, log_scales)
+        out["0.weight"] = 2 * out["0.weight"]
+        return out
+
+    monkeypatch.setattr(RescalingGroup, "act", wrong)
+    case = make_case("mlp_bias")
     with pytest.raises(UnsupportedModelError, match="changes the model's outputs"):
-        verify_invariance(model, nn.MSELoss(), data, ["euclidean"], rescalings=Rescalings(trials=1), progress=False)
+        verify_invariance(case.model, case.loss_fn, case.data, ["euclidean"], rescalings=Rescalings(trials=1),
+                          progress=False)  # fmt: skip
 
 
 def test_float32_model_is_checked_in_float64():

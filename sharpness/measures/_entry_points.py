@@ -78,10 +78,8 @@ def invariant_sharpness(
     trades twice the products for a memory of three parameter vectors.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective`. The model's hidden units must be rescalable
-            (a chain of Linear/Conv2d layers with positively homogeneous operations between them);
-            anything else is refused (:class:`manifolds.UnsupportedModelError`) because the measure would
-            not be invariant.
+        model, loss_fn, data: as for :class:`Objective`. Any differentiable model: the measure's rescaling
+            group is found on its fx graph (residual connections, BatchNorm, concatenation, weight sharing).
         metric: a measure name or object that claims some invariance (not ``"euclidean"``).
         k, solver, dtype, objective, progress: as for :func:`measure_sharpness`.
 

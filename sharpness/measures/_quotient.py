@@ -48,7 +48,8 @@ class QuotientMeasure(Measure):
             info={
                 "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
                 "hvp_strategy": hessian.strategy,
-            },
+            }
+            | ({"projection": quotient.projection_note} if getattr(quotient, "projection_note", None) else {}),
         )
 
     def ball(self, objective: Objective) -> BallGeometry:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from manifolds import UnsupportedModelError, analyze, random_factors, rescale_parameters
+from manifolds import UnsupportedModelError, analyze
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
 from sharpness.measures._measure import Measure
@@ -268,8 +268,8 @@ class Rescalings:
     """The random function-preserving rescalings :func:`verify_invariance` applies.
 
     Attributes:
-        kinds: rescaling kinds, out of ``"node"`` (one factor per hidden unit or channel) and ``"layer"``
-            (one factor per layer, product 1).
+        kinds: rescaling kinds, out of ``"node"`` (one factor per free channel class of the model's rescaling
+            group) and ``"layer"`` (one factor per free module-output class).
         trials: rescaled copies per kind.
         scale: standard deviation of the log factors (1.0 gives factors of about e^{+-1}).
         seed: seed of the factors.
@@ -310,9 +310,10 @@ def verify_invariance(
 ) -> InvarianceReport:
     """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
 
-    For each kind in ``rescalings.kinds`` and each of ``rescalings.trials`` copies, random positive factors
-    are drawn (:func:`manifolds.random_factors`: log-normal with log-std ``rescalings.scale``, one per hidden
-    unit for ``"node"``, one per layer with product 1 for ``"layer"``) and applied to the parameters in
+    For each kind in ``rescalings.kinds`` and each of ``rescalings.trials`` copies, a random element of the
+    model's exact rescaling group is drawn (:func:`manifolds.analyze`: i.i.d. normal log-scales with std
+    ``rescalings.scale``, one per free class of channels for ``"node"``, one per module-output class for
+    ``"layer"``; residual connections tie scales, BatchNorm pins its input) and applied to the parameters in
     ``dtype`` (as :func:`manifolds.random_rescale` does, but after the cast, so a float32 model is rescaled
     without float32 rounding). Each copy is checked to compute the same outputs on the data, then every
     measure's top ``k`` eigenvalues are recomputed and compared with the original ones. ``print(report)``
@@ -361,7 +362,8 @@ def verify_invariance(
     # Refuse a model without the symmetry before any evaluation (a one-shot iterator is read once here).
     data = ChunkedData(data)
     structure = analyze(model, example_input=data.first_batch()[0])
-    structure.require_rescalable("the invariance table of random function-preserving rescalings")
+    structure.require_group("the invariance table of random function-preserving rescalings")
+    groups = {"node": structure.group, "layer": structure.layer_group}
     obj = Objective(model, loss_fn, data, dtype=dtype, structure=structure)
 
     original: dict[str, tuple[float, ...]] = {}
@@ -387,8 +389,8 @@ def verify_invariance(
     with progress_bar(len(kinds) * trials, "rescaled copies", progress) as bar:
         for kind in kinds:
             for trial in range(trials):
-                factors = random_factors(structure, kind, rescalings.scale, generator, dtype=obj.dtype)
-                twin = obj.with_params(rescale_parameters(obj.params, structure, factors))
+                log_scales = groups[kind].random_log_scales(rescalings.scale, generator, dtype=obj.dtype)
+                twin = obj.with_params(groups[kind].act(obj.params, log_scales))
                 difference = _output_difference(obj, twin)
                 if not difference <= limit:
                     raise UnsupportedModelError(

@@ -1,0 +1,184 @@
+"""One traced graph of a network, with the shape of every tensor in it.
+
+:func:`trace_network` reads a model once with :mod:`torch.fx` (modules and functional calls alike:
+``F.relu``, ``torch.flatten``, ``x.view(x.size(0), -1)``, ``torch.cat``, ``+``) and records the shape of
+every node from one forward pass on a two-sample input. Symmetry discovery and the chain view of the
+layers both read this graph instead of inspecting the model themselves.
+
+When fx cannot trace a forward (data-dependent control flow), an ``nn.Sequential`` is read as the chain of
+its children; any other model has no graph (``TracedNetwork.graph is None``, with the reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, fx, nn
+
+# Modules read as single nodes: their forward is known, so the tracer must not inline it.
+_LEAF_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+)
+
+# Spatial sizes tried, in order, when no example input is given and the first layer is a convolution.
+_SPATIAL_GUESSES = tuple(dict.fromkeys((32, 28, 224, 64, 96, *range(1, 129))))
+
+
+class _Tracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, _LEAF_TYPES) or super().is_leaf_module(m, module_qualified_name)
+
+
+@dataclass(frozen=True)
+class TracedNetwork:
+    """A model's fx graph with every data tensor's shape (``node.meta["shape"]``).
+
+    Attributes:
+        model: the traced model (never modified).
+        graph: the graph, or ``None`` when fx cannot trace the model and it is no ``nn.Sequential``.
+        failure: why the graph or its shapes are missing (one sentence), else ``None``.
+        sequential: whether the graph was built from the children of an ``nn.Sequential`` because fx
+            could not trace it.
+    """
+
+    model: nn.Module
+    graph: fx.Graph | None
+    failure: str | None = None
+    sequential: bool = False
+
+    @property
+    def has_shapes(self) -> bool:
+        """Whether every data node of ``graph`` carries its shape."""
+        return self.graph is not None and self.failure is None
+
+
+def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
+    """The chain ``x -> child_1 -> child_2 -> ...`` of a Sequential (nested Sequentials flattened)."""
+    graph = fx.Graph()
+    node = graph.placeholder("x")
+
+    def walk(module: nn.Sequential, prefix: str) -> None:
+        nonlocal node
+        for name, child in module.named_children():
+            if isinstance(child, nn.Sequential):
+                walk(child, f"{prefix}{name}.")
+            else:
+                node = graph.call_module(f"{prefix}{name}", (node,))
+
+    walk(seq, "")
+    graph.output(node)
+    return graph
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Evaluate as the objectives do (eval mode, no gradients) and restore every module's mode."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> None:
+    class _Shapes(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            out = super().run_node(n)
+            if isinstance(out, Tensor):
+                n.meta["shape"] = tuple(out.shape)
+            return out
+
+        def call_module(self, target, args, kwargs):
+            return model.get_submodule(str(target))(*args, **kwargs)  # "" is a bare layer itself
+
+    with _eval_mode(model):
+        _Shapes(model, graph=graph).run(x)
+
+
+def _first_layer(model: nn.Module, graph: fx.Graph) -> nn.Module | None:
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module = model.get_submodule(str(node.target))
+            if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                return module
+    return None
+
+
+def _guesses(model: nn.Module, graph: fx.Graph) -> list[tuple[int, ...]]:
+    first = _first_layer(model, graph)
+    if isinstance(first, nn.Linear):
+        return [(2, first.in_features)]
+    if isinstance(first, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        dims = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[type(first)]
+        return [(2, first.in_channels, *([s] * dims)) for s in _SPATIAL_GUESSES]
+    return []
+
+
+def _input_like(model: nn.Module, example: Tensor) -> Tensor:
+    x = example[:2]
+    floating = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if floating is not None:
+        x = x.to(floating.device, floating.dtype if x.is_floating_point() else None)
+    return x
+
+
+def trace_network(model: nn.Module, example_input: Tensor | None = None) -> TracedNetwork:
+    """Trace ``model`` once and record the shape of every tensor on a forward pass (eval mode, no gradients).
+
+    Args:
+        model: the network (not modified: its modes are restored after the shape pass).
+        example_input: one input batch (the first two samples are used). Without it, an input is guessed
+            from the first Linear or convolution (its input features, or square spatial sizes tried in turn
+            for a convolution).
+
+    Returns:
+        The :class:`TracedNetwork`; ``failure`` says why when the model cannot be traced (``graph is None``)
+        or the shapes are unknown (no input shape fits, or the forward fails on ``example_input``).
+    """
+    try:
+        graph = _Tracer().trace(model)
+        sequential = False
+    except Exception as err:  # tracing runs arbitrary user code; any failure means "no fx graph"
+        if not isinstance(model, nn.Sequential):
+            return TracedNetwork(
+                model,
+                None,
+                f"torch.fx cannot trace the forward of {type(model).__name__} ({type(err).__name__}: {err})",
+            )
+        graph, sequential = _sequential_graph(model), True
+    if isinstance(model, _LEAF_TYPES):  # a bare layer is traced as its own single call
+        graph = fx.Graph()
+        graph.output(graph.call_module("", (graph.placeholder("x"),)))
+    candidates = [_input_like(model, example_input)] if example_input is not None else []
+    if example_input is None:
+        param = next(model.parameters(), None)
+        dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        device = param.device if param is not None else None
+        candidates = [torch.zeros(shape, dtype=dtype, device=device) for shape in _guesses(model, graph)]
+    error: Exception | None = None
+    for x in candidates:
+        try:
+            _record_shapes(model, graph, x)
+            return TracedNetwork(model, graph, None, sequential)
+        except Exception as err:  # a wrong guess of the input shape; try the next one
+            error = err
+    for node in graph.nodes:  # no partial shapes from a failed pass
+        node.meta.pop("shape", None)
+    if example_input is not None and error is not None:
+        failure = f"the forward of {type(model).__name__} fails on the example input ({type(error).__name__}: {error})"
+    else:
+        failure = f"the input shape of {type(model).__name__} is unknown; pass example_input=<one input batch>"
+    return TracedNetwork(model, graph, failure, sequential)

@@ -1,0 +1,583 @@
+"""Discovery of the exact diagonal rescaling group of a traced network.
+
+Every tensor of the graph gets one log-scale variable ``s`` per channel (dimension 1; a feature of a
+flattened tensor inherits its channel's variable). Each operation adds constraints between the variables
+of its inputs and outputs, chosen so that scaling every channel of every tensor by ``e^s`` and the
+parameters as below leaves the function unchanged:
+
+==========================================  =====================================================================
+operation                                   rule
+==========================================  =====================================================================
+Linear / Conv (any stride, groups)          outputs are new variables; ``W[o, i] -> W[o, i] e^{s_out(o) - s_in(i)}``,
+                                            ``b[o] -> b[o] e^{s_out(o)}``
+ReLU, LeakyReLU, PReLU, pooling, dropout,   pass through (``f(e^s x) = e^s f(x)`` channel-wise)
+identity, constant factor, spatial mean
+flatten / view / reshape keeping channels   a feature inherits the variable of its channel
+addition, subtraction                       all operands and the result share one variable per channel
+concatenation                               along channels: variables concatenate; along other dims: shared
+BatchNorm (eval), Layer/Group/InstanceNorm  input pinned; affine output channels are new variables scaling
+                                            ``weight`` and ``bias``; without affine the output is pinned
+BatchNorm, ``buffers=True``                 input free: ``running_mean -> e^s running_mean``,
+                                            ``running_var -> e^{2 s} running_var`` (exact up to ``eps``)
+GELU, SiLU, Sigmoid, Tanh, Softmax, ...     not positively homogeneous: inputs and outputs pinned
+a module called twice                       one set of variables: the inputs of its calls are tied
+network input, network output               pinned
+anything else                               inputs and outputs pinned, and listed as unknown
+==========================================  =====================================================================
+
+Proof sketch: every rule is an identity of the operation (a linear map commutes with a channel-wise
+scaling once its weights absorb the ratio of output and input scales; a positively homogeneous map
+commutes with a positive scaling; a normalization's output does not depend on its input's scale, so with
+its statistics fixed the input must keep its scale). Chaining identities through the graph from the
+pinned input to the pinned output gives ``f(g . w) = f(w)``. Pinning is always allowed (it only shrinks
+the group), which is why unknown operations are pinned rather than refused.
+
+Constraints are solved by union-find over the variables; a class containing a pinned variable is fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, fx, nn
+
+_AFFINE = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+_HOMOGENEOUS_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.Identity,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+)
+
+_HOMOGENEOUS_FUNCTIONS = {
+    "relu",
+    "relu_",
+    "leaky_relu",
+    "leaky_relu_",
+    "prelu",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "adaptive_max_pool1d",
+    "adaptive_max_pool2d",
+    "adaptive_max_pool3d",
+    "dropout",
+    "dropout1d",
+    "dropout2d",
+    "dropout3d",
+    "feature_dropout",
+    "alpha_dropout",
+    "contiguous",
+    "clone",
+    "neg",
+    "identity",
+}
+_RESHAPES = {"flatten", "view", "reshape"}
+_REDUCTIONS = {"mean", "sum", "amax", "amin"}
+_SCALINGS = {"mul", "truediv", "div", "imul", "itruediv"}
+_ADDITIONS = {"add", "sub", "iadd", "isub", "add_", "sub_"}
+_CONCATENATIONS = {"cat", "concat", "concatenate"}
+
+_NON_HOMOGENEOUS = {
+    "GELU", "SiLU", "Sigmoid", "Tanh", "Softplus", "ELU", "CELU", "SELU", "Mish", "Hardswish", "Hardsigmoid",
+    "Hardtanh", "ReLU6", "Softmax", "LogSoftmax", "Softsign", "Tanhshrink", "LogSigmoid", "GLU", "Softmin",
+    "gelu", "silu", "sigmoid", "tanh", "softplus", "elu", "celu", "selu", "mish", "hardswish", "hardsigmoid",
+    "hardtanh", "relu6", "softmax", "log_softmax", "softsign", "tanhshrink", "logsigmoid", "glu", "exp", "log",
+    "sqrt", "pow", "abs", "square",
+}  # fmt: skip
+
+_METADATA_METHODS = {"size", "dim", "numel"}
+_METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Channels whose scale is fixed, and why.
+
+    Attributes:
+        where: the tensor, e.g. ``"input of module 'layer1.0.bn1' (BatchNorm2d)"``.
+        channels: how many channels of it are pinned.
+        reason: one sentence.
+    """
+
+    where: str
+    channels: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.channels} channel(s), {self.reason}"
+
+
+@dataclass(frozen=True)
+class Record:
+    """How one parameter (or buffer) tensor scales: ``t -> t * exp(power * (s[plus] - s[minus]))``.
+
+    ``plus`` / ``minus`` are int64 variable ids broadcastable to the tensor's shape (``None``: no term).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    plus: Tensor | None
+    minus: Tensor | None
+    power: int = 1
+    role: str = "weight"  # "weight" (counted by the min-norm gauge), "bias" or "buffer"
+    module: str = ""
+
+
+@dataclass
+class Discovery:
+    """Variables, constraints and parameter records found on one graph (before the classes are formed)."""
+
+    parent: list[int] = field(default_factory=list)
+    pinned: list[bool] = field(default_factory=list)
+    labels: list[tuple[str, int, int]] = field(default_factory=list)  # (tensor label, first id, count)
+    records: list[Record] = field(default_factory=list)
+    module_outputs: dict[str, Tensor] = field(default_factory=dict)  # affine module -> its output variables
+    pins: list[Pin] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+    def new(self, count: int, label: str) -> Tensor:
+        start = len(self.parent)
+        self.parent.extend(range(start, start + count))
+        self.pinned.extend([False] * count)
+        self.labels.append((label, start, count))
+        return torch.arange(start, start + count)
+
+    def find(self, a: int) -> int:
+        root = a
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[a] != root:
+            self.parent[a], a = root, self.parent[a]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            self.pinned[ra] = self.pinned[ra] or self.pinned[rb]
+
+    def union_all(self, ids: Tensor) -> None:
+        flat = ids.reshape(-1).tolist()
+        for b in flat[1:]:
+            self.union(flat[0], b)
+
+    def tie(self, a: Tensor, b: Tensor) -> None:
+        for x, y in zip(a.tolist(), b.tolist(), strict=True):
+            self.union(x, y)
+
+    def pin(self, ids: Tensor, where: str, reason: str) -> None:
+        fresh = 0
+        for a in ids.tolist():
+            root = self.find(a)
+            fresh += not self.pinned[root]
+            self.pinned[root] = True
+        if fresh:
+            self.pins.append(Pin(where, int(ids.numel()), reason))
+
+    def copy(self) -> Discovery:
+        return Discovery(
+            list(self.parent),
+            list(self.pinned),
+            self.labels,
+            self.records,
+            self.module_outputs,
+            self.pins,
+            self.unknown,
+        )
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+
+
+def _is_metadata(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    return (
+        node.op == "call_function"
+        and node.target is getattr
+        and len(node.args) > 1
+        and node.args[1] in _METADATA_ATTRIBUTES
+    )
+
+
+def _channels(shape: tuple[int, ...]) -> int:
+    return shape[1] if len(shape) >= 2 else 1
+
+
+class _Walker:
+    """One pass over the graph in order, applying the rules of the module docstring."""
+
+    def __init__(self, model: nn.Module, graph: fx.Graph, buffers: bool):
+        self.model, self.graph, self.buffers = model, graph, buffers
+        self.d = Discovery()
+        self.ids: dict[fx.Node, Tensor] = {}
+        self.calls: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (input ids, output ids) of its first call
+        self.param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.buffer_names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+
+    # -- labels ------------------------------------------------------------------------------------------
+    def label(self, node: fx.Node) -> str:
+        if node.op == "call_module":
+            module = self.model.get_submodule(str(node.target))
+            return f"module '{node.target}' ({type(module).__name__})"
+        if node.op == "placeholder":
+            return f"the network's input '{node.name}'"
+        if node.op == "call_method":
+            return f"method '.{node.target}()' (graph node '{node.name}')"
+        return f"function '{_target_name(node)}' (graph node '{node.name}')"
+
+    def shape(self, node: fx.Node) -> tuple[int, ...] | None:
+        return node.meta.get("shape")
+
+    # -- outcomes ----------------------------------------------------------------------------------------
+    def fresh_pinned(self, node: fx.Node, reason: str) -> None:
+        shape = self.shape(node)
+        if shape is None:
+            return
+        ids = self.d.new(_channels(shape), f"output of {self.label(node)}")
+        self.d.pin(ids, f"output of {self.label(node)}", reason)
+        self.ids[node] = ids
+
+    def pin_around(self, node: fx.Node, data: Sequence[fx.Node], reason: str) -> None:
+        for n in data:
+            if n in self.ids:
+                self.d.pin(self.ids[n], f"input of {self.label(node)}", reason)
+        self.fresh_pinned(node, reason)
+
+    def unknown(self, node: fx.Node, data: Sequence[fx.Node], why: str = "") -> None:
+        label = self.label(node)
+        self.d.unknown.append(label + (f" ({why})" if why else ""))
+        self.pin_around(node, data, "an operation the rescaling rules do not know" + (f" ({why})" if why else ""))
+
+    def passthrough(self, node: fx.Node, source: fx.Node) -> bool:
+        shape, src = self.shape(node), self.shape(source)
+        if shape is None or src is None or source not in self.ids:
+            return False
+        if len(shape) >= 2 and len(src) >= 2 and shape[0] == src[0] and shape[1] == src[1]:
+            self.ids[node] = self.ids[source]
+            return True
+        return False
+
+    def reshape(self, node: fx.Node, source: fx.Node) -> bool:
+        """A reshape keeping the batch axis: each new channel must lie inside one old channel (row-major)."""
+        shape, src = self.shape(node), self.shape(source)
+        if shape is None or src is None or source not in self.ids or len(shape) < 2 or len(src) < 2:
+            return False
+        if shape[0] != src[0] or shape[1] % src[1]:
+            return False
+        self.ids[node] = self.ids[source].repeat_interleave(shape[1] // src[1])
+        return True
+
+    # -- rules -------------------------------------------------------------------------------------------
+    def param_name(self, tensor: object) -> str | None:
+        if isinstance(tensor, nn.Parameter):
+            return self.param_names.get(id(tensor))
+        return None
+
+    def affine(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
+        dims = _AFFINE[_plain_affine(module)]
+        src = self.shape(source)
+        if src is None or source not in self.ids or (dims == 0 and len(src) != 2) or (dims and len(src) != dims + 2):
+            return False
+        weight = self.param_name(module.weight)
+        bias = self.param_name(module.bias) if module.bias is not None else None
+        if weight is None or (module.bias is not None and bias is None):
+            return False
+        name = str(node.target)
+        in_ids = self.ids[source]
+        if name in self.calls:  # weight sharing: one set of variables for every call
+            first_in, first_out = self.calls[name]
+            self.d.tie(first_in, in_ids)
+            self.ids[node] = first_out
+            return True
+        out_ids = self.d.new(self.shape(node)[1], f"output of {self.label(node)}")
+        shape = tuple(module.weight.shape)
+        rest = (1,) * (len(shape) - 2)
+        groups = getattr(module, "groups", 1)
+        per_out, per_in = shape[0] // groups, shape[1]
+        # Input channel of weight entry (o, j): the j-th channel of o's group.
+        cols = in_ids.reshape(groups, per_in).repeat_interleave(per_out, dim=0)
+        self.d.records.append(
+            Record(
+                weight, shape, out_ids.reshape(-1, 1, *rest), cols.reshape(shape[0], per_in, *rest), 1, "weight", name
+            )
+        )
+        if bias is not None:
+            self.d.records.append(Record(bias, (shape[0],), out_ids, None, 1, "bias", name))
+        self.d.module_outputs[name] = out_ids
+        self.calls[name] = (in_ids, out_ids)
+        self.ids[node] = out_ids
+        return True
+
+    def norm(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
+        src, shape = self.shape(source), self.shape(node)
+        if src is None or shape is None or source not in self.ids or src != shape:
+            return False
+        name, label = str(node.target), self.label(node)
+        in_ids = self.ids[source]
+        if name in self.calls:
+            first_in, first_out = self.calls[name]
+            self.d.tie(first_in, in_ids)
+            self.ids[node] = first_out
+            return True
+        batchnorm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        stats = batchnorm and module.track_running_stats and module.running_mean is not None
+        if self.buffers and stats:
+            mean, var = self.buffer_names.get(id(module.running_mean)), self.buffer_names.get(id(module.running_var))
+            if mean is None or var is None:
+                return False
+            self.d.records.append(Record(mean, tuple(module.running_mean.shape), in_ids, None, 1, "buffer", name))
+            self.d.records.append(Record(var, tuple(module.running_var.shape), in_ids, None, 2, "buffer", name))
+        elif batchnorm and stats:
+            self.d.pin(
+                in_ids, f"input of {label}", f"{type(module).__name__} in eval mode: its running statistics are fixed"
+            )
+        else:
+            self.d.pin(in_ids, f"input of {label}", f"{type(module).__name__} normalizes it, so its scale is lost")
+        channels = _channels(shape)
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.LayerNorm):
+            covers = tuple(module.normalized_shape) == tuple(shape[1:])
+        else:
+            covers = weight is None or tuple(weight.shape) == (channels,)
+        if weight is None or not covers:
+            why = "it has no affine parameters" if weight is None else "its affine parameters do not act per channel"
+            self.fresh_pinned(node, f"{type(module).__name__} output, {why}")
+            return True
+        out_ids = self.d.new(channels, f"output of {label}")
+        plus = out_ids.reshape((channels,) + (1,) * (weight.dim() - 1))
+        for tensor, role in ((module.weight, "weight"), (getattr(module, "bias", None), "bias")):
+            if tensor is None:
+                continue
+            pname = self.param_name(tensor)
+            if pname is None:
+                self.fresh_pinned(node, f"{type(module).__name__} output, its affine tensors are not plain parameters")
+                return True
+            self.d.records.append(Record(pname, tuple(tensor.shape), plus, None, 1, role, name))
+        self.d.module_outputs[name] = out_ids
+        self.calls[name] = (in_ids, out_ids)
+        self.ids[node] = out_ids
+        return True
+
+    def module(self, node: fx.Node, data: list[fx.Node]) -> None:
+        module = self.model.get_submodule(str(node.target))
+        kind = type(module)
+        if module._forward_hooks or module._forward_pre_hooks:
+            return self.unknown(node, data, "it has forward hooks")
+        if len(data) != 1 or len(node.args) != 1:
+            return self.unknown(node, data)
+        source = data[0]
+        if _plain_affine(module) is not None:
+            if self.affine(node, module, source):
+                return None
+            return self.unknown(node, data)
+        if isinstance(
+            module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+        ):
+            if self.norm(node, module, source):
+                return None
+            return self.unknown(node, data)
+        if kind in _HOMOGENEOUS_MODULES and self.passthrough(node, source):
+            return None
+        if kind is nn.Flatten and self.reshape(node, source):
+            return None
+        if kind.__name__ in _NON_HOMOGENEOUS:
+            return self.pin_around(node, data, f"{kind.__name__} is not positively homogeneous (f(c x) != c f(x))")
+        return self.unknown(node, data)
+
+    def function(self, node: fx.Node, data: list[fx.Node]) -> None:
+        name = _target_name(node)
+        if any(
+            isinstance(a, fx.Node) and a.op == "get_attr" for a in node.all_input_nodes
+        ):  # parameters or buffers used directly by a function: no rule describes them
+            return self.unknown(node, data, "it uses a parameter or buffer directly")
+        single = len(data) == 1
+        source = data[0]
+        if single and name in _HOMOGENEOUS_FUNCTIONS | {"to", "float", "double", "type_as", "detach"}:
+            if self.passthrough(node, source):
+                return None
+        if single and name in _RESHAPES and self.reshape(node, source):
+            return None
+        if single and name in _REDUCTIONS and self.reduction(node, source):
+            return None
+        if single and name in _SCALINGS and self.scaling(node, source):
+            return None
+        if single and name == "getitem" and self.getitem(node, source):
+            return None
+        if single and name == "pad" and self.pad(node, source):
+            return None
+        if name in _ADDITIONS and len(data) == 2 and self.addition(node, data):
+            return None
+        if name in _CONCATENATIONS and self.concatenation(node, data):
+            return None
+        if name in _NON_HOMOGENEOUS:
+            return self.pin_around(node, data, f"'{name}' is not positively homogeneous (f(c x) != c f(x))")
+        return self.unknown(node, data)
+
+    def reduction(self, node: fx.Node, source: fx.Node) -> bool:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        src = self.shape(source)
+        if dim is None or src is None:
+            return False
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        if not all(isinstance(d, int) for d in dims) or {d % len(src) for d in dims} & {0, 1}:
+            return False
+        return self.passthrough(node, source)
+
+    def scaling(self, node: fx.Node, source: fx.Node) -> bool:
+        if node.kwargs or len(node.args) != 2:
+            return False
+        first, second = node.args
+        if first is source:
+            return isinstance(second, (int, float)) and self.passthrough(node, source)
+        return (
+            _target_name(node) in ("mul", "imul") and isinstance(first, (int, float)) and self.passthrough(node, source)
+        )
+
+    def getitem(self, node: fx.Node, source: fx.Node) -> bool:
+        index = node.args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        full = slice(None, None, None)
+        if len(index) < 2 or index[0] != full or index[1] != full:
+            return False
+        if any(not isinstance(i, slice) for i in index):  # an integer index drops an axis
+            return False
+        return self.passthrough(node, source)
+
+    def pad(self, node: fx.Node, source: fx.Node) -> bool:
+        src, shape = self.shape(source), self.shape(node)
+        pads = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+        if src is None or shape is None or source not in self.ids or not isinstance(pads, (tuple, list)):
+            return False
+        if mode == "constant" and value not in (None, 0, 0.0):
+            return False
+        spatial = 2 * (len(src) - 2)
+        if len(pads) <= spatial:
+            return self.passthrough(node, source)
+        if len(pads) == spatial + 2 and mode == "constant" and shape[0] == src[0]:
+            before, after = pads[spatial], pads[spatial + 1]
+            if before < 0 or after < 0:
+                return False
+            why = "zero channels added by padding"
+            head = self.d.new(before, f"output of {self.label(node)}")
+            tail = self.d.new(after, f"output of {self.label(node)}")
+            for ids in (head, tail):
+                if ids.numel():
+                    self.d.pin(ids, f"output of {self.label(node)}", why)
+            self.ids[node] = torch.cat([head, self.ids[source], tail])
+            return True
+        return False
+
+    def addition(self, node: fx.Node, data: list[fx.Node]) -> bool:
+        shapes = [self.shape(n) for n in data]
+        if any(n not in self.ids for n in data) or shapes[0] is None or shapes[0] != shapes[1]:
+            return False
+        if shapes[0] != self.shape(node) or len(shapes[0]) < 2:
+            return False
+        extra = [a for a in node.args[2:]] + [v for k, v in node.kwargs.items() if k != "alpha"]
+        if extra:
+            return False
+        self.d.tie(self.ids[data[0]], self.ids[data[1]])
+        self.ids[node] = self.ids[data[0]]
+        return True
+
+    def concatenation(self, node: fx.Node, data: list[fx.Node]) -> bool:
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(parts, (tuple, list)) or not all(isinstance(p, fx.Node) and p in self.ids for p in parts):
+            return False
+        shapes = [self.shape(p) for p in parts]
+        out = self.shape(node)
+        if out is None or any(s is None or len(s) < 2 for s in shapes) or not isinstance(dim, int):
+            return False
+        dim %= len(out)
+        if dim == 1:
+            self.ids[node] = torch.cat([self.ids[p] for p in parts])
+            return True
+        for p in parts[1:]:
+            self.d.tie(self.ids[parts[0]], self.ids[p])
+        self.ids[node] = self.ids[parts[0]]
+        return True
+
+    def run(self) -> Discovery:
+        data: set[fx.Node] = set()
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                data.add(node)
+                shape = self.shape(node)
+                if shape is not None:
+                    ids = self.d.new(_channels(shape), self.label(node))
+                    self.d.pin(ids, self.label(node), "the network's input is given")
+                    self.ids[node] = ids
+                continue
+            inputs = [n for n in node.all_input_nodes if n in data]
+            if node.op == "output":
+                for n in inputs:
+                    if n in self.ids:
+                        self.d.pin(
+                            self.ids[n], f"output of {self.label(n)}", "the network's output is the loss's input"
+                        )
+                continue
+            if not inputs or _is_metadata(node):
+                continue
+            data.add(node)
+            if node.op == "call_module":
+                self.module(node, inputs)
+            else:
+                self.function(node, inputs)
+        return self.d
+
+
+def _plain_affine(module: nn.Module) -> type[nn.Module] | None:
+    """The Linear/Conv class whose forward ``module`` runs unchanged (a subclass may override it)."""
+    for base in _AFFINE:
+        if isinstance(module, base):
+            kind = type(module)
+            same = kind.forward is base.forward
+            if base is not nn.Linear:
+                same = same and kind._conv_forward is base._conv_forward
+            return base if same else None
+    return None
+
+
+def discover(model: nn.Module, graph: fx.Graph, buffers: bool = False) -> Discovery:
+    """Variables, constraints and parameter records of ``model``'s traced ``graph`` (shapes in ``node.meta``).
+
+    Args:
+        model: the traced model.
+        graph: its graph, every data node carrying ``meta["shape"]``.
+        buffers: also let the running statistics of BatchNorm layers scale (so their inputs are free).
+    """
+    return _Walker(model, graph, buffers).run()

@@ -1,0 +1,305 @@
+"""The exact rescaling group of the networks people train (manifolds._group_discovery), checked on a zoo.
+
+For each model: the group's dimension equals a count made by hand; random group elements preserve the
+outputs to 1e-12 (float64); the node- and layer-wise measures equal dense ``torch.func.hessian`` references
+built from the formulas (log-coordinate Hessian, conformal Levi-Civita terms) and stay unchanged under
+group elements while the Euclidean measure moves.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from manifolds import analyze, buffer_group, random_rescale
+from sharpness import Objective, Solver, dense_hessian, measure_sharpness
+
+TIGHT = Solver(tol=1e-12)
+
+
+class BasicBlock(nn.Module):
+    """Post-activation ResNet block; a 1x1 conv + BatchNorm projection when the shape changes."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.layer1 = BasicBlock(4, 4, 1)
+        self.layer2 = BasicBlock(4, 6, 2)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class PreActResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn1, self.conv1 = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2, self.conv2 = nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn, self.fc = nn.BatchNorm2d(4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        out = self.conv1(F.relu(self.bn1(x)))
+        x = x + self.conv2(F.relu(self.bn2(out)))
+        return self.fc(F.relu(self.bn(x)).mean((2, 3)))
+
+
+def vgg():
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3),
+    )  # fmt: skip
+
+
+class Dense(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.conv1, self.conv2 = (
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.Conv2d(4, 2, 3, padding=1),
+            nn.Conv2d(6, 2, 1),
+        )
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h0 = F.relu(self.conv0(x))
+        h1 = F.relu(self.conv1(h0))
+        h2 = F.relu(self.conv2(torch.cat([h0, h1], dim=1)))
+        return self.fc(F.adaptive_avg_pool2d(torch.cat([h0, h1, h2], 1), 1).view(x.size(0), -1))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.fc1, self.fc2, self.out = nn.Linear(4, 5), nn.Linear(5, 6), nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = F.relu(self.inp(x))
+        h = F.relu(h + self.fc2(F.relu(self.fc1(h))))
+        return self.out(h)
+
+
+def norm_mlp():
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 4), nn.ReLU(),
+        nn.Linear(4, 3),
+    )  # fmt: skip
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = F.relu(self.inp(x))
+        x = F.relu(self.shared(x))
+        x = F.relu(self.shared(x))
+        return self.out(x)
+
+
+def grouped():
+    return nn.Sequential(
+        nn.Conv2d(4, 6, 3, groups=2), nn.ReLU(), nn.Conv2d(6, 6, 3, groups=6, padding=1), nn.ReLU(),
+        nn.Conv2d(6, 3, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3),
+    )  # fmt: skip
+
+
+def adaptive():
+    return nn.Sequential(nn.Conv2d(3, 5, 3), nn.ReLU(), nn.AdaptiveAvgPool2d((2, 2)), nn.Flatten(), nn.Linear(20, 3))
+
+
+# name -> (builder, input shape, node-wise dimension, layer-wise dimension), counted by hand:
+ZOO = {
+    # stream of 4 (stem BN, layer1.bn2) + layer1.bn1 4 + layer2.bn1 6 + stream of 6 (layer2.bn2, shortcut BN)
+    "resnet": (ResNet, (3, 6, 6), 20, 4),
+    # the stem conv feeds a BatchNorm, so the residual stream is pinned; bn1, bn2, bn outputs are free
+    "preact_resnet": (PreActResNet, (3, 5, 5), 12, 3),
+    # both BatchNorm outputs and the hidden Linear
+    "vgg_bn": (vgg, (3, 6, 6), 15, 3),
+    # conv0, conv1, conv2 outputs; the concatenations merge all three into one layer-wise scale
+    "densenet": (Dense, (3, 5, 5), 8, 1),
+    # the residual ties inp and fc2 outputs (5) + fc1 (6)
+    "residual_mlp": (ResidualMLP, (4,), 11, 2),
+    # LayerNorm's affine output (6) + the Linear after GELU (4); GELU pins the Linear before it
+    "layernorm_gelu": (norm_mlp, (4,), 10, 2),
+    # one set of scales for the shared module, tied to its input
+    "shared": (Shared, (4,), 4, 1),
+    # grouped (6) + depthwise (6) + pointwise (3)
+    "grouped": (grouped, (4, 6, 6), 15, 3),
+    # 5 channels, each feeding 4 flattened features
+    "adaptive_pool": (adaptive, (3, 5, 5), 5, 1),
+}
+
+
+def build(name: str, seed: int = 0):
+    builder, shape, node_dim, layer_dim = ZOO[name]
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = builder().double()
+    with torch.no_grad():  # away from initialisation: no zero block, BatchNorm statistics that matter
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(0.2 * torch.randn(m.num_features, generator=g, dtype=torch.float64))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=g, dtype=torch.float64))
+    model.eval()
+    x = torch.randn(10, *shape, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=g)
+    return model, x, y, node_dim, layer_dim
+
+
+def _log_generator(group, obj):
+    """Dense ``J`` (``(n, dim)``): the action is exactly linear in log-coordinates, so unit log-scales give it."""
+    w = obj.layout.flatten(obj.params)
+    columns = []
+    for k in range(group.dim):
+        e = torch.zeros(group.dim, dtype=torch.float64)
+        e[k] = 1.0
+        columns.append(obj.layout.flatten(group.act(obj.params, e)).abs().log() - w.abs().log())
+    return torch.stack(columns, dim=1) if columns else w.new_zeros(w.numel(), 0)
+
+
+def _top_horizontal(M, V):
+    """Largest eigenvalue of ``M`` on the orthogonal complement of ``range(V)``."""
+    q, r = torch.linalg.qr(V, mode="complete") if V.shape[1] else (torch.eye(M.shape[0], dtype=M.dtype), None)
+    rank = int((torch.linalg.svdvals(V) > 1e-9).sum()) if V.shape[1] else 0
+    Q = q[:, rank:]
+    return float(torch.linalg.eigvalsh(Q.T @ M @ Q)[-1])
+
+
+def dense_node(obj, group):
+    H, g, w = dense_hessian(obj), obj.gradient(), obj.layout.flatten(obj.params)
+    M = w.abs()[:, None] * H * w.abs()[None, :] + torch.diag(w * g)
+    return _top_horizontal(M, torch.sign(w)[:, None] * _log_generator(group, obj))
+
+
+def dense_layer(obj, group):
+    H, g, w = dense_hessian(obj), obj.gradient(), obj.layout.flatten(obj.params)
+    norms = torch.cat([w[obj.layout.slice(n)].norm().expand(obj.layout.slice(n).stop - obj.layout.slice(n).start)
+                       for n in obj.layout.names])  # fmt: skip
+    C = norms[:, None] ** 2 * H
+    for name in obj.layout.names:
+        b = obj.layout.slice(name)
+        wb, gb = w[b], g[b]
+        C[b, b] += torch.outer(gb, wb) + torch.outer(wb, gb) - torch.dot(wb, gb) * torch.eye(len(wb), dtype=w.dtype)
+    M = C * norms[None, :] / norms[:, None]
+    return _top_horizontal(M, (w[:, None] * _log_generator(group, obj)) / norms[:, None])
+
+
+@pytest.fixture(params=list(ZOO))
+def zoo(request):
+    return request.param, *build(request.param)
+
+
+def test_group_dimension_is_the_hand_count(zoo):
+    name, model, x, _, node_dim, layer_dim = zoo
+    structure = analyze(model, example_input=x)
+    assert structure.group.dim == node_dim, structure.group.describe()
+    assert structure.layer_group.dim == layer_dim
+    assert not structure.group.unknown
+
+
+@pytest.mark.parametrize("kind", ["node", "layer"])
+def test_random_group_elements_preserve_outputs(zoo, kind):
+    name, model, x, *_ = zoo
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    twin = random_rescale(model, kind, scale=1.0, generator=torch.Generator().manual_seed(3), example_input=x)
+    torch.testing.assert_close(twin(x), model(x), rtol=1e-12, atol=1e-12)
+    pairs = zip(twin.parameters(), model.parameters(), strict=True)
+    moved = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    assert moved > 0.1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the model is untouched
+
+
+def test_measures_equal_dense_references_and_are_invariant(zoo):
+    name, model, x, y, *_ = zoo
+    loss = nn.CrossEntropyLoss()
+    obj = Objective(model, loss, (x, y))
+    structure = obj.structure
+    node = measure_sharpness(model, loss, (x, y), "node", solver=TIGHT, objective=obj, progress=False)
+    layer = measure_sharpness(model, loss, (x, y), "layer", solver=TIGHT, objective=obj, progress=False)
+    euclid = measure_sharpness(model, loss, (x, y), "euclidean", solver=TIGHT, objective=obj, progress=False)
+    assert node.value == pytest.approx(dense_node(obj, structure.group), rel=1e-8)
+    assert layer.value == pytest.approx(dense_layer(obj, structure.layer_group), rel=1e-8)
+
+    g = torch.Generator().manual_seed(7)
+    for group, invariant in ((structure.group, ("node",)), (structure.layer_group, ("node", "layer"))):
+        twin = obj.with_params(group.act(obj.params, group.random_log_scales(1.0, g)))
+        values = {m: measure_sharpness(model, loss, (x, y), m, solver=TIGHT, objective=twin, progress=False).value
+                  for m in ("node", "layer", "euclidean")}  # fmt: skip
+        for m in invariant:
+            assert values[m] == pytest.approx({"node": node, "layer": layer}[m].value, rel=1e-8), m
+        assert abs(values["euclidean"] / euclid.value - 1) > 1e-3
+
+
+def test_batchnorm_statistics_rescale_too():
+    model, x, y, *_ = build("resnet")
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps = 1e-14
+    group = buffer_group(model, x)
+    # the six BatchNorm inputs become free: stem 4, layer1 4 + 4, layer2 6 + 6 + shortcut 6
+    assert group.dim == 20 + 30
+    assert {a.name for a in group.actions if a.role == "buffer"} >= {"bn.running_mean", "bn.running_var"}
+    twin = random_rescale(model, "node", scale=1.0, generator=torch.Generator().manual_seed(4), buffers=True)
+    torch.testing.assert_close(twin(x), model(x), rtol=1e-12, atol=1e-12)
+    ratio = twin.bn.running_var / model.bn.running_var
+    torch.testing.assert_close(ratio, (twin.conv.weight / model.conv.weight)[:, 0, 0, 0] ** 2, rtol=1e-12, atol=0)
+    loss = nn.CrossEntropyLoss()
+    before = {
+        m: measure_sharpness(model, loss, (x, y), m, solver=TIGHT, progress=False).value for m in ("node", "euclidean")
+    }
+    after = {
+        m: measure_sharpness(twin, loss, (x, y), m, solver=TIGHT, progress=False).value for m in ("node", "euclidean")
+    }
+    assert after["node"] == pytest.approx(before["node"], rel=1e-8)
+    assert abs(after["euclidean"] / before["euclidean"] - 1) > 1e-2
+
+
+def test_report_names_pins_with_reasons():
+    model, x, *_ = build("resnet")
+    group = analyze(model, example_input=x).group
+    text = group.describe()
+    assert "input of module 'layer1.bn1' (BatchNorm2d): 4 channel(s), BatchNorm2d in eval mode" in text
+    assert "the network's output is the loss's input" in text
+    stream = next(c for c in group.classes if "output of module 'bn' (BatchNorm2d)[0]" in c)
+    assert "output of module 'layer1.bn2' (BatchNorm2d)[0]" in stream
+
+
+def test_unknown_operation_is_pinned_and_listed():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.roll(F.relu(self.a(x)), 1, dims=1))
+
+    group = analyze(Odd(), example_input=torch.randn(2, 3)).group
+    assert group.dim == 0
+    assert group.unknown == ("function 'roll' (graph node 'roll')",)
