@@ -124,7 +124,7 @@ def _check_scales(group: RescalingGroup, incoming: Tensor, outgoing: Tensor) -> 
 def _solve(
     params: Mapping[str, Tensor], structure: NetworkStructure, p: float, tol: float, max_iter: int
 ) -> GaugeHistory:
-    group = structure.require_group("the minimum-norm gauge")
+    group = structure.require_group("the minimum-norm gauge").restricted(params)
     if not p > 0:
         raise ValueError(f"the norm exponent p must be positive, got {p}")
     if not tol > 0:
@@ -187,7 +187,7 @@ def min_norm_gauge_parameters(
             incoming or outgoing weights are all zero (named in the message).
     """
     history = _solve(params, structure, p, tol, max_iter)
-    return structure.group.act(params, history.log_scales), history
+    return structure.group.restricted(params).act(params, history.log_scales), history
 
 
 def min_norm_gauge(
@@ -227,4 +227,5 @@ def min_norm_gauge(
     """
     structure = analyze(model, example_input)
     history = _solve(dict(model.named_parameters(remove_duplicate=False)), structure, p, tol, max_iter)
-    return _acted_copy(model, structure.group, history.log_scales), history
+    group = structure.group.restricted(dict(model.named_parameters(remove_duplicate=False)))
+    return _acted_copy(model, group, history.log_scales), history

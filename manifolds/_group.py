@@ -10,7 +10,7 @@ updates exact and the symmetry's generator a sparse ``+1 / -1`` matrix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -103,6 +103,45 @@ class RescalingGroup:
             )
             for r in d.records
         )
+
+    def restricted(self, names: Iterable[str]) -> RescalingGroup:
+        """The subgroup that leaves every parameter outside ``names`` unchanged (e.g. frozen parameters).
+
+        Every free scale acting on a tensor outside ``names`` is pinned; buffers are kept. Returns ``self``
+        when nothing changes.
+        """
+        kept = set(names)
+        banned: set[int] = set()
+        for a in self.parameter_actions:
+            if a.name not in kept:
+                for index in (a.plus, a.minus):
+                    if index is not None:
+                        banned.update(int(c) for c in index.unique() if int(c) < self.dim)
+        if not banned:
+            return self
+        remaining = [c for c in range(self.dim) if c not in banned]
+        new_index = torch.full((self.dim + 1,), len(remaining), dtype=torch.long)
+        new_index[remaining] = torch.arange(len(remaining))
+        twin = object.__new__(RescalingGroup)
+        twin.level, twin.dim = self.level, len(remaining)
+        twin._class_of_variable = new_index[self._class_of_variable]
+        twin._labels = self._labels
+        twin.pins = (*self.pins, Pin("parameters outside the given ones", len(banned), "they must stay unchanged"))
+        twin.unknown = self.unknown
+        twin.actions = tuple(
+            Action(
+                a.name,
+                a.shape,
+                new_index[a.plus] if a.plus is not None else None,
+                new_index[a.minus] if a.minus is not None else None,
+                a.power,
+                a.role,
+                a.module,
+            )
+            for a in self.actions
+            if a.name in kept or a.role == "buffer"
+        )
+        return twin
 
     @cached_property
     def classes(self) -> tuple[tuple[str, ...], ...]:

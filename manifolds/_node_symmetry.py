@@ -43,8 +43,8 @@ class NodeSymmetry:
 
     Args:
         group: the group (:attr:`manifolds.NetworkStructure.group` or ``.layer_group``).
-        layout: flat layout of the parameters; must contain every tensor the group acts on. Parameters it
-            does not act on get zero rows of ``J``.
+        layout: flat layout of the parameters. Parameters the group does not act on get zero rows of ``J``;
+            scales acting on a tensor outside the layout (a frozen parameter) are left out, as it must not move.
 
     Attributes:
         dim: number of columns of ``J`` (the group's dimension).
@@ -52,12 +52,8 @@ class NodeSymmetry:
     """
 
     def __init__(self, group: RescalingGroup, layout: ParamLayout):
+        group = group.restricted(layout.names)  # parameters outside the layout (frozen ones) must stay fixed
         actions = group.parameter_actions
-        missing = [a.name for a in actions if a.name not in layout.names]
-        if missing:
-            raise ValueError(
-                f"the parameter layout lacks {', '.join(missing)}; include every parameter the group acts on"
-            )
         self.dim = group.dim
         self.size = layout.size
         self._blocks = tuple(_Block(layout.slice(a.name), a.shape, a.plus, a.minus) for a in actions)
@@ -150,13 +146,19 @@ class NodeSymmetry:
         factor = self._factor.get(rhs.device)
         if factor is None:
             if self.dim <= _DENSE_LIMIT:
-                factor = torch.linalg.cholesky(torch.from_numpy(self._sparse_gram().toarray())).to(rhs.device)
+                gram = torch.from_numpy(self._sparse_gram().toarray())
+                factor, info = torch.linalg.cholesky_ex(gram)
+                if int(info):  # dependent scales (a degenerate graph): the pseudo-inverse, as a (1, dim, dim) stack
+                    factor = torch.linalg.pinv(gram, hermitian=True)[None]
+                factor = factor.to(rhs.device)
             else:
                 from scipy.sparse.linalg import splu
 
                 factor = splu(self._sparse_gram().tocsc())
             self._factor[rhs.device] = factor
         if isinstance(factor, Tensor):
+            if factor.dim() == 3:
+                return rhs @ factor[0]
             return torch.cholesky_solve(rhs.T, factor).T
         return torch.from_numpy(factor.solve(rhs.T.cpu().numpy())).T.to(rhs.device)
 

@@ -42,7 +42,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     ``python -m landscape`` passes float32 (a grid evaluates thousands of points)."""
     if default_dtype not in DTYPES:
         raise ValueError(f"default_dtype must be one of {', '.join(sorted(DTYPES))}, got {default_dtype!r}")
-    parser.add_argument("--model", required=True, help="mlp:IN-...-OUT, lenet, resnet:20[,width=W], path/file.py:factory or pkg.mod:factory")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="mlp:IN-...-OUT, lenet, resnet:20[,width=W], path/file.py:factory or pkg.mod:factory",
+    )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(
         "--data", required=True, help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt with X and y"

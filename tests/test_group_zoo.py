@@ -303,3 +303,20 @@ def test_unknown_operation_is_pinned_and_listed():
     group = analyze(Odd(), example_input=torch.randn(2, 3)).group
     assert group.dim == 0
     assert group.unknown == ("function 'roll' (graph node 'roll')",)
+
+
+def test_frozen_parameters_stay_fixed():
+    """Scales acting on a frozen tensor are left out: the node measure is invariant under what remains."""
+    model, x, y, *_ = build("resnet")
+    model.bn.weight.requires_grad_(False)
+    model.bn.bias.requires_grad_(False)
+    loss = nn.CrossEntropyLoss()
+    obj = Objective(model, loss, (x, y))
+    assert "bn.weight" not in obj.params
+    group = obj.structure.group.restricted(obj.params)
+    assert group.dim == 20 - 4  # the stem BatchNorm's stream (tied to layer1.bn2) is pinned
+    node = measure_sharpness(model, loss, (x, y), "node", solver=TIGHT, objective=obj, progress=False)
+    assert node.value == pytest.approx(dense_node(obj, group), rel=1e-8)
+    twin = obj.with_params(group.act(obj.params, group.random_log_scales(1.0, torch.Generator().manual_seed(2))))
+    again = measure_sharpness(model, loss, (x, y), "node", solver=TIGHT, objective=twin, progress=False)
+    assert again.value == pytest.approx(node.value, rel=1e-8)

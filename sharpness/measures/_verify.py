@@ -363,8 +363,9 @@ def verify_invariance(
     data = ChunkedData(data)
     structure = analyze(model, example_input=data.first_batch()[0])
     structure.require_group("the invariance table of random function-preserving rescalings")
-    groups = {"node": structure.group, "layer": structure.layer_group}
     obj = Objective(model, loss_fn, data, dtype=dtype, structure=structure)
+    # frozen parameters must stay as they are: only the scales that leave them alone are drawn
+    groups = {"node": structure.group.restricted(obj.params), "layer": structure.layer_group.restricted(obj.params)}
 
     original: dict[str, tuple[float, ...]] = {}
     converged: dict[str, bool] = {}
