@@ -5,6 +5,8 @@ scale-invariant, with epsilon-sharpness and invariance verification (:mod:`sharp
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness.measures import MEASURES as MEASURES
+from sharpness.measures import AdaptiveSharpness as AdaptiveSharpness
+from sharpness.measures import Ascent as Ascent
 from sharpness.measures import BallGeometry as BallGeometry
 from sharpness.measures import CurvatureOperator as CurvatureOperator
 from sharpness.measures import EpsilonSharpness as EpsilonSharpness
@@ -19,6 +21,7 @@ from sharpness.measures import MinNorm as MinNorm
 from sharpness.measures import Node as Node
 from sharpness.measures import QuotientMeasure as QuotientMeasure
 from sharpness.measures import Rescalings as Rescalings
+from sharpness.measures import adaptive_sharpness as adaptive_sharpness
 from sharpness.measures import epsilon_sharpness as epsilon_sharpness
 from sharpness.measures import euclidean_sharpness as euclidean_sharpness
 from sharpness.measures import get_measure as get_measure
@@ -78,6 +81,9 @@ __all__ = [
     "build_objective",
     "dense_hessian",
     "epsilon_sharpness",
+    "AdaptiveSharpness",
+    "Ascent",
+    "adaptive_sharpness",
     "euclidean_sharpness",
     "get_measure",
     "gspace_hessian_operator",

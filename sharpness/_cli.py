@@ -18,6 +18,8 @@ from torch import nn
 from manifolds import UnsupportedModelError
 from sharpness._results import jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
+from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
+from sharpness.measures._adaptive import adaptive_sharpness
 from sharpness.measures._epsilon import epsilon_sharpness, second_order
 from sharpness.measures._registry import MEASURES, get_measure
 from sharpness.measures._verify import Rescalings, verify_invariance
@@ -178,6 +180,8 @@ def _compute(args: argparse.Namespace) -> int:
         raise SpecError(f"--k must be at least 1, got {args.k}")
     if args.epsilon is not None and not (math.isfinite(args.epsilon) and args.epsilon > 0):
         raise SpecError(f"--epsilon must be positive and finite, got {args.epsilon}")
+    if args.adaptive is not None and not (math.isfinite(args.adaptive) and args.adaptive > 0):
+        raise SpecError(f"--adaptive must be a positive and finite relative radius, got {args.adaptive}")
     if not (math.isfinite(args.memory_mib) and args.memory_mib > 0):
         raise SpecError(f"--memory-mib must be a positive number of MiB, got {args.memory_mib:g}")
     if not (math.isfinite(args.tol) and args.tol > 0):
@@ -188,7 +192,7 @@ def _compute(args: argparse.Namespace) -> int:
     progress = False if args.quiet else None
     # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
     objective = Objective(model, loss_fn, data, memory_budget=int(args.memory_mib * 2**20))
-    measures = {}
+    measures, node_results = {}, {}
     # Measures asked for by name must apply; by default or with `all`, one that does not is recorded with its reason.
     skip_unsupported = not args.metric or "all" in args.metric
     for name in names:
@@ -201,6 +205,8 @@ def _compute(args: argparse.Namespace) -> int:
             measures[name] = {"skipped": str(err), "measure": measure.to_dict()}
             continue
         entry = {**res.to_dict(), "measure": measure.to_dict()}
+        if name == "node":
+            node_results["node"] = res
         if args.epsilon is not None:
             if measure.has_ball:
                 eps = epsilon_sharpness(None, None, None, args.epsilon, measure, eigen=res, objective=objective,
@@ -210,9 +216,18 @@ def _compute(args: argparse.Namespace) -> int:
                 entry["epsilon"] = {"epsilon": args.epsilon, "second_order": second_order(res.value, args.epsilon,
                                     res.info["loss"]), "measured": None}  # fmt: skip
         measures[name] = entry
+    adaptive = None
+    if args.adaptive is not None:
+        eigen = node_results.get("node")
+        adaptive = {
+            kind: adaptive_sharpness(None, None, None, args.adaptive, kind, eigen=eigen, objective=objective,
+                                     progress=progress).to_dict()  # fmt: skip
+            for kind in ADAPTIVE_KINDS
+        }
     report = {
         **objective.facts(),
         "measures": measures,
+        "adaptive": adaptive,
         "solver": solver.to_dict(),
         "k": args.k,
         "model": args.model,
@@ -247,6 +262,12 @@ def _table(report: dict) -> str:
             shown = "-" if measured is None else format(measured, ".4g")
             row += f" {m['epsilon']['second_order']:>16.4g} {shown:>15}"
         lines.append(row + "   " + (", ".join(m["measure"]["invariant_under"]) or "nothing"))
+    if report.get("adaptive"):
+        rho = report["adaptive"]["l2"]["rho"]
+        lines += ["", f"adaptive sharpness, rho = {rho:g} (loss increase over the |w|-scaled ball; invariant):"]
+        for kind, a in report["adaptive"].items():
+            error = f" +- {a['standard_error']:.2g}" if a["standard_error"] is not None else ""
+            lines.append(f"  {kind:<8} {a['value']:.6g}{error}")
     return "\n".join(lines)
 
 
@@ -345,6 +366,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     compute.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
     compute.add_argument("--epsilon", type=float, help="also report epsilon-sharpness for this radius")
+    compute.add_argument(
+        "--adaptive", type=float, metavar="RHO",
+        help="also report adaptive sharpness (l2 and l-infinity worst case, average case) for this relative "
+        "radius, e.g. 0.05",
+    )  # fmt: skip
     compute.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
     compute.add_argument(
         "--method", choices=SOLVERS, default="lanczos",

@@ -136,12 +136,18 @@ def test_compute_writes_the_documented_json(files, tmp_path):
         "2",
         "--epsilon",
         "0.01",
+        "--adaptive",
+        "0.05",
         "--json",
         str(out),
         "--quiet",
     )
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
+    adaptive = report["adaptive"]
+    assert set(adaptive) == {"l2", "linf", "average"} and adaptive["l2"]["rho"] == 0.05
+    assert 0 < adaptive["l2"]["value"] <= adaptive["linf"]["value"]  # the l2 ball lies inside the l-infinity one
+    assert adaptive["average"]["standard_error"] > 0 and "adaptive sharpness, rho = 0.05" in r.stdout
     assert report["n_params"] == 8 * 6 + 6 + 6 * 3 + 3 and report["loss"] > 0
     assert report["model"] == MODEL and report["data"] == DATA and "torch" in report["versions"]
     for name in ("euclidean", "layer", "node"):
@@ -263,6 +269,7 @@ BAD_INPUTS = {
     "negative tolerance": (["--tol", "-1"], "--tol must be a positive number"),
     "NaN tolerance": (["--tol", "nan"], "--tol must be a positive number"),
     "infinite epsilon": (["--epsilon", "inf"], "--epsilon must be positive"),
+    "negative adaptive radius": (["--adaptive", "-0.1"], "--adaptive must be a positive and finite relative radius"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
     "output is the checkpoint": (["--json", "{d}/model.pt"], "is one of the inputs"),
     "text labels in .npz": (["--data", "{d}/text_labels.npz"], "array y in"),

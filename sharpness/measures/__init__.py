@@ -1,6 +1,9 @@
 """Sharpness measures: one :class:`Measure` object per geometry in one registry (:data:`MEASURES`), the
-functions that compute them, epsilon-sharpness and invariance verification."""
+functions that compute them, epsilon- and adaptive sharpness and invariance verification."""
 
+from sharpness.measures._adaptive import AdaptiveSharpness as AdaptiveSharpness
+from sharpness.measures._adaptive import Ascent as Ascent
+from sharpness.measures._adaptive import adaptive_sharpness as adaptive_sharpness
 from sharpness.measures._entry_points import invariant_sharpness as invariant_sharpness
 from sharpness.measures._entry_points import measure_sharpness as measure_sharpness
 from sharpness.measures._epsilon import EpsilonSharpness as EpsilonSharpness
@@ -26,6 +29,9 @@ from sharpness.measures._verify import verify_invariance as verify_invariance
 
 __all__ = [
     "MEASURES",
+    "AdaptiveSharpness",
+    "Ascent",
+    "adaptive_sharpness",
     "BallGeometry",
     "CurvatureOperator",
     "EpsilonSharpness",
