@@ -38,7 +38,8 @@ DEFAULT_COMPUTE = ("euclidean", "layer", "node")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str = "float64") -> None:
-    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``: shared with ``python -m landscape``.
+    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``, ``--device``: shared with
+    ``python -m landscape``.
 
     ``default_dtype`` is the ``--dtype`` default (and what its help says): float64 for curvature, while
     ``python -m landscape`` passes float32 (a grid evaluates thousands of points)."""
@@ -57,6 +58,30 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=default_dtype, help=f"evaluation dtype (default: {default_dtype})"
     )
+    parser.add_argument(
+        "--device", default="cpu",
+        help="where to evaluate: cpu (default), cuda, cuda:1, mps ...; the model moves there, the data are moved "
+        "chunk by chunk",
+    )  # fmt: skip
+
+
+def parse_device(text: str) -> torch.device:
+    """``--device`` as a :class:`torch.device`, refused in one sentence when it does not exist on this machine."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise SpecError(f"--device {text!r} is not a device name; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise SpecError(f"--device {text}: no CUDA device is available on this machine; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise SpecError(f"--device {text}: this machine has {count} CUDA device(s), numbered from 0")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise SpecError(f"--device {text}: MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise SpecError(f"--device {text}: only cpu, cuda and mps are supported")
+    return device
 
 
 def command_inputs(args: argparse.Namespace) -> tuple[str | None, ...]:
@@ -70,7 +95,7 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     load_checkpoint(model, args.checkpoint)
     X, y = load_data(args.data)
     dtype = DTYPES[args.dtype]
-    model = model.to(dtype)
+    model = model.to(parse_device(args.device), dtype)
     X = X.to(dtype)
     # finite in the checkpoint's own dtype (checked on loading) is not enough: a cast to float32 can overflow
     for name, tensor in model.state_dict().items():

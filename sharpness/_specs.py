@@ -299,8 +299,9 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
     """Refuse class labels outside the model's output range (for integer targets)."""
     if y.is_floating_point():
         return
+    first = next(model.parameters())
     with torch.no_grad():
-        out = model(X[:1].to(next(model.parameters()).dtype))
+        out = model(X[:1].to(first.device, first.dtype))
     n_out = out.shape[-1]
     lo, hi = int(y.min()), int(y.max())
     if lo < 0 or hi >= n_out:

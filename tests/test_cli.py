@@ -269,6 +269,8 @@ BAD_INPUTS = {
     "negative tolerance": (["--tol", "-1"], "--tol must be a positive number"),
     "NaN tolerance": (["--tol", "nan"], "--tol must be a positive number"),
     "infinite epsilon": (["--epsilon", "inf"], "--epsilon must be positive"),
+    "unknown device name": (["--device", "gpu"], "--device 'gpu' is not a device name"),
+    "absent device": (["--device", "cuda:99"], "--device cuda:99"),
     "negative adaptive radius": (["--adaptive", "-0.1"], "--adaptive must be a positive and finite relative radius"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
     "output is the checkpoint": (["--json", "{d}/model.pt"], "is one of the inputs"),
