@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from manifolds import FirstLayerSplit, split_first_layer
 from sharpness import Objective
 from sharpness.io import progress_bar
 from sharpness.products import eval_mode
@@ -113,48 +114,28 @@ class GridValues:
         return len(self.loss) / max(self.seconds, 1e-12)
 
 
-@dataclass(frozen=True)
-class _Split:
-    """An ``nn.Sequential`` cut after its first parameterized (linear) module."""
+def split_first_linear(objective: Objective) -> FirstLayerSplit | None:
+    """The model cut after its first layer for the fast path, or ``None`` when it does not have that shape.
 
-    prefix: nn.Module  # parameter-free modules before it (e.g. Flatten), applied once per data chunk
-    first: nn.Module
-    first_name: str
-    rest: nn.Module  # the modules after it, without a leading ReLU when relu_first
-    relu_first: bool
-
-
-def split_first_linear(model: nn.Module, names: Sequence[str]) -> _Split | None:
-    """Cut ``model`` for the fast path, or ``None`` when it does not have the right shape.
-
-    The fast path needs an ``nn.Sequential`` whose leading modules hold no parameters or buffers and
-    whose first parameterized module is linear in its parameters, all of them in ``names`` (the
-    parameters the grid moves).
+    The fast path needs a first parameterized module that is linear in its parameters (Linear, a
+    convolution), reached from the input by parameter- and buffer-free operations only, with no connection
+    skipping it, and all its parameters among those the grid moves. The cut is read off the model's traced
+    graph (:attr:`Objective.structure`), so any traceable model qualifies, not only an ``nn.Sequential``.
     """
-    if not isinstance(model, nn.Sequential):
+    traced = objective.structure.traced
+    if traced is None or traced.graph is None:
         return None
-    children = list(model.named_children())
-    for i, (name, module) in enumerate(children):
-        has_params = any(True for _ in module.parameters())
-        if not has_params:
-            if any(True for _ in module.buffers()):
-                return None
-            continue
-        if not isinstance(module, _LINEAR_MODULES):
-            return None
-        if any(f"{name}.{p}" not in names for p, _ in module.named_parameters()):
-            return None
-        relu_first = i + 1 < len(children) and type(children[i + 1][1]) is nn.ReLU
-        rest = model[i + 2 :] if relu_first else model[i + 1 :]
-        return _Split(prefix=model[:i], first=module, first_name=name, rest=rest, relu_first=relu_first)
-    return None
+    split = split_first_layer(traced.graph, objective.model, _LINEAR_MODULES, fold_relu=True)
+    if split is None or any(f"{split.name}.{p}" not in objective.params for p, _ in split.layer.named_parameters()):
+        return None
+    return split
 
 
 def choose_strategy(objective: Objective, strategy: str = "auto") -> str:
     """Resolve ``strategy`` for this objective (``"first-layer"`` only where the model allows it)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown grid strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    fast = split_first_linear(objective.model, list(objective.params)) is not None
+    fast = split_first_linear(objective) is not None
     if strategy == "first-layer" and not fast:
         raise ValueError(
             f"the first-layer fast path needs an nn.Sequential whose first parameterized module is Linear or "
@@ -320,16 +301,17 @@ def _columns(layout, names: Sequence[str], device: torch.device) -> Tensor:
     return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def _mlp_layers(rest: nn.Module, names: Sequence[str]) -> list[tuple[str, nn.Module]] | None:
-    """The children of ``rest`` when it is a plain chain of ``Linear`` and ``ReLU`` whose parameters
-    all move with the grid (then batched matrix products replace vmap), else ``None``."""
-    children = list(rest.named_children())
-    for name, module in children:
+def _mlp_layers(chain, names: Sequence[str]) -> list[tuple[str, nn.Module]] | None:
+    """The steps of ``chain`` (a :attr:`FirstLayerSplit.chain`) when it is a plain chain of ``Linear`` and
+    ``ReLU`` whose parameters all move with the grid (then batched matrix products replace vmap), else ``None``."""
+    if chain is None:
+        return None
+    for name, module in chain:
         if type(module) is nn.ReLU:
             continue
         if type(module) is not nn.Linear or any(f"{name}.{p}" not in names for p, _ in module.named_parameters()):
             return None
-    return children
+    return list(chain)
 
 
 class _FirstLayer:
@@ -337,19 +319,19 @@ class _FirstLayer:
     the other layers evaluated for a batch of grid points at once (their parameters from the linear
     grid, or from a point map whose first layer is linear in the coordinates)."""
 
-    def __init__(self, objective: Objective, split: _Split, theta: Tensor, D: Tensor):
+    def __init__(self, objective: Objective, split: FirstLayerSplit, theta: Tensor, D: Tensor):
         layout = objective.layout
         self.split, self.loss_fn, self.buffers = split, objective.loss_fn, objective.buffers
-        self.first_theta = _sub(layout.unflatten(theta), split.first_name)
-        self.first_dirs = [_sub(layout.unflatten(d), split.first_name) for d in D]
-        self.rest_names = [n for n in layout.names if not n.startswith(split.first_name + ".")]
-        self.first_names = [n for n in layout.names if n.startswith(split.first_name + ".")]
+        self.first_theta = _sub(layout.unflatten(theta), split.name)
+        self.first_dirs = [_sub(layout.unflatten(d), split.name) for d in D]
+        self.rest_names = [n for n in layout.names if not n.startswith(split.name + ".")]
+        self.first_names = [n for n in layout.names if n.startswith(split.name + ".")]
         self.rest_shapes = [(n, layout.shapes[layout.names.index(n)]) for n in self.rest_names]
         rest_index = _columns(layout, self.rest_names, theta.device)
         # only the later layers' parameters are formed per grid point: a compact flat block
         self.rest_theta, self.rest_dirs = theta[rest_index], D[:, rest_index]
         self.rest_points: _Points | None = None
-        self.mlp = _mlp_layers(split.rest, layout.names)
+        self.mlp = _mlp_layers(split.chain, layout.names)
         self.scratch: dict[str, Tensor] = {}
 
     def _scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -366,8 +348,8 @@ class _FirstLayer:
         theta and along each direction. For a chain of ``Linear`` and ``ReLU`` on ``(n, features)`` rows
         the outputs are stored transposed, ``(features, n)``, see :meth:`_mlp`."""
         xp = self.split.prefix(x)
-        z0 = functional_call(self.split.first, self.first_theta, (xp,))
-        zd = [functional_call(self.split.first, d, (xp,)) for d in self.first_dirs]
+        z0 = functional_call(self.split.layer, self.first_theta, (xp,))
+        zd = [functional_call(self.split.layer, d, (xp,)) for d in self.first_dirs]
         if self.mlp is not None and z0.dim() == 2:
             z0, zd = z0.T, [z.T for z in zd]
         return tuple(z0.shape), torch.stack([z0, *zd]).reshape(len(zd) + 1, -1)
@@ -392,12 +374,13 @@ class _FirstLayer:
         stored, and put the outputs in the layout in which a softmax over classes is fast (measured on
         the MLP 784-300-100-10: the loss 6x faster than on ``(P, n, classes)``).
         """
-        for name, module in self.mlp:
+        for step, (name, module) in enumerate(self.mlp):
             if type(module) is nn.ReLU:
                 h = h.relu_()
                 continue
             weight, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
-            out = self._scratch(name, (h.shape[0], weight.shape[1], h.shape[2]), h)
+            # one buffer per step, not per module: a module called twice must not write over its own input
+            out = self._scratch(f"step {step}", (h.shape[0], weight.shape[1], h.shape[2]), h)
             h = torch.bmm(weight, h, out=out) if bias is None else torch.baddbmm(bias.unsqueeze(2), weight, h, out=out)
         return h
 
@@ -512,7 +495,7 @@ def evaluate_grid(
     theta = layout.flatten(objective.params) if center is None else torch.as_tensor(center).to(device, dtype)
     n_points = C.shape[0]
     chunk = objective.data.chunk_size or objective.n_samples
-    split = split_first_linear(objective.model, list(objective.params)) if strategy == "first-layer" else None
+    split = split_first_linear(objective) if strategy == "first-layer" else None
     moved = layout.size if split is None else sum(p.numel() for p in split.rest.parameters())
     per_point = _bytes_per_point(objective, min(chunk, objective.n_samples), moved)
     if batch is None:
@@ -582,7 +565,7 @@ def evaluate_points(
     dtype, device, layout = objective.dtype, objective.device, objective.layout
     C = _coords(coords, objective, None)
     n_points, k = C.shape
-    split = split_first_linear(objective.model, list(objective.params)) if strategy == "first-layer" else None
+    split = split_first_linear(objective) if strategy == "first-layer" else None
     if split is not None:
         theta, D = (torch.as_tensor(t).to(device, dtype) for t in first_layer)
         if tuple(theta.shape) != (layout.size,) or tuple(D.shape) != (k, layout.size):

@@ -9,7 +9,10 @@ from manifolds._fixed_model import FixModel as FixModel
 from manifolds._gauge import GaugeHistory as GaugeHistory
 from manifolds._gauge import min_norm_gauge as min_norm_gauge
 from manifolds._gauge import min_norm_gauge_parameters as min_norm_gauge_parameters
+from manifolds._graph import FirstLayerSplit as FirstLayerSplit
 from manifolds._graph import TracedNetwork as TracedNetwork
+from manifolds._graph import module_chain as module_chain
+from manifolds._graph import split_first_layer as split_first_layer
 from manifolds._graph import trace_network as trace_network
 from manifolds._group import Action as Action
 from manifolds._group import RescalingGroup as RescalingGroup
@@ -60,6 +63,9 @@ __all__ = [
     "Pin",
     "RescalingGroup",
     "TracedNetwork",
+    "FirstLayerSplit",
+    "module_chain",
+    "split_first_layer",
     "trace_network",
     "buffer_group",
     "LayerScaleQuotient",

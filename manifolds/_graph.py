@@ -182,3 +182,153 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     else:
         failure = f"the input shape of {type(model).__name__} is unknown; pass example_input=<one input batch>"
     return TracedNetwork(model, graph, failure, sequential)
+
+
+# ------------------------------------------------------------------------------------------------
+# views of the graph for the fast product and grid paths
+
+_RELU_FUNCTIONS = {"relu", "relu_"}
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+
+
+def _is_metadata(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("size", "dim", "numel")
+    return node.op == "call_function" and node.target is getattr
+
+
+def _as_module(node: fx.Node, model: nn.Module) -> tuple[str, nn.Module] | None:
+    """A chain step as ``(name, module)``: a module call, or a functional ReLU / flatten as its module."""
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        return str(node.target), model.get_submodule(str(node.target))
+    name = _target_name(node)
+    if node.op in ("call_function", "call_method") and name in _RELU_FUNCTIONS and len(node.args) == 1:
+        return "", nn.ReLU()
+    if name == "flatten" and node.op in ("call_function", "call_method") and not node.kwargs:
+        rest = node.args[1:]
+        if rest in ((1,), ()) if node.op == "call_method" else rest == (1,):
+            return "", nn.Flatten()
+    return None
+
+
+def module_chain(graph: fx.Graph, model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The graph as a chain ``input -> step_1 -> ... -> output``, each step one module (functional ReLU and
+    ``flatten(x, 1)`` as their modules, with the name ``""``), or ``None`` when it branches or calls anything
+    else.
+    """
+    steps: list[tuple[str, nn.Module]] = []
+    current: fx.Node | None = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if current is not None:
+                return None
+            current = node
+            continue
+        if node.op == "output":
+            return steps if node.args[0] is current and steps else None
+        if _is_metadata(node) or current is None or node.args[:1] != (current,) or len(current.users) != 1:
+            return None
+        step = _as_module(node, model)
+        if step is None:
+            return None
+        steps.append(step)
+        current = node
+    return None
+
+
+@dataclass(frozen=True)
+class FirstLayerSplit:
+    """A model cut at its first parameterized module: ``model(x) = rest(act(layer(prefix(x))))``.
+
+    Attributes:
+        prefix: the parameter-free operations before the layer (a ``GraphModule``; the identity if none).
+        name: the layer's qualified name (its parameters are ``name.weight``, ``name.bias``).
+        layer: the layer module.
+        relu_first: whether ``act`` is a ReLU that is the layer's only consumer (else the identity).
+        rest: everything after (a ``GraphModule`` keeping the model's parameter names).
+        chain: ``rest`` as ``(name, module)`` steps when it is a plain chain (see :func:`module_chain`).
+    """
+
+    prefix: nn.Module
+    name: str
+    layer: nn.Module
+    relu_first: bool
+    rest: nn.Module
+    chain: tuple[tuple[str, nn.Module], ...] | None
+
+
+def split_first_layer(
+    graph: fx.Graph, model: nn.Module, kinds: tuple[type[nn.Module], ...], fold_relu: bool = False
+) -> FirstLayerSplit | None:
+    """Cut ``model`` after its first parameterized module, or ``None`` when it does not have that shape.
+
+    The first node using parameters or buffers must be a call of a module of one of ``kinds`` on a tensor
+    computed from the input by parameter-free operations only, and nothing after it may use the input or
+    those operations again (no connection skips the layer).
+
+    Args:
+        graph: the model's fx graph (:attr:`TracedNetwork.graph`).
+        model: the model.
+        kinds: the module types the first layer may have.
+        fold_relu: also cut after a ReLU that is the layer's only consumer (``relu_first``).
+    """
+    nodes = list(graph.nodes)
+    before: list[fx.Node] = []
+    first = None
+    for node in nodes:
+        if node.op == "get_attr":
+            return None
+        if node.op == "call_module":
+            module = model.get_submodule(str(node.target))
+            if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+                first = node
+                break
+        if node.op == "output":
+            return None
+        before.append(node)
+    if first is None or len(first.args) != 1 or first.kwargs or not isinstance(first.args[0], fx.Node):
+        return None
+    layer = model.get_submodule(str(first.target))
+    if type(layer) not in kinds or sum(n.op == "placeholder" for n in before) != 1:
+        return None
+    inside = set(before)
+    if any(user not in inside and user is not first for node in before for user in node.users):
+        return None
+    cut, relu_first = first, False
+    if fold_relu and len(first.users) == 1:
+        (user,) = first.users
+        step = _as_module(user, model) if user.args[:1] == (first,) else None
+        if step is not None and type(step[1]) is nn.ReLU:
+            cut, relu_first = user, True
+
+    prefix_graph = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    for node in before:
+        remap[node] = prefix_graph.node_copy(node, lambda n: remap[n])
+    prefix_graph.output(remap[first.args[0]])
+
+    rest_graph = fx.Graph()
+    remap = {cut: rest_graph.placeholder("h")}
+    started = False
+    for node in nodes:
+        if node is cut:
+            started = True
+            continue
+        if started:
+            if any(n not in remap for n in node.all_input_nodes):
+                return None
+            remap[node] = rest_graph.node_copy(node, lambda n: remap[n])
+    chain = module_chain(rest_graph, model)
+    return FirstLayerSplit(
+        prefix=fx.GraphModule(model, prefix_graph),
+        name=str(first.target),
+        layer=layer,
+        relu_first=relu_first,
+        rest=fx.GraphModule(model, rest_graph),
+        chain=tuple(chain) if chain is not None else None,
+    )

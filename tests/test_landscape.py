@@ -139,6 +139,11 @@ def _flatten_mlp() -> nn.Sequential:
 
 
 def _grid_problem(name: str, dtype: torch.dtype):
+    if name in ("resnet", "shared"):  # read off the traced graph: BatchNorm and residuals, a module used twice
+        from test_group_zoo import build
+
+        model, x, y, *_ = build(name)
+        return model.to(dtype), nn.CrossEntropyLoss(), (x.to(dtype), y)
     if name == "flatten_mlp":
         g = torch.Generator().manual_seed(2)
         model = _flatten_mlp().to(dtype)
@@ -149,11 +154,11 @@ def _grid_problem(name: str, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name", ["mlp_bias", "cnn", "mlp_mse_sum", "flatten_mlp"])
+@pytest.mark.parametrize("name", ["mlp_bias", "cnn", "mlp_mse_sum", "flatten_mlp", "resnet", "shared"])
 def test_fast_path_equals_plain_loop(name, dtype):
     model, loss_fn, data = _grid_problem(name, dtype)
     obj = Objective(model, loss_fn, data, chunk_size=5)  # several data chunks
-    assert split_first_linear(model, list(obj.params)) is not None
+    assert split_first_linear(obj) is not None
     d = landscape.random_directions(obj.params, k=2, seed=0)
     coords = np.stack(np.meshgrid(np.linspace(-1, 1, 5), np.linspace(-0.7, 0.9, 4)), -1).reshape(-1, 2)
     fast = landscape.evaluate_grid(obj, d.vectors, coords, strategy="first-layer", batch=3, progress=False)

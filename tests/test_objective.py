@@ -5,6 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from cases import make_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -351,13 +352,18 @@ def test_data_convolution_path_gives_exact_hvps(dim, conv_kwargs):
 
 
 def test_data_convolution_path_only_where_it_applies():
+    from manifolds import trace_network
     from sharpness.products._data_conv import split_data_convolution
 
     def names(m):
         return [k for k, _ in m.named_parameters()]
 
+    def graph(m):
+        return trace_network(m).graph
+
     plain = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
-    assert split_data_convolution(plain, names(plain)).name == "0"
+    assert split_data_convolution(plain, names(plain), graph(plain)).name == "0"
+    assert split_data_convolution(plain, names(plain), None) is None  # no graph, no cut
     for model in (
         nn.Sequential(nn.Linear(4, 2)),  # not a convolution
         nn.Sequential(nn.Conv2d(1, 2, 3, padding_mode="reflect", padding=1)),
@@ -365,9 +371,9 @@ def test_data_convolution_path_only_where_it_applies():
         nn.Sequential(nn.BatchNorm2d(1), nn.Conv2d(1, 2, 3)),  # something with state before it
         nn.Sequential(nn.ConvTranspose2d(1, 2, 3)),
     ):
-        assert split_data_convolution(model, names(model)) is None
+        assert split_data_convolution(model, names(model), graph(model)) is None
     # The convolution's weight is not among the differentiated parameters.
-    assert split_data_convolution(plain, ["0.bias"]) is None
+    assert split_data_convolution(plain, ["0.bias"], graph(plain)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
@@ -406,3 +412,38 @@ def test_targets_of_the_outputs_shape_and_ignored_labels_are_accepted():
     assert float(Objective(model, nn.MSELoss(), (torch.randn(6, 5), torch.randn(6, 3))).value()) > 0
     ignored = torch.tensor([0, -100, 1, 2, -100, 1])  # CrossEntropyLoss's ignore_index
     assert float(Objective(model, nn.CrossEntropyLoss(), (torch.randn(6, 5), ignored)).value()) > 0
+
+
+class _FunctionalChain(nn.Module):
+    """A chain written as a forward with functional calls: the R-operator reads it from the traced graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc1, self.fc2 = nn.Conv2d(1, 3, 3), nn.Linear(12, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.flatten(F.relu(self.conv(x)), 1)
+        return self.fc2(F.relu(self.fc1(h)))
+
+
+@pytest.mark.parametrize("name", ["resnet", "vgg_bn", "shared", "functional_chain"])
+def test_graph_cuts_give_exact_hvps_beyond_sequential(name):
+    """The data-convolution cut and the R-operator chain come from the traced graph: a BatchNorm ResNet gets
+    the former, a forward calling modules one by one (a module called twice included) the latter."""
+    from test_group_zoo import build
+
+    if name == "functional_chain":
+        torch.manual_seed(0)
+        model = _FunctionalChain().double().eval()
+        x, y = torch.randn(7, 1, 4, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    else:
+        model, x, y, *_ = build(name)
+    obj = Objective(model, nn.CrossEntropyLoss(), (x, y), chunk_size=4)
+    expected = {"resnet": (True, False), "vgg_bn": (True, False), "shared": (False, True),
+                "functional_chain": (True, True)}[name]  # fmt: skip
+    assert (obj._data_conv is not None, obj._rop is not None) == expected
+    H = dense_hessian(obj)
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    scale = float((H @ v).abs().max())
+    for strategy in ("graph", "double_backward", *(("rop",) if expected[1] else ())):
+        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=1e-12 * scale, msg=strategy)

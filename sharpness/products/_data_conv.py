@@ -8,9 +8,10 @@ channel, that is the slowest convolution of the whole product (about 40% of an H
 paper's small CNN). :class:`DataConvolution` computes the same function and the same derivatives of
 every order that HVPs use, without it.
 
-:func:`split_data_convolution` finds where it applies: an ``nn.Sequential`` whose first parameterized
-module is a ``Conv1d/2d/3d`` with zero padding given as integers, preceded only by modules without
-parameters or buffers.
+:func:`split_data_convolution` finds where it applies, on the model's traced graph: any model (a
+chain, a ResNet) whose first parameterized module is a ``Conv1d/2d/3d`` with zero padding given as
+integers, reached from the input by operations without parameters or buffers, with nothing else using
+the input.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
+
+from manifolds import split_first_layer
 
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -85,13 +88,13 @@ class _Convolution(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class DataConvolution:
-    """An ``nn.Sequential`` cut at its first (data-facing) convolution.
+    """A model cut at its first (data-facing) convolution.
 
     Attributes:
-        prefix: the parameter-free modules before the convolution (e.g. a reshape).
+        prefix: the parameter-free operations before the convolution (e.g. a reshape).
         name: the convolution's name in the model (its parameters are ``name.weight``, ``name.bias``).
         args: stride, padding, dilation, groups of the convolution.
-        rest: the modules after it (a ``Sequential`` keeping the model's child names).
+        rest: everything after it (a ``GraphModule`` keeping the model's parameter names).
     """
 
     prefix: nn.Module
@@ -112,24 +115,25 @@ class DataConvolution:
         return torch.func.functional_call(self.rest, inner, (out,))
 
 
-def split_data_convolution(model: nn.Module, names: Mapping[str, Tensor] | list[str]) -> DataConvolution | None:
+def split_data_convolution(
+    model: nn.Module, names: Mapping[str, Tensor] | list[str], graph: fx.Graph | None
+) -> DataConvolution | None:
     """The :class:`DataConvolution` cut of ``model``, or ``None`` when it does not have that shape.
 
     Args:
         model: the network.
         names: the names of the parameters that are differentiated (the convolution's must be among them).
+        graph: the model's traced graph (:attr:`manifolds.TracedNetwork.graph`); ``None``: no cut.
     """
-    if not isinstance(model, nn.Sequential):
+    if graph is None:
         return None
-    for i, (name, module) in enumerate(model.named_children()):
-        if not any(True for _ in module.parameters()):
-            if any(True for _ in module.buffers()):
-                return None
-            continue
-        if type(module) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d) or module.padding_mode != "zeros":
-            return None
-        if isinstance(module.padding, str) or any(f"{name}.{p}" not in names for p, _ in module.named_parameters()):
-            return None
-        args = _ConvArgs(tuple(module.stride), tuple(module.padding), tuple(module.dilation), module.groups)
-        return DataConvolution(prefix=model[:i], name=name, args=args, rest=model[i + 1 :])
-    return None
+    split = split_first_layer(graph, model, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    if split is None:
+        return None
+    conv = split.layer
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return None
+    if any(f"{split.name}.{p}" not in names for p, _ in conv.named_parameters()):
+        return None
+    args = _ConvArgs(tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
+    return DataConvolution(prefix=split.prefix, name=split.name, args=args, rest=split.rest)

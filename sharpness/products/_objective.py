@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vmap
 
-from manifolds import NetworkStructure, ParamLayout, analyze
+from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
 from sharpness.products._data import ChunkedData, DataError, cast_batch
-from sharpness.products._data_conv import split_data_convolution
+from sharpness.products._data_conv import DataConvolution, split_data_convolution
 from sharpness.products._rop import ChunkState, RopChain, add_products, forward_state, rop_chain
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
@@ -128,10 +128,6 @@ class Objective:
             k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
         }
         self.layout = ParamLayout.from_tensors(self.params)
-        # Where the model starts with a convolution of the data, second derivatives skip its input gradient.
-        self._data_conv = split_data_convolution(model, self.params)
-        # Where the model is a chain of affine layers and piecewise-linear modules, HVPs by hand.
-        self._rop = rop_chain(model, self.params)
         self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_states: list | None = None  # the chunks' cached forward state (strategy "rop")
         self.memory_budget = int(memory_budget)
@@ -149,6 +145,10 @@ class Objective:
         self.gradient_seconds: float | None = None
         # filled once, shared by the with_params copies
         self._structure: list[NetworkStructure] = [] if structure is None else [structure]
+        # Read off the traced graph (self.structure) on first use:
+        # where the model starts with a convolution of the data, second derivatives skip its input gradient;
+        # where the model is a chain of affine layers and piecewise-linear modules, HVPs by hand.
+        self._cuts: tuple[DataConvolution | None, RopChain | None] | None = None
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
@@ -189,6 +189,25 @@ class Objective:
         if not self._structure:
             self._structure.append(analyze(self.model, example_input=self.data.first_batch()[0]))
         return self._structure[0]
+
+    def _graph_cuts(self) -> tuple[DataConvolution | None, RopChain | None]:
+        if self._cuts is None:
+            try:
+                traced = self.structure.traced
+            except UnsupportedModelError:  # no graph: the generic autograd products apply
+                traced = None
+            graph = traced.graph if traced is not None else None
+            cut = split_data_convolution(self.model, self.params, graph)
+            self._cuts = (cut, rop_chain(self.model, self.params, graph))
+        return self._cuts
+
+    @property
+    def _data_conv(self) -> DataConvolution | None:
+        return self._graph_cuts()[0]
+
+    @property
+    def _rop(self) -> RopChain | None:
+        return self._graph_cuts()[1]
 
     def with_params(self, params: Mapping[str, Tensor]) -> Objective:
         """The same model, loss and data evaluated at other parameter values (same names and shapes)."""

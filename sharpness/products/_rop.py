@@ -1,11 +1,12 @@
 """Exact Hessian-vector products of feed-forward chains by the R-operator, written out by hand.
 
-For an ``nn.Sequential`` of affine layers (``Linear``, ``Conv1d/2d/3d``) and piecewise-linear
-parameter-free modules (``ReLU``, ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity``, and
-dropout, which is the identity in the eval mode the objective evaluates in),
-Pearlmutter's R-operator gives ``H v`` in closed form. Every piecewise-linear module acts, at the
-current point, as a fixed linear map ``P`` (a mask, a slope, a selection of window maxima, a reshape):
-its second derivative vanishes almost everywhere. With an affine layer ``z = A(h; W, b)``, its
+For a chain (an ``nn.Sequential``, or any forward calling modules one after the other) of affine
+layers (``Linear``, ``Conv1d/2d/3d``) and piecewise-linear parameter-free modules (``ReLU``,
+``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity``, and dropout, which is the identity in
+the eval mode the objective evaluates in), Pearlmutter's R-operator gives ``H v`` in closed form.
+Every piecewise-linear module acts, at the current point, as a fixed linear map ``P`` (a mask, a
+slope, a selection of window maxima, a reshape): its second derivative vanishes almost everywhere.
+With an affine layer ``z = A(h; W, b)``, its
 adjoints ``A_h^T`` (to the input) and ``A_W^T`` (to the weight), back-propagated errors
 ``delta = dL/dz`` and a tangent ``v = (V, c)``::
 
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
+
+from manifolds import module_chain
 
 _CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 _POOLS = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
@@ -251,17 +254,20 @@ class RopChain:
         return total * h.element_size()
 
 
-def rop_chain(model: nn.Module, params: Mapping[str, Tensor]) -> RopChain | None:
+def rop_chain(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> RopChain | None:
     """Read ``model`` as a chain the R-operator products handle, or ``None`` when it is not one.
 
-    It must be an ``nn.Sequential`` (no hooks) of ``Linear``, zero-padded ``Conv1d/2d/3d``, ``ReLU``,
-    ``LeakyReLU``, ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity`` and dropout modules, with at least one affine
-    layer and every affine layer's parameters among ``params`` (the trainable ones).
+    Its traced ``graph`` (:attr:`manifolds.TracedNetwork.graph`) must be a chain (:func:`manifolds.module_chain`:
+    an ``nn.Sequential`` or a forward calling modules one after the other, functional ReLU and flatten
+    included; no hooks) of ``Linear``, zero-padded ``Conv1d/2d/3d``, ``ReLU``, ``LeakyReLU``,
+    ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity`` and dropout, with at least one affine layer and every affine
+    layer's parameters among ``params`` (the trainable ones).
     """
-    if not isinstance(model, nn.Sequential) or _has_hooks(model):
+    chain = module_chain(graph, model) if graph is not None and not _has_hooks(model) else None
+    if chain is None:
         return None
     prefix, ops = [], []
-    for name, module in model.named_children():
+    for name, module in chain:
         if _has_hooks(module):
             return None
         if type(module) is nn.Linear or type(module) in _CONVS:
