@@ -189,24 +189,35 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
 
 _RELU_FUNCTIONS = {"relu", "relu_"}
 
+# Calls whose result describes a tensor (its shape) rather than carrying its values.
+_METADATA_METHODS = {"size", "dim", "numel"}
+_METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
 
-def _target_name(node: fx.Node) -> str:
+
+def target_name(node: fx.Node) -> str:
+    """The name of what a graph node calls: a method's name, or a function's without leading underscores."""
     if node.op == "call_method":
         return str(node.target)
     return getattr(node.target, "__name__", str(node.target)).lstrip("_")
 
 
-def _is_metadata(node: fx.Node) -> bool:
+def is_metadata(node: fx.Node) -> bool:
+    """Whether the node reads a tensor's shape, dtype or device (``x.size(0)``, ``x.shape``) and not its values."""
     if node.op == "call_method":
-        return node.target in ("size", "dim", "numel")
-    return node.op == "call_function" and node.target is getattr
+        return node.target in _METADATA_METHODS
+    return (
+        node.op == "call_function"
+        and node.target is getattr
+        and len(node.args) > 1
+        and node.args[1] in _METADATA_ATTRIBUTES
+    )
 
 
 def _as_module(node: fx.Node, model: nn.Module) -> tuple[str, nn.Module] | None:
     """A chain step as ``(name, module)``: a module call, or a functional ReLU / flatten as its module."""
     if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
         return str(node.target), model.get_submodule(str(node.target))
-    name = _target_name(node)
+    name = target_name(node)
     if node.op in ("call_function", "call_method") and name in _RELU_FUNCTIONS and len(node.args) == 1:
         return "", nn.ReLU()
     if name == "flatten" and node.op in ("call_function", "call_method") and not node.kwargs:
@@ -231,7 +242,7 @@ def module_chain(graph: fx.Graph, model: nn.Module) -> list[tuple[str, nn.Module
             continue
         if node.op == "output":
             return steps if node.args[0] is current and steps else None
-        if _is_metadata(node) or current is None or node.args[:1] != (current,) or len(current.users) != 1:
+        if is_metadata(node) or current is None or node.args[:1] != (current,) or len(current.users) != 1:
             return None
         step = _as_module(node, model)
         if step is None:

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, fx, nn
 
+from manifolds._graph import is_metadata, target_name
+
 _AFFINE = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
 _HOMOGENEOUS_MODULES: tuple[type[nn.Module], ...] = (
@@ -112,8 +114,6 @@ _NON_HOMOGENEOUS = {
     "sqrt", "pow", "abs", "square",
 }  # fmt: skip
 
-_METADATA_METHODS = {"size", "dim", "numel"}
-_METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
 
 
 @dataclass(frozen=True)
@@ -213,23 +213,6 @@ class Discovery:
         )
 
 
-def _target_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
-
-
-def _is_metadata(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _METADATA_METHODS
-    return (
-        node.op == "call_function"
-        and node.target is getattr
-        and len(node.args) > 1
-        and node.args[1] in _METADATA_ATTRIBUTES
-    )
-
-
 def _channels(shape: tuple[int, ...]) -> int:
     return shape[1] if len(shape) >= 2 else 1
 
@@ -254,7 +237,7 @@ class _Walker:
             return f"the network's input '{node.name}'"
         if node.op == "call_method":
             return f"method '.{node.target}()' (graph node '{node.name}')"
-        return f"function '{_target_name(node)}' (graph node '{node.name}')"
+        return f"function '{target_name(node)}' (graph node '{node.name}')"
 
     def shape(self, node: fx.Node) -> tuple[int, ...] | None:
         return node.meta.get("shape")
@@ -416,7 +399,7 @@ class _Walker:
         return self.unknown(node, data)
 
     def function(self, node: fx.Node, data: list[fx.Node]) -> None:
-        name = _target_name(node)
+        name = target_name(node)
         if any(
             isinstance(a, fx.Node) and a.op == "get_attr" for a in node.all_input_nodes
         ):  # parameters or buffers used directly by a function: no rule describes them
@@ -461,7 +444,7 @@ class _Walker:
         if first is source:
             return isinstance(second, (int, float)) and self.passthrough(node, source)
         return (
-            _target_name(node) in ("mul", "imul") and isinstance(first, (int, float)) and self.passthrough(node, source)
+            target_name(node) in ("mul", "imul") and isinstance(first, (int, float)) and self.passthrough(node, source)
         )
 
     def getitem(self, node: fx.Node, source: fx.Node) -> bool:
@@ -550,7 +533,7 @@ class _Walker:
                             self.ids[n], f"output of {self.label(n)}", "the network's output is the loss's input"
                         )
                 continue
-            if not inputs or _is_metadata(node):
+            if not inputs or is_metadata(node):
                 continue
             data.add(node)
             if node.op == "call_module":

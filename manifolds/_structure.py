@@ -1,22 +1,22 @@
-"""Structure of a model (its Linear/Conv2d layers in forward order) and its positive rescalings.
+"""What :func:`analyze` reads from a model: its exact rescaling group, and its chain of layers if it is one.
 
-A hidden unit (or conv channel) whose activation is positively homogeneous (``f(c x) = c f(x)`` for
-``c > 0``) admits the rescaling symmetry: multiply its incoming weights and bias by ``c``, divide its
-outgoing weights by ``c``, and the network computes the same function. :func:`analyze` finds the
-layers of a model in the order the forward pass uses them and lists every reason this symmetry fails
-(non-homogeneous activations, normalization, residual connections, weight sharing, ...);
-:func:`rescale_parameters` and friends apply rescalings functionally.
+The group comes from the rules of :mod:`manifolds._group_discovery` on the model's traced graph
+(:mod:`manifolds._graph`); it covers residual connections, BatchNorm, concatenation and shared modules.
+The chain view is what G-space and fixed weights need: Linear/Conv2d layers in forward order with only
+positively homogeneous operations between them, where a hidden unit (or channel) can be rescaled by
+multiplying its incoming weights and bias by ``c`` and dividing its outgoing weights by ``c``; every
+reason a model is not such a chain is recorded in ``problems``, naming the module or function.
 
-Discovery uses :func:`torch.fx.symbolic_trace`, so it sees functional calls (``F.relu``,
-``torch.flatten``, ``x.view``) and additions. When tracing fails (data-dependent control flow) it
-falls back to the children of an ``nn.Sequential`` (recursively flattened), and otherwise to the call
-order of leaf modules recorded with forward pre-hooks on one forward pass with ``example_input``. The
-hook fallback cannot see functional operations or additions (``F.gelu(x)``, ``x + y``), so on such a
-model it can report a structure as rescalable when it is not.
+Both read the one fx graph, so they see functional calls (``F.relu``, ``torch.flatten``, ``x.view``)
+and additions. When fx cannot trace a model the chain view falls back to the children of an
+``nn.Sequential``, and otherwise to the call order of leaf modules recorded with forward pre-hooks on
+one forward pass with ``example_input``, which cannot see functional operations or additions; there is
+no group then. :func:`rescale_parameters` and friends apply chain rescalings functionally;
+:func:`random_rescale` draws elements of the group.
 
-Only what happens between the first and the last layer matters: rescalings act on hidden units only,
-so the output of the last layer, and everything computed from it (a Sigmoid or Softmax head, the
-loss), is unchanged, and the input to the first layer is untouched.
+Only what happens between the first and the last layer matters for the chain view: rescalings act on
+hidden units only, so the output of the last layer, and everything computed from it (a Sigmoid or
+Softmax head, the loss), is unchanged, and the input to the first layer is untouched.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, fx, nn
 
-from manifolds._graph import TracedNetwork, trace_network
+from manifolds._graph import TracedNetwork, is_metadata, target_name, trace_network
 from manifolds._group import RescalingGroup
 from manifolds._group_discovery import discover
 
@@ -75,9 +75,6 @@ _HOMOGENEOUS_FUNCTIONS: dict[str, str] = {
 # Multiplying or dividing by a constant number is linear, hence homogeneous.
 _SCALAR_FUNCTIONS = {"mul", "truediv", "div"}
 
-# Calls whose result describes a tensor (its shape) rather than carrying its values.
-_METADATA_METHODS = {"size", "dim", "numel"}
-_METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
 
 _NORM_MODULES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._BatchNorm,
@@ -246,18 +243,6 @@ def _add_layer(trace: _Trace, name: str, module: nn.Module, seen: dict[str, int]
     return True
 
 
-class _Tracer(fx.Tracer):
-    # User subclasses of Linear/Conv2d stay single nodes so they are recognized as layers.
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, _LAYER_TYPES) or super().is_leaf_module(m, module_qualified_name)
-
-
-def _target_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
-
-
 def _node_label(node: fx.Node, model: nn.Module) -> str:
     if node.op == "call_module":
         return _module_label(str(node.target), model.get_submodule(str(node.target)))
@@ -265,18 +250,7 @@ def _node_label(node: fx.Node, model: nn.Module) -> str:
         return f"method '.{node.target}()' (graph node '{node.name}')"
     if node.op == "placeholder":
         return f"the input '{node.name}'"
-    return f"function '{_target_name(node)}' (graph node '{node.name}')"
-
-
-def _is_metadata(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _METADATA_METHODS
-    return (
-        node.op == "call_function"
-        and _target_name(node) == "getattr"
-        and len(node.args) > 1
-        and node.args[1] in _METADATA_ATTRIBUTES
-    )
+    return f"function '{target_name(node)}' (graph node '{node.name}')"
 
 
 def _is_scaling(node: fx.Node, name: str, data: fx.Node) -> bool:
@@ -320,7 +294,7 @@ def _trace_fx(model: nn.Module, graph: fx.Graph) -> _Trace:
             if used:
                 params[node] = used
             continue
-        if _is_metadata(node):
+        if is_metadata(node):
             continue
         seg = max(segment[n] for n in data_in)
         label = _node_label(node, model)
@@ -343,7 +317,7 @@ def _trace_fx(model: nn.Module, graph: fx.Graph) -> _Trace:
                 f"{label} uses the parameter(s) {', '.join(sorted(repr(p) for p in used))} directly, which "
                 "the structure cannot describe (use nn.Linear / nn.Conv2d modules)"
             )
-            trace.ops.append(_Op(_target_name(node), seg))
+            trace.ops.append(_Op(target_name(node), seg))
             continue
         if len(data_in) > 1:
             trace.hidden_problems.append(
@@ -354,12 +328,12 @@ def _trace_fx(model: nn.Module, graph: fx.Graph) -> _Trace:
                     True,
                 )
             )
-            trace.ops.append(_Op(_target_name(node), seg))
+            trace.ops.append(_Op(target_name(node), seg))
             continue
         if module is not None:
             trace.ops.append(_classify_module(str(node.target), module, seg))
             continue
-        name = _target_name(node)
+        name = target_name(node)
         if name in _HOMOGENEOUS_FUNCTIONS:
             trace.ops.append(_Op(_HOMOGENEOUS_FUNCTIONS[name], seg))
         elif _is_scaling(node, name, data_in[0]):

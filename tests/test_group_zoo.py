@@ -257,26 +257,33 @@ def test_measures_equal_dense_references_and_are_invariant(zoo):
         assert abs(values["euclidean"] / euclid.value - 1) > 1e-3
 
 
-def test_batchnorm_statistics_rescale_too():
-    model, x, y, *_ = build("resnet")
+@pytest.mark.parametrize(
+    ("name", "dim"),
+    [
+        ("resnet", 20 + 30),  # the six BatchNorm inputs: stem 4, layer1 4 + 4, layer2 6 + 6 + shortcut 6
+        ("preact_resnet", 12 + 8),  # the residual stream (4) and conv1's output (4)
+        ("vgg_bn", 15 + 10),  # both convolutions' outputs
+    ],
+)
+def test_batchnorm_statistics_rescale_too(name, dim):
+    model, x, y, *_ = build(name)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.eps = 1e-14
     group = buffer_group(model, x)
-    # the six BatchNorm inputs become free: stem 4, layer1 4 + 4, layer2 6 + 6 + shortcut 6
-    assert group.dim == 20 + 30
-    assert {a.name for a in group.actions if a.role == "buffer"} >= {"bn.running_mean", "bn.running_var"}
-    twin = random_rescale(model, "node", scale=1.0, generator=torch.Generator().manual_seed(4), buffers=True)
+    assert group.dim == dim
+    assert any(a.role == "buffer" and a.name.endswith("running_var") and a.power == 2 for a in group.actions)
+    twin = random_rescale(model, "node", scale=1.0, generator=torch.Generator().manual_seed(4), buffers=True,
+                          example_input=x)  # fmt: skip
     torch.testing.assert_close(twin(x), model(x), rtol=1e-12, atol=1e-12)
-    ratio = twin.bn.running_var / model.bn.running_var
-    torch.testing.assert_close(ratio, (twin.conv.weight / model.conv.weight)[:, 0, 0, 0] ** 2, rtol=1e-12, atol=0)
+    if name == "resnet":  # the stem BatchNorm's statistics follow its input channels
+        ratio = twin.bn.running_var / model.bn.running_var
+        torch.testing.assert_close(ratio, (twin.conv.weight / model.conv.weight)[:, 0, 0, 0] ** 2, rtol=1e-12, atol=0)
     loss = nn.CrossEntropyLoss()
-    before = {
-        m: measure_sharpness(model, loss, (x, y), m, solver=TIGHT, progress=False).value for m in ("node", "euclidean")
-    }
-    after = {
-        m: measure_sharpness(twin, loss, (x, y), m, solver=TIGHT, progress=False).value for m in ("node", "euclidean")
-    }
+    before, after = (
+        {m: measure_sharpness(net, loss, (x, y), m, solver=TIGHT, progress=False).value for m in ("node", "euclidean")}
+        for net in (model, twin)
+    )
     assert after["node"] == pytest.approx(before["node"], rel=1e-8)
     assert abs(after["euclidean"] / before["euclidean"] - 1) > 1e-2
 
@@ -320,3 +327,34 @@ def test_frozen_parameters_stay_fixed():
     twin = obj.with_params(group.act(obj.params, group.random_log_scales(1.0, torch.Generator().manual_seed(2))))
     again = measure_sharpness(model, loss, (x, y), "node", solver=TIGHT, objective=twin, progress=False)
     assert again.value == pytest.approx(node.value, rel=1e-8)
+
+
+class _Untraceable(nn.Module):
+    """Data-dependent control flow: fx cannot trace it, so the rescaling group is unknown."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.relu(h) if h.sum() > -1e9 else h)
+
+
+def test_node_measure_without_a_graph_is_unprojected_and_says_so():
+    torch.manual_seed(0)
+    model = _Untraceable().double().eval()
+    x, y = torch.randn(12, 4, dtype=torch.float64), torch.randint(0, 3, (12,))
+    loss = nn.CrossEntropyLoss()
+    obj = Objective(model, loss, (x, y))
+    assert obj.structure.group is None
+    result = measure_sharpness(model, loss, (x, y), "node", solver=TIGHT, objective=obj, progress=False)
+    assert "torch.fx cannot trace" in result.info["projection"]
+    w = obj.layout.flatten(obj.params)
+    log_hessian = w.abs()[:, None] * dense_hessian(obj) * w.abs()[None, :] + torch.diag(w * obj.gradient())
+    top = float(torch.linalg.eigvalsh(log_hessian)[-1])
+    assert top > 0 and result.value == pytest.approx(top, rel=1e-8)
+    # the traceable twin (same weights) projects, and its positive top eigenvalue is the same
+    twin = nn.Sequential(model.a, nn.ReLU(), model.b).eval()
+    projected = measure_sharpness(twin, loss, (x, y), "node", solver=TIGHT, progress=False)
+    assert "projection" not in projected.info and projected.value == pytest.approx(result.value, rel=1e-8)

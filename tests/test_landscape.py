@@ -229,8 +229,8 @@ def test_mlp_fast_path_accuracy_breaks_ties_like_argmax():
     assert values.loss == pytest.approx([math.log(3)] * 2, rel=1e-14)
 
 
-def test_auto_strategy_falls_back_for_other_models():
-    class Wrapped(nn.Module):
+def test_auto_strategy_reads_the_graph_and_falls_back_where_there_is_none():
+    class Wrapped(nn.Module):  # not an nn.Sequential, but its traced graph is a chain: the fast path applies
         def __init__(self):
             super().__init__()
             self.net = mlp([3, 4, 2]).double()
@@ -238,10 +238,21 @@ def test_auto_strategy_falls_back_for_other_models():
         def forward(self, x):
             return self.net(x)
 
+    class Untraceable(Wrapped):  # data-dependent control flow: no graph, so the plain loop
+        def forward(self, x):
+            return self.net(x) if x.sum() > -1e9 else -self.net(x)
+
     X, y = torch.randn(9, 3, dtype=torch.float64), torch.randint(0, 2, (9,))
-    obj = Objective(Wrapped().eval(), nn.CrossEntropyLoss(), (X, y))
-    d = landscape.random_directions(obj.params, k=1)
-    values = landscape.evaluate_grid(obj, d.vectors, np.array([[0.0], [0.5]]), progress=False)
+    wrapped = Objective(Wrapped().eval(), nn.CrossEntropyLoss(), (X, y))
+    d = landscape.random_directions(wrapped.params, k=1)
+    coords = np.array([[0.0], [0.5]])
+    fast = landscape.evaluate_grid(wrapped, d.vectors, coords, progress=False)
+    loop = landscape.evaluate_grid(wrapped, d.vectors, coords, strategy="loop", progress=False)
+    assert fast.strategy == "first-layer"
+    np.testing.assert_allclose(fast.loss, loop.loss, rtol=1e-13, atol=0)
+
+    obj = Objective(Untraceable().eval(), nn.CrossEntropyLoss(), (X, y))
+    values = landscape.evaluate_grid(obj, d.vectors, coords, progress=False)
     assert values.strategy == "loop"
     assert values.loss[0] == pytest.approx(obj.evaluate()["loss"], rel=1e-14)
     with pytest.raises(ValueError, match="first-layer fast path"):
