@@ -184,7 +184,7 @@ class Discovery:
             self.pinned[ra] = self.pinned[ra] or self.pinned[rb]
 
     def union_all(self, ids: Tensor) -> None:
-        flat = ids.reshape(-1).tolist()
+        flat = ids.unique().tolist()
         for b in flat[1:]:
             self.union(flat[0], b)
 
@@ -309,11 +309,12 @@ class _Walker:
         groups = getattr(module, "groups", 1)
         per_out, per_in = shape[0] // groups, shape[1]
         # Input channel of weight entry (o, j): the j-th channel of o's group.
-        cols = in_ids.reshape(groups, per_in).repeat_interleave(per_out, dim=0)
+        if groups == 1:  # every output sees every input channel: broadcast over the outputs
+            cols = in_ids.reshape(1, per_in)
+        else:
+            cols = in_ids.reshape(groups, per_in).repeat_interleave(per_out, dim=0)
         self.d.records.append(
-            Record(
-                weight, shape, out_ids.reshape(-1, 1, *rest), cols.reshape(shape[0], per_in, *rest), 1, "weight", name
-            )
+            Record(weight, shape, out_ids.reshape(-1, 1, *rest), cols.reshape(-1, per_in, *rest), 1, "weight", name)
         )
         if bias is not None:
             self.d.records.append(Record(bias, (shape[0],), out_ids, None, 1, "bias", name))
