@@ -215,6 +215,7 @@ def _fixed(args: argparse.Namespace) -> int:
     values = _check_values(args.values)
     spec = DirectionSpec(norm=args.norm, bias=args.bias, seed=args.seed)
     grid = Grid(span=args.span, steps=args.steps)
+    grid.require_memory(2)
     _check_files(args, [args.name], [f"{args.name}_b{b:g}" for b in values])
     model, loss_fn, data, _, dtype = _load(args)
     start = time.perf_counter()
@@ -356,6 +357,7 @@ def _real(args: argparse.Namespace) -> int:
         raise ValueError(f"--roots {args.roots} applies to --directions gspace only")
     spec = DirectionSpec(args.directions, args.norm, args.bias, args.metric, args.path, args.roots, args.seed)
     grid = Grid(span=args.span, steps=args.steps or (41 if getattr(args, "to", None) else 51))
+    grid.require_memory(2 if args.command == "plane" else 1)
 
     _check_files(args, [args.name or args.command], [args.name or args.command])
     model, loss_fn, data, target, dtype = _load(args)

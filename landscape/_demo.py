@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -136,9 +138,26 @@ def run_demo(
     ``out/sharpness.png`` and ``out/surfaces.png``, the grids behind the latter (``out/surfaces.npz``)
     and the two checkpoints (``.safetensors``). Returns the report as a dictionary.
 
+    Everything is written into a hidden folder beside ``out`` and moved into ``out`` at the end, so an
+    interrupted or failed demo (Ctrl-C included) leaves no partial output and no new folder.
+
     ``grid_steps``: points per axis of each loss-surface panel (odd).
     """
-    os.makedirs(out, exist_ok=True)
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".demo-partial-", dir=parent)
+    try:
+        summary = _write_demo(stage, seed, threshold, progress, grid_steps)
+        os.makedirs(out, exist_ok=True)
+        for name in sorted(os.listdir(stage)):
+            os.replace(os.path.join(stage, name), os.path.join(out, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return summary
+
+
+def _write_demo(out: str, seed: int, threshold: float, progress: bool | None, grid_steps: int) -> dict:
+    """The demo's work, its files written into ``out`` (the staging folder of :func:`run_demo`)."""
     torch.manual_seed(seed)
     X, y = digits_data()
     init = mlp([64, 128, 128, 10]).float()

@@ -110,6 +110,7 @@ def fixed_weight_planes(
         holding ``b`` and metadata ``reading``, ``fixed_value``, ``selection``, ``n_fixed``, ``n_free``.
     """
     spec, grid = directions or DirectionSpec(), grid or Grid(steps=31)
+    grid.require_memory(2)
     if spec.kind != "random" or spec.path != "straight":
         raise ValueError("fixed-weight planes use random straight directions in the free weights; set only their "
                          "norm, bias and seed")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from landscape._directions import BIAS_MODES, GSPACE_ROOTS, Directions, check_normalization
@@ -84,6 +85,19 @@ def as_direction_spec(directions: str | Directions | DirectionSpec) -> Direction
     return directions if isinstance(directions, DirectionSpec) else DirectionSpec(directions)
 
 
+# Bytes a grid keeps per point whatever the batch: float64 coordinates (2), loss, accuracy, and as many again
+# for the figure's and the JSON's copies.
+BYTES_PER_POINT = 64
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes, or ``None`` where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 @dataclass(frozen=True)
 class Grid:
     """The grid of a line or plane and how it is evaluated.
@@ -111,3 +125,25 @@ class Grid:
             raise ValueError(f"steps must be an integer of at least 2, got {self.steps!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown grid strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+    def require_memory(self, dims: int) -> None:
+        """Refuse, before anything is computed, a grid whose results alone would not fit in memory.
+
+        A grid of ``steps ** dims`` points keeps about :data:`BYTES_PER_POINT` bytes per point (coordinates,
+        loss, accuracy and the figure's arrays); more than half of this machine's physical memory is refused.
+
+        Args:
+            dims: 1 for a line, 2 for a plane.
+
+        Raises:
+            ValueError: naming the points, the bytes and the memory.
+        """
+        points = self.steps**dims
+        need = points * BYTES_PER_POINT
+        have = physical_memory()
+        if have is not None and need > have / 2:
+            shape = "x".join([str(self.steps)] * dims)
+            raise ValueError(
+                f"a {shape} grid has {points:,} points whose results alone take {need / 2**30:,.1f} GiB, more than "
+                f"half of this machine's {have / 2**30:,.1f} GiB of memory; use fewer steps"
+            )

@@ -289,6 +289,7 @@ def loss_plane(
             symmetry (the message names the module).
     """
     spec, grid = as_direction_spec(directions), grid or Grid()
+    grid.require_memory(2)
     obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
     start = time.perf_counter()
     chart = make_chart(obj, spec, 2, progress)
@@ -341,6 +342,7 @@ def loss_line(
         :class:`Surface` of a line (``y`` is ``None``), loss and accuracy ``(m,)``.
     """
     spec, grid = as_direction_spec(directions), grid or Grid()
+    grid.require_memory(1)
     if lim is not None and not (len(lim) == 2 and all(map(math.isfinite, lim)) and lim[0] < lim[1]):
         raise ValueError(f"lim must be (lo, hi) with finite lo < hi, got {lim!r}")
     if to is not None and (isinstance(spec.kind, Directions) or spec != DirectionSpec()):

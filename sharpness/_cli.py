@@ -29,7 +29,8 @@ from sharpness.solvers._density import hessian_spectral_density
 from sharpness.solvers._solve import SOLVERS, Solver
 
 # Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
-USER_ERRORS = (SpecError, DataError, UnsupportedModelError, ValueError, OSError)
+# FloatingPointError: a radius so large that the loss overflows, said in a sentence that names the fix.
+USER_ERRORS = (SpecError, DataError, UnsupportedModelError, ValueError, OSError, FloatingPointError)
 LOSSES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # What `compute` measures without --metric: the three metric measures (the others are coordinate-dependent and

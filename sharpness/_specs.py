@@ -270,8 +270,9 @@ def load_state_dict(path: str) -> dict[str, Tensor]:
 
 
 def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
-    """Load ``path`` into ``model`` strictly, naming missing/unexpected keys, shape mismatches and
-    non-finite tensors. Returns ``model`` in eval mode."""
+    """Load ``path`` into ``model`` strictly, naming missing/unexpected keys, shape mismatches, integer, bool or
+    complex values where the model has floating point (and the reverse) and non-finite tensors. Returns
+    ``model`` in eval mode."""
     state = load_state_dict(path)
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
@@ -288,6 +289,12 @@ def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
             raise SpecError(
                 f"checkpoint {path}: tensor {k} has shape {tuple(v.shape)} but the model expects "
                 f"{tuple(expected[k].shape)}; check the --model spec"
+            )
+        if v.is_complex() or v.is_floating_point() != expected[k].is_floating_point():
+            have, want = str(v.dtype).removeprefix("torch."), str(expected[k].dtype).removeprefix("torch.")
+            raise SpecError(
+                f"checkpoint {path}: tensor {k} holds {have} values where the model has {want}; casting them would "
+                "change what they mean, so save the model's own state_dict"
             )
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise SpecError(f"checkpoint {path}: tensor {k} contains NaN or Inf; the checkpoint is unusable")

@@ -440,3 +440,59 @@ def test_atomic_writer_follows_links_and_refuses_what_it_would_replace(tmp_path)
         with pytest.raises(ValueError, match="is not a regular file"):
             write_atomic(path, "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target.json", "link.json", "y" * 250, "pipe"])
+
+
+def _unprivileged():
+    """``preexec_fn`` running a subprocess as the unprivileged user ``nobody`` when the tests run as root (for
+    whom every folder is writable), or ``None`` when they already run unprivileged."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("running as root and no 'nobody' user to drop privileges to")
+
+    def drop():
+        os.setgid(nobody.pw_gid)
+        os.setuid(nobody.pw_uid)
+
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torch"], preexec_fn=drop, capture_output=True, timeout=120
+        )
+    except OSError as err:
+        pytest.skip(f"running as root, and the user 'nobody' cannot run this Python ({err.strerror})")
+    if probe.returncode != 0:
+        pytest.skip("running as root, and the user 'nobody' cannot import torch from this environment")
+    return drop
+
+
+def test_an_unwritable_output_folder_is_one_sentence_without_root(files):
+    """Permission checks mean something only without root: the command runs as 'nobody' when the tests are root."""
+    import shutil
+    import tempfile
+
+    preexec = _unprivileged()
+    base = Path(tempfile.mkdtemp(prefix="relu-geometry-perm-"))
+    try:
+        base.chmod(0o755)
+        for name in ("model.pt", "good.npz"):
+            shutil.copy(files / name, base / name)
+            (base / name).chmod(0o644)
+        locked = base / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(base), "PYTHONDONTWRITEBYTECODE": "1"}
+        argv = [sys.executable, "-m", "sharpness", "compute", "--model", MODEL, "--checkpoint",
+                str(base / "model.pt"), "--data", str(base / "good.npz"), "--metric", "euclidean", "--quiet",
+                "--json", str(locked / "r.json")]  # fmt: skip
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, preexec_fn=preexec,
+                           cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert r.stderr.strip() == f"error: cannot write --json {locked / 'r.json'}: the folder {locked} does not " \
+            "exist or is not writable"  # fmt: skip
+        assert list(locked.iterdir()) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

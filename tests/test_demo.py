@@ -167,3 +167,26 @@ def test_demo_command_line_refuses_bad_input_before_training(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_demo_leaves_no_partial_output(tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the first checkpoint is written: exit 130, "interrupted", and nothing left behind."""
+    import types
+
+    import landscape._demo as demo
+    from landscape._cli import main as cli_main
+
+    calls = []
+
+    def train(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(demo, "train_to_loss", train)
+    out = tmp_path / "demo-out"
+    code = cli_main(["demo", "--out", str(out), "--quiet"])
+    assert code == 130 and capsys.readouterr().err.strip() == "interrupted"
+    assert len(calls) == 2  # the first checkpoint was written to the staging folder before the interrupt
+    assert not out.exists() and list(tmp_path.iterdir()) == []

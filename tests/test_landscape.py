@@ -388,6 +388,7 @@ def test_cli_plane_and_segment_write_files(tmp_path, capsys):
         {"--data": "synthetic:n=40,dim=7,classes=3"},
         {"--name": "sub/plane"},
         {"--name": ".."},
+        {"--steps": "200000"},  # 4e10 points: terabytes of results, refused before anything is computed
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys, change):
@@ -670,3 +671,17 @@ def test_segment_refuses_directions_of_its_own():
     for directions in (given, "eigen", landscape.DirectionSpec(seed=3)):
         with pytest.raises(ValueError, match="the segment between two checkpoints is a straight line"):
             landscape.loss_line(a.model, a.loss_fn, a.data, directions, to=b.model, progress=False)
+
+
+def test_a_grid_too_large_for_memory_is_refused_before_any_work(monkeypatch):
+    import landscape._settings as settings
+
+    monkeypatch.setattr(settings, "physical_memory", lambda: 2**30)  # a 1 GiB machine
+    grid = landscape.Grid(steps=3000)  # 9e6 points x 64 bytes = 0.54 GiB > half of 1 GiB
+    with pytest.raises(ValueError, match=r"a 3000x3000 grid has 9,000,000 points .* more than half of this machine's"):
+        grid.require_memory(2)
+    grid.require_memory(1)  # a line of 3000 points is fine
+    with pytest.raises(ValueError, match="use fewer steps"):
+        landscape.loss_plane(None, None, None, "random", grid=grid, objective=None)  # refused before the objective
+    monkeypatch.setattr(settings, "physical_memory", lambda: None)  # a system that does not say: no refusal
+    grid.require_memory(2)
