@@ -22,6 +22,7 @@ from sharpness.cli import (
     check_outputs,
     command_inputs,
     load_problem,
+    memory_budget,
     run_command,
 )
 
@@ -216,10 +217,11 @@ def _fixed(args: argparse.Namespace) -> int:
     spec = DirectionSpec(norm=args.norm, bias=args.bias, seed=args.seed)
     grid = Grid(span=args.span, steps=args.steps)
     grid.require_memory(2)
+    budget = memory_budget(args.memory_mib)
     _check_files(args, [args.name], [f"{args.name}_b{b:g}" for b in values])
     model, loss_fn, data, _, dtype = _load(args)
     start = time.perf_counter()
-    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=int(args.memory_mib * 2**20))
+    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=budget)
     surfaces = fixed_weight_planes(
         None, None, None, values, reading=args.reading, selection=args.selection, directions=spec, grid=grid,
         objective=objective, progress=False if args.quiet else None,
@@ -358,10 +360,11 @@ def _real(args: argparse.Namespace) -> int:
     spec = DirectionSpec(args.directions, args.norm, args.bias, args.metric, args.path, args.roots, args.seed)
     grid = Grid(span=args.span, steps=args.steps or (41 if getattr(args, "to", None) else 51))
     grid.require_memory(2 if args.command == "plane" else 1)
+    budget = memory_budget(args.memory_mib)
 
     _check_files(args, [args.name or args.command], [args.name or args.command])
     model, loss_fn, data, target, dtype = _load(args)
-    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=int(args.memory_mib * 2**20))
+    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=budget)
     progress = False if args.quiet else None
     start = time.perf_counter()
     if args.command == "plane":

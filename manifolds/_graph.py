@@ -220,10 +220,9 @@ def _as_module(node: fx.Node, model: nn.Module) -> tuple[str, nn.Module] | None:
     name = target_name(node)
     if node.op in ("call_function", "call_method") and name in _RELU_FUNCTIONS and len(node.args) == 1:
         return "", nn.ReLU()
-    if name == "flatten" and node.op in ("call_function", "call_method") and not node.kwargs:
-        rest = node.args[1:]
-        if rest in ((1,), ()) if node.op == "call_method" else rest == (1,):
-            return "", nn.Flatten()
+    # flatten(x, 1) / x.flatten(1) only: without a start dimension the batch axis is flattened too
+    if name == "flatten" and node.op in ("call_function", "call_method") and not node.kwargs and node.args[1:] == (1,):
+        return "", nn.Flatten()
     return None
 
 

@@ -287,6 +287,15 @@ class _Walker:
             return self.param_names.get(id(tensor))
         return None
 
+    def reuse(self, node: fx.Node, name: str, in_ids: Tensor) -> bool:
+        """A later call of a module with parameters: one set of variables for every call, inputs tied."""
+        if name not in self.calls:
+            return False
+        first_in, first_out = self.calls[name]
+        self.d.tie(first_in, in_ids)
+        self.ids[node] = first_out
+        return True
+
     def affine(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
         dims = _AFFINE[_plain_affine(module)]
         src = self.shape(source)
@@ -298,10 +307,7 @@ class _Walker:
             return False
         name = str(node.target)
         in_ids = self.ids[source]
-        if name in self.calls:  # weight sharing: one set of variables for every call
-            first_in, first_out = self.calls[name]
-            self.d.tie(first_in, in_ids)
-            self.ids[node] = first_out
+        if self.reuse(node, name, in_ids):
             return True
         out_ids = self.d.new(self.shape(node)[1], f"output of {self.label(node)}")
         shape = tuple(module.weight.shape)
@@ -329,10 +335,7 @@ class _Walker:
             return False
         name, label = str(node.target), self.label(node)
         in_ids = self.ids[source]
-        if name in self.calls:
-            first_in, first_out = self.calls[name]
-            self.d.tie(first_in, in_ids)
-            self.ids[node] = first_out
+        if self.reuse(node, name, in_ids):
             return True
         batchnorm = isinstance(module, nn.modules.batchnorm._BatchNorm)
         stats = batchnorm and module.track_running_stats and module.running_mean is not None

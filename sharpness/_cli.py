@@ -85,6 +85,17 @@ def parse_device(text: str) -> torch.device:
     return device
 
 
+# More than any machine has (1 EiB): a larger --memory-mib is a typo, and its bytes would not fit an integer.
+MAX_MEMORY_MIB = 2**40
+
+
+def memory_budget(mib: float) -> int:
+    """``--memory-mib`` as bytes, refused in one sentence unless it is a positive finite number of at most 1 EiB."""
+    if not (isinstance(mib, (int, float)) and math.isfinite(mib) and 0 < mib <= MAX_MEMORY_MIB):
+        raise SpecError(f"--memory-mib must be a positive number of MiB, at most {MAX_MEMORY_MIB} (1 EiB), got {mib:g}")
+    return int(mib * 2**20)
+
+
 def command_inputs(args: argparse.Namespace) -> tuple[str | None, ...]:
     """The files a command reads (checkpoints and a data file), which no output may replace."""
     return (args.checkpoint, args.data, getattr(args, "to", None))
@@ -208,8 +219,7 @@ def _compute(args: argparse.Namespace) -> int:
         raise SpecError(f"--epsilon must be positive and finite, got {args.epsilon}")
     if args.adaptive is not None and not (math.isfinite(args.adaptive) and args.adaptive > 0):
         raise SpecError(f"--adaptive must be a positive and finite relative radius, got {args.adaptive}")
-    if not (math.isfinite(args.memory_mib) and args.memory_mib > 0):
-        raise SpecError(f"--memory-mib must be a positive number of MiB, got {args.memory_mib:g}")
+    budget = memory_budget(args.memory_mib)
     if not (math.isfinite(args.tol) and args.tol > 0):
         raise SpecError(f"--tol must be a positive number, got {args.tol}")
     solver = Solver(method=args.method, tol=args.tol)
@@ -217,7 +227,7 @@ def _compute(args: argparse.Namespace) -> int:
     model, loss_fn, data = load_problem(args)
     progress = False if args.quiet else None
     # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
-    objective = Objective(model, loss_fn, data, memory_budget=int(args.memory_mib * 2**20))
+    objective = Objective(model, loss_fn, data, memory_budget=budget)
     measures, node_results = {}, {}
     # Measures asked for by name must apply; by default or with `all`, one that does not is recorded with its reason.
     skip_unsupported = not args.metric or "all" in args.metric

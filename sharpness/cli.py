@@ -8,6 +8,7 @@ from sharpness._cli import add_model_arguments as add_model_arguments
 from sharpness._cli import check_outputs as check_outputs
 from sharpness._cli import command_inputs as command_inputs
 from sharpness._cli import load_problem as load_problem
+from sharpness._cli import memory_budget as memory_budget
 from sharpness._cli import run_command as run_command
 from sharpness._resnet import resnet as resnet
 from sharpness._specs import SpecError as SpecError
@@ -30,6 +31,7 @@ __all__ = [
     "load_checkpoint",
     "load_data",
     "load_problem",
+    "memory_budget",
     "mlp",
     "resnet",
     "run_command",

@@ -266,6 +266,7 @@ BAD_INPUTS = {
     "non-positive epsilon": (["--epsilon", "0"], "--epsilon must be positive"),
     "non-positive memory budget": (["--memory-mib", "0"], "--memory-mib must be a positive number"),
     "infinite memory budget": (["--memory-mib", "inf"], "--memory-mib must be a positive number"),
+    "absurd memory budget": (["--memory-mib", "1e300"], "at most 1099511627776 (1 EiB)"),
     "negative tolerance": (["--tol", "-1"], "--tol must be a positive number"),
     "NaN tolerance": (["--tol", "nan"], "--tol must be a positive number"),
     "infinite epsilon": (["--epsilon", "inf"], "--epsilon must be positive"),

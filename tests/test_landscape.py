@@ -389,6 +389,7 @@ def test_cli_plane_and_segment_write_files(tmp_path, capsys):
         {"--name": "sub/plane"},
         {"--name": ".."},
         {"--steps": "200000"},  # 4e10 points: terabytes of results, refused before anything is computed
+        {"--memory-mib": "99999999999999999999"},  # more bytes than an integer of the allocator holds
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys, change):
