@@ -21,7 +21,14 @@ from sharpness._cli import main
 from sharpness._specs import mlp
 
 MODEL = "mlp:8-6-3"
-SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI sees the same examples on every run (a failure is reproducible, never a coin toss); to explore
+# further by hand, set it to False and run with --hypothesis-seed=N.
+SETTINGS = settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(scope="module")

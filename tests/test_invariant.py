@@ -218,3 +218,57 @@ def test_unknown_metric_is_refused():
         invariant_sharpness(c.model, c.loss_fn, c.data, metric="fancy", progress=False)
     with pytest.raises(ValueError, match="'euclidean' measure is not invariant under any rescaling"):
         invariant_sharpness(c.model, c.loss_fn, c.data, metric="euclidean", progress=False)
+
+
+def _horizontal_spectrum(obj):
+    """Eigenvalues, largest first, of the node-wise whitened Hessian on the horizontal space (dense reference)."""
+    from test_group_zoo import _log_generator
+
+    group = obj.structure.group
+    H, g, w = dense_hessian(obj), obj.gradient(), obj.layout.flatten(obj.params)
+    M = w.abs()[:, None] * H * w.abs()[None, :] + torch.diag(w * g)
+    V = torch.sign(w)[:, None] * _log_generator(group, obj)
+    Q = torch.linalg.qr(V, mode="complete").Q[:, group.dim :]
+    return torch.linalg.eigvalsh(Q.T @ M @ Q).flip(0)
+
+
+def test_node_measure_past_the_positive_eigenvalues_equals_the_dense_reference():
+    """k reaching into the negative eigenvalues: without the horizontal projection a spurious 0 would appear."""
+    torch.manual_seed(0)  # LeakyReLU: no dead unit, so no zero eigenvalue besides the rescaling directions
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LeakyReLU(0.2), torch.nn.Linear(6, 5),
+                                torch.nn.LeakyReLU(0.2), torch.nn.Linear(5, 3)).double().eval()  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    # regression: cross-entropy would add zero eigenvalues of its own (logits shifted by a constant)
+    x, y = torch.randn(300, 4, generator=g, dtype=torch.float64), torch.randn(300, 3, generator=g, dtype=torch.float64)
+    loss = torch.nn.MSELoss()
+    obj = Objective(model, loss, (x, y))
+    reference = _horizontal_spectrum(obj)
+    positive = int((reference > 1e-9).sum())
+    k = positive + 4
+    assert k < len(reference) and bool((reference[positive:k] < -1e-9).all())  # no zero (nor tie) among them
+    result = invariant_sharpness(model, loss, (x, y), metric="node", k=k, solver=Solver(tol=1e-12), objective=obj,
+                                 progress=False)  # fmt: skip
+    torch.testing.assert_close(result.eigenvalues, reference[:k], rtol=0, atol=1e-9 * float(reference[0]))
+
+
+def test_node_measure_at_a_saddle_point_equals_the_dense_reference():
+    """A two-layer linear network at the critical point built from the smaller singular pair of its target map:
+    the gradient vanishes and the Hessian is indefinite."""
+    u, v = (torch.linalg.qr(torch.randn(2, 2, generator=torch.Generator().manual_seed(s), dtype=torch.float64)).Q
+            for s in (0, 1))  # fmt: skip
+    A = u @ torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)) @ v.T
+    X = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)  # X^T X = 4 I
+    Y = X @ A.T
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(1, 2, bias=False)).double()
+    with torch.no_grad():  # W2 W1 = sigma_2 u_2 v_2^T: a critical point that is not the minimum
+        model[0].weight.copy_(v[:, 1][None, :])
+        model[1].weight.copy_(u[:, 1][:, None])
+    loss = torch.nn.MSELoss()
+    obj = Objective(model.eval(), loss, (X, Y))
+    assert float(obj.gradient().norm()) < 1e-14
+    reference = _horizontal_spectrum(obj)
+    assert float(reference[0]) > 0 > float(reference[-1])  # a saddle
+    result = invariant_sharpness(model, loss, (X, Y), metric="node", k=len(reference), solver=Solver(tol=1e-12),
+                                 objective=obj, progress=False)  # fmt: skip
+    torch.testing.assert_close(result.eigenvalues, reference, rtol=0, atol=1e-10 * float(reference.abs().max()))
+    assert result.info["riemannian_grad_norm"] < 1e-14
