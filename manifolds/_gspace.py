@@ -467,8 +467,11 @@ class GSpace(nn.Module):
         what = "is 0" if value == 0 else f"changed sign (now {value:.3g})"
         raise GSpaceSingularityError(
             f"the G-space coordinate of {self._describe_root(k)} {what}: that unit's predecessor-chain value "
-            "c = v / d would be 0 or cross 0, where w(v) = v / c is singular; lower the learning rate, or "
-            "choose a predecessor with a larger weight for this unit (skeleton=Skeleton(...))"
+            "c = v / d would be 0 or cross 0, where w(v) = v / c is singular. From PyTorch's default "
+            "initialization the chain values are products of small weights, so almost any step crosses 0: start "
+            "from manifolds.gsgd_init_(model), which sets every chain value to 1, as the G-SGD paper does; or "
+            "lower the learning rate, or choose a predecessor with a larger weight for this unit "
+            "(skeleton=Skeleton(...))"
         )
 
     def check(self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:

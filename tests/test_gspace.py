@@ -732,3 +732,20 @@ def test_residual_connection_is_refused_by_gmodel_and_goptimizer(build):
     with pytest.raises(UnsupportedModelError, match="residual"):
         build(model)
     assert all(torch.equal(p, before[k]) for k, p in params_of(model).items())  # refused before touching it
+
+
+def test_default_initialization_points_to_gsgd_init():
+    """From PyTorch's default initialization the chain values are tiny, so a G-SGD step crosses 0; the error
+    says to start from the G-SGD initialization, after which the same step goes through."""
+    torch.manual_seed(0)
+    model = mlp([20, 16, 16, 16, 3]).double()
+    x, y = torch.randn(32, 20, dtype=torch.float64), torch.randint(0, 3, (32,))
+
+    def step(net):
+        opt = GOptimizer(net, torch.optim.SGD, lr=0.5)
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    with pytest.raises(GSpaceSingularityError, match=r"start from manifolds\.gsgd_init_\(model\)"):
+        step(copy.deepcopy(model))
+    step(gsgd_init_(copy.deepcopy(model)))
