@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from manifolds._group_discovery import Discovery, Pin
+from manifolds._group_discovery import Discovery, Pin, Record
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,19 @@ class Action:
         return self.power * out if self.power != 1 else out
 
 
+def _relabelled(source: Record | Action, index: Tensor) -> Action:
+    """``source``'s action with its variable (or class) indices mapped through ``index``."""
+    return Action(
+        source.name,
+        source.shape,
+        index[source.plus] if source.plus is not None else None,
+        index[source.minus] if source.minus is not None else None,
+        source.power,
+        source.role,
+        source.module,
+    )
+
+
 class RescalingGroup:
     """The diagonal positive rescalings that leave a network's function unchanged, as found on its graph.
 
@@ -91,18 +104,7 @@ class RescalingGroup:
         self._labels = d.labels
         self.pins: tuple[Pin, ...] = tuple(d.pins)
         self.unknown: tuple[str, ...] = tuple(dict.fromkeys(d.unknown))
-        self.actions: tuple[Action, ...] = tuple(
-            Action(
-                r.name,
-                r.shape,
-                cls[r.plus] if r.plus is not None else None,
-                cls[r.minus] if r.minus is not None else None,
-                r.power,
-                r.role,
-                r.module,
-            )
-            for r in d.records
-        )
+        self.actions: tuple[Action, ...] = tuple(_relabelled(r, cls) for r in d.records)
 
     def restricted(self, names: Iterable[str]) -> RescalingGroup:
         """The subgroup that leaves every parameter outside ``names`` unchanged (e.g. frozen parameters).
@@ -129,17 +131,7 @@ class RescalingGroup:
         twin.pins = (*self.pins, Pin("parameters outside the given ones", len(banned), "they must stay unchanged"))
         twin.unknown = self.unknown
         twin.actions = tuple(
-            Action(
-                a.name,
-                a.shape,
-                new_index[a.plus] if a.plus is not None else None,
-                new_index[a.minus] if a.minus is not None else None,
-                a.power,
-                a.role,
-                a.module,
-            )
-            for a in self.actions
-            if a.name in kept or a.role == "buffer"
+            _relabelled(a, new_index) for a in self.actions if a.name in kept or a.role == "buffer"
         )
         return twin
 

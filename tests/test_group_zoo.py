@@ -13,27 +13,9 @@ from torch import nn
 
 from manifolds import analyze, buffer_group, random_rescale
 from sharpness import Objective, Solver, dense_hessian, measure_sharpness
+from sharpness._resnet import BasicBlock  # the post-activation block of the built-in ResNet-20
 
 TIGHT = Solver(tol=1e-12)
-
-
-class BasicBlock(nn.Module):
-    """Post-activation ResNet block; a 1x1 conv + BatchNorm projection when the shape changes."""
-
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
 
 
 class ResNet(nn.Module):
