@@ -130,6 +130,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="which figure (see the description above)")  # fmt: skip
     toy.add_argument("--fixed", type=float, nargs="+",
                      help="values w1 > 0 of the fixed weight (4.9 and gspace-4.9 only; default 1 6 10)")  # fmt: skip
+    toy.add_argument("--source", choices=("text", "code"),
+                     help="for 1.6, 4.9 and gspace-4.9, whose thesis plotting code differs from the thesis text: "
+                          "'code' draws the printed figure (4.9: L = sin(0.3 y) on [0, 10]^2; 1.6: arrows "
+                          "-grad(0.1 w1 w2)), 'text' the text's definition (4.9: L = sin(y) on [0, 3]^2; 1.6: the "
+                          "gradient of L); default code")  # fmt: skip
     toy.add_argument("--steps", type=_positive_int, default=201, help="grid points per axis (default 201)")
     toy.add_argument("--out", required=True, help="output folder (created if missing)")
     _formats(toy)
@@ -263,14 +268,15 @@ def _fixed(args: argparse.Namespace) -> int:
 
 def _toy(args: argparse.Namespace) -> int:
     from landscape._toy_figures import toy_figure
-    from landscape._toys import FIG_4_9_FIXED, LIM_4_9
+    from landscape._toys import FIG_4_9_FIXED, check_source, window_4_9
 
     if args.fixed is not None and args.figure not in ("4.9", "gspace-4.9"):
         raise ValueError(f"--fixed applies to figures 4.9 and gspace-4.9 only, not {args.figure}")
     if args.steps < 3:
         raise ValueError(f"--steps must be at least 3 for a toy surface, got {args.steps}")
-    fixed = FIG_4_9_FIXED if args.fixed is None else _check_toy_fixed(args.fixed, LIM_4_9[1])
-    paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps)
+    source = check_source(args.figure, args.source)
+    fixed = FIG_4_9_FIXED if args.fixed is None else _check_toy_fixed(args.fixed, window_4_9(source)[1])
+    paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps, source=source)
     if not args.quiet:
         print("\n".join(str(p) for p in paths))
     return 0

@@ -1,4 +1,4 @@
-"""Loss planes of real models under different fixed-weight values (DESIGN.md section 1, both readings).
+"""Loss planes of real models under different fixed-weight values (both readings of docs/math.md, "Fixed weights").
 
 For each value ``b`` the plane is centered at
 

@@ -64,9 +64,10 @@ def _fig_1_5(steps: int) -> tuple[Figure, list[Surface], go.Figure]:
     return fig, [curve, plane], html
 
 
-def _fig_1_6(steps: int) -> tuple[Figure, list[Surface], go.Figure]:
-    s = toys.fig_1_6_surface(steps)
-    pts, grads = s.extras["arrow_points"], s.extras["arrow_gradient"]
+def _fig_1_6(steps: int, source: str) -> tuple[Figure, list[Surface], go.Figure]:
+    s = toys.fig_1_6_surface(steps, source)
+    pts, grads = s.extras["arrow_points"], s.extras["arrow_vector"]
+    arrows = "∇L" if source == "text" else "−∇(0.1 w₁w₂)"
     lim = float(s.x[-1])
     # one common scale for all arrows, so their lengths compare: the longest is 0.9 axis units
     scale = float(np.linalg.norm(grads, axis=1).max()) / 0.9
@@ -82,7 +83,7 @@ def _fig_1_6(steps: int) -> tuple[Figure, list[Surface], go.Figure]:
         for (line, name), color in zip(lines, _level_colors(len(lines))):
             ax.plot(line[:, 0], line[:, 1], color=color, lw=2.0, zorder=3, label=f"invariant line {name}")
         ax.quiver(pts[:, 0], pts[:, 1], grads[:, 0], grads[:, 1], angles="xy", scale_units="xy", scale=scale,
-                  width=0.0055, color="k", zorder=5, label="∇L (common scale)")  # fmt: skip
+                  width=0.0055, color="k", zorder=5, label=f"{arrows} (common scale)")  # fmt: skip
         ax.plot(pts[:, 0], pts[:, 1], "o", color="k", ms=2.5, zorder=6)
         ax.legend(loc="lower left", framealpha=0.95).set_zorder(7)
         ax.set_xlim(-lim, lim)
@@ -90,7 +91,9 @@ def _fig_1_6(steps: int) -> tuple[Figure, list[Surface], go.Figure]:
         ax.set_aspect("equal")
         ax.set_title(
             "Thesis Fig. 1.6: invariant lines of y = w₂·relu(w₁), L = sin(y) (no weight fixed)\n"
-            "arrows: the exact gradient ∇L at α = ½, 1/√2, 1, √2, 2 on each line;\n"
+            + ("arrows: the exact gradient ∇L" if source == "text" else
+               "arrows as in the thesis code: −∇(0.1 w₁w₂), parallel to ∇L")
+            + " at α = ½, 1/√2, 1, √2, 2 on each line;\n"
             "rescaling (w₁, w₂) → (αw₁, w₂/α) scales ∂L/∂w₁ by 1/α and ∂L/∂w₂ by α"
         )
         fig.colorbar(m, ax=ax, shrink=0.75, label=s.z_label)
@@ -98,15 +101,17 @@ def _fig_1_6(steps: int) -> tuple[Figure, list[Surface], go.Figure]:
         lines=lines, arrow_points=pts, arrow_vectors=grads / scale,
         notes=[(-lim / 2, lim * 0.55, "w₁ ≤ 0: y = 0")],
     )  # fmt: skip
-    html = plotly_figure([s], title="Fig. 1.6: invariant lines and the exact gradient ∇L", overlays={0: overlay})
+    html = plotly_figure([s], title=f"Fig. 1.6: invariant lines and the arrows {arrows} ({toys.SOURCE_LABELS[source]})",
+                         overlays={0: overlay})
     return fig, [s], html
 
 
-def _fig_4_9(steps: int, fixed: Sequence[float]) -> tuple[Figure, list[Surface], go.Figure]:
-    surfaces = toys.fig_4_9_surfaces(fixed, steps)
+def _fig_4_9(steps: int, fixed: Sequence[float], source: str) -> tuple[Figure, list[Surface], go.Figure]:
+    surfaces = toys.fig_4_9_surfaces(fixed, steps, source)
+    lo, hi = toys.window_4_9(source)
     title = (
-        "Thesis Fig. 4.9: L = sin(y), x₁ = x₂ = 1, positive weights; network b′: y = w₃·relu(w₁ + w₂) over (w₂, w₃)\n"
-        f"{READING_A}"
+        f"Thesis Fig. 4.9 ({toys.SOURCE_LABELS[source]}): {surfaces[0].z_label}, x₁ = x₂ = 1, weights in "
+        f"[{lo:g}, {hi:g}]; network b′: y = w₃·relu(w₁ + w₂) over (w₂, w₃)\n{READING_A}"
     )
     fig = surface_figure(
         surfaces, kinds=("contour", "surface"), cmap=CMAP, title=title, panel_size=(3.3, 3.1), levels=LEVELS,
@@ -150,11 +155,11 @@ def _gspace_1_5(steps: int) -> tuple[Figure, list[Surface], go.Figure]:
     return fig, [plane, pos, neg], html
 
 
-def _gspace_4_9(steps: int, fixed: Sequence[float]) -> tuple[Figure, list[Surface], go.Figure]:
-    (s,) = toys.gspace_4_9_surfaces(fixed, steps)
-    lo, hi = toys.LIM_4_9
+def _gspace_4_9(steps: int, fixed: Sequence[float], source: str) -> tuple[Figure, list[Surface], go.Figure]:
+    (s,) = toys.gspace_4_9_surfaces(fixed, steps, source)
+    lo, hi = toys.window_4_9(source)
     outlines = [(s.extras[f"outline_{i}"], f"plane w₁ = {b:g}") for i, b in enumerate(fixed)]
-    zoom = toys.gspace_4_9_window(steps)
+    zoom = toys.gspace_4_9_window(steps, source)
     norm = shared_norm([s])
     colors = _level_colors(len(outlines))
     with mpl.rc_context(STYLE):
@@ -166,7 +171,7 @@ def _gspace_4_9(steps: int, fixed: Sequence[float]) -> tuple[Figure, list[Surfac
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(outlines), frameon=False,
                   title=f"image of the window w₂, w₃ ∈ [{lo:g}, {hi:g}] of the fixed-w₁ plane")  # fmt: skip
         ax.set_title(
-            "G-space: one surface sin(relu(v₁ + v₂)) for every w₁;\neach fixed-w₁ plane covers a distorted piece"
+            f"G-space: one surface {s.title.rsplit('L = ', 1)[1]};\neach fixed-w₁ plane covers a distorted piece"
         )
         ax2 = fig.add_subplot(1, 2, 2)
         draw_contour(ax2, zoom, norm, CMAP, LEVELS)
@@ -174,7 +179,7 @@ def _gspace_4_9(steps: int, fixed: Sequence[float]) -> tuple[Figure, list[Surfac
         fig.colorbar(m, ax=[ax, ax2], shrink=0.85, label=s.z_label)
         fig.suptitle(
             "Fig. 4.9's network b′ (y = w₃·relu(w₁ + w₂)) in G-space: v₁ = w₁w₃, v₂ = w₂w₃, skeleton weight w₃ > 0 "
-            "(no weight fixed)"
+            f"(no weight fixed; Fig. 4.9 {toys.SOURCE_LABELS[source]})"
         )
     html = plotly_figure([s], title=s.title, overlays={0: Overlay(lines=outlines)})
     return fig, [s, zoom], html
@@ -198,6 +203,7 @@ def toy_figure(
     fixed: Sequence[float] = toys.FIG_4_9_FIXED,
     formats: Sequence[str] = ("png",),
     steps: int = 201,
+    source: str | None = None,
 ) -> list[Path]:
     """Compute, draw and write one toy figure.
 
@@ -208,6 +214,9 @@ def toy_figure(
         fixed: the values of ``w1`` for Fig. 4.9 (and the planes outlined in ``gspace-4.9``).
         formats: figure formats among ``png``, ``pdf``, ``svg``.
         steps: grid points per axis of each surface.
+        source: ``"code"`` (the printed figure, the default) or ``"text"`` for the figures whose thesis
+            code differs from the thesis text (``"1.6"``, ``"4.9"``, ``"gspace-4.9"``; see
+            :mod:`landscape._toys`); the other figures have one definition and take ``"text"`` or ``None``.
 
     Returns:
         The written paths: figures, ``<stem>.html`` (interactive, offline) and ``.npz`` + ``.json``
@@ -216,12 +225,13 @@ def toy_figure(
     if name not in TOY_FIGURES:
         raise ValueError(f"unknown toy figure {name!r}; choose one of {', '.join(TOY_FIGURES)}")
     fixed = tuple(float(b) for b in fixed)
+    source = toys.check_source(name, source)
     builders = {
         "1.5": lambda: _fig_1_5(steps),
-        "1.6": lambda: _fig_1_6(steps),
-        "4.9": lambda: _fig_4_9(steps, fixed),
+        "1.6": lambda: _fig_1_6(steps, source),
+        "4.9": lambda: _fig_4_9(steps, fixed, source),
         "gspace-1.5": lambda: _gspace_1_5(steps),
-        "gspace-4.9": lambda: _gspace_4_9(steps, fixed),
+        "gspace-4.9": lambda: _gspace_4_9(steps, fixed, source),
     }
     fig, surfaces, html = builders[name]()
     out = Path(out)

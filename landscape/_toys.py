@@ -12,11 +12,11 @@ Networks (``relu(t) = max(t, 0)``):
   is normal to the invariant line through the point and, moving along that line by ``alpha``,
   its ``w1`` component scales by ``1/alpha`` and its ``w2`` component by ``alpha`` (thesis eq. 1.20).
 * Fig. 4.9 a: ``y = relu(w1 + w2)``; b: ``y = w3 relu(w1 + w2)``, drawn over ``(w2, w3)`` with
-  ``w1`` set to a value ``b``. This is reading (a) of DESIGN.md section 1: setting ``w1 = b`` changes
-  the network function, and each ``b`` gives a different surface ``sin(w3 (b + w2))`` (for
-  ``b + w2 > 0``).
+  ``w1`` set to a value ``b``. This is reading (a) of the fixed weights (docs/math.md, "Fixed
+  weights"): setting ``w1 = b`` changes the network function, and each ``b`` gives a different
+  surface ``sin(w3 (b + w2))`` (for ``b + w2 > 0``).
 
-G-space (DESIGN.md section 2; thesis ch. 2). Each hidden unit has one designated outgoing
+G-space (docs/math.md, "G-space"; thesis ch. 2). Each hidden unit has one designated outgoing
 ("skeleton") edge; a coordinate is the value of a basis path (product of its weights), and the
 signs of the skeleton weights label the chart.
 
@@ -31,6 +31,18 @@ signs of the skeleton weights label the chart.
   undistorted picture the thesis hoped to recover. A fixed-``w1`` plane ``{w1 = b}`` maps onto the
   part of this one surface with ``v1 = b w3``, ``v2 = w2 w3``: every panel of Fig. 4.9 b is the same
   G-space surface seen through a different, distorted chart.
+
+Text and code. The thesis's plotting code differs from its text in two figures, and the printed
+figures follow the code. Each figure that differs takes ``source="text"`` or ``source="code"``
+(default ``"code"``, the printed figure):
+
+* Fig. 4.9: the text defines ``L = sin(y)`` on ``[0, 3]^2``; the code draws ``sin(0.3 w3 (w1 + w2))``
+  on ``[0, 10]^2``, i.e. ``L = sin(0.3 y)``. Network a gets the same loss ``sin(0.3 y)`` here, so the
+  panels stay comparable, and so does the G-space chart of ``"gspace-4.9"``.
+* Fig. 1.6: the text's arrows show the gradient of ``L``; the code draws the descent direction
+  ``-grad(0.1 w1 w2) = -0.1 (w2, w1)`` of another function. On an invariant line ``w1 w2 = c`` (``w1 > 0``)
+  the true gradient is ``cos(c) (w2, w1)``, so both arrows are parallel and rescale alike (by ``1/alpha``
+  in ``w1``, ``alpha`` in ``w2``); they differ by the factor ``-0.1 / cos(c)``: sign and length per line.
 """
 
 from __future__ import annotations
@@ -45,11 +57,19 @@ from landscape._surface import Surface
 
 FIG_4_9_FIXED = (1.0, 6.0, 10.0)
 
+SOURCES = ("text", "code")  # the thesis's text, or its plotting code (the printed figures)
+SOURCE_FIGURES = ("1.6", "4.9", "gspace-4.9")  # the figures whose code differs from the text
+DEFAULT_SOURCE = "code"
+SOURCE_LABELS = {"text": "as defined in the thesis text", "code": "as printed, from the thesis code"}
+CODE_GAIN_4_9 = 0.3  # Fig. 4.9 in the thesis code: L = sin(0.3 y)
+CODE_ARROWS_1_6 = 0.1  # Fig. 1.6 in the thesis code: arrows -grad(0.1 w1 w2)
+
 # Plot windows: Fig. 1.5/1.6 show the dead half-plane w1 < 0 too; Fig. 4.9 uses positive weights
 # only, as in the thesis.
 LIM_1_5_A = (-4.0, 12.0)
 LIM_1_5_B = (-4.0, 4.0)
 LIM_4_9 = (0.0, 3.0)
+LIM_4_9_CODE = (0.0, 10.0)
 
 # Fig. 1.6: invariant lines w1 w2 = c and the rescaling factors alpha at which arrows are drawn.
 # |cos(c)| is near 1 on these lines, so the arrows are long enough to read.
@@ -91,29 +111,57 @@ def grad_b(w1, w2) -> tuple[Tensor, Tensor]:
     return c * w2 * _step(w1), c * torch.relu(w1)
 
 
-def loss_a2(w1, w2) -> Tensor:
-    """Fig. 4.9 a: ``sin(relu(w1 + w2))``."""
-    return torch.sin(torch.relu(_t(w1) + _t(w2)))
+def loss_a2(w1, w2, gain: float = 1.0) -> Tensor:
+    """Fig. 4.9 a: ``sin(gain relu(w1 + w2))`` (``gain`` 1 in the thesis text, 0.3 in its code)."""
+    return torch.sin(gain * torch.relu(_t(w1) + _t(w2)))
 
 
-def grad_a2(w1, w2) -> tuple[Tensor, Tensor]:
-    """``(dL/dw1, dL/dw2)`` of :func:`loss_a2` (both ``cos(y) [w1 + w2 > 0]``)."""
+def grad_a2(w1, w2, gain: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``(dL/dw1, dL/dw2)`` of :func:`loss_a2` (both ``gain cos(gain y) [w1 + w2 > 0]``)."""
     s = _t(w1) + _t(w2)
-    g = torch.cos(torch.relu(s)) * _step(s)
+    g = gain * torch.cos(gain * torch.relu(s)) * _step(s)
     return g, g.clone()
 
 
-def loss_b2(w1, w2, w3) -> Tensor:
-    """Fig. 4.9 b: ``sin(w3 relu(w1 + w2))``."""
-    return torch.sin(_t(w3) * torch.relu(_t(w1) + _t(w2)))
+def loss_b2(w1, w2, w3, gain: float = 1.0) -> Tensor:
+    """Fig. 4.9 b: ``sin(gain w3 relu(w1 + w2))`` (``gain`` 1 in the thesis text, 0.3 in its code)."""
+    return torch.sin(gain * _t(w3) * torch.relu(_t(w1) + _t(w2)))
 
 
-def grad_b2(w1, w2, w3) -> tuple[Tensor, Tensor, Tensor]:
+def grad_b2(w1, w2, w3, gain: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """``(dL/dw1, dL/dw2, dL/dw3)`` of :func:`loss_b2`."""
     w3, s = _t(w3), _t(w1) + _t(w2)
-    c = torch.cos(w3 * torch.relu(s))
+    c = gain * torch.cos(gain * w3 * torch.relu(s))
     g = c * w3 * _step(s)
     return g, g.clone(), c * torch.relu(s)
+
+
+def check_source(figure: str, source: str | None) -> str:
+    """The source a toy figure is drawn from: ``source``, or :data:`DEFAULT_SOURCE` (the printed figure) for the
+    figures whose code differs from the text, ``"text"`` for the others; refused where it does not apply."""
+    if source is not None and source not in SOURCES:
+        raise ValueError(f"source must be 'text' or 'code', got {source!r}")
+    if figure not in SOURCE_FIGURES:
+        if source not in (None, "text"):
+            raise ValueError(f"--source code applies to figures {', '.join(SOURCE_FIGURES)} only, where the "
+                             f"thesis's plotting code differs from its text; figure {figure} has one definition")
+        return "text"
+    return DEFAULT_SOURCE if source is None else source
+
+
+def window_4_9(source: str) -> tuple[float, float]:
+    """The weight window of Fig. 4.9: ``[0, 3]`` in the thesis text, ``[0, 10]`` in its code."""
+    return LIM_4_9_CODE if source == "code" else LIM_4_9
+
+
+def gain_4_9(source: str) -> float:
+    """The factor in Fig. 4.9's loss ``sin(gain y)``: 1 in the thesis text, 0.3 in its code."""
+    return CODE_GAIN_4_9 if source == "code" else 1.0
+
+
+def _sin_of(gain: float, inner: str) -> str:
+    """``sin(inner)`` or ``sin(gain inner)``, as metadata text."""
+    return f"sin({inner})" if gain == 1.0 else f"sin({gain:g} {inner})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,10 +184,10 @@ def gspace_b2(w1, w2, w3) -> tuple[Tensor, Tensor, Tensor]:
     return _t(w1) * w3, _t(w2) * w3, torch.sign(w3)
 
 
-def loss_b2_gspace(v1, v2, sign=1.0) -> Tensor:
-    """Fig. 4.9 network b's loss in G-space: ``sin(s relu(s (v1 + v2)))``; network a's for ``w3 > 0``."""
+def loss_b2_gspace(v1, v2, sign=1.0, gain: float = 1.0) -> Tensor:
+    """Fig. 4.9 network b's loss in G-space: ``sin(gain s relu(s (v1 + v2)))``; network a's for ``w3 > 0``."""
     s = _t(sign)
-    return torch.sin(s * torch.relu(s * (_t(v1) + _t(v2))))
+    return torch.sin(gain * s * torch.relu(s * (_t(v1) + _t(v2))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,24 +265,35 @@ def fig_1_5_surfaces(steps: int = 201) -> list[Surface]:
     return [curve, plane]
 
 
-def fig_1_6_surface(steps: int = 201) -> Surface:
-    """Thesis Fig. 1.6: network b's surface with its invariant lines and exact gradient arrows.
+ARROWS_1_6 = {
+    "text": "(cos(y) w2 [w1>0], cos(y) relu(w1)), y = w2 relu(w1): the gradient of L (thesis text)",
+    "code": "-0.1 (w2, w1) = -grad(0.1 w1 w2): the thesis code's arrows, parallel to grad L on each line",
+}
 
-    ``extras`` hold ``arrow_points`` ``(m, 2)``, ``arrow_gradient`` ``(m, 2)`` (the true gradient of
-    the plotted loss at those points), ``arrow_level`` and ``arrow_alpha`` ``(m,)``, and
-    ``invariant_levels`` (the ``c`` of the drawn lines ``w1 w2 = c``).
+
+def fig_1_6_surface(steps: int = 201, source: str = DEFAULT_SOURCE) -> Surface:
+    """Thesis Fig. 1.6: network b's surface with its invariant lines and gradient arrows.
+
+    ``extras`` hold ``arrow_points`` ``(m, 2)``, ``arrow_vector`` ``(m, 2)`` (the drawn arrows: the true
+    gradient of the plotted loss for ``source="text"``, the thesis code's ``-grad(0.1 w1 w2)`` for
+    ``"code"``), ``arrow_gradient`` ``(m, 2)`` (the true gradient, either way), ``arrow_level`` and
+    ``arrow_alpha`` ``(m,)``, and ``invariant_levels`` (the ``c`` of the drawn lines ``w1 w2 = c``).
     """
     _check_steps(steps)
+    source = check_source("1.6", source)
     x, y, z = _plane(loss_b, LIM_1_5_B, LIM_1_5_B, steps)
     pts, grads, level, alpha = fig_1_6_arrows()
+    drawn = grads if source == "text" else -CODE_ARROWS_1_6 * pts[:, ::-1].copy()
     return Surface(
         x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label="L = sin(y)",
-        title="network b: invariant lines w₁w₂ = c and the gradient ∇L",
+        title="network b: invariant lines w₁w₂ = c and " + ("the gradient ∇L" if source == "text" else
+                                                             "the thesis code's arrows −∇(0.1 w₁w₂)"),
         extras={
-            "arrow_points": pts, "arrow_gradient": grads, "arrow_level": level, "arrow_alpha": alpha,
-            "invariant_levels": np.asarray(FIG_1_6_LEVELS),
+            "arrow_points": pts, "arrow_vector": drawn, "arrow_gradient": grads, "arrow_level": level,
+            "arrow_alpha": alpha, "invariant_levels": np.asarray(FIG_1_6_LEVELS),
         },
-        metadata={"figure": "1.6", "network": "b", "function": "sin(w2 relu(w1))",
+        metadata={"figure": "1.6", "network": "b", "function": "sin(w2 relu(w1))", "source": source,
+                  "arrows": ARROWS_1_6[source],
                   "gradient": "(cos(y) w2 [w1>0], cos(y) relu(w1)), y = w2 relu(w1)"},
     )  # fmt: skip
 
@@ -243,30 +302,35 @@ def fixed_title(b: float) -> str:
     return f"network b′, w₁ set to {b:g}\nreading (a): the function changes with w₁"
 
 
-def fig_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201) -> list[Surface]:
+def fig_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEFAULT_SOURCE) -> list[Surface]:
     """Thesis Fig. 4.9: network a over ``(w1, w2)`` and network b over ``(w2, w3)`` for each fixed ``w1``.
 
-    Reading (a) of DESIGN.md section 1: ``w1`` is set to each value ``b`` and the function changes.
-    Each fixed-weight surface carries ``extras["fixed"] = b``.
+    Reading (a) of the fixed-weight planes: ``w1`` is set to each value ``b`` and the function changes.
+    Each fixed-weight surface carries ``extras["fixed"] = b``. ``source="code"`` (the printed figure) draws
+    ``L = sin(0.3 y)`` on ``[0, 10]^2``, ``"text"`` the text's ``L = sin(y)`` on ``[0, 3]^2``.
     """
     _check_steps(steps)
+    source = check_source("4.9", source)
     if len(fixed) == 0:
         raise ValueError("give at least one fixed value for w1")
-    x, y, z = _plane(loss_a2, LIM_4_9, LIM_4_9, steps)
+    lim, gain = window_4_9(source), gain_4_9(source)
+    z_label = "L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)"
+    common = {"figure": "4.9", "source": source, "window": list(lim), "gain": gain}
+    x, y, z = _plane(lambda w1, w2: loss_a2(w1, w2, gain), lim, lim, steps)
     out = [
         Surface(
-            x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label="L = sin(y)",
+            x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label=z_label,
             title="network a′: y = relu(w₁ + w₂)",
-            metadata={"figure": "4.9", "network": "a", "function": "sin(relu(w1 + w2))"},
+            metadata={**common, "network": "a", "function": _sin_of(gain, "relu(w1 + w2)")},
         )
     ]  # fmt: skip
     for b in fixed:
-        x, y, z = _plane(lambda w2, w3, b=b: loss_b2(b, w2, w3), LIM_4_9, LIM_4_9, steps)
+        x, y, z = _plane(lambda w2, w3, b=b: loss_b2(b, w2, w3, gain), lim, lim, steps)
         out.append(
             Surface(
-                x=x, y=y, loss=z, x_label="w₂", y_label="w₃", z_label="L = sin(y)", title=fixed_title(b),
+                x=x, y=y, loss=z, x_label="w₂", y_label="w₃", z_label=z_label, title=fixed_title(b),
                 extras={"fixed": np.asarray(float(b))},
-                metadata={"figure": "4.9", "network": "b", "function": f"sin(w3 relu({b:g} + w2))",
+                metadata={**common, "network": "b", "function": _sin_of(gain, f"w3 relu({b:g} + w2)"),
                           "reading": "a", "fixed_weight": "w1", "fixed": float(b)},
             )
         )  # fmt: skip
@@ -318,40 +382,49 @@ def fixed_plane_outline(b: float, lim=LIM_4_9, n: int = 200) -> np.ndarray:
     return np.stack([v1.numpy(), v2.numpy()], axis=-1)
 
 
-def gspace_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201) -> list[Surface]:
-    """Fig. 4.9's network b in G-space (``w3 > 0``): one surface ``sin(relu(v1 + v2))`` for every ``w1``.
+def gspace_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEFAULT_SOURCE) -> list[Surface]:
+    """Fig. 4.9's network b in G-space (``w3 > 0``): one surface ``sin(gain relu(v1 + v2))`` for every ``w1``.
 
     Returns one G-space surface whose ``extras`` hold ``outline_<i>`` (the image of the plotted
-    ``(w2, w3)`` window of the plane ``w1 = fixed[i]``) and ``fixed`` (the values).
+    ``(w2, w3)`` window of the plane ``w1 = fixed[i]``) and ``fixed`` (the values). ``source`` picks
+    Fig. 4.9's window and loss (:func:`fig_4_9_surfaces`).
     """
     _check_steps(steps)
+    source = check_source("gspace-4.9", source)
     if len(fixed) == 0:
         raise ValueError("give at least one fixed value for w1")
-    lo, hi = LIM_4_9
-    outlines = {f"outline_{i}": fixed_plane_outline(b) for i, b in enumerate(fixed)}
+    lim, gain = window_4_9(source), gain_4_9(source)
+    lo, hi = lim
+    outlines = {f"outline_{i}": fixed_plane_outline(b, lim) for i, b in enumerate(fixed)}
     pts = np.concatenate(list(outlines.values()))
     v1_lim = (min(0.0, pts[:, 0].min()), max(hi, pts[:, 0].max()))
     v2_lim = (min(0.0, pts[:, 1].min()), max(hi, pts[:, 1].max()))
-    x, y, z = _plane(loss_b2_gspace, v1_lim, v2_lim, steps)
+    x, y, z = _plane(lambda v1, v2: loss_b2_gspace(v1, v2, 1.0, gain), v1_lim, v2_lim, steps)
+    loss = _sin_of(gain, "relu(v₁ + v₂)")
     return [
         Surface(
-            x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃", z_label="L = sin(y)",
-            title="network b′ in G-space (w₃ > 0): L = sin(relu(v₁ + v₂)) for every w₁",
+            x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃",
+            z_label="L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)",
+            title=f"network b′ in G-space (w₃ > 0): L = {loss} for every w₁",
             extras={**outlines, "fixed": np.asarray([float(b) for b in fixed])},
             metadata={"figure": "gspace-4.9", "network": "b", "chart": "gspace", "skeleton_weight": "w3",
                       "coordinates": "v1 = w1 w3, v2 = w2 w3", "fixed_planes": [float(b) for b in fixed],
-                      "window": [lo, hi]},
+                      "window": [lo, hi], "source": source, "gain": gain},
         )
     ]  # fmt: skip
 
 
-def gspace_4_9_window(steps: int = 201) -> Surface:
+def gspace_4_9_window(steps: int = 201, source: str = DEFAULT_SOURCE) -> Surface:
     """The G-space surface of Fig. 4.9's network b over Fig. 4.9 (a)'s window: network a's surface in ``v``."""
     _check_steps(steps)
-    x, y, z = _plane(loss_b2_gspace, LIM_4_9, LIM_4_9, steps)
+    source = check_source("gspace-4.9", source)
+    lim, gain = window_4_9(source), gain_4_9(source)
+    x, y, z = _plane(lambda v1, v2: loss_b2_gspace(v1, v2, 1.0, gain), lim, lim, steps)
     return Surface(
-        x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃", z_label="L = sin(y)",
-        title=f"G-space over [{LIM_4_9[0]:g}, {LIM_4_9[1]:g}]²: network a′ of Fig. 4.9 (a)\n"
+        x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃",
+        z_label="L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)",
+        title=f"G-space over [{lim[0]:g}, {lim[1]:g}]²: network a′ of Fig. 4.9 (a)\n"
               "with (w₁, w₂) renamed (v₁, v₂)",
-        metadata={"figure": "gspace-4.9", "network": "b", "chart": "gspace", "window": list(LIM_4_9)},
+        metadata={"figure": "gspace-4.9", "network": "b", "chart": "gspace", "window": list(lim),
+                  "source": source, "gain": gain},
     )  # fmt: skip

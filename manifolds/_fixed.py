@@ -274,7 +274,7 @@ class FixedWeightSpace:
     def params_from_free(self, free: Tensor, fixed_value: float | Tensor | None = None) -> dict[str, Tensor]:
         """Parameters with the given free entries and fixed entries set to ``fixed_value`` (differentiable).
 
-        The map a landscape in the fixed-weight subspace evaluates: reading (a) of DESIGN.md section 1 is
+        The map a landscape in the fixed-weight subspace evaluates: reading (a) of docs/math.md "Fixed weights" is
         ``params_from_free(free, b)`` for each ``b`` (the function changes with ``b``); for reading (b) use
         the free vector of :meth:`rescale_to_fixed_value` and the same ``b``.
 
@@ -392,7 +392,7 @@ def rescale_to_fixed_value(
 ) -> Reparametrization:
     """A function-identical copy in which every fixed weight is ``+-value`` (thesis 6.3.1 for ``value = 1``).
 
-    Reading (b) of DESIGN.md section 1: the network is the same, only the gauge differs. See
+    Reading (b) of docs/math.md "Fixed weights": the network is the same, only the gauge differs. See
     :meth:`FixedWeightSpace.rescale_to_fixed_value` for the algorithm; ``result.factor_range`` reports
     how far units were rescaled, which the Hungarian selection keeps small.
 

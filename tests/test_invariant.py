@@ -1,5 +1,5 @@
 """Invariant sharpness on the layer-wise and node-wise quotients against dense references built
-independently from torch.func.hessian and the formulas of DESIGN.md section 2."""
+independently from torch.func.hessian and the G-space formulas of docs/math.md."""
 
 import numpy as np
 import pytest

@@ -41,11 +41,16 @@ def test_toy_gradients_match_autograd(seed):
     for analytic, fn, n in pairs:
         expected = _autograd(fn, *w[:n])
         assert [t.item() for t in analytic(*w[:n])] == pytest.approx(expected, abs=1e-14)
+    # Fig. 4.9 in the thesis code: L = sin(0.3 y)
+    for analytic, fn, n in pairs[1:]:
+        expected = _autograd(lambda *a, fn=fn: fn(*a, gain=0.3), *w[:n])
+        assert [t.item() for t in analytic(*w[:n], gain=0.3)] == pytest.approx(expected, abs=1e-14)
 
 
 def test_fig_1_6_arrows_are_the_true_gradient_and_scale_as_one_over_alpha():
-    s = toys.fig_1_6_surface(steps=5)
+    s = toys.fig_1_6_surface(steps=5, source="text")
     pts, grads = s.extras["arrow_points"], s.extras["arrow_gradient"]
+    assert np.array_equal(s.extras["arrow_vector"], grads) and s.metadata["source"] == "text"
     level, alpha = s.extras["arrow_level"], s.extras["arrow_alpha"]
     for p, g in zip(pts, grads):
         assert g == pytest.approx(_autograd(toys.loss_b, *p), abs=1e-14)
@@ -78,14 +83,31 @@ def test_gspace_charts_reproduce_the_loss_and_undistort_it():
                           torch.stack([v1, v2]), atol=1e-13)  # fmt: skip
 
 
-def test_fig_4_9_surfaces_are_reading_a_with_fixed_values():
-    surfaces = toys.fig_4_9_surfaces(fixed=(1.0, 6.0), steps=7)
+@pytest.mark.parametrize(("source", "gain", "hi"), [("text", 1.0, 3.0), ("code", 0.3, 10.0)])
+def test_fig_4_9_surfaces_are_reading_a_with_fixed_values(source, gain, hi):
+    surfaces = toys.fig_4_9_surfaces(fixed=(1.0, 6.0), steps=7, source=source)
     assert [float(s.extras["fixed"]) for s in surfaces[1:]] == [1.0, 6.0]
+    w1, w2 = np.meshgrid(surfaces[0].x, surfaces[0].y)
+    assert surfaces[0].loss == pytest.approx(np.sin(gain * np.maximum(w1 + w2, 0)), abs=1e-14)
+    for s in surfaces:
+        assert (s.x[0], s.x[-1], s.y[0], s.y[-1]) == (0.0, hi, 0.0, hi)
+        assert s.metadata["source"] == source and s.metadata["window"] == [0.0, hi]
     for s in surfaces[1:]:
         assert "reading (a)" in s.title
         b = float(s.extras["fixed"])
         w2, w3 = np.meshgrid(s.x, s.y)
-        assert s.loss == pytest.approx(np.sin(w3 * np.maximum(b + w2, 0)), abs=1e-14)
+        assert s.loss == pytest.approx(np.sin(gain * w3 * np.maximum(b + w2, 0)), abs=1e-14)
+    assert toys.fig_4_9_surfaces(steps=7)[1].metadata["source"] == "code"  # the printed figure by default
+
+
+def test_fig_1_6_code_arrows_are_the_thesis_codes_and_parallel_to_the_gradient():
+    s = toys.fig_1_6_surface(steps=5, source="code")
+    pts, drawn, grads = s.extras["arrow_points"], s.extras["arrow_vector"], s.extras["arrow_gradient"]
+    np.testing.assert_allclose(drawn, -0.1 * np.stack([pts[:, 1], pts[:, 0]], -1), rtol=0, atol=1e-15)
+    # on the line w1 w2 = c the true gradient is cos(c) (w2, w1): the code's arrow is -0.1 / cos(c) times it
+    factor = -0.1 / np.cos(s.extras["arrow_level"])
+    np.testing.assert_allclose(drawn, factor[:, None] * grads, rtol=1e-12)
+    assert "−∇(0.1 w₁w₂)" in s.title and "-grad(0.1 w1 w2)" in s.metadata["arrows"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,8 +359,8 @@ def _cli(argv, capsys) -> tuple[int, str, str]:
 
 
 def test_cli_toy_writes_promised_files(tmp_path, capsys):
-    code, out, _ = _cli(["toy", "--figure", "4.9", "--fixed", "1", "6", "--steps", "9", "--out", str(tmp_path),
-                         "--quiet"], capsys)  # fmt: skip
+    code, out, _ = _cli(["toy", "--figure", "4.9", "--source", "text", "--fixed", "1", "6", "--steps", "9", "--out",
+                         str(tmp_path), "--quiet"], capsys)  # fmt: skip
     assert code == 0 and out == ""
     for name in ("fig4_9.png", "fig4_9.html", "fig4_9_a.npz", "fig4_9_b_fixed1.npz",
                  "fig4_9_b_fixed6.npz", "fig4_9_b_fixed6.json"):  # fmt: skip
@@ -512,7 +534,9 @@ _TOY_LOSSES = {
 def test_cli_toy_figures_store_the_analytic_loss(tmp_path, capsys, figure):
     argv = ["toy", "--figure", figure, "--steps", "7", "--out", str(tmp_path), "--quiet"]
     if figure == "gspace-4.9":
-        argv += ["--fixed", "1", "2"]
+        argv += ["--fixed", "1", "2", "--source", "text"]
+    if figure == "1.6":
+        argv += ["--source", "text"]
     code, out, err = _cli(argv, capsys)
     assert code == 0 and out == "", err
     stem = "fig" + figure.replace(".", "_") if figure[0].isdigit() else figure.replace("-", "").replace(".", "_")
@@ -556,6 +580,35 @@ def test_cli_toy_figures_store_the_analytic_loss(tmp_path, capsys, figure):
             assert outline[:, 0].min() == pytest.approx(b * lo) and outline[:, 0].max() == pytest.approx(b * hi)
             assert outline[:, 1].max() == pytest.approx(hi * hi)
         assert f["x"][-1] == pytest.approx(2.0 * hi)  # the G-space window covers every outline
+
+
+def test_cli_toy_source_code_draws_the_printed_figures(tmp_path, capsys):
+    code, out, err = _cli(["toy", "--figure", "4.9", "--source", "code", "--fixed", "2", "--steps", "7", "--out",
+                           str(tmp_path), "--quiet"], capsys)  # fmt: skip
+    assert code == 0 and out == "", err
+    f = _npz(tmp_path / "fig4_9_b_fixed2.npz")
+    assert f["x"][-1] == f["y"][-1] == 10.0
+    w2, w3 = np.meshgrid(f["x"], f["y"])
+    np.testing.assert_allclose(f["loss"], np.sin(0.3 * w3 * _relu(2.0 + w2)), rtol=0, atol=1e-14)
+    meta = json.loads((tmp_path / "fig4_9_b_fixed2.json").read_text())
+    assert meta["metadata"]["source"] == "code" and meta["metadata"]["function"] == "sin(0.3 w3 relu(2 + w2))"
+    code, out, err = _cli(["toy", "--figure", "gspace-4.9", "--steps", "7", "--out", str(tmp_path), "--quiet"],
+                          capsys)  # fmt: skip
+    assert code == 0, err
+    f = _npz(tmp_path / "gspace4_9_window.npz")
+    v1, v2 = np.meshgrid(f["x"], f["y"])
+    np.testing.assert_allclose(f["loss"], np.sin(0.3 * _relu(v1 + v2)), rtol=0, atol=1e-14)
+    assert f["x"][-1] == 10.0
+
+
+@pytest.mark.parametrize("figure", ["1.5", "gspace-1.5"])
+def test_cli_toy_source_code_refused_where_the_code_has_no_other_figure(tmp_path, capsys, figure):
+    code, out, err = _cli(["toy", "--figure", figure, "--source", "code", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"error: --source code applies to figures 1.6, 4.9, gspace-4.9 only, where "
+                                        f"the thesis's plotting code differs from its text; figure {figure} has one "
+                                        "definition"]  # fmt: skip
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_toy_writes_every_figure_format(tmp_path, capsys):
