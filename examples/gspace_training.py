@@ -9,8 +9,9 @@ G-space coordinates of :class:`manifolds.GModel` (the optimizer state, Adam's mo
 persists across steps; :class:`manifolds.GOptimizer` gives the same updates on the model itself).
 
 ``--init one`` (default) starts from the G-SGD paper's initialization: PyTorch's default weights with
-every skeleton weight, and every first-layer weight that starts a chain to the input, set to 1 (in the
-shared initial network, so the four optimizers start from the same function). ``--init default``
+every skeleton weight, and every first-layer weight that starts a chain to the input, set to 1
+(``gsgd_init_(model)`` for SGD and Adam, ``GModel(model, init="gsgd")`` for G-SGD and G-Adam, which gives
+the same weights, so the four optimizers start from the same function). ``--init default``
 keeps PyTorch's initialization: the basis-path values are then tiny, G-space gradients huge, and
 G-SGD needs far smaller learning rates (a run that pushes a chain value through 0 stops with
 :class:`manifolds.GSpaceSingularityError` and is marked as diverged, keeping its best epoch so far).
@@ -59,21 +60,26 @@ def digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     return X[order[:cut]], y[order[:cut]], X[order[cut:]], y[order[cut:]]
 
 
-def network(seed: int, init: str) -> nn.Sequential:
-    """64-64-64-64-64-10 bias-free ReLU MLP; ``init="one"`` sets the skeleton and chain starts to 1."""
+def network(seed: int) -> nn.Sequential:
+    """64-64-64-64-64-10 bias-free ReLU MLP with PyTorch's default initialization."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for fan_in in (64, 64, 64, 64):
         layers += [nn.Linear(fan_in, 64, bias=False), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(64, 10, bias=False))
-    return gsgd_init_(model) if init == "one" else model
+    return nn.Sequential(*layers, nn.Linear(64, 10, bias=False))
 
 
-def train(model: nn.Module, label: str, lr: float, data, epochs: int, seed: int) -> dict:
-    """Train one configuration; returns the validation loss per epoch and whether (when) it diverged."""
+def train(model: nn.Module, label: str, lr: float, data, epochs: int, seed: int, init: str = "one") -> dict:
+    """Train one configuration; returns the validation loss per epoch and whether (when) it diverged.
+
+    ``init="one"`` starts from the G-SGD initialization: ``gsgd_init_`` on the model, or the same through
+    ``GModel(model, init="gsgd")`` in G-space."""
     optimizer_class, in_gspace = OPTIMIZERS[label]
     X, y, X_val, y_val = data
-    net = GModel(model) if in_gspace else model
+    if in_gspace:
+        net = GModel(model, init="gsgd" if init == "one" else "model")
+    else:
+        net = gsgd_init_(model) if init == "one" else model
     optimizer = optimizer_class(net.parameters(), lr=lr)
     loss_fn = nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(seed)
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {label: {lr: [] for lr in learning_rates} for label in OPTIMIZERS}
     jobs = [(seed, label, lr) for seed in range(args.seeds) for label in OPTIMIZERS for lr in learning_rates]
     for seed, label, lr in tqdm(jobs, desc="runs", disable=args.no_progress or not sys.stderr.isatty()):
-        runs[label][lr].append(train(network(seed, args.init), label, lr, data, args.epochs, seed))
+        runs[label][lr].append(train(network(seed), label, lr, data, args.epochs, seed, args.init))
 
     summary: dict[str, list[float]] = {}
     counts: dict[str, list[int]] = {}

@@ -469,7 +469,8 @@ class GSpace(nn.Module):
             f"the G-space coordinate of {self._describe_root(k)} {what}: that unit's predecessor-chain value "
             "c = v / d would be 0 or cross 0, where w(v) = v / c is singular. From PyTorch's default "
             "initialization the chain values are products of small weights, so almost any step crosses 0: start "
-            "from manifolds.gsgd_init_(model), which sets every chain value to 1, as the G-SGD paper does; or "
+            "from manifolds.gsgd_init_(model) (or GOptimizer/GModel(..., init='gsgd')), which sets every chain value "
+            "to 1, as the G-SGD paper does; or "
             "lower the learning rate, or choose a predecessor with a larger weight for this unit "
             "(skeleton=Skeleton(...))"
         )
@@ -617,12 +618,26 @@ def gsgd_init_(model: nn.Module, skeleton: Skeleton | None = None, *, example_in
     Returns:
         ``model`` itself.
     """
-    gs = GSpace(model, skeleton, example_input=example_input)
-    designated, predecessor = gs.skeleton_masks(), gs.predecessor_masks()
+    set_gsgd_entries_(GSpace(model, skeleton, example_input=example_input), dict(model.named_parameters()))
+    return model
+
+
+GSPACE_INITS = ("model", "gsgd")  # GOptimizer/GModel's init: the model's weights, or gsgd_init_ of them
+
+
+def check_init(init: str) -> None:
+    if init not in GSPACE_INITS:
+        raise ValueError(f"init must be 'model' (start from the model's weights) or 'gsgd' (set every skeleton and "
+                         f"predecessor weight to 1 first, as gsgd_init_ does), got {init!r}")
+
+
+def set_gsgd_entries_(gspace: GSpace, tensors: Mapping[str, Tensor]) -> None:
+    """Set the designated and predecessor entries of ``gspace`` in ``tensors`` (``{name: weight}``) to 1, in place;
+    ``gspace`` must then be rebuilt from them, since it holds the designated values it was built with."""
+    designated, predecessor = gspace.skeleton_masks(), gspace.predecessor_masks()
     with torch.no_grad():
         for name, mask in designated.items():
-            model.get_parameter(name)[mask | predecessor[name]] = 1.0
-    return model
+            tensors[name][mask | predecessor[name]] = 1.0
 
 
 class _Kernel:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import increment_version
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from manifolds._gspace import GSpace, GSpaceSingularityError, Skeleton, _FusedWeights
+from manifolds._gspace import GSpace, GSpaceSingularityError, Skeleton, _FusedWeights, check_init, set_gsgd_entries_
 from manifolds._structure import Layer, NetworkStructure, analyze
 
 _EMPTY = torch.empty(0)  # what the shell holds between forward passes
@@ -46,6 +46,10 @@ class GModel(nn.Module):
             first-order reverse mode only); ``False`` records plain operations, which ``torch.func``
             and double backward need.
         example_input: passed to :func:`manifolds.analyze` when fx cannot trace the model.
+        init: ``"model"`` starts from the model's weights; ``"gsgd"`` from them with every skeleton and
+            predecessor weight set to 1 (:func:`manifolds.gsgd_init_`, the G-SGD paper's initialization; the
+            model itself is left as it is). From PyTorch's default initialization the chain values are
+            products of small weights, so G-SGD needs ``"gsgd"`` or a tiny learning rate.
 
     Attributes:
         gspace: the parametrization (its buffers hold the fixed skeleton weights).
@@ -62,11 +66,17 @@ class GModel(nn.Module):
         *,
         fused: bool = True,
         example_input: Tensor | None = None,
+        init: str = "model",
     ):
         super().__init__()
+        check_init(init)
         structure = analyze(model, example_input)
         params = {k: p.detach() for k, p in model.named_parameters()}
         self.gspace = GSpace(structure, skeleton, params=params)
+        if init == "gsgd":
+            params = {k: t.clone() for k, t in params.items()}
+            set_gsgd_entries_(self.gspace, params)
+            self.gspace = GSpace(structure, skeleton, params=params)
         self.coordinates = nn.ParameterList(
             nn.Parameter(t.detach().clone()) for t in self.gspace.coordinate_tensors(params).values()
         )
@@ -210,6 +220,11 @@ class GOptimizer(torch.optim.Optimizer):
         optimizer_class: any ``torch.optim.Optimizer`` subclass.
         skeleton: designated and predecessor entries (default: the G-SGD skeleton).
         example_input: passed to :func:`manifolds.analyze` when fx cannot trace the model.
+        init: ``"model"`` starts from the model's weights; ``"gsgd"`` first sets every skeleton and predecessor
+            weight of the model (or of the given parameters) to 1, in place, as :func:`manifolds.gsgd_init_`
+            does (the G-SGD paper's initialization; it changes the network function). From PyTorch's default
+            initialization the chain values are products of small weights, so G-SGD needs ``"gsgd"`` or a
+            tiny learning rate.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``momentum``, ``betas``,
             ``weight_decay``, ...). ``weight_decay`` decays the coordinates (see the module docstring).
 
@@ -230,8 +245,10 @@ class GOptimizer(torch.optim.Optimizer):
         *,
         skeleton: Skeleton | None = None,
         example_input: Tensor | None = None,
+        init: str = "model",
         **optimizer_kwargs,
     ):
+        check_init(init)
         if isinstance(model_or_params, GModel):
             raise TypeError(
                 "a GModel's parameters already are G-space coordinates: use "
@@ -250,6 +267,9 @@ class GOptimizer(torch.optim.Optimizer):
                 g["params"] = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
             structure, named = _linear_chain([t for g in groups for t in g["params"]])
         self.gspace = GSpace(structure, skeleton, params={k: t.detach() for k, t in named.items()})
+        if init == "gsgd":
+            set_gsgd_entries_(self.gspace, named)
+            self.gspace = GSpace(structure, skeleton, params={k: t.detach() for k, t in named.items()})
         self._targets = [named[name] for name in self.gspace.names]
         with torch.no_grad():
             self.coordinates = self._make_coordinates(list(self.gspace.coordinate_tensors(named).values()))

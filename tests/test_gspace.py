@@ -749,3 +749,50 @@ def test_default_initialization_points_to_gsgd_init():
     with pytest.raises(GSpaceSingularityError, match=r"start from manifolds\.gsgd_init_\(model\)"):
         step(copy.deepcopy(model))
     step(gsgd_init_(copy.deepcopy(model)))
+
+
+def test_init_gsgd_option_equals_gsgd_init_for_the_optimizer_the_module_and_bare_parameters():
+    """``init="gsgd"`` starts GOptimizer (on a model or on bare parameters) and GModel from gsgd_init_'s weights:
+    the same coordinates, and the same weights after one step, as gsgd_init_ followed by init="model"."""
+    torch.manual_seed(1)
+    model = mlp([20, 16, 16, 16, 3]).double()
+    x, y = torch.randn(32, 20, dtype=torch.float64), torch.randint(0, 3, (32,))
+    reference = gsgd_init_(copy.deepcopy(model))
+    start = {k: p.detach().clone() for k, p in reference.named_parameters()}
+    gspace_start = GSpace(reference).coordinates()
+
+    def _model_of(net):
+        return net.to_model() if isinstance(net, GModel) else net
+
+    def one_step(net, opt):
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        return {k: p.detach().clone() for k, p in _model_of(net).named_parameters()}
+
+    expected = one_step(reference, GOptimizer(reference, torch.optim.SGD, lr=0.5))
+    on_model = copy.deepcopy(model)
+    opt = GOptimizer(on_model, torch.optim.SGD, lr=0.5, init="gsgd")
+    got = one_step(on_model, opt)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-14)
+    bare = copy.deepcopy(model)
+    weights = [m.weight for m in bare if isinstance(m, nn.Linear)]
+    biases = [m.bias for m in bare if isinstance(m, nn.Linear)]
+    GOptimizer([t for pair in zip(weights, biases) for t in pair], torch.optim.SGD, lr=0.5, init="gsgd")
+    for k, p in bare.named_parameters():  # the given tensors were initialized in place
+        torch.testing.assert_close(p.detach(), start[k], rtol=0, atol=0)
+    gmodel = GModel(model, init="gsgd")
+    coords = GSpace(reference).layout.flatten(dict(zip(gmodel.gspace.layout.names, gmodel.coordinates)))
+    torch.testing.assert_close(coords.detach(), gspace_start, rtol=0, atol=1e-15)
+    for k, w in gmodel.weights().items():
+        torch.testing.assert_close(w, start[k], rtol=1e-14, atol=1e-15)
+    assert all(torch.all(v == 1) for v in gmodel.gspace.skeleton_values())
+    assert not any(torch.equal(p, start[k]) for k, p in model.named_parameters() if p.dim() == 2)  # model untouched
+    got = one_step(gmodel, torch.optim.SGD(gmodel.parameters(), lr=0.5))
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-13)
+    with pytest.raises(ValueError, match="init must be 'model' .* or 'gsgd'"):
+        GModel(model, init="ones")
+    with pytest.raises(ValueError, match="init must be 'model'"):
+        GOptimizer(model, torch.optim.SGD, lr=0.1, init="one")
