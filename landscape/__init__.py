@@ -14,6 +14,9 @@ from landscape._grid import GridValues as GridValues
 from landscape._grid import evaluate_grid as evaluate_grid
 from landscape._grid import evaluate_points as evaluate_points
 from landscape._grid import grid_axis as grid_axis
+from landscape._layout_check import LayoutError as LayoutError
+from landscape._layout_check import check_layout as check_layout
+from landscape._layout_check import layout_problems as layout_problems
 from landscape._plot_mpl import line_figure as line_figure
 from landscape._plot_mpl import save_figure as save_figure
 from landscape._plot_mpl import surface_figure as surface_figure
@@ -33,13 +36,16 @@ __all__ = [
     "Directions",
     "Grid",
     "GridValues",
+    "LayoutError",
     "Surface",
     "eigen_directions",
     "evaluate_grid",
+    "check_layout",
     "evaluate_points",
     "fixed_weight_planes",
     "gspace_directions",
     "grid_axis",
+    "layout_problems",
     "line_figure",
     "loss_line",
     "loss_plane",
