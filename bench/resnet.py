@@ -5,14 +5,22 @@ Run by hand, never from the tests::
     python bench/resnet.py                # ResNet-20 on 1000 synthetic 3x32x32 samples (minutes on 2 cores)
     python bench/resnet.py --samples 250  # a quicker run
     python bench/resnet.py --json out.json
+    python bench/resnet.py --section hvp  # one HVP against one gradient only (a few minutes)
 
-Times, in one process and on the same float32 model and data (eval mode, cross-entropy over the whole
+Section "measures" times, in one process and on the same float32 model and data (eval mode, cross-entropy over the whole
 set): our Euclidean top eigenvalue, our node-wise (rescaling-invariant) top eigenvalue, and PyHessian's
 top eigenvalue (``pip install --no-deps pyhessian``; skipped with a note when missing). Each solve runs
 ``--rounds`` times and the median is reported. Target: node-wise <= 1.3x our Euclidean measure.
 The node-wise operator is ``diag(w) H diag(w) + diag(w g)`` projected off the model's exact rescaling
 group (448 free channel scales on ResNet-20), so its extra cost over the Euclidean one is one gradient,
 the projection, and whatever the spectrum changes in the number of Lanczos steps.
+
+Section "hvp" (issue 22) times, at 1 and 2 threads (``--hvp-threads``), one gradient (``loss.backward()`` over
+all samples at once) against one Hessian-vector product of the objective's ``"auto"`` strategy: with the data
+in memory (a memory budget of ``--memory-gib``, so that what the products share is kept across them) and
+streamed in 5 chunks (memory budget of one byte: each chunk's state is recomputed per product). Every case
+runs ``--hvp-rounds`` times, interleaved, and the best time counts. Targets: in memory <= 1.3x a gradient,
+streamed <= 3x.
 """
 
 from __future__ import annotations
@@ -59,6 +67,46 @@ def median_time(fn, rounds: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def hvp_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, threads: list[int], rounds: int,
+                memory_gib: float) -> dict:
+    """Best-of-``rounds`` seconds of one gradient and one HVP (in memory, streamed in 5 chunks) per thread count."""
+    loss = nn.CrossEntropyLoss()
+    in_memory = Objective(model, loss, (X, y), dtype=torch.float32, memory_budget=int(memory_gib * 2**30))
+    streamed = Objective(model, loss, (X, y), dtype=torch.float32, chunk_size=-(-len(X) // 5), memory_budget=1)
+    v = torch.randn(in_memory.layout.size, generator=torch.Generator().manual_seed(1))
+
+    def gradient():
+        model.zero_grad(set_to_none=True)
+        loss(model(X), y).backward()
+
+    out: dict[str, dict] = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        cases = {"gradient": gradient, "hvp in memory": lambda: in_memory.hvp(v),
+                 "hvp streamed": lambda: streamed.hvp(v)}  # fmt: skip
+        start = time.perf_counter()
+        first = {name: fn() for name, fn in cases.items()}  # warm-up; the in-memory state is built here
+        setup = time.perf_counter() - start
+        error = float((first["hvp streamed"] - first["hvp in memory"]).norm() / first["hvp in memory"].norm())
+        best = dict.fromkeys(cases, float("inf"))
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        out[str(n)] = {"seconds": best, "warm_up_seconds": setup, "streamed_vs_in_memory": error,
+                       "strategy": {"in memory": in_memory.hvp_strategy(), "streamed": streamed.hvp_strategy()}}
+        strategies = out[str(n)]["strategy"]
+        g = best["gradient"]
+        print(f"\n{n} thread(s): gradient {g:.3f} s; HVP in memory ({strategies['in memory']}) "
+              f"{best['hvp in memory']:.3f} s = {best['hvp in memory'] / g:.2f}x (target <= 1.3x); "
+              f"streamed in 5 chunks ({strategies['streamed']}) {best['hvp streamed']:.3f} s = "
+              f"{best['hvp streamed'] / g:.2f}x (target <= 3x); streamed vs in memory: relative difference "
+              f"{error:.1e}; warm-up {setup:.1f} s")  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1000, help="synthetic 3x32x32 samples (default: 1000)")
@@ -66,10 +114,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tol", type=float, default=1e-3, help="relative tolerance of every solver (default: 1e-3)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--section", choices=("all", "measures", "hvp"), default="all", help="what to time")
+    parser.add_argument("--hvp-threads", default="1,2", help="thread counts of the hvp section (default: 1,2)")
+    parser.add_argument("--hvp-rounds", type=int, default=3, help="rounds of the hvp section (best counts)")
+    parser.add_argument("--memory-gib", type=float, default=10.0,
+                        help="memory budget of the in-memory HVP (default: 10 GiB)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, X, y = workload(args.samples)
+    figures: dict = {"samples": args.samples}
+    if args.section in ("all", "hvp"):
+        print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, "
+              f"{platform.processor() or platform.machine()}, torch {torch.__version__}")  # fmt: skip
+        threads = [int(t) for t in args.hvp_threads.split(",")]
+        figures["hvp"] = hvp_section(model, X, y, threads, args.hvp_rounds, args.memory_gib)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+    if args.section == "hvp":
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return 0
     loss = nn.CrossEntropyLoss()
     n_params = sum(p.numel() for p in model.parameters())
     group = analyze(model, example_input=X[:2]).group
@@ -111,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if "pyhessian" in results:
         print(f"ours Euclidean / PyHessian time: {base / results['pyhessian']['seconds']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"samples": args.samples, "tol": args.tol, "results": results}, indent=2))
+        figures.update({"tol": args.tol, "results": results})
+        Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
 
 

@@ -45,7 +45,7 @@ def test_hvp_matches_dense_hessian(case):
         torch.testing.assert_close(out, start + H @ v, rtol=0, atol=tol)
     torch.testing.assert_close(dense_hessian(obj), H, rtol=0, atol=1e-12 * max(1, H.abs().max()))
     if obj._rop is None:
-        with pytest.raises(ValueError, match="'rop' HVP strategy needs an nn.Sequential of Linear layers"):
+        with pytest.raises(ValueError, match="'rop' HVP strategy needs a model built from Linear/ConvNd layers"):
             obj.hvp(v, "rop")
     else:  # the R-operator products again, recomputing each chunk's state (it does not fit the budget)
         streamed = Objective(case.model, case.loss_fn, case.data, chunk_size=7, memory_budget=1)
@@ -428,8 +428,9 @@ class _FunctionalChain(nn.Module):
 
 @pytest.mark.parametrize("name", ["resnet", "vgg_bn", "shared", "functional_chain"])
 def test_graph_cuts_give_exact_hvps_beyond_sequential(name):
-    """The data-convolution cut and the R-operator chain come from the traced graph: a BatchNorm ResNet gets
-    the former, a forward calling modules one by one (a module called twice included) the latter."""
+    """The data-convolution cut and the R-operator products come from the traced graph: a BatchNorm ResNet and
+    VGG get both (the products over the graph), a forward calling modules one by one (a module called twice
+    included) the chain products."""
     from test_group_zoo import build
 
     if name == "functional_chain":
@@ -439,7 +440,7 @@ def test_graph_cuts_give_exact_hvps_beyond_sequential(name):
     else:
         model, x, y, *_ = build(name)
     obj = Objective(model, nn.CrossEntropyLoss(), (x, y), chunk_size=4)
-    expected = {"resnet": (True, False), "vgg_bn": (True, False), "shared": (False, True),
+    expected = {"resnet": (True, True), "vgg_bn": (True, True), "shared": (False, True),
                 "functional_chain": (True, True)}[name]  # fmt: skip
     assert (obj._data_conv is not None, obj._rop is not None) == expected
     H = dense_hessian(obj)

@@ -169,7 +169,7 @@ def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     if kept is None:
         return None
     chain, states = kept
-    if chain.ops[0].dims != 0:
+    if not isinstance(chain, RopChain) or chain.ops[0].dims != 0:
         return None
     inputs = [state.saved[0] for state in states]
     samples, features = sum(x.shape[0] for x in inputs), inputs[0].shape[1]

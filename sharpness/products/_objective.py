@@ -21,7 +21,8 @@ from torch.func import functional_call, grad, jvp, vmap
 from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
-from sharpness.products._rop import ChunkState, RopChain, add_products, forward_state, rop_chain
+from sharpness.products._rop import ChunkState, RopChain, rop_chain
+from sharpness.products._rop_graph import RopGraph, rop_graph
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 
@@ -147,8 +148,9 @@ class Objective:
         self._structure: list[NetworkStructure] = [] if structure is None else [structure]
         # Read off the traced graph (self.structure) on first use:
         # where the model starts with a convolution of the data, second derivatives skip its input gradient;
-        # where the model is a chain of affine layers and piecewise-linear modules, HVPs by hand.
-        self._cuts: tuple[DataConvolution | None, RopChain | None] | None = None
+        # where the model is made of affine layers, eval-mode BatchNorm and piecewise-linear operations (a chain,
+        # or a graph with residual sums and concatenations), HVPs by hand.
+        self._cuts: tuple[DataConvolution | None, RopChain | RopGraph | None] | None = None
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
@@ -190,7 +192,7 @@ class Objective:
             self._structure.append(analyze(self.model, example_input=self.data.first_batch()[0]))
         return self._structure[0]
 
-    def _graph_cuts(self) -> tuple[DataConvolution | None, RopChain | None]:
+    def _graph_cuts(self) -> tuple[DataConvolution | None, RopChain | RopGraph | None]:
         if self._cuts is None:
             try:
                 traced = self.structure.traced
@@ -198,7 +200,10 @@ class Objective:
                 traced = None
             graph = traced.graph if traced is not None else None
             cut = split_data_convolution(self.model, self.params, graph)
-            self._cuts = (cut, rop_chain(self.model, self.params, graph))
+            rop = rop_chain(self.model, self.params, graph)
+            if rop is None and traced is not None and traced.has_shapes:
+                rop = rop_graph(self.model, self.params, self.buffers, graph)
+            self._cuts = (cut, rop)
         return self._cuts
 
     @property
@@ -206,7 +211,7 @@ class Objective:
         return self._graph_cuts()[0]
 
     @property
-    def _rop(self) -> RopChain | None:
+    def _rop(self) -> RopChain | RopGraph | None:
         return self._graph_cuts()[1]
 
     def with_params(self, params: Mapping[str, Tensor]) -> Objective:
@@ -335,8 +340,8 @@ class Objective:
         return 4 * self.activation_bytes_per_sample() * self.n_samples <= self.memory_budget
 
     def _rop_applies(self) -> bool:
-        """Whether the R-operator products apply: a chain of supported modules that runs on these data
-        (measuring its state's size on one sample on the way)."""
+        """Whether the R-operator products apply: a chain or graph of supported operations that runs on these
+        data (measuring its state's size on one sample on the way)."""
         if self._rop is None:
             return False
         x, _ = cast_batch(*self.data.first_batch(), self.dtype, self.device)
@@ -381,9 +386,10 @@ class Objective:
             raise ValueError(f"unknown HVP strategy {strategy!r}; choose one of {', '.join(HVP_STRATEGIES)}")
         if strategy == "rop" and (autograd or self._rop is None):
             raise ValueError(
-                "the 'rop' HVP strategy needs an nn.Sequential of Linear/ConvNd layers with ReLU, LeakyReLU, "
-                "MaxPool, Flatten, Identity or dropout between them, differentiated in its own weights; use "
-                "'graph', 'double_backward' or 'jvp'"
+                "the 'rop' HVP strategy needs a model built from Linear/ConvNd layers, eval-mode BatchNorm, ReLU, "
+                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation "
+                "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
+                "'double_backward' or 'jvp'"
             )
         if strategy != "auto":
             return strategy
@@ -442,9 +448,10 @@ class Objective:
         self._graph = None
         self._rop_states = None
 
-    def rop_states(self) -> tuple[RopChain, list[ChunkState]] | None:
-        """The R-operator chain and every chunk's forward state (:mod:`sharpness.products._rop`), computed once and
-        kept; ``None`` where those products do not apply or the states do not fit in ``memory_budget``."""
+    def rop_states(self) -> tuple[RopChain | RopGraph, list[ChunkState]] | None:
+        """The R-operator chain or graph and every chunk's forward state (:mod:`sharpness.products._rop`,
+        :mod:`sharpness.products._rop_graph`), computed once and kept; ``None`` where those products do not apply
+        or the states do not fit in ``memory_budget``."""
         if self._rop_states is None:
             if self._rop is None or not self._rop_fits():
                 return None
@@ -458,7 +465,7 @@ class Objective:
         states, value, seconds = [], 0.0, 0.0
         for x, y, w in self.chunks():
             start = time.perf_counter()
-            state = forward_state(self._rop, self.params, x, y, self.loss_fn, w)
+            state = self._rop.forward_state(self.params, x, y, self.loss_fn, w)
             seconds += time.perf_counter() - start
             if products is None:
                 states.append(state)
@@ -478,7 +485,7 @@ class Objective:
 
         def products(state: ChunkState) -> None:
             for v, into in zip(tangents, totals):
-                add_products(self._rop, self.params, state, v, into)
+                self._rop.add_products(self.params, state, v, into)
 
         kept = self.rop_states()
         with torch.no_grad():
@@ -496,9 +503,10 @@ class Objective:
         and returned; the chunk results go straight into it, with no product-sized temporary for the
         ``"rop"``, ``"double_backward"`` and ``"jvp"`` strategies.
 
-        ``strategy``: ``"rop"`` (``nn.Sequential`` chains of Linear/ConvNd layers with ReLU, LeakyReLU,
-        MaxPool, Flatten, Identity or dropout between them) is the R-operator written out by hand
-        (:mod:`sharpness.products._rop`), with each chunk's forward state
+        ``strategy``: ``"rop"`` (models of Linear/ConvNd layers, eval-mode BatchNorm, ReLU, LeakyReLU,
+        max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or
+        graphs) is the R-operator written out by hand (:mod:`sharpness.products._rop`,
+        :mod:`sharpness.products._rop_graph`), with each chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``

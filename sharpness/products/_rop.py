@@ -253,6 +253,16 @@ class RopChain:
             total += 3 * h.numel()
         return total * h.element_size()
 
+    def forward_state(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, loss_fn: Callable,
+                      weight: float) -> ChunkState:  # fmt: skip
+        """:func:`forward_state` of this chain."""
+        return forward_state(self, params, x, y, loss_fn, weight)
+
+    def add_products(self, params: Mapping[str, Tensor], state: ChunkState, v: Mapping[str, Tensor],
+                     into: Mapping[str, Tensor]) -> None:  # fmt: skip
+        """:func:`add_products` of this chain."""
+        add_products(self, params, state, v, into)
+
 
 def rop_chain(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> RopChain | None:
     """Read ``model`` as a chain the R-operator products handle, or ``None`` when it is not one.
@@ -353,19 +363,26 @@ def forward_state(
         else:
             h, s = op.forward(h)
             saved.append(s)
+    return loss_state(h, y, loss_fn, weight, lambda g: _output_errors(chain, params, saved, g), saved)
+
+
+def loss_state(
+    h: Tensor, y: Tensor, loss_fn: Callable, weight: float, errors: Callable[[Tensor], dict[int, Tensor]], saved: list
+) -> ChunkState:
+    """The chunk state from the outputs ``h``: the weighted loss, its curvature in ``h``, and the first-order
+    ``errors`` back-propagated from ``d(weight * loss)/dh``."""
     if _plain_cross_entropy(loss_fn, h, y):
         # Closed form: no autograd graph (its engine costs more than a small chunk's loss itself).
         probs = torch.softmax(h, dim=1)
         scale = weight / h.shape[0] if loss_fn.reduction == "mean" else weight
         value = weight * loss_fn(h, y)
         out_grad = _cross_entropy_gradient(probs, y, loss_fn.label_smoothing, scale)
-        return ChunkState(saved, _output_errors(chain, params, saved, out_grad), value, probs=probs, scale=scale)
+        return ChunkState(saved, errors(out_grad), value, probs=probs, scale=scale)
     with torch.enable_grad():
         out = h.detach().requires_grad_(True)
         value = weight * loss_fn(out, y)
         (out_grad,) = torch.autograd.grad(value, out, create_graph=True)
-    errors = _output_errors(chain, params, saved, out_grad.detach())
-    return ChunkState(saved, errors, value.detach(), out=out, out_grad=out_grad)
+    return ChunkState(saved, errors(out_grad.detach()), value.detach(), out=out, out_grad=out_grad)
 
 
 def _cross_entropy_gradient(probs: Tensor, y: Tensor, smoothing: float, scale: float) -> Tensor:
@@ -450,4 +467,4 @@ def add_products(
         g_dot = op.input_adjoints(g_dot, saved[i], weight, deltas[i], v[op.weight])
 
 
-__all__ = ["ChunkState", "RopChain", "add_products", "forward_state", "rop_chain"]
+__all__ = ["ChunkState", "RopChain", "add_products", "forward_state", "loss_state", "rop_chain"]
