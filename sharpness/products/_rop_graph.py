@@ -72,15 +72,136 @@ _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 # parameters, products(...) adding their blocks of H v
 @dataclass(frozen=True)
 class _Layer:
-    """``Linear`` / ``ConvNd`` (``affine``) or eval-mode BatchNorm (``norm``): bilinear in (input, parameters)."""
+    """A layer bilinear in (input, parameters): ``Linear`` / ``ConvNd`` (``affine``), eval-mode BatchNorm
+    (``norm``), or an affine layer whose only user is a BatchNorm, fused (both).
+
+    The fused layer ``z = gamma * xhat + beta``, ``xhat = a (A(h; W) + b - mu)``, with gain ``g = gamma a`` per
+    output channel, never forms the affine layer's output, its errors or tangents: the BatchNorm's factors move
+    onto the weights. With ``delta`` the error at ``z``, ``Hz = A_W^T(h, delta)`` (kept with it) and
+    ``Wz = A_W^T(hdot, delta)``::
+
+        zdot = A(hdot; g W) + A(h; g V) + g c + B + G xhat
+        (Hv)_W = g (A_W^T(h, ddot) + Wz) + G a Hz,          (Hv)_b = g sum ddot + G a sum delta
+        (Hv)_gamma = sum(xhat ddot) + a (<W, Wz> + <V, Hz> + c sum delta),   (Hv)_beta = sum ddot
+        input tangent error = A_h^T(ddot; g W) + A_h^T(delta; G a W + g V)
+
+    (sums and inner products per output channel).
+    """
 
     affine: _Affine | None = None
     norm: _Norm | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
-        layer = self.affine or self.norm
-        return tuple(n for n in (layer.weight, layer.bias) if n)
+        return tuple(n for layer in (self.affine, self.norm) if layer for n in (layer.weight, layer.bias) if n)
+
+    def needs_error(self, input_moves: bool) -> bool:
+        """Whether the products read the first-order error at the output."""
+        return bool(self.names) and (input_moves or (self.affine is not None and self.norm is not None
+                                                      and self.norm.weight is not None))  # fmt: skip
+
+    def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, object]:
+        a, n = self.affine, self.norm
+        if n is None:
+            return a.apply(h, params[a.weight], params[a.bias] if a.bias else None), h
+        if a is None:
+            return n.forward(h, params)
+        z, xhat = n.forward(a.apply(h, params[a.weight], params[a.bias] if a.bias else None), params)
+        return z, (h, xhat)
+
+    def errors(self, g: Tensor, saved, params: Mapping[str, Tensor], need: bool) -> tuple[object, Tensor | None]:
+        """What the products keep of the error ``g`` at the output, and the input's error (if ``need``)."""
+        a, n = self.affine, self.norm
+        if n is None:
+            return g, (a.input_adjoint(g, saved, params[a.weight]) if need else None)
+        if a is None:
+            return g, (g * n.gain(params) if need else None)
+        h = saved[0]
+        weight = params[a.weight]
+        kept = (g, _weight_adjoint(a, h, g, weight), a.bias_adjoint(g)) if n.weight is not None else (g, None, None)
+        return kept, (a.input_adjoint(g, h, _rows(weight, n.gain(params))) if need else None)
+
+    def tangent(self, saved, hdot: Tensor | None, params, v) -> Tensor:
+        a, n = self.affine, self.norm
+        if n is None:
+            z = a.apply(saved, v[a.weight], v[a.bias] if a.bias else None)
+            return z if hdot is None else z.add_(a.apply(hdot, params[a.weight], None))
+        if a is None:
+            return n.tangent(hdot, saved, params, v)
+        h, xhat = saved
+        gain = n.gain(params).reshape(-1)
+        bias = gain * v[a.bias] if a.bias else None
+        if n.bias is not None:
+            bias = v[n.bias] if bias is None else bias.add_(v[n.bias])
+        z = a.apply(h, _rows(v[a.weight], gain), bias)
+        if hdot is not None:
+            z.add_(a.apply(hdot, _rows(params[a.weight], gain), None))
+        if n.weight is not None:
+            z.addcmul_(xhat, n._channel(v[n.weight]))
+        return z
+
+    def backward(self, g_dot: Tensor, kept, hdot: Tensor | None, saved, params, v, into, need: bool) -> Tensor | None:
+        """Add the layer's blocks of ``H v`` to ``into``; the input's tangent error (if ``need``)."""
+        a, n = self.affine, self.norm
+        if n is None:
+            weight = params[a.weight]
+            a.add_weight_adjoint(into[a.weight], saved, g_dot, weight)
+            if hdot is not None:
+                a.add_weight_adjoint(into[a.weight], hdot, kept, weight)
+            if a.bias:
+                into[a.bias].add_(a.bias_adjoint(g_dot))
+            return a.input_adjoints(g_dot, saved, weight, kept, v[a.weight]) if need else None
+        if a is None:
+            n.products(g_dot, kept, hdot, saved, into)
+            return n.input_adjoints(g_dot, kept, params, v) if need else None
+        h, xhat = saved
+        delta, hz, delta_sum = kept if kept is not None else (None, None, None)
+        weight, gain = params[a.weight], n.gain(params).reshape(-1)
+        total = _weight_adjoint(a, h, g_dot, weight)
+        wz = _weight_adjoint(a, hdot, delta, weight) if hdot is not None else None
+        if wz is not None:
+            total.add_(wz)
+        into[a.weight].add_(_rows(total, gain))
+        g_sum = a.bias_adjoint(g_dot)
+        moved = None  # G a: the gain's tangent
+        if n.weight is not None:
+            moved = v[n.weight] * n.scale.reshape(-1)
+            into[a.weight].add_(_rows(hz, moved))
+            inner = _channel_dot(v[a.weight], hz)
+            if wz is not None:
+                inner.add_(_channel_dot(weight, wz))
+            if a.bias:
+                inner.addcmul_(v[a.bias], delta_sum)
+            into[n.weight].add_(n._sum(g_dot * xhat)).addcmul_(inner, n.scale.reshape(-1))
+        if a.bias:
+            into[a.bias].addcmul_(g_sum, gain)
+            if moved is not None:
+                into[a.bias].addcmul_(delta_sum, moved)
+        if n.bias is not None:
+            into[n.bias].add_(g_sum)
+        if not need:
+            return None
+        tangent = _rows(v[a.weight], gain)
+        if moved is not None:
+            tangent = tangent.add_(_rows(weight, moved))
+        return a.input_adjoints(g_dot, h, _rows(weight, gain), delta, tangent)
+
+
+def _rows(weight: Tensor, factors: Tensor) -> Tensor:
+    """``weight`` with each output channel (row) multiplied by its factor (a fresh tensor)."""
+    return weight * factors.reshape(-1, *([1] * (weight.dim() - 1)))
+
+
+def _channel_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``<a_c, b_c>`` per output channel ``c`` of two weight-shaped tensors."""
+    return (a * b).reshape(a.shape[0], -1).sum(1)
+
+
+def _weight_adjoint(affine: _Affine, h: Tensor, g: Tensor, weight: Tensor) -> Tensor:
+    """``A_W^T(h, g)`` as a fresh tensor."""
+    if not affine.dims:
+        return g.T @ h
+    return affine._conv_backward(g, h, weight, [False, True, False])[1]
 
 
 @dataclass(frozen=True)
@@ -247,14 +368,7 @@ class RopGraph:
             xs = [values[j] for j in step.inputs]
             op = step.op
             if isinstance(op, _Layer):
-                if op.affine is not None:
-                    a = op.affine
-                    h = xs[0]
-                    values[i] = a.apply(h, params[a.weight], params[a.bias] if a.bias else None)
-                    if a.weight in params:
-                        saved[i] = h
-                else:
-                    values[i], saved[i] = op.norm.forward(xs[0], params)
+                values[i], saved[i] = op.forward(xs[0], params)
             elif isinstance(op, _Map):
                 values[i], s = op.forward(xs, [values[j] for j in step.meta])
                 if step.moving:
@@ -286,16 +400,10 @@ class RopGraph:
             step = self.steps[i]
             need = [j in self.errors for j in step.inputs]
             if isinstance(step.op, _Layer):
-                op = step.op
-                if op.names:
-                    deltas[i] = g
-                if not need[0]:
-                    continue
-                if op.affine is not None:
-                    a = op.affine
-                    errs = [a.input_adjoint(g, saved[i], params[a.weight])]
-                else:
-                    errs = [g * op.norm.gain(params)]
+                kept, error = step.op.errors(g, saved[i], params, need[0])
+                if step.op.needs_error(self.steps[step.inputs[0]].moving):
+                    deltas[i] = kept
+                errs = [error]
             else:
                 errs = step.op.adjoint(g, saved[i], need)
             _accumulate(grads, step.inputs, errs, need)
@@ -313,14 +421,7 @@ class RopGraph:
             op = step.op
             xdots = [dots[j] for j in step.inputs]
             if isinstance(op, _Layer):
-                if op.affine is not None:
-                    a = op.affine
-                    z = a.apply(saved[i], v[a.weight], v[a.bias] if a.bias else None)
-                    if xdots[0] is not None:
-                        z.add_(a.apply(xdots[0], params[a.weight], None))
-                    dots[i] = z
-                else:
-                    dots[i] = op.norm.tangent(xdots[0], saved[i], params, v)
+                dots[i] = op.tangent(saved[i], xdots[0], params, v)
             else:
                 dots[i] = op.tangent(xdots, saved[i])
         grads: dict[int, Tensor] = {self.output: state.loss_hvp(dots[self.output])}
@@ -332,30 +433,21 @@ class RopGraph:
             need = [steps[j].moving for j in step.inputs]
             op = step.op
             if isinstance(op, _Layer):
-                hdot, delta = dots[step.inputs[0]], deltas.get(i)
-                if op.affine is not None:
-                    a = op.affine
-                    weight = params[a.weight]
-                    a.add_weight_adjoint(into[a.weight], saved[i], g_dot, weight)
-                    if hdot is not None:
-                        a.add_weight_adjoint(into[a.weight], hdot, delta, weight)
-                    if a.bias:
-                        into[a.bias].add_(a.bias_adjoint(g_dot))
-                    errs = [a.input_adjoints(g_dot, saved[i], weight, delta, v[a.weight]) if need[0] else None]
-                else:
-                    op.norm.products(g_dot, delta, hdot, saved[i], into)
-                    errs = [op.norm.input_adjoints(g_dot, delta, params, v) if need[0] else None]
+                errs = [op.backward(g_dot, deltas.get(i), dots[step.inputs[0]], saved[i], params, v, into, need[0])]
             else:
                 errs = op.adjoint(g_dot, saved[i], need)
             _accumulate(grads, step.inputs, errs, need)
 
     def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
-        """Bytes one sample's cached state takes (the saved layer inputs and maps, each tensor counted once, and
-        the first-order errors), measured by one forward and backward pass of ``x[:1]``."""
+        """Bytes one sample's cached state takes (the saved layer inputs and maps, each tensor counted once, the
+        first-order errors and the outputs' curvature), measured by one forward and backward pass of ``x[:1]``.
+        Not counted: what a chunk keeps whatever its size, at most one parameter vector (the errors' weight
+        adjoints of merged BatchNorm layers)."""
         out, saved = self._forward(params, x[:1])
-        deltas = self._errors(params, saved, torch.ones_like(out))
-        tensors = {id(t): t for s in saved for t in (s if isinstance(s, tuple) else (s,)) if isinstance(t, Tensor)}
-        tensors.update({id(t): t for t in deltas.values()})
+        errors = self._errors(params, saved, torch.ones_like(out)).values()
+        deltas = [d[0] if isinstance(d, tuple) else d for d in errors]
+        tensors = {id(t): t for s in [*saved, *deltas] for t in (s if isinstance(s, tuple) else (s,))
+                   if isinstance(t, Tensor)}  # fmt: skip
         return out.numel() * out.element_size() + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -507,6 +599,16 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     return None
 
 
+def _fuse_batch_norms(read: dict[fx.Node, tuple], output: fx.Node) -> None:
+    """Merge each BatchNorm whose input is an affine layer's output used by nothing else into that layer."""
+    for node, (op, tensors, _) in list(read.items()):
+        if isinstance(op, _Layer) and op.affine is None and op.norm is not None:
+            (source,) = tensors
+            before = read[source][0]
+            if isinstance(before, _Layer) and before.norm is None and len(source.users) == 1 and source is not output:
+                read[node] = (_Layer(affine=before.affine, norm=op.norm), read[source][1], [])
+
+
 def rop_graph(
     model: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], graph: fx.Graph | None
 ) -> RopGraph | None:
@@ -551,6 +653,7 @@ def rop_graph(
             return None
     if output is None:
         return None
+    _fuse_batch_norms(read, output)
     live, stack = set(), [output]  # what the output depends on
     while stack:
         node = stack.pop()
@@ -574,8 +677,8 @@ def rop_graph(
         for j in (*s.inputs, *s.meta):
             users[j].append(i)
     errors: set[int] = set()
-    for i, s in enumerate(steps):  # downstream of every layer whose input moves
-        if i in errors or (isinstance(s.op, _Layer) and s.op.names and moving[s.inputs[0]]):
+    for i, s in enumerate(steps):  # downstream of every layer whose products read its error
+        if i in errors or (isinstance(s.op, _Layer) and s.op.needs_error(moving[s.inputs[0]])):
             errors.add(i)
             errors.update(u for u in users[i] if isinstance(steps[u].op, (_Layer, _Map)))
     return RopGraph(tuple(steps), slot[output], frozenset(errors), tuple(tuple(u) for u in users))
