@@ -57,6 +57,10 @@ def _file_stem(text: str) -> str:
 def _formats(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", nargs="+", default=["png"], choices=("png", "pdf", "svg"),
                         help="figure formats (default: png); an interactive .html is always written")  # fmt: skip
+    parser.add_argument("--html-js", default="directory", choices=("directory", "inline", "cdn"),
+                        help="where the .html pages get plotly.js: directory (default: one shared plotly.min.js "
+                             "written beside them; works offline, keep the folder together), inline (in every "
+                             "page, about 4.7 MB each) or cdn (from the internet)")  # fmt: skip
 
 
 def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help: str) -> None:
@@ -67,7 +71,11 @@ def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help
     parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
     parser.add_argument("--memory-mib", type=_positive_int, default=2048,
                         help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
-    parser.add_argument("--log", action="store_true", help="logarithmic loss scale in the figures")
+    scale = parser.add_mutually_exclusive_group()
+    scale.add_argument("--log", action="store_true",
+                       help="logarithmic loss scale in the figures (default: logarithmic where the losses span "
+                            "more than two decades, linear otherwise)")  # fmt: skip
+    scale.add_argument("--linear", action="store_true", help="linear loss scale in the figures")
     parser.add_argument("--name", type=_file_stem, default=name,
                         help=f"file name stem of the outputs (default: {name_help})")  # fmt: skip
     parser.add_argument("--out", required=True, help="output folder (created if missing)")
@@ -214,6 +222,8 @@ def _fixed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fixed(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from landscape._fixed_planes import _check_values, fixed_weight_planes
     from landscape._plot_mpl import save_figure, surface_figure
     from landscape._plot_plotly import plotly_figure, write_html
@@ -245,25 +255,68 @@ def _fixed(args: argparse.Namespace) -> int:
         )  # fmt: skip
         for s in surfaces
     ]
-    where = f"{Path(args.checkpoint).name}, {args.data}"
-    what = ("reading (a): fixed weights set to each value, the function changes" if args.reading == "a" else
-            "reading (b): same network rescaled so fixed weights are ±value, only the gauge differs")  # fmt: skip
-    title = f"loss in the free weights under different fixed-weight values, {what}\n{where}"
-    fig = surface_figure(surfaces, kinds=("contour", "surface"), log=args.log, mark_center=True, title=title)
-    html = plotly_figure(surfaces, title=title.replace("\n", " ("), log=args.log)
+    what = ("reading (a): fixed weights set to b, the function changes with b" if args.reading == "a" else
+            "reading (b): the same network rescaled so every fixed weight is ±b, only the gauge differs")  # fmt: skip
+    title = f"Loss in the free weights, {what}"
+    source = _provenance(args, loss_fn)
+    plane = surfaces[0].title.split("\n")[-1].replace("loss on the free-weight plane of ", "")
+    caption = (f"{source}; plane of {plane} in the free weights ({args.selection} selection of the fixed weights); "
+               "thesis section 6.3.1 (reparametrization to fixed weights ±b), cf. Fig. 4.9")  # fmt: skip
+    spread = max(float(np.nanmax(np.abs(s.loss - surfaces[0].loss))) for s in surfaces)
+    if len(surfaces) > 1 and spread <= 1e-5 * float(np.nanmax(np.abs(surfaces[0].loss))):
+        caption += (f"\nThe panels agree to rounding (largest difference {spread:.2g})"
+                    + (": from ±b to ±b′ is a layer-wise rescaling, and planes of "
+                       f"{args.norm}-normalized directions do not change under it (try --norm none)"
+                       if args.reading == "b" and args.norm != "none" else "."))  # fmt: skip
+    log = _log_mode(args, surfaces)
+    fig = surface_figure(surfaces, kinds=("contour", "surface"), log=log, mark_center=True, title=title,
+                         panel_titles=[f"b = {b:g}" for b in values], caption=caption)  # fmt: skip
+    html = plotly_figure(surfaces, title=f"{title} ({source})", log=log)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for b, s in zip(values, surfaces):
         paths += s.save(out / f"{args.name}_b{b:g}")
-    paths += save_figure(fig, out / args.name, args.format)
-    write_html(html, out / f"{args.name}.html")
-    paths.append(out / f"{args.name}.html")
+    paths += save_figure(fig, out / args.name, args.format, title=title, description=caption)
+    paths += write_html(html, out / f"{args.name}.html", args.html_js, meta={"title": title, "caption": caption})
     if not args.quiet:
         for b, s in zip(values, surfaces):
             print(f"b = {b:g}: center loss {s.metadata['center_loss']:.6g}")
         print("\n".join(str(p) for p in paths))
     return 0
+
+
+def _provenance(args: argparse.Namespace, loss_fn) -> str:
+    """Model, checkpoint, data and loss in one phrase, for captions and file metadata."""
+    return (f"model {args.model} ({Path(args.checkpoint).name}), data {args.data}, "
+            f"loss {type(loss_fn).__name__} ({args.dtype})")  # fmt: skip
+
+
+def _log_mode(args: argparse.Namespace, surfaces) -> bool:
+    """``--log``, ``--linear`` or, by default, logarithmic where the losses span more than two decades."""
+    from landscape._surface import resolve_log
+
+    return resolve_log(True if args.log else False if args.linear else "auto", surfaces)
+
+
+def _wrap_title(title: str, width: int = 70) -> str:
+    import textwrap
+
+    return textwrap.fill(title, width)
+
+
+def _reproduces(spec: DirectionSpec, line: bool, segment: bool) -> str:
+    """Which published kind of figure a plane or line is, for its caption and metadata."""
+    if segment:
+        return "linear interpolation between two checkpoints (Goodfellow et al. 2015)"
+    if spec.kind_name == "gspace":
+        return "random plane in G-space (basis-path) coordinates (Meng et al. 2019, G-SGD)"
+    if spec.kind_name in ("eigen", "invariant-eigen"):
+        return "plane of the top Hessian eigenvectors" + (" of the quotient metric (Rangamani et al. 2021)"
+                                                           if spec.kind_name == "invariant-eigen" else "")
+    if line:
+        return "random line" + (" (Rangamani et al. 2021, Fig. 2)" if spec.normalization == "layer" else "")
+    return "random plane" + (" (Li et al. 2018)" if spec.normalization == "filter" else "")
 
 
 def _toy(args: argparse.Namespace) -> int:
@@ -276,7 +329,8 @@ def _toy(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be at least 3 for a toy surface, got {args.steps}")
     source = check_source(args.figure, args.source)
     fixed = FIG_4_9_FIXED if args.fixed is None else _check_toy_fixed(args.fixed, window_4_9(source)[1])
-    paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps, source=source)
+    paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps, source=source,
+                       html_js=args.html_js)  # fmt: skip
     if not args.quiet:
         print("\n".join(str(p) for p in paths))
     return 0
@@ -389,24 +443,24 @@ def _real(args: argparse.Namespace) -> int:
         }
     )  # fmt: skip
     name = args.name or args.command
-    where = f"{Path(args.checkpoint).name}, {args.data}"
+    source = _provenance(args, loss_fn)
+    title = surface.title[0].upper() + surface.title[1:]
+    caption = f"{source}; {_reproduces(spec, surface.is_line, target is not None)}"
+    log = _log_mode(args, [surface])
     if surface.is_line:
-        fig = line_figure([surface], log=args.log, title=f"{surface.title}\n{where}")
-        if target is not None:
-            for t, label in ((0.0, Path(args.checkpoint).name), (1.0, Path(args.to).name)):
-                fig.axes[0].axvline(t, color="0.5", lw=0.8, ls=":")
-                fig.axes[0].annotate(label, (t, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
-                                     textcoords="offset points", fontsize=7, color="0.3")  # fmt: skip
+        marks = [] if target is None else [(0.0, Path(args.checkpoint).name), (1.0, Path(args.to).name)]
+        if log and target is not None:
+            caption += "; logarithmic loss axis: the loss spans more than two decades on this range"
+        fig = line_figure([surface], log=log, title=_wrap_title(title, 56), marks=marks, caption=caption)
     else:
-        fig = surface_figure([surface], kinds=("contour", "surface"), log=args.log, mark_center=True,
-                             title=f"{surface.title}\n{where}")  # fmt: skip
-    html = plotly_figure([surface], title=f"{surface.title} ({where})", log=args.log)
+        fig = surface_figure([surface], kinds=("contour", "surface"), log=log, mark_center=True,
+                             title=_wrap_title(title), caption=caption)  # fmt: skip
+    html = plotly_figure([surface], title=f"{title} ({source})", log=log)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = list(surface.save(out / name))
-    paths += save_figure(fig, out / name, args.format)
-    write_html(html, out / f"{name}.html")
-    paths.append(out / f"{name}.html")
+    paths += save_figure(fig, out / name, args.format, title=title, description=caption)
+    paths += write_html(html, out / f"{name}.html", args.html_js, meta={"title": title, "caption": caption})
     if not args.quiet:
         meta = surface.metadata
         print(f"center loss {meta['center_loss']:.6g}; {meta['n_points']} points in {meta['grid_seconds']:.2f} s "

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import manifolds
-from landscape._demo_figures import sharpness_figure, surfaces_figure
+from landscape._demo_figures import format_value, sharpness_figure, surfaces_figure
 from landscape._demo_surfaces import (
     SURFACE_METRICS,
     save_surfaces,
@@ -255,7 +255,8 @@ def _markdown(s: dict, table: str) -> str:
         lines.append(f"| {field} | {sb['training'][field]:.4g} | {fb['training'][field]:.4g} |")
     lines += ["", "| measure | small batch | full batch | full / small |", "|---|---|---|---|"]
     for m, ratio in s["full_over_small"].items():
-        lines.append(f"| {m} | {sb['measures'][m]['value']:.4g} | {fb['measures'][m]['value']:.4g} | {ratio:.3g} |")
+        small, full = format_value(sb["measures"][m]["value"]), format_value(fb["measures"][m]["value"])
+        lines.append(f"| {m} | {small} | {full} | {ratio:.3g} |")
     lines += ["", "What the measures are (values are not comparable across measures, only across minima):", ""]
     lines += [f"- `{name}`: {m.description}" for name, m in MEASURES.items() if name in s["full_over_small"]]
     if "fixed" in sb["measures"] and "factor_min" in sb["measures"]["fixed"]:

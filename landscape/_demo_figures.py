@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -24,12 +25,15 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str) -> None:
-    """Save ``fig`` to ``path`` through a temporary file, then close it."""
+DATA = "scikit-learn digits (1797 images), MLP 64-128-128-10, cross-entropy"
+
+
+def _save(fig, path: str, title: str, description: str) -> None:
+    """Save ``fig`` to ``path`` through a temporary file (title and provenance in its metadata), then close it."""
     plt = _pyplot()
     tmp = path + ".tmp.png"
     try:
-        fig.savefig(tmp, dpi=150)
+        fig.savefig(tmp, dpi=150, metadata={"Title": title, "Description": description, "Software": "landscape demo"})
         os.replace(tmp, path)
     finally:
         plt.close(fig)
@@ -37,31 +41,81 @@ def _save(fig, path: str) -> None:
             os.unlink(tmp)
 
 
+def format_value(v: float) -> str:
+    """Four significant digits, in scientific notation from 1e5 on (``1.000e+07``, not ``1e+07``)."""
+    return f"{v:.3e}" if v != 0 and not 1e-3 <= abs(v) < 1e5 else f"{v:.4g}"
+
+
 def sharpness_figure(path: str, results: dict, report_verify: dict) -> None:
-    """Bars of every measure on both minima, and the largest relative change under random rescalings."""
+    """One small panel per measure (values of different measures are not comparable: each gets its own
+    linear axis from 0, both values written on the bars), and the largest relative change of each measure
+    under random rescalings as dots on a log axis against the tolerance (exact zeros drawn at the bottom)."""
     plt = _pyplot()
+    from matplotlib import ticker
+
+    from landscape._plot_mpl import add_caption
+
     metrics = list(results["small_batch"]["measures"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
-    x = np.arange(len(metrics))
-    for offset, key, label in ((-0.2, "small_batch", "small batch"), (0.2, "full_batch", "full batch")):
-        vals = [results[key]["measures"][m]["value"] for m in metrics]
-        axes[0].bar(x + offset, vals, width=0.4, label=label)
-    axes[0].set_yscale("log")
-    axes[0].set_xticks(x, metrics)
-    axes[0].set_ylabel("top eigenvalue")
-    axes[0].set_title("Sharpness of the two minima (matched training loss)")
-    axes[0].legend()
+    keys = (("small_batch", "small batch", "C0"), ("full_batch", "full batch", "C1"))
+    fig = plt.figure(figsize=(11.5, 5.0), layout="constrained")
+    left, right = fig.subfigures(1, 2, width_ratios=[1.35, 1.0])
+    cols = 3
+    grid = left.subplots(math.ceil(len(metrics) / cols), cols, squeeze=False)
+    for ax, m in zip(grid.flat, metrics):
+        values = [results[key]["measures"][m]["value"] for key, _, _ in keys]
+        lo, hi = min(values), max(values)
+        log = lo > 0 and hi > 100 * lo  # two values decades apart: a log axis (dots, no bars from a floor)
+        for x, v, (_, _, color) in zip((0, 1), values, keys):
+            if log:
+                ax.plot([x], [v], "o", color=color, ms=8)
+            else:
+                ax.bar([x], [v], width=0.6, color=color)
+            ax.annotate(format_value(v), (x, v), xytext=(0, 4), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7.5)  # fmt: skip
+        ax.set_title(m + (" (log scale)" if log else ""), fontsize=9)
+        ax.set_xticks([0, 1], ["small\nbatch", "full\nbatch"], fontsize=7.5)
+        ax.set_xlim(-0.6, 1.6)
+        if log:
+            ax.set_yscale("log")
+            ax.set_ylim(lo / 4, hi * 8)
+        else:
+            ax.set_ylim(0, hi * 1.25)
+            ax.yaxis.set_major_locator(ticker.MaxNLocator(3))
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: format_value(v) if v else "0"))
+        ax.tick_params(axis="y", labelsize=7)
+    for ax in list(grid.flat)[len(metrics) :]:
+        ax.set_visible(False)
+    left.suptitle("Top eigenvalue of each measure at the two minima (matched training loss)", fontsize=10)
+    left.supylabel("top eigenvalue (own scale per measure)", fontsize=8)
+
+    ax = right.subplots()
     kinds = report_verify["kinds"]
+    rel = {kind: [report_verify["max_relative_differences"][m][kind] for m in metrics] for kind in kinds}
+    positive = [v for values in rel.values() for v in values if v > 0]
+    floor = min(positive) / 10 if positive else 1e-17
+    x = np.arange(len(metrics))
     for j, kind in enumerate(kinds):
-        rel = [max(report_verify["max_relative_differences"][m][kind], 1e-17) for m in metrics]
-        axes[1].bar(x + (j - (len(kinds) - 1) / 2) * 0.35, rel, width=0.35, label=f"{kind}-wise rescaling")
-    axes[1].axhline(report_verify["rtol"], color="k", ls="--", lw=1, label="tolerance")
-    axes[1].set_yscale("log")
-    axes[1].set_xticks(x, metrics)
-    axes[1].set_ylabel("max relative change")
-    axes[1].set_title("Change under random function-preserving rescalings")
-    axes[1].legend(fontsize=8)
-    _save(fig, path)
+        offset = (j - (len(kinds) - 1) / 2) * 0.22
+        values = np.array(rel[kind], dtype=float)
+        ax.plot(x + offset, np.where(values > 0, values, floor), "o", color=f"C{j + 2}", ms=6,
+                label=f"{kind}-wise rescaling")  # fmt: skip
+        for xi, v in zip(x + offset, values):
+            if v == 0:
+                ax.annotate("0", (xi, floor), xytext=(0, 5), textcoords="offset points", ha="center", fontsize=7)
+    ax.axhline(report_verify["rtol"], color="k", ls="--", lw=1, label=f"tolerance {report_verify['rtol']:g}")
+    ax.set_yscale("log")
+    ax.set_xticks(x, metrics, rotation=30, ha="right", rotation_mode="anchor")
+    ax.set_xlim(-0.6, len(metrics) - 0.4)
+    ax.set_ylabel("largest relative change (log scale)")
+    ax.grid(axis="y", alpha=0.3, lw=0.5)
+    ax.legend(fontsize=7.5, loc="upper right")
+    right.suptitle("Change under random function-preserving rescalings", fontsize=10)
+    title = "Sharpness of small- vs full-batch minima and its invariance"
+    add_caption(fig, f"{DATA}; both minima at training loss ≤ 0.01. Measures: layer-wise quotient (Rangamani et al. "
+                "2021), node-wise quotient, fixed weights (Jestädt 2025), minimum-norm gauge, G-space (Meng et al. "
+                "2019).")
+    _save(fig, path, title, f"{DATA}; every sharpness measure of the toolkit on two minima, and its change under "
+                            "random node- and layer-wise rescalings")  # fmt: skip
 
 
 def _line_levels(lo: float, hi: float) -> np.ndarray:
@@ -89,12 +143,14 @@ def surfaces_figure(
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import FormatStrFormatter
 
+    from landscape._plot_mpl import add_caption, drop_edge_labels
+
     rows = list(panels)
-    fig, grid = plt.subplots(
-        len(rows), len(SURFACE_METRICS), figsize=(3.7 * len(SURFACE_METRICS) + 0.4, 3.6 * len(rows) + 1.6),
-        constrained_layout=True, squeeze=False,
-    )  # fmt: skip
+    fig = plt.figure(figsize=(3.9 * len(SURFACE_METRICS) + 0.4, 3.9 * len(rows) + 1.9), layout="constrained")
+    columns = fig.subfigures(1, len(SURFACE_METRICS), squeeze=False)[0]
     for j, metric in enumerate(SURFACE_METRICS):
+        column = columns[j]
+        column_axes = column.subplots(len(rows), 1, squeeze=False)[:, 0]
         lo = min(float(panels[r][metric].loss.min()) for r in rows)
         hi = max(float(panels[r][metric].loss.max()) for r in rows)
         hi = max(hi, lo * 1.5)
@@ -104,31 +160,42 @@ def surfaces_figure(
         x = axes[metric]
         filled = None
         for i, row in enumerate(rows):
-            ax = grid[i, j]
+            ax = column_axes[i]
             panel = panels[row][metric]
             # loss[i, j] is at (a_i, b_j): a along v_1 on the horizontal axis
             filled = ax.contourf(x, x, panel.loss.T, levels=fill, norm=norm, cmap="viridis", extend="neither")
             if len(lines):
                 cs = ax.contour(x, x, panel.loss.T, levels=lines, colors="white", linewidths=0.7)
-                ax.clabel(cs, fmt="%g", fontsize=7, inline=True)
+                drop_edge_labels(ax.clabel(cs, fmt="%g", fontsize=7, inline=True), (x[0], x[-1]), (x[0], x[-1]))
             ax.plot(0, 0, marker="+", color="red", markersize=10, mew=1.6)
+            # the grid's smallest loss, where it is not the centre (the trained network)
+            centre = float(panel.loss[len(x) // 2, len(x) // 2])
+            k = np.unravel_index(int(np.argmin(panel.loss)), panel.loss.shape)
+            low = float(panel.loss[k])
+            if low < centre:
+                ax.plot(x[k[0]], x[k[1]], marker="x", color="orange", markersize=8, mew=1.8)
+                where = f"+ centre {centre:.4g};  × grid minimum {low:.4g}"
+            else:
+                where = f"+ centre {centre:.4g} (the grid's minimum)"
             ax.set_aspect("equal")
             l1, l2 = panel.eigenvalues
             ax.set_title(
-                f"{row_labels[row]}\n{LAMBDA_NAMES[metric]} $\\lambda_1$ = {l1:.4g}, $\\lambda_2$ = {l2:.4g}",
-                fontsize=9,
+                f"{row_labels[row]}\n{LAMBDA_NAMES[metric]} $\\lambda_1$ = {l1:.4g}, $\\lambda_2$ = {l2:.4g}\n"
+                f"loss: {where}",
+                fontsize=8.5,
             )
             ax.set_xlabel("$a$ (along $v_1$)", fontsize=8)
             ax.set_ylabel("$b$ (along $v_2$)", fontsize=8)
             ax.tick_params(labelsize=7)
-        cbar = fig.colorbar(filled, ax=grid[:, j], location="bottom", shrink=0.9, aspect=25, pad=0.01)
+        cbar = column.colorbar(filled, ax=column_axes, location="bottom", shrink=0.9, aspect=25, pad=0.01)
         cbar.set_ticks(lines if len(lines) else [lo, hi])
         cbar.set_ticks([], minor=True)
         cbar.ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
         cbar.set_label("training loss (log scale)", fontsize=8)
         cbar.ax.tick_params(labelsize=7)
-        grid[0, j].annotate(
-            COLUMN_TITLES[metric], xy=(0.5, 1.2), xycoords="axes fraction", ha="center", va="bottom",
-            fontsize=10, fontweight="bold",
-        )  # fmt: skip
-    _save(fig, path)
+        column.suptitle(COLUMN_TITLES[metric], fontsize=10, fontweight="bold")
+    title = "Loss planes along the top Hessian eigenvectors: Euclidean vs invariant (node-wise)"
+    add_caption(fig, f"{DATA}; training loss on the plane of the top two eigenvectors of each Hessian, at both minima "
+                "and at a layer-wise rescaled copy")
+    _save(fig, path, title, f"{DATA}; loss planes along the top two eigenvectors of the Euclidean and of the node-wise "
+                            "Riemannian Hessian (Rangamani et al. 2021, generalized node-wise)")  # fmt: skip

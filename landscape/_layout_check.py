@@ -26,6 +26,7 @@ import numpy as np
 from matplotlib import colors
 from matplotlib.axes import Axes
 from matplotlib.collections import Collection
+from matplotlib.contour import ContourSet
 from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
@@ -88,19 +89,48 @@ def _name(text: Text) -> str:
     return f"{role} {content!r}"
 
 
-def _overlap(a, b) -> tuple[float, float]:
-    return min(a.x1, b.x1) - max(a.x0, b.x0), min(a.y1, b.y1) - max(a.y0, b.y0)
+def _corners(text: Text, box, renderer) -> np.ndarray:
+    """The text's box as four corners ``(4, 2)`` in pixels: rotated texts (3-D axis labels, vertical
+    labels at an angle) get their rotated rectangle, not the larger axis-aligned box around it. The
+    axis-aligned box of a rotated rectangle has the rectangle's centre, so only the unrotated size is needed."""
+    angle = text.get_rotation() % 180.0
+    if min(angle % 90.0, 90.0 - angle % 90.0) < 0.5:  # horizontal or vertical: the box is exact
+        return np.array([[box.x0, box.y0], [box.x1, box.y0], [box.x1, box.y1], [box.x0, box.y1]])
+    rotation = text.get_rotation()
+    text.set_rotation(0)
+    try:
+        flat = text.get_window_extent(renderer)
+    finally:
+        text.set_rotation(rotation)
+    w, h = flat.width / 2, flat.height / 2
+    c, s = math.cos(math.radians(rotation)), math.sin(math.radians(rotation))
+    local = np.array([[-w, -h], [w, -h], [w, h], [-w, h]])
+    return local @ np.array([[c, s], [-s, c]]) + [(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2]
 
 
-def _decades(values: np.ndarray) -> float:
-    """Decades spanned by non-negative data: ``log10(max / q)`` with ``q`` the 1% quantile of the positive
-    values (robust to a few values near 0, such as a grid coordinate next to 0); 0 for signed data."""
+def _overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """How far two convex quadrilaterals overlap: the smallest overlap of their projections on the four
+    edge normals (separating axis theorem); 0 or less when they are apart."""
+    depth = math.inf
+    for quad in (a, b):
+        for k in range(2):
+            edge = quad[k + 1] - quad[k]
+            normal = np.array([-edge[1], edge[0]]) / (np.hypot(*edge) or 1.0)
+            pa, pb = a @ normal, b @ normal
+            depth = min(depth, min(pa.max(), pb.max()) - max(pa.min(), pb.min()))
+    return depth
+
+
+def _decades(values: np.ndarray, quantile: float = 0.0) -> float:
+    """Decades spanned by non-negative data: ``log10(max / q)`` with ``q`` the smallest positive value (or
+    its ``quantile``: for coordinates, where a grid point next to 0 is not data spanning decades); 0 for
+    signed data."""
     values = np.asarray(values, dtype=float).ravel()
     values = values[np.isfinite(values)]
     if values.size == 0 or values.min() < 0 or values.max() <= 0:
         return 0.0
     positive = values[values > 0]
-    return math.log10(positive.max() / np.quantile(positive, 0.01))
+    return math.log10(positive.max() / np.quantile(positive, quantile))
 
 
 def _in_view(values: np.ndarray, other: np.ndarray, lim: tuple[float, float] | None) -> np.ndarray:
@@ -131,12 +161,23 @@ def _axis_data(ax: Axes) -> dict[str, list[np.ndarray]]:
     return data
 
 
+def _colour_data(mappable) -> np.ndarray | None:
+    """The data a colour-mapped artist shows: a contour set's range (its array holds only the levels),
+    otherwise its array."""
+    if isinstance(mappable, ContourSet):
+        return np.array([mappable.zmin, mappable.zmax], dtype=float)
+    array = mappable.get_array() if hasattr(mappable, "get_array") else None
+    if array is None or np.size(array) < 2:
+        return None
+    return np.ma.filled(np.ma.asarray(array, dtype=float), np.nan)
+
+
 def _mappables(ax: Axes) -> Iterator[tuple[object, np.ndarray]]:
     for artist in [*ax.collections, *ax.images]:
-        if isinstance(artist, (Collection, AxesImage)) and artist.get_visible():
-            array = artist.get_array()
-            if array is not None and artist.get_cmap() is not None and np.size(array) > 1:
-                yield artist, np.ma.filled(np.ma.asarray(array, dtype=float), np.nan)
+        if isinstance(artist, (Collection, AxesImage)) and artist.get_visible() and artist.get_cmap() is not None:
+            data = _colour_data(artist)
+            if data is not None:
+                yield artist, data
 
 
 def _linear_norm(norm) -> bool:
@@ -150,26 +191,26 @@ def _scale_problems(fig: Figure, max_decades: float) -> list[str]:
         colorbar = getattr(ax, "_colorbar", None)
         if colorbar is not None:
             mappable = colorbar.mappable
-            array = mappable.get_array() if hasattr(mappable, "get_array") else None
-            if array is not None and _linear_norm(mappable.norm):
-                span = _decades(np.ma.filled(np.ma.asarray(array, dtype=float), np.nan))
+            data = _colour_data(mappable)
+            if data is not None and _linear_norm(mappable.norm):
+                span = _decades(data)
                 if span > max_decades:
                     problems.append(f"the colour bar of {where} has a linear scale over {span:.1f} decades of data")
             continue
         for letter, values in _axis_data(ax).items():
             if not values or getattr(ax, f"get_{letter}scale")() != "linear":
                 continue
-            span = _decades(np.concatenate(values))
+            span = _decades(np.concatenate(values), 0.01 if letter == "x" else 0.0)
             if span > max_decades:
                 problems.append(f"the {letter} axis of {where} has a linear scale over {span:.1f} decades of data")
-        for artist, array in _mappables(ax):
-            is3d = ax.name == "3d"
-            if not _linear_norm(artist.norm) and not (is3d and ax.get_zscale() == "linear"):
-                continue
-            span = _decades(array)
+        if ax.name == "3d" and ax.get_zscale() == "linear" and ax.has_data():
+            span = _decades(np.array(ax.zz_dataLim.intervalx))
             if span > max_decades:
-                what = "the z axis and colours" if is3d else "the colour scale"
-                problems.append(f"{what} of {where} are linear over {span:.1f} decades of data")
+                problems.append(f"the z axis of {where} is linear over {span:.1f} decades of data")
+        for artist, array in _mappables(ax):
+            span = _decades(array) if _linear_norm(artist.norm) else 0.0
+            if span > max_decades:
+                problems.append(f"the colour scale of {where} is linear over {span:.1f} decades of data")
     return problems
 
 
@@ -201,11 +242,15 @@ def layout_problems(fig: Figure, tolerance: float = 1.0, max_decades: float = 3.
             cut = max(clip.x0 - box.x0, box.x1 - clip.x1, clip.y0 - box.y0, box.y1 - clip.y1)
             if cut > tolerance:
                 problems.append(f"{_name(text)} is cut at the edge of its axes by {cut:.0f} px")
+    quads = [_corners(t, box, renderer) for t, box in boxes]
     for i, (a, box_a) in enumerate(boxes):
-        for b, box_b in boxes[i + 1 :]:
-            dx, dy = _overlap(box_a, box_b)
-            if dx > tolerance and dy > tolerance:
-                problems.append(f"{_name(a)} overlaps {_name(b)} ({dx:.0f} x {dy:.0f} px)")
+        for j in range(i + 1, len(boxes)):
+            b, box_b = boxes[j]
+            if box_a.x1 < box_b.x0 or box_b.x1 < box_a.x0 or box_a.y1 < box_b.y0 or box_b.y1 < box_a.y0:
+                continue
+            depth = _overlap(quads[i], quads[j])
+            if depth > tolerance:
+                problems.append(f"{_name(a)} overlaps {_name(b)} (by {depth:.0f} px)")
     return problems + _scale_problems(fig, max_decades)
 
 

@@ -22,7 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 
-from landscape._surface import Surface
+from landscape._surface import Surface, resolve_log
 from sharpness.io import write_atomic
 
 FORMATS = ("png", "pdf", "svg")
@@ -107,24 +107,53 @@ def draw_contour(
     )
     if label_levels:
         # label every other line so labels do not pile up where the surface is steep
-        ax.clabel(lines, levels=levels[::2], inline=True, fontsize=6.5, fmt=_level_format(levels))
+        labels = ax.clabel(lines, levels=levels[::2], inline=True, fontsize=6.5, fmt=_level_format(levels))
+        drop_edge_labels(labels, (s.x[0], s.x[-1]), (s.y[0], s.y[-1]))
     if mark_center:
-        ax.plot([0], [0], marker="+", color="w", markersize=9, markeredgewidth=1.6, zorder=5)
-        ax.plot([0], [0], marker="+", color="k", markersize=7, markeredgewidth=0.8, zorder=6)
+        mark_center_and_minimum(ax, s)
     _label(ax, s)
     return filled
+
+
+def drop_edge_labels(labels, xlim: tuple[float, float], ylim: tuple[float, float], margin: float = 0.07) -> None:
+    """Remove contour labels centred within ``margin`` (a fraction of the axis range) of an edge: they
+    would be cut by the axes (corner labels)."""
+    (x0, x1), (y0, y1) = sorted(xlim), sorted(ylim)
+    mx, my = margin * (x1 - x0), margin * (y1 - y0)
+    for text in list(labels):
+        x, y = text.get_position()
+        if not (x0 + mx <= x <= x1 - mx and y0 + my <= y <= y1 - my):
+            text.remove()
+
+
+def mark_center_and_minimum(ax: Axes, s: Surface) -> str:
+    """Mark the centre (the model, ``+``) and, where it differs, the grid's smallest loss (``x``); returns
+    the phrase saying both losses, for a title or caption."""
+    if not (np.any(s.x == 0) and np.any(s.y == 0)):
+        return ""
+    i, j = s.center_index()
+    center = float(s.loss[i, j])
+    ax.plot([0], [0], marker="+", color="w", markersize=9, markeredgewidth=1.6, zorder=5)
+    ax.plot([0], [0], marker="+", color="k", markersize=7, markeredgewidth=0.8, zorder=6)
+    k = np.unravel_index(int(np.nanargmin(s.loss)), s.loss.shape)
+    low = float(s.loss[k])
+    if k == (i, j) or not low < center:
+        return f"+ centre: loss {center:.4g} (the grid's minimum)"
+    ax.plot([s.x[k[1]]], [s.y[k[0]]], marker="x", color="w", markersize=8, markeredgewidth=2.0, zorder=5)
+    ax.plot([s.x[k[1]]], [s.y[k[0]]], marker="x", color="r", markersize=7, markeredgewidth=1.0, zorder=6)
+    return f"+ centre: loss {center:.4g};  × grid minimum: {low:.4g}"
 
 
 def draw_heatmap(ax: Axes, s: Surface, norm: colors.Normalize, cmap: str = "viridis", mark_center: bool = False):
     """Heatmap of ``s`` (cells centered on the grid points, also for non-uniform axes)."""
     mesh = ax.pcolormesh(s.x, s.y, s.loss, norm=norm, cmap=cmap, shading="nearest", rasterized=True)
     if mark_center:
-        ax.plot([0], [0], marker="+", color="w", markersize=9, markeredgewidth=1.6)
+        mark_center_and_minimum(ax, s)
     _label(ax, s)
     return mesh
 
 
-def draw_surface3d(ax: Axes, s: Surface, norm: colors.Normalize, cmap: str = "viridis", max_lines: int = 120):
+def draw_surface3d(ax: Axes, s: Surface, norm: colors.Normalize, cmap: str = "viridis", max_lines: int = 301):
     """3D surface of ``s``; on a log color scale the height is ``log10(loss)``."""
     log = isinstance(norm, colors.LogNorm)
     xx, yy = np.meshgrid(s.x, s.y)
@@ -133,11 +162,15 @@ def draw_surface3d(ax: Axes, s: Surface, norm: colors.Normalize, cmap: str = "vi
         xx, yy, z, cmap=cmap, norm=colors.Normalize(np.log10(norm.vmin), np.log10(norm.vmax)) if log else norm,
         rcount=min(max_lines, len(s.y)), ccount=min(max_lines, len(s.x)), linewidth=0, antialiased=False,
     )  # fmt: skip
-    ax.set_xlabel(s.x_label, labelpad=-2)
-    ax.set_ylabel(s.y_label, labelpad=-2)
-    ax.set_zlabel(f"log₁₀ {s.z_label}" if log else s.z_label, labelpad=-1)
-    ax.set_box_aspect(None, zoom=0.92)
-    ax.tick_params(pad=-1)
+    # every grid line drawn (steep sines alias into jagged facets when rows are skipped); few ticks, and the
+    # labels a little away from them, so labels and tick labels do not collide
+    for axis in (ax.xaxis, ax.yaxis, ax.zaxis):
+        axis.set_major_locator(ticker.MaxNLocator(4))
+    ax.set_xlabel(s.x_label, labelpad=5)
+    ax.set_ylabel(s.y_label, labelpad=5)
+    ax.set_zlabel(f"log₁₀ {s.z_label}" if log else s.z_label, labelpad=4)
+    ax.set_box_aspect(None, zoom=0.88)
+    ax.tick_params(pad=0)
     ax.set_title(_wrap(s.title))
     ax.view_init(elev=32, azim=-125)
     return mappable
@@ -178,29 +211,43 @@ def _label(ax: Axes, s: Surface) -> None:
     ax.yaxis.set_major_locator(ticker.MaxNLocator(5))
 
 
+def add_caption(fig: Figure, text: str, fontsize: float = 7.5) -> None:
+    """A caption under the panels (wrapped to the figure's width), where provenance and notes go."""
+    width = max(40, int(fig.get_figwidth() * 72 / (0.52 * fontsize)))
+    wrapped = "\n".join(textwrap.fill(line, width) for line in text.split("\n"))
+    fig.supxlabel(wrapped, fontsize=fontsize, color="0.25", ha="center", linespacing=1.3)
+
+
 def surface_figure(
     surfaces: Sequence[Surface],
     kinds: Sequence[str] = ("contour", "surface"),
-    log: bool = False,
+    log: bool | str = False,
     cmap: str | None = None,
     title: str | None = None,
     panel_size: tuple[float, float] = (3.4, 3.0),
     mark_center: bool = False,
     levels: np.ndarray | None = None,
     label_levels: bool = True,
+    panel_titles: Sequence[str] | None = None,
+    caption: str | None = None,
 ) -> Figure:
     """Panels of 2-D surfaces with one shared color scale and colorbar.
 
     Args:
         surfaces: 2-D surfaces, one column each (a single surface: its drawings in one row).
         kinds: one row per entry, each ``"contour"``, ``"heatmap"`` or ``"surface"`` (3D).
-        log: logarithmic color scale (and ``log10`` heights in 3D).
+        log: logarithmic color scale (and ``log10`` heights in 3D); ``"auto"``: logarithmic where the
+            losses are positive and span more than two decades.
         cmap: colormap name (default: diverging for signed losses, viridis otherwise).
         title: figure title.
         panel_size: inches per panel.
-        mark_center: mark the point ``(0, 0)`` (the model's own parameters) in 2-D panels.
+        mark_center: mark the point ``(0, 0)`` (the model's own parameters, ``+``) in 2-D panels, and the
+            grid's smallest loss (``x``) where it lies elsewhere; the caption gives both losses.
         levels: contour levels (default: about 20 round values over the shared range).
         label_levels: write level values on the contour lines.
+        panel_titles: one short title per surface (default: the surfaces' own titles), shown once per
+            column (on the first row).
+        caption: text under the panels (provenance, notes), wrapped to the figure's width.
 
     Returns:
         The matplotlib ``Figure``.
@@ -210,15 +257,20 @@ def surface_figure(
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ValueError(f"unknown drawing kind {bad[0]!r}; choose from {', '.join(KINDS)}")
+    if panel_titles is not None and len(panel_titles) != len(surfaces):
+        raise ValueError(f"give one panel title per surface: {len(panel_titles)} titles for {len(surfaces)} surfaces")
+    log = resolve_log(log, surfaces)
     norm = shared_norm(surfaces, log)
     cmap = cmap or default_cmap(surfaces)
     levels = contour_levels(norm) if levels is None else levels
     # one surface: its drawings side by side; several: one row per kind, one column per surface
     rows, cols = (1, len(kinds)) if len(surfaces) == 1 else (len(kinds), len(surfaces))
+    notes = []
     with mpl.rc_context(STYLE):
         fig = Figure(
-            figsize=(panel_size[0] * cols + 0.9, panel_size[1] * rows + (0.5 if title else 0.2)), layout="constrained"
-        )
+            figsize=(panel_size[0] * cols + 0.9, panel_size[1] * rows + (0.5 if title else 0.2) + (0.4 if caption
+                     else 0)), layout="constrained",
+        )  # fmt: skip
         axes = []
         mappable = None
         for r, kind in enumerate(kinds):
@@ -229,12 +281,21 @@ def surface_figure(
                     draw_surface3d(ax, s, norm, cmap)
                 elif kind == "heatmap":
                     ax = fig.add_subplot(rows, cols, index)
-                    drawn = draw_heatmap(ax, s, norm, cmap, mark_center=mark_center)
+                    drawn = draw_heatmap(ax, s, norm, cmap, mark_center=False)
                     mappable = mappable or drawn
                 else:
                     ax = fig.add_subplot(rows, cols, index)
-                    drawn = draw_contour(ax, s, norm, cmap, levels, label_levels, mark_center)
+                    drawn = draw_contour(ax, s, norm, cmap, levels, label_levels, mark_center=False)
                     mappable = mappable or drawn
+                if mark_center and kind != "surface":
+                    note = mark_center_and_minimum(ax, s)
+                    if note and len(notes) < len(surfaces):
+                        notes.append((panel_titles[c] if panel_titles is not None else f"panel {c + 1}", note))
+                if len(surfaces) > 1:
+                    # the column's title once, on the first row
+                    ax.set_title((panel_titles[c] if panel_titles is not None else _wrap(s.title)) if r == 0 else "")
+                elif panel_titles is not None:
+                    ax.set_title(panel_titles[0])
                 axes.append(ax)
         if mappable is None:
             mappable = ScalarMappable(norm=norm, cmap=cmap)
@@ -242,7 +303,8 @@ def surface_figure(
             # the figure title names the surface; the panels say only what they draw
             for ax, kind in zip(axes, kinds):
                 ax.set_title({"contour": "contours", "heatmap": "heatmap", "surface": "surface"}[kind])
-        colorbar = fig.colorbar(mappable, ax=axes, shrink=0.85, aspect=30, pad=0.02, label=surfaces[0].z_label)
+        label = surfaces[0].z_label + (" (log scale)" if log else "")
+        colorbar = fig.colorbar(mappable, ax=axes, shrink=0.85, aspect=30, pad=0.02, label=label)
         if log and norm.vmax < 10 * norm.vmin:  # less than a decade: LogLocator would leave it bare
             colorbar.ax.yaxis.set_major_locator(ticker.MaxNLocator(6))
             colorbar.ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
@@ -252,43 +314,90 @@ def surface_figure(
             colorbar.ax.yaxis.set_major_formatter(ticker.LogFormatterSciNotation())
         if title:
             fig.suptitle(title)
+        if len({note for _, note in notes}) == 1:
+            notes = [("", notes[0][1] + (" (every panel)" if len(surfaces) > 1 else ""))]
+        text = "\n".join([*([caption] if caption else []), "; ".join(f"{n}: {t}" if n else t for n, t in notes)])
+        text = text.strip()
+        if text:
+            add_caption(fig, text)
     return fig
 
 
 def line_figure(
     surfaces: Sequence[Surface],
     labels: Sequence[str] | None = None,
-    log: bool = False,
+    log: bool | str = False,
     title: str | None = None,
     size: tuple[float, float] = (5.0, 3.4),
+    marks: Sequence[tuple[float, str]] = (),
+    caption: str | None = None,
 ) -> Figure:
-    """Lines on one axes (flatness paper Fig. 2 style); accuracy is drawn only for a single line."""
+    """Lines on one axes (flatness paper Fig. 2 style); accuracy is drawn only for a single line.
+
+    ``log="auto"``: a logarithmic loss axis where the losses are positive and span more than two decades.
+    ``marks``: ``(x, name)`` pairs drawn as dotted vertical lines named on a top axis (two checkpoints).
+    ``caption``: text under the axes (provenance, notes).
+    """
     if not surfaces or any(not s.is_line for s in surfaces):
         raise ValueError("line_figure draws lines; use surface_figure for 2-D surfaces")
+    log = resolve_log(log, surfaces)
     with mpl.rc_context(STYLE):
-        fig = Figure(figsize=size, layout="constrained")
+        fig = Figure(figsize=(size[0], size[1] + (0.4 if caption else 0)), layout="constrained")
         ax = fig.add_subplot()
         for i, s in enumerate(surfaces):
             draw_line(ax, s, log=log, accuracy=len(surfaces) == 1, color=f"C{i}" if len(surfaces) > 1 else "C0",
                       label=None if labels is None else labels[i])  # fmt: skip
         if labels is not None:
             ax.legend()
+        if marks:
+            for x, _ in marks:
+                ax.axvline(x, color="0.5", lw=0.8, ls=":")
+            top = ax.secondary_xaxis("top")
+            top.set_xticks([x for x, _ in marks], [name for _, name in marks], fontsize=7, color="0.3")
         if title:
             ax.set_title(title)
+        if caption:
+            add_caption(fig, caption)
     return fig
 
 
-def save_figure(fig: Figure, stem: str | os.PathLike, formats: Sequence[str] = ("png",), dpi: int = 200) -> list[Path]:
-    """Write ``STEM.<format>`` for each format (PNG at ``dpi``; PDF/SVG vector), each atomically."""
+def file_metadata(fmt: str, title: str, description: str = "") -> dict[str, str]:
+    """``savefig(metadata=...)`` for ``fmt``: the title and a description (provenance: model, data, measure,
+    the paper's figure) under the keys each format knows (PDF: Subject, PNG/SVG: Description)."""
+    meta = {"Title": title}
+    if description:
+        meta["Subject" if fmt == "pdf" else "Description"] = description
+    if fmt == "png":
+        meta["Software"] = "landscape (matplotlib)"
+    return meta
+
+
+def save_figure(
+    fig: Figure,
+    stem: str | os.PathLike,
+    formats: Sequence[str] = ("png",),
+    dpi: int = 200,
+    title: str | None = None,
+    description: str = "",
+) -> list[Path]:
+    """Write ``STEM.<format>`` for each format (PNG at ``dpi``; PDF/SVG vector), each atomically.
+
+    ``title`` (default: the figure's suptitle, or its first axes' title) and ``description`` (provenance:
+    model, data, measure, the figure of the paper it reproduces) go into each file's metadata.
+    """
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise ValueError(f"unknown figure format {bad[0]!r}; choose from {', '.join(FORMATS)}")
+    if title is None:
+        suptitle = fig.get_suptitle() if hasattr(fig, "get_suptitle") else ""
+        title = suptitle or next((ax.get_title() for ax in fig.axes if ax.get_title()), "")
+    title = " ".join(title.split())
     stem = Path(stem)
     paths = []
     with mpl.rc_context(STYLE):
         for fmt in formats:
             buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=dpi)
+            fig.savefig(buffer, format=fmt, dpi=dpi, metadata=file_metadata(fmt, title, " ".join(description.split())))
             path = stem.with_name(f"{stem.name}.{fmt}")
             write_atomic(path, buffer.getvalue())
             paths.append(path)

@@ -1,22 +1,30 @@
-"""Interactive loss surfaces with plotly: a 3D surface next to a contour map, in one standalone HTML.
+"""Interactive loss surfaces with plotly: a 3D surface next to a contour map, in an HTML page.
 
-The HTML carries plotly.js inline, so it opens offline and can be mailed or archived as one file.
-All panels share one color range and colorbar. Plotly has no logarithmic color scale, so ``log``
-plots ``log10(loss)`` and says so in the colorbar title.
+Where plotly.js comes from is :data:`HTML_JS`: ``"directory"`` (default) writes one shared
+``plotly.min.js`` beside the pages and points every page at it, so a folder of pages stays small and
+still opens offline (move the folder as a whole); ``"inline"`` puts plotly.js into each page (about
+4.7 MB each: one self-contained file to mail or archive); ``"cdn"`` loads it from the plotly CDN (tiny
+pages that need the internet). All panels share one color range and colorbar. Plotly has no
+logarithmic color scale, so ``log`` plots ``log10(loss)`` and says so in the colorbar title.
 """
 
 from __future__ import annotations
 
+import html as html_text
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
-from landscape._surface import Surface
+from landscape._surface import Surface, resolve_log
 from sharpness.io import write_atomic
+
+HTML_JS = ("directory", "inline", "cdn")
+PLOTLY_JS = "plotly.min.js"
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ def _colorscale(surfaces: Sequence[Surface]) -> str:
 def plotly_figure(
     surfaces: Sequence[Surface],
     title: str = "",
-    log: bool = False,
+    log: bool | str = False,
     overlays: Mapping[int, Overlay] | None = None,
     line_labels: Sequence[str] | None = None,
 ) -> go.Figure:
@@ -56,7 +64,7 @@ def plotly_figure(
     Args:
         surfaces: all 2-D surfaces, or all lines.
         title: figure title.
-        log: plot ``log10(loss)``.
+        log: plot ``log10(loss)``; ``"auto"``: where the losses are positive and span more than two decades.
         overlays: ``{surface index: Overlay}`` drawn on that surface's contour panel.
         line_labels: legend entries for lines.
 
@@ -65,6 +73,7 @@ def plotly_figure(
     """
     if not surfaces:
         raise ValueError("nothing to plot: no surfaces given")
+    log = resolve_log(log, surfaces)
     if all(s.is_line for s in surfaces):
         return _line_figure(surfaces, title, log, line_labels)
     if any(s.is_line for s in surfaces):
@@ -155,7 +164,42 @@ def _line_figure(surfaces: Sequence[Surface], title: str, log: bool, labels: Seq
     return fig
 
 
-def write_html(fig: go.Figure, path: str | os.PathLike) -> None:
-    """Write ``fig`` as one standalone HTML file with plotly.js inline (works offline), atomically."""
-    html = fig.to_html(include_plotlyjs=True, full_html=True, config={"displaylogo": False})
-    write_atomic(path, html.encode("utf-8"))
+def write_html(
+    fig: go.Figure,
+    path: str | os.PathLike,
+    js: str = "directory",
+    title: str | None = None,
+    meta: Mapping | None = None,
+) -> list[str]:
+    """Write ``fig`` as an HTML page, atomically; returns the paths written.
+
+    Args:
+        fig: the plotly figure.
+        path: the page.
+        js: where plotly.js comes from (see :data:`HTML_JS`): ``"directory"`` also writes
+            ``plotly.min.js`` beside the page (once: an identical file is left alone), ``"inline"``
+            embeds it, ``"cdn"`` loads it from the internet.
+        title: the page's ``<title>`` (default: the figure's title, without markup).
+        meta: provenance (model, data, measure, the paper's figure) stored as the figure's
+            ``layout.meta`` in the page.
+    """
+    if js not in HTML_JS:
+        raise ValueError(f"unknown plotly.js source {js!r}; choose from {', '.join(HTML_JS)}")
+    if meta:
+        fig = go.Figure(fig).update_layout(meta=dict(meta))
+    if title is None:
+        title = fig.layout.title.text or ""
+    title = " ".join(title.replace("<br>", " ").split())
+    page = fig.to_html(include_plotlyjs={"inline": True}.get(js, js), full_html=True,
+                       config={"displaylogo": False})  # fmt: skip
+    page = page.replace("<head>", f"<head><title>{html_text.escape(title)}</title>", 1)
+    path = os.fspath(path)
+    written = []
+    if js == "directory":
+        script = get_plotlyjs().encode("utf-8")
+        beside = os.path.join(os.path.dirname(path), PLOTLY_JS)
+        if not (os.path.isfile(beside) and os.path.getsize(beside) == len(script)):
+            write_atomic(beside, script)
+            written.append(beside)
+    write_atomic(path, page.encode("utf-8"))
+    return [*written, path]

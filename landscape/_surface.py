@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,19 @@ class Surface:
             extras={k: arrays[k] for k in record.get("extras", [])},
             metadata=record["metadata"],
         )
+
+
+def spans_decades(surfaces: Sequence[Surface], decades: float = 2.0) -> bool:
+    """Whether the finite losses are all positive and span more than ``decades`` decades: then a linear
+    scale would draw the low ones (the minimum and its neighbourhood) as one flat blob."""
+    finite = np.concatenate([s.loss[np.isfinite(s.loss)].ravel() for s in surfaces])
+    return finite.size > 0 and float(finite.min()) > 0 and float(finite.max()) > 10**decades * float(finite.min())
+
+
+def resolve_log(log: bool | str, surfaces: Sequence[Surface]) -> bool:
+    """``log`` as a bool: ``"auto"`` is logarithmic where the losses span more than two decades."""
+    if log == "auto":
+        return spans_decades(surfaces)
+    if not isinstance(log, (bool, np.bool_)):
+        raise ValueError(f"log must be True, False or 'auto', got {log!r}")
+    return bool(log)

@@ -199,7 +199,9 @@ def _describe(d: Directions) -> str:
         return f"the top Riemannian Hessian eigenvector{s} ({d.info['metric']}-wise quotient metric)"
     if d.kind == "gspace":
         norm = d.info["normalization"]
-        how = "normalized per coordinate block" if norm == "layer" else "unnormalized"
+        how = {"element": "normalized per coordinate by |v_j|", "layer": "normalized per coordinate block"}.get(
+            norm, "unnormalized"
+        )
         held = {"fixed": ", chain roots fixed", "free": ", chain roots free"}.get(d.info.get("roots"), "")
         return f"random G-space direction{s} ({how}{held}, biases: {d.info['bias']})"
     return "the segment between two points"

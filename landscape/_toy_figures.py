@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 from landscape import _toys as toys
 from landscape._plot_mpl import (
     STYLE,
+    add_caption,
     draw_contour,
     draw_line,
     draw_surface3d,
@@ -27,6 +28,7 @@ from landscape._surface import Surface
 TOY_FIGURES = ("1.5", "1.6", "4.9", "gspace-1.5", "gspace-4.9")
 CMAP = "RdBu_r"  # L = sin(y) takes both signs
 
+THESIS = "C. Jestädt, Scale invariant parameter spaces for ReLU networks (bachelor thesis, Tübingen, 2025)"
 READING_A = "reading (a): w₁ is set to each value, the network function changes with it"
 
 
@@ -178,7 +180,7 @@ def _gspace_4_9(steps: int, fixed: Sequence[float], source: str) -> tuple[Figure
         ax2.set_aspect("equal")
         fig.colorbar(m, ax=[ax, ax2], shrink=0.85, label=s.z_label)
         fig.suptitle(
-            "Fig. 4.9's network b′ (y = w₃·relu(w₁ + w₂)) in G-space: v₁ = w₁w₃, v₂ = w₂w₃, skeleton weight w₃ > 0 "
+            "Fig. 4.9's network b′ (y = w₃·relu(w₁ + w₂)) in G-space: v₁ = w₁w₃, v₂ = w₂w₃, skeleton weight w₃ > 0\n"
             f"(no weight fixed; Fig. 4.9 {toys.SOURCE_LABELS[source]})"
         )
     html = plotly_figure([s], title=s.title, overlays={0: Overlay(lines=outlines)})
@@ -204,6 +206,7 @@ def toy_figure(
     formats: Sequence[str] = ("png",),
     steps: int = 201,
     source: str | None = None,
+    html_js: str = "directory",
 ) -> list[Path]:
     """Compute, draw and write one toy figure.
 
@@ -217,6 +220,8 @@ def toy_figure(
         source: ``"code"`` (the printed figure, the default) or ``"text"`` for the figures whose thesis
             code differs from the thesis text (``"1.6"``, ``"4.9"``, ``"gspace-4.9"``; see
             :mod:`landscape._toys`); the other figures have one definition and take ``"text"`` or ``None``.
+        html_js: where the HTML page gets plotly.js (``"directory"``, ``"inline"``, ``"cdn"``; see
+            :func:`landscape.write_html`).
 
     Returns:
         The written paths: figures, ``<stem>.html`` (interactive, offline) and ``.npz`` + ``.json``
@@ -237,9 +242,12 @@ def toy_figure(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / ("fig" + name.replace(".", "_") if name[0].isdigit() else name.replace("-", "").replace(".", "_"))
-    paths = save_figure(fig, stem, formats)
-    write_html(html, stem.with_name(stem.name + ".html"))
-    paths.append(stem.with_name(stem.name + ".html"))
+    figure = name.replace("gspace-", "")
+    thesis = f"{THESIS}, Fig. {figure}" + (" redrawn in G-space coordinates" if name.startswith("gspace") else "")
+    description = f"{thesis}; {toys.SOURCE_LABELS[source]}" if source in toys.SOURCE_LABELS else thesis
+    add_caption(fig, f"After {description}.")
+    paths = save_figure(fig, stem, formats, description=description)
+    paths += write_html(html, stem.with_name(stem.name + ".html"), html_js, meta={"source": description})
     for s, surface_stem in zip(surfaces, _surface_stems(name, fixed)):
         paths.extend(s.save(out / surface_stem))
     return paths

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 
 import torch
 from torch import nn
@@ -365,12 +366,14 @@ def _density(args: argparse.Namespace) -> int:
     if args.plot:  # rendered before anything is written: a failure leaves no file behind
         import io
 
-        import matplotlib.pyplot as plt
-
-        ax = result.plot(sigma=args.sigma)
+        title = (f"Hessian eigenvalue density: {args.model} ({os.path.basename(args.checkpoint)}), data {args.data}, "
+                 f"loss {args.loss}")  # fmt: skip
+        ax = result.plot(sigma=args.sigma, title=textwrap.fill(title, 64))
         buffer = io.BytesIO()
-        ax.figure.savefig(buffer, format=os.path.splitext(args.plot)[1][1:].lower(), dpi=150)
-        plt.close(ax.figure)
+        fmt = os.path.splitext(args.plot)[1][1:].lower()
+        about = "spectral density by stochastic Lanczos quadrature (as in Ghorbani, Krishnan and Xiao 2019)"
+        metadata = {"Title": title, ("Subject" if fmt == "pdf" else "Description"): about}
+        ax.figure.savefig(buffer, format=fmt, dpi=150, metadata=metadata)
         figure = buffer.getvalue()
     if args.json:
         report = {**result.to_dict(), "model": args.model, "checkpoint": args.checkpoint, "data": args.data,

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,23 +115,43 @@ class SpectralDensity:
     def save_json(self, path: str | os.PathLike) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
 
-    def plot(self, ax=None, sigma: float | None = None, points: int = 1000, log: bool = True, **line_kwargs):
+    def plot(
+        self,
+        ax=None,
+        sigma: float | None = None,
+        points: int = 1000,
+        log: bool = True,
+        title: str | None = None,
+        floor: float = 1e-10,
+        **line_kwargs,
+    ):
         """Matplotlib line of :meth:`density` on :meth:`grid` (log scale by default, as spectra of trained
-        networks span many decades); returns the axes."""
-        import matplotlib.pyplot as plt
+        networks span many decades); returns the axes.
+
+        On the log scale the smoothed density underflows far from every node: values below ``floor``
+        times the peak are not drawn (gaps in the line, not a flat floor of made-up data), and the
+        axes say so. ``title``: what was measured (model, data), above the method's line.
+        """
+        from matplotlib.figure import Figure
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(5.0, 3.5), constrained_layout=True)
+            ax = Figure(figsize=(5.4, 3.8), layout="constrained").add_subplot()
         sigma = self.default_sigma() if sigma is None else sigma
         grid = self.grid(points, sigma)
-        values = self.density(grid, sigma)
-        if log:  # the smoothed density underflows far from every node: show ten decades below the peak
-            values = values.clamp_min(1e-10 * float(values.max()))
+        values = self.density(grid, sigma).numpy().copy()
+        method = f"SLQ: {self.n_probes} probes × {self.n_steps} Lanczos steps, Gaussian σ = {sigma:.2g}"
+        if log:
+            cut = floor * float(values.max())
+            hidden = values < cut
+            values[hidden] = np.nan
             ax.set_yscale("log")
-        ax.plot(grid.numpy(), values.numpy(), **line_kwargs)
+            if hidden.any():
+                method += f"; density < {floor:.0e} × peak not drawn"
+        ax.plot(grid.numpy(), values, **line_kwargs)
         ax.set_xlabel("eigenvalue")
-        ax.set_ylabel("density")
-        ax.set_title(f"SLQ: {self.n_probes} probes x {self.n_steps} steps, sigma={sigma:.2g}", fontsize=9)
+        ax.set_ylabel("density" + (" (log scale)" if log else ""))
+        method = textwrap.fill(method, 72)
+        ax.set_title(method if title is None else f"{title}\n{method}", fontsize=8.5)
         return ax
 
 
