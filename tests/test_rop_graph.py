@@ -17,6 +17,8 @@ from torch import nn
 from manifolds import analyze, trace_network
 from sharpness import Objective, dense_hessian, measure_sharpness
 from sharpness._resnet import resnet
+from sharpness.products._data_span import data_span_hessian
+from sharpness.products._hessian import HessianOperator
 from sharpness.products._rop_graph import RopGraph, rop_graph
 
 CE = nn.CrossEntropyLoss()
@@ -359,6 +361,35 @@ def test_batchnorm_with_batch_statistics_is_not_read():
     with_stats = _perturbed(Norms(nn.BatchNorm1d(5)))
     params, buffers = dict(with_stats.named_parameters()), dict(with_stats.named_buffers())
     assert rop_graph(with_stats, params, buffers, trace_network(with_stats, x).graph) is not None
+
+
+class WideResidual(nn.Module):
+    """A residual MLP whose first Linear sees more features (12) than there are samples (7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.fc1, self.fc2, self.out = nn.Linear(12, 5), nn.Linear(5, 4), nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = F.relu(self.inp(x))
+        return self.out(F.relu(h + self.fc2(F.relu(self.fc1(h)))))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_data_span_coordinates_of_a_graph_keep_the_spectrum(chunk_size):
+    """The first Linear's weight in coordinates of the data's span: the operator's spectrum, padded with the
+    zeros of the directions orthogonal to the data, is the Hessian's."""
+    model = _perturbed(WideResidual())
+    x, y = _data((12,))
+    obj = Objective(model, CE, (x, y), chunk_size=chunk_size, memory_budget=2**30)
+    span = data_span_hessian(HessianOperator(obj))
+    assert isinstance(obj._rop, RopGraph) and span is not None and span.weight == "inp.weight"
+    A = torch.stack([span.matvec(e) for e in torch.eye(span.size)], dim=1)
+    torch.testing.assert_close(A, A.T, rtol=0, atol=1e-13)
+    H = dense_hessian(obj)
+    zeros = torch.zeros(H.shape[0] - span.size)
+    expected, got = torch.linalg.eigvalsh(H), torch.cat([torch.linalg.eigvalsh(A), zeros]).sort().values
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10 * float(expected.abs().max()))
 
 
 def test_a_regression_loss_uses_the_autograd_curvature_of_the_outputs():

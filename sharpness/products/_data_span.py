@@ -34,7 +34,8 @@ from manifolds import ParamLayout
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import SymmetricOperator
-from sharpness.products._rop import ChunkState, RopChain, add_products
+from sharpness.products._rop import ChunkState, RopChain
+from sharpness.products._rop_graph import RopGraph
 from sharpness.solvers._vectors import _canonical_signs
 
 # Rows of L per block of the triangular products: blocks much smaller than this run below the matrix
@@ -102,10 +103,10 @@ class DataSpanHessian(SymmetricOperator):
         factor: the triangular factor ``L`` of the Gram matrix of the data.
     """
 
-    def __init__(self, objective: Objective, chain: RopChain, states: list[ChunkState], lower: Tensor):
+    def __init__(self, objective: Objective, chain: RopChain | RopGraph, states: list[ChunkState], lower: Tensor):
         self.objective, self.chain, self.states = objective, chain, states
-        self.weight = chain.ops[0].weight
-        self.samples, self.features = lower.shape[0], states[0].saved[0].shape[1]
+        self.weight, self.inputs = chain.first_linear(states)
+        self.samples, self.features = lower.shape[0], self.inputs[0].shape[1]
         hidden = objective.params[self.weight].shape[0]
         shapes = {
             name: (hidden, self.samples) if name == self.weight else p.shape for name, p in objective.params.items()
@@ -114,8 +115,8 @@ class DataSpanHessian(SymmetricOperator):
         super().__init__(self.layout.size, objective.dtype, objective.device)
         self.factor = _LowerTriangular(lower)
         bounds = [0]
-        for state in states:
-            bounds.append(bounds[-1] + state.saved[0].shape[0])
+        for x in self.inputs:
+            bounds.append(bounds[-1] + x.shape[0])
         self._chunks = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         self._first_dot = lower.new_empty(self.samples, hidden)
         self._errors = lower.new_empty(self.samples, hidden)
@@ -131,7 +132,7 @@ class DataSpanHessian(SymmetricOperator):
             first_dot = self.factor.left(tangent[self.weight].T, self._first_dot)
             for rows, state in zip(self._chunks, self.states):
                 first_layer = (first_dot[rows], self._errors[rows])
-                add_products(self.chain, self.objective.params, state, tangent, into, first_layer)
+                self.chain.add_products(self.objective.params, state, tangent, into, first_layer)
         return self._errors
 
     def _matvec(self, v: Tensor) -> Tensor:
@@ -152,16 +153,17 @@ class DataSpanHessian(SymmetricOperator):
         for u, row in zip(vectors, out):
             full = params.unflatten(row)
             errors = self._tangent_errors(self.layout.unflatten(u), full)
-            for rows, state in zip(self._chunks, self.states):  # E^T X, chunk by chunk: the data are not copied
-                full[self.weight].addmm_(errors[rows].T, state.saved[0])
+            for rows, x in zip(self._chunks, self.inputs):  # E^T X, chunk by chunk: the data are not copied
+                full[self.weight].addmm_(errors[rows].T, x)
         self.n_matvec += vectors.shape[0]
         return _canonical_signs(out, normalize=True)
 
 
 def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     """``op`` in data-span coordinates where they apply: R-operator products (``op.strategy == "rop"``) whose
-    chunk states are kept in memory, a first affine layer that is ``Linear``, and fewer samples than it has
-    input features, by enough that the set-up pays for itself within a few products (:func:`_pays_off`).
+    chunk states are kept in memory, a ``Linear`` layer of the data (the first layer of a chain; in a graph, a
+    layer whose input depends on no parameter and whose output feeds no BatchNorm), and fewer samples than it
+    has input features, by enough that the set-up pays for itself within a few products (:func:`_pays_off`).
     ``None`` otherwise."""
     if op.strategy != "rop":
         return None
@@ -169,11 +171,12 @@ def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     if kept is None:
         return None
     chain, states = kept
-    if not isinstance(chain, RopChain) or chain.ops[0].dims != 0:
+    first = chain.first_linear(states)
+    if first is None:
         return None
-    inputs = [state.saved[0] for state in states]
+    weight, inputs = first
     samples, features = sum(x.shape[0] for x in inputs), inputs[0].shape[1]
-    hidden = op.objective.params[chain.ops[0].weight].shape[0]
+    hidden = op.objective.params[weight].shape[0]
     if samples >= features or not _pays_off(samples, features, hidden):
         return None
     return DataSpanHessian(op.objective, chain, states, _gram_factor(inputs))

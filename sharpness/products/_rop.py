@@ -259,9 +259,15 @@ class RopChain:
         return forward_state(self, params, x, y, loss_fn, weight)
 
     def add_products(self, params: Mapping[str, Tensor], state: ChunkState, v: Mapping[str, Tensor],
-                     into: Mapping[str, Tensor]) -> None:  # fmt: skip
+                     into: Mapping[str, Tensor], first_layer: tuple[Tensor, Tensor] | None = None) -> None:  # fmt: skip
         """:func:`add_products` of this chain."""
-        add_products(self, params, state, v, into)
+        add_products(self, params, state, v, into, first_layer)
+
+    def first_linear(self, states: list[ChunkState]) -> tuple[str, list[Tensor]] | None:
+        """The weight name of the first layer and its inputs per chunk, where that layer is ``Linear``."""
+        first = self.ops[0]
+        shared = any(isinstance(op, _Affine) and op.weight == first.weight for op in self.ops[1:])
+        return (first.weight, [s.saved[0] for s in states]) if first.dims == 0 and not shared else None
 
 
 def rop_chain(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> RopChain | None:

@@ -409,10 +409,32 @@ class RopGraph:
             _accumulate(grads, step.inputs, errs, need)
         return deltas
 
+    def first_linear(self, states: list[ChunkState]) -> tuple[str, list[Tensor]] | None:
+        """The weight name of the first ``Linear`` layer of the data (its input depends on no parameter; not merged
+        with a BatchNorm) and its inputs per chunk, or ``None`` where there is none."""
+        i = self._first_linear()
+        return None if i is None else (self.steps[i].op.affine.weight, [s.saved[i] for s in states])
+
+    def _first_linear(self) -> int | None:
+        layers = [(i, s.op) for i, s in enumerate(self.steps) if isinstance(s.op, _Layer)]
+        for i, op in layers:
+            if op.norm is None and op.affine.dims == 0 and not self.steps[self.steps[i].inputs[0]].moving:
+                shared = any(j != i and other.affine is not None and other.affine.weight == op.affine.weight
+                             for j, other in layers)  # fmt: skip
+                return None if shared else i
+        return None
+
     def add_products(self, params: Mapping[str, Tensor], state: ChunkState, v: Mapping[str, Tensor],
-                     into: Mapping[str, Tensor]) -> None:  # fmt: skip
-        """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place."""
+                     into: Mapping[str, Tensor], first_layer: tuple[Tensor, Tensor] | None = None) -> None:  # fmt: skip
+        """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
+
+        ``first_layer = (first_dot, first_errors)``: as for chains (:func:`sharpness.products._rop.add_products`),
+        for the layer :meth:`first_linear` names: its output tangent from its weight (its bias tangent is added
+        in place) and where its tangent errors are written; its weight is neither read in ``v`` nor written in
+        ``into``.
+        """
         steps, saved, deltas = self.steps, state.saved, state.deltas
+        first = self._first_linear() if first_layer is not None else None
         dots: list = [None] * len(steps)
         for i in range(1, len(steps)):
             step = steps[i]
@@ -420,7 +442,10 @@ class RopGraph:
                 continue
             op = step.op
             xdots = [dots[j] for j in step.inputs]
-            if isinstance(op, _Layer):
+            if i == first:
+                bias = op.affine.bias
+                dots[i] = first_layer[0] if bias is None else first_layer[0].add_(v[bias])
+            elif isinstance(op, _Layer):
                 dots[i] = op.tangent(saved[i], xdots[0], params, v)
             else:
                 dots[i] = op.tangent(xdots, saved[i])
@@ -432,7 +457,12 @@ class RopGraph:
             g_dot = grads.pop(i)
             need = [steps[j].moving for j in step.inputs]
             op = step.op
-            if isinstance(op, _Layer):
+            if i == first:
+                first_layer[1].copy_(g_dot)
+                if op.affine.bias:
+                    into[op.affine.bias].add_(op.affine.bias_adjoint(g_dot))
+                errs = [None]
+            elif isinstance(op, _Layer):
                 errs = [op.backward(g_dot, deltas.get(i), dots[step.inputs[0]], saved[i], params, v, into, need[0])]
             else:
                 errs = op.adjoint(g_dot, saved[i], need)
