@@ -449,12 +449,12 @@ def _real(args: argparse.Namespace) -> int:
     log = _log_mode(args, [surface])
     if surface.is_line:
         marks = [] if target is None else [(0.0, Path(args.checkpoint).name), (1.0, Path(args.to).name)]
-        if log and target is not None:
+        if log and not args.log:
             caption += "; logarithmic loss axis: the loss spans more than two decades on this range"
         fig = line_figure([surface], log=log, title=_wrap_title(title, 56), marks=marks, caption=caption)
     else:
         fig = surface_figure([surface], kinds=("contour", "surface"), log=log, mark_center=True,
-                             title=_wrap_title(title), caption=caption)  # fmt: skip
+                             title=_wrap_title(title, 88), caption=caption)  # fmt: skip
     html = plotly_figure([surface], title=f"{title} ({source})", log=log)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,7 @@ def _fig_4_9(steps: int, fixed: Sequence[float], source: str) -> tuple[Figure, l
     )
     fig = surface_figure(
         surfaces, kinds=("contour", "surface"), cmap=CMAP, title=title, panel_size=(3.3, 3.1), levels=LEVELS,
-        label_levels=False,
+        label_levels=False, panel_titles=[s.title.split("\n")[0] for s in surfaces],  # the reading: in the title
     )  # fmt: skip
     html = plotly_figure(surfaces, title=title)
     return fig, surfaces, html
