@@ -18,9 +18,11 @@ the projection, and whatever the spectrum changes in the number of Lanczos steps
 Section "hvp" (issue 22) times, at 1 and 2 threads (``--hvp-threads``), one gradient (``loss.backward()`` over
 all samples at once) against one Hessian-vector product of the objective's ``"auto"`` strategy: with the data
 in memory (a memory budget of ``--memory-gib``, so that what the products share is kept across them) and
-streamed in 5 chunks (memory budget of one byte: each chunk's state is recomputed per product). Every case
-runs ``--hvp-rounds`` times, interleaved, and the best time counts. Targets: in memory <= 1.3x a gradient,
-streamed <= 3x.
+streamed in 5 chunks (memory budget of one byte: each chunk's state is recomputed per product); then the same
+with the autograd strategies "auto" picked for this model before the R-operator covered graphs ("graph" in
+memory, "double_backward" streamed; ``--no-autograd`` skips them). Every case runs ``--hvp-rounds`` times,
+interleaved with its gradients, and the best time counts. Targets: in memory <= 1.3x a gradient, streamed
+<= 3x.
 """
 
 from __future__ import annotations
@@ -67,13 +69,30 @@ def median_time(fn, rounds: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def _best_of(cases: dict, rounds: int) -> tuple[dict[str, float], dict, float]:
+    """Best seconds per case over ``rounds`` interleaved rounds, after one warm-up call each (its results and
+    seconds are returned too)."""
+    start = time.perf_counter()
+    first = {name: fn() for name, fn in cases.items()}
+    setup = time.perf_counter() - start
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best, first, setup
+
+
 def hvp_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, threads: list[int], rounds: int,
-                memory_gib: float) -> dict:
-    """Best-of-``rounds`` seconds of one gradient and one HVP (in memory, streamed in 5 chunks) per thread count."""
+                memory_gib: float, autograd: bool) -> dict:
+    """Best-of-``rounds`` seconds of one gradient and one HVP (in memory, streamed in 5 chunks) per thread count:
+    the ``"auto"`` strategy, and (``autograd``) the autograd strategies it picked for this model before the
+    R-operator covered graphs ("graph" in memory, "double_backward" streamed), each set timed against its own
+    interleaved gradients."""
     loss = nn.CrossEntropyLoss()
-    in_memory = Objective(model, loss, (X, y), dtype=torch.float32, memory_budget=int(memory_gib * 2**30))
-    streamed = Objective(model, loss, (X, y), dtype=torch.float32, chunk_size=-(-len(X) // 5), memory_budget=1)
-    v = torch.randn(in_memory.layout.size, generator=torch.Generator().manual_seed(1))
+    budget, chunk = int(memory_gib * 2**30), -(-len(X) // 5)
+    v = torch.randn(sum(p.numel() for p in model.parameters()), generator=torch.Generator().manual_seed(1))
 
     def gradient():
         model.zero_grad(set_to_none=True)
@@ -82,27 +101,30 @@ def hvp_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, threads: lis
     out: dict[str, dict] = {}
     for n in threads:
         torch.set_num_threads(n)
-        cases = {"gradient": gradient, "hvp in memory": lambda: in_memory.hvp(v),
-                 "hvp streamed": lambda: streamed.hvp(v)}  # fmt: skip
-        start = time.perf_counter()
-        first = {name: fn() for name, fn in cases.items()}  # warm-up; the in-memory state is built here
-        setup = time.perf_counter() - start
-        error = float((first["hvp streamed"] - first["hvp in memory"]).norm() / first["hvp in memory"].norm())
-        best = dict.fromkeys(cases, float("inf"))
-        for _ in range(rounds):
-            for name, fn in cases.items():
-                t0 = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - t0)
-        out[str(n)] = {"seconds": best, "warm_up_seconds": setup, "streamed_vs_in_memory": error,
-                       "strategy": {"in memory": in_memory.hvp_strategy(), "streamed": streamed.hvp_strategy()}}
-        strategies = out[str(n)]["strategy"]
-        g = best["gradient"]
-        print(f"\n{n} thread(s): gradient {g:.3f} s; HVP in memory ({strategies['in memory']}) "
-              f"{best['hvp in memory']:.3f} s = {best['hvp in memory'] / g:.2f}x (target <= 1.3x); "
-              f"streamed in 5 chunks ({strategies['streamed']}) {best['hvp streamed']:.3f} s = "
-              f"{best['hvp streamed'] / g:.2f}x (target <= 3x); streamed vs in memory: relative difference "
-              f"{error:.1e}; warm-up {setup:.1f} s")  # fmt: skip
+        row: dict[str, dict] = {}
+        kinds = {"auto": (None, None)}
+        if autograd:
+            kinds["autograd"] = ("graph", "double_backward")
+        for kind, (mem_strategy, stream_strategy) in kinds.items():
+            in_memory = Objective(model, loss, (X, y), dtype=torch.float32, memory_budget=budget)
+            streamed = Objective(model, loss, (X, y), dtype=torch.float32, chunk_size=chunk, memory_budget=1)
+            mem_strategy = mem_strategy or in_memory.hvp_strategy()
+            stream_strategy = stream_strategy or streamed.hvp_strategy()
+            cases = {"gradient": gradient, "in memory": lambda o=in_memory, s=mem_strategy: o.hvp(v, s),
+                     "streamed": lambda o=streamed, s=stream_strategy: o.hvp(v, s)}  # fmt: skip
+            best, first, setup = _best_of(cases, rounds)
+            error = float((first["streamed"] - first["in memory"]).norm() / first["in memory"].norm())
+            g = best["gradient"]
+            row[kind] = {"seconds": best, "warm_up_seconds": setup, "streamed_vs_in_memory": error,
+                         "strategy": {"in memory": mem_strategy, "streamed": stream_strategy},
+                         "ratio": {"in memory": best["in memory"] / g, "streamed": best["streamed"] / g}}  # fmt: skip
+            print(f"\n{n} thread(s), {kind}: gradient {g:.3f} s; HVP in memory ({mem_strategy}) "
+                  f"{best['in memory']:.3f} s = {best['in memory'] / g:.2f}x (target <= 1.3x); "
+                  f"streamed in 5 chunks ({stream_strategy}) {best['streamed']:.3f} s = "
+                  f"{best['streamed'] / g:.2f}x (target <= 3x); streamed vs in memory: relative difference "
+                  f"{error:.1e}; warm-up {setup:.1f} s", flush=True)  # fmt: skip
+            del in_memory, streamed, first
+        out[str(n)] = row
     model.zero_grad(set_to_none=True)
     return out
 
@@ -117,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", choices=("all", "measures", "hvp"), default="all", help="what to time")
     parser.add_argument("--hvp-threads", default="1,2", help="thread counts of the hvp section (default: 1,2)")
     parser.add_argument("--hvp-rounds", type=int, default=3, help="rounds of the hvp section (best counts)")
+    parser.add_argument("--no-autograd", action="store_true",
+                        help="hvp section: skip the autograd strategies (graph, double_backward) for comparison")
     parser.add_argument("--memory-gib", type=float, default=10.0,
                         help="memory budget of the in-memory HVP (default: 10 GiB)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -128,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}")  # fmt: skip
         threads = [int(t) for t in args.hvp_threads.split(",")]
-        figures["hvp"] = hvp_section(model, X, y, threads, args.hvp_rounds, args.memory_gib)
+        figures["hvp"] = hvp_section(model, X, y, threads, args.hvp_rounds, args.memory_gib, not args.no_autograd)
         if args.threads:
             torch.set_num_threads(args.threads)
     if args.section == "hvp":
