@@ -67,9 +67,10 @@ _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
 
 # ------------------------------------------------------------------------------------------------
-# operations; each: forward(xs, params) -> (out, saved), tangent(xdots, saved, params, v) -> out tangent,
-# adjoint(g, saved, params, need) -> errors of the inputs (None where not needed), and, for layers with
-# parameters, products(...) adding their blocks of H v
+# operations: layers with parameters (_Layer) and fixed linear maps (_Map). Each computes its output and what
+# the products keep of it (forward), its output's tangent from its inputs' (tangent), and its inputs' errors
+# from its output's (errors / adjoint; backward for the tangent errors, adding the layer's blocks of H v).
+# No operation writes into a tensor it was given: tangents and errors may be shared between users.
 @dataclass(frozen=True)
 class _Layer:
     """A layer bilinear in (input, parameters): ``Linear`` / ``ConvNd`` (``affine``), eval-mode BatchNorm
@@ -291,10 +292,14 @@ class _Map:
         """The output's tangent from the inputs' (``None`` for inputs that do not move; at least one moves)."""
         kind = self.kind
         if kind == "sum":
-            out = None
-            for t, f in zip(xdots, self.factors):
-                if t is not None:
-                    out = (t * f if f != 1.0 else t.clone()) if out is None else out.add_(t, alpha=f)
+            terms = [(t, f) for t, f in zip(xdots, self.factors) if t is not None]
+            (t, f), rest = terms[0], terms[1:]
+            if not rest:
+                return t if f == 1.0 else t * f
+            out = torch.add(t, rest[0][0], alpha=rest[0][1]) if f == 1.0 else torch.add(t * f, rest[0][0],
+                                                                                          alpha=rest[0][1])
+            for t, f in rest[1:]:
+                out.add_(t, alpha=f)
             return out
         if kind == "cat":
             like, parts = next(t for t in xdots if t is not None), []
