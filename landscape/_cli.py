@@ -260,8 +260,10 @@ def _fixed(args: argparse.Namespace) -> int:
     title = f"Loss in the free weights, {what}"
     source = _provenance(args, loss_fn)
     plane = surfaces[0].title.split("\n")[-1].replace("loss on the free-weight plane of ", "")
+    after = ("the fixed weights set to each value as in Jestädt (2025), thesis Fig. 4.9" if args.reading == "a" else
+             "the function-preserving reparametrization to fixed weights ±b of Jestädt (2025), thesis section 6.3.1")
     caption = (f"{source}; plane of {plane} in the free weights ({args.selection} selection of the fixed weights); "
-               "thesis section 6.3.1 (reparametrization to fixed weights ±b), cf. Fig. 4.9")  # fmt: skip
+               f"{after}")  # fmt: skip
     spread = max(float(np.nanmax(np.abs(s.loss - surfaces[0].loss))) for s in surfaces)
     if len(surfaces) > 1 and spread <= 1e-5 * float(np.nanmax(np.abs(surfaces[0].loss))):
         caption += (f"\nThe panels agree to rounding (largest difference {spread:.2g})"

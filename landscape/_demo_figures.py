@@ -143,7 +143,7 @@ def surfaces_figure(
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import FormatStrFormatter
 
-    from landscape._plot_mpl import add_caption, drop_edge_labels
+    from landscape._plot_mpl import add_caption, label_contours
 
     rows = list(panels)
     fig = plt.figure(figsize=(3.9 * len(SURFACE_METRICS) + 0.4, 3.9 * len(rows) + 1.9), layout="constrained")
@@ -166,7 +166,7 @@ def surfaces_figure(
             filled = ax.contourf(x, x, panel.loss.T, levels=fill, norm=norm, cmap="viridis", extend="neither")
             if len(lines):
                 cs = ax.contour(x, x, panel.loss.T, levels=lines, colors="white", linewidths=0.7)
-                drop_edge_labels(ax.clabel(cs, fmt="%g", fontsize=7, inline=True), (x[0], x[-1]), (x[0], x[-1]))
+                label_contours(ax, cs, (x[0], x[-1]), (x[0], x[-1]), fmt="%g", fontsize=7)
             ax.plot(0, 0, marker="+", color="red", markersize=10, mew=1.6)
             # the grid's smallest loss, where it is not the centre (the trained network)
             centre = float(panel.loss[len(x) // 2, len(x) // 2])

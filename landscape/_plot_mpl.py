@@ -107,23 +107,30 @@ def draw_contour(
     )
     if label_levels:
         # label every other line so labels do not pile up where the surface is steep
-        labels = ax.clabel(lines, levels=levels[::2], inline=True, fontsize=6.5, fmt=_level_format(levels))
-        drop_edge_labels(labels, (s.x[0], s.x[-1]), (s.y[0], s.y[-1]))
+        label_contours(ax, lines, (s.x[0], s.x[-1]), (s.y[0], s.y[-1]), levels=levels[::2], fontsize=6.5,
+                       fmt=_level_format(levels))  # fmt: skip
     if mark_center:
         mark_center_and_minimum(ax, s)
     _label(ax, s)
     return filled
 
 
-def drop_edge_labels(labels, xlim: tuple[float, float], ylim: tuple[float, float], margin: float = 0.07) -> None:
-    """Remove contour labels centred within ``margin`` (a fraction of the axis range) of an edge: they
-    would be cut by the axes (corner labels)."""
+def label_contours(ax: Axes, lines, xlim: tuple[float, float], ylim: tuple[float, float], margin: float = 0.07,
+                   **kwargs) -> list:
+    """Inline labels on the contour ``lines``, none centred within ``margin`` (a fraction of the axis range)
+    of an edge, where the axes would cut it (corner labels): matplotlib's positions are computed first,
+    those near an edge dropped, and the rest placed inline (so no line keeps a gap for a dropped label)."""
     (x0, x1), (y0, y1) = sorted(xlim), sorted(ylim)
     mx, my = margin * (x1 - x0), margin * (y1 - y0)
-    for text in list(labels):
-        x, y = text.get_position()
-        if not (x0 + mx <= x <= x1 - mx and y0 + my <= y <= y1 - my):
-            text.remove()
+    trial = ax.clabel(lines, inline=False, **kwargs)
+    keep = [t.get_position() for t in trial if x0 + mx <= t.get_position()[0] <= x1 - mx
+            and y0 + my <= t.get_position()[1] <= y1 - my]  # fmt: skip
+    for text in list(trial):
+        text.remove()
+    del lines.labelTexts[:], lines.labelCValues[:]
+    if not keep:
+        return []
+    return ax.clabel(lines, inline=True, manual=keep, **kwargs)
 
 
 def mark_center_and_minimum(ax: Axes, s: Surface) -> str:
@@ -397,7 +404,8 @@ def save_figure(
     with mpl.rc_context(STYLE):
         for fmt in formats:
             buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=dpi, metadata=file_metadata(fmt, title, " ".join(description.split())))
+            about = "; ".join(" ".join(line.split()) for line in description.splitlines() if line.strip())
+            fig.savefig(buffer, format=fmt, dpi=dpi, metadata=file_metadata(fmt, title, about))
             path = stem.with_name(f"{stem.name}.{fmt}")
             write_atomic(path, buffer.getvalue())
             paths.append(path)
