@@ -140,7 +140,12 @@ def test_demo_figures(tmp_path, checked):
     for name in ("sharpness.png", "surfaces.png"):
         assert "MLP 64-128-128-10" in _png_meta(tmp_path / name)["Description"]
     report = (tmp_path / "report.md").read_text()
-    assert not re.search(r"\| \d(\.0+)?e\+\d\d \|", report.replace(" | ", " |\n| "))  # no bare 1e+07
+    assert not re.search(r"\| \de[+-]\d\d \|", report.replace(" | ", " |\n| "))  # no bare 1e+07: 1.000e+07
+    from landscape._demo_figures import format_value
+
+    assert [format_value(v) for v in (10000228.3, 1.108, 115.8, 0.05425, 2234.0)] == [
+        "1.000e+07", "1.108", "115.8", "0.05425", "2234"
+    ]
 
 
 def test_gauge_example_figure(tmp_path, checked):
