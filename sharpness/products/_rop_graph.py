@@ -15,20 +15,15 @@ operation is, at the current point, either
   identity and dropout (eval mode), multiplication by a number, addition of a number, residual sums and
   differences, and concatenation. Its second derivative vanishes (almost everywhere).
 
-With a tangent ``v`` (``V``, ``c`` for an affine layer's weight and bias, ``G``, ``B`` for a BatchNorm's), the
-first-order errors ``delta = dL/dz`` and the tangent errors ``ddot``::
-
-    affine     zdot = A(hdot; W) + A(h; V) + c      (Hv)_W = A_W^T(h, ddot) + A_W^T(hdot, delta), (Hv)_b = sum ddot
-               input tangent error = A_h^T(ddot; W) + A_h^T(delta; V)
-    BatchNorm  zdot = gamma a hdot + G xhat + B     (Hv)_gamma = sum(xhat ddot + a hdot delta),   (Hv)_beta = sum ddot
-               input tangent error = gamma a ddot + G a delta,   a = 1 / sqrt(var + eps)
-    P          zdot = P hdot                        input tangent error = P^T ddot
+Each operation's tangent and adjoint are in :mod:`sharpness.products._rop_ops`.
 
 Tensors that depend on no parameter (the data, and whatever is computed from them alone) have no tangent, and
 neither pass goes into them: first-order errors are formed only downstream of a layer whose input moves, and
 the data's input gradient never. What the products share (layer inputs, normalized BatchNorm inputs, masks,
 pooling indices, errors, the loss's curvature) is one forward and one backward pass per data chunk, kept
-across products when it fits in memory, so a product costs about one gradient.
+across products when it fits in memory; a product is then the tangent passes alone: about one gradient where
+the layer that sees the data dominates the work, about two where inner convolutions do (each is applied six
+times, against a gradient's three).
 """
 
 from __future__ import annotations
@@ -47,13 +42,13 @@ from sharpness.products._rop import (
     _DROPOUTS,
     _POOLS,
     ChunkState,
-    _Affine,
     _affine,
     _has_hooks,
     _MaxPool,
     _Slope,
     loss_state,
 )
+from sharpness.products._rop_ops import _Layer, _Map, _Norm
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
@@ -64,277 +59,6 @@ _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_
 _VIEWS = {"view", "reshape", "flatten"}
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
-
-
-# ------------------------------------------------------------------------------------------------
-# operations: layers with parameters (_Layer) and fixed linear maps (_Map). Each computes its output and what
-# the products keep of it (forward), its output's tangent from its inputs' (tangent), and its inputs' errors
-# from its output's (errors / adjoint; backward for the tangent errors, adding the layer's blocks of H v).
-# No operation writes into a tensor it was given: tangents and errors may be shared between users.
-@dataclass(frozen=True)
-class _Layer:
-    """A layer bilinear in (input, parameters): ``Linear`` / ``ConvNd`` (``affine``), eval-mode BatchNorm
-    (``norm``), or an affine layer whose only user is a BatchNorm, fused (both).
-
-    The fused layer ``z = gamma * xhat + beta``, ``xhat = a (A(h; W) + b - mu)``, with gain ``g = gamma a`` per
-    output channel, never forms the affine layer's output, its errors or tangents: the BatchNorm's factors move
-    onto the weights. With ``delta`` the error at ``z``, ``Hz = A_W^T(h, delta)`` (kept with it) and
-    ``Wz = A_W^T(hdot, delta)``::
-
-        zdot = A(hdot; g W) + A(h; g V) + g c + B + G xhat
-        (Hv)_W = g (A_W^T(h, ddot) + Wz) + G a Hz,          (Hv)_b = g sum ddot + G a sum delta
-        (Hv)_gamma = sum(xhat ddot) + a (<W, Wz> + <V, Hz> + c sum delta),   (Hv)_beta = sum ddot
-        input tangent error = A_h^T(ddot; g W) + A_h^T(delta; G a W + g V)
-
-    (sums and inner products per output channel).
-    """
-
-    affine: _Affine | None = None
-    norm: _Norm | None = None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(n for layer in (self.affine, self.norm) if layer for n in (layer.weight, layer.bias) if n)
-
-    def needs_error(self, input_moves: bool) -> bool:
-        """Whether the products read the first-order error at the output."""
-        return bool(self.names) and (input_moves or (self.affine is not None and self.norm is not None
-                                                      and self.norm.weight is not None))  # fmt: skip
-
-    def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, object]:
-        a, n = self.affine, self.norm
-        if n is None:
-            return a.apply(h, params[a.weight], params[a.bias] if a.bias else None), h
-        if a is None:
-            return n.forward(h, params)
-        z, xhat = n.forward(a.apply(h, params[a.weight], params[a.bias] if a.bias else None), params)
-        return z, (h, xhat)
-
-    def errors(self, g: Tensor, saved, params: Mapping[str, Tensor], need: bool) -> tuple[object, Tensor | None]:
-        """What the products keep of the error ``g`` at the output, and the input's error (if ``need``)."""
-        a, n = self.affine, self.norm
-        if n is None:
-            return g, (a.input_adjoint(g, saved, params[a.weight]) if need else None)
-        if a is None:
-            return g, (g * n.gain(params) if need else None)
-        h = saved[0]
-        weight = params[a.weight]
-        kept = (g, _weight_adjoint(a, h, g, weight), a.bias_adjoint(g)) if n.weight is not None else (g, None, None)
-        return kept, (a.input_adjoint(g, h, _rows(weight, n.gain(params))) if need else None)
-
-    def tangent(self, saved, hdot: Tensor | None, params, v) -> Tensor:
-        a, n = self.affine, self.norm
-        if n is None:
-            z = a.apply(saved, v[a.weight], v[a.bias] if a.bias else None)
-            return z if hdot is None else z.add_(a.apply(hdot, params[a.weight], None))
-        if a is None:
-            return n.tangent(hdot, saved, params, v)
-        h, xhat = saved
-        gain = n.gain(params).reshape(-1)
-        bias = gain * v[a.bias] if a.bias else None
-        if n.bias is not None:
-            bias = v[n.bias] if bias is None else bias.add_(v[n.bias])
-        z = a.apply(h, _rows(v[a.weight], gain), bias)
-        if hdot is not None:
-            z.add_(a.apply(hdot, _rows(params[a.weight], gain), None))
-        if n.weight is not None:
-            z.addcmul_(xhat, n._channel(v[n.weight]))
-        return z
-
-    def backward(self, g_dot: Tensor, kept, hdot: Tensor | None, saved, params, v, into, need: bool) -> Tensor | None:
-        """Add the layer's blocks of ``H v`` to ``into``; the input's tangent error (if ``need``)."""
-        a, n = self.affine, self.norm
-        if n is None:
-            weight = params[a.weight]
-            a.add_weight_adjoint(into[a.weight], saved, g_dot, weight)
-            if hdot is not None:
-                a.add_weight_adjoint(into[a.weight], hdot, kept, weight)
-            if a.bias:
-                into[a.bias].add_(a.bias_adjoint(g_dot))
-            return a.input_adjoints(g_dot, saved, weight, kept, v[a.weight]) if need else None
-        if a is None:
-            n.products(g_dot, kept, hdot, saved, into)
-            return n.input_adjoints(g_dot, kept, params, v) if need else None
-        h, xhat = saved
-        delta, hz, delta_sum = kept if kept is not None else (None, None, None)
-        weight, gain = params[a.weight], n.gain(params).reshape(-1)
-        total = _weight_adjoint(a, h, g_dot, weight)
-        wz = _weight_adjoint(a, hdot, delta, weight) if hdot is not None else None
-        if wz is not None:
-            total.add_(wz)
-        into[a.weight].add_(_rows(total, gain))
-        g_sum = a.bias_adjoint(g_dot)
-        moved = None  # G a: the gain's tangent
-        if n.weight is not None:
-            moved = v[n.weight] * n.scale.reshape(-1)
-            into[a.weight].add_(_rows(hz, moved))
-            inner = _channel_dot(v[a.weight], hz)
-            if wz is not None:
-                inner.add_(_channel_dot(weight, wz))
-            if a.bias:
-                inner.addcmul_(v[a.bias], delta_sum)
-            into[n.weight].add_(n._sum(g_dot * xhat)).addcmul_(inner, n.scale.reshape(-1))
-        if a.bias:
-            into[a.bias].addcmul_(g_sum, gain)
-            if moved is not None:
-                into[a.bias].addcmul_(delta_sum, moved)
-        if n.bias is not None:
-            into[n.bias].add_(g_sum)
-        if not need:
-            return None
-        tangent = _rows(v[a.weight], gain)
-        if moved is not None:
-            tangent = tangent.add_(_rows(weight, moved))
-        return a.input_adjoints(g_dot, h, _rows(weight, gain), delta, tangent)
-
-
-def _rows(weight: Tensor, factors: Tensor) -> Tensor:
-    """``weight`` with each output channel (row) multiplied by its factor (a fresh tensor)."""
-    return weight * factors.reshape(-1, *([1] * (weight.dim() - 1)))
-
-
-def _channel_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``<a_c, b_c>`` per output channel ``c`` of two weight-shaped tensors."""
-    return (a * b).reshape(a.shape[0], -1).sum(1)
-
-
-def _weight_adjoint(affine: _Affine, h: Tensor, g: Tensor, weight: Tensor) -> Tensor:
-    """``A_W^T(h, g)`` as a fresh tensor."""
-    if not affine.dims:
-        return g.T @ h
-    return affine._conv_backward(g, h, weight, [False, True, False])[1]
-
-
-@dataclass(frozen=True)
-class _Norm:
-    """Eval-mode BatchNorm: ``z = gamma * xhat + beta``, ``xhat = (h - mu) * a`` per channel (axis 1)."""
-
-    weight: str | None
-    bias: str | None
-    mean: Tensor  # (1, C, 1, ...)
-    scale: Tensor  # a = 1 / sqrt(var + eps), (1, C, 1, ...)
-
-    def _channel(self, t: Tensor) -> Tensor:
-        return t.view(self.mean.shape)
-
-    def _sum(self, t: Tensor) -> Tensor:
-        return t.sum(dim=[0, *range(2, t.dim())])
-
-    def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-        xhat = (h - self.mean).mul_(self.scale)
-        if self.weight is None:
-            out = xhat if self.bias is None else xhat + self._channel(params[self.bias])
-            return out, None
-        out = torch.addcmul(self._channel(params[self.bias]) if self.bias else torch.zeros_like(self.mean), xhat,
-                            self._channel(params[self.weight]))  # fmt: skip
-        return out, xhat
-
-    def gain(self, params: Mapping[str, Tensor]) -> Tensor:
-        """``gamma * a``, the map's factor on its input."""
-        return self.scale if self.weight is None else self._channel(params[self.weight]) * self.scale
-
-    def tangent(self, hdot: Tensor | None, xhat: Tensor | None, params, v) -> Tensor | None:
-        out = None if hdot is None else hdot * self.gain(params)
-        if self.weight is not None:
-            term = xhat * self._channel(v[self.weight])
-            out = term if out is None else out.add_(term)
-        if self.bias is not None:
-            bias = self._channel(v[self.bias])
-            out = bias.expand_as(xhat if xhat is not None else hdot).clone() if out is None else out.add_(bias)
-        return out
-
-    def products(self, g_dot: Tensor, delta: Tensor | None, hdot: Tensor | None, xhat, into) -> None:
-        if self.weight is not None:
-            total = self._sum(g_dot * xhat)
-            if hdot is not None:
-                total += self._sum(hdot * delta).mul_(self.scale.reshape(-1))
-            into[self.weight].add_(total)
-        if self.bias is not None:
-            into[self.bias].add_(self._sum(g_dot))
-
-    def input_adjoints(self, g_dot: Tensor, delta: Tensor | None, params, v) -> Tensor:
-        out = g_dot * self.gain(params)
-        if self.weight is not None:
-            out.addcmul_(delta, self._channel(v[self.weight]) * self.scale)
-        return out
-
-
-@dataclass(frozen=True)
-class _Map:
-    """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
-
-    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat"
-    impl: object = None  # _Slope / _MaxPool, or the linear function (pools, means)
-    call: Callable | None = None  # the forward for "view" and "scale" (the original call, its other arguments bound)
-    factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
-    dim: int = 1  # "cat"
-
-    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, object]:
-        """``xs``: the tensor inputs; ``args``: the values of every input of the original call (for ``call``)."""
-        kind = self.kind
-        if kind in ("slope", "maxpool"):
-            return self.impl.forward(xs[0])
-        if kind == "linear":
-            return self.impl(xs[0]), xs[0].shape
-        if kind == "view":
-            out = self.call(args)
-            return out, (xs[0].shape, out.shape)
-        if kind == "scale":
-            return (xs[0] if self.call is None else self.call(args)), None
-        if kind == "sum":
-            out = xs[0] if self.factors[0] == 1.0 else xs[0] * self.factors[0]
-            for x, f in zip(xs[1:], self.factors[1:]):
-                out = out.add(x, alpha=f)
-            return out, None
-        return torch.cat(xs, dim=self.dim), [x.shape[self.dim] for x in xs]
-
-    def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
-        """The output's tangent from the inputs' (``None`` for inputs that do not move; at least one moves)."""
-        kind = self.kind
-        if kind == "sum":
-            terms = [(t, f) for t, f in zip(xdots, self.factors) if t is not None]
-            (t, f), rest = terms[0], terms[1:]
-            if not rest:
-                return t if f == 1.0 else t * f
-            out = torch.add(t, rest[0][0], alpha=rest[0][1]) if f == 1.0 else torch.add(t * f, rest[0][0],
-                                                                                          alpha=rest[0][1])
-            for t, f in rest[1:]:
-                out.add_(t, alpha=f)
-            return out
-        if kind == "cat":
-            like, parts = next(t for t in xdots if t is not None), []
-            for t, size in zip(xdots, saved):
-                if t is None:
-                    shape = list(like.shape)
-                    shape[self.dim] = size
-                    t = like.new_zeros(shape)
-                parts.append(t)
-            return torch.cat(parts, dim=self.dim)
-        h = xdots[0]
-        if kind in ("slope", "maxpool"):
-            return self.impl.tangent(h, saved)
-        if kind == "linear":
-            return self.impl(h)
-        if kind == "view":
-            return h.reshape(saved[1])
-        return h * self.factors[0] if self.factors[0] != 1.0 else h
-
-    def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
-        kind = self.kind
-        if kind == "sum":
-            return [(g if f == 1.0 else g * f) if n else None for n, f in zip(need, self.factors)]
-        if kind == "cat":
-            parts = torch.split(g, saved, dim=self.dim)
-            return [p if n else None for p, n in zip(parts, need)]
-        if kind in ("slope", "maxpool"):
-            return [self.impl.adjoint(g, saved)]
-        if kind == "linear":
-            with torch.enable_grad():
-                x = g.new_zeros(saved, requires_grad=True)
-                return [torch.autograd.grad(self.impl(x), x, g)[0]]
-        if kind == "view":
-            return [g.reshape(saved[0])]
-        return [g * self.factors[0] if self.factors[0] != 1.0 else g]
 
 
 # ------------------------------------------------------------------------------------------------
