@@ -392,6 +392,28 @@ def test_data_span_coordinates_of_a_graph_keep_the_spectrum(chunk_size):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_states_built_in_pieces_of_a_chunk_weight_them_by_their_samples(monkeypatch, reduction):
+    """Each chunk's state is built in pieces whose largest tensor stays small (here: one sample per piece)."""
+    import sharpness.products._objective as objective_module
+
+    monkeypatch.setattr(objective_module, "_ROP_PIECE_BYTES", 1)
+    model, x, y, *_ = build("resnet")
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    obj = Objective(model, loss_fn, (x, y), chunk_size=4)
+    assert obj.hvp_strategy() == "rop" and obj._rop_piece == 1
+    _, states = obj.rop_states()
+    assert len(states) == x.shape[0]
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(7))
+    H = dense_hessian(obj)
+    _close(obj.hvp(v), H @ v)
+    streamed = Objective(model, loss_fn, (x, y), chunk_size=4, memory_budget=1)
+    _close(streamed.hvp(v), H @ v)
+    with torch.no_grad():
+        expected = loss_fn(model(x), y)
+    torch.testing.assert_close(obj.value(), expected, rtol=1e-13, atol=0)
+
+
 def test_a_regression_loss_uses_the_autograd_curvature_of_the_outputs():
     model, x, _, *_ = build("residual_mlp")
     target = torch.randn(x.shape[0], 3, generator=torch.Generator().manual_seed(6))

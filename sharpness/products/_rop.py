@@ -243,15 +243,20 @@ class RopChain:
     def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
         """Bytes one sample's cached state takes (every op's input or map and the affine layers' errors:
         at most three activations per op), measured by one forward pass of ``x[:1]``."""
+        return self.state_sizes(params, x)[0]
+
+    def state_sizes(self, params: Mapping[str, Tensor], x: Tensor) -> tuple[int, int]:
+        """Bytes per sample of the cached state (:meth:`state_bytes_per_sample`) and of its largest tensor."""
         h = x[:1]
         for op in self.prefix:
             h = op.forward(h)[0]
-        total = h.numel()
+        total = largest = h.numel()
         for op in self.ops:
             h = op.apply(h, params[op.weight], params[op.bias] if op.bias else None) if isinstance(op, _Affine) \
                 else op.forward(h)[0]  # fmt: skip
             total += 3 * h.numel()
-        return total * h.element_size()
+            largest = max(largest, h.numel())
+        return total * h.element_size(), largest * h.element_size()
 
     def forward_state(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, loss_fn: Callable,
                       weight: float) -> ChunkState:  # fmt: skip

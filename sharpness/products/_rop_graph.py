@@ -202,12 +202,17 @@ class RopGraph:
         first-order errors and the outputs' curvature), measured by one forward and backward pass of ``x[:1]``.
         Not counted: what a chunk keeps whatever its size, at most one parameter vector (the errors' weight
         adjoints of merged BatchNorm layers)."""
+        return self.state_sizes(params, x)[0]
+
+    def state_sizes(self, params: Mapping[str, Tensor], x: Tensor) -> tuple[int, int]:
+        """Bytes per sample of the cached state (:meth:`state_bytes_per_sample`) and of its largest tensor."""
         out, saved = self._forward(params, x[:1])
         errors = self._errors(params, saved, torch.ones_like(out)).values()
         deltas = [d[0] if isinstance(d, tuple) else d for d in errors]
         tensors = {id(t): t for s in [*saved, *deltas] for t in (s if isinstance(s, tuple) else (s,))
                    if isinstance(t, Tensor)}  # fmt: skip
-        return out.numel() * out.element_size() + sum(t.numel() * t.element_size() for t in tensors.values())
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        return out.numel() * out.element_size() + sum(sizes), max(sizes, default=0)
 
 
 def _accumulate(grads: dict[int, Tensor], inputs: tuple[int, ...], errs: list, need: list[bool]) -> None:
