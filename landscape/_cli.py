@@ -313,9 +313,12 @@ def _reproduces(spec: DirectionSpec, line: bool, segment: bool) -> str:
         return "linear interpolation between two checkpoints (Goodfellow et al. 2015)"
     if spec.kind_name == "gspace":
         return "random plane in G-space (basis-path) coordinates (Meng et al. 2019, G-SGD)"
-    if spec.kind_name in ("eigen", "invariant-eigen"):
-        return "plane of the top Hessian eigenvectors" + (" of the quotient metric (Rangamani et al. 2021)"
-                                                           if spec.kind_name == "invariant-eigen" else "")
+    if spec.kind_name == "invariant-eigen":
+        metric = ("layer-wise quotient metric of Rangamani et al. 2021" if spec.metric == "layer" else
+                  f"{spec.metric}-wise quotient metric (generalizing Rangamani et al. 2021)")  # fmt: skip
+        return f"{'line' if line else 'plane'} of the top Riemannian Hessian eigenvectors, {metric}"
+    if spec.kind_name == "eigen":
+        return f"{'line' if line else 'plane'} of the top Euclidean Hessian eigenvectors"
     if line:
         return "random line" + (" (Rangamani et al. 2021, Fig. 2)" if spec.normalization == "layer" else "")
     return "random plane" + (" (Li et al. 2018)" if spec.normalization == "filter" else "")
