@@ -16,7 +16,7 @@ repeating the same iteration. In float64 both invariant measures agree to ~1e-14
 
 What this is not, yet: a like-for-like comparison. The check below compares our float64 differences
 with the paper's float32 ones, so it cannot fail for any sound float64 implementation. And the trained
-point is not a critical point (the gradient norm is printed; about 5e-3 at the paper sizes), where our
+point is not a critical point (the gradient norm is printed; about 4.5e-3 at the paper sizes), where our
 exact Riemannian Hessian and the paper's G^-1 H differ by construction (by 0.39% on F1 here): the
 numbers are comparable as relative differences under rescaling, not as eigenvalues.
 
