@@ -163,8 +163,28 @@ def test_gauge_example_figure(tmp_path, checked):
             imbalance = list(0.5 * 10.0 ** (-np.arange(n) * 10 / n))
             histories[(p, widths)] = GaugeHistory(p, objective, imbalance, imbalance[-1], n - 1, True,
                                                   torch.zeros(1, dtype=torch.float64))  # fmt: skip
-    example.plot(histories, 1e-10, tmp_path)
+    paths = example.plot(histories, 1e-10, tmp_path)
     assert len(checked) == 2  # png and pdf
+    assert [path.name for path in paths] == ["min_norm_gauge.png", "min_norm_gauge.pdf"]
+    meta = _png_meta(tmp_path / "min_norm_gauge.png")
+    assert meta["Title"].startswith("Min-norm gauge paper, Fig. 2:")
+    assert "Fig. 2 of 'The Minimum-Norm Gauge for Deep Learning'" in meta["Description"]
+    assert "200-2500-1250-10" in meta["Description"]
+
+
+def test_gspace_training_example_figure(tmp_path, checked):
+    spec = importlib.util.spec_from_file_location("example_gspace_training", EXAMPLES / "gspace_training.py")
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    rates = example.LEARNING_RATES
+    labels = list(example.OPTIMIZERS)
+    summary = {label: [2.3 / (k + 1) + 0.01 * i for i in range(len(rates))] for k, label in enumerate(labels)}
+    counts = {label: [3, 3, 2, 3] for label in example.OPTIMIZERS}  # one seed diverged: annotated "2/3"
+    example.plot(summary, counts, 3, "one", tmp_path, rates)
+    assert len(checked) == 2
+    meta = _png_meta(tmp_path / "gspace_training.png")
+    assert "thesis Fig. 4.1" in meta["Title"] and "Fig. 4.1 of C. Jestaedt" in meta["Description"]
 
 
 def test_html_pages_share_one_plotly_js_by_default(tmp_path):
