@@ -8,7 +8,7 @@ objective ``||W||_{p,p}^p`` (left) and the largest imbalance ``gamma`` of eq. (2
 (right, log scale) per update; rows are p = 2 (top) and p = 1 (bottom), as in the paper.
 
 Run:  python examples/min_norm_gauge.py [--out DIR] [--tol 1e-10]
-Writes ``DIR/min_norm_gauge.png`` and ``.pdf`` and prints, per network and p, the updates needed,
+Writes ``DIR/min_norm_gauge.png``, ``.pdf`` and ``.json`` and prints, per network and p, the updates needed,
 the objective before and after, and the largest change of the network outputs (a gauge
 transformation must not change the function).
 """
@@ -16,6 +16,8 @@ transformation must not change the function).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from pathlib import Path
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(args.seed)
-    histories = {}
+    histories, runs = {}, []
     print(
         f"{'network':<36} {'p':>3} {'updates':>8} {'objective before -> after':>28} {'reduction':>9} "
         f"{'gamma':>8} {'max |df|/|f|':>12}"
@@ -125,12 +127,24 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"the objective increased for {widths}, p={p}, contradicting Lemma 2.3")
             before, after = history.objective[0], history.objective[-1]
             updates = f"{history.iterations}" + ("" if history.converged else "*")
+            change = output_change(model, gauged, generator)
+            runs.append({"network": list(widths), "p": p, "updates": history.iterations, "converged": history.converged,
+                         "objective_before": before, "objective_after": after, "gamma": history.gamma,
+                         "monotone": monotone, "output_change": change})  # fmt: skip
             print(
                 f"{'-'.join(map(str, widths)):<36} {p:>3g} {updates:>8} {before:>13.1f} -> {after:>11.1f} "
                 f"{1 - after / before:>9.1%} {history.gamma:>8.1e} "
-                f"{output_change(model, gauged, generator):>12.1e}"
+                f"{change:>12.1e}"
             )
     paths = plot(histories, args.tol, args.out)
+    settings = {"tol": args.tol, "max_iter": args.max_iter, "seed": args.seed}
+    record = {"example": "min_norm_gauge", "settings": settings, "runs": runs,
+              "seconds": time.perf_counter() - start, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    json_path = args.out / "min_norm_gauge.json"
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, json_path)
+    paths.append(json_path)
     if not all(h.converged for h in histories.values()):
         print(f"* did not reach the tolerance in {args.max_iter} updates")
     print(

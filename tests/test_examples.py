@@ -22,29 +22,91 @@ def load_example(name: str):
     return module
 
 
-def test_reproduce_flatness_tables_quick(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def flatness_quick(tmp_path_factory):
+    """One ``--quick`` run of the flatness-tables example: the module, its payload, the JSON it wrote and its output."""
     example = load_example("reproduce_flatness_tables")
-    out = tmp_path / "tables.json"
-    payload = example.main(["--quick", "--no-progress", "--json", str(out)])
+    out = tmp_path_factory.mktemp("flatness") / "tables.json"
+    import contextlib
+    import io
 
-    printed = capsys.readouterr().out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        payload = example.main(["--quick", "--no-progress", "--json", str(out)])
+    return example, payload, json.loads(out.read_text()), printed.getvalue()
+
+
+def test_reproduce_flatness_tables_quick(flatness_quick):
+    example, payload, written, printed = flatness_quick
     assert "relative difference" in printed and "PASS" in printed and "FAIL" not in printed
-    assert json.loads(out.read_text())["checks"] == json.loads(json.dumps(payload["checks"]))
-
+    assert written["checks"] == json.loads(json.dumps(payload["checks"])) and written["passed"] is True
     assert [m["name"] for m in payload["models"]] == ["F1", "C1"]
     for model in payload["models"]:
+        assert model["training"]["grad_norm"] < 1e-12  # an exact critical point of the measured loss
+        assert model["training"]["label_grad_norm"] > 1e-4  # ... unlike the training loss's trained point
         rescaled = model["points"][1:]
         assert [p["kind"] for p in rescaled].count("layer") == 2 and any(p["kind"] == "node" for p in rescaled)
+        for point in model["points"]:
+            if point["kind"] != "node":  # at a critical point our measure is the paper's G^-1 H
+                assert point["gap"] < 1e-13
         for point in rescaled:
             diff = point["relative_difference"]
             # Invariant measures agree to rounding in float64; the Euclidean one moves by far more.
-            assert diff["node f64"] < 1e-8
+            assert diff["node f64"] < 1e-13
             if point["kind"] == "layer":
-                assert diff["layer f64"] < 1e-8
+                assert diff["layer f64"] < 1e-13 and diff["gh f64"] < 1e-13
+                assert diff["layer f32"] <= example.FLOAT32_FACTOR * model["float32_noise_floor"]
             else:  # the layer-wise measure is not invariant under node-wise rescaling
                 assert diff["layer f64"] > 1e-2
             assert diff["euclidean f64"] > 1e-2
+    kinds = {c["check"].split(": ", 1)[-1].split(",")[0] for c in payload["checks"]}
+    assert {"layer f64 relative difference", "layer f32 relative difference", "node f64 relative difference",
+            "gap |ours - G^-1 H| / ours (f64)"} <= kinds  # fmt: skip
     assert all(check["passed"] for check in payload["checks"])
+
+
+def _failed(example, model, grad_tol=1e-8):
+    return [c["check"] for c in example.checks(example.derive(model), grad_tol) if not c["passed"]]
+
+
+def _scaled(model, point, column, factor):
+    """A copy of ``model`` with one measured eigenvalue multiplied by ``factor``."""
+    import copy
+
+    model = copy.deepcopy(model)
+    model["points"][point]["measures"][column]["value"] *= factor
+    return model
+
+
+@pytest.mark.parametrize("name", ["F1", "C1"])
+def test_flatness_checks_fail_when_a_measurement_is_off_by_the_claimed_tolerance(flatness_quick, name):
+    """Each check fails when its measured number moves by twice its tolerance, and holds at half of it."""
+    example, payload, _, _ = flatness_quick
+    (model,) = [m for m in payload["models"] if m["name"] == name]
+    assert _failed(example, model) == []
+    layer_point = 1  # the first layer-wise rescaling
+    # float64: relative difference of our layer-wise measure, tolerance FLOAT64_TOL
+    for factor, fails in ((1 + 2 * example.FLOAT64_TOL, True), (1 + example.FLOAT64_TOL / 4, False)):
+        failed = _failed(example, _scaled(model, layer_point, "layer f64", factor))
+        assert any("layer f64 relative difference" in c for c in failed) is fails
+    # float32: within FLOAT32_FACTOR times the noise floor
+    bound = example.FLOAT32_FACTOR * model["float32_noise_floor"]
+    base = model["points"][0]["measures"]["layer f32"]["value"]
+    measured = model["points"][layer_point]["measures"]["layer f32"]["value"]
+    for target, fails in ((2 * bound, True), (bound / 2, False)):
+        factor = base * (1 + target) / measured
+        failed = _failed(example, _scaled(model, layer_point, "layer f32", factor))
+        assert any("layer f32 relative difference" in c for c in failed) is fails
+    # the gap between our measure and G^-1 H at the critical point, tolerance GAP_TOL
+    for factor, fails in ((1 + 2 * example.GAP_TOL, True), (1 + example.GAP_TOL / 4, False)):
+        failed = _failed(example, _scaled(model, 0, "layer f64", factor))
+        assert any("W: gap" in c for c in failed) is fails
+    # the critical point itself
+    import copy
+
+    moved = copy.deepcopy(model)
+    moved["training"]["grad_norm"] = 2e-8
+    assert _failed(example, moved) == [f"gradient norm at W below {1e-8:g}"]
 
 
 def test_gspace_training_help_lists_quick_and_out(capsys):
@@ -98,3 +160,20 @@ def test_gspace_training_quick_runs_as_a_script(tmp_path):
     for plain, gspace in (("SGD", "G-SGD"), ("Adam", "G-Adam")):
         gaps = [abs(a - b) / b for a, b in zip(summary[plain], summary[gspace])]
         assert max(gaps) > 1e-3, (plain, summary[plain], gspace, summary[gspace])
+
+
+def test_reproduction_table_is_generated_from_the_json_records(tmp_path):
+    """docs/reproductions.md is exactly what the committed JSON records give, and a changed record changes it."""
+    import shutil
+
+    table = load_example("reproduction_table")
+    assert table.main(["--check"]) == 0
+    data = tmp_path / "data"
+    shutil.copytree(table.DATA, data)
+    record = json.loads((data / "flatness_tables.json").read_text())
+    point = next(p for p in record["models"][0]["points"] if p["kind"] == "layer")
+    point["relative_difference"]["layer f64"] = 9.87e-13
+    (data / "flatness_tables.json").write_text(json.dumps(record))
+    page = table.render(data)
+    assert page != table.OUT.read_text() and "| 9.9e-13 |" in page
+    assert table.main(["--check", "--data", str(data)]) == 1
