@@ -10,7 +10,9 @@ objective ``||W||_{p,p}^p`` (left) and the largest imbalance ``gamma`` of eq. (2
 Run:  python examples/min_norm_gauge.py [--out DIR] [--tol 1e-10]
 Writes ``DIR/min_norm_gauge.png``, ``.pdf`` and ``.json`` and prints, per network and p, the updates needed,
 the objective before and after, and the largest change of the network outputs (a gauge
-transformation must not change the function).
+transformation must not change the function). Checks (exit status 1 when one fails): every run
+reaches the tolerance; the objective never increases by more than 1e-12 of its start between updates
+(Lemma 2.3 of the paper); the outputs change by less than 1e-12 (relative).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +37,8 @@ NETWORKS = (
     (200, 1000, 750, 750, 500, 250, 10),
 )
 P_VALUES = (2.0, 1.0)  # rows of the figure, top to bottom
+INCREASE_TOL = 1e-12  # the largest increase of the objective between updates, relative to its start
+OUTPUT_TOL = 1e-12  # the largest relative change of the outputs under the gauge transformation
 
 
 def he_mlp(widths: tuple[int, ...], generator: torch.Generator) -> nn.Sequential:
@@ -102,7 +107,23 @@ def plot(histories: dict[tuple[float, tuple[int, ...]], GaugeHistory], tol: floa
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
+def checks(runs: list[dict]) -> list[dict]:
+    """The verdicts on the runs' numbers: each a dict with ``check``, ``value``, ``bound``, ``passed``."""
+    out = []
+    for r in runs:
+        name = f"{'-'.join(map(str, r['network']))}, p={r['p']:g}"
+        out += [
+            {"check": f"{name}: reached the tolerance (1 = yes)", "value": float(r["converged"]), "bound": 1.0,
+             "passed": bool(r["converged"])},
+            {"check": f"{name}: largest objective increase / start", "value": r["largest_increase"],
+             "bound": INCREASE_TOL, "passed": bool(r["largest_increase"] <= INCREASE_TOL)},
+            {"check": f"{name}: largest relative output change", "value": r["output_change"], "bound": OUTPUT_TOL,
+             "passed": bool(r["output_change"] <= OUTPUT_TOL)},
+        ]  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("out/min_norm_gauge"), help="output folder")
     parser.add_argument("--tol", type=float, default=1e-10, help="stop when max |a_i - 1| < TOL (default 1e-10)")
@@ -122,15 +143,13 @@ def main(argv: list[str] | None = None) -> None:
         for p in P_VALUES:
             gauged, history = min_norm_gauge(model, p=p, tol=args.tol, max_iter=args.max_iter)
             histories[(p, widths)] = history
-            monotone = bool(np.all(np.diff(history.objective) <= 1e-12 * history.objective[0]))
-            if not monotone:
-                raise RuntimeError(f"the objective increased for {widths}, p={p}, contradicting Lemma 2.3")
+            increase = max(0.0, float(np.max(np.diff(history.objective), initial=0.0))) / history.objective[0]
             before, after = history.objective[0], history.objective[-1]
             updates = f"{history.iterations}" + ("" if history.converged else "*")
             change = output_change(model, gauged, generator)
             runs.append({"network": list(widths), "p": p, "updates": history.iterations, "converged": history.converged,
                          "objective_before": before, "objective_after": after, "gamma": history.gamma,
-                         "monotone": monotone, "output_change": change})  # fmt: skip
+                         "largest_increase": increase, "output_change": change})  # fmt: skip
             print(
                 f"{'-'.join(map(str, widths)):<36} {p:>3g} {updates:>8} {before:>13.1f} -> {after:>11.1f} "
                 f"{1 - after / before:>9.1%} {history.gamma:>8.1e} "
@@ -138,8 +157,10 @@ def main(argv: list[str] | None = None) -> None:
             )
     paths = plot(histories, args.tol, args.out)
     settings = {"tol": args.tol, "max_iter": args.max_iter, "seed": args.seed}
-    record = {"example": "min_norm_gauge", "settings": settings, "runs": runs,
-              "seconds": time.perf_counter() - start, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    verdicts = checks(runs)
+    record = {"example": "min_norm_gauge", "settings": settings, "runs": runs, "checks": verdicts,
+              "passed": all(c["passed"] for c in verdicts), "seconds": time.perf_counter() - start,
+              "torch_threads": torch.get_num_threads()}  # fmt: skip
     json_path = args.out / "min_norm_gauge.json"
     tmp = json_path.with_name(json_path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=1))
@@ -147,11 +168,16 @@ def main(argv: list[str] | None = None) -> None:
     paths.append(json_path)
     if not all(h.converged for h in histories.values()):
         print(f"* did not reach the tolerance in {args.max_iter} updates")
+    failed = [c for c in verdicts if not c["passed"]]
+    for c in failed:
+        print(f"FAIL {c['check']}: {c['value']:.2e} > {c['bound']:.2e}")
     print(
-        f"objective non-increasing in every run; wrote {', '.join(map(str, paths))} "
-        f"in {time.perf_counter() - start:.1f} s"
+        f"{len(verdicts) - len(failed)}/{len(verdicts)} checks pass (every run converged, objective increases at most "
+        f"{INCREASE_TOL:g}, output changes at most {OUTPUT_TOL:g}); wrote {', '.join(map(str, paths))} in "
+        f"{time.perf_counter() - start:.1f} s"
     )
+    return 0 if record["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

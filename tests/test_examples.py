@@ -177,3 +177,26 @@ def test_reproduction_table_is_generated_from_the_json_records(tmp_path):
     page = table.render(data)
     assert page != table.OUT.read_text() and "| 9.9e-13 |" in page
     assert table.main(["--check", "--data", str(data)]) == 1
+
+
+def test_gauge_checks_fail_when_a_measurement_is_off_by_the_claimed_tolerance():
+    """The gauge example's checks, on the committed paper-size record: all pass; each fails when its number
+    moves past its tolerance and holds at half of it."""
+    import copy
+
+    example = load_example("min_norm_gauge")
+    runs = json.loads((EXAMPLES.parent / "docs" / "reproductions" / "min_norm_gauge.json").read_text())["runs"]
+    assert len(runs) == 6 and all(c["passed"] for c in example.checks(runs))
+    names = {"largest_increase": "largest objective increase / start",
+             "output_change": "largest relative output change"}
+    for key, tol in (("largest_increase", example.INCREASE_TOL), ("output_change", example.OUTPUT_TOL)):
+        for value, fails in ((2 * tol, True), (tol / 2, False)):
+            moved = copy.deepcopy(runs)
+            moved[3][key] = value
+            failed = [c["check"] for c in example.checks(moved) if not c["passed"]]
+            assert failed == ([f"200-2000-1000-500-250-10, p=1: {names[key]}"] if fails else [])
+    moved = copy.deepcopy(runs)
+    moved[0]["converged"] = False
+    assert [c["check"] for c in example.checks(moved) if not c["passed"]] == [
+        "200-2500-1250-10, p=2: reached the tolerance (1 = yes)"
+    ]
