@@ -92,11 +92,9 @@ def _fig_1_6(steps: int, source: str) -> tuple[Figure, list[Surface], go.Figure]
         ax.set_ylim(-lim, lim)
         ax.set_aspect("equal")
         ax.set_title(
-            "Thesis Fig. 1.6: invariant lines of y = w₂·relu(w₁), L = sin(y) (no weight fixed)\n"
-            + ("arrows: the exact gradient ∇L" if source == "text" else
-               "arrows as in the thesis code: −∇(0.1 w₁w₂), parallel to ∇L")
-            + " at α = ½, 1/√2, 1, √2, 2 on each line;\n"
-            "rescaling (w₁, w₂) → (αw₁, w₂/α) scales ∂L/∂w₁ by 1/α and ∂L/∂w₂ by α"
+            "Thesis Fig. 1.6: invariant lines of y = w₂·relu(w₁), L = sin(y)\n"
+            + ("arrows ∇L" if source == "text" else "arrows −∇(0.1 w₁w₂) (thesis code), parallel to ∇L")
+            + "; rescaling by α scales them by (1/α, α)"
         )
         fig.colorbar(m, ax=ax, shrink=0.75, label=s.z_label)
     overlay = Overlay(
