@@ -171,7 +171,8 @@ def _gspace_4_9(steps: int, fixed: Sequence[float], source: str) -> tuple[Figure
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(outlines), frameon=False,
                   title=f"image of the window w₂, w₃ ∈ [{lo:g}, {hi:g}] of the fixed-w₁ plane")  # fmt: skip
         ax.set_title(
-            f"G-space: one surface {s.title.rsplit('L = ', 1)[1]};\neach fixed-w₁ plane covers a distorted piece"
+            f"G-space: one surface {toys.gspace_4_9_loss(source)} for every w₁;\n"
+            "each fixed-w₁ plane covers a distorted piece"
         )
         ax2 = fig.add_subplot(1, 2, 2)
         draw_contour(ax2, zoom, norm, CMAP, LEVELS)

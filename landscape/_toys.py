@@ -164,6 +164,16 @@ def _sin_of(gain: float, inner: str) -> str:
     return f"sin({inner})" if gain == 1.0 else f"sin({gain:g} {inner})"
 
 
+def loss_label(gain: float) -> str:
+    """The loss axis label of Figs. 4.9 and gspace-4.9: ``L = sin(y)`` or ``L = sin(gain·y)``."""
+    return "L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)"
+
+
+def gspace_4_9_loss(source: str) -> str:
+    """Fig. 4.9's network b in G-space (``w3 > 0``) as text: ``sin(relu(v₁ + v₂))``, with the code's gain."""
+    return _sin_of(gain_4_9(source), "relu(v₁ + v₂)")
+
+
 # ---------------------------------------------------------------------------------------------
 # G-space charts
 def gspace_b(w1, w2) -> tuple[Tensor, Tensor]:
@@ -314,7 +324,7 @@ def fig_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEFAUL
     if len(fixed) == 0:
         raise ValueError("give at least one fixed value for w1")
     lim, gain = window_4_9(source), gain_4_9(source)
-    z_label = "L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)"
+    z_label = loss_label(gain)
     common = {"figure": "4.9", "source": source, "window": list(lim), "gain": gain}
     x, y, z = _plane(lambda w1, w2: loss_a2(w1, w2, gain), lim, lim, steps)
     out = [
@@ -400,11 +410,11 @@ def gspace_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEF
     v1_lim = (min(0.0, pts[:, 0].min()), max(hi, pts[:, 0].max()))
     v2_lim = (min(0.0, pts[:, 1].min()), max(hi, pts[:, 1].max()))
     x, y, z = _plane(lambda v1, v2: loss_b2_gspace(v1, v2, 1.0, gain), v1_lim, v2_lim, steps)
-    loss = _sin_of(gain, "relu(v₁ + v₂)")
+    loss = gspace_4_9_loss(source)
     return [
         Surface(
             x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃",
-            z_label="L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)",
+            z_label=loss_label(gain),
             title=f"network b′ in G-space (w₃ > 0): L = {loss} for every w₁",
             extras={**outlines, "fixed": np.asarray([float(b) for b in fixed])},
             metadata={"figure": "gspace-4.9", "network": "b", "chart": "gspace", "skeleton_weight": "w3",
@@ -422,7 +432,7 @@ def gspace_4_9_window(steps: int = 201, source: str = DEFAULT_SOURCE) -> Surface
     x, y, z = _plane(lambda v1, v2: loss_b2_gspace(v1, v2, 1.0, gain), lim, lim, steps)
     return Surface(
         x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃",
-        z_label="L = sin(y)" if gain == 1.0 else f"L = sin({gain:g}·y)",
+        z_label=loss_label(gain),
         title=f"G-space over [{lim[0]:g}, {lim[1]:g}]²: network a′ of Fig. 4.9 (a)\n"
               "with (w₁, w₂) renamed (v₁, v₂)",
         metadata={"figure": "gspace-4.9", "network": "b", "chart": "gspace", "window": list(lim),
