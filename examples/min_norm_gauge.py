@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import nn
 
 from landscape import save_figure
 from manifolds import GaugeHistory, min_norm_gauge
+from sharpness.io import write_atomic
 
 NETWORKS = (
     (200, 2500, 1250, 10),
@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
               "passed": all(c["passed"] for c in verdicts), "seconds": time.perf_counter() - start,
               "torch_threads": torch.get_num_threads()}  # fmt: skip
     json_path = args.out / "min_norm_gauge.json"
-    tmp = json_path.with_name(json_path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, json_path)
+    write_atomic(json_path, json.dumps(record, indent=1))
     paths.append(json_path)
     if not all(h.converged for h in histories.values()):
         print(f"* did not reach the tolerance in {args.max_iter} updates")

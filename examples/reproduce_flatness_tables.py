@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 
 import manifolds
 import sharpness
+from sharpness.io import write_atomic
 
 N_CLASSES = 10
 
@@ -470,18 +471,6 @@ def format_summary(verdicts: list[dict], wall: float, cpu: float, args) -> str:
     )
 
 
-def write_json(path: str, payload: dict) -> None:
-    """Write through a temporary file so a failed run never leaves half a file."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(payload, fh, indent=1)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Reproduce Tables 2-3 of the scale-invariant flatness paper like for like, at a critical "
@@ -557,7 +546,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_threads": torch.get_num_threads(),
     }
     if args.json:
-        write_json(args.json, payload)
+        write_atomic(args.json, json.dumps(payload, indent=1))
     return payload
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from sharpness.io import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "reproductions"
@@ -205,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.out} is not what {args.data} gives: rerun python examples/reproduction_table.py",
                   file=sys.stderr)  # fmt: skip
         return 0 if same else 1
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, args.out)
+    write_atomic(args.out, text)
     print(f"wrote {args.out}")
     return 0
 
