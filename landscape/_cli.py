@@ -301,12 +301,6 @@ def _log_mode(args: argparse.Namespace, surfaces) -> bool:
     return resolve_log(True if args.log else False if args.linear else "auto", surfaces)
 
 
-def _wrap_title(title: str, width: int = 70) -> str:
-    import textwrap
-
-    return textwrap.fill(title, width)
-
-
 def _reproduces(spec: DirectionSpec, line: bool, segment: bool) -> str:
     """Which published kind of figure a plane or line is, for its caption and metadata."""
     if segment:
@@ -412,7 +406,7 @@ def _load(args: argparse.Namespace):
 
 
 def _real(args: argparse.Namespace) -> int:
-    from landscape._plot_mpl import line_figure, save_figure, surface_figure
+    from landscape._plot_mpl import _wrap, line_figure, save_figure, surface_figure
     from landscape._plot_plotly import plotly_figure, write_html
     from landscape._surfaces import loss_line, loss_plane
 
@@ -456,10 +450,10 @@ def _real(args: argparse.Namespace) -> int:
         marks = [] if target is None else [(0.0, Path(args.checkpoint).name), (1.0, Path(args.to).name)]
         if log and not args.log:
             caption += "; logarithmic loss axis: the loss spans more than two decades on this range"
-        fig = line_figure([surface], log=log, title=_wrap_title(title, 56), marks=marks, caption=caption)
+        fig = line_figure([surface], log=log, title=_wrap(title, 56), marks=marks, caption=caption)
     else:
         fig = surface_figure([surface], kinds=("contour", "surface"), log=log, mark_center=True,
-                             title=_wrap_title(title, 88), caption=caption)  # fmt: skip
+                             title=_wrap(title, 88), caption=caption)  # fmt: skip
     html = plotly_figure([surface], title=f"{title} ({source})", log=log)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -138,8 +138,9 @@ def choose_strategy(objective: Objective, strategy: str = "auto") -> str:
     fast = split_first_linear(objective) is not None
     if strategy == "first-layer" and not fast:
         raise ValueError(
-            f"the first-layer fast path needs an nn.Sequential whose first parameterized module is Linear or "
-            f"Conv; {type(objective.model).__name__} is not, so use strategy 'vmap' or 'loop'"
+            f"the first-layer fast path needs a first parameterized module that is a Linear or Conv layer of the "
+            f"input, reached through parameter-free operations only; {type(objective.model).__name__} has none, so "
+            "use strategy 'vmap' or 'loop'"
         )
     if strategy != "auto":
         return strategy

@@ -144,7 +144,7 @@ def mark_center_and_minimum(ax: Axes, s: Surface) -> str:
     ax.plot([0], [0], marker="+", color="k", markersize=7, markeredgewidth=0.8, zorder=6)
     k = np.unravel_index(int(np.nanargmin(s.loss)), s.loss.shape)
     low = float(s.loss[k])
-    if k == (i, j) or not low < center:
+    if not low < center:  # the centre itself, or as low as it
         return f"+ centre: loss {center:.4g} (the grid's minimum)"
     ax.plot([s.x[k[1]]], [s.y[k[0]]], marker="x", color="w", markersize=8, markeredgewidth=2.0, zorder=5)
     ax.plot([s.x[k[1]]], [s.y[k[0]]], marker="x", color="r", markersize=7, markeredgewidth=1.0, zorder=6)
@@ -402,9 +402,9 @@ def save_figure(
     stem = Path(stem)
     paths = []
     with mpl.rc_context(STYLE):
+        about = "; ".join(" ".join(line.split()) for line in description.splitlines() if line.strip())
         for fmt in formats:
             buffer = io.BytesIO()
-            about = "; ".join(" ".join(line.split()) for line in description.splitlines() if line.strip())
             fig.savefig(buffer, format=fmt, dpi=dpi, metadata=file_metadata(fmt, title, about))
             path = stem.with_name(f"{stem.name}.{fmt}")
             write_atomic(path, buffer.getvalue())

@@ -240,13 +240,9 @@ class RopChain:
     prefix: tuple
     ops: tuple
 
-    def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
-        """Bytes one sample's cached state takes (every op's input or map and the affine layers' errors:
-        at most three activations per op), measured by one forward pass of ``x[:1]``."""
-        return self.state_sizes(params, x)[0]
-
     def state_sizes(self, params: Mapping[str, Tensor], x: Tensor) -> tuple[int, int]:
-        """Bytes per sample of the cached state (:meth:`state_bytes_per_sample`) and of its largest tensor."""
+        """Bytes per sample of the cached state (every op's input or map and the affine layers' errors: at most
+        three activations per op) and of its largest tensor, measured by one forward pass of ``x[:1]``."""
         h = x[:1]
         for op in self.prefix:
             h = op.forward(h)[0]

@@ -197,15 +197,11 @@ class RopGraph:
                 errs = op.adjoint(g_dot, saved[i], need)
             _accumulate(grads, step.inputs, errs, need)
 
-    def state_bytes_per_sample(self, params: Mapping[str, Tensor], x: Tensor) -> int:
-        """Bytes one sample's cached state takes (the saved layer inputs and maps, each tensor counted once, the
-        first-order errors and the outputs' curvature), measured by one forward and backward pass of ``x[:1]``.
-        Not counted: what a chunk keeps whatever its size, at most one parameter vector (the errors' weight
-        adjoints of merged BatchNorm layers)."""
-        return self.state_sizes(params, x)[0]
-
     def state_sizes(self, params: Mapping[str, Tensor], x: Tensor) -> tuple[int, int]:
-        """Bytes per sample of the cached state (:meth:`state_bytes_per_sample`) and of its largest tensor."""
+        """Bytes per sample of the cached state and of its largest tensor: the saved layer inputs and maps, each
+        tensor counted once, the first-order errors and the outputs' curvature, measured by one forward and
+        backward pass of ``x[:1]``. Not counted: what a chunk keeps whatever its size, at most one parameter
+        vector (the errors' weight adjoints of merged BatchNorm layers)."""
         out, saved = self._forward(params, x[:1])
         errors = self._errors(params, saved, torch.ones_like(out)).values()
         deltas = [d[0] if isinstance(d, tuple) else d for d in errors]
@@ -434,7 +430,7 @@ def rop_graph(
         moves = isinstance(op, _Layer) and bool(op.names) or any(moving[slot[t]] for t in tensors)
         moving.append(moves)
         steps.append(_Step(op, tuple(slot[t] for t in tensors), moves, tuple(slot[m] for m in meta)))
-    if not any(isinstance(s.op, _Layer) and s.op.names for s in steps):
+    if not any(moving):  # no parameter moves anything
         return None
     users: list[list[int]] = [[] for _ in steps]
     for i, s in enumerate(steps):

@@ -138,7 +138,7 @@ class SpectralDensity:
             ax = Figure(figsize=(5.4, 3.8), layout="constrained").add_subplot()
         sigma = self.default_sigma() if sigma is None else sigma
         grid = self.grid(points, sigma)
-        values = self.density(grid, sigma).numpy().copy()
+        values = self.density(grid, sigma).numpy()
         method = f"SLQ: {self.n_probes} probes × {self.n_steps} Lanczos steps, Gaussian σ = {sigma:.2g}"
         if log:
             cut = floor * float(values.max())
