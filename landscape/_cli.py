@@ -15,15 +15,17 @@ from pathlib import Path
 
 from landscape._directions import NORMALIZATIONS
 from landscape._settings import PATHS, DirectionSpec, Grid
-from sharpness import MEASURES, Objective
+from sharpness import MEASURES
 from sharpness.cli import (
     OneLineParser,
     add_model_arguments,
     check_outputs,
     command_inputs,
+    launched_processes,
     load_problem,
     memory_budget,
     run_command,
+    start_objective,
 )
 
 
@@ -69,8 +71,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help
     parser.add_argument("--span", type=_positive_float, default=1.0,
                         help="grid half-width in direction units (default 1)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the directions (default 0)")
-    parser.add_argument("--memory-mib", type=_positive_int, default=2048,
-                        help="memory budget for activations, in MiB (default 2048)")  # fmt: skip
+    parser.add_argument("--memory-mib", type=_positive_int, default=None,
+                        help="memory budget for activations, in MiB per process (default: 2048 on the CPU, half "
+                             "the free memory of a GPU)")  # fmt: skip
     scale = parser.add_mutually_exclusive_group()
     scale.add_argument("--log", action="store_true",
                        help="logarithmic loss scale in the figures (default: logarithmic where the losses span "
@@ -236,12 +239,14 @@ def _fixed(args: argparse.Namespace) -> int:
     _check_files(args, [args.name], [f"{args.name}_b{b:g}" for b in values])
     model, loss_fn, data, _, dtype = _load(args)
     start = time.perf_counter()
-    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=budget)
+    objective = start_objective(args, model, loss_fn, data, dtype=dtype, memory_budget=budget)
     surfaces = fixed_weight_planes(
         None, None, None, values, reading=args.reading, selection=args.selection, directions=spec, grid=grid,
         objective=objective, progress=False if args.quiet else None,
     )  # fmt: skip
     total = time.perf_counter() - start
+    if not objective.comm.is_main:  # process 0 draws and writes
+        return 0
     surfaces = [
         s.replace(
             metadata={
@@ -423,7 +428,7 @@ def _real(args: argparse.Namespace) -> int:
 
     _check_files(args, [args.name or args.command], [args.name or args.command])
     model, loss_fn, data, target, dtype = _load(args)
-    objective = Objective(model, loss_fn, data, dtype=dtype, memory_budget=budget)
+    objective = start_objective(args, model, loss_fn, data, dtype=dtype, memory_budget=budget)
     progress = False if args.quiet else None
     start = time.perf_counter()
     if args.command == "plane":
@@ -434,6 +439,8 @@ def _real(args: argparse.Namespace) -> int:
             spec = DirectionSpec()  # the segment: its direction is the difference of the two checkpoints
         surface = loss_line(None, None, None, spec, to=target, lim=lim, grid=grid, objective=objective,
                             progress=progress)  # fmt: skip
+    if not objective.comm.is_main:  # process 0 draws and writes
+        return 0
     surface = surface.replace(
         metadata={
             **surface.metadata, "model": args.model, "checkpoint": args.checkpoint, "data": args.data,
@@ -475,6 +482,9 @@ def _checked(command):
     cost a whole grid."""
 
     def run(args: argparse.Namespace) -> int:
+        if launched_processes() > 1 and args.command in ("toy", "demo"):
+            raise ValueError(f"the {args.command} command has no data set to share between processes; run it "
+                             "without torchrun")  # fmt: skip
         _check_out(args.out)
         return command(args)
 

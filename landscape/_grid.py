@@ -432,15 +432,18 @@ def _run(
     objective: Objective, engine, C: Tensor, strategy: str, batch: int, per_point: float, progress: bool | None,
     start: float, points: _Points | None = None,
 ) -> GridValues:  # fmt: skip
-    """The shared driver: data traversed once, batches of grid points inside, exact chunk weights."""
+    """The shared driver: data traversed once, batches of grid points inside, exact chunk weights. Where several
+    processes share the data, each evaluates every point on its share and the sums are reduced once at the end."""
     n_points, device = C.shape[0], objective.device
-    loss = torch.zeros(n_points, dtype=torch.float64, device=device)
-    hits = torch.zeros(n_points, dtype=torch.long, device=device)
+    # The losses, the hits and (last entry) whether any chunk's outputs are not class scores.
+    sums = torch.zeros(2 * n_points + 1, dtype=torch.float64, device=device)
+    loss, hits = sums[:n_points], sums[n_points:-1]
     classify = True
+    share = objective.data.n_samples  # this process's samples
     bar = progress_bar(n_points, "grid points", progress, unit="pt")
     with torch.no_grad(), eval_mode(objective.model), bar:
         for x, y, w in objective.chunks():
-            if points is not None and x.shape[0] >= objective.n_samples:
+            if points is not None and x.shape[0] >= share:
                 points.cache = None  # one chunk holds every sample: no later chunk reuses the points
             prepared = engine.prepare(x)
             for lo in range(0, n_points, batch):
@@ -449,8 +452,11 @@ def _run(
                 classify = classify and chunk_classify
                 loss[lo : lo + batch] += w * chunk_loss.to(torch.float64)
                 hits[lo : lo + batch] += chunk_hits
-                bar.update(len(c) * x.shape[0] / objective.n_samples)
-    accuracy = (hits.double() / objective.n_samples).cpu().numpy() if classify else None
+                bar.update(len(c) * x.shape[0] / share)
+    sums[-1] = 0.0 if classify else 1.0
+    objective.comm.sum_(sums)
+    classify = float(sums[-1]) == 0.0
+    accuracy = (hits / objective.n_samples).cpu().numpy() if classify else None
     return GridValues(loss.cpu().numpy(), accuracy, strategy, batch, time.perf_counter() - start, per_point)
 
 

@@ -24,6 +24,7 @@ Curved charts are evaluated with :func:`landscape.evaluate_points`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -62,7 +63,17 @@ def make_directions(
     objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None, gspace: GSpace | None = None
 ) -> Directions:
     """``k`` directions at the objective's parameters as ``spec`` says (G-space directions need ``gspace``);
-    given :class:`Directions` are passed through after a shape check."""
+    given :class:`Directions` are passed through after a shape check. Where several processes share the data,
+    every process gets process 0's directions."""
+    made = _directions(objective, spec, k, progress, gspace)
+    if objective.comm.world_size == 1:
+        return made
+    return dataclasses.replace(made, vectors=objective.comm.broadcast_(made.vectors.clone()))
+
+
+def _directions(
+    objective: Objective, spec: DirectionSpec, k: int, progress: bool | None, gspace: GSpace | None
+) -> Directions:
     if isinstance(spec.kind, Directions):
         given = spec.kind
         size = gspace.dim if given.kind == "gspace" and gspace is not None else objective.layout.size

@@ -32,8 +32,10 @@ from sharpness.measures import verify_invariance as verify_invariance
 from sharpness.products import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness.products import CallableOperator as CallableOperator
 from sharpness.products import ChunkedData as ChunkedData
+from sharpness.products import Communicator as Communicator
 from sharpness.products import DataError as DataError
 from sharpness.products import DenseOperator as DenseOperator
+from sharpness.products import DistributedError as DistributedError
 from sharpness.products import HessianOperator as HessianOperator
 from sharpness.products import Objective as Objective
 from sharpness.products import SymmetricOperator as SymmetricOperator
@@ -56,9 +58,11 @@ __all__ = [
     "BallGeometry",
     "CallableOperator",
     "ChunkedData",
+    "Communicator",
     "CurvatureOperator",
     "DataError",
     "DenseOperator",
+    "DistributedError",
     "EigenResult",
     "EpsilonSharpness",
     "Euclidean",

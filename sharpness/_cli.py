@@ -1,7 +1,8 @@
 """``python -m sharpness``: compute, verify and density from the command line.
 
 Bad input gets one sentence on stderr naming the problem and the fix, exit code 2, no traceback,
-and no output file (outputs are written atomically, and only after the work succeeded).
+and no output file (outputs are written atomically, and only after the work succeeded). Under ``torchrun``
+the processes share the data (:mod:`sharpness._launch`); process 0 prints and writes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,19 @@ import sys
 import textwrap
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from manifolds import UnsupportedModelError
+from sharpness._launch import (
+    DEFAULT_TIMEOUT_S,
+    join_processes,
+    launch_rank,
+    launched_processes,
+    leave_processes,
+    process_device,
+    quiet_process,
+)
 from sharpness._results import jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
@@ -25,6 +36,7 @@ from sharpness.measures._epsilon import epsilon_sharpness, second_order
 from sharpness.measures._registry import MEASURES, get_measure
 from sharpness.measures._verify import Rescalings, verify_invariance
 from sharpness.products._data import DataError
+from sharpness.products._distributed import Communicator, DistributedError
 from sharpness.products._objective import Objective
 from sharpness.solvers._density import hessian_spectral_density
 from sharpness.solvers._solve import SOLVERS, Solver
@@ -40,8 +52,8 @@ DEFAULT_COMPUTE = ("euclidean", "layer", "node")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str = "float64") -> None:
-    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``, ``--device``: shared with
-    ``python -m landscape``.
+    """``--model``, ``--checkpoint``, ``--data``, ``--loss``, ``--dtype``, ``--device``, ``--timeout``: shared
+    with ``python -m landscape``.
 
     ``default_dtype`` is the ``--dtype`` default (and what its help says): float64 for curvature, while
     ``python -m landscape`` passes float32 (a grid evaluates thousands of points)."""
@@ -63,7 +75,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     parser.add_argument(
         "--device", default="cpu",
         help="where to evaluate: cpu (default), cuda, cuda:1, mps ...; the model moves there, the data are moved "
-        "chunk by chunk",
+        "chunk by chunk; under torchrun, cuda is each process's own GPU (cuda:LOCAL_RANK)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        help="under torchrun: how long a process waits for the others at each exchange before the run stops with "
+        f"an error (default: {DEFAULT_TIMEOUT_S:.0f})",
     )  # fmt: skip
 
 
@@ -83,18 +100,35 @@ def parse_device(text: str) -> torch.device:
         raise SpecError(f"--device {text}: MPS is not available on this machine; use --device cpu")
     elif device.type not in ("cpu", "cuda", "mps"):
         raise SpecError(f"--device {text}: only cpu, cuda and mps are supported")
-    return device
+    return process_device(device)
 
 
 # More than any machine has (1 EiB): a larger --memory-mib is a typo, and its bytes would not fit an integer.
 MAX_MEMORY_MIB = 2**40
 
 
-def memory_budget(mib: float) -> int:
-    """``--memory-mib`` as bytes, refused in one sentence unless it is a positive finite number of at most 1 EiB."""
+def memory_budget(mib: float | None) -> int | None:
+    """``--memory-mib`` as bytes (``None``: the objective's default for its device), refused in one sentence unless
+    it is a positive finite number of at most 1 EiB."""
+    if mib is None:
+        return None
     if not (isinstance(mib, (int, float)) and math.isfinite(mib) and 0 < mib <= MAX_MEMORY_MIB):
         raise SpecError(f"--memory-mib must be a positive number of MiB, at most {MAX_MEMORY_MIB} (1 EiB), got {mib:g}")
     return int(mib * 2**20)
+
+
+def start_objective(args: argparse.Namespace, model: nn.Module, loss_fn: nn.Module, data, **options) -> Objective:
+    """The objective of a command, after every check of its arguments: under ``torchrun`` the processes join
+    their group here (each waiting at most ``--timeout`` seconds for the others at each exchange) and share the
+    data; ``options`` go to :class:`Objective`."""
+    return Objective(model, loss_fn, data, distributed=join(args), **options)
+
+
+def join(args: argparse.Namespace) -> Communicator:
+    """Under ``torchrun``, join the other processes (see :func:`start_objective`); else one process."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise SpecError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    return join_processes(parse_device(args.device), args.timeout)
 
 
 def command_inputs(args: argparse.Namespace) -> tuple[str | None, ...]:
@@ -166,23 +200,52 @@ def check_outputs(
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit code 2), like every other refusal."""
 
+    def print_help(self, file=None):
+        if not quiet_process():  # once, under torchrun
+            super().print_help(file)
+
     def error(self, message: str):
+        if quiet_process():  # the same command line fails alike in process 0, which says so (see run_command)
+            self.exit(0)
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def run_command(command, args, user_errors: tuple[type[BaseException], ...] = USER_ERRORS) -> int:
     """``command(args)``'s exit code, with bad input as one sentence on stderr and exit code 2, and Ctrl-C as
     ``interrupted`` and exit code 130 (no traceback; outputs are only written atomically at the end). Parse the
-    command line inside ``command``, so that Ctrl-C there is caught too."""
+    command line inside ``command``, so that Ctrl-C there is caught too.
+
+    Under ``torchrun`` process 0 says what went wrong. The others stay silent on what every process found
+    alike (bad input, checked the same way on the same files, and failures that
+    :meth:`~sharpness.products._distributed.Communicator.check_together` shared), and name themselves on a
+    failure of their own; a process left waiting for another that failed ends with
+    :class:`~sharpness.products._distributed.DistributedError`, exit code 1."""
     try:
         return command(args)
     except user_errors as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
+        shared = not dist.is_initialized() or getattr(exc, "shared_by_all_processes", False)
+        if quiet_process() and shared:
+            # Process 0 found the same, says so and sets the run's exit status; a failing exit here could make
+            # torchrun stop process 0 before it has said why.
+            return 0
+        _report(exc)
         return 2
+    except DistributedError as exc:
+        if not quiet_process():  # the process that failed said why
+            _report(exc)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        leave_processes()
+
+
+def _report(exc: BaseException) -> None:
+    """``exc`` in one line on stderr (under ``torchrun``, naming the process unless it is process 0)."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    who = f"process {launch_rank()} of {launched_processes()}: " if quiet_process() else ""
+    print(f"error: {who}{message}", file=sys.stderr)
 
 
 def _measures(names: list[str] | None) -> list[str] | None:
@@ -228,7 +291,7 @@ def _compute(args: argparse.Namespace) -> int:
     model, loss_fn, data = load_problem(args)
     progress = False if args.quiet else None
     # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
-    objective = Objective(model, loss_fn, data, memory_budget=budget)
+    objective = start_objective(args, model, loss_fn, data, memory_budget=budget)
     measures, node_results = {}, {}
     # Measures asked for by name must apply; by default or with `all`, one that does not is recorded with its reason.
     skip_unsupported = not args.metric or "all" in args.metric
@@ -271,18 +334,20 @@ def _compute(args: argparse.Namespace) -> int:
         "checkpoint": args.checkpoint,
         "data": args.data,
         "dtype": args.dtype,
-        "memory_mib": args.memory_mib,
+        "memory_mib": objective.memory_budget / 2**20,
         "epsilon": args.epsilon,
         "versions": _versions(),
     }
-    print(_table(report))
-    if args.json:
-        write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
+    if objective.comm.is_main:
+        print(_table(report))
+        if args.json:
+            write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
     return 0
 
 
 def _table(report: dict) -> str:
-    lines = [f"loss {report['loss']:.6g}   parameters {report['n_params']}   data {report['data']}", ""]
+    shared = f"   processes {report['processes']}" if report.get("processes") else ""
+    lines = [f"loss {report['loss']:.6g}   parameters {report['n_params']}   data {report['data']}{shared}", ""]
     eps = report["epsilon"] is not None
     head = f"{'measure':<10} {'top eigenvalue':>15} {'HVPs':>6} {'converged':>9} {'seconds':>8}"
     if eps:
@@ -328,10 +393,12 @@ def _verify(args: argparse.Namespace) -> int:
         rtol=args.rtol,
         dtype=DTYPES[args.dtype],
         progress=False if args.quiet else None,
+        distributed=join(args),
     )
-    print(report.table())
-    if args.json:
-        report.save_json(args.json)
+    if not quiet_process():
+        print(report.table())
+        if args.json:
+            report.save_json(args.json)
     return 0 if report.passed else 1
 
 
@@ -349,10 +416,13 @@ def _density(args: argparse.Namespace) -> int:
         raise SpecError(f"--plot must end in {', '.join(PLOT_FORMATS)}, got {args.plot}")
     check_outputs([("--json", args.json), ("--plot", args.plot)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
+    objective = start_objective(args, model, loss_fn, data)
     result = hessian_spectral_density(
-        model, loss_fn, data, n_probes=args.probes, n_steps=args.steps, seed=args.seed,
+        None, None, None, n_probes=args.probes, n_steps=args.steps, seed=args.seed, objective=objective,
         progress=False if args.quiet else None,
     )  # fmt: skip
+    if not objective.comm.is_main:
+        return 0
     mean, stderr = result.moment(1)
     nodes = torch.cat(result.nodes)
     steps = max(t.numel() for t in result.nodes)
@@ -417,9 +487,10 @@ def _parser() -> argparse.ArgumentParser:
         "low-memory-lanczos (three parameter vectors, about twice the Hessian-vector products) or power",
     )  # fmt: skip
     compute.add_argument(
-        "--memory-mib", type=float, default=2048,
-        help="memory budget for activations in MiB: above it, Hessian-vector products stream the data in chunks "
-        "instead of keeping one graph of the whole data set (default: 2048)",
+        "--memory-mib", type=float, default=None,
+        help="memory budget for activations in MiB, per process: above it, Hessian-vector products stream the data "
+        "in chunks instead of keeping their state for the whole data set (default: 2048 on the CPU, half the free "
+        "memory of a GPU)",
     )  # fmt: skip
     compute.add_argument("--json", help="write the results to this JSON file")
     compute.add_argument("--quiet", action="store_true", help="no progress bars")

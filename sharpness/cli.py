@@ -10,6 +10,8 @@ from sharpness._cli import command_inputs as command_inputs
 from sharpness._cli import load_problem as load_problem
 from sharpness._cli import memory_budget as memory_budget
 from sharpness._cli import run_command as run_command
+from sharpness._cli import start_objective as start_objective
+from sharpness._launch import launched_processes as launched_processes
 from sharpness._resnet import resnet as resnet
 from sharpness._specs import SpecError as SpecError
 from sharpness._specs import build_model as build_model
@@ -27,6 +29,7 @@ __all__ = [
     "build_model",
     "check_outputs",
     "command_inputs",
+    "launched_processes",
     "lenet",
     "load_checkpoint",
     "load_data",
@@ -35,4 +38,5 @@ __all__ = [
     "mlp",
     "resnet",
     "run_command",
+    "start_objective",
 ]

@@ -156,7 +156,7 @@ def _starts(
         else:
             z = torch.randn(movable.shape, generator=generator, dtype=obj.dtype)
             z = z * (rho / float(torch.linalg.vector_norm(z)))
-        starts.append((f"random {k}", z.to(obj.device) * movable))
+        starts.append((f"random {k}", obj.comm.broadcast_(z.to(obj.device)) * movable))  # process 0's draw
     return starts
 
 
@@ -214,7 +214,7 @@ def _average_case(
     f0 = float(obj.value())
     increases, history = [], []
     for k in range(ascent.samples):
-        z = rho * torch.randn(w.shape, generator=generator, dtype=obj.dtype).to(obj.device)
+        z = obj.comm.broadcast_(rho * torch.randn(w.shape, generator=generator, dtype=obj.dtype).to(obj.device))
         increase = float(obj.value(w + c * z)) - f0
         increases.append(increase)
         history.append({"start": "sample", "step": k, "increase": increase, "radius": _norm(z, "l2"), "batch": batch})

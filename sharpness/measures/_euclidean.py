@@ -62,8 +62,8 @@ class Euclidean(Measure):
         span = None if self.data_span is False else data_span_hessian(op)
         if span is None and self.data_span:
             raise ValueError(
-                "data-span coordinates need R-operator products with the chunk states in memory, a first Linear "
-                "layer and fewer samples than its input features, by enough to pay for their set-up; pass "
+                "data-span coordinates need one process, R-operator products with the chunk states in memory, a first "
+                "Linear layer and fewer samples than its input features, by enough to pay for their set-up; pass "
                 "data_span=None or False"
             )
         spent = 0

@@ -64,6 +64,7 @@ class Fixed(Measure):
             objective.device,
             matmat=lambda vs: keep * hessian.matmat(keep * vs),
             project=lambda v: keep * v,
+            comm=objective.comm,
         )
         low, high = representative.factor_range
         info = {"n_free": space.n_free, "n_fixed": space.n_fixed, "factor_min": low, "factor_max": high,

@@ -64,7 +64,8 @@ class GSpaceLoss:
                 g, v = fn(self.point, x, y)
                 total += w * g
                 value += w * v.detach()
-        return value, total
+        both = self.objective.comm.sum_(torch.cat([value.reshape(1), total]))  # every process's share
+        return both[0], both[1:]
 
     def _graph_gradient(self) -> tuple[Tensor, Tensor]:
         if self._graph is None:
@@ -73,7 +74,7 @@ class GSpaceLoss:
                 total = torch.zeros_like(self.point)
                 for x, y, w in self.objective.chunks():
                     total = total + torch.autograd.grad(w * self.chunk_loss(leaf, x, y), leaf, create_graph=True)[0]
-            self._graph = (leaf, total)
+            self._graph = (leaf, total)  # this process's share: products through it are summed in hvp
         return self._graph
 
     def hvp(self, t: Tensor, strategy: str) -> Tensor:
@@ -86,7 +87,8 @@ class GSpaceLoss:
         if strategy == "graph":
             leaf, g = self._graph_gradient()
             with torch.enable_grad():
-                return torch.autograd.grad(g, leaf, grad_outputs=t, retain_graph=True)[0].detach()
+                product = torch.autograd.grad(g, leaf, grad_outputs=t, retain_graph=True)[0].detach()
+            return self.objective.comm.sum_(product)
         total = torch.zeros_like(self.point)
         with eval_mode(self.objective.model):
             for x, y, w in self.objective.chunks():
@@ -98,7 +100,7 @@ class GSpaceLoss:
                         g = torch.autograd.grad(self.chunk_loss(leaf, x, y), leaf, create_graph=True)[0]
                         hv = torch.autograd.grad(g, leaf, grad_outputs=t)[0]
                 total += w * hv.detach()
-        return total
+        return self.objective.comm.sum_(total)
 
     def pushforward(self, t: Tensor) -> Tensor:
         """The weight-space tangent ``J t`` (``J = dw/dv``), flat in ``objective.layout`` order."""
@@ -129,7 +131,7 @@ def gspace_hessian_operator(
     def apply(t: Tensor) -> Tensor:
         return loss.hvp(t, strategy)
 
-    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device)
+    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device, comm=objective.comm)
     op.strategy = strategy
     return op, loss
 

@@ -40,6 +40,7 @@ class QuotientMeasure(Measure):
             objective.dtype,
             objective.device,
             project=quotient.whitened_projection,
+            comm=objective.comm,
         )
         return CurvatureOperator(
             op,

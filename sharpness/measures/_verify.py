@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -71,6 +72,8 @@ def _output_difference(original: Objective, rescaled: Objective) -> float:
             twin = functional_call(rescaled.model, (rescaled.params, rescaled.buffers), (x,))
             change = max(change, float((twin - out).abs().max()))
             size = max(size, float(out.abs().max()))
+    change, size = original.comm.max_(torch.tensor([change, size], dtype=torch.float64, device=original.device))
+    change, size = float(change), float(size)
     if size == 0.0:
         return 0.0 if change == 0.0 else math.inf
     return change / size
@@ -307,6 +310,7 @@ def verify_invariance(
     solver: Solver | None = None,
     dtype: torch.dtype = torch.float64,
     progress: bool | None = None,
+    distributed: bool | dist.ProcessGroup = False,
 ) -> InvarianceReport:
     """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
 
@@ -331,6 +335,8 @@ def verify_invariance(
             below ``rtol``).
         dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
         progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
+        distributed: share the data among the processes of a ``torch.distributed`` group (see
+            :class:`Objective`); the rescalings are process 0's.
 
     Returns:
         The :class:`InvarianceReport`; ``.passed`` says whether every claimed invariance held.
@@ -363,7 +369,7 @@ def verify_invariance(
     data = ChunkedData(data)
     structure = analyze(model, example_input=data.first_batch()[0])
     structure.require_group("the invariance table of random function-preserving rescalings")
-    obj = Objective(model, loss_fn, data, dtype=dtype, structure=structure)
+    obj = Objective(model, loss_fn, data, dtype=dtype, structure=structure, distributed=distributed)
     # frozen parameters must stay as they are: only the scales that leave them alone are drawn
     groups = {"node": structure.group.restricted(obj.params), "layer": structure.layer_group.restricted(obj.params)}
 
@@ -391,6 +397,7 @@ def verify_invariance(
         for kind in kinds:
             for trial in range(trials):
                 log_scales = groups[kind].random_log_scales(rescalings.scale, generator, dtype=obj.dtype)
+                obj.comm.broadcast_(log_scales)
                 twin = obj.with_params(groups[kind].act(obj.params, log_scales))
                 difference = _output_difference(obj, twin)
                 if not difference <= limit:

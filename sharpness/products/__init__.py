@@ -3,6 +3,8 @@ model over all its data (chunked, exactly weighted), and symmetric operators bui
 
 from sharpness.products._data import ChunkedData as ChunkedData
 from sharpness.products._data import DataError as DataError
+from sharpness.products._distributed import Communicator as Communicator
+from sharpness.products._distributed import DistributedError as DistributedError
 from sharpness.products._hessian import HessianOperator as HessianOperator
 from sharpness.products._objective import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness.products._objective import Objective as Objective
@@ -17,7 +19,9 @@ __all__ = [
     "HVP_STRATEGIES",
     "CallableOperator",
     "ChunkedData",
+    "Communicator",
     "DataError",
+    "DistributedError",
     "DenseOperator",
     "HessianOperator",
     "Objective",

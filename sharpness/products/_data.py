@@ -2,7 +2,8 @@
 
 Accepted data: an ``(X, y)`` pair of tensors, a ``torch.utils.data.DataLoader``, or any iterable of
 ``(inputs, targets)`` batches (a one-shot iterator is read once and kept, since every
-Hessian-vector product needs another pass over the data).
+Hessian-vector product needs another pass over the data). Where several processes share the work, each
+gets the whole data set and iterates only its own contiguous share of the samples (``shard``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, SequentialSampler
+
+from sharpness.products._distributed import shard_range
 
 
 class DataError(ValueError):
@@ -55,17 +59,26 @@ class ChunkedData:
 
     Args:
         data: ``(X, y)`` tensors with a leading sample dimension, a DataLoader, an iterable of
-            ``(inputs, targets)`` batches, or another ``ChunkedData`` (its batches, re-chunked).
+            ``(inputs, targets)`` batches, or another ``ChunkedData`` (its batches and share, re-chunked).
         chunk_size: largest number of samples per chunk (``None``: batches as given, a tensor pair
             in one chunk). Larger batches are split, never merged.
+        shard: ``(rank, world_size)``: iterate only the share of process ``rank`` out of ``world_size``
+            (:func:`sharpness.products._distributed.shard_range` of the samples in order); ``None``: all.
+
+    Raises:
+        DataError: a bad ``chunk_size``, data of an unknown kind, or a shuffling DataLoader to be shared
+            (each process would shuffle differently, so shares would overlap).
     """
 
-    def __init__(self, data: object, chunk_size: int | None = None):
+    def __init__(self, data: object, chunk_size: int | None = None, shard: tuple[int, int] | None = None):
         if chunk_size is not None and chunk_size < 1:
             raise DataError(f"chunk_size must be a positive integer, got {chunk_size}")
         self.chunk_size = chunk_size
+        self._total: int | None = None
         if isinstance(data, ChunkedData):
             self._source: Iterable = data._source
+            self._total = data._total
+            shard = data.shard if shard is None else shard
         elif _is_pair(data):
             x, y = _split_batch(data)
             self._source = [(x, y)]
@@ -77,12 +90,42 @@ class ChunkedData:
                 f"data must be an (X, y) pair of tensors, a DataLoader or an iterable of batches, "
                 f"got {type(data).__name__}"
             )
+        if shard is not None and shard[1] > 1 and isinstance(self._source, DataLoader):
+            if not isinstance(self._source.sampler, SequentialSampler):
+                raise DataError(
+                    "a DataLoader that shuffles or samples cannot be shared between processes (each would draw its "
+                    "own order, so their shares would overlap); pass shuffle=False and no sampler"
+                )
+        self.shard = shard if shard is not None and shard[1] > 1 else None
         self._n_samples: int | None = None
+
+    def _batches(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """The source's batches, cut to this process's share."""
+        if self.shard is None:
+            for batch in self._source:
+                yield _split_batch(batch)
+            return
+        rank, world_size = self.shard
+        total = self.total_samples
+        if total < world_size:
+            raise DataError(
+                f"the data set has {total} sample{'s' if total != 1 else ''} but {world_size} processes share it; "
+                "give at least one sample per process or start fewer processes"
+            )
+        start, stop = shard_range(total, rank, world_size)
+        offset = 0
+        for batch in self._source:
+            if offset >= stop:
+                break
+            x, y = _split_batch(batch)
+            first, last = max(start - offset, 0), min(stop - offset, x.shape[0])
+            if first < last:
+                yield x[first:last], y[first:last]
+            offset += x.shape[0]
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         count = 0
-        for batch in self._source:
-            x, y = _split_batch(batch)
+        for x, y in self._batches():
             n = x.shape[0]
             step = n if self.chunk_size is None else self.chunk_size
             for start in range(0, n, max(step, 1)):
@@ -94,11 +137,32 @@ class ChunkedData:
 
     @property
     def n_samples(self) -> int:
-        """Number of samples (one pass over the data the first time it is asked)."""
+        """Number of samples this process iterates (one pass over the data the first time it is asked)."""
         if self._n_samples is None:
             for _ in self:
                 pass
         return self._n_samples
+
+    @property
+    def total_samples(self) -> int:
+        """Number of samples in the whole data set, every share together (counted once)."""
+        if self.shard is None:
+            return self.n_samples
+        if self._total is None:
+            self._total = sum(_split_batch(batch)[0].shape[0] for batch in self._source)
+        return self._total
+
+    def fingerprint(self) -> tuple[int, float, float]:
+        """The whole data set's sample count and the float64 sums of its inputs and targets: processes that share
+        a data set compare theirs, so a process given other data (or only its own part) is caught."""
+        count, x_sum, y_sum = 0, 0.0, 0.0
+        for batch in self._source:
+            x, y = _split_batch(batch)
+            count += x.shape[0]
+            x_sum += float(x.detach().double().sum())
+            y_sum += float(y.detach().double().sum())
+        self._total = count
+        return count, x_sum, y_sum
 
     def first_batch(self) -> tuple[Tensor, Tensor]:
         for batch in self:

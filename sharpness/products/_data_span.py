@@ -161,11 +161,12 @@ class DataSpanHessian(SymmetricOperator):
 
 def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     """``op`` in data-span coordinates where they apply: R-operator products (``op.strategy == "rop"``) whose
-    chunk states are kept in memory, a ``Linear`` layer of the data (the first layer of a chain; in a graph, a
-    layer whose input depends on no parameter and whose output feeds no BatchNorm), and fewer samples than it
-    has input features, by enough that the set-up pays for itself within a few products (:func:`_pays_off`).
+    chunk states are kept in memory in a single process, a ``Linear`` layer of the data (the first layer of a
+    chain; in a graph, a layer whose input depends on no parameter and whose output feeds no BatchNorm), and
+    fewer samples than it has input features, by enough that the set-up pays for itself within a few products
+    (:func:`_pays_off`).
     ``None`` otherwise."""
-    if op.strategy != "rop":
+    if op.strategy != "rop" or op.objective.comm.world_size > 1:  # the span of every process's data together
         return None
     kept = op.objective.rop_states()
     if kept is None:

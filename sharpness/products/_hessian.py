@@ -17,7 +17,7 @@ class HessianOperator(SymmetricOperator):
     """
 
     def __init__(self, objective: Objective, strategy: str = "auto"):
-        super().__init__(objective.layout.size, objective.dtype, objective.device)
+        super().__init__(objective.layout.size, objective.dtype, objective.device, objective.comm)
         self.objective = objective
         self.strategy = objective.hvp_strategy(strategy)
 

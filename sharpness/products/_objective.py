@@ -4,23 +4,27 @@
 (the mean over samples for ``reduction="mean"``, the sum for ``"sum"``), accumulated chunk by chunk
 with each chunk weighted by its number of samples, so unequal batches are weighted correctly.
 Parameters are passed functionally (``torch.func.functional_call``); the user's module keeps its
-parameters untouched.
+parameters untouched. With ``distributed=True`` the processes of a ``torch.distributed`` group share the
+samples, and every value, gradient and product is summed over them (:mod:`sharpness.products._distributed`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, vmap
 
 from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
+from sharpness.products._distributed import Communicator, communicator, shared
 from sharpness.products._rop import ChunkState, RopChain, rop_chain
 from sharpness.products._rop_graph import RopGraph, rop_graph
 
@@ -30,6 +34,19 @@ HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # (above the C library's largest threshold for reusing freed memory, 32 MiB), and their page faults cost a
 # ResNet-20 product on 1000 samples as much as a third of a gradient.
 _ROP_PIECE_BYTES = 16 * 2**20
+
+
+CPU_MEMORY_BUDGET = 2 * 2**30
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """Bytes an objective may hold by default: 2 GiB on the CPU; on a CUDA device half of its memory free now
+    (what the allocator already caches for this process counts as free)."""
+    if device.type != "cuda":
+        return CPU_MEMORY_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return (free + cached) // 2
 
 
 @contextlib.contextmanager
@@ -89,14 +106,27 @@ class Objective:
         device: device to evaluate on (``None``: the parameters' device).
         reduction: override the loss's reduction (``"mean"`` or ``"sum"``).
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
-            whether the Hessian-vector products may keep a whole-data-set graph alive.
+            whether the Hessian-vector products may keep a whole-data-set graph alive (``None``:
+            :func:`default_memory_budget` of the device).
         params: evaluate at these parameter values instead of the module's (same names).
         structure: :func:`manifolds.analyze` of ``model``, when already known (see :attr:`structure`).
+        distributed: ``True``: share the samples among the processes of the default ``torch.distributed``
+            group (a ``ProcessGroup``: of that group). Every process must build its objective with the same
+            model, parameters and whole data set (a DataLoader without shuffling), and then make the same
+            calls; each evaluates its contiguous share of the samples (shares differ by at most one sample,
+            nothing is repeated) and the sums are reduced once per value, gradient or product, so every
+            process gets the whole-data-set result. ``memory_budget`` is per process. Validation errors are
+            raised on every process. ``False`` (default): this process alone, on all the data.
 
     Attributes:
         params: ``{name: tensor}`` of the trainable parameters (detached copies in ``dtype``).
         layout: :class:`manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
-        n_samples: number of samples in the data set.
+        n_samples: number of samples in the data set (every process's share together).
+        comm: the :class:`~sharpness.products._distributed.Communicator` the sums go through.
+
+    Raises:
+        DataError: unusable data; with several processes also fewer samples than processes, or data that
+            differ between processes.
     """
 
     def __init__(
@@ -109,9 +139,10 @@ class Objective:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         reduction: str | None = None,
-        memory_budget: int = 2 * 2**30,
+        memory_budget: int | None = None,
         params: Mapping[str, Tensor] | None = None,
         structure: NetworkStructure | None = None,
+        distributed: bool | dist.ProcessGroup | Communicator = False,
     ):
         if model.training:
             warnings.warn(
@@ -129,21 +160,24 @@ class Objective:
         ref = next(iter(source.values()))
         self.device = torch.device(device) if device is not None else ref.device
         self.dtype = dtype if dtype is not None else ref.dtype
+        self.comm = communicator(distributed)
         self.params = {k: p.detach().to(self.device, self.dtype) for k, p in source.items()}
         self.buffers = {
             k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
         }
+        if self.comm.world_size > 1:  # process 0's parameters and buffers everywhere, as DistributedDataParallel does
+            self.params = {k: self.comm.broadcast_(t.clone()) for k, t in self.params.items()}
+            self.buffers = {k: self.comm.broadcast_(t.clone()) for k, t in self.buffers.items()}
         self.layout = ParamLayout.from_tensors(self.params)
         self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_piece: int | None = None  # samples per piece of a chunk's state (None: whole chunks)
         self._rop_states: list | None = None  # the chunks' cached forward state (strategy "rop")
-        self.memory_budget = int(memory_budget)
+        self.memory_budget = default_memory_budget(self.device) if memory_budget is None else int(memory_budget)
         self._bytes_per_sample: float | None = None
-        self.data = ChunkedData(data, chunk_size)
-        if chunk_size is None:
-            self.data = ChunkedData(self.data, self._auto_chunk_size())
-        self._check_targets()
-        self.n_samples = self.data.n_samples
+        self.data = self._share_data(data, chunk_size)
+        self.n_samples = self.data.total_samples
+        # What one process holds at most (the memory decisions, the same on every process).
+        self._share_size = -(-self.n_samples // self.comm.world_size)
         self._weight = 1.0 / self.n_samples if self.reduction == "mean" else 1.0
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
@@ -160,6 +194,42 @@ class Objective:
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
+    def _share_data(self, data: object, chunk_size: int | None) -> ChunkedData:
+        """The data chunked, and cut to this process's share where several processes share them. Checked on
+        every process together: one that fails fails them all, with its message."""
+        comm, shard = self.comm, (self.comm.rank, self.comm.world_size)
+        error, chunked = None, None
+        try:
+            chunked = ChunkedData(data, chunk_size)
+            checked = isinstance(data, ChunkedData) and data.shard == shard  # a with_params copy: compared before
+            fingerprint = "" if comm.world_size == 1 or checked else " ".join(map(repr, chunked.fingerprint()))
+        except Exception as exc:  # noqa: BLE001 - every process must learn of it, whatever it is
+            error = exc
+        comm.check_together(error)
+        prints = [tuple(float(t) for t in p.split()) for p in comm.gather_text(fingerprint)]
+        # Sums of the same numbers may round differently with other thread counts: compared to 1e-9.
+        differs = [r for r, p in enumerate(prints) if len(p) != len(prints[0])
+                   or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300) for a, b in zip(p, prints[0]))]
+        if differs:
+            (n0, x0, _), (n1, x1, _) = prints[0], prints[differs[0]]
+            raise shared(DataError(
+                f"process {differs[0]} was given other data than process 0 ({n1:.0f} samples with inputs summing to "
+                f"{x1:.6g}, against {n0:.0f} summing to {x0:.6g}); give every process the whole data set in the same "
+                "order: each evaluates its own share"
+            ))
+        try:
+            chunked = ChunkedData(chunked, chunk_size, shard=shard)
+            if chunk_size is None:
+                self.data = chunked
+                chunked = ChunkedData(chunked, self._auto_chunk_size())
+            self.data = chunked
+            self._check_targets()
+            chunked.n_samples  # noqa: B018 - counts this process's share, and refuses an empty data set
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        comm.check_together(error)
+        return chunked
+
     def _check_targets(self) -> None:
         """Refuse, on the first batch, targets that a torch loss would broadcast against the outputs (regression
         targets of another shape) or that lie outside the classes (class labels)."""
@@ -187,8 +257,10 @@ class Objective:
 
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
-        trainable parameters the Hessian is taken over) and ``n_samples``."""
-        return {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples}
+        trainable parameters the Hessian is taken over), ``n_samples`` and, where several processes share the
+        data, ``processes``."""
+        facts = {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples}
+        return facts if self.comm.world_size == 1 else {**facts, "processes": self.comm.world_size}
 
     @property
     def structure(self) -> NetworkStructure:
@@ -232,6 +304,7 @@ class Objective:
             reduction=self.reduction,
             memory_budget=self.memory_budget,
             params=params,
+            distributed=self.comm,
         )
         twin._structure = self._structure
         return twin
@@ -295,6 +368,7 @@ class Objective:
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 total += w * self._chunk_loss(p, x, y)
+        self.comm.sum_(total)
         if params is None:
             self._value = total.clone()
         return total
@@ -311,6 +385,10 @@ class Objective:
                 classify = classify and not y.is_floating_point() and out.dim() == 2
                 if classify:
                     hits += int((out.argmax(dim=1) == y).sum())
+        # one reduction: the loss, the hits and whether every process's outputs are class scores
+        sums = self.comm.sum_(torch.tensor([loss, hits, 0.0 if classify else 1.0], dtype=torch.float64,
+                                           device=self.device))  # fmt: skip
+        loss, hits, classify = float(sums[0]), int(sums[1]), float(sums[2]) == 0.0
         return {"loss": loss, "accuracy": hits / self.n_samples} if classify else {"loss": loss}
 
     def gradient(self, params: Mapping[str, Tensor] | Tensor | None = None) -> Tensor:
@@ -322,6 +400,7 @@ class Objective:
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 _add_into(views, g_fn(p, x, y, w).values())
+        self.comm.sum_(total)
         if params is None:
             self.gradient_seconds = time.perf_counter() - start
         return total
@@ -337,13 +416,16 @@ class Objective:
                 g, v = fn(p, x, y, w)
                 _add_into(views, g.values())
                 value += v.detach()
-        return value, total
+        if self.comm.world_size == 1:
+            return value, total
+        both = self.comm.sum_(torch.cat([value.reshape(1), total]))  # one reduction for both
+        return both[0], both[1:]
 
     # ----------------------------------------------------------------------------------------------
     # Hessian-vector products
     def _graph_fits(self) -> bool:
         # The cached double-backward graph holds every chunk's activations at once.
-        return 4 * self.activation_bytes_per_sample() * self.n_samples <= self.memory_budget
+        return 4 * self.activation_bytes_per_sample() * self._share_size <= self.memory_budget
 
     def _rop_applies(self) -> bool:
         """Whether the R-operator products apply: a chain or graph of supported operations that runs on these
@@ -362,7 +444,7 @@ class Objective:
     def _rop_fits(self) -> bool:
         if self._rop_bytes_per_sample is None and not self._rop_applies():
             return False
-        return self._rop_bytes_per_sample * self.n_samples <= self.memory_budget
+        return self._rop_bytes_per_sample * self._share_size <= self.memory_budget
 
     def _choose_autograd_strategy(self) -> str:
         if self._graph_fits():
@@ -380,7 +462,8 @@ class Objective:
                 start = time.perf_counter()
                 fn(v, x, y, 1.0)
                 timings[name] = min(timings[name], time.perf_counter() - start)
-        return min(timings, key=timings.get)
+        # Timings differ between processes; one choice for all keeps their calls in step.
+        return self.comm.choose(min(timings, key=timings.get), tuple(kinds))
 
     def hvp_strategy(self, strategy: str = "auto", autograd: bool = False) -> str:
         """Resolve ``strategy`` (``"auto"`` picks once, by model, memory and measurement, and remembers).
@@ -438,7 +521,7 @@ class Objective:
                     value = value + loss.detach()
             self._graph = (leaves, total)
             if self._value is None:
-                self._value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
+                self._value = self.comm.sum_(torch.as_tensor(value, dtype=self.dtype, device=self.device))
             self.gradient_seconds = time.perf_counter() - start
         return self._graph
 
@@ -458,7 +541,8 @@ class Objective:
     def rop_states(self) -> tuple[RopChain | RopGraph, list[ChunkState]] | None:
         """The R-operator chain or graph and every chunk's forward state (:mod:`sharpness.products._rop`,
         :mod:`sharpness.products._rop_graph`), computed once and kept; ``None`` where those products do not apply
-        or the states do not fit in ``memory_budget``."""
+        or the states do not fit in ``memory_budget``. Where several processes share the data: the chunks of
+        this process's share."""
         if self._rop_states is None:
             if self._rop is None or not self._rop_fits():
                 return None
@@ -483,7 +567,7 @@ class Objective:
         if products is None:
             self.gradient_seconds = seconds  # the forward and backward passes the kept products share
         if self._value is None:
-            self._value = torch.as_tensor(value, dtype=self.dtype, device=self.device)
+            self._value = self.comm.sum_(torch.as_tensor(value, dtype=self.dtype, device=self.device))
         return states
 
     def _rop_pieces(self) -> Iterator[tuple[Tensor, Tensor, float]]:
@@ -537,33 +621,35 @@ class Objective:
         strategy = self.hvp_strategy(strategy)
         if out is not None:
             _check_out(out, v)
+            if self.comm.world_size > 1:  # the sum over the processes must not take in out's contents
+                return out.add_(self.hvp(v, strategy))
         if strategy == "graph":
             products = self._hvp_graph(list(self.layout.unflatten(v).values()), batched=False)
-            flat = self.layout.flatten(dict(zip(self.params, products)))
+            flat = self.comm.sum_(self.layout.flatten(dict(zip(self.params, products))))
             return flat if out is None else out.add_(flat)
+        total, views = self._accumulator(v, out)
         if strategy == "rop":
-            total, views = self._accumulator(v, out)
             self._hvp_rop([self.layout.unflatten(v)], [dict(zip(self.params, views))])
-            return total
+            return self.comm.sum_(total)
         fn = self._hvp_jvp if strategy == "jvp" else self._hvp_double_backward
         tangent = self.layout.unflatten(v)
-        total, views = self._accumulator(v, out)
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 _add_into(views, fn(tangent, x, y, w).values())
-        return total
+        return self.comm.sum_(total)
 
     def hvp_batch(self, vs: Tensor, strategy: str = "auto") -> Tensor:
         """Several Hessian-vector products at once: ``(k, n)`` in, ``(k, n)`` out (vmap)."""
         strategy = self.hvp_strategy(strategy)
         tangents = self.layout.unflatten(vs)
         if strategy == "graph":
-            return self.layout.flatten(dict(zip(self.params, self._hvp_graph(list(tangents.values()), batched=True))))
+            products = self._hvp_graph(list(tangents.values()), batched=True)
+            return self.comm.sum_(self.layout.flatten(dict(zip(self.params, products))))
         total, views = self._accumulator(vs)
         if strategy == "rop":  # one pass over the data, every tangent per chunk
             rows = [{k: t[i] for k, t in tangents.items()} for i in range(vs.shape[0])]
             self._hvp_rop(rows, [{k: t[i] for k, t in zip(self.params, views)} for i in range(vs.shape[0])])
-            return total
+            return self.comm.sum_(total)
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 if strategy == "jvp":
@@ -571,7 +657,7 @@ class Objective:
                 else:
                     out = self._hvp_double_backward_batched(tangents, x, y, w)
                 _add_into(views, out.values())
-        return total
+        return self.comm.sum_(total)
 
     def _hvp_double_backward_batched(
         self, tangents: dict[str, Tensor], x: Tensor, y: Tensor, w: float

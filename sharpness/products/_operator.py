@@ -16,6 +16,8 @@ import scipy.sparse.linalg as spla
 import torch
 from torch import Tensor
 
+from sharpness.products._distributed import SINGLE_PROCESS, Communicator
+
 
 class SymmetricOperator(ABC):
     """Base class. Subclasses implement :meth:`_matvec` (and optionally :meth:`_matmat`).
@@ -24,13 +26,18 @@ class SymmetricOperator(ABC):
         size: dimension ``n``.
         dtype, device: of the vectors it accepts and returns.
         n_matvec: number of vectors the operator has been applied to so far.
+        comm: the processes that apply it together (products of a data set shared among processes): solvers
+            draw their random vectors and take their stopping decisions through it, so every process does
+            the same.
     """
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 comm: Communicator = SINGLE_PROCESS):  # fmt: skip
         self.size = int(size)
         self.dtype = dtype
         self.device = torch.device(device)
         self.n_matvec = 0
+        self.comm = comm
 
     @abstractmethod
     def _matvec(self, v: Tensor) -> Tensor:
@@ -109,8 +116,9 @@ class CallableOperator(SymmetricOperator):
         device: torch.device | str = "cpu",
         matmat: Callable[[Tensor], Tensor] | None = None,
         project: Callable[[Tensor], Tensor] | None = None,
+        comm: Communicator = SINGLE_PROCESS,
     ):
-        super().__init__(size, dtype, device)
+        super().__init__(size, dtype, device, comm)
         self._mv = matvec
         self._mm = matmat
         self._project = project

@@ -35,4 +35,4 @@ def dense_hessian(objective: Objective) -> Tensor:
             if float((chunk - chunk.T).abs().max()) > tol * max(float(chunk.abs().max()), 1.0):
                 chunk = torch.autograd.functional.hessian(loss, flat)
             total += w * chunk
-    return total
+    return objective.comm.sum_(total)

@@ -227,7 +227,7 @@ def lanczos(
             bar.update(1)
             bar.set_postfix(residual=f"{worst:.1e}", refresh=False)
 
-            if m >= k and worst <= tol:
+            if op.comm.agree(m >= k and worst <= tol):
                 converged = True
                 break
             if m == max_iter:

@@ -103,7 +103,7 @@ def _first_pass(
                         "residual": relative})  # fmt: skip
         bar.update(1)
         bar.set_postfix(residual=f"{relative:.1e}", refresh=False)
-        if invariant or relative <= tol or len(alphas) == max_iter:
+        if op.comm.agree(invariant or relative <= tol or len(alphas) == max_iter):
             return alphas, betas, float(theta[0]), s[:, 0], invariant or relative <= tol, anorm
         betas.append(beta)
         previous, q = q, w.mul_(1.0 / beta)
@@ -214,7 +214,7 @@ def low_memory_lanczos(
                 # Once a large eigenvalue of the other sign has converged the vectors are no longer
                 # orthogonal and the replayed sum can miss the Ritz vector: a restart from it repairs that.
                 accepted = residual <= max(tol, 10 * eps * norm_floor / max(abs(theta), eps * norm_floor))
-                if accepted or not ok or attempt == _MAX_RESTARTS:
+                if op.comm.agree(accepted or not ok or attempt == _MAX_RESTARTS):
                     break
                 start = y
             found.append(y)

@@ -31,6 +31,7 @@ from sharpness.solvers._vectors import (
 
 def _run(
     apply: Callable[[Tensor, float], Tensor],
+    agree: Callable[[bool], bool],
     x: Tensor,
     shift: float,
     tol: float,
@@ -44,6 +45,8 @@ def _run(
     """Power iteration on ``apply(., shift)`` (the deflated ``A - shift I``) from the unit vector ``x``.
 
     Args:
+        agree: the operator's :meth:`~sharpness.products._distributed.Communicator.agree` (every process that
+            applies the operator stops where process 0 does).
         eps: rounding unit of the operator's dtype.
 
     Returns:
@@ -69,7 +72,7 @@ def _run(
         )
         bar.update(1)
         bar.set_postfix(change=f"{change:.1e}", refresh=False)
-        if y_norm <= _breakdown_threshold(x.dtype, 1) * abs(shift):
+        if agree(y_norm <= _breakdown_threshold(x.dtype, 1) * abs(shift)):
             # x is in the kernel of the iterated operator (to rounding), which a random start only
             # meets when it vanishes on the whole complement: x is an eigenvector with eigenvalue shift.
             return x, True
@@ -84,7 +87,7 @@ def _run(
             done = step < vector_tol
         x = x_next
         theta_prev = theta
-        if done:
+        if agree(done):
             return x, True
     return x, False
 
@@ -168,13 +171,13 @@ def power_iteration(
             x = _start_vector(op, found, start, generator)
             ok = True
             if shift == 0.0:
-                x, ok = _run(apply, x, 0.0, tol, vector_tol, max_iter, eps, history, found_values, bar)
+                x, ok = _run(apply, op.comm.agree, x, 0.0, tol, vector_tol, max_iter, eps, history, found_values, bar)
                 if history[-1]["eigenvalues"][-1] < 0.0:
                     shift = history[-1]["eigenvalues"][-1]
                     x = _start_vector(op, found, start, generator)
             if shift != 0.0:
                 x, ok_shifted = _run(
-                    apply, x, shift, tol, vector_tol, max_iter, eps, history, found_values, bar
+                    apply, op.comm.agree, x, shift, tol, vector_tol, max_iter, eps, history, found_values, bar
                 )
                 ok = ok and ok_shifted
             converged = converged and ok

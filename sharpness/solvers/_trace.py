@@ -53,7 +53,7 @@ def hutchinson_trace(
         for first in range(0, n_probes, batch_size):
             b = min(batch_size, n_probes - first)
             signs = torch.randint(0, 2, (b, op.size), generator=generator, device=device, dtype=op.dtype)
-            probes = _project_rows(op, (2 * signs - 1).to(op.device))
+            probes = _project_rows(op, op.comm.broadcast_((2 * signs - 1).to(op.device)))  # process 0's draw
             products = _project_rows(op, op.matmat(probes))
             chunks.append((probes.double() * products.double()).sum(dim=1).cpu())
             bar.update(b)

@@ -34,9 +34,10 @@ def _as_vector(v0: Tensor, op: SymmetricOperator) -> Tensor:
 
 
 def _random(shape: tuple[int, ...], op: SymmetricOperator, generator: torch.Generator | None) -> Tensor:
-    """Standard normal ``shape`` in the operator's dtype and device, drawn on the generator's device."""
+    """Standard normal ``shape`` in the operator's dtype and device, drawn on the generator's device (process 0's
+    draw, where several processes apply the operator together)."""
     device = op.device if generator is None else generator.device
-    return torch.randn(shape, generator=generator, dtype=op.dtype, device=device).to(op.device)
+    return op.comm.broadcast_(torch.randn(shape, generator=generator, dtype=op.dtype, device=device).to(op.device))
 
 
 def _breakdown_threshold(dtype: torch.dtype, block_size: int) -> float:
