@@ -39,23 +39,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from resnet import workload  # noqa: E402 - the ResNet-20 workload of bench/resnet.py
+
 from sharpness import Objective, Solver, euclidean_sharpness  # noqa: E402
-from sharpness.cli import resnet  # noqa: E402
-
-
-def workload(samples: int, seed: int = 0):
-    torch.manual_seed(seed)
-    model = resnet(20)
-    with torch.no_grad():  # off initialisation, with BatchNorm statistics of the data
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(samples, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (samples,), generator=g)
-    model.train()
-    with torch.no_grad():
-        model(X[:256])
-    return model.eval(), X, y
 
 
 def _free_port() -> int:

@@ -264,7 +264,7 @@ def _fixed(args: argparse.Namespace) -> int:
             "reading (b): the same network rescaled so every fixed weight is ±b, only the gauge differs")  # fmt: skip
     title = f"Loss in the free weights, {what}"
     source = _provenance(args, loss_fn)
-    plane = surfaces[0].title.split("\n")[-1].replace("loss on the free-weight plane of ", "")
+    plane = surfaces[0].metadata["plane"]
     after = ("the fixed weights set to each value as in Jestädt (2025), thesis Fig. 4.9" if args.reading == "a" else
              "the function-preserving reparametrization to fixed weights ±b of Jestädt (2025), thesis section 6.3.1")
     caption = (f"{source}; plane of {plane} in the free weights ({args.selection} selection of the fixed weights); "

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from landscape._demo_surfaces import SURFACE_METRICS, SurfacePanel
+from landscape._surface import decades_apart
+from sharpness.io import figure_bytes, write_atomic
 
 COLUMN_TITLES = {
     "euclidean": "Euclidean Hessian plane\n(unit Euclidean norm)",
@@ -29,16 +30,11 @@ DATA = "scikit-learn digits (1797 images), MLP 64-128-128-10, cross-entropy"
 
 
 def _save(fig, path: str, title: str, description: str) -> None:
-    """Save ``fig`` to ``path`` through a temporary file (title and provenance in its metadata), then close it."""
-    plt = _pyplot()
-    tmp = path + ".tmp.png"
+    """Save ``fig`` to ``path`` as a PNG, atomically (title and provenance in its metadata), then close it."""
     try:
-        fig.savefig(tmp, dpi=150, metadata={"Title": title, "Description": description, "Software": "landscape demo"})
-        os.replace(tmp, path)
+        write_atomic(path, figure_bytes(fig, "png", 150, title, description, software="landscape demo"))
     finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _pyplot().close(fig)
 
 
 def format_value(v: float) -> str:
@@ -64,7 +60,7 @@ def sharpness_figure(path: str, results: dict, report_verify: dict) -> None:
     for ax, m in zip(grid.flat, metrics):
         values = [results[key]["measures"][m]["value"] for key, _, _ in keys]
         lo, hi = min(values), max(values)
-        log = lo > 0 and hi > 100 * lo  # two values decades apart: a log axis (dots, no bars from a floor)
+        log = decades_apart(lo, hi)  # a log axis (dots, no bars from a floor)
         for x, v, (_, _, color) in zip((0, 1), values, keys):
             if log:
                 ax.plot([x], [v], "o", color=color, ms=8)
@@ -143,7 +139,7 @@ def surfaces_figure(
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import FormatStrFormatter
 
-    from landscape._plot_mpl import add_caption, label_contours
+    from landscape._plot_mpl import add_caption, label_contours, mark_grid_points
 
     rows = list(panels)
     fig = plt.figure(figsize=(3.9 * len(SURFACE_METRICS) + 0.4, 3.9 * len(rows) + 1.9), layout="constrained")
@@ -167,21 +163,12 @@ def surfaces_figure(
             if len(lines):
                 cs = ax.contour(x, x, panel.loss.T, levels=lines, colors="white", linewidths=0.7)
                 label_contours(ax, cs, (x[0], x[-1]), (x[0], x[-1]), fmt="%g", fontsize=7)
-            ax.plot(0, 0, marker="+", color="red", markersize=10, mew=1.6)
-            # the grid's smallest loss, where it is not the centre (the trained network)
-            centre = float(panel.loss[len(x) // 2, len(x) // 2])
-            k = np.unravel_index(int(np.argmin(panel.loss)), panel.loss.shape)
-            low = float(panel.loss[k])
-            if low < centre:
-                ax.plot(x[k[0]], x[k[1]], marker="x", color="orange", markersize=8, mew=1.8)
-                where = f"+ centre {centre:.4g};  × grid minimum {low:.4g}"
-            else:
-                where = f"+ centre {centre:.4g} (the grid's minimum)"
+            where = mark_grid_points(ax, x, x, panel.loss.T)  # the trained network and the grid's lowest point
             ax.set_aspect("equal")
             l1, l2 = panel.eigenvalues
             ax.set_title(
                 f"{row_labels[row]}\n{LAMBDA_NAMES[metric]} $\\lambda_1$ = {l1:.4g}, $\\lambda_2$ = {l2:.4g}\n"
-                f"loss: {where}",
+                f"{where}",
                 fontsize=8.5,
             )
             ax.set_xlabel("$a$ (along $v_1$)", fontsize=8)

@@ -107,7 +107,8 @@ def fixed_weight_planes(
 
     Returns:
         One :class:`Surface` per value, with the title naming the reading and ``b``, ``extras["fixed"]``
-        holding ``b`` and metadata ``reading``, ``fixed_value``, ``selection``, ``n_fixed``, ``n_free``.
+        holding ``b`` and metadata ``reading``, ``plane`` (what the two directions are), ``fixed_value``,
+        ``selection``, ``n_fixed``, ``n_free``.
     """
     spec, grid = directions or DirectionSpec(), grid or Grid(steps=31)
     grid.require_memory(2)
@@ -125,14 +126,16 @@ def fixed_weight_planes(
         d = free_plane_directions(center, space, spec.seed, spec.normalization, spec.bias)
         s = loss_plane(None, None, None, d, grid=grid, objective=base.with_params(center), progress=progress)
         selection_name = selection if isinstance(selection, str) else "mask"
+        plane = _describe(d)
         surfaces.append(
             s.replace(
-                title=f"{reading_text(reading, b)}\nloss on the free-weight plane of {_describe(d)}",
+                title=f"{reading_text(reading, b)}\nloss on the free-weight plane of {plane}",
                 extras={**s.extras, "fixed": np.asarray(b)},
                 metadata={
                     **s.metadata,
                     "reading": reading,
                     "reading_text": reading_text(reading, b),
+                    "plane": plane,
                     "fixed_value": b,
                     "selection": selection_name,
                     "n_fixed": space.n_fixed,

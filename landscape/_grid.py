@@ -126,9 +126,7 @@ def split_first_linear(objective: Objective) -> FirstLayerSplit | None:
     if traced is None or traced.graph is None:
         return None
     split = split_first_layer(traced.graph, objective.model, _LINEAR_MODULES, fold_relu=True)
-    if split is None or any(f"{split.name}.{p}" not in objective.params for p, _ in split.layer.named_parameters()):
-        return None
-    return split
+    return split if split is not None and split.layer_among(objective.params) else None
 
 
 def choose_strategy(objective: Objective, strategy: str = "auto") -> str:

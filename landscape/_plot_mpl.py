@@ -8,7 +8,6 @@ of panels (rows = kinds of drawing, columns = surfaces) with one shared color sc
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import textwrap
@@ -23,7 +22,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
 
 from landscape._surface import Surface, resolve_log
-from sharpness.io import write_atomic
+from sharpness.io import figure_bytes, write_atomic
 
 FORMATS = ("png", "pdf", "svg")
 KINDS = ("contour", "heatmap", "surface")
@@ -136,18 +135,23 @@ def label_contours(ax: Axes, lines, xlim: tuple[float, float], ylim: tuple[float
 def mark_center_and_minimum(ax: Axes, s: Surface) -> str:
     """Mark the centre (the model, ``+``) and, where it differs, the grid's smallest loss (``x``); returns
     the phrase saying both losses, for a title or caption."""
-    if not (np.any(s.x == 0) and np.any(s.y == 0)):
+    return mark_grid_points(ax, s.x, s.y, s.loss)
+
+
+def mark_grid_points(ax: Axes, x: np.ndarray, y: np.ndarray, loss: np.ndarray) -> str:
+    """:func:`mark_center_and_minimum` for a grid given as arrays: ``loss[i, j]`` at ``(x[j], y[i])``, the centre
+    at ``(0, 0)`` (nothing is marked where the grid does not contain it)."""
+    if not (np.any(x == 0) and np.any(y == 0)):
         return ""
-    i, j = s.center_index()
-    center = float(s.loss[i, j])
+    center = float(loss[int(np.flatnonzero(y == 0)[0]), int(np.flatnonzero(x == 0)[0])])
     ax.plot([0], [0], marker="+", color="w", markersize=9, markeredgewidth=1.6, zorder=5)
     ax.plot([0], [0], marker="+", color="k", markersize=7, markeredgewidth=0.8, zorder=6)
-    k = np.unravel_index(int(np.nanargmin(s.loss)), s.loss.shape)
-    low = float(s.loss[k])
+    k = np.unravel_index(int(np.nanargmin(loss)), loss.shape)
+    low = float(loss[k])
     if not low < center:  # the centre itself, or as low as it
         return f"+ centre: loss {center:.4g} (the grid's minimum)"
-    ax.plot([s.x[k[1]]], [s.y[k[0]]], marker="x", color="w", markersize=8, markeredgewidth=2.0, zorder=5)
-    ax.plot([s.x[k[1]]], [s.y[k[0]]], marker="x", color="r", markersize=7, markeredgewidth=1.0, zorder=6)
+    ax.plot([x[k[1]]], [y[k[0]]], marker="x", color="w", markersize=8, markeredgewidth=2.0, zorder=5)
+    ax.plot([x[k[1]]], [y[k[0]]], marker="x", color="r", markersize=7, markeredgewidth=1.0, zorder=6)
     return f"+ centre: loss {center:.4g};  × grid minimum: {low:.4g}"
 
 
@@ -368,17 +372,6 @@ def line_figure(
     return fig
 
 
-def file_metadata(fmt: str, title: str, description: str = "") -> dict[str, str]:
-    """``savefig(metadata=...)`` for ``fmt``: the title and a description (provenance: model, data, measure,
-    the paper's figure) under the keys each format knows (PDF: Subject, PNG/SVG: Description)."""
-    meta = {"Title": title}
-    if description:
-        meta["Subject" if fmt == "pdf" else "Description"] = description
-    if fmt == "png":
-        meta["Software"] = "landscape (matplotlib)"
-    return meta
-
-
 def save_figure(
     fig: Figure,
     stem: str | os.PathLike,
@@ -404,9 +397,7 @@ def save_figure(
     with mpl.rc_context(STYLE):
         about = "; ".join(" ".join(line.split()) for line in description.splitlines() if line.strip())
         for fmt in formats:
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format=fmt, dpi=dpi, metadata=file_metadata(fmt, title, about))
             path = stem.with_name(f"{stem.name}.{fmt}")
-            write_atomic(path, buffer.getvalue())
+            write_atomic(path, figure_bytes(fig, fmt, dpi, title, about, software="landscape (matplotlib)"))
             paths.append(path)
     return paths

@@ -125,7 +125,12 @@ def spans_decades(surfaces: Sequence[Surface], decades: float = 2.0) -> bool:
     """Whether the finite losses are all positive and span more than ``decades`` decades: then a linear
     scale would draw the low ones (the minimum and its neighbourhood) as one flat blob."""
     finite = np.concatenate([s.loss[np.isfinite(s.loss)].ravel() for s in surfaces])
-    return finite.size > 0 and float(finite.min()) > 0 and float(finite.max()) > 10**decades * float(finite.min())
+    return finite.size > 0 and decades_apart(float(finite.min()), float(finite.max()), decades)
+
+
+def decades_apart(low: float, high: float, decades: float = 2.0) -> bool:
+    """Whether positive values from ``low`` to ``high`` span more than ``decades`` decades (a case for a log scale)."""
+    return low > 0 and high > 10**decades * low
 
 
 def resolve_log(log: bool | str, surfaces: Sequence[Surface]) -> bool:

@@ -73,7 +73,8 @@ def _terms(params: Mapping[str, Tensor], actions: Sequence[Action], dim: int, p:
     for a in actions:
         if a.role != "weight":
             continue
-        w = params[a.name].detach().to(torch.float64)
+        # On the CPU: the per-scale sums are small, and an accelerator would wait for each of them every update.
+        w = params[a.name].detach().to("cpu", torch.float64)
         if not bool(torch.isfinite(w).all()):
             raise ValueError(f"{a.name} has non-finite entries; the minimum-norm gauge needs finite weights")
         plus = a.plus if a.plus is not None else torch.full((1,) * w.dim(), dim)

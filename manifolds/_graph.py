@@ -127,7 +127,8 @@ def _guesses(model: nn.Module, graph: fx.Graph) -> list[tuple[int, ...]]:
     return []
 
 
-def _input_like(model: nn.Module, example: Tensor) -> Tensor:
+def input_like(model: nn.Module, example: Tensor) -> Tensor:
+    """Two samples of ``example`` on the model's device, floating inputs in its dtype (for shape passes)."""
     x = example[:2]
     floating = next((p for p in model.parameters() if p.is_floating_point()), None)
     if floating is not None:
@@ -162,7 +163,7 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     if isinstance(model, _LEAF_TYPES):  # a bare layer is traced as its own single call
         graph = fx.Graph()
         graph.output(graph.call_module("", (graph.placeholder("x"),)))
-    candidates = [_input_like(model, example_input)] if example_input is not None else []
+    candidates = [input_like(model, example_input)] if example_input is not None else []
     if example_input is None:
         param = next(model.parameters(), None)
         dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
@@ -270,6 +271,11 @@ class FirstLayerSplit:
     relu_first: bool
     rest: nn.Module
     chain: tuple[tuple[str, nn.Module], ...] | None
+
+    def layer_among(self, names) -> bool:
+        """Whether every parameter of the layer is among ``names`` (the parameters that are differentiated or
+        moved): the paths that treat the first layer apart need all of them."""
+        return all(f"{self.name}.{p}" in names for p, _ in self.layer.named_parameters())
 
 
 def split_first_layer(

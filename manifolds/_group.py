@@ -208,4 +208,5 @@ class RescalingGroup:
         self, scale: float = 1.0, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64
     ) -> Tensor:
         """``(dim,)`` i.i.d. ``N(0, scale^2)`` log-scales (a random group element)."""
-        return scale * torch.randn(self.dim, generator=generator, dtype=dtype)
+        device = None if generator is None else generator.device  # a generator draws on its own device
+        return scale * torch.randn(self.dim, generator=generator, dtype=dtype, device=device).cpu()

@@ -58,6 +58,16 @@ class NodeSymmetry:
         self.size = layout.size
         self._blocks = tuple(_Block(layout.slice(a.name), a.shape, a.plus, a.minus) for a in actions)
         self._factor: dict[torch.device, object] = {}
+        self._on_device: dict[torch.device, list[tuple[Tensor | None, Tensor | None]]] = {}
+
+    def _indices(self, device: torch.device) -> list[tuple[Tensor | None, Tensor | None]]:
+        """Every block's ``(plus, minus)`` class indices on ``device``, copied once (a copy per product would wait
+        for the device each time)."""
+        if device not in self._on_device:
+            self._on_device[device] = [
+                tuple(None if index is None else index.to(device) for index in (b.plus, b.minus)) for b in self._blocks
+            ]
+        return self._on_device[device]
 
     def apply(self, c: Tensor) -> Tensor:
         """``J c``: the derivative of ``log|w|`` along the rescaling ``exp(t c)`` at ``t = 0``.
@@ -73,12 +83,12 @@ class NodeSymmetry:
         batch = c.shape[:-1]
         ext = torch.cat([c, c.new_zeros(*batch, 1)], dim=-1)
         out = c.new_zeros(*batch, self.size)
-        for b in self._blocks:
+        for b, (plus, minus) in zip(self._blocks, self._indices(c.device)):
             value = ext.new_zeros(*batch, *[1] * len(b.shape))
-            if b.plus is not None:
-                value = value + ext[..., b.plus.to(c.device)]
-            if b.minus is not None:
-                value = value - ext[..., b.minus.to(c.device)]
+            if plus is not None:
+                value = value + ext[..., plus]
+            if minus is not None:
+                value = value - ext[..., minus]
             out[..., b.where] = value.expand(*batch, *b.shape).reshape(*batch, b.where.stop - b.where.start)
         return out
 
@@ -96,11 +106,11 @@ class NodeSymmetry:
         batch = v.shape[:-1]
         flat = v.reshape(-1, self.size)
         out = flat.new_zeros(flat.shape[0], self.dim + 1)
-        for b in self._blocks:
+        for b, (plus, minus) in zip(self._blocks, self._indices(v.device)):
             block = flat[:, b.where].reshape(flat.shape[0], *b.shape)
-            for index, sign in ((b.plus, 1.0), (b.minus, -1.0)):
+            for index, sign in ((plus, 1.0), (minus, -1.0)):
                 if index is not None:
-                    idx = index.to(v.device).expand(*index.shape)
+                    idx = index.expand(*index.shape)
                     reduced = _reduce_to(block, idx, 1)
                     out.index_add_(1, idx.reshape(-1), reduced if sign > 0 else -reduced)
         return out[:, : self.dim].reshape(*batch, self.dim)

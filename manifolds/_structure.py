@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, fx, nn
 
-from manifolds._graph import TracedNetwork, is_metadata, target_name, trace_network
+from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
 from manifolds._group import RescalingGroup
 from manifolds._group_discovery import discover
 
@@ -404,7 +404,7 @@ def _hook_calls(model: nn.Module, example_input: Tensor) -> list[tuple[str, nn.M
             )
     try:
         with torch.no_grad():
-            twin(example_input)
+            twin(input_like(model, example_input))  # the data may live elsewhere (a CPU batch, a CUDA model)
     finally:
         for handle in handles:
             handle.remove()

@@ -28,7 +28,7 @@ from sharpness._launch import (
     process_device,
     quiet_process,
 )
-from sharpness._results import jsonable, write_atomic, write_text_atomic
+from sharpness._results import figure_bytes, jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
 from sharpness.measures._adaptive import adaptive_sharpness
@@ -434,17 +434,12 @@ def _density(args: argparse.Namespace) -> int:
     )
     figure = None
     if args.plot:  # rendered before anything is written: a failure leaves no file behind
-        import io
-
         title = (f"Hessian eigenvalue density: {args.model} ({os.path.basename(args.checkpoint)}), data {args.data}, "
                  f"loss {args.loss}")  # fmt: skip
         ax = result.plot(sigma=args.sigma, title=textwrap.fill(title, 64))
-        buffer = io.BytesIO()
         fmt = os.path.splitext(args.plot)[1][1:].lower()
         about = "spectral density by stochastic Lanczos quadrature (as in Ghorbani, Krishnan and Xiao 2019)"
-        metadata = {"Title": title, ("Subject" if fmt == "pdf" else "Description"): about}
-        ax.figure.savefig(buffer, format=fmt, dpi=150, metadata=metadata)
-        figure = buffer.getvalue()
+        figure = figure_bytes(ax.figure, fmt, 150, title, about, software="python -m sharpness density")
     if args.json:
         report = {**result.to_dict(), "model": args.model, "checkpoint": args.checkpoint, "data": args.data,
                   "dtype": args.dtype, "versions": _versions()}  # fmt: skip

@@ -16,6 +16,22 @@ from torch import Tensor
 from manifolds import ParamLayout
 
 
+def figure_bytes(fig, fmt: str, dpi: int, title: str, description: str = "", software: str = "relu-geometry") -> bytes:
+    """A matplotlib figure rendered as ``fmt`` (``"png"``, ``"pdf"``, ``"svg"``) at ``dpi``, with ``title`` and
+    ``description`` (provenance: model, data, measure, the paper's figure) under the metadata keys the format
+    knows: PDF ``Title`` and ``Subject``, PNG and SVG ``Title`` and ``Description``, PNG also ``Software``."""
+    import io
+
+    meta = {"Title": title}
+    if description:
+        meta["Subject" if fmt == "pdf" else "Description"] = description
+    if fmt == "png":
+        meta["Software"] = software
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=dpi, metadata=meta)
+    return buffer.getvalue()
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same folder, then rename
     it, so no half-written file is ever left.

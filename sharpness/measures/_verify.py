@@ -65,15 +65,14 @@ def _output_difference(original: Objective, rescaled: Objective) -> float:
 
     Both outputs are computed from the same chunk, so shuffling data loaders compare like with like.
     """
-    change, size = 0.0, 0.0
+    largest = torch.zeros(2, dtype=torch.float64, device=original.device)  # the change and the size, read once
     with eval_mode(original.model):
         for x, _, _ in original.chunks():
             out = functional_call(original.model, (original.params, original.buffers), (x,))
             twin = functional_call(rescaled.model, (rescaled.params, rescaled.buffers), (x,))
-            change = max(change, float((twin - out).abs().max()))
-            size = max(size, float(out.abs().max()))
-    change, size = original.comm.max_(torch.tensor([change, size], dtype=torch.float64, device=original.device))
-    change, size = float(change), float(size)
+            chunk = torch.stack([(twin - out).abs().max(), out.abs().max()]).double()
+            torch.maximum(largest, chunk, out=largest)
+    change, size = original.comm.max_(largest).tolist()
     if size == 0.0:
         return 0.0 if change == 0.0 else math.inf
     return change / size

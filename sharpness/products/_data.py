@@ -177,6 +177,9 @@ def cast_batch(
 
     Every integer dtype converts to int64 exactly. Losses read other integer dtypes differently or not at all:
     ``cross_entropy`` takes uint8 labels, but indexing with a uint8 tensor selects by mask, not by index."""
-    x = x.to(device=device, dtype=dtype if dtype is not None and x.is_floating_point() else None)
-    y = y.to(device=device, dtype=(dtype if dtype is not None else None) if y.is_floating_point() else torch.int64)
+    # From the host to a GPU the copy need not wait for the device (the other way round it must).
+    ahead = device.type == "cuda" and x.device.type == "cpu"
+    x = x.to(device=device, dtype=dtype if dtype is not None and x.is_floating_point() else None, non_blocking=ahead)
+    y = y.to(device=device, dtype=(dtype if dtype is not None else None) if y.is_floating_point() else torch.int64,
+             non_blocking=ahead)  # fmt: skip
     return x, y

@@ -133,7 +133,7 @@ def split_data_convolution(
     conv = split.layer
     if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return None
-    if any(f"{split.name}.{p}" not in names for p, _ in conv.named_parameters()):
+    if not split.layer_among(names):
         return None
     args = _ConvArgs(tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
     return DataConvolution(prefix=split.prefix, name=split.name, args=args, rest=split.rest)

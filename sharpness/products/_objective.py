@@ -198,25 +198,16 @@ class Objective:
         """The data chunked, and cut to this process's share where several processes share them. Checked on
         every process together: one that fails fails them all, with its message."""
         comm, shard = self.comm, (self.comm.rank, self.comm.world_size)
-        error, chunked = None, None
+        error, chunked, fingerprint = None, None, None
         try:
             chunked = ChunkedData(data, chunk_size)
             checked = isinstance(data, ChunkedData) and data.shard == shard  # a with_params copy: compared before
-            fingerprint = "" if comm.world_size == 1 or checked else " ".join(map(repr, chunked.fingerprint()))
+            if comm.world_size > 1 and not checked:
+                fingerprint = chunked.fingerprint()
         except Exception as exc:  # noqa: BLE001 - every process must learn of it, whatever it is
             error = exc
         comm.check_together(error)
-        prints = [tuple(float(t) for t in p.split()) for p in comm.gather_text(fingerprint)]
-        # Sums of the same numbers may round differently with other thread counts: compared to 1e-9.
-        differs = [r for r, p in enumerate(prints) if len(p) != len(prints[0])
-                   or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300) for a, b in zip(p, prints[0]))]
-        if differs:
-            (n0, x0, _), (n1, x1, _) = prints[0], prints[differs[0]]
-            raise shared(DataError(
-                f"process {differs[0]} was given other data than process 0 ({n1:.0f} samples with inputs summing to "
-                f"{x1:.6g}, against {n0:.0f} summing to {x0:.6g}); give every process the whole data set in the same "
-                "order: each evaluates its own share"
-            ))
+        _check_same_data(comm, fingerprint)
         try:
             chunked = ChunkedData(chunked, chunk_size, shard=shard)
             if chunk_size is None:
@@ -353,8 +344,8 @@ class Objective:
         if params is None:
             return self.params
         if isinstance(params, Tensor):
-            return self.layout.unflatten(params)
-        return dict(params)
+            return self.layout.unflatten(params.to(self.device))
+        return {k: t.to(self.device) for k, t in params.items()}
 
     # ----------------------------------------------------------------------------------------------
     # values
@@ -377,18 +368,18 @@ class Objective:
     def evaluate(self, params: Mapping[str, Tensor] | Tensor | None = None) -> dict[str, float]:
         """Loss and, for class-index targets, accuracy (fraction of argmax hits) over the data set."""
         p = self._params(params)
-        loss, hits, classify = 0.0, 0, True
+        # the loss, the hits and whether any chunk's outputs are not class scores, summed on the device (read once)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 out = functional_call(self.model, (p, self.buffers), (x,))
-                loss += w * float(self.loss_fn(out, y))
-                classify = classify and not y.is_floating_point() and out.dim() == 2
-                if classify:
-                    hits += int((out.argmax(dim=1) == y).sum())
-        # one reduction: the loss, the hits and whether every process's outputs are class scores
-        sums = self.comm.sum_(torch.tensor([loss, hits, 0.0 if classify else 1.0], dtype=torch.float64,
-                                           device=self.device))  # fmt: skip
-        loss, hits, classify = float(sums[0]), int(sums[1]), float(sums[2]) == 0.0
+                sums[0] += w * self.loss_fn(out, y).double()
+                if not y.is_floating_point() and out.dim() == 2:
+                    sums[1] += (out.argmax(dim=1) == y).sum()
+                else:
+                    sums[2] = 1.0
+        loss, hits, other = self.comm.sum_(sums).tolist()
+        classify = other == 0.0
         return {"loss": loss, "accuracy": hits / self.n_samples} if classify else {"loss": loss}
 
     def gradient(self, params: Mapping[str, Tensor] | Tensor | None = None) -> Tensor:
@@ -459,9 +450,9 @@ class Objective:
         timings = dict.fromkeys(kinds, float("inf"))
         for _ in range(3):
             for name, fn in kinds.items():
-                start = time.perf_counter()
+                start = _clock(self.device)
                 fn(v, x, y, 1.0)
-                timings[name] = min(timings[name], time.perf_counter() - start)
+                timings[name] = min(timings[name], _clock(self.device) - start)
         # Timings differ between processes; one choice for all keeps their calls in step.
         return self.comm.choose(min(timings, key=timings.get), tuple(kinds))
 
@@ -669,6 +660,30 @@ class Objective:
                 g, list(p.values()), grad_outputs=list(tangents.values()), allow_unused=True, is_grads_batched=True
             )
         return {k: torch.zeros_like(tangents[k]) if h is None else h for k, h in zip(self.params, hv)}
+
+
+def _check_same_data(comm: Communicator, fingerprint: tuple[int, float, float] | None) -> None:
+    """Refuse, on every process alike, data whose :meth:`ChunkedData.fingerprint` differs from process 0's
+    (``None`` everywhere: nothing to compare)."""
+    text = "" if fingerprint is None else " ".join(map(repr, fingerprint))
+    prints = [tuple(float(t) for t in p.split()) for p in comm.gather_text(text)]
+    # Sums of the same numbers may round differently with other thread counts: compared to 1e-9.
+    differs = [rank for rank, p in enumerate(prints) if len(p) != len(prints[0])
+               or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300) for a, b in zip(p, prints[0]))]  # fmt: skip
+    if differs:
+        (n0, x0, _), (n1, x1, _) = prints[0], prints[differs[0]]
+        raise shared(DataError(
+            f"process {differs[0]} was given other data than process 0 ({n1:.0f} samples with inputs summing to "
+            f"{x1:.6g}, against {n0:.0f} summing to {x0:.6g}); give every process the whole data set in the same "
+            "order: each evaluates its own share"
+        ))  # fmt: skip
+
+
+def _clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done (kernels on a GPU run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _byte_range(t: Tensor) -> tuple[int, int]:

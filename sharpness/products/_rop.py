@@ -87,12 +87,18 @@ class _Affine:
             return self.input_adjoint(torch.cat([g, delta], dim=1), h, torch.cat([weight, tangent]))
         return self.input_adjoint(g, h, weight).add_(self.input_adjoint(delta, h, tangent))
 
+    def weight_adjoint(self, h: Tensor, g: Tensor, weight: Tensor) -> Tensor:
+        """``A_W^T(h, g)``, the weight gradient of ``<g, A(h; W)>``, as a fresh tensor."""
+        if not self.dims:
+            return g.T @ h
+        return self._conv_backward(g, h, weight, [False, True, False])[1]
+
     def add_weight_adjoint(self, into: Tensor, h: Tensor, g: Tensor, weight: Tensor) -> None:
-        """``into += A_W^T(h, g)``: the weight gradient of ``<g, A(h; W)>``."""
+        """``into += A_W^T(h, g)`` (for a Linear layer without a temporary)."""
         if not self.dims:
             into.addmm_(g.T, h)
         else:
-            into.add_(self._conv_backward(g, h, weight, [False, True, False])[1])
+            into.add_(self.weight_adjoint(h, g, weight))
 
     def bias_adjoint(self, g: Tensor) -> Tensor:
         return g.sum(0) if g.dim() == 2 else g.sum(dim=[0, *range(2, g.dim())])

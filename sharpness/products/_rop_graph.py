@@ -31,6 +31,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +40,13 @@ from torch import Tensor, fx, nn
 from manifolds._graph import is_metadata, target_name
 from sharpness.products._rop import (
     _CONVS,
-    _DROPOUTS,
-    _POOLS,
     ChunkState,
     _affine,
     _has_hooks,
+    _Identity,
     _MaxPool,
+    _piecewise_linear,
+    _Reshape,
     _Slope,
     loss_state,
 )
@@ -130,7 +132,7 @@ class RopGraph:
             need = [j in self.errors for j in step.inputs]
             if isinstance(step.op, _Layer):
                 kept, error = step.op.errors(g, saved[i], params, need[0])
-                if step.op.needs_error(self.steps[step.inputs[0]].moving):
+                if i in self._kept_errors:
                     deltas[i] = kept
                 errs = [error]
             else:
@@ -141,10 +143,18 @@ class RopGraph:
     def first_linear(self, states: list[ChunkState]) -> tuple[str, list[Tensor]] | None:
         """The weight name of the first ``Linear`` layer of the data (its input depends on no parameter; not merged
         with a BatchNorm) and its inputs per chunk, or ``None`` where there is none."""
-        i = self._first_linear()
+        i = self._first_linear
         return None if i is None else (self.steps[i].op.affine.weight, [s.saved[i] for s in states])
 
+    @cached_property
+    def _kept_errors(self) -> frozenset[int]:
+        """The layers whose first-order errors the products read (read off the graph once)."""
+        return frozenset(i for i in self.errors if isinstance(self.steps[i].op, _Layer)
+                         and self.steps[i].op.needs_error(self.steps[self.steps[i].inputs[0]].moving))  # fmt: skip
+
+    @cached_property
     def _first_linear(self) -> int | None:
+        """The step of :meth:`first_linear`'s layer (found once)."""
         layers = [(i, s.op) for i, s in enumerate(self.steps) if isinstance(s.op, _Layer)]
         for i, op in layers:
             if op.norm is None and op.affine.dims == 0 and not self.steps[self.steps[i].inputs[0]].moving:
@@ -163,7 +173,7 @@ class RopGraph:
         ``into``.
         """
         steps, saved, deltas = self.steps, state.saved, state.deltas
-        first = self._first_linear() if first_layer is not None else None
+        first = self._first_linear if first_layer is not None else None
         dots: list = [None] * len(steps)
         for i in range(1, len(steps)):
             step = steps[i]
@@ -258,20 +268,16 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
         return None if affine is None else _Layer(affine=affine)
     if kind in _BATCH_NORMS:
         return _batch_norm(name, module, params, buffers, len(shape))
-    if kind in (nn.ReLU, nn.LeakyReLU):
-        if module.inplace and not _single_user(node):
-            return None
-        return _Map("slope", _Slope(0.0 if kind is nn.ReLU else float(module.negative_slope)))
-    if kind in _POOLS:
-        if module.return_indices:
-            return None
-        return _Map("maxpool", _MaxPool(_POOLS[kind], module.kernel_size, module.stride, module.padding,
-                                        module.dilation, module.ceil_mode))  # fmt: skip
     if kind in _AVG_POOLS:
         return _Map("linear", module)
-    if kind is nn.Flatten:
+    piece = _piecewise_linear(module)  # what a chain supports, as graph nodes
+    if isinstance(piece, _Slope):  # an in-place activation must not overwrite an input another node still reads
+        return _Map("slope", piece) if not module.inplace or _single_user(node) else None
+    if isinstance(piece, _MaxPool):
+        return _Map("maxpool", piece)
+    if isinstance(piece, _Reshape):
         return _Map("view", call=lambda args: module(args[0]))
-    if kind is nn.Identity or kind in _DROPOUTS:
+    if isinstance(piece, _Identity):
         return _Map("scale")
     return None
 

@@ -77,7 +77,7 @@ class _Layer:
             return g, (g * n.gain(params) if need else None)
         h = saved[0]
         weight = params[a.weight]
-        kept = (g, _weight_adjoint(a, h, g, weight), a.bias_adjoint(g)) if n.weight is not None else (g, None, None)
+        kept = (g, a.weight_adjoint(h, g, weight), a.bias_adjoint(g)) if n.weight is not None else (g, None, None)
         return kept, (a.input_adjoint(g, h, _rows(weight, n.gain(params))) if need else None)
 
     def tangent(self, saved, hdot: Tensor | None, params, v) -> Tensor:
@@ -116,8 +116,8 @@ class _Layer:
         h, xhat = saved
         delta, hz, delta_sum = kept if kept is not None else (None, None, None)
         weight, gain = params[a.weight], n.gain(params).reshape(-1)
-        total = _weight_adjoint(a, h, g_dot, weight)
-        wz = _weight_adjoint(a, hdot, delta, weight) if hdot is not None else None
+        total = a.weight_adjoint(h, g_dot, weight)
+        wz = a.weight_adjoint(hdot, delta, weight) if hdot is not None else None
         if wz is not None:
             total.add_(wz)
         into[a.weight].add_(_rows(total, gain))
@@ -154,13 +154,6 @@ def _rows(weight: Tensor, factors: Tensor) -> Tensor:
 def _channel_dot(a: Tensor, b: Tensor) -> Tensor:
     """``<a_c, b_c>`` per output channel ``c`` of two weight-shaped tensors."""
     return (a * b).reshape(a.shape[0], -1).sum(1)
-
-
-def _weight_adjoint(affine: _Affine, h: Tensor, g: Tensor, weight: Tensor) -> Tensor:
-    """``A_W^T(h, g)`` as a fresh tensor."""
-    if not affine.dims:
-        return g.T @ h
-    return affine._conv_backward(g, h, weight, [False, True, False])[1]
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class SpectralDensity:
         sigma = self.default_sigma() if sigma is None else float(sigma)
         if not sigma > 0:
             raise ValueError(f"sigma must be positive, got {sigma}")
+        grid = grid.cpu() if isinstance(grid, torch.Tensor) else grid
         t = torch.as_tensor(np.asarray(grid), dtype=torch.float64).reshape(-1, 1)
         total = torch.zeros(t.shape[0], dtype=torch.float64)
         for nodes, weights in zip(self.nodes, self.weights):
