@@ -19,6 +19,7 @@ from manifolds import (
     rescale_model,
     rescale_parameters,
 )
+from sharpness import Objective
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -424,6 +425,16 @@ def test_hook_fallback_records_forward_order():
         "(f(c x) = c f(x) for c > 0), so scaling the units feeding it changes the "
         "function",
     )
+
+
+def test_hook_fallback_runs_the_example_where_the_model_is():
+    # A float32 model and a float64 batch stand for a GPU model and a CPU batch (the objective's first chunk).
+    model = DynamicNet().float().eval()
+    X = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert [layer.name for layer in analyze(model, example_input=X).layers] == ["early", "late"]
+    obj = Objective(model, nn.CrossEntropyLoss(), (X, torch.tensor([0, 1, 1, 0, 1])), dtype=torch.float64)
+    v = torch.ones(obj.layout.size, dtype=torch.float64)
+    torch.testing.assert_close(obj.hvp(v, "double_backward"), obj.hvp(v, "jvp"), rtol=1e-10, atol=1e-12)
 
 
 def test_sequential_fallback_flattens_nested_sequentials():
