@@ -141,6 +141,12 @@ def measurements(rank: int | None) -> dict:
     for strategy in HVP_STRATEGIES:
         out[f"hvp_{strategy}"] = obj.hvp(v, strategy)
         out[f"hvp_batch_{strategy}"] = obj.hvp_batch(vs, strategy)
+    # the same data as a DataLoader of batches of 7: shares cut across batches
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(case.X, case.y), batch_size=7)
+    batched = Objective(case.model, case.loss_fn, loader, distributed=distributed)
+    out["loader_gradient"], out["loader_hvp"] = batched.gradient(), batched.hvp(v)
     added = torch.ones_like(v)
     obj.hvp(v, "rop", out=added)
     out["hvp_out"] = added
@@ -239,3 +245,13 @@ def failing_rank(rank: int) -> dict:
 
 def stalled_rank(rank: int) -> dict:
     return _solve_until_a_process_fails(rank, lambda: time.sleep(60))
+
+
+def bad_labels_in_one_share(rank: int | None) -> None:
+    """A label out of range in process 1's share only: its first batch fails the target check there."""
+    from sharpness import Objective
+
+    case = make_case("mlp_bias")
+    y = case.y.clone()
+    y[-1] = 7  # three classes
+    Objective(case.model, case.loss_fn, (case.X, y), chunk_size=20, distributed=_distributed(rank))

@@ -49,6 +49,12 @@ def test_bad_data_is_refused_on_every_process(scenario, message):
         assert value.startswith("DataError: ") and message in value, (rank, value)
 
 
+def test_a_check_failing_in_one_share_fails_every_process():
+    results = run_ranks("bad_labels_in_one_share")
+    assert results[1][0] == "error" and results[1][1].startswith("DataError: class labels range over [0, 7]")
+    assert results[0] == ("error", "ValueError: process 1: " + results[1][1].removeprefix("DataError: "))
+
+
 def test_a_failing_process_is_reported_not_hung():
     results = run_ranks("failing_rank", timeout=60, deadline=60)
     assert results[1] == ("error", "RuntimeError: the loss failed on purpose")
@@ -160,3 +166,35 @@ def test_a_bad_timeout_is_one_sentence(checkpoint, capsys, monkeypatch):
     code = main(["compute", "--model", MODEL, "--checkpoint", "m.pt", "--data", DATA, "--timeout", "0"])
     assert code == 2
     assert capsys.readouterr().err == "error: --timeout must be a positive number of seconds, got 0\n"
+
+
+@pytest.mark.parametrize(
+    "rank, joined, error, code, said",
+    [
+        (1, False, "bad input", 0, ""),  # before joining every process checks the same: process 0 says it
+        (1, True, "bad input", 2, "error: process 1 of 2: bad input\n"),  # its own failure
+        (1, True, "shared", 0, ""),  # raised on every process alike
+        (0, True, "bad input", 2, "error: bad input\n"),
+        (0, True, "peer", 1, "error: process 0 of 2: the peer stopped\n"),
+        (1, True, "peer", 1, ""),  # the process that failed said why
+    ],
+)
+def test_who_reports_what_under_torchrun(monkeypatch, capsys, rank, joined, error, code, said):
+    import torch.distributed as dist
+
+    import sharpness._cli as cli
+    from sharpness import DistributedError
+    from sharpness.products._distributed import shared
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(dist, "is_initialized", lambda: joined)
+    monkeypatch.setattr(cli, "leave_processes", lambda: None)
+    failure = {"bad input": ValueError("bad input"), "shared": shared(ValueError("shared")),
+               "peer": DistributedError("process 0 of 2: the peer stopped")}[error]  # fmt: skip
+
+    def command(args):
+        raise failure
+
+    assert cli.run_command(command, None) == code
+    assert capsys.readouterr().err == said

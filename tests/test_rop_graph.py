@@ -375,11 +375,30 @@ class WideResidual(nn.Module):
         return self.out(F.relu(h + self.fc2(F.relu(self.fc1(h)))))
 
 
+class WideNormed(nn.Module):
+    """A first Linear (12 features, 7 samples) fused with the BatchNorm it feeds, then a residual block."""
+
+    def __init__(self, affine: bool = True, bias: bool = True):
+        super().__init__()
+        self.inp, self.bn = nn.Linear(12, 5, bias=bias), nn.BatchNorm1d(5, affine=affine)
+        self.fc, self.out = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.inp(x)))
+        return self.out(F.relu(h + self.fc(h)))
+
+
+SPAN_MODELS = {"residual": WideResidual, "fused BatchNorm": WideNormed,
+               "fused BatchNorm without affine": lambda: WideNormed(affine=False),
+               "fused BatchNorm, no bias": lambda: WideNormed(bias=False)}  # fmt: skip
+
+
 @pytest.mark.parametrize("chunk_size", [None, 3])
-def test_data_span_coordinates_of_a_graph_keep_the_spectrum(chunk_size):
+@pytest.mark.parametrize("name", SPAN_MODELS)
+def test_data_span_coordinates_of_a_graph_keep_the_spectrum(chunk_size, name):
     """The first Linear's weight in coordinates of the data's span: the operator's spectrum, padded with the
-    zeros of the directions orthogonal to the data, is the Hessian's."""
-    model = _perturbed(WideResidual())
+    zeros of the directions orthogonal to the data, is the Hessian's, and the operator is the Hessian there."""
+    model = _perturbed(SPAN_MODELS[name]())
     x, y = _data((12,))
     obj = Objective(model, CE, (x, y), chunk_size=chunk_size, memory_budget=2**30)
     span = data_span_hessian(HessianOperator(obj))
@@ -390,6 +409,9 @@ def test_data_span_coordinates_of_a_graph_keep_the_spectrum(chunk_size):
     zeros = torch.zeros(H.shape[0] - span.size)
     expected, got = torch.linalg.eigvalsh(H), torch.cat([torch.linalg.eigvalsh(A), zeros]).sort().values
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10 * float(expected.abs().max()))
+    # mapped back, the top eigenvector is one of H
+    top = span.lift(torch.linalg.eigh(A).eigenvectors[:, -1:].T)[0]
+    _close(H @ top, float(expected[-1]) * top)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -162,7 +162,7 @@ class DataSpanHessian(SymmetricOperator):
 def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     """``op`` in data-span coordinates where they apply: R-operator products (``op.strategy == "rop"``) whose
     chunk states are kept in memory in a single process, a ``Linear`` layer of the data (the first layer of a
-    chain; in a graph, a layer whose input depends on no parameter and whose output feeds no BatchNorm), and
+    chain; in a graph, a layer whose input depends on no parameter, alone or fused with the BatchNorm it feeds), and
     fewer samples than it has input features, by enough that the set-up pays for itself within a few products
     (:func:`_pays_off`).
     ``None`` otherwise."""

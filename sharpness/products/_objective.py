@@ -595,7 +595,8 @@ class Objective:
 
         ``out``: an ``(n,)`` tensor (not sharing storage with ``v``) that ``H v`` is *added* to in place
         and returned; the chunk results go straight into it, with no product-sized temporary for the
-        ``"rop"``, ``"double_backward"`` and ``"jvp"`` strategies.
+        ``"rop"``, ``"double_backward"`` and ``"jvp"`` strategies (in one process: with several, the sum over
+        the processes is formed apart and then added).
 
         ``strategy``: ``"rop"`` (models of Linear/ConvNd layers, eval-mode BatchNorm, ReLU, LeakyReLU,
         max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or

@@ -141,10 +141,13 @@ class RopGraph:
         return deltas
 
     def first_linear(self, states: list[ChunkState]) -> tuple[str, list[Tensor]] | None:
-        """The weight name of the first ``Linear`` layer of the data (its input depends on no parameter; not merged
-        with a BatchNorm) and its inputs per chunk, or ``None`` where there is none."""
+        """The weight name of the first ``Linear`` layer of the data (its input depends on no parameter; alone or
+        fused with a BatchNorm) and its inputs per chunk, or ``None`` where there is none."""
         i = self._first_linear
-        return None if i is None else (self.steps[i].op.affine.weight, [s.saved[i] for s in states])
+        if i is None:
+            return None
+        fused = self.steps[i].op.norm is not None  # its saved state is (input, normalized output)
+        return self.steps[i].op.affine.weight, [s.saved[i][0] if fused else s.saved[i] for s in states]
 
     @cached_property
     def _kept_errors(self) -> frozenset[int]:
@@ -157,7 +160,7 @@ class RopGraph:
         """The step of :meth:`first_linear`'s layer (found once)."""
         layers = [(i, s.op) for i, s in enumerate(self.steps) if isinstance(s.op, _Layer)]
         for i, op in layers:
-            if op.norm is None and op.affine.dims == 0 and not self.steps[self.steps[i].inputs[0]].moving:
+            if op.affine is not None and op.affine.dims == 0 and not self.steps[self.steps[i].inputs[0]].moving:
                 shared = any(j != i and other.affine is not None and other.affine.weight == op.affine.weight
                              for j, other in layers)  # fmt: skip
                 return None if shared else i
@@ -168,9 +171,9 @@ class RopGraph:
         """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
 
         ``first_layer = (first_dot, first_errors)``: as for chains (:func:`sharpness.products._rop.add_products`),
-        for the layer :meth:`first_linear` names: its output tangent from its weight (its bias tangent is added
-        in place) and where its tangent errors are written; its weight is neither read in ``v`` nor written in
-        ``into``.
+        for the layer :meth:`first_linear` names: the image ``X V^T`` of its weight's tangent (alone, the layer adds
+        its bias tangent in place) and where the tangent errors of that image are written (see
+        :meth:`_Layer.span_backward`); its weight is neither read in ``v`` nor written in ``into``.
         """
         steps, saved, deltas = self.steps, state.saved, state.deltas
         first = self._first_linear if first_layer is not None else None
@@ -182,8 +185,7 @@ class RopGraph:
             op = step.op
             xdots = [dots[j] for j in step.inputs]
             if i == first:
-                bias = op.affine.bias
-                dots[i] = first_layer[0] if bias is None else first_layer[0].add_(v[bias])
+                dots[i] = op.span_tangent(saved[i], params, v, first_layer[0])
             elif isinstance(op, _Layer):
                 dots[i] = op.tangent(saved[i], xdots[0], params, v)
             else:
@@ -197,9 +199,7 @@ class RopGraph:
             need = [steps[j].moving for j in step.inputs]
             op = step.op
             if i == first:
-                first_layer[1].copy_(g_dot)
-                if op.affine.bias:
-                    into[op.affine.bias].add_(op.affine.bias_adjoint(g_dot))
+                op.span_backward(g_dot, deltas.get(i), saved[i], params, v, into, *first_layer)
                 errs = [None]
             elif isinstance(op, _Layer):
                 errs = [op.backward(g_dot, deltas.get(i), dots[step.inputs[0]], saved[i], params, v, into, need[0])]

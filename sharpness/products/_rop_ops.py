@@ -99,6 +99,56 @@ class _Layer:
             z.addcmul_(xhat, n._channel(v[n.weight]))
         return z
 
+    def span_tangent(self, saved, params, v, first_dot: Tensor) -> Tensor:
+        """:meth:`tangent` of a ``Linear`` layer of the data (alone or fused with a BatchNorm) whose weight is in
+        data-span coordinates (:mod:`sharpness.products._data_span`): ``first_dot`` ``(n, h)`` is ``X V^T``, the
+        image of the weight's tangent (the weight itself is not read in ``v``). Alone, the layer adds its bias
+        tangent into ``first_dot`` and returns it; fused, ``first_dot`` is left as it is (:meth:`span_backward`
+        reads it)."""
+        a, n = self.affine, self.norm
+        if n is None:
+            return first_dot if not a.bias else first_dot.add_(v[a.bias])
+        gain = n.gain(params).reshape(-1)
+        z = first_dot * gain
+        if a.bias:
+            z.add_(gain * v[a.bias])
+        if n.bias is not None:
+            z.add_(v[n.bias])
+        if n.weight is not None:
+            z.addcmul_(saved[1], n._channel(v[n.weight]))
+        return z
+
+    def span_backward(self, g_dot: Tensor, kept, saved, params, v, into, first_dot: Tensor, errors: Tensor) -> None:
+        """:meth:`backward` of the same layer: writes the tangent errors ``E`` ``(n, h)`` of the weight's image into
+        ``errors`` (the weight's block of ``H v`` is ``E^T X``, which the caller forms in span coordinates) and adds
+        the other blocks to ``into``. Fused, ``E = g ddot + G a delta`` and ``<V, Hz> = sum(delta * X V^T)`` per
+        channel (see the class docstring)."""
+        a, n = self.affine, self.norm
+        if n is None:
+            errors.copy_(g_dot)
+            if a.bias:
+                into[a.bias].add_(a.bias_adjoint(g_dot))
+            return
+        xhat = saved[1]
+        delta, _, delta_sum = kept if kept is not None else (None, None, None)
+        gain = n.gain(params).reshape(-1)
+        torch.mul(g_dot, gain, out=errors)
+        g_sum = a.bias_adjoint(g_dot)
+        moved = None  # G a: the gain's tangent
+        if n.weight is not None:
+            moved = v[n.weight] * n.scale.reshape(-1)
+            errors.addcmul_(delta, moved)
+            inner = (delta * first_dot).sum(0)
+            if a.bias:
+                inner.addcmul_(v[a.bias], delta_sum)
+            into[n.weight].add_(n._sum(g_dot * xhat)).addcmul_(inner, n.scale.reshape(-1))
+        if a.bias:
+            into[a.bias].addcmul_(g_sum, gain)
+            if moved is not None:
+                into[a.bias].addcmul_(delta_sum, moved)
+        if n.bias is not None:
+            into[n.bias].add_(g_sum)
+
     def backward(self, g_dot: Tensor, kept, hdot: Tensor | None, saved, params, v, into, need: bool) -> Tensor | None:
         """Add the layer's blocks of ``H v`` to ``into``; the input's tangent error (if ``need``)."""
         a, n = self.affine, self.norm
