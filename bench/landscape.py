@@ -1,9 +1,10 @@
-"""Benchmark: 2-D loss-plane evaluation on F1 (MLP 784-300-100-10, 500 synthetic samples).
+"""Benchmark: 2-D loss-plane evaluation on F1 (MLP 784-300-100-10, 500 synthetic samples) or ResNet-20.
 
 Run by hand (not part of the test suite)::
 
     pip install --no-deps loss-landscapes   # benchmark-only dependency
     python bench/landscape.py               # 51 x 51 grid; --steps, --threads, --budget-mib to change
+    python bench/landscape.py --workload resnet20 --samples 1000 --steps 7 --repeat 1   # points per second
 
 Times, in one run on the same model, data and grid size (points per second, higher is better):
 
@@ -44,6 +45,9 @@ _spec = importlib.util.spec_from_file_location("_workloads", HERE / "_workloads.
 _workloads = sys.modules["_workloads"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_workloads)
 make_workload = _workloads.make_workload
+_spec = importlib.util.spec_from_file_location("_resnet_bench", HERE / "resnet.py")
+_resnet_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_resnet_bench)
 
 from landscape import DirectionSpec, Grid, evaluate_grid, grid_axis, loss_plane, random_directions  # noqa: E402  # noqa: E402
 from sharpness import Objective  # noqa: E402
@@ -121,21 +125,31 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the best time counts (default 3)")
     parser.add_argument("--budget-mib", type=int, default=256, help="memory budget of the grid (default 256 MiB)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--workload", choices=("F1", "resnet20"), default="F1",
+                        help="F1 (default) or resnet20: ResNet-20 with BatchNorm on synthetic 3x32x32 data, float32")
+    parser.add_argument("--samples", type=int, default=1000, help="samples of the resnet20 workload (default 1000)")
     parser.add_argument("--kinds", type=int, default=0, metavar="STEPS",
                         help="also time every kind of plane loss_plane draws (random, invariant-eigen straight and "
                              "geodesic, G-space) on a STEPS x STEPS grid (e.g. 21; default: skip)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    w = make_workload("F1")
-    model, loss_fn, X, y = w.model, w.loss_fn, w.X, w.y
+    if args.workload == "F1":
+        w = make_workload("F1")
+        model, loss_fn, X, y = w.model, w.loss_fn, w.X, w.y
+        about = f"F1: {w.description}, {w.n_params:,} parameters, {w.n_samples} samples"
+    else:
+        model, X, y = _resnet_bench.workload(args.samples)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        about = (f"ResNet-20 with BatchNorm, {sum(p.numel() for p in model.parameters()):,} parameters, {args.samples} "
+                 "samples of 3x32x32")  # fmt: skip
     n_points = args.steps**2
     obj = Objective(model, loss_fn, (X, y), memory_budget=args.budget_mib * 2**20)
     directions = random_directions(obj.params, 2, seed=0, norm="filter")
     d1, d2 = (obj.layout.unflatten(v) for v in directions.vectors)
     axis, coords = _coords(args.steps, args.span)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    print(f"F1: {w.description}, {w.n_params:,} parameters, {w.n_samples} samples; grid {args.steps}x{args.steps} "
+    print(f"{about}; grid {args.steps}x{args.steps} "
           f"= {n_points} points; torch {torch.__version__}, {args.threads} thread(s), load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; best of {args.repeat} interleaved rounds")  # fmt: skip
 
@@ -206,7 +220,7 @@ def main() -> None:
     memory = []
     for budget_mib in (8, 64, args.budget_mib):
         obj_b = Objective(model, loss_fn, (X, y), memory_budget=budget_mib * 2**20)
-        r = evaluate_grid(obj_b, directions.vectors, coords[:64], progress=False)
+        r = evaluate_grid(obj_b, directions.vectors, coords[: 64 if args.workload == "F1" else 2], progress=False)
         memory.append({"budget_bytes": budget_mib * 2**20, "batch": r.batch, "bytes_per_point": r.bytes_per_point})
         print(f"memory: budget {budget_mib:4d} MiB -> batch {r.batch:2d} points x {r.bytes_per_point / 2**20:.1f} MiB "
               f"estimated per point = {r.batch * r.bytes_per_point / 2**20:.1f} MiB in flight")  # fmt: skip

@@ -255,3 +255,16 @@ def bad_labels_in_one_share(rank: int | None) -> None:
     y = case.y.clone()
     y[-1] = 7  # three classes
     Objective(case.model, case.loss_fn, (case.X, y), chunk_size=20, distributed=_distributed(rank))
+
+
+def refusals(rank: int | None) -> dict:
+    """Every refusal above in turn (one group for all: each is raised on every process, so they stay in step),
+    as ``{scenario: "ExceptionType: message"}``."""
+    said = {}
+    for scenario in (too_small, other_data, shuffled_loader, bad_labels_in_one_share):
+        try:
+            scenario(rank)
+            said[scenario.__name__] = ""
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            said[scenario.__name__] = f"{type(exc).__name__}: {exc}"
+    return said
