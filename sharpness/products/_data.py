@@ -159,8 +159,8 @@ class ChunkedData:
         for batch in self._source:
             x, y = _split_batch(batch)
             count += x.shape[0]
-            x_sum += float(x.detach().double().sum())
-            y_sum += float(y.detach().double().sum())
+            x_sum += float(x.detach().sum(dtype=torch.float64))  # no float64 copy of the data
+            y_sum += float(y.detach().sum(dtype=torch.float64))
         self._total = count
         return count, x_sum, y_sum
 

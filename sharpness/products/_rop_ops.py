@@ -129,16 +129,24 @@ class _Layer:
             if a.bias:
                 into[a.bias].add_(a.bias_adjoint(g_dot))
             return
-        xhat = saved[1]
         delta, _, delta_sum = kept if kept is not None else (None, None, None)
         gain = n.gain(params).reshape(-1)
         torch.mul(g_dot, gain, out=errors)
-        g_sum = a.bias_adjoint(g_dot)
-        moved = None  # G a: the gain's tangent
+        moved = inner = None
         if n.weight is not None:
             moved = v[n.weight] * n.scale.reshape(-1)
             errors.addcmul_(delta, moved)
             inner = (delta * first_dot).sum(0)
+        self._add_gain_blocks(into, v, g_dot, saved[1], gain, moved, inner, delta_sum)
+
+    def _add_gain_blocks(self, into, v, g_dot: Tensor, xhat: Tensor, gain: Tensor, moved: Tensor | None,
+                         inner: Tensor | None, delta_sum: Tensor | None) -> None:  # fmt: skip
+        """The fused layer's blocks of ``H v`` but its weight's: ``(Hv)_gamma``, ``(Hv)_beta`` and ``(Hv)_b``.
+        ``moved`` (``G a``) and ``inner`` (``<V, Hz> + <W, Wz>`` per channel, the bias term added here) are
+        ``None`` where the BatchNorm has no weight."""
+        a, n = self.affine, self.norm
+        g_sum = a.bias_adjoint(g_dot)
+        if n.weight is not None:
             if a.bias:
                 inner.addcmul_(v[a.bias], delta_sum)
             into[n.weight].add_(n._sum(g_dot * xhat)).addcmul_(inner, n.scale.reshape(-1))
@@ -171,23 +179,14 @@ class _Layer:
         if wz is not None:
             total.add_(wz)
         into[a.weight].add_(_rows(total, gain))
-        g_sum = a.bias_adjoint(g_dot)
-        moved = None  # G a: the gain's tangent
+        moved = inner = None  # G a: the gain's tangent
         if n.weight is not None:
             moved = v[n.weight] * n.scale.reshape(-1)
             into[a.weight].add_(_rows(hz, moved))
             inner = _channel_dot(v[a.weight], hz)
             if wz is not None:
                 inner.add_(_channel_dot(weight, wz))
-            if a.bias:
-                inner.addcmul_(v[a.bias], delta_sum)
-            into[n.weight].add_(n._sum(g_dot * xhat)).addcmul_(inner, n.scale.reshape(-1))
-        if a.bias:
-            into[a.bias].addcmul_(g_sum, gain)
-            if moved is not None:
-                into[a.bias].addcmul_(delta_sum, moved)
-        if n.bias is not None:
-            into[n.bias].add_(g_sum)
+        self._add_gain_blocks(into, v, g_dot, xhat, gain, moved, inner, delta_sum)
         if not need:
             return None
         tangent = _rows(v[a.weight], gain)
