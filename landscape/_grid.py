@@ -23,6 +23,13 @@ layer's parameters to be linear in the grid coordinates: always for :func:`evalu
 Both functions share one driver: the data are traversed once (outer loop over data chunks, inner
 loop over batches of grid points); the batch size comes from a memory budget (and, on CPU, a
 cache-friendly cap). The model's own parameters are never modified: points are passed functionally.
+
+Grids are evaluated in eval mode, where a BatchNorm with running statistics is a per-channel affine
+map: every engine runs the model's traced graph with each such BatchNorm folded into the ``Linear``
+or convolution before it (:mod:`landscape._folded`), so no pass over the activations is spent on it.
+On CPU, images go through the convolutions in channels-last order, and a batch of one grid point is a
+plain call rather than a vmapped one. On ResNet-20 with 3x32x32 inputs the three together took a
+point from 0.96 s to 0.62 s (2 threads).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from manifolds import FirstLayerSplit, split_first_layer
+from landscape._folded import fold_batch_norms
+from manifolds import FirstLayerSplit, UnsupportedModelError, split_first_layer
 from sharpness import Objective
 from sharpness.io import progress_bar
 from sharpness.products import eval_mode
@@ -254,22 +262,47 @@ def _linear_points(theta: Tensor, D: Tensor) -> PointFn:
     return lambda c: theta + c @ D
 
 
+def _eval_module(objective: Objective) -> tuple[nn.Module, set[str]]:
+    """The module the grid runs (the model with its BatchNorms folded where its graph allows, see
+    :mod:`landscape._folded`; grids are evaluated in eval mode) and the names of its tensors."""
+    module = objective.model
+    try:
+        traced = objective.structure.traced
+    except UnsupportedModelError:  # no graph: the model as it is
+        traced = None
+    if traced is not None and traced.graph is not None:
+        module = fold_batch_norms(objective.model, traced.graph) or module
+    return module, {n for n, _ in (*module.named_parameters(), *module.named_buffers())}
+
+
+def _cpu_images(t: Tensor) -> bool:
+    """Whether ``t`` is a batch of images on CPU, where convolutions run faster on channels-last order
+    (measured on ResNet-20 with 3x32x32 inputs: 15% of a forward pass)."""
+    return t.dim() == 4 and t.device.type == "cpu"
+
+
+def _channels_last(t: Tensor) -> Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if _cpu_images(t) else t
+
+
 class _Loop:
     """One ``functional_call`` of the whole model per grid point."""
 
     def __init__(self, objective: Objective, points: _Points):
         self.objective, self.points = objective, points
+        self.module, self.names = _eval_module(objective)
+        self.buffers = {n: b for n, b in objective.buffers.items() if n in self.names}
 
     def prepare(self, x: Tensor) -> Tensor:
-        return x
+        return _channels_last(x)
 
     def __call__(self, lo: int, c: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
         obj, step = self.objective, self.points.step
         losses, hits, classify = [], [], True
         for start in range(0, c.shape[0], step):  # small sub-batches of points: their temporaries stay cached
-            params = self.points(lo + start, c[start : start + step])
+            params = {n: t for n, t in self.points(lo + start, c[start : start + step]).items() if n in self.names}
             for i in range(next(iter(params.values())).shape[0]):
-                out = functional_call(obj.model, ({n: t[i] for n, t in params.items()}, obj.buffers), (x,))
+                out = functional_call(self.module, ({n: t[i] for n, t in params.items()}, self.buffers), (x,))
                 classify = _classifies(out, y)
                 loss, hit = _loss_and_hits(obj.loss_fn, out, y, classify)
                 losses.append(loss)
@@ -280,10 +313,13 @@ class _Loop:
 class _Vmap(_Loop):
     """The whole model vmapped over a batch of grid points."""
 
+    def prepare(self, x: Tensor) -> Tensor:
+        return x  # vmap's batching rules need the standard strides
+
     def __call__(self, lo: int, c: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, bool]:
-        obj = self.objective
-        params = self.points(lo, c)
-        out = vmap(lambda p: functional_call(obj.model, (p, obj.buffers), (x,)))(params)
+        obj, module, buffers = self.objective, self.module, self.buffers
+        params = {n: t for n, t in self.points(lo, c).items() if n in self.names}
+        out = vmap(lambda p: functional_call(module, (p, buffers), (x,)))(params)
         classify = _classifies(out[0], y)
         loss, hits = vmap(lambda o: _loss_and_hits(obj.loss_fn, o, y, classify))(out)
         return loss, hits, classify
@@ -332,6 +368,9 @@ class _FirstLayer:
         self.rest_points: _Points | None = None
         self.mlp = _mlp_layers(split.chain, layout.names)
         self.scratch: dict[str, Tensor] = {}
+        self.rest = fold_batch_norms(split.rest, split.rest.graph) or split.rest  # grids run in eval mode
+        self.rest_keep = {n for n, _ in (*self.rest.named_parameters(), *self.rest.named_buffers())}
+        self.rest_buffers = {n: b for n, b in self.buffers.items() if n in self.rest_keep}
 
     def _scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         """A reused buffer of ``shape`` for the activations of a batch: a fresh tensor of tens of MB costs
@@ -342,16 +381,20 @@ class _FirstLayer:
             buf = self.scratch[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buf[:numel].view(shape)
 
-    def prepare(self, x: Tensor) -> tuple[tuple[int, ...], Tensor]:
-        """The first layer's output shape and ``[z0; z_1; ...; z_k]``, ``(k + 1, n * ...)``: its output at
-        theta and along each direction. For a chain of ``Linear`` and ``ReLU`` on ``(n, features)`` rows
-        the outputs are stored transposed, ``(features, n)``, see :meth:`_mlp`."""
+    def prepare(self, x: Tensor) -> tuple[tuple[int, ...], Tensor, bool]:
+        """The first layer's output shape as stored, ``[z0; z_1; ...; z_k]``, ``(k + 1, n * ...)``: its output at
+        theta and along each direction, and whether images are stored channels-last ``(n, H, W, C)``. For a chain
+        of ``Linear`` and ``ReLU`` on ``(n, features)`` rows the outputs are stored transposed, ``(features, n)``,
+        see :meth:`_mlp`."""
         xp = self.split.prefix(x)
         z0 = functional_call(self.split.layer, self.first_theta, (xp,))
         zd = [functional_call(self.split.layer, d, (xp,)) for d in self.first_dirs]
         if self.mlp is not None and z0.dim() == 2:
             z0, zd = z0.T, [z.T for z in zd]
-        return tuple(z0.shape), torch.stack([z0, *zd]).reshape(len(zd) + 1, -1)
+        nhwc = _cpu_images(z0)  # stored (n, H, W, C): the later convolutions then read channels-last
+        if nhwc:
+            z0, zd = z0.permute(0, 2, 3, 1), [z.permute(0, 2, 3, 1) for z in zd]
+        return tuple(z0.shape), torch.stack([z0, *zd]).reshape(len(zd) + 1, -1), nhwc
 
     def rest_params(self, lo: int, c: Tensor) -> dict[str, Tensor]:
         """``{name: (P, *shape)}`` parameters of the layers after the first at the grid points ``c``."""
@@ -397,20 +440,28 @@ class _FirstLayer:
         return loss, hits, classify
 
     def __call__(
-        self, lo: int, c: Tensor, prepared: tuple[tuple[int, ...], Tensor], y: Tensor
+        self, lo: int, c: Tensor, prepared: tuple[tuple[int, ...], Tensor, bool], y: Tensor
     ) -> tuple[Tensor, Tensor, bool]:
-        shape, z = prepared
+        shape, z, nhwc = prepared
         # f(x; theta + sum c_i d_i) = z0 + sum c_i z_i, exact because the first layer is linear in its
         # parameters; one product with rows (1, c) writes it without a separate copy of z0
         ones = torch.ones(c.shape[0], 1, dtype=c.dtype, device=c.device)
         h = torch.mm(torch.cat([ones, c], dim=1), z, out=self._scratch("", (c.shape[0], z.shape[1]), z))
         h = h.view(c.shape[0], *shape)
+        if nhwc:  # (P, n, C, H, W) with channels-last strides; vmap's batching rules need the standard ones
+            h = h.permute(0, 1, 4, 2, 3) if c.shape[0] == 1 else h.permute(0, 1, 4, 2, 3).contiguous()
         if self.split.relu_first:
             h = h.relu_()  # in place: saves one pass over the largest activation
         params = self.rest_params(lo, c)
         if self.mlp is not None and h.dim() == 3:
             return self._mlp_loss(self._mlp(h, params), y)
-        rest, buffers = self.split.rest, self.buffers
+        rest, buffers = self.rest, self.rest_buffers
+        params = {n: t for n, t in params.items() if n in self.rest_keep}
+        if c.shape[0] == 1:  # one point: a plain call (vmap's batching rules cost a quarter of a ResNet's pass)
+            out = functional_call(rest, ({n: t[0] for n, t in params.items()}, buffers), (h[0],))
+            classify = _classifies(out, y)
+            loss, hits = _loss_and_hits(self.loss_fn, out, y, classify)
+            return loss[None], hits[None], classify
         out = vmap(lambda p, z: functional_call(rest, (p, buffers), (z,)))(params, h)
         classify = _classifies(out[0], y)
         loss, hits = vmap(lambda o: _loss_and_hits(self.loss_fn, o, y, classify))(out)

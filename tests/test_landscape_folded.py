@@ -1,0 +1,107 @@
+"""The grid's eval-mode forward with BatchNorm folded into the layer it follows (landscape._folded), and the grid
+engines that run it (channels-last images, one point without vmap), against the model itself in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import fx, nn
+from torch.func import functional_call
+
+import landscape
+from landscape._folded import _scaled_layer, fold_batch_norms
+from sharpness import Objective
+
+
+class _Mixed(nn.Module):
+    """Every case the folding meets: foldable pairs (conv without and with bias, BatchNorm with and without
+    affine, Linear + BatchNorm1d, Conv1d), and pairs it must leave alone (a layer output used twice, batch
+    statistics in eval mode, a BatchNorm of the input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn_in = nn.BatchNorm2d(3)  # no layer before it: kept
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, stride=2), nn.BatchNorm2d(4, affine=False)
+        self.conv3, self.bn3 = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)  # conv3's output is used twice: kept
+        self.conv4, self.bn4 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False)  # kept
+        self.conv5, self.bn5 = nn.Conv1d(4, 5, 3, padding=1, groups=1), nn.BatchNorm1d(5)
+        self.fc1, self.bn6 = nn.Linear(5, 6), nn.BatchNorm1d(6)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.bn1(self.conv1(self.bn_in(x))).relu()
+        h = self.bn2(self.conv2(h)).relu()
+        t = self.conv3(h)
+        h = (self.bn3(t) + t).relu()
+        h = self.bn4(self.conv4(h)).relu() + h
+        h = self.bn5(self.conv5(h.flatten(2))).relu()
+        h = self.bn6(self.fc1(h.mean(2))).relu()
+        return self.fc2(h)
+
+
+def _randomized(model: nn.Module, seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g, dtype=m.running_mean.dtype))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=g, dtype=m.running_var.dtype))
+    return model.double().eval()
+
+
+def _folds(module: fx.GraphModule) -> int:
+    return sum(n.op == "call_function" and n.target is _scaled_layer for n in module.graph.nodes)
+
+
+def test_folded_forward_equals_the_model_at_any_parameters():
+    torch.manual_seed(0)
+    model = _randomized(_Mixed())
+    folded = fold_batch_norms(model, fx.symbolic_trace(model).graph)
+    assert _folds(folded) == 4  # bn1, bn2, bn5, bn6; not bn_in, bn3 (conv3 used twice) nor bn4 (batch statistics)
+    x = torch.randn(6, 3, 8, 8, dtype=torch.float64)
+    buffers = dict(model.named_buffers())
+    for seed in range(3):  # parameters other than the model's own: the fold is computed per call
+        g = torch.Generator().manual_seed(seed)
+        params = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in model.named_parameters()}
+        expected = functional_call(model, (params, buffers), (x,))
+        got = functional_call(folded, (params, buffers), (x,))
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    names = {n for n, _ in (*folded.named_parameters(), *folded.named_buffers())}
+    assert names <= {n for n, _ in (*model.named_parameters(), *model.named_buffers())}
+    assert "conv1.weight" in names and "bn1.running_var" in names  # the model's names, read per call
+
+
+def test_nothing_to_fold():
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    assert fold_batch_norms(model, fx.symbolic_trace(model).graph) is None
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 6, 3, padding=1, stride=2), nn.BatchNorm2d(6), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3),
+    )  # fmt: skip
+    return _randomized(model, seed=3)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "first-layer", "vmap"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_grid_engines_equal_the_objective(strategy, batch):
+    """Folded BatchNorms, channels-last images and the single-point call against ``Objective.evaluate`` at each
+    point, in float64 (the unfolded, standard-layout model)."""
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(11, 3, 6, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (11,), generator=g)
+    obj = Objective(_conv_net(), nn.CrossEntropyLoss(), (X, y), chunk_size=4)
+    d = landscape.random_directions(obj.params, k=2, seed=0)
+    coords = np.array([[0.0, 0.0], [0.4, -0.3], [-0.8, 0.5], [1.0, 1.0], [-0.2, -0.9]])
+    grid = landscape.evaluate_grid(obj, d.vectors, coords, strategy=strategy, batch=batch, progress=False)
+    theta = obj.layout.flatten(obj.params)
+    for i, c in enumerate(coords):
+        ref = obj.evaluate(theta + torch.as_tensor(c) @ d.vectors)
+        assert grid.loss[i] == pytest.approx(ref["loss"], rel=1e-12)
+        assert grid.accuracy[i] == ref["accuracy"]
