@@ -1,5 +1,5 @@
-"""The grid's eval-mode forward with BatchNorm folded into the layer it follows (landscape._folded), and the grid
-engines that run it (channels-last images, one point without vmap), against the model itself in float64."""
+"""The eval-mode forward with BatchNorm folded into the layer it follows (sharpness.products._folded), and the
+grid engines that run it (channels-last images, one point without vmap), against the model itself in float64."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from torch import fx, nn
 from torch.func import functional_call
 
 import landscape
-from landscape._folded import _scaled_layer, fold_batch_norms
 from sharpness import Objective
+from sharpness.products._folded import _scaled_layer, fold_batch_norms
 
 
 class _Mixed(nn.Module):
@@ -105,3 +105,13 @@ def test_grid_engines_equal_the_objective(strategy, batch):
         ref = obj.evaluate(theta + torch.as_tensor(c) @ d.vectors)
         assert grid.loss[i] == pytest.approx(ref["loss"], rel=1e-12)
         assert grid.accuracy[i] == ref["accuracy"]
+
+
+def test_linear_on_sequences_keeps_the_batch_norm_axis():
+    """A Linear on ``(n, L, features)`` with a BatchNorm1d over axis 1 (``L`` equal to the features, so the shapes
+    alone do not tell): the BatchNorm normalizes positions, not the Linear's outputs, and the result is unchanged."""
+    torch.manual_seed(5)
+    model = _randomized(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)))
+    folded = fold_batch_norms(model, fx.symbolic_trace(model).graph)
+    x = torch.randn(7, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(folded(x), model(x), rtol=1e-12, atol=1e-12)

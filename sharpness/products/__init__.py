@@ -5,6 +5,7 @@ from sharpness.products._data import ChunkedData as ChunkedData
 from sharpness.products._data import DataError as DataError
 from sharpness.products._distributed import Communicator as Communicator
 from sharpness.products._distributed import DistributedError as DistributedError
+from sharpness.products._folded import fold_batch_norms as fold_batch_norms
 from sharpness.products._hessian import HessianOperator as HessianOperator
 from sharpness.products._objective import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness.products._objective import Objective as Objective
@@ -29,4 +30,5 @@ __all__ = [
     "build_objective",
     "dense_hessian",
     "eval_mode",
+    "fold_batch_norms",
 ]
