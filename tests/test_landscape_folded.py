@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.func import functional_call
 
@@ -88,15 +89,31 @@ def _conv_net() -> nn.Module:
     return _randomized(model, seed=3)
 
 
+class _Viewed(nn.Module):
+    """Features flattened by ``Tensor.view`` from a map of several pixels (no view exists on channels-last
+    strides), after a BatchNorm with nothing to fold into."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn, self.conv2, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 3), \
+            nn.Linear(8, 3)  # fmt: skip
+
+    def forward(self, x):
+        h = F.relu(self.conv2(self.bn(F.relu(self.conv1(x)))))
+        return self.fc(h.view(h.size(0), -1))
+
+
 @pytest.mark.parametrize("strategy", ["loop", "first-layer", "vmap"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_grid_engines_equal_the_objective(strategy, batch):
-    """Folded BatchNorms, channels-last images and the single-point call against ``Objective.evaluate`` at each
-    point, in float64 (the unfolded, standard-layout model)."""
+@pytest.mark.parametrize("net", ["folded", "viewed"])
+def test_grid_engines_equal_the_objective(strategy, batch, net):
+    """Folded BatchNorms, channels-last images (through a model's own ``view``) and the single-point call against
+    ``Objective.evaluate`` at each point, in float64 (the unfolded, standard-layout model)."""
     g = torch.Generator().manual_seed(4)
     X = torch.randn(11, 3, 6, 6, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (11,), generator=g)
-    obj = Objective(_conv_net(), nn.CrossEntropyLoss(), (X, y), chunk_size=4)
+    model = _conv_net() if net == "folded" else _randomized(_Viewed(), seed=6)
+    obj = Objective(model, nn.CrossEntropyLoss(), (X, y), chunk_size=4)
     d = landscape.random_directions(obj.params, k=2, seed=0)
     coords = np.array([[0.0, 0.0], [0.4, -0.3], [-0.8, 0.5], [1.0, 1.0], [-0.2, -0.9]])
     grid = landscape.evaluate_grid(obj, d.vectors, coords, strategy=strategy, batch=batch, progress=False)

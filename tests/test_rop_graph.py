@@ -19,6 +19,7 @@ from sharpness import Objective, dense_hessian, measure_sharpness
 from sharpness._resnet import resnet
 from sharpness.products._data_span import data_span_hessian
 from sharpness.products._hessian import HessianOperator
+from sharpness.products._rop import _Affine
 from sharpness.products._rop_graph import RopGraph, rop_graph
 
 CE = nn.CrossEntropyLoss()
@@ -191,6 +192,54 @@ def test_each_supported_operation_alone(name):
     x, y = _data(shape)
     obj = _check(model, x, y)
     assert isinstance(obj._rop, RopGraph)
+
+
+def _image_tensors(obj: Objective) -> list[torch.Tensor]:
+    """The 4-D tensors with more than one pixel in ``obj``'s kept R-operator state."""
+    found = []
+    for state in obj.rop_states()[1]:
+        for s in [*state.saved, *state.deltas.values()]:
+            for t in s if isinstance(s, tuple) else (s,):
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] * t.shape[3] > 1:
+                    found.append(t)
+    return found
+
+
+@pytest.mark.parametrize("name", ["view", "conv2d + maxpool", "adaptive avgpool", "cat of channels", "chain"])
+def test_image_states_on_cpu_are_channels_last_and_give_the_standard_layouts_products(monkeypatch, name):
+    """On CPU the products run on channels-last images (several times faster convolutions); every operation that
+    builds a tensor afresh (a view's adjoint, pooling, concatenation) keeps that order, and the products equal,
+    to rounding, those of the standard order, which the objective uses when told not to convert."""
+    if name == "chain":
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 3, 1), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(12, 3))  # fmt: skip
+        shape = (2, 6, 6)
+    else:
+        model, shape = SINGLE_OPS[name][0](), SINGLE_OPS[name][1]
+    model = _perturbed(model)
+    x, y = _data(shape)
+    v = torch.randn(sum(p.numel() for p in model.parameters()), generator=torch.Generator().manual_seed(3))
+    seen = []  # the layout of every error a convolution's adjoint is given
+    conv_backward = _Affine._conv_backward
+
+    def spy(self, g, h, weight, mask):
+        seen.append(g.is_contiguous(memory_format=torch.channels_last) and not g.is_contiguous())
+        return conv_backward(self, g, h, weight, mask)
+
+    monkeypatch.setattr(_Affine, "_conv_backward", spy)
+    fast = Objective(model, CE, (x, y))
+    got = fast.hvp(v, "rop")
+    assert seen and all(seen)
+    images = _image_tensors(fast)
+    assert images and all(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+                          for t in images)  # fmt: skip
+    streamed = Objective(model, CE, (x, y), chunk_size=3, memory_budget=1).hvp(v, "rop")
+    monkeypatch.setattr("sharpness.products._objective.channels_last", lambda t: t)
+    standard = Objective(model, CE, (x, y))
+    ref = standard.hvp(v, "rop")
+    assert all(t.is_contiguous() for t in _image_tensors(standard))
+    _close(got, ref)
+    _close(streamed, ref)
 
 
 class DataFacing(nn.Module):

@@ -25,6 +25,7 @@ from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, anal
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
 from sharpness.products._distributed import Communicator, communicator, shared
+from sharpness.products._layout import channels_last
 from sharpness.products._rop import ChunkState, RopChain, rop_chain
 from sharpness.products._rop_graph import RopGraph, rop_graph
 
@@ -548,7 +549,7 @@ class Objective:
         states, value, seconds = [], 0.0, 0.0
         for x, y, w in self._rop_pieces():
             start = time.perf_counter()
-            state = self._rop.forward_state(self.params, x, y, self.loss_fn, w)
+            state = self._rop.forward_state(self.params, channels_last(x), y, self.loss_fn, w)
             seconds += time.perf_counter() - start
             if products is None:
                 states.append(state)

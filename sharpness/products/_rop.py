@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from manifolds import module_chain
+from sharpness.products._layout import layout
 
 _CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 _POOLS = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
@@ -82,8 +83,9 @@ class _Affine:
     def input_adjoints(self, g: Tensor, h: Tensor, weight: Tensor, delta: Tensor, tangent: Tensor) -> Tensor:
         """``A_h^T(g; W) + A_h^T(delta; V)``: the tangent error at the layer's input. An ungrouped convolution
         takes both in one call, the errors stacked along its output channels (one pass over the input
-        instead of two)."""
-        if self.dims and self.groups == 1:
+        instead of two). Not on channels-last errors: stacking their channels interleaves every pixel, which costs
+        more than the second pass."""
+        if self.dims and self.groups == 1 and layout(g) is not torch.channels_last:
             return self.input_adjoint(torch.cat([g, delta], dim=1), h, torch.cat([weight, tangent]))
         return self.input_adjoint(g, h, weight).add_(self.input_adjoint(delta, h, tangent))
 
@@ -156,13 +158,15 @@ class _MaxPool:
     def tangent(self, hdot: Tensor, saved: tuple[Tensor, torch.Size]) -> Tensor:
         idx, _ = saved
         n, c = idx.shape[:2]
-        return hdot.reshape(n, c, -1).gather(2, idx.reshape(n, c, -1)).view(idx.shape)
+        picked = hdot.reshape(n, c, -1).gather(2, idx.reshape(n, c, -1)).view(idx.shape)
+        return picked.contiguous(memory_format=layout(idx))  # the layout of the pooled output
 
     def adjoint(self, g: Tensor, saved: tuple[Tensor, torch.Size]) -> Tensor:
         idx, shape = saved
         n, c = idx.shape[:2]
         out = g.new_zeros(n, c, shape[2:].numel())
-        return out.scatter_add_(2, idx.reshape(n, c, -1), g.reshape(n, c, -1)).view(shape)
+        out = out.scatter_add_(2, idx.reshape(n, c, -1), g.reshape(n, c, -1)).view(shape)
+        return out.contiguous(memory_format=layout(idx))  # the layout of the pool's input, as its output's
 
 
 @dataclass(frozen=True)
@@ -194,14 +198,14 @@ class _Reshape:
 
     module: nn.Module
 
-    def forward(self, h: Tensor) -> tuple[Tensor, torch.Size]:
-        return self.module(h), h.shape
+    def forward(self, h: Tensor) -> tuple[Tensor, tuple[torch.Size, torch.memory_format]]:
+        return self.module(h), (h.shape, layout(h))
 
-    def tangent(self, hdot: Tensor, shape: torch.Size) -> Tensor:
+    def tangent(self, hdot: Tensor, saved: tuple[torch.Size, torch.memory_format]) -> Tensor:
         return self.module(hdot)
 
-    def adjoint(self, g: Tensor, shape: torch.Size) -> Tensor:
-        return g.reshape(shape)
+    def adjoint(self, g: Tensor, saved: tuple[torch.Size, torch.memory_format]) -> Tensor:
+        return g.reshape(saved[0]).contiguous(memory_format=saved[1])  # in the layout of the input
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sharpness.products._layout import layout
 from sharpness.products._rop import _Affine
 
 
@@ -275,10 +276,13 @@ class _Map:
         if kind in ("slope", "maxpool"):
             return self.impl.forward(xs[0])
         if kind == "linear":
-            return self.impl(xs[0]), xs[0].shape
+            return self.impl(xs[0]), (xs[0].shape, layout(xs[0]))
         if kind == "view":
+            x, fmt = xs[0], layout(xs[0])
+            if fmt is torch.channels_last:  # channels-last strides may admit no view: the call sees standard order
+                args = [a.contiguous() if a is x else a for a in args]
             out = self.call(args)
-            return out, (xs[0].shape, out.shape)
+            return out, (x.shape, out.shape, fmt)
         if kind == "scale":
             return (xs[0] if self.call is None else self.call(args)), None
         if kind == "sum":
@@ -307,7 +311,7 @@ class _Map:
                 if t is None:
                     shape = list(like.shape)
                     shape[self.dim] = size
-                    t = like.new_zeros(shape)
+                    t = torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=layout(like)).zero_()
                 parts.append(t)
             return torch.cat(parts, dim=self.dim)
         h = xdots[0]
@@ -328,10 +332,11 @@ class _Map:
             return [p if n else None for p, n in zip(parts, need)]
         if kind in ("slope", "maxpool"):
             return [self.impl.adjoint(g, saved)]
-        if kind == "linear":
+        if kind == "linear":  # the input's error in the input's memory layout (channels-last stays so)
             with torch.enable_grad():
-                x = g.new_zeros(saved, requires_grad=True)
+                x = torch.empty(saved[0], dtype=g.dtype, device=g.device, memory_format=saved[1])
+                x = x.zero_().requires_grad_()
                 return [torch.autograd.grad(self.impl(x), x, g)[0]]
         if kind == "view":
-            return [g.reshape(saved[0])]
+            return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
         return [g * self.factors[0] if self.factors[0] != 1.0 else g]
