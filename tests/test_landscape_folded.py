@@ -132,3 +132,47 @@ def test_linear_on_sequences_keeps_the_batch_norm_axis():
     folded = fold_batch_norms(model, fx.symbolic_trace(model).graph)
     x = torch.randn(7, 4, 4, dtype=torch.float64)
     torch.testing.assert_close(folded(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class _Residual(nn.Module):
+    """Every case of the in-place rewrite: ReLUs and additions on fresh layer outputs (rewritten), on the input, on
+    a tensor read twice, on a view, on a parameter, a broadcast that would grow the fresh operand and a sum in a
+    wider dtype (all left out of place, statically or at run time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 1), nn.Conv2d(2, 1, 1)
+        self.lin = nn.Linear(3, 3)
+        self.shift = nn.Parameter(torch.randn(3, 1, 1))
+
+    def forward(self, x):
+        a = F.relu(self.conv1(x))  # in place
+        b = torch.relu(self.conv2(a)) + a  # both in place
+        twice = self.conv2(b)
+        c = F.relu(twice) + twice  # read twice: its ReLU out of place, the sum into the ReLU's output
+        d = c.relu() + self.shift  # relu in place; the sum adds into the ReLU's fresh output
+        e = self.conv3(F.relu(x)) + d  # a (n, 1, H, W) convolution plus (n, 3, H, W): out of place at run time
+        f = self.lin(e.mean((2, 3))) + torch.ones(3, dtype=torch.float64)  # float32 plus float64: out of place
+        v = e.flatten(1)
+        return f, F.relu(v), v.sum(1) + 1  # a view's ReLU: out of place
+
+
+def test_in_place_activations_change_only_unshared_fresh_tensors():
+    from landscape._inplace import _add_into, inplace_activations
+
+    torch.manual_seed(7)
+    model = _Residual().float()
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float32)
+    x0 = x.clone()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected = model(x)
+    module = inplace_activations(fx.symbolic_trace(model))
+    targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.relu_) == 3 and targets.count(_add_into) == 5  # two fall back at run time
+    with torch.no_grad():
+        got = module(x)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert torch.equal(x, x0)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -448,3 +448,23 @@ def test_graph_cuts_give_exact_hvps_beyond_sequential(name):
     scale = float((H @ v).abs().max())
     for strategy in ("graph", "double_backward", *(("rop",) if expected[1] else ())):
         torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=0, atol=1e-12 * scale, msg=strategy)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("join", [False, True])
+def test_pieces_regroup_the_chunks_with_their_weights(reduction, join):
+    """Chunks of 4, 4, 4, 1 samples in pieces of at most 3 (cut near-evenly: 2 + 2 each) or 9 (joined while they fit):
+    the samples in order, and ``sum(weight * piece_loss)`` is the objective's loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+    x, y = torch.randn(13, 3, dtype=torch.float64), torch.randint(0, 2, (13,))
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    obj = Objective(model, loss_fn, (x, y), chunk_size=4)
+    for size, sizes in [(3, [2, 2, 2, 2, 2, 2, 1]), (9, [8, 5] if join else [4, 4, 4, 1]), (40, [13] if join else
+                                                                                                [4, 4, 4, 1])]:
+        pieces = list(obj.pieces(size, join=join))
+        assert [p[0].shape[0] for p in pieces] == sizes
+        assert torch.equal(torch.cat([p[0] for p in pieces]), x) and torch.equal(torch.cat([p[1] for p in pieces]), y)
+        with torch.no_grad():
+            total = sum(w * loss_fn(model(xs), ys) for xs, ys, w in pieces)
+        torch.testing.assert_close(total, obj.value(), rtol=1e-14, atol=0)

@@ -321,6 +321,38 @@ class Objective:
             w = self._weight * x.shape[0] if self.reduction == "mean" else 1.0
             yield x, y, w
 
+    def pieces(self, size: int, join: bool = False) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """:meth:`chunks` regrouped into pieces of at most ``size`` samples, each weighted by its share, so that
+        ``sum(weight * piece_loss)`` is still the objective: a larger chunk is cut into near-equal pieces, and with
+        ``join`` consecutive smaller chunks are concatenated up to ``size`` samples (a piece then holds several
+        chunks' inputs at once)."""
+        size = max(1, int(size))
+        held: list[tuple[Tensor, Tensor, float]] = []
+        for x, y, w in self.chunks():
+            n = x.shape[0]
+            if held and (not join or sum(h[0].shape[0] for h in held) + n > size):
+                yield self._joined(held)
+                held = []
+            if n > size:
+                cuts = -(-n // size)
+                for i in range(cuts):
+                    lo, hi = n * i // cuts, n * (i + 1) // cuts
+                    yield x[lo:hi], y[lo:hi], (w * (hi - lo) / n if self.reduction == "mean" else w)
+            elif join:
+                held.append((x, y, w))
+            else:
+                yield x, y, w
+        if held:
+            yield self._joined(held)
+
+    def _joined(self, held: list[tuple[Tensor, Tensor, float]]) -> tuple[Tensor, Tensor, float]:
+        """Consecutive chunks as one: the summed weight of a mean (each chunk's is its share of the samples), the
+        common weight 1 of a sum."""
+        if len(held) == 1:
+            return held[0]
+        w = sum(h[2] for h in held) if self.reduction == "mean" else 1.0
+        return torch.cat([h[0] for h in held]), torch.cat([h[1] for h in held]), w
+
     def _chunk_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
         return self.loss_fn(functional_call(self.model, (params, self.buffers), (x,)), y)
 
@@ -564,14 +596,7 @@ class Objective:
 
     def _rop_pieces(self) -> Iterator[tuple[Tensor, Tensor, float]]:
         """:meth:`chunks` cut into pieces of at most ``_rop_piece`` samples, each weighted by its share."""
-        piece = self._rop_piece
-        for x, y, w in self.chunks():
-            if piece is None or x.shape[0] <= piece:
-                yield x, y, w
-                continue
-            for start in range(0, x.shape[0], piece):
-                xs, ys = x[start : start + piece], y[start : start + piece]
-                yield xs, ys, (w * xs.shape[0] / x.shape[0] if self.reduction == "mean" else w)
+        return self.chunks() if self._rop_piece is None else self.pieces(self._rop_piece)
 
     def _hvp_rop(self, tangents: list[dict[str, Tensor]], totals: list[dict[str, Tensor]]) -> None:
         """Add ``H v`` for every tangent into the matching ``totals`` (``{name: view}``) by R-operator
