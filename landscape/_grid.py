@@ -186,6 +186,13 @@ def _piece_size(objective: Objective, budget: int) -> int:
     return max(1, min(objective.n_samples, size))
 
 
+def _sizes(objective: Objective, memory_budget: int | None, n_moved: int) -> tuple[int, int, float]:
+    """The grid's budget in bytes, its samples per piece and the bytes a grid point keeps alive."""
+    budget = _budget(objective, memory_budget)
+    piece = _piece_size(objective, budget)
+    return budget, piece, _bytes_per_point(objective, piece, n_moved)
+
+
 def _batch_size(objective: Objective, budget: int, per_point: float) -> int:
     """Grid points per batch within ``budget`` bytes (and, on CPU, at most ``CPU_BATCH_CAP``)."""
     batch = max(1, int(budget // per_point))
@@ -310,12 +317,13 @@ def _traced_graph(objective: Objective) -> fx.Graph | None:
 class _Loop:
     """One ``functional_call`` of the whole model per grid point."""
 
+    inplace = True  # plain calls: the graph's ReLUs and additions may write into fresh tensors
+
     def __init__(self, objective: Objective, points: _Points):
         self.objective, self.points = objective, points
         graph = _traced_graph(objective)
         self.traced = graph is not None
-        self.module, self.names, self.buffers = _eval_module(objective.model, graph, objective.buffers,
-                                                             inplace=type(self) is _Loop)  # fmt: skip
+        self.module, self.names, self.buffers = _eval_module(objective.model, graph, objective.buffers, self.inplace)
 
     def prepare(self, x: Tensor) -> Tensor:
         return channels_last(x) if self.traced else x  # an untraced model's views may need the standard order
@@ -336,6 +344,8 @@ class _Loop:
 
 class _Vmap(_Loop):
     """The whole model vmapped over a batch of grid points."""
+
+    inplace = False  # vmap cannot write one point's values into a tensor all points share
 
     def prepare(self, x: Tensor) -> Tensor:
         return x  # vmap's batching rules need the standard strides
@@ -517,7 +527,7 @@ def _run(
     with torch.no_grad(), eval_mode(objective.model), bar:
         for x, y, w in objective.pieces(piece, join=True):
             if points is not None and x.shape[0] >= share:
-                points.cache = None  # one chunk holds every sample: no later chunk reuses the points
+                points.cache = None  # one piece holds every sample: no later piece reuses the points
             prepared = engine.prepare(x)
             for lo in range(0, n_points, batch):
                 c = C[lo : lo + batch]
@@ -577,9 +587,7 @@ def evaluate_grid(
     n_points = C.shape[0]
     split = split_first_linear(objective) if strategy == "first-layer" else None
     moved = layout.size if split is None else sum(p.numel() for p in split.rest.parameters())
-    budget = _budget(objective, memory_budget)
-    piece = _piece_size(objective, budget)
-    per_point = _bytes_per_point(objective, piece, moved)
+    budget, piece, per_point = _sizes(objective, memory_budget, moved)
     if batch is None:
         batch = 1 if strategy == "loop" else _batch_size(objective, budget, per_point)
     batch = max(1, min(int(batch), n_points))
@@ -657,9 +665,7 @@ def evaluate_points(
                 f"got {tuple(theta.shape)} and {tuple(D.shape)}"
             )
     moved = layout.size if split is None else sum(p.numel() for p in split.rest.parameters())
-    budget = _budget(objective, memory_budget)
-    piece = _piece_size(objective, budget)
-    per_point = _bytes_per_point(objective, piece, moved)
+    budget, piece, per_point = _sizes(objective, memory_budget, moved)
     if batch is None:
         batch = _batch_size(objective, budget, per_point)
     batch = max(1, min(int(batch), max(n_points, 1)))

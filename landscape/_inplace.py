@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from sharpness.products._folded import _scaled_layer
+from sharpness.products._folded import _LAYERS, _scaled_layer
+from sharpness.products._rop import _CONV_FUNCTIONS
 
 # Layers whose output is a new tensor.
-_FRESH_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.modules.batchnorm._BatchNorm)
-_FRESH_FUNCTIONS = {_scaled_layer, F.linear, F.conv1d, F.conv2d, F.conv3d, F.batch_norm, operator.mul, torch.mul}
+_FRESH_MODULES = (*_LAYERS, nn.modules.batchnorm._BatchNorm)
+_FRESH_FUNCTIONS = {_scaled_layer, F.linear, *_CONV_FUNCTIONS.values(), F.batch_norm, operator.mul, torch.mul}
 _RELU_FUNCTIONS = {F.relu, torch.relu}
 _ADD_FUNCTIONS = {operator.add, torch.add}
 
