@@ -19,11 +19,11 @@ Each operation's tangent and adjoint are in :mod:`sharpness.products._rop_ops`.
 
 Tensors that depend on no parameter (the data, and whatever is computed from them alone) have no tangent, and
 neither pass goes into them: first-order errors are formed only downstream of a layer whose input moves, and
-the data's input gradient never. What the products share (layer inputs, normalized BatchNorm inputs, masks,
-pooling indices, errors, the loss's curvature) is one forward and one backward pass per data chunk, kept
-across products when it fits in memory; a product is then the tangent passes alone: about one gradient where
-the layer that sees the data dominates the work, about two where inner convolutions do (each is applied six
-times, against a gradient's three).
+the data's input gradient never. What the products share (layer inputs, the normalized inputs of BatchNorms
+not merged into a layer, masks, pooling indices, errors, the loss's curvature) is one forward and one backward
+pass per data chunk, kept across products when it fits in memory; a product is then the tangent passes alone:
+about one gradient where the layer that sees the data dominates the work, about two where inner convolutions do
+(each is applied six times, against a gradient's three).
 """
 
 from __future__ import annotations

@@ -37,15 +37,19 @@ class _Layer:
 
     The fused layer ``z = gamma * xhat + beta``, ``xhat = a (A(h; W) + b - mu)``, with gain ``g = gamma a`` per
     output channel, never forms the affine layer's output, its errors or tangents: the BatchNorm's factors move
-    onto the weights. With ``delta`` the error at ``z``, ``Hz = A_W^T(h, delta)`` (kept with it) and
-    ``Wz = A_W^T(hdot, delta)``::
+    onto the weights, ``z = A(h; g W) + g (b - mu) + beta``. With ``delta`` the error at ``z``,
+    ``Hz = A_W^T(h, delta)`` (kept with it), ``Wz = A_W^T(hdot, delta)``, ``T = A_W^T(h, ddot) + Wz`` and the
+    gain's tangent ``m = G a``::
 
-        zdot = A(hdot; g W) + A(h; g V) + g c + B + G xhat
-        (Hv)_W = g (A_W^T(h, ddot) + Wz) + G a Hz,          (Hv)_b = g sum ddot + G a sum delta
-        (Hv)_gamma = sum(xhat ddot) + a (<W, Wz> + <V, Hz> + c sum delta),   (Hv)_beta = sum ddot
-        input tangent error = A_h^T(ddot; g W) + A_h^T(delta; G a W + g V)
+        zdot = A(hdot; g W) + A(h; g V + m W) + g c + B + m (b - mu)
+        (Hv)_W = g T + m Hz,          (Hv)_b = g sum ddot + m sum delta,          (Hv)_beta = sum ddot
+        (Hv)_gamma = a (<W, T> + <V, Hz> + c sum delta + (b - mu) sum ddot)
+        input tangent error = A_h^T(ddot; g W) + A_h^T(delta; g V + m W)
 
-    (sums and inner products per output channel).
+    (sums and inner products per output channel). ``xhat`` is never formed either: ``G xhat`` is the weight
+    ``m W`` and bias ``m (b - mu)``, and ``sum(xhat ddot) = a (<W, A_W^T(h, ddot)> + (b - mu) sum ddot)``. Only a
+    fused ``Linear`` layer keeps ``xhat``, for the data-span products (:meth:`span_tangent`), which never form
+    its weight's blocks.
     """
 
     affine: _Affine | None = None
@@ -66,8 +70,19 @@ class _Layer:
             return a.apply(h, params[a.weight], params[a.bias] if a.bias else None), h
         if a is None:
             return n.forward(h, params)
-        z, xhat = n.forward(a.apply(h, params[a.weight], params[a.bias] if a.bias else None), params)
-        return z, (h, xhat)
+        if not a.dims:  # the data-span products read xhat
+            z, xhat = n.forward(a.apply(h, params[a.weight], params[a.bias] if a.bias else None), params)
+            return z, (h, xhat)
+        gain = n.gain(params).reshape(-1)
+        return a.apply(h, _rows(params[a.weight], gain), self._shift(params, gain, params)), (h, None)
+
+    def _shift(self, params: Mapping[str, Tensor], factor: Tensor, beta: Mapping[str, Tensor] | None) -> Tensor:
+        """``factor * (b - mu)`` per output channel of the fused layer (``b`` the affine layer's bias parameter,
+        or 0), plus the BatchNorm's bias read in ``beta`` (the parameters, or a tangent) where given."""
+        a, n = self.affine, self.norm
+        mean = n.mean.reshape(-1)
+        shift = factor * (params[a.bias] - mean) if a.bias else factor * -mean
+        return shift if beta is None or n.bias is None else shift.add_(beta[n.bias])
 
     def errors(self, g: Tensor, saved, params: Mapping[str, Tensor], need: bool) -> tuple[object, Tensor | None]:
         """What the products keep of the error ``g`` at the output, and the input's error (if ``need``)."""
@@ -88,17 +103,23 @@ class _Layer:
             return z if hdot is None else z.add_(a.apply(hdot, params[a.weight], None))
         if a is None:
             return n.tangent(hdot, saved, params, v)
-        h, xhat = saved
         gain = n.gain(params).reshape(-1)
-        bias = gain * v[a.bias] if a.bias else None
-        if n.bias is not None:
-            bias = v[n.bias] if bias is None else bias.add_(v[n.bias])
-        z = a.apply(h, _rows(v[a.weight], gain), bias)
-        if hdot is not None:
-            z.add_(a.apply(hdot, _rows(params[a.weight], gain), None))
+        weight, bias = self._tangent_weights(params, v, gain)
+        z = a.apply(saved[0], weight, bias)
+        return z if hdot is None else z.add_(a.apply(hdot, _rows(params[a.weight], gain), None))
+
+    def _tangent_weights(self, params, v, gain: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The fused layer's weight ``g V + m W`` and bias ``g c + B + m (b - mu)`` that map its input to its
+        output's tangent (``m = G a``, the gain's tangent)."""
+        a, n = self.affine, self.norm
+        weight, bias = _rows(v[a.weight], gain), None
         if n.weight is not None:
-            z.addcmul_(xhat, n._channel(v[n.weight]))
-        return z
+            moved = v[n.weight] * n.scale.reshape(-1)
+            weight.add_(_rows(params[a.weight], moved))
+            bias = self._shift(params, moved, v)
+        if a.bias:
+            bias = gain * v[a.bias] if bias is None else bias.addcmul_(gain, v[a.bias])
+        return weight, bias
 
     def span_tangent(self, saved, params, v, first_dot: Tensor) -> Tensor:
         """:meth:`tangent` of a ``Linear`` layer of the data (alone or fused with a BatchNorm) whose weight is in
@@ -138,19 +159,19 @@ class _Layer:
             moved = v[n.weight] * n.scale.reshape(-1)
             errors.addcmul_(delta, moved)
             inner = (delta * first_dot).sum(0)
-        self._add_gain_blocks(into, v, g_dot, saved[1], gain, moved, inner, delta_sum)
+            into[n.weight].add_(n._sum(g_dot * saved[1]))
+        self._add_gain_blocks(into, v, a.bias_adjoint(g_dot), gain, moved, inner, delta_sum)
 
-    def _add_gain_blocks(self, into, v, g_dot: Tensor, xhat: Tensor, gain: Tensor, moved: Tensor | None,
-                         inner: Tensor | None, delta_sum: Tensor | None) -> None:  # fmt: skip
-        """The fused layer's blocks of ``H v`` but its weight's: ``(Hv)_gamma``, ``(Hv)_beta`` and ``(Hv)_b``.
-        ``moved`` (``G a``) and ``inner`` (``<V, Hz> + <W, Wz>`` per channel, the bias term added here) are
-        ``None`` where the BatchNorm has no weight."""
+    def _add_gain_blocks(self, into, v, g_sum: Tensor, gain: Tensor, moved: Tensor | None, inner: Tensor | None,
+                         delta_sum: Tensor | None) -> None:  # fmt: skip
+        """The fused layer's blocks of ``H v`` but its weight's, from ``g_sum = sum ddot``: ``(Hv)_beta``, ``(Hv)_b``
+        and the part ``a (inner + c sum delta)`` of ``(Hv)_gamma`` (the bias term added here). ``moved`` (``m``)
+        and ``inner`` are ``None`` where the BatchNorm has no weight."""
         a, n = self.affine, self.norm
-        g_sum = a.bias_adjoint(g_dot)
         if n.weight is not None:
             if a.bias:
                 inner.addcmul_(v[a.bias], delta_sum)
-            into[n.weight].add_(n._sum(g_dot * xhat)).addcmul_(inner, n.scale.reshape(-1))
+            into[n.weight].addcmul_(inner, n.scale.reshape(-1))
         if a.bias:
             into[a.bias].addcmul_(g_sum, gain)
             if moved is not None:
@@ -172,28 +193,24 @@ class _Layer:
         if a is None:
             n.products(g_dot, kept, hdot, saved, into)
             return n.input_adjoints(g_dot, kept, params, v) if need else None
-        h, xhat = saved
+        h = saved[0]
         delta, hz, delta_sum = kept if kept is not None else (None, None, None)
         weight, gain = params[a.weight], n.gain(params).reshape(-1)
-        total = a.weight_adjoint(h, g_dot, weight)
-        wz = a.weight_adjoint(hdot, delta, weight) if hdot is not None else None
-        if wz is not None:
-            total.add_(wz)
+        total = a.weight_adjoint(h, g_dot, weight)  # T
+        if hdot is not None:
+            total.add_(a.weight_adjoint(hdot, delta, weight))
         into[a.weight].add_(_rows(total, gain))
-        moved = inner = None  # G a: the gain's tangent
+        g_sum = a.bias_adjoint(g_dot)
+        moved = inner = None  # m = G a: the gain's tangent
         if n.weight is not None:
             moved = v[n.weight] * n.scale.reshape(-1)
             into[a.weight].add_(_rows(hz, moved))
-            inner = _channel_dot(v[a.weight], hz)
-            if wz is not None:
-                inner.add_(_channel_dot(weight, wz))
-        self._add_gain_blocks(into, v, g_dot, xhat, gain, moved, inner, delta_sum)
+            inner = _channel_dot(v[a.weight], hz).add_(_channel_dot(weight, total))
+            inner.add_(self._shift(params, g_sum, None))  # (b - mu) sum ddot
+        self._add_gain_blocks(into, v, g_sum, gain, moved, inner, delta_sum)
         if not need:
             return None
-        tangent = _rows(v[a.weight], gain)
-        if moved is not None:
-            tangent = tangent.add_(_rows(weight, moved))
-        return a.input_adjoints(g_dot, h, _rows(weight, gain), delta, tangent)
+        return a.input_adjoints(g_dot, h, _rows(weight, gain), delta, self._tangent_weights(params, v, gain)[0])
 
 
 def _rows(weight: Tensor, factors: Tensor) -> Tensor:
