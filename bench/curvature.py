@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _workloads import WORKLOADS, build_model, make_workload  # noqa: E402
 
 from sharpness import HessianOperator, Objective, Solver, euclidean_sharpness, hessian_spectral_density  # noqa: E402
+from sharpness.products import retain_freed_memory  # noqa: E402
 
 TARGET_ACCURACY = 1e-5
 HVP_TARGET = 1.3
@@ -1038,6 +1039,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Every tool in this run under the same allocator settings (our objectives apply them on first use).
+    print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
 
     if args.memory_probe:
         print(json.dumps(memory_probe(json.loads(args.memory_probe))))

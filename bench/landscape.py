@@ -51,6 +51,7 @@ _spec.loader.exec_module(_resnet_bench)
 
 from landscape import DirectionSpec, Grid, evaluate_grid, grid_axis, loss_plane, random_directions  # noqa: E402  # noqa: E402
 from sharpness import Objective  # noqa: E402
+from sharpness.products import retain_freed_memory  # noqa: E402
 
 
 def _coords(steps: int, span: float) -> tuple[np.ndarray, np.ndarray]:
@@ -133,6 +134,8 @@ def main() -> None:
                              "geodesic, G-space) on a STEPS x STEPS grid (e.g. 21; default: skip)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # Every tool in this run under the same allocator settings (our objectives apply them on first use).
+    print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
 
     if args.workload == "F1":
         w = make_workload("F1")

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from manifolds import analyze  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
+from sharpness.products import retain_freed_memory  # noqa: E402
 from sharpness.cli import resnet  # noqa: E402
 
 
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, X, y = workload(args.samples)
+    # Every tool in this run under the same allocator settings (our objectives apply them on first use).
+    print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
     figures: dict = {"samples": args.samples}
     if args.section in ("all", "hvp"):
         print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, "

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resnet import workload  # noqa: E402
 
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
+from sharpness.products import retain_freed_memory  # noqa: E402
 
 TARGET = 1e-5
 TOLS = (1e-2, 5e-3, 3e-3, 2e-3, 1e-3, 5e-4, 3e-4, 2e-4, 1e-4, 5e-5, 2e-5, 1e-5, 1e-6)
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
+    # Every tool in this run under the same allocator settings (our objectives apply them on first use).
+    print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
     peers = {}
     for key, module in (("pyhessian", "pyhessian.hessian"), ("hessian-eigenthings", "hessian_eigenthings"),
                         ("curvlinops", "curvlinops")):  # fmt: skip

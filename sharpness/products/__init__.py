@@ -6,6 +6,7 @@ from sharpness.products._data import DataError as DataError
 from sharpness.products._distributed import Communicator as Communicator
 from sharpness.products._distributed import DistributedError as DistributedError
 from sharpness.products._folded import fold_batch_norms as fold_batch_norms
+from sharpness.products._heap import retain_freed_memory as retain_freed_memory
 from sharpness.products._hessian import HessianOperator as HessianOperator
 from sharpness.products._objective import HVP_STRATEGIES as HVP_STRATEGIES
 from sharpness.products._objective import Objective as Objective
@@ -31,4 +32,5 @@ __all__ = [
     "dense_hessian",
     "eval_mode",
     "fold_batch_norms",
+    "retain_freed_memory",
 ]

@@ -25,6 +25,7 @@ from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, anal
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
 from sharpness.products._distributed import Communicator, communicator, shared
+from sharpness.products._heap import retain_freed_memory
 from sharpness.products._layout import channels_last
 from sharpness.products._rop import ChunkState, RopChain, rop_chain
 from sharpness.products._rop_graph import RopGraph, rop_graph
@@ -34,7 +35,7 @@ HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # at most this many bytes per tensor. Larger tensors are mapped afresh from the system on every allocation
 # (above the C library's largest threshold for reusing freed memory, 32 MiB), and their page faults cost a
 # ResNet-20 product on 1000 samples as much as a third of a gradient.
-_ROP_PIECE_BYTES = 16 * 2**20
+_ROP_PIECE_BYTES = 4 * 2**20
 
 
 CPU_MEMORY_BUDGET = 2 * 2**30
@@ -162,6 +163,8 @@ class Objective:
         self.device = torch.device(device) if device is not None else ref.device
         self.dtype = dtype if dtype is not None else ref.dtype
         self.comm = communicator(distributed)
+        if self.device.type == "cpu":  # pieces of data allocate and free the same tensors over and over
+            retain_freed_memory()
         self.params = {k: p.detach().to(self.device, self.dtype) for k, p in source.items()}
         self.buffers = {
             k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
