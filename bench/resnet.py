@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from manifolds import analyze  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
-from sharpness.products import retain_freed_memory  # noqa: E402
 from sharpness.cli import resnet  # noqa: E402
+from sharpness.products import retain_freed_memory  # noqa: E402
 
 
 def workload(samples: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
