@@ -336,7 +336,7 @@ class _Loop:
             for i in range(next(iter(params.values())).shape[0]):
                 out = functional_call(self.module, ({n: t[i] for n, t in params.items()}, self.buffers), (x,))
                 classify = _classifies(out, y)
-                loss, hit = _loss_and_hits(obj.loss_fn, out, y, classify)
+                loss, hit = _loss_and_hits(obj.chunk_loss_fn, out, y, classify)
                 losses.append(loss)
                 hits.append(hit)
         return torch.stack(losses), torch.stack(hits), classify
@@ -355,7 +355,7 @@ class _Vmap(_Loop):
         params = {n: t for n, t in self.points(lo, c).items() if n in self.names}
         out = vmap(lambda p: functional_call(module, (p, buffers), (x,)))(params)
         classify = _classifies(out[0], y)
-        loss, hits = vmap(lambda o: _loss_and_hits(obj.loss_fn, o, y, classify))(out)
+        loss, hits = vmap(lambda o: _loss_and_hits(obj.chunk_loss_fn, o, y, classify))(out)
         return loss, hits, classify
 
 
@@ -390,7 +390,7 @@ class _FirstLayer:
 
     def __init__(self, objective: Objective, split: FirstLayerSplit, theta: Tensor, D: Tensor):
         layout = objective.layout
-        self.split, self.loss_fn, self.buffers = split, objective.loss_fn, objective.buffers
+        self.split, self.loss_fn, self.buffers = split, objective.chunk_loss_fn, objective.buffers
         self.first_theta = _sub(layout.unflatten(theta), split.name)
         self.first_dirs = [_sub(layout.unflatten(d), split.name) for d in D]
         self.rest_names = [n for n in layout.names if not n.startswith(split.name + ".")]

@@ -468,3 +468,57 @@ def test_pieces_regroup_the_chunks_with_their_weights(reduction, join):
         with torch.no_grad():
             total = sum(w * loss_fn(model(xs), ys) for xs, ys, w in pieces)
         torch.testing.assert_close(total, obj.value(), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=2), nn.NLLLoss()],
+    ids=["ce", "ce-smoothed-ignoring-class-2", "nll"],
+)
+def test_a_mean_loss_with_ignored_targets_is_their_mean_over_the_whole_data_set_however_chunked(
+    loss_fn, monkeypatch
+):
+    """The targets equal to ``ignore_index`` are left out of the mean over the whole data set, not chunk by chunk
+    (chunk means over their own counted targets would weigh samples differently): value, gradient, products (the
+    R-operator's closed form for a cross-entropy, in pieces of one sample; autograd's) and grid values agree with
+    the loss of the whole batch at once, whatever the chunk size."""
+    from landscape import evaluate_grid
+    from sharpness.products import _objective as objective_module
+
+    monkeypatch.setattr(objective_module, "_ROP_PIECE_BYTES", 1)  # the R-operator's state in pieces of 1 sample
+    torch.manual_seed(0)
+    layers = [nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)] + ([nn.LogSoftmax(dim=1)] if type(loss_fn) is nn.NLLLoss
+                                                              else [])  # fmt: skip
+    model = nn.Sequential(*layers).double().eval()
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(13, 5, generator=g, dtype=torch.float64)
+    ignored = loss_fn.ignore_index
+    y = torch.tensor([0, ignored, 1, 2, ignored, 1, 0, 0, ignored, ignored, ignored, 2, 1])
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def whole(w):
+        return loss_fn(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y)
+
+    obj = Objective(model, loss_fn, (X, y))
+    H = torch.func.hessian(whole)(flat)
+    gradient = torch.func.grad(whole)(flat)
+    v = torch.randn(flat.shape, generator=g, dtype=torch.float64)
+    directions = torch.randn(2, flat.numel(), generator=g, dtype=torch.float64)
+    coords = np.array([[0.0, 0.0], [0.3, -0.2]])
+    for chunk_size in (None, 3, 5):
+        obj = Objective(model, loss_fn, (X, y), chunk_size=chunk_size)
+        torch.testing.assert_close(obj.value(), whole(flat), rtol=1e-14, atol=0)
+        torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-13, atol=1e-15)
+        for strategy in ("rop" if type(loss_fn) is nn.CrossEntropyLoss else "jvp", "double_backward"):
+            torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=1e-12, atol=1e-14)
+        grid = evaluate_grid(obj, directions, coords, progress=False).loss
+        expected = [float(whole(flat + torch.as_tensor(c) @ directions)) for c in coords]
+        np.testing.assert_allclose(grid, expected, rtol=1e-13)
+    if type(loss_fn) is nn.CrossEntropyLoss:  # the closed form of the cross-entropy's curvature, ignored rows 0
+        assert all(s.probs is not None for s in obj.rop_states()[1])
+
+
+def test_a_mean_loss_that_ignores_every_target_is_refused():
+    model = nn.Sequential(nn.Linear(5, 3)).eval()
+    with pytest.raises(DataError, match="every target equals the loss's ignore_index"):
+        Objective(model, nn.CrossEntropyLoss(), (torch.randn(4, 5), torch.full((4,), -100)))

@@ -75,9 +75,11 @@ class ChunkedData:
             raise DataError(f"chunk_size must be a positive integer, got {chunk_size}")
         self.chunk_size = chunk_size
         self._total: int | None = None
+        self._not_label: dict[int, int | None] = {}  # labels_other_than, per label (shared with re-chunkings)
         if isinstance(data, ChunkedData):
             self._source: Iterable = data._source
             self._total = data._total
+            self._not_label = data._not_label
             shard = data.shard if shard is None else shard
         elif _is_pair(data):
             x, y = _split_batch(data)
@@ -151,6 +153,20 @@ class ChunkedData:
         if self._total is None:
             self._total = sum(_split_batch(batch)[0].shape[0] for batch in self._source)
         return self._total
+
+    def labels_other_than(self, label: int) -> int | None:
+        """How many targets of the whole data set (every share together) are not ``label``, by one pass over
+        the targets (once); ``None`` where the targets are not class labels (integer, one per sample)."""
+        if label not in self._not_label:
+            count: int | None = 0
+            for batch in self._source:
+                _, y = _split_batch(batch)
+                if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() != 1:
+                    count = None
+                    break
+                count += int((y != label).sum())
+            self._not_label[label] = count
+        return self._not_label[label]
 
     def fingerprint(self) -> tuple[int, float, float]:
         """The whole data set's sample count and the float64 sums of its inputs and targets: processes that share

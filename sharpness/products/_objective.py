@@ -11,6 +11,7 @@ samples, and every value, gradient and product is summed over them (:mod:`sharpn
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 import warnings
@@ -92,6 +93,23 @@ def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
     return reduction
 
 
+def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple[Callable, float, bool]:
+    """``(chunk loss, weight, per sample)`` of a mean-reduced loss: a chunk of ``m`` samples weighs ``weight * m``
+    (``per sample``), or, for a loss that leaves out the targets equal to its ``ignore_index`` where some do, the
+    loss summed over the chunk weighs ``1 / (targets counted over the whole data set)``: a mean over a chunk's
+    counted targets would weigh its samples differently from chunk to chunk."""
+    ignored = getattr(loss_fn, "ignore_index", None)
+    if isinstance(loss_fn, nn.modules.loss._Loss) and isinstance(ignored, int):
+        counted = data.labels_other_than(ignored)
+        if counted == 0:
+            raise DataError(f"every target equals the loss's ignore_index ({ignored}): the mean loss is undefined")
+        if counted is not None and counted < data.total_samples:
+            summed = copy.copy(loss_fn)
+            summed.reduction = "sum"
+            return summed, 1.0 / counted, False
+    return loss_fn, 1.0 / n_samples, True
+
+
 class Objective:
     """Whole-data-set loss ``f(w)`` of ``model`` under ``loss_fn``, with gradients and HVPs.
 
@@ -125,10 +143,16 @@ class Objective:
         layout: :class:`manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
         n_samples: number of samples in the data set (every process's share together).
         comm: the :class:`~sharpness.products._distributed.Communicator` the sums go through.
+        chunk_loss_fn: the loss each chunk's weighted share is taken of: the objective is
+            ``sum(weight * chunk_loss_fn(outputs, targets))`` over :meth:`chunks` (or :meth:`pieces`). It is
+            ``loss_fn``, except for a mean-reduced loss that leaves out the targets equal to its ``ignore_index``
+            (``CrossEntropyLoss``, ``NLLLoss``) where some do: then its summed copy, each chunk weighted by one
+            over the targets counted in the whole data set, so the objective is the mean over those targets
+            however the data are chunked (found by one pass over the targets when the objective is built).
 
     Raises:
-        DataError: unusable data; with several processes also fewer samples than processes, or data that
-            differ between processes.
+        DataError: unusable data (every target ignored by a mean-reduced loss included); with several
+            processes also fewer samples than processes, or data that differ between processes.
     """
 
     def __init__(
@@ -182,7 +206,10 @@ class Objective:
         self.n_samples = self.data.total_samples
         # What one process holds at most (the memory decisions, the same on every process).
         self._share_size = -(-self.n_samples // self.comm.world_size)
-        self._weight = 1.0 / self.n_samples if self.reduction == "mean" else 1.0
+        # The loss each chunk's weighted share is taken of, and the weights (see chunk_loss_fn).
+        self.chunk_loss_fn, self._weight, self._per_sample = loss_fn, 1.0, False
+        if self.reduction == "mean":
+            self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(loss_fn, self.data, self.n_samples)
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
@@ -321,7 +348,7 @@ class Objective:
         """Yield ``(inputs, targets, weight)``; the objective is ``sum(weight * chunk_loss)``."""
         for x, y in self.data:
             x, y = cast_batch(x, y, self.dtype, self.device)
-            w = self._weight * x.shape[0] if self.reduction == "mean" else 1.0
+            w = self._weight * x.shape[0] if self._per_sample else self._weight
             yield x, y, w
 
     def pieces(self, size: int, join: bool = False) -> Iterator[tuple[Tensor, Tensor, float]]:
@@ -340,7 +367,7 @@ class Objective:
                 cuts = -(-n // size)
                 for i in range(cuts):
                     lo, hi = n * i // cuts, n * (i + 1) // cuts
-                    yield x[lo:hi], y[lo:hi], (w * (hi - lo) / n if self.reduction == "mean" else w)
+                    yield x[lo:hi], y[lo:hi], (w * (hi - lo) / n if self._per_sample else w)
             elif join:
                 held.append((x, y, w))
             else:
@@ -349,15 +376,15 @@ class Objective:
             yield self._joined(held)
 
     def _joined(self, held: list[tuple[Tensor, Tensor, float]]) -> tuple[Tensor, Tensor, float]:
-        """Consecutive chunks as one: the summed weight of a mean (each chunk's is its share of the samples), the
-        common weight 1 of a sum."""
+        """Consecutive chunks as one: the summed weight of a per-sample mean (each chunk's is its share of the
+        samples), the common weight of a sum."""
         if len(held) == 1:
             return held[0]
-        w = sum(h[2] for h in held) if self.reduction == "mean" else 1.0
+        w = sum(h[2] for h in held) if self._per_sample else held[0][2]
         return torch.cat([h[0] for h in held]), torch.cat([h[1] for h in held]), w
 
     def _chunk_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        return self.loss_fn(functional_call(self.model, (params, self.buffers), (x,)), y)
+        return self.chunk_loss_fn(functional_call(self.model, (params, self.buffers), (x,)), y)
 
     def _weighted_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, w: float) -> Tensor:
         # The chunk's weight is folded into the loss, so its derivatives come out weighted for free.
@@ -368,7 +395,7 @@ class Objective:
         derivatives, through :mod:`sharpness.products._data_conv` where the model allows it."""
         if self._data_conv is None or x.requires_grad:
             return self._weighted_loss(params, x, y, w)
-        return w * self.loss_fn(self._data_conv(params, self.buffers, x), y)
+        return w * self.chunk_loss_fn(self._data_conv(params, self.buffers, x), y)
 
     def _accumulator(self, like: Tensor, out: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
         """A flat ``(..., n)`` sum (zero, or ``out`` to add to) and its per-parameter views, to add chunk
@@ -409,7 +436,7 @@ class Objective:
         with eval_mode(self.model):
             for x, y, w in self.chunks():
                 out = functional_call(self.model, (p, self.buffers), (x,))
-                sums[0] += w * self.loss_fn(out, y).double()
+                sums[0] += w * self.chunk_loss_fn(out, y).double()
                 if not y.is_floating_point() and out.dim() == 2:
                     sums[1] += (out.argmax(dim=1) == y).sum()
                 else:
@@ -584,7 +611,7 @@ class Objective:
         states, value, seconds = [], 0.0, 0.0
         for x, y, w in self._rop_pieces():
             start = time.perf_counter()
-            state = self._rop.forward_state(self.params, channels_last(x), y, self.loss_fn, w)
+            state = self._rop.forward_state(self.params, channels_last(x), y, self.chunk_loss_fn, w)
             seconds += time.perf_counter() - start
             if products is None:
                 states.append(state)

@@ -330,8 +330,9 @@ class ChunkState:
     saved: list  # per op: the input h (affine) or what P needs (slopes, indices, shape)
     deltas: dict[int, Tensor]  # per affine op index: dL/dz (weighted)
     loss: Tensor  # the weighted loss, detached
-    probs: Tensor | None = None  # softmax of the outputs, when the loss is a plain cross-entropy
-    scale: float = 1.0  # ... and the factor of its Hessian: chunk weight (over the chunk size for a mean)
+    probs: Tensor | None = None  # softmax of the outputs, when the loss is a plain cross-entropy (ignored rows 0)
+    scale: float | Tensor = 1.0  # ... and the factor of its Hessian: chunk weight (over the counted targets for a
+    # mean: a 0-dim tensor, so that counting them never waits for the device)
     out: Tensor | None = None  # otherwise the outputs, a leaf of the loss graph,
     out_grad: Tensor | None = None  # and d(weighted loss)/d out with its graph
 
@@ -347,8 +348,9 @@ class ChunkState:
 
 def _plain_cross_entropy(loss_fn: Callable, out: Tensor, y: Tensor) -> bool:
     """Whether ``loss_fn(out, y)`` is a cross-entropy whose Hessian in ``out`` is ``diag(p) - p p^T`` per sample
-    (over the chunk size for a mean): no class weights, ``(n, C)`` outputs, class-index targets, none
-    ignored. Label smoothing only moves the gradient."""
+    whose target is not ``ignore_index`` (0 for the others; over their count for a mean): no class weights,
+    ``(n, C)`` outputs, class-index targets. Label smoothing only moves the gradient. Read off the shapes and
+    types alone: nothing waits for the device."""
     return (
         type(loss_fn) is nn.CrossEntropyLoss
         and loss_fn.weight is None
@@ -356,7 +358,6 @@ def _plain_cross_entropy(loss_fn: Callable, out: Tensor, y: Tensor) -> bool:
         and out.dim() == 2
         and not y.is_floating_point()
         and y.dim() == 1
-        and not bool((y == loss_fn.ignore_index).any())
     )
 
 
@@ -391,10 +392,11 @@ def loss_state(
     if _plain_cross_entropy(loss_fn, h, y):
         # Closed form: no autograd graph (its engine costs more than a small chunk's loss itself).
         probs = torch.softmax(h, dim=1)
-        scale = weight / h.shape[0] if loss_fn.reduction == "mean" else weight
+        counted = (y != loss_fn.ignore_index).to(h.dtype)
+        scale = weight / counted.sum() if loss_fn.reduction == "mean" else weight
         value = weight * loss_fn(h, y)
-        out_grad = _cross_entropy_gradient(probs, y, loss_fn.label_smoothing, scale)
-        return ChunkState(saved, errors(out_grad), value, probs=probs, scale=scale)
+        out_grad = _cross_entropy_gradient(probs, y, counted, loss_fn.label_smoothing, scale)
+        return ChunkState(saved, errors(out_grad), value, probs=probs.mul_(counted[:, None]), scale=scale)
     with torch.enable_grad():
         out = h.detach().requires_grad_(True)
         value = weight * loss_fn(out, y)
@@ -402,12 +404,14 @@ def loss_state(
     return ChunkState(saved, errors(out_grad.detach()), value.detach(), out=out, out_grad=out_grad)
 
 
-def _cross_entropy_gradient(probs: Tensor, y: Tensor, smoothing: float, scale: float) -> Tensor:
+def _cross_entropy_gradient(probs: Tensor, y: Tensor, counted: Tensor, smoothing: float,
+                            scale: float | Tensor) -> Tensor:  # fmt: skip
     """``scale * (p - t)``: the gradient in the outputs of ``scale`` times the summed cross-entropy, with
-    softmax ``probs`` (n, C) and target distribution ``t = (1 - smoothing) onehot(y) + smoothing / C``."""
+    softmax ``probs`` (n, C) and target distribution ``t = (1 - smoothing) onehot(y) + smoothing / C``; 0 in
+    the rows where ``counted`` (n,) is 0 (an ignored target, read there as class 0)."""
     g = probs - smoothing / probs.shape[1]
-    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0 - smoothing
-    return g.mul_(scale)
+    g[torch.arange(g.shape[0], device=g.device), torch.where(counted > 0, y, 0)] -= 1.0 - smoothing
+    return g.mul_(counted[:, None]).mul_(scale)
 
 
 def _output_errors(chain: RopChain, params: Mapping[str, Tensor], saved: list, out_grad: Tensor) -> dict[int, Tensor]:
