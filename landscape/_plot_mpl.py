@@ -16,7 +16,7 @@ from pathlib import Path
 
 import matplotlib as mpl
 import numpy as np
-from matplotlib import colors, ticker
+from matplotlib import colors, patheffects, ticker
 from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
 from matplotlib.figure import Figure
@@ -129,7 +129,12 @@ def label_contours(ax: Axes, lines, xlim: tuple[float, float], ylim: tuple[float
     del lines.labelTexts[:], lines.labelCValues[:]
     if not keep:
         return []
-    return ax.clabel(lines, inline=True, manual=keep, **kwargs)
+    labels = ax.clabel(lines, inline=True, manual=keep, **kwargs)
+    for text in labels:  # a halo in the opposite shade keeps each label readable on any fill
+        r, g, b, _ = colors.to_rgba(text.get_color())
+        halo = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+        text.set_path_effects([patheffects.withStroke(linewidth=1.6, foreground=halo, alpha=0.75)])
+    return labels
 
 
 def mark_center_and_minimum(ax: Axes, s: Surface) -> str:

@@ -345,6 +345,29 @@ def test_figures_in_every_format_with_a_shared_log_scale(tmp_path):
     assert len(levels) >= 5 and levels[0] <= 2.3 and levels[-1] >= 4.5 and np.all(levels > 0)
 
 
+@pytest.mark.parametrize("line_color", ["k", "white"])
+def test_contour_labels_carry_a_halo_of_the_opposite_shade(line_color):
+    """Labels stay readable on the darkest and the lightest fill: dark labels get a light halo, light ones a
+    dark halo (a halo of the label's own shade would hide it)."""
+    import matplotlib.pyplot as plt
+    from matplotlib import patheffects
+
+    from landscape._plot_mpl import label_contours
+
+    x = np.linspace(-1, 1, 41)
+    loss = x[:, None] ** 2 + x[None, :] ** 2
+    fig, ax = plt.subplots()
+    ax.contourf(x, x, loss, levels=8, cmap="viridis")
+    lines = ax.contour(x, x, loss, levels=[0.2, 0.5, 0.9], colors=line_color)
+    labels = label_contours(ax, lines, (-1, 1), (-1, 1), fmt="%g")
+    assert labels
+    for text in labels:
+        (halo,) = text.get_path_effects()
+        assert isinstance(halo, patheffects.withStroke)
+        assert halo._gc["foreground"] == ("white" if line_color == "k" else "black")
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------
 # command line
 
