@@ -132,6 +132,7 @@ def label_contours(ax: Axes, lines, xlim: tuple[float, float], ylim: tuple[float
     labels = ax.clabel(lines, inline=True, manual=keep, **kwargs)
     for text in labels:  # a halo in the opposite shade keeps each label readable on any fill
         r, g, b, _ = colors.to_rgba(text.get_color())
+        text.set_color((r, g, b))  # opaque: a faint line's label would blur into its halo
         halo = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
         text.set_path_effects([patheffects.withStroke(linewidth=1.6, foreground=halo, alpha=0.75)])
     return labels
