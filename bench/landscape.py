@@ -49,9 +49,12 @@ _spec = importlib.util.spec_from_file_location("_resnet_bench", HERE / "resnet.p
 _resnet_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_resnet_bench)
 
-from landscape import DirectionSpec, Grid, evaluate_grid, grid_axis, loss_plane, random_directions  # noqa: E402  # noqa: E402
+from landscape import DirectionSpec, Grid, evaluate_grid, grid_axis, loss_plane, random_directions  # noqa: E402
 from sharpness import Objective  # noqa: E402
 from sharpness.products import retain_freed_memory  # noqa: E402
+
+METHODS = ("ll", "ll-nograd", "loop", "vmap", "auto")
+LOOP = "plain per-point loop (functional_call, no_grad)"
 
 
 def _coords(steps: int, span: float) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +135,14 @@ def main() -> None:
     parser.add_argument("--kinds", type=int, default=0, metavar="STEPS",
                         help="also time every kind of plane loss_plane draws (random, invariant-eigen straight and "
                              "geodesic, G-space) on a STEPS x STEPS grid (e.g. 21; default: skip)")  # fmt: skip
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all). Without 'loop', the "
+                             "fast path is checked against the plain loop on 9 sampled points")  # fmt: skip
     args = parser.parse_args()
+    chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(chosen) - set(METHODS))
+    if unknown or "auto" not in chosen:
+        parser.error(f"--methods takes names from {','.join(METHODS)} and must include 'auto'; got {args.methods!r}")
     torch.set_num_threads(args.threads)
     # Every tool in this run under the same allocator settings (our objectives apply them on first use).
     print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
@@ -177,26 +187,27 @@ def main() -> None:
 
         return run
 
-    methods = {}
-    try:
-        import loss_landscapes  # noqa: F401
-
-        methods["loss-landscapes random_plane (as documented: autograd on)"] = ll(False)
-        methods["loss-landscapes random_plane under torch.no_grad()"] = ll(True)
-    except ImportError:
+    runners = {
+        "ll": ("loss-landscapes random_plane (as documented: autograd on)", ll(False)),
+        "ll-nograd": ("loss-landscapes random_plane under torch.no_grad()", ll(True)),
+        "loop": (LOOP, loop),
+        "vmap": ("naive vmap over functional_call", ours("vmap")),
+        "auto": ("landscape.evaluate_grid (auto)", ours("auto")),
+    }
+    if {"ll", "ll-nograd"} & set(chosen) and importlib.util.find_spec("loss_landscapes") is None:
         print("loss-landscapes is not installed (pip install --no-deps loss-landscapes); its rows are skipped")
-    methods["plain per-point loop (functional_call, no_grad)"] = loop
-    methods["naive vmap over functional_call"] = ours("vmap")
-    methods["landscape.evaluate_grid (auto)"] = ours("auto")
+        chosen = [m for m in chosen if not m.startswith("ll")]
+    methods = dict(runners[m] for m in METHODS if m in chosen)
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(args.repeat):  # interleaved, so a change in machine load hits every method alike
+    for round_ in range(args.repeat):  # interleaved, so a change in machine load hits every method alike
         for name, run in methods.items():
             times[name].append(run())
+            print(f"  round {round_ + 1}: {name}: {times[name][-1]:.2f} s", flush=True)
 
-    fast, naive = results["auto"], results["vmap"]
+    fast, naive = results["auto"], results.get("vmap")
     best = {name: min(t) for name, t in times.items()}
     ll_name = next((n for n in best if n.startswith("loss-landscapes")), None)
-    loop_name = "plain per-point loop (functional_call, no_grad)"
+    loop_name = LOOP if LOOP in best else None
     print(f"\n{'method':<62} {'best s':>7} {'points/s':>9} {'vs LL':>6} {'vs loop':>7}")
     for name, seconds in best.items():
         label = name
@@ -205,14 +216,24 @@ def main() -> None:
         if name.startswith("landscape"):
             label = f"landscape.evaluate_grid, {fast.strategy} (batch {fast.batch})"
         vs_ll = f"{best[ll_name] / seconds:5.2f}x" if ll_name else "  -"
-        print(f"{label:<62} {seconds:7.2f} {n_points / seconds:9.0f} {vs_ll:>6} {best[loop_name] / seconds:6.2f}x")
+        vs_loop = f"{best[loop_name] / seconds:6.2f}x" if loop_name else "  -"
+        print(f"{label:<62} {seconds:7.2f} {n_points / seconds:9.0f} {vs_ll:>6} {vs_loop:>7}")
 
-    reference = results["reference"]
-    rel = np.abs(fast.loss - reference) / np.abs(reference)
+    if loop_name:
+        checked = np.arange(n_points)
+        reference = results["reference"]
+    else:  # the loop costs as much as loss-landscapes: check the corners, the center and random points instead
+        side = args.steps
+        corners = [0, side - 1, n_points - side, n_points - 1, n_points // 2]
+        rest = np.random.default_rng(0).choice(n_points, size=min(4, n_points), replace=False)
+        checked = np.unique(np.concatenate([corners, rest]))
+        reference = plain_loop(model, loss_fn, X, y, obj.params, d1, d2, coords[checked])
+    rel = np.abs(fast.loss[checked] - reference) / np.abs(reference)
     center = np.flatnonzero((coords == 0).all(axis=1))
     exact = obj.evaluate()["loss"]
     untouched = all(torch.equal(before[k], p.detach()) for k, p in model.named_parameters())
-    print(f"\nfast path vs plain loop: max relative difference {rel.max():.2e} (float32)")
+    print(f"\nfast path vs plain loop on {checked.size} of {n_points} points: max relative difference "
+          f"{rel.max():.2e} (float32)")
     print(f"ours: grid contains the center: {center.size == 1}; loss there {fast.loss[center[0]]:.8f} vs the "
           f"objective's {exact:.8f}; model parameters untouched: {untouched}")  # fmt: skip
     ll_facts = results.get("ll_facts")
@@ -234,7 +255,7 @@ def main() -> None:
             "rows": [{"method": n, "seconds": t, "best_points_per_second": n_points / min(t)}
                      for n, t in times.items()],
             "max_relative_difference": float(rel.max()), "memory": memory, "loss_landscapes": ll_facts,
-            "threads": args.threads, "steps": args.steps,
+            "threads": args.threads, "steps": args.steps, "checked_points": int(checked.size),
         }, indent=2))  # fmt: skip
 
 
