@@ -184,8 +184,13 @@ def test_rop_is_not_used_where_it_does_not_apply():
         obj.hvp(torch.ones(obj.layout.size, dtype=torch.float64), "rop")
 
 
-def test_value_and_gradient_match_full_batch(case):
+@pytest.mark.parametrize("piece_samples", [None, 1], ids=["chunks", "one-sample-pieces"])
+def test_value_and_gradient_match_full_batch(case, piece_samples, monkeypatch):
     obj = Objective(case.model, case.loss_fn, case.data, chunk_size=5)
+    if piece_samples is not None:  # on the CPU gradients run in pieces of a bounded size: cut to single samples
+        from sharpness.products import _objective as objective_module
+
+        monkeypatch.setattr(objective_module, "_GRADIENT_PIECE_BYTES", obj.activation_bytes_per_sample())
     flat = obj.layout.flatten(obj.params).requires_grad_(True)
     loss = full_batch_loss(case, flat, obj.layout)
     (g_ref,) = torch.autograd.grad(loss, flat)
@@ -509,6 +514,14 @@ def test_a_mean_loss_with_ignored_targets_is_their_mean_over_the_whole_data_set_
         obj = Objective(model, loss_fn, (X, y), chunk_size=chunk_size)
         torch.testing.assert_close(obj.value(), whole(flat), rtol=1e-14, atol=0)
         torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-13, atol=1e-15)
+        for samples in (1, 7):  # gradients in pieces of 1 sample (chunks cut), of up to 7 (chunks of 3 joined)
+            monkeypatch.setattr(objective_module, "_GRADIENT_PIECE_BYTES", samples * obj.activation_bytes_per_sample())
+            torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-13, atol=1e-15)
+            value, grad = obj.value_and_gradient()
+            torch.testing.assert_close(grad, gradient, rtol=1e-13, atol=1e-15)
+            torch.testing.assert_close(value, whole(flat), rtol=1e-14, atol=0)
+        monkeypatch.undo()
+        monkeypatch.setattr(objective_module, "_ROP_PIECE_BYTES", 1)
         for strategy in ("rop" if type(loss_fn) is nn.CrossEntropyLoss else "jvp", "double_backward"):
             torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=1e-12, atol=1e-14)
         grid = evaluate_grid(obj, directions, coords, progress=False).loss
