@@ -38,6 +38,7 @@ from 0.96 s to about 0.52 s (2 threads).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -402,8 +403,16 @@ class _FirstLayer:
         self.rest_points: _Points | None = None
         self.mlp = _mlp_layers(split.chain, layout.names)
         self.scratch: dict[str, Tensor] = {}
-        self.rest, self.rest_keep, self.rest_buffers = _eval_module(split.rest, split.rest.graph, self.buffers)
-        self.rest_single = _eval_module(split.rest, split.rest.graph, self.buffers, inplace=True)[0]  # unbatched
+
+    @functools.cached_property
+    def rest_batched(self) -> tuple[nn.Module, set[str], dict[str, Tensor]]:
+        """The later layers for batches of points (vmapped), the names they take and the buffers among them."""
+        return _eval_module(self.split.rest, self.split.rest.graph, self.buffers)
+
+    @functools.cached_property
+    def rest_single(self) -> tuple[nn.Module, set[str], dict[str, Tensor]]:
+        """The same for one point (a plain call: ReLUs and additions in place where safe)."""
+        return _eval_module(self.split.rest, self.split.rest.graph, self.buffers, inplace=True)
 
     def _scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         """A reused buffer of ``shape`` for the activations of a batch: a fresh tensor of tens of MB costs
@@ -488,10 +497,12 @@ class _FirstLayer:
         params = self.rest_params(lo, c)
         if self.mlp is not None and h.dim() == 3:
             return self._mlp_loss(self._mlp(h, params), y)
-        rest, buffers = self.rest, self.rest_buffers
-        params = {n: t for n, t in params.items() if n in self.rest_keep}
-        if c.shape[0] == 1:  # one point: a plain call (vmap's batching rules cost a quarter of a ResNet's pass)
-            out = functional_call(self.rest_single, ({n: t[0] for n, t in params.items()}, buffers), (h[0],))
+        # each module is built on first use: a grid of one-point batches never needs the vmapped one
+        single = c.shape[0] == 1  # one point: a plain call (vmap's batching rules cost a quarter of a ResNet's pass)
+        rest, keep, buffers = self.rest_single if single else self.rest_batched
+        params = {n: t for n, t in params.items() if n in keep}
+        if single:
+            out = functional_call(rest, ({n: t[0] for n, t in params.items()}, buffers), (h[0],))
             classify = _classifies(out, y)
             loss, hits = _loss_and_hits(self.loss_fn, out, y, classify)
             return loss[None], hits[None], classify
