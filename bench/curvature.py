@@ -52,7 +52,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +66,7 @@ from torch.func import functional_call, grad, jvp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _memory import measure, run_probe  # noqa: E402
 from _workloads import WORKLOADS, build_model, make_workload  # noqa: E402
 
 from sharpness import HessianOperator, Objective, Solver, euclidean_sharpness, hessian_spectral_density  # noqa: E402
@@ -693,41 +693,6 @@ def print_solve(res: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # section 3: memory, each measurement in a fresh process
-def _status_kb() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, val = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(val.split()[0])
-    return out
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _torch_peak_bytes(fn: Callable[[], Any]) -> int | None:
-    """Peak of bytes allocated by torch's CPU allocator during ``fn`` (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            events = json.load(fh)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and "args" in e]
-    return max(totals) if totals else None
-
-
 def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in the child: build the model and data, warm up, measure one operation."""
     warnings.simplefilter("ignore")
@@ -757,39 +722,8 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
 
     def clean():
         model.zero_grad(set_to_none=True)
-        gc.collect()
 
-    out: dict[str, Any] = {}
-    for key in ("first", "repeat"):
-        clean()
-        base = _status_kb()["VmRSS"]
-        precise = _reset_peak()
-        maxrss0 = resource_maxrss_kb()
-        result = op()
-        del result
-        if precise:
-            out[f"rss_{key}_bytes"] = (_status_kb()["VmHWM"] - base) * 1024
-        else:  # coarse: counts only what exceeds the earlier high-water mark
-            out[f"rss_{key}_bytes"] = (resource_maxrss_kb() - maxrss0) * 1024
-        out["rss_precise"] = precise
-    clean()
-    out["torch_peak_bytes"] = _torch_peak_bytes(op)
-    return out
-
-
-def resource_maxrss_kb() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"memory probe failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return measure(op, clean)
 
 
 def section_memory(w, tol: float, state_dir: str, quick: bool) -> dict[str, Any]:
@@ -820,7 +754,7 @@ def section_memory(w, tol: float, state_dir: str, quick: bool) -> dict[str, Any]
         }
     out = {}
     for name, spec in probes.items():
-        out[name] = run_probe({"workload": w.name, "state": path, "threads": torch.get_num_threads(), **spec})
+        out[name] = run_probe(__file__, {"workload": w.name, "state": path, "threads": torch.get_num_threads(), **spec})
         out[name]["spec"] = spec
     g = out["gradient"]
     for name, p in out.items():

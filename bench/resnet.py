@@ -23,6 +23,13 @@ with the autograd strategies "auto" picked for this model before the R-operator 
 memory, "double_backward" streamed; ``--no-autograd`` skips them). Every case runs ``--hvp-rounds`` times,
 interleaved with its gradients, and the best time counts. Targets: in memory <= 1.3x a gradient, streamed
 <= 3x.
+
+Section "memory" (issue 22) measures, each in a fresh process after the model and data are built and one forward
+pass has run, the peak resident memory (the kernel's high-water mark, reset just before the operation, minus the
+resident size then) of one gradient (``loss.backward()`` over all samples at once) and of top-eigenvalue solves:
+the default ``lanczos`` under the objective's default memory budget (2 GiB on CPU: the products' state is kept
+only where it fits) and ``low-memory-lanczos`` streaming the data in chunks of ``--memory-chunk`` with nothing
+cached, Euclidean and node-wise. Target: the low-memory solves at most 2x one gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))  # after the packages: bench/landscape.py loads this file
+
+from _memory import measure, run_probe  # noqa: E402
 
 from manifolds import analyze  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
@@ -136,6 +146,60 @@ def hvp_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, threads: lis
     return out
 
 
+def memory_probe(spec: dict) -> dict:
+    """Runs in the child: build the workload, warm up, measure one operation's peak resident memory."""
+    torch.set_num_threads(spec["threads"])
+    retain_freed_memory()  # as in the parent and in any use of our objectives on the CPU
+    model, X, y = workload(spec["samples"])
+    loss = nn.CrossEntropyLoss()
+    with torch.no_grad():
+        model(X[: spec.get("chunk_size") or len(X)])  # warm-up forward
+
+    if spec["op"] == "gradient":
+
+        def op():
+            model.zero_grad(set_to_none=True)
+            loss(model(X), y).backward()
+    else:
+
+        def op():
+            budget = {"memory_budget": spec["memory_budget"]} if "memory_budget" in spec else {}
+            objective = Objective(model, loss, (X, y), dtype=torch.float32, chunk_size=spec.get("chunk_size"),
+                                  **budget)  # fmt: skip
+            solver = Solver(spec["method"], spec["tol"], seed=0)
+            return measure_sharpness(None, None, None, spec["measure"], solver=solver, objective=objective,
+                                     progress=False)  # fmt: skip
+
+    # RSS only: the torch allocator's trace of a multi-minute solve holds millions of events.
+    return measure(op, lambda: model.zero_grad(set_to_none=True), rounds=("first",), torch_peak=False)
+
+
+def memory_section(samples: int, threads: int, tol: float, chunk: int) -> dict:
+    """Peak resident memory of one gradient and of the eigen-solves, each in a fresh process (see the docstring)."""
+    base = {"samples": samples, "threads": threads}
+    solve = {"op": "solve", "tol": tol}
+    streamed = {"method": "low-memory-lanczos", "chunk_size": chunk, "memory_budget": 1}  # nothing cached
+    probes = {
+        "gradient (loss.backward, all samples)": {"op": "gradient"},
+        "euclidean, lanczos (default settings)": {**solve, "measure": "euclidean", "method": "lanczos"},
+        f"euclidean, low-memory-lanczos streaming x{chunk}": {**solve, "measure": "euclidean", **streamed},
+        f"node, low-memory-lanczos streaming x{chunk}": {**solve, "measure": "node", **streamed},
+    }
+    out: dict[str, dict] = {}
+    print(f"\npeak resident memory, each operation in a fresh process ({threads} thread(s), tol {tol:g}):")
+    for name, spec in probes.items():
+        start = time.perf_counter()
+        out[name] = run_probe(__file__, {**base, **spec}) | {"spec": spec}
+        out[name]["seconds"] = time.perf_counter() - start
+        ratio = out[name]["rss_first_bytes"] / out["gradient (loss.backward, all samples)"]["rss_first_bytes"]
+        out[name]["ratio"] = ratio
+        target = f" (target <= 2x): {'met' if ratio <= 2 else 'MISSED'}" if "low-memory" in name else ""
+        print(f"  {name:<48} {out[name]['rss_first_bytes'] / 2**20:9.1f} MiB  {ratio:5.2f}x a gradient{target}"
+              f"  [{out[name]['seconds']:.0f} s, RSS mark {'reset' if out[name]['rss_precise'] else 'coarse'}]",
+              flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1000, help="synthetic 3x32x32 samples (default: 1000)")
@@ -143,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tol", type=float, default=1e-3, help="relative tolerance of every solver (default: 1e-3)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--section", choices=("all", "measures", "hvp"), default="all", help="what to time")
+    parser.add_argument("--section", choices=("all", "measures", "hvp", "memory"), default="all",
+                        help="what to time (memory runs only when named)")  # fmt: skip
+    parser.add_argument("--memory-chunk", type=int, default=50,
+                        help="memory section: chunk size of the streamed low-memory solves (default: 50)")
+    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     parser.add_argument("--hvp-threads", default="1,2", help="thread counts of the hvp section (default: 1,2)")
     parser.add_argument("--hvp-rounds", type=int, default=3, help="rounds of the hvp section (best counts)")
     parser.add_argument("--no-autograd", action="store_true",
@@ -151,8 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-gib", type=float, default=10.0,
                         help="memory budget of the in-memory HVP (default: 10 GiB)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.memory_probe:
+        print(json.dumps(memory_probe(json.loads(args.memory_probe))))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.section == "memory":
+        print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
+        print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, "
+              f"{platform.processor() or platform.machine()}, torch {torch.__version__}")  # fmt: skip
+        figures = {"samples": args.samples, "memory": memory_section(args.samples, torch.get_num_threads(),
+                                                                     args.tol, args.memory_chunk)}  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return 0
     model, X, y = workload(args.samples)
     # Every tool in this run under the same allocator settings (our objectives apply them on first use).
     print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
