@@ -535,3 +535,22 @@ def test_a_mean_loss_that_ignores_every_target_is_refused():
     model = nn.Sequential(nn.Linear(5, 3)).eval()
     with pytest.raises(DataError, match="every target equals the loss's ignore_index"):
         Objective(model, nn.CrossEntropyLoss(), (torch.randn(4, 5), torch.full((4,), -100)))
+
+
+def test_gradient_pieces_join_chunks_only_within_the_memory_budget(monkeypatch):
+    """On the CPU gradients run in pieces of about ``_GRADIENT_PIECE_BYTES`` of activations: larger chunks are cut,
+    and smaller ones joined only where the memory budget allows a chunk that large (a small budget keeps them)."""
+    from sharpness.products import _objective as objective_module
+
+    case = make_case("mlp_bias")
+    X, y = case.X[:13], case.y[:13]
+    roomy = Objective(case.model, case.loss_fn, (X, y), chunk_size=3)
+    per_sample = roomy.activation_bytes_per_sample()
+    monkeypatch.setattr(objective_module, "_GRADIENT_PIECE_BYTES", 7 * per_sample)
+    assert [x.shape[0] for x, _, _ in roomy._gradient_pieces()] == [6, 7]
+    tight = Objective(case.model, case.loss_fn, (X, y), chunk_size=3, memory_budget=int(4 * 7 * per_sample) - 1)
+    assert [x.shape[0] for x, _, _ in tight._gradient_pieces()] == [3, 3, 3, 3, 1]
+    monkeypatch.setattr(objective_module, "_GRADIENT_PIECE_BYTES", 2 * per_sample)
+    whole = Objective(case.model, case.loss_fn, (X, y))
+    assert [x.shape[0] for x, _, _ in whole._gradient_pieces()] == [1, 2, 2, 2, 2, 2, 2]  # near-equal cuts
+    torch.testing.assert_close(whole.gradient(), roomy.gradient(), rtol=1e-13, atol=1e-15)

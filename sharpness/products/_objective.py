@@ -37,9 +37,9 @@ HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # (sharpness.products._heap, 128 MiB), or every piece maps them afresh from the system, page by page: with
 # 16 MiB pieces a ResNet-20 product on 1000 samples took 150-450 thousand page faults, a fifth of its time.
 _ROP_PIECE_BYTES = 4 * 2**20
-# Forward activations of one gradient piece on the CPU (chunks joined or cut to it, within a quarter of the memory
-# budget). Activations that fit in the heap's retained memory are reused instead of mapped afresh: a ResNet-20
-# gradient over 1000 samples took 5.5 s in one piece and 2.0 s in pieces of 70 samples (2 threads).
+# Forward activations of one gradient piece on the CPU (larger chunks cut to it; smaller ones joined up to it where
+# the memory budget allows). Activations that fit in the heap's retained memory are reused instead of mapped afresh:
+# a ResNet-20 gradient over 1000 samples took 5.5 s in one piece and 2.0 s in pieces of 70 samples (2 threads).
 _GRADIENT_PIECE_BYTES = 128 * 2**20
 
 
@@ -450,12 +450,14 @@ class Objective:
         return {"loss": loss, "accuracy": hits / self.n_samples} if classify else {"loss": loss}
 
     def _gradient_pieces(self) -> Iterator[tuple[Tensor, Tensor, float]]:
-        """The data for gradients: on the CPU the chunks joined or cut to about ``_GRADIENT_PIECE_BYTES`` of
-        forward activations (at most a quarter of the memory budget); elsewhere the chunks as they are."""
+        """The data for gradients: on the CPU the chunks cut to about ``_GRADIENT_PIECE_BYTES`` of forward
+        activations, and smaller chunks joined up to that where the memory budget would allow such a chunk;
+        elsewhere the chunks as they are."""
         if self.device.type != "cpu":
             return self.chunks()
-        bytes_ = min(_GRADIENT_PIECE_BYTES, self.memory_budget / 4)
-        return self.pieces(max(1, int(bytes_ // self.activation_bytes_per_sample())), join=True)
+        per_sample = self.activation_bytes_per_sample()
+        size = max(1, int(_GRADIENT_PIECE_BYTES // per_sample))
+        return self.pieces(size, join=4 * per_sample * size <= self.memory_budget)  # as _auto_chunk_size counts
 
     def gradient(self, params: Mapping[str, Tensor] | Tensor | None = None) -> Tensor:
         """Euclidean gradient of the whole-data-set loss, flat ``(n,)``."""
