@@ -62,6 +62,21 @@ def torch_peak_bytes(fn: Callable[[], Any]) -> int | None:
     return max(totals) if totals else None
 
 
+def module_gradient(model, loss_fn, X, y) -> Callable[[], None]:
+    """The reference operation: one ``loss.backward()`` of the module over all of ``X`` at once."""
+
+    def op() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(X), y).backward()
+
+    return op
+
+
+def budget_of(spec: dict[str, Any]) -> dict[str, int]:
+    """``{"memory_budget": ...}`` where the probe's spec sets one, for ``Objective(**...)``."""
+    return {"memory_budget": spec["memory_budget"]} if "memory_budget" in spec else {}
+
+
 def measure(
     op: Callable[[], Any], clean: Callable[[], None], rounds: Sequence[str] = ("first", "repeat"), torch_peak=True
 ) -> dict[str, Any]:

@@ -66,7 +66,7 @@ from torch.func import functional_call, grad, jvp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _memory import measure, run_probe  # noqa: E402
+from _memory import budget_of, measure, module_gradient, run_probe  # noqa: E402
 from _workloads import WORKLOADS, build_model, make_workload  # noqa: E402
 
 from sharpness import HessianOperator, Objective, Solver, euclidean_sharpness, hessian_spectral_density  # noqa: E402
@@ -708,15 +708,11 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
         model(X)  # warm-up forward
 
     if spec["op"] == "gradient":
-
-        def op():
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(X), y).backward()
+        op = module_gradient(model, loss_fn, X, y)
     else:
 
         def op():
-            budget = {"memory_budget": spec["memory_budget"]} if "memory_budget" in spec else {}
-            objective = Objective(model, loss_fn, (X, y), chunk_size=spec.get("chunk_size"), **budget)
+            objective = Objective(model, loss_fn, (X, y), chunk_size=spec.get("chunk_size"), **budget_of(spec))
             solver = Solver(spec["method"], spec["tol"], hvp=spec.get("hvp", "auto"))
             return euclidean_sharpness(None, None, None, 1, solver=solver, progress=False, objective=objective)
 

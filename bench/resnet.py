@@ -49,7 +49,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # after the packages: bench/landscape.py loads this file
 
-from _memory import measure, run_probe  # noqa: E402
+from _memory import budget_of, measure, module_gradient, run_probe  # noqa: E402
 
 from manifolds import analyze  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
@@ -156,16 +156,12 @@ def memory_probe(spec: dict) -> dict:
         model(X[: spec.get("chunk_size") or len(X)])  # warm-up forward
 
     if spec["op"] == "gradient":
-
-        def op():
-            model.zero_grad(set_to_none=True)
-            loss(model(X), y).backward()
+        op = module_gradient(model, loss, X, y)
     else:
 
         def op():
-            budget = {"memory_budget": spec["memory_budget"]} if "memory_budget" in spec else {}
             objective = Objective(model, loss, (X, y), dtype=torch.float32, chunk_size=spec.get("chunk_size"),
-                                  **budget)  # fmt: skip
+                                  **budget_of(spec))  # fmt: skip
             solver = Solver(spec["method"], spec["tol"], seed=0)
             return measure_sharpness(None, None, None, spec["measure"], solver=solver, objective=objective,
                                      progress=False)  # fmt: skip
