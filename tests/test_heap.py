@@ -41,7 +41,9 @@ def _run(mode: str, **env: str) -> tuple[str, int]:
 def test_freed_memory_is_reused_without_page_faults():
     applied, faults = _run("retain")
     assert applied == "True"
-    assert faults < 2000  # 96 MiB is 24576 pages: reused, not mapped afresh
+    # 96 MiB is 24576 pages: reused, not mapped afresh. Measured 0-2048 (an 8 MiB block mapped again once, on a
+    # loaded machine); the control without the settings maps nearly all of them (24555).
+    assert faults < 24576 // 4
 
 
 def test_the_allocator_left_alone_faults_on_every_reuse():
