@@ -14,7 +14,9 @@ Times, in one run on the same model, data and grid size (points per second, high
 * a plain per-point loop: ``functional_call(model, theta + a d1 + b d2, X)`` per grid point under
   ``torch.no_grad()``;
 * ``landscape.evaluate_grid(strategy="vmap")``: the whole model vmapped over batches of grid points;
-* ``landscape.evaluate_grid()`` (auto: the first-layer fast path for this model).
+* ``landscape.evaluate_grid()`` (auto: the first-layer fast path for this model);
+* ``landscape.evaluate_grid(compile=True)``: the same, one point at a time through a ``torch.compile``d forward
+  pass (the compilation counts in its time; ``--methods ...,compiled``).
 
 Every method runs ``--repeat`` times, interleaved, and its best time counts (the machine may be
 shared). The script also checks that the fast path's values equal the plain loop's (relative 1e-6),
@@ -53,7 +55,8 @@ from landscape import DirectionSpec, Grid, evaluate_grid, grid_axis, loss_plane,
 from sharpness import Objective  # noqa: E402
 from sharpness.products import retain_freed_memory  # noqa: E402
 
-METHODS = ("ll", "ll-nograd", "loop", "vmap", "auto")
+METHODS = ("ll", "ll-nograd", "loop", "vmap", "auto", "compiled")
+OURS = ("auto", "compiled")
 LOOP = "plain per-point loop (functional_call, no_grad)"
 
 
@@ -135,14 +138,16 @@ def main() -> None:
     parser.add_argument("--kinds", type=int, default=0, metavar="STEPS",
                         help="also time every kind of plane loss_plane draws (random, invariant-eigen straight and "
                              "geodesic, G-space) on a STEPS x STEPS grid (e.g. 21; default: skip)")  # fmt: skip
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)} (default: all). Without 'loop', the "
+    parser.add_argument("--methods", default=",".join(METHODS[:-1]),
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all but compiled, which needs "
+                             "a C++ compiler). Without 'loop', the "
                              "fast path is checked against the plain loop on 9 sampled points")  # fmt: skip
     args = parser.parse_args()
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(METHODS))
-    if unknown or "auto" not in chosen:
-        parser.error(f"--methods takes names from {','.join(METHODS)} and must include 'auto'; got {args.methods!r}")
+    if unknown or not set(OURS) & set(chosen):
+        parser.error(f"--methods takes names from {','.join(METHODS)} and includes 'auto' or 'compiled'; "
+                     f"got {args.methods!r}")  # fmt: skip
     torch.set_num_threads(args.threads)
     # Every tool in this run under the same allocator settings (our objectives apply them on first use).
     print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
@@ -180,10 +185,12 @@ def main() -> None:
         results["reference"] = plain_loop(model, loss_fn, X, y, obj.params, d1, d2, coords)
         return time.perf_counter() - start
 
-    def ours(strategy: str):
+    def ours(key: str, strategy: str, compile: bool = False):
         def run() -> float:
-            results[strategy] = evaluate_grid(obj, directions.vectors, coords, strategy=strategy, progress=False)
-            return results[strategy].seconds
+            results[key] = evaluate_grid(
+                obj, directions.vectors, coords, strategy=strategy, compile=compile, progress=False
+            )
+            return results[key].seconds
 
         return run
 
@@ -191,8 +198,9 @@ def main() -> None:
         "ll": ("loss-landscapes random_plane (as documented: autograd on)", ll(False)),
         "ll-nograd": ("loss-landscapes random_plane under torch.no_grad()", ll(True)),
         "loop": (LOOP, loop),
-        "vmap": ("naive vmap over functional_call", ours("vmap")),
-        "auto": ("landscape.evaluate_grid (auto)", ours("auto")),
+        "vmap": ("naive vmap over functional_call", ours("vmap", "vmap")),
+        "auto": ("landscape.evaluate_grid (auto)", ours("auto", "auto")),
+        "compiled": ("landscape.evaluate_grid (auto, compile=True)", ours("compiled", "auto", compile=True)),
     }
     if {"ll", "ll-nograd"} & set(chosen) and importlib.util.find_spec("loss_landscapes") is None:
         print("loss-landscapes is not installed (pip install --no-deps loss-landscapes); its rows are skipped")
@@ -204,7 +212,7 @@ def main() -> None:
             times[name].append(run())
             print(f"  round {round_ + 1}: {name}: {times[name][-1]:.2f} s", flush=True)
 
-    fast, naive = results["auto"], results.get("vmap")
+    naive = results.get("vmap")
     best = {name: min(t) for name, t in times.items()}
     ll_name = next((n for n in best if n.startswith("loss-landscapes")), None)
     loop_name = LOOP if LOOP in best else None
@@ -214,7 +222,8 @@ def main() -> None:
         if name.startswith("naive"):
             label += f" (batch {naive.batch})"
         if name.startswith("landscape"):
-            label = f"landscape.evaluate_grid, {fast.strategy} (batch {fast.batch})"
+            fast = results["compiled" if "compile=True" in name else "auto"]
+            label = f"landscape.evaluate_grid, {fast.strategy}{', compiled' * fast.compiled} (batch {fast.batch})"
         vs_ll = f"{best[ll_name] / seconds:5.2f}x" if ll_name else "  -"
         vs_loop = f"{best[loop_name] / seconds:6.2f}x" if loop_name else "  -"
         print(f"{label:<62} {seconds:7.2f} {n_points / seconds:9.0f} {vs_ll:>6} {vs_loop:>7}")
@@ -228,12 +237,16 @@ def main() -> None:
         rest = np.random.default_rng(0).choice(n_points, size=min(4, n_points), replace=False)
         checked = np.unique(np.concatenate([corners, rest]))
         reference = plain_loop(model, loss_fn, X, y, obj.params, d1, d2, coords[checked])
-    rel = np.abs(fast.loss[checked] - reference) / np.abs(reference)
     center = np.flatnonzero((coords == 0).all(axis=1))
     exact = obj.evaluate()["loss"]
     untouched = all(torch.equal(before[k], p.detach()) for k, p in model.named_parameters())
-    print(f"\nfast path vs plain loop on {checked.size} of {n_points} points: max relative difference "
-          f"{rel.max():.2e} (float32)")
+    rel = 0.0
+    for key in (k for k in OURS if k in results):
+        fast = results[key]
+        diff = float((np.abs(fast.loss[checked] - reference) / np.abs(reference)).max())
+        rel = max(rel, diff)
+        print(f"\n{key} vs plain loop on {checked.size} of {n_points} points: max relative difference "
+              f"{diff:.2e} (float32)")  # fmt: skip
     print(f"ours: grid contains the center: {center.size == 1}; loss there {fast.loss[center[0]]:.8f} vs the "
           f"objective's {exact:.8f}; model parameters untouched: {untouched}")  # fmt: skip
     ll_facts = results.get("ll_facts")
@@ -254,7 +267,7 @@ def main() -> None:
             "plane_kinds": kinds,
             "rows": [{"method": n, "seconds": t, "best_points_per_second": n_points / min(t)}
                      for n, t in times.items()],
-            "max_relative_difference": float(rel.max()), "memory": memory, "loss_landscapes": ll_facts,
+            "max_relative_difference": rel, "memory": memory, "loss_landscapes": ll_facts,
             "threads": args.threads, "steps": args.steps, "checked_points": int(checked.size),
         }, indent=2))  # fmt: skip
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from landscape._directions import BIAS_MODES, GSPACE_ROOTS, Directions, check_normalization
-from landscape._grid import STRATEGIES
+from landscape._grid import STRATEGIES, check_compile
 from sharpness import Measure, get_measure
 
 DIRECTION_KINDS = ("random", "eigen", "invariant-eigen", "gspace")
@@ -109,14 +109,18 @@ class Grid:
         strategy: ``"auto"``, ``"first-layer"``, ``"vmap"`` or ``"loop"`` (see :func:`landscape.evaluate_grid`;
             curved planes use :func:`landscape.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean
             the loop on CPU and vmap elsewhere).
+        compile: evaluate each grid point's forward pass compiled with ``torch.compile``, one point at a time
+            (see :func:`landscape.evaluate_grid`): worth it on large grids of convolutional or residual networks.
 
     Raises:
-        ValueError: a span that is not a positive finite number, fewer than 2 steps, or an unknown strategy.
+        ValueError: a span that is not a positive finite number, fewer than 2 steps, an unknown strategy, or
+            ``compile`` with strategy ``"vmap"``.
     """
 
     span: float = 1.0
     steps: int = 51
     strategy: str = "auto"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.span, bool) or not isinstance(self.span, (int, float)) or not (0 < self.span < math.inf):
@@ -125,6 +129,9 @@ class Grid:
             raise ValueError(f"steps must be an integer of at least 2, got {self.steps!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown grid strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        check_compile(self.compile, self.strategy)
 
     def require_memory(self, dims: int) -> None:
         """Refuse, before anything is computed, a grid whose results alone would not fit in memory.

@@ -44,7 +44,7 @@ from landscape._directions import (
     segment_direction,
     trainable,
 )
-from landscape._grid import evaluate_grid, evaluate_points, grid_axis
+from landscape._grid import check_compile, evaluate_grid, evaluate_points, grid_axis
 from landscape._settings import DirectionSpec, Grid, as_direction_spec
 from landscape._surface import Surface
 from manifolds import GSpace
@@ -115,12 +115,11 @@ class Chart:
     crossed: Callable[[np.ndarray], np.ndarray] | None = None
     first_layer: tuple[Tensor, Tensor] | None = None
 
-    def evaluate(self, objective: Objective, coords: np.ndarray, strategy: str, progress: bool | None):
+    def evaluate(self, objective: Objective, coords: np.ndarray, grid: Grid, progress: bool | None):
+        how = {"strategy": grid.strategy, "compile": grid.compile, "progress": progress}
         if self.point_fn is None:
-            return evaluate_grid(objective, self.directions.vectors, coords, strategy=strategy, progress=progress)
-        return evaluate_points(
-            objective, self.point_fn, coords, first_layer=self.first_layer, strategy=strategy, progress=progress
-        )
+            return evaluate_grid(objective, self.directions.vectors, coords, **how)
+        return evaluate_points(objective, self.point_fn, coords, first_layer=self.first_layer, **how)
 
 
 def _gspace_chart(objective: Objective, spec: DirectionSpec, k: int) -> Chart:
@@ -235,6 +234,7 @@ def _metadata(objective: Objective, chart: Chart, values, center: dict, build_se
         "center_loss": center["loss"],
         "center_accuracy": center.get("accuracy"),
         "strategy": values.strategy,
+        "compiled": values.compiled,
         "grid_batch": values.batch,
         "grid_seconds": values.seconds,
         "direction_seconds": build_seconds,
@@ -304,13 +304,14 @@ def loss_plane(
     spec, grid = as_direction_spec(directions), grid or Grid()
     grid.require_memory(2)
     obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
+    check_compile(grid.compile, grid.strategy, obj.device)  # before the directions are computed
     start = time.perf_counter()
     chart = make_chart(obj, spec, 2, progress)
     build = time.perf_counter() - start
     axis = grid_axis(-grid.span, grid.span, grid.steps)
     yy, xx = np.meshgrid(axis, axis, indexing="ij")
     coords = np.stack([xx.ravel(), yy.ravel()], axis=1)
-    values = chart.evaluate(obj, coords, grid.strategy, progress)
+    values = chart.evaluate(obj, coords, grid, progress)
     shape = (len(axis), len(axis))
     extras, crossed = _crossed(chart, coords, shape)
     d = chart.directions
@@ -363,6 +364,7 @@ def loss_line(
             "the segment between two checkpoints is a straight line; leave out the path, the directions and the roots"
         )
     obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
+    check_compile(grid.compile, grid.strategy, obj.device)  # before the directions are computed
     start = time.perf_counter()
     if to is not None:
         target = trainable(to) if isinstance(to, nn.Module) else dict(to)
@@ -376,7 +378,7 @@ def loss_line(
         axis = grid_axis(lo, hi, grid.steps)
     build = time.perf_counter() - start
     coords = axis[:, None]
-    values = chart.evaluate(obj, coords, grid.strategy, progress)
+    values = chart.evaluate(obj, coords, grid, progress)
     extras, crossed = _crossed(chart, coords, (len(axis),))
     title = (
         "loss along the segment from the model (α = 0) to the second point (α = 1)"
