@@ -129,3 +129,39 @@ def test_every_compiled_forward_has_its_own_code():
     x = torch.randn(4, 2)
     params = {n: p.detach() for n, p in modules[1].named_parameters()}
     torch.testing.assert_close(fns[1](params, x), modules[1](x))
+
+
+def _cli(argv, capsys) -> tuple[int, str, str]:
+    from landscape._cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _cli_args(tmp_path) -> list[str]:
+    from sharpness._specs import build_model
+
+    torch.manual_seed(0)
+    torch.save(build_model("mlp:6-5-3").state_dict(), tmp_path / "tiny.pt")
+    return ["plane", "--model", "mlp:6-5-3", "--checkpoint", str(tmp_path / "tiny.pt"), "--data",
+            "synthetic:n=40,dim=6,classes=3", "--out", str(tmp_path / "out"), "--steps", "3", "--quiet"]  # fmt: skip
+
+
+def test_cli_compile_records_what_ran(tmp_path, capsys):
+    code, _, err = _cli([*_cli_args(tmp_path), "--compile"], capsys)
+    assert code == 0, err
+    meta = landscape.Surface.load(tmp_path / "out" / "plane").metadata
+    assert meta["strategy"] == "first-layer" and meta["compiled"] is False  # an MLP: batched products
+
+
+def test_cli_compile_without_a_compiler_exits_2_before_any_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(compiled, "_code_generator", lambda device: "a C++ compiler")
+    code, stdout, err = _cli([*_cli_args(tmp_path), "--compile"], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: compile=True needs a C++ compiler for torch.compile on this machine; install it or leave compile off"
+    ]
+    assert stdout == "" and not (tmp_path / "out").exists()
