@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cases import make_case
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -82,6 +83,20 @@ def test_compiled_grid_equals_the_objective(strategy, kind):
         assert grid.accuracy[i] == ref["accuracy"]
     plain = landscape.evaluate_grid(obj, d.vectors, COORDS, strategy=strategy, progress=False)
     assert not plain.compiled
+
+
+def test_compiled_gspace_plane_equals_the_plain_one():
+    """A curved chart (G-space plane of a CNN: later layers from a point map, first layer linear in the
+    coordinates) through ``loss_plane`` with ``Grid(compile=True)``."""
+    case = make_case("cnn")
+    spec = landscape.DirectionSpec("gspace", seed=3)
+    kw = dict(directions=spec, progress=False)
+    got = landscape.loss_plane(case.model, case.loss_fn, case.data, grid=landscape.Grid(0.5, 5, compile=True), **kw)
+    plain = landscape.loss_plane(case.model, case.loss_fn, case.data, grid=landscape.Grid(0.5, 5), **kw)
+    assert got.metadata["compiled"] and got.metadata["strategy"] == "first-layer" and got.metadata["grid_batch"] == 1
+    assert not plain.metadata["compiled"]
+    np.testing.assert_allclose(got.loss, plain.loss, rtol=1e-10, atol=0)
+    np.testing.assert_array_equal(got.accuracy, plain.accuracy)
 
 
 def test_a_chain_of_linear_layers_is_not_compiled_and_keeps_its_batches():
