@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from cases import make_case
+from test_landscape import _cli  # the command-line runner of the landscape tests
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -144,17 +145,6 @@ def test_every_compiled_forward_has_its_own_code():
     x = torch.randn(4, 2)
     params = {n: p.detach() for n, p in modules[1].named_parameters()}
     torch.testing.assert_close(fns[1](params, x), modules[1](x))
-
-
-def _cli(argv, capsys) -> tuple[int, str, str]:
-    from landscape._cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _cli_args(tmp_path) -> list[str]:
