@@ -1,6 +1,10 @@
 """Geometry of ReLU-network parameter spaces: structure, rescalings, quotient metrics,
 G-space, fixed weights and gauges. Depends only on torch, geoopt and scipy."""
 
+from manifolds._connection import Metric as Metric
+from manifolds._connection import MetricQuotient as MetricQuotient
+from manifolds._connection import layer_metric as layer_metric
+from manifolds._connection import node_metric as node_metric
 from manifolds._fixed import FixedEntries as FixedEntries
 from manifolds._fixed import FixedWeightSpace as FixedWeightSpace
 from manifolds._fixed import Reparametrization as Reparametrization
@@ -40,6 +44,10 @@ from manifolds._structure import rescale_model as rescale_model
 from manifolds._structure import rescale_parameters as rescale_parameters
 
 __all__ = [
+    "Metric",
+    "MetricQuotient",
+    "layer_metric",
+    "node_metric",
     "FixModel",
     "FixedEntries",
     "FixedWeightSpace",
