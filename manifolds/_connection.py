@@ -112,11 +112,10 @@ def layer_metric(layout: ParamLayout) -> Metric:
     written as a function of ``w``. Undefined where a tensor is zero (:class:`MetricQuotient` refuses the point).
     """
     sizes = [s.numel() for s in layout.shapes]
-    block_id = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
 
     def sq_norms(w: Tensor) -> Tensor:  # (n,): ||w_B||^2 of the block of each entry
-        norms = torch.stack([(p * p).sum() for p in torch.split(w, sizes)])
-        return norms[block_id.to(w.device)]
+        # expand + cat rather than a gather: its derivatives are per-block sums, not an index scatter
+        return torch.cat([(p * p).sum().expand(p.numel()) for p in torch.split(w, sizes)])
 
     return Metric(
         apply=lambda w, xi: xi / sq_norms(w),
