@@ -12,7 +12,7 @@ from cases import make_case
 from test_invariant import _null_space, layer_reference, node_reference
 
 from manifolds import LayerScaleQuotient, Metric, MetricQuotient, NodeScaleQuotient, analyze, layer_metric, node_metric
-from sharpness import Objective, dense_hessian
+from sharpness import CallableOperator, Objective, dense_hessian, lanczos
 
 TIGHT = 1e-10
 
@@ -289,3 +289,20 @@ def test_refuses_points_and_metrics_it_cannot_handle():
         MetricQuotient(node_metric(), w, vertical=torch.ones(N + 1, 2))
     with pytest.raises(ValueError, match="both whiten and unwhiten"):
         Metric(_apply, whiten=lambda p, xi: xi)
+
+
+def test_the_whitened_operator_feeds_the_toolkit_lanczos():
+    """Built as sharpness.measures._quotient builds its operator (whitened map + projection): Lanczos finds
+    the top eigenvalues of the dense horizontal spectrum, for the balanced metric and the layer metric."""
+    w = _random(NF, 3)
+    g, H = torch.func.grad(_factored_loss)(w), torch.func.hessian(_factored_loss)(w)
+    obj, wc, gc, Hc = _problem(make_case("mlp_bias"))
+    closed = LayerScaleQuotient(obj.params, analyze(make_case("mlp_bias").model), obj.layout)
+    for q, grad, hess in ((MetricQuotient(_balanced(-1.0), w, vertical=_vertical), g, H),
+                          (MetricQuotient(layer_metric(obj.layout), wc, vertical=closed.vertical_basis().T), gc, Hc)):
+        op = CallableOperator(q.whitened_hessian(grad, lambda v, hess=hess: hess @ v), grad.numel(), grad.dtype,
+                              "cpu", project=q.whitened_projection)
+        res = lanczos(op, k=2, tol=1e-12, generator=torch.Generator().manual_seed(0), progress=False)
+        np.testing.assert_allclose(res.eigenvalues.numpy(), _horizontal_spectrum(q, grad, hess)[:2], rtol=1e-9)
+        top = q.unwhiten(res.eigenvectors[0])  # a horizontal tangent vector of unit g-norm
+        assert abs(float(q.norm(top)) - 1) < 1e-9 and rel(q.proj_horizontal(top), top) < 1e-9
