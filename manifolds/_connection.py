@@ -22,8 +22,8 @@ Euclidean Hessian ``H``) is the symmetric form
     Hess f(xi, eta) = xi^T H eta - g^T Gamma(xi, eta).
 
 So ``f(c(t)) = f + t g^T xi + t^2/2 Hess f(xi, xi) + O(t^3)`` along the geodesic, or along any curve that
-agrees with it to second order, e.g. ``c(t) = w + t xi - t^2/2 Gamma(xi, xi)`` (:meth:`MetricQuotient.
-second_order_geodesic`; the "second-order geodesics" of geodesic sharpness).
+agrees with it to second order, e.g. ``c(t) = w + t xi - t^2/2 Gamma(xi, xi)``
+(:meth:`MetricQuotient.second_order_geodesic`; the "second-order geodesics" of geodesic sharpness).
 
 **The Hessian as an operator.** Eigenvalues are taken relative to ``G``, so we need the ``G``-self-adjoint
 map ``Hess f[xi]`` with ``<eta, G Hess f[xi]> = Hess f(xi, eta)``: ``Hess f[xi] = G^-1 (H xi - B(xi))``
