@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
+
+from manifolds import tensor_aliases, untied
 
 _serial = itertools.count()
 
@@ -60,9 +61,12 @@ def compiled_forward(
     (give it the graph without in-place operations).
     """
 
+    aliases = tensor_aliases(module)  # read once, outside the compiled graph
+
     def forward(params: dict[str, Tensor], *inputs) -> Tensor:
         x = inputs[0] if head is None else head(*inputs)
-        return functional_call(module, (params, buffers), (x,))
+        tensors = untied({**params, **buffers}, aliases)
+        return torch.func.functional_call(module, tensors, (x,), tie_weights=False)
 
     # torch.compile keeps its graphs per code object, and this closure's code is shared by every model: a grid
     # after the eighth would exceed its recompilation limit and run uncompiled. Each gets its own code object.

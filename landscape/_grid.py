@@ -49,14 +49,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, fx, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from landscape._compiled import compiled_forward, require_compiler
 from landscape._inplace import inplace_activations
-from manifolds import FirstLayerSplit, UnsupportedModelError, split_first_layer
+from manifolds import FirstLayerSplit, UnsupportedModelError, eval_mode, functional_call, split_first_layer
 from sharpness import Objective
 from sharpness.io import progress_bar
-from sharpness.products import eval_mode, fold_batch_norms
+from sharpness.products import fold_batch_norms
 from sharpness.products._layout import channels_last, cpu_images, reshape_views
 
 STRATEGIES = ("auto", "first-layer", "vmap", "loop")

@@ -28,6 +28,10 @@ from manifolds._gspace import gsgd_init_ as gsgd_init_
 from manifolds._gspace_training import GModel as GModel
 from manifolds._gspace_training import GOptimizer as GOptimizer
 from manifolds._layout import ParamLayout as ParamLayout
+from manifolds._modules import eval_mode as eval_mode
+from manifolds._modules import functional_call as functional_call
+from manifolds._modules import tensor_aliases as tensor_aliases
+from manifolds._modules import untied as untied
 from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
 from manifolds._quotient import QUOTIENTS as QUOTIENTS
 from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
@@ -67,6 +71,10 @@ __all__ = [
     "Skeleton",
     "gsgd_init_",
     "ParamLayout",
+    "eval_mode",
+    "functional_call",
+    "tensor_aliases",
+    "untied",
     "Action",
     "Pin",
     "RescalingGroup",

@@ -11,12 +11,12 @@ its children; any other model has no graph (``TracedNetwork.graph is None``, wit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx, nn
+
+from manifolds._modules import eval_mode
 
 # Modules read as single nodes: their forward is known, so the tracer must not inline it.
 _LEAF_TYPES: tuple[type[nn.Module], ...] = (
@@ -62,35 +62,31 @@ class TracedNetwork:
         return self.graph is not None and self.failure is None
 
 
+def sequential_calls(seq: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """The modules a Sequential's forward calls, in order (nested Sequentials flattened), each under its first
+    name: a child used twice (``s.b2 = s.a``) is called twice, as the same module."""
+    first = {id(m): name for name, m in seq.named_modules()}
+    calls: list[tuple[str, nn.Module]] = []
+
+    def walk(module: nn.Sequential) -> None:
+        for child in module._modules.values():  # named_children() would skip a repeated child
+            if isinstance(child, nn.Sequential):
+                walk(child)
+            elif child is not None:
+                calls.append((first[id(child)], child))
+
+    walk(seq)
+    return calls
+
+
 def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
-    """The chain ``x -> child_1 -> child_2 -> ...`` of a Sequential (nested Sequentials flattened)."""
+    """The chain ``x -> child_1 -> child_2 -> ...`` of a Sequential (see :func:`sequential_calls`)."""
     graph = fx.Graph()
     node = graph.placeholder("x")
-
-    def walk(module: nn.Sequential, prefix: str) -> None:
-        nonlocal node
-        for name, child in module.named_children():
-            if isinstance(child, nn.Sequential):
-                walk(child, f"{prefix}{name}.")
-            else:
-                node = graph.call_module(f"{prefix}{name}", (node,))
-
-    walk(seq, "")
+    for name, _ in sequential_calls(seq):
+        node = graph.call_module(name, (node,))
     graph.output(node)
     return graph
-
-
-@contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Evaluate as the objectives do (eval mode, no gradients) and restore every module's mode."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> None:
@@ -104,7 +100,7 @@ def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> None:
         def call_module(self, target, args, kwargs):
             return model.get_submodule(str(target))(*args, **kwargs)  # "" is a bare layer itself
 
-    with _eval_mode(model):
+    with eval_mode(model), torch.no_grad():  # as the objectives evaluate
         _Shapes(model, graph=graph).run(x)
 
 
@@ -278,6 +274,23 @@ class FirstLayerSplit:
         return all(f"{self.name}.{p}" in names for p, _ in self.layer.named_parameters())
 
 
+def _reused(graph: fx.Graph, model: nn.Module, first: fx.Node, tensors: set[int]) -> bool:
+    """Whether a node other than ``first`` uses any of ``tensors`` (by identity): the layer called again
+    (``s.b2 = s.a``), a module sharing one of its tensors (tied weights), or the forward reading one directly."""
+    for node in graph.nodes:
+        if node is first:
+            continue
+        if node.op == "call_module":
+            module = model.get_submodule(str(node.target))
+            if any(id(t) in tensors for t in (*module.parameters(), *module.buffers())):
+                return True
+        elif node.op == "get_attr":
+            owner, _, attr = str(node.target).rpartition(".")
+            if id(getattr(model.get_submodule(owner), attr, None)) in tensors:
+                return True
+    return False
+
+
 def split_first_layer(
     graph: fx.Graph, model: nn.Module, kinds: tuple[type[nn.Module], ...], fold_relu: bool = False
 ) -> FirstLayerSplit | None:
@@ -285,7 +298,8 @@ def split_first_layer(
 
     The first node using parameters or buffers must be a call of a module of one of ``kinds`` on a tensor
     computed from the input by parameter-free operations only, and nothing after it may use the input or
-    those operations again (no connection skips the layer).
+    those operations again (no connection skips the layer), nor the layer's tensors (a second call of the
+    layer, a weight tied to another module's).
 
     Args:
         graph: the model's fx graph (:attr:`TracedNetwork.graph`).
@@ -311,6 +325,8 @@ def split_first_layer(
         return None
     layer = model.get_submodule(str(first.target))
     if type(layer) not in kinds or sum(n.op == "placeholder" for n in before) != 1:
+        return None
+    if _reused(graph, model, first, {id(t) for t in (*layer.parameters(), *layer.buffers())}):
         return None
     inside = set(before)
     if any(user not in inside and user is not first for node in before for user in node.users):

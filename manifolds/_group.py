@@ -10,6 +10,8 @@ updates exact and the symmetry's generator a sparse ``+1 / -1`` matrix.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,6 +20,23 @@ import torch
 from torch import Tensor
 
 from manifolds._group_discovery import Discovery, Pin, Record
+
+
+def check_scale(scale: object) -> float:
+    """``scale`` as a float: the standard deviation of random log-scales, a finite number ``>= 0``.
+
+    Raises:
+        ValueError: ``scale`` is not a real number (a bool included), is NaN or infinite, or is negative.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"scale (the log-scales' standard deviation) must be a finite number >= 0, got {scale!r}")
+    return float(scale)
+
+
+def check_generator(generator: object) -> None:
+    """Raise ``ValueError`` unless ``generator`` is a ``torch.Generator`` or ``None``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +226,12 @@ class RescalingGroup:
     def random_log_scales(
         self, scale: float = 1.0, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64
     ) -> Tensor:
-        """``(dim,)`` i.i.d. ``N(0, scale^2)`` log-scales (a random group element)."""
+        """``(dim,)`` i.i.d. ``N(0, scale^2)`` log-scales (a random group element).
+
+        Raises:
+            ValueError: ``scale`` is not a finite number ``>= 0``, or ``generator`` is no ``torch.Generator``.
+        """
+        scale = check_scale(scale)
+        check_generator(generator)
         device = None if generator is None else generator.device  # a generator draws on its own device
         return scale * torch.randn(self.dim, generator=generator, dtype=dtype, device=device).cpu()

@@ -21,6 +21,9 @@ BatchNorm, ``buffers=True``                 input free: ``running_mean -> e^s ru
                                             ``running_var -> e^{2 s} running_var`` (exact up to ``eps``)
 GELU, SiLU, Sigmoid, Tanh, Softmax, ...     not positively homogeneous: inputs and outputs pinned
 a module called twice                       one set of variables: the inputs of its calls are tied
+a tensor held by several modules            its uses' variables are tied entry by entry (outputs with outputs,
+                                            inputs with inputs), or pinned where the uses scale it differently
+a tensor read directly (``get_attr``)       every channel its records touch is pinned
 network input, network output               pinned
 anything else                               inputs and outputs pinned, and listed as unknown
 ==========================================  =====================================================================
@@ -33,6 +36,8 @@ pinned input to the pinned output gives ``f(g . w) = f(w)``. Pinning is always a
 the group), which is why unknown operations are pinned rather than refused.
 
 Constraints are solved by union-find over the variables; a class containing a pinned variable is fixed.
+Tensors are identified by identity and named by their first name (as in ``model.named_parameters()``), so a
+module used twice or a tied weight gives one record per tensor.
 """
 
 from __future__ import annotations
@@ -113,7 +118,6 @@ _NON_HOMOGENEOUS = {
     "hardtanh", "relu6", "softmax", "log_softmax", "softsign", "tanhshrink", "logsigmoid", "glu", "exp", "log",
     "sqrt", "pow", "abs", "square",
 }  # fmt: skip
-
 
 
 @dataclass(frozen=True)
@@ -224,9 +228,13 @@ class _Walker:
         self.model, self.graph, self.buffers = model, graph, buffers
         self.d = Discovery()
         self.ids: dict[fx.Node, Tensor] = {}
-        self.calls: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (input ids, output ids) of its first call
-        self.param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        self.buffer_names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+        # module (by identity) -> (input ids, output ids) of its first call
+        self.calls: dict[int, tuple[Tensor, Tensor]] = {}
+        # A tensor is named by its first name, as in ``model.named_parameters()``: a module used twice or a
+        # tied weight reaches one tensor under several names, and every record of it must use the same one.
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.buffer_names = {id(b): n for n, b in model.named_buffers()}
+        self.understood: set[tuple[int, int]] = set()  # (module id, tensor id) described by a record
 
     # -- labels ------------------------------------------------------------------------------------------
     def label(self, node: fx.Node) -> str:
@@ -287,11 +295,11 @@ class _Walker:
             return self.param_names.get(id(tensor))
         return None
 
-    def reuse(self, node: fx.Node, name: str, in_ids: Tensor) -> bool:
+    def reuse(self, node: fx.Node, module: nn.Module, in_ids: Tensor) -> bool:
         """A later call of a module with parameters: one set of variables for every call, inputs tied."""
-        if name not in self.calls:
+        if id(module) not in self.calls:
             return False
-        first_in, first_out = self.calls[name]
+        first_in, first_out = self.calls[id(module)]
         self.d.tie(first_in, in_ids)
         self.ids[node] = first_out
         return True
@@ -307,7 +315,7 @@ class _Walker:
             return False
         name = str(node.target)
         in_ids = self.ids[source]
-        if self.reuse(node, name, in_ids):
+        if self.reuse(node, module, in_ids):
             return True
         out_ids = self.d.new(self.shape(node)[1], f"output of {self.label(node)}")
         shape = tuple(module.weight.shape)
@@ -324,8 +332,9 @@ class _Walker:
         )
         if bias is not None:
             self.d.records.append(Record(bias, (shape[0],), out_ids, None, 1, "bias", name))
+        self.understood.update((id(module), id(t)) for t in (module.weight, module.bias) if t is not None)
         self.d.module_outputs[name] = out_ids
-        self.calls[name] = (in_ids, out_ids)
+        self.calls[id(module)] = (in_ids, out_ids)
         self.ids[node] = out_ids
         return True
 
@@ -335,7 +344,7 @@ class _Walker:
             return False
         name, label = str(node.target), self.label(node)
         in_ids = self.ids[source]
-        if self.reuse(node, name, in_ids):
+        if self.reuse(node, module, in_ids):
             return True
         batchnorm = isinstance(module, nn.modules.batchnorm._BatchNorm)
         stats = batchnorm and module.track_running_stats and module.running_mean is not None
@@ -345,6 +354,7 @@ class _Walker:
                 return False
             self.d.records.append(Record(mean, tuple(module.running_mean.shape), in_ids, None, 1, "buffer", name))
             self.d.records.append(Record(var, tuple(module.running_var.shape), in_ids, None, 2, "buffer", name))
+            self.understood.update((id(module), id(b)) for b in (module.running_mean, module.running_var))
         elif batchnorm and stats:
             self.d.pin(
                 in_ids, f"input of {label}", f"{type(module).__name__} in eval mode: its running statistics are fixed"
@@ -361,18 +371,21 @@ class _Walker:
             why = "it has no affine parameters" if weight is None else "its affine parameters do not act per channel"
             self.fresh_pinned(node, f"{type(module).__name__} output, {why}")
             return True
+        affine = [
+            (t, role)
+            for t, role in ((module.weight, "weight"), (getattr(module, "bias", None), "bias"))
+            if t is not None
+        ]
+        if any(self.param_name(t) is None for t, _ in affine):  # checked first: no record of half the pair
+            self.fresh_pinned(node, f"{type(module).__name__} output, its affine tensors are not plain parameters")
+            return True
         out_ids = self.d.new(channels, f"output of {label}")
         plus = out_ids.reshape((channels,) + (1,) * (weight.dim() - 1))
-        for tensor, role in ((module.weight, "weight"), (getattr(module, "bias", None), "bias")):
-            if tensor is None:
-                continue
-            pname = self.param_name(tensor)
-            if pname is None:
-                self.fresh_pinned(node, f"{type(module).__name__} output, its affine tensors are not plain parameters")
-                return True
-            self.d.records.append(Record(pname, tuple(tensor.shape), plus, None, 1, role, name))
+        for tensor, role in affine:
+            self.d.records.append(Record(self.param_name(tensor), tuple(tensor.shape), plus, None, 1, role, name))
+            self.understood.add((id(module), id(tensor)))
         self.d.module_outputs[name] = out_ids
-        self.calls[name] = (in_ids, out_ids)
+        self.calls[id(module)] = (in_ids, out_ids)
         self.ids[node] = out_ids
         return True
 
@@ -544,7 +557,70 @@ class _Walker:
                 self.module(node, inputs)
             else:
                 self.function(node, inputs)
+        self.shared_tensors()
         return self.d
+
+    # -- tensors reached from several places -------------------------------------------------------------
+    def opaque_tensors(self) -> dict[int, str]:
+        """Tensors (by identity) used somewhere no record describes -> where: read directly by a function
+        (a ``get_attr`` node) or held by a module the rules did not describe."""
+        opaque: dict[int, str] = {}
+        for node in self.graph.nodes:
+            if node.op == "get_attr" and any(not is_metadata(u) for u in node.users):
+                owner, _, attr = str(node.target).rpartition(".")
+                tensor = getattr(self.model.get_submodule(owner), attr, None)
+                if isinstance(tensor, Tensor):
+                    opaque.setdefault(id(tensor), f"'{node.target}' read directly by the forward")
+            elif node.op == "call_module":
+                module = self.model.get_submodule(str(node.target))
+                for tensor in (*module.parameters(), *module.buffers()):
+                    if (id(module), id(tensor)) not in self.understood:
+                        opaque.setdefault(id(tensor), f"a tensor of {self.label(node)}")
+        return opaque
+
+    def shared_tensors(self) -> None:
+        """Make every use of a tensor transform it the same way, then keep one record per tensor.
+
+        A tensor with several records (a weight tied between two modules) gets its uses' channel variables
+        tied entry by entry (output with output, input with input), or pinned where the uses act differently;
+        a tensor also used where no rule describes it has every channel it touches pinned.
+        """
+        by_name: dict[str, list[Record]] = {}
+        for record in self.d.records:
+            by_name.setdefault(record.name, []).append(record)
+        names = {**self.buffer_names, **self.param_names}  # tensor id -> name
+        opaque = {names[t]: where for t, where in self.opaque_tensors().items() if t in names}
+        for name, records in by_name.items():
+            first = records[0]
+            if name in opaque:
+                for r in records:
+                    for ids in (r.plus, r.minus):
+                        if ids is not None:
+                            self.d.pin(ids.flatten(), opaque[name], "a parameter also used by an operation the "
+                                       "rescaling rules do not know keeps its scale")  # fmt: skip
+                continue
+            for r in records[1:]:
+                same = r.power == first.power and (r.plus is None) == (first.plus is None)
+                same = same and (r.minus is None) == (first.minus is None)
+                if not same:
+                    for ids in (first.plus, first.minus, r.plus, r.minus):
+                        if ids is not None:
+                            self.d.pin(
+                                ids.flatten(), f"tensor '{name}'", "it is used in places that scale it differently"
+                            )
+                    continue
+                for a, b in ((first.plus, r.plus), (first.minus, r.minus)):
+                    if a is not None:
+                        a, b = torch.broadcast_tensors(a.expand(first.shape), b.expand(r.shape))
+                        pairs = torch.stack([a.flatten(), b.flatten()]).unique(dim=1)
+                        self.d.tie(pairs[0], pairs[1])
+        kept: set[str] = set()
+        records = []
+        for record in self.d.records:
+            if record.name not in kept:
+                kept.add(record.name)
+                records.append(record)
+        self.d.records[:] = records
 
 
 def _plain_affine(module: nn.Module) -> type[nn.Module] | None:

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, fx, nn
 
-from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
-from manifolds._group import RescalingGroup
+from manifolds._graph import TracedNetwork, input_like, is_metadata, sequential_calls, target_name, trace_network
+from manifolds._group import RescalingGroup, check_generator, check_scale
 from manifolds._group_discovery import discover
+from manifolds._modules import eval_mode
 
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
 
@@ -378,17 +379,6 @@ def _trace_modules(model: nn.Module, calls: Sequence[tuple[str, nn.Module]]) -> 
     return trace
 
 
-def _sequential_calls(seq: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    calls = []
-    for name, child in seq.named_children():
-        qualified = f"{prefix}{name}"
-        if isinstance(child, nn.Sequential):
-            calls.extend(_sequential_calls(child, qualified + "."))
-        else:
-            calls.append((qualified, child))
-    return calls
-
-
 def _hook_calls(model: nn.Module, example_input: Tensor) -> list[tuple[str, nn.Module]]:
     # A copy, so that a forward pass in training mode (BatchNorm statistics) leaves the model untouched.
     twin = copy.deepcopy(model)
@@ -517,7 +507,7 @@ def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStr
     if isinstance(model, _LAYER_TYPES):
         chain = _trace_modules(model, [("", model)])
     elif traced.sequential:
-        chain = _trace_modules(model, _sequential_calls(model))
+        chain = _trace_modules(model, sequential_calls(model))
     elif traced.graph is not None:
         chain = _trace_fx(model, traced.graph)
     elif example_input is None:
@@ -546,8 +536,8 @@ def _check_factors(structure: NetworkStructure, factors: Sequence[Tensor]) -> No
     for i, (f, h) in enumerate(zip(factors, hidden, strict=True)):
         if tuple(f.shape) != (h,):
             raise ValueError(f"factors[{i}] must have shape ({h},), got {tuple(f.shape)}")
-        if not bool((f > 0).all()):
-            raise ValueError(f"factors[{i}] must be positive")
+        if not bool((f > 0).all()) or not bool(torch.isfinite(f).all()):
+            raise ValueError(f"factors[{i}] must be positive and finite")
 
 
 def rescale_parameters(
@@ -611,7 +601,13 @@ def random_factors(
 
     Returns:
         ``factors[i]`` of shape ``(hidden_units[i],)``.
+
+    Raises:
+        ValueError: unknown ``kind``, ``scale`` not a finite number ``>= 0``, or ``generator`` no
+            ``torch.Generator``.
     """
+    scale = check_scale(scale)
+    check_generator(generator)
     hidden = structure.hidden_units
     if kind == "node":
         return [torch.exp(scale * torch.randn(h, generator=generator, dtype=dtype)) for h in hidden]
@@ -695,14 +691,55 @@ def buffer_group(model: nn.Module, example_input: Tensor | None = None) -> Resca
     return RescalingGroup(discover(model, traced.graph, buffers=True), "node")
 
 
+def _check_range(old: Tensor, new: Tensor, name: str) -> None:
+    """Refuse a rescaled tensor that left its dtype's normal range: an entry that overflowed, or a nonzero
+    entry rounded to zero or to a subnormal number (which keeps fewer significant bits)."""
+    tiny = torch.finfo(new.dtype).tiny
+    lost = (old != 0) & (new.abs() < tiny)
+    if not bool(torch.isfinite(new).all()) or bool(lost.any()):
+        raise ValueError(
+            f"the rescaling takes '{name}' out of the range of {str(new.dtype).removeprefix('torch.')} (entries "
+            "overflow or vanish), so the copy would not compute the same function; draw a smaller scale"
+        )
+
+
 def _acted_copy(model: nn.Module, group: RescalingGroup, log_scales: Tensor) -> nn.Module:
+    """A deep copy of ``model`` with ``group``'s element ``exp(log_scales)`` applied (ties and sharing kept).
+
+    Raises:
+        ValueError: a rescaled tensor leaves its dtype's normal range (see :func:`_check_range`).
+    """
+    if not bool(torch.isfinite(log_scales).all()):
+        raise ValueError("the log-scales must be finite")
     twin = copy.deepcopy(model)
     own = dict(twin.named_parameters(remove_duplicate=False)) | dict(twin.named_buffers(remove_duplicate=False))
     new = group.act({a.name: own[a.name].detach() for a in group.actions}, log_scales)
     with torch.no_grad():
         for name, value in new.items():
-            own[name].copy_(value)
+            if name in own and value is not own[name]:
+                _check_range(own[name], value, name)
+                own[name].copy_(value)
     return twin
+
+
+def _output_change(model: nn.Module, twin: nn.Module, traced: TracedNetwork) -> float | None:
+    """Largest relative change of the outputs of ``twin`` from ``model``'s on a random input of the traced
+    shape (eval mode, a fixed seed), or ``None`` when there is no such input or the model does not take it."""
+    node = next((n for n in traced.graph.nodes if n.op == "placeholder"), None) if traced.has_shapes else None
+    if node is None or "shape" not in node.meta:
+        return None
+    x = input_like(model, torch.randn(node.meta["shape"], generator=torch.Generator().manual_seed(0)))
+    with eval_mode(model), eval_mode(twin), torch.no_grad():
+        try:
+            out = model(x)
+        except Exception:  # e.g. integer inputs (an embedding): nothing to compare on
+            return None
+        new = twin(x)
+    if not isinstance(out, Tensor) or not bool(torch.isfinite(out).all()):
+        return None
+    size = float(out.abs().max())
+    change = float((new - out).abs().max()) if bool(torch.isfinite(new).all()) else math.inf
+    return change / size if size > 0 else (0.0 if change == 0 else math.inf)
 
 
 def random_rescale(
@@ -729,18 +766,43 @@ def random_rescale(
         buffers: (``kind="node"`` only) also scale the channels feeding each BatchNorm with its running mean
             (by ``c``) and variance (by ``c^2``): the function is preserved up to BatchNorm's ``eps``.
 
+    Returns:
+        The copy. Every rescaled tensor stays in its dtype's normal range (each entry the exact rescaling up to
+        one rounding), and without ``buffers`` its outputs on a random input of the traced shape match the
+        model's within ``sqrt(eps)`` of the dtype, relative to the largest output (``1.5e-8`` in float64,
+        ``3.5e-4`` in float32); a draw that does not is refused, never returned.
+
     Raises:
-        ValueError: unknown ``kind``, or ``buffers=True`` with ``kind="layer"``.
+        ValueError: unknown ``kind``, ``buffers=True`` with ``kind="layer"``, ``scale`` not a finite number
+            ``>= 0``, ``generator`` no ``torch.Generator``, or a draw whose rescaled tensors or outputs leave
+            the dtype's range (a ``scale`` too large for it).
         UnsupportedModelError: the rescaling group of ``model`` is unknown (fx cannot trace it).
     """
     if kind not in ("node", "layer"):
         raise ValueError(f"unknown rescaling kind {kind!r}; use 'node' or 'layer'")
+    if not isinstance(buffers, bool):
+        raise ValueError(f"buffers must be True or False, got {buffers!r}")
+    if example_input is not None and not isinstance(example_input, Tensor):
+        raise ValueError(f"example_input must be a tensor (one input batch), got {type(example_input).__name__}")
+    scale = check_scale(scale)
+    check_generator(generator)
     if buffers:
         if kind != "node":
             raise ValueError("buffers=True rescales BatchNorm statistics node-wise; use kind='node'")
         group = buffer_group(model, example_input)
-    else:
-        structure = analyze(model, example_input)
-        structure.require_group(f"a function-preserving {kind}-wise rescaling")
-        group = structure.group if kind == "node" else structure.layer_group
-    return _acted_copy(model, group, group.random_log_scales(scale, generator))
+        return _acted_copy(model, group, group.random_log_scales(scale, generator))
+    structure = analyze(model, example_input)
+    structure.require_group(f"a function-preserving {kind}-wise rescaling")
+    group = structure.group if kind == "node" else structure.layer_group
+    twin = _acted_copy(model, group, group.random_log_scales(scale, generator))
+    floating = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if floating is not None and structure.traced is not None:
+        limit = math.sqrt(torch.finfo(floating.dtype).eps)
+        change = _output_change(model, twin, structure.traced)
+        if change is not None and not change <= limit:
+            raise ValueError(
+                f"this draw of scale {scale:g} changes the outputs by {change:.1e} (relative, more than {limit:.1e} "
+                f"in {str(floating.dtype).removeprefix('torch.')}): its activations leave the dtype's range or lose "
+                "its precision; draw a smaller scale"
+            )
+    return twin

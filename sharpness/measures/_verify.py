@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from manifolds import UnsupportedModelError, analyze
+from manifolds import UnsupportedModelError, analyze, functional_call
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
 from sharpness.measures._measure import Measure

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from manifolds import split_first_layer
+from manifolds import functional_call, split_first_layer
 
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -112,7 +112,7 @@ class DataConvolution:
         if bias is not None:
             out = out + bias.reshape(1, -1, *([1] * (out.dim() - 2)))
         inner = {k: v for k, v in {**params, **buffers}.items() if not k.startswith(self.name + ".")}
-        return torch.func.functional_call(self.rest, inner, (out,))
+        return functional_call(self.rest, inner, (out,))
 
 
 def split_data_convolution(

@@ -10,7 +10,6 @@ samples, and every value, gradient and product is summed over them (:mod:`sharpn
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
@@ -20,9 +19,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import grad, jvp, vmap
 
-from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
+from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze, functional_call
+from manifolds import eval_mode as eval_mode  # every submodule's mode restored; re-exported here
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
 from sharpness.products._distributed import Communicator, communicator, shared
@@ -54,17 +54,6 @@ def default_memory_budget(device: torch.device) -> int:
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return (free + cached) // 2
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Evaluate ``model`` in eval mode and give it back in the mode it had."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _activation_bytes_per_sample(model: nn.Module, params, buffers, x: Tensor) -> float:
