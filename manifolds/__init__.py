@@ -1,6 +1,8 @@
 """Geometry of ReLU-network parameter spaces: structure, rescalings, quotient metrics,
 G-space, fixed weights and gauges. Depends only on torch, geoopt and scipy."""
 
+from manifolds._attention import random_transform as random_transform
+from manifolds._attention import transformer_symmetry as transformer_symmetry
 from manifolds._fixed import FixedEntries as FixedEntries
 from manifolds._fixed import FixedWeightSpace as FixedWeightSpace
 from manifolds._fixed import Reparametrization as Reparametrization
@@ -24,6 +26,10 @@ from manifolds._gspace import gsgd_init_ as gsgd_init_
 from manifolds._gspace_training import GModel as GModel
 from manifolds._gspace_training import GOptimizer as GOptimizer
 from manifolds._layout import ParamLayout as ParamLayout
+from manifolds._matrix_group import Block as Block
+from manifolds._matrix_group import Factor as Factor
+from manifolds._matrix_group import MatrixSymmetry as MatrixSymmetry
+from manifolds._matrix_group import SymmetryElement as SymmetryElement
 from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
 from manifolds._quotient import QUOTIENTS as QUOTIENTS
 from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
@@ -40,6 +46,12 @@ from manifolds._structure import rescale_model as rescale_model
 from manifolds._structure import rescale_parameters as rescale_parameters
 
 __all__ = [
+    "Block",
+    "Factor",
+    "MatrixSymmetry",
+    "SymmetryElement",
+    "random_transform",
+    "transformer_symmetry",
     "FixModel",
     "FixedEntries",
     "FixedWeightSpace",
