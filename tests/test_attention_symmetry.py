@@ -28,10 +28,11 @@ def _activation(kind: str) -> nn.Module:
 class MHABlock(nn.Module):
     """A transformer block with nn.MultiheadAttention; ``kdim`` adds a Linear producing key/value inputs."""
 
-    def __init__(self, pre_ln=True, bias=True, batch_first=True, kdim=None, act="relu", add_bias_kv=False):
+    def __init__(self, pre_ln=True, bias=True, batch_first=True, kdim=None, act="relu", add_bias_kv=False, rms=False):
         super().__init__()
         self.pre_ln = pre_ln
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        norm = nn.RMSNorm if rms else nn.LayerNorm
+        self.ln1, self.ln2 = norm(D), norm(D)
         self.kv_in = nn.Linear(D, kdim) if kdim else None
         self.attn = nn.MultiheadAttention(
             D, H, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim, add_bias_kv=add_bias_kv
@@ -143,8 +144,9 @@ def hand_mha_block(sd, cfg, g, wrong_key=False):
     kdim = cfg.get("kdim")
     if cfg.get("pre_ln", True):
         readers = ["attn.q_proj_weight", "kv_in.weight"] if kdim else ["attn.in_proj_weight"]
-        hand_trade(sd, ["ln1.weight", "ln1.bias"], [(r, slice(None)) for r in readers], _random_scales(g, D))
-        hand_trade(sd, ["ln2.weight", "ln2.bias"], [("fc1.weight", slice(None))], _random_scales(g, D))
+        affine = [p for p in ("weight", "bias") if f"ln1.{p}" in sd]  # RMSNorm has no bias
+        hand_trade(sd, [f"ln1.{p}" for p in affine], [(r, slice(None)) for r in readers], _random_scales(g, D))
+        hand_trade(sd, [f"ln2.{p}" for p in affine], [("fc1.weight", slice(None))], _random_scales(g, D))
     if kdim:
         consumers = [("attn.k_proj_weight", slice(None)), ("attn.v_proj_weight", slice(None))]
         hand_trade(sd, ["kv_in.weight", "kv_in.bias"], consumers, _random_scales(g, kdim))
@@ -192,6 +194,7 @@ MHA_CASES = {
     "kdim_post_ln_no_bias": {"kdim": 6, "pre_ln": False, "bias": False},
     "gelu": {"act": "gelu"},
     "bias_kv": {"add_bias_kv": True},
+    "rms": {"rms": True},
 }
 HAND_CASES = {
     "matmul": {},
@@ -320,3 +323,44 @@ def test_euclidean_sharpness_moves_while_the_loss_does_not():
         after = euclidean_sharpness(moved, loss, (x, y), progress=False).value
     ratio = max(before, after) / min(before, after)
     assert ratio > 3, (before, after)
+
+
+def test_nothing_is_claimed_twice_next_to_the_diagonal_group():
+    # On (batch, features) tensors the diagonal group already frees the LayerNorm's output and the ReLU units:
+    # its dimension is D + 16, and the norm trade and unit scalings found here are dropped as duplicates.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(6, D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.diagonal_dim == D + 16 and sym.matrix_dim == 0 and not sym.factors
+    assert sum("already moves" in p.reason for p in sym.pins) == 2
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    assert torch.linalg.matrix_rank(sym.vertical_basis(params)) == sym.dim
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(6)))
+        assert (moved(x) - model(x)).abs().max() < 1e-12
+
+
+def test_diagonal_and_matrix_factors_compose():
+    # A token-wise block feeding a pooled 2-D ReLU head: the head's units belong to the diagonal group, the
+    # attention to the matrix factors; a random element of the whole group keeps the function.
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = MHABlock()
+            self.head1, self.head2 = nn.Linear(D, 16), nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head2(torch.relu(self.head1(self.block(x).mean(dim=1))))
+
+    torch.manual_seed(0)
+    model = Classifier().eval()
+    x = torch.randn(4, T, D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.diagonal_dim == 16 and sym.matrix_dim == mha_dim({})
+    assert not any("head1" in f.label for f in sym.factors)
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(7)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    assert torch.linalg.matrix_rank(sym.vertical_basis(params)) == sym.dim
