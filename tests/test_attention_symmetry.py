@@ -172,6 +172,14 @@ def hand_hand_block(sd, cfg, g, wrong_key=False):
     return sd
 
 
+def hand_two_blocks(sd, cfg, g, wrong_key=False):
+    """The group of each of two MHABlocks in an nn.Sequential, by hand."""
+    for prefix in ("0.", "1."):
+        sub = hand_mha_block({k[2:]: v for k, v in sd.items() if k.startswith(prefix)}, cfg, g, wrong_key)
+        sd.update({prefix + k: v for k, v in sub.items()})
+    return sd
+
+
 def mha_dim(cfg) -> int:
     # 2 GL(HD) factors per head (query/key and value/output) unless add_bias_kv pins them; pre-LN: both LayerNorm
     # scales (D each); a key/value input Linear: kdim unit scales; ReLU MLP: FF unit scales (GELU: none).
@@ -213,7 +221,7 @@ def make(kind: str, name: str, seed: int = 0):
     elif kind == "two":
         cfg = {}
         model = nn.Sequential(MHABlock(), MHABlock())
-        hand, dim = None, 2 * mha_dim(cfg)
+        hand, dim = hand_two_blocks, 2 * mha_dim(cfg)
     else:
         cfg = HAND_CASES[name]
         model = HandBlock(**cfg)
@@ -253,7 +261,7 @@ def test_random_elements_keep_the_function(kind, name):
             assert changed > 0.1  # the parameters did move
 
 
-@pytest.mark.parametrize("kind,name", [c for c in ALL if c[0] != "two"])
+@pytest.mark.parametrize("kind,name", ALL)
 def test_hand_built_elements_keep_the_function_and_wrong_ones_do_not(kind, name):
     model, x, cfg, hand, _ = make(kind, name)
     g = torch.Generator().manual_seed(2)
