@@ -1,6 +1,8 @@
 """Geometry of ReLU-network parameter spaces: structure, rescalings, quotient metrics,
 G-space, fixed weights and gauges. Depends only on torch, geoopt and scipy."""
 
+from manifolds._attention import random_transform as random_transform
+from manifolds._attention import transformer_symmetry as transformer_symmetry
 from manifolds._connection import Metric as Metric
 from manifolds._connection import MetricQuotient as MetricQuotient
 from manifolds._connection import layer_metric as layer_metric
@@ -28,6 +30,10 @@ from manifolds._gspace import gsgd_init_ as gsgd_init_
 from manifolds._gspace_training import GModel as GModel
 from manifolds._gspace_training import GOptimizer as GOptimizer
 from manifolds._layout import ParamLayout as ParamLayout
+from manifolds._matrix_group import Block as Block
+from manifolds._matrix_group import Factor as Factor
+from manifolds._matrix_group import MatrixSymmetry as MatrixSymmetry
+from manifolds._matrix_group import SymmetryElement as SymmetryElement
 from manifolds._modules import eval_mode as eval_mode
 from manifolds._modules import functional_call as functional_call
 from manifolds._modules import tensor_aliases as tensor_aliases
@@ -52,6 +58,12 @@ __all__ = [
     "MetricQuotient",
     "layer_metric",
     "node_metric",
+    "Block",
+    "Factor",
+    "MatrixSymmetry",
+    "SymmetryElement",
+    "random_transform",
+    "transformer_symmetry",
     "FixModel",
     "FixedEntries",
     "FixedWeightSpace",

@@ -1,0 +1,570 @@
+"""The non-diagonal symmetries of transformers, found on the traced graph.
+
+What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T + b`` with ``W`` ``(out, in)``):
+
+* **Query/key, per head** (``GL(hd)``): ``Wq_h <- A^T Wq_h``, ``bq_h <- A^T bq_h``, ``Wk_h <- A^-1 Wk_h``,
+  ``bk_h <- A^-1 bk_h``. Every query row becomes ``q A`` and every key row ``k A^-T``, so every score
+  ``q k^T`` and with it everything computed from the scores (the constant ``1/sqrt(hd)``, masks, softmax,
+  dropout) is unchanged.
+* **Value/output, per head** (``GL(hd)``): ``Wv_h <- B^T Wv_h``, ``bv_h <- B^T bv_h`` and the output
+  projection's columns of head ``h`` ``<- (.) B^-T``. The head's output ``P v`` becomes ``P v B`` for the
+  (unchanged) attention weights ``P``, and ``(P v B) (W_o,h B^-T)^T = P v W_o,h^T``; the output bias stays.
+* **Normalization affine scale** (positive diagonal, one scale per feature): ``gamma_j, beta_j <- c_j gamma_j,
+  c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
+  reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
+* **Token-wise ReLU MLP units** (positive diagonal): rows of a Linear and its bias ``<- c_j (.)``, the columns
+  of every Linear reading it through ReLU / LeakyReLU / dropout ``<- / c_j`` (``relu(c x) = c relu(x)``).
+  The diagonal rescaling group of :mod:`manifolds._group_discovery` reads axis 1 as the channels, so on
+  ``(batch, tokens, features)`` tensors it pins these; they are found here on the last axis instead, and
+  dropped where the diagonal group already moves the same side of the same tensor (nothing is claimed twice).
+
+Where it is found: every ``nn.MultiheadAttention`` call (packed ``in_proj_weight`` or separate
+``q/k/v_proj_weight``, with or without bias, ``batch_first`` either way; ``add_bias_kv`` appends unprojected
+key/value rows, which pins those factors), and attention written by hand: a ``matmul`` (or ``bmm``) of a
+query and a transposed key, a ``matmul`` of any weights with a value, or ``F.scaled_dot_product_attention``,
+where each of query, key and value is the output of its own ``nn.Linear`` reshaped into heads by
+view/reshape/transpose/permute/flatten/contiguous and constant factors only, nothing else reads those
+tensors, and the value side's result reaches the output Linear through such reshapes only. The head
+layout is not assumed but read: the reshapes are replayed on a tensor holding each feature's index, and the
+factor exists only when every head uses a fixed, disjoint set of features for every token.
+
+What pins (no factor, with the reason recorded): anything else between a projection and the product
+(rotary embeddings, per-head norms, a split of a fused qkv projection, grouped-query repeats), a projection
+or normalized output read by anything else (a residual addition), a Linear or module called more than once
+for a diagonal trade, shared parameters, GELU / SiLU / tanh / softmax after a Linear (not positively
+homogeneous), and ``enable_gqa``. Pinning only shrinks the group, so it is always safe.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, fx, nn
+from torch.utils._pytree import tree_leaves
+
+from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
+from manifolds._group_discovery import Pin, _plain_affine
+from manifolds._matrix_group import Block, Factor, MatrixSymmetry
+from manifolds._structure import UnsupportedModelError, analyze
+
+_RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
+_SCALINGS = {"mul", "truediv", "div"}
+_MATMULS = {"matmul", "bmm"}
+_SDPA = "scaled_dot_product_attention"
+_POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"}
+_POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
+_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish", "softplus", "hardswish"}
+
+
+class _Fail(Exception):
+    """A pattern does not hold; the message says why (it becomes a pin's reason)."""
+
+
+@dataclass
+class _Found:
+    factors: list[Factor] = field(default_factory=list)
+    pins: list[Pin] = field(default_factory=list)
+
+
+def _values(model: nn.Module, graph: fx.Graph, x: Tensor) -> dict[fx.Node, object]:
+    """The non-tensor value of every node on one forward pass (sizes, head counts), to replay reshapes."""
+    out: dict[fx.Node, object] = {}
+
+    class _Run(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            value = super().run_node(n)
+            if not any(isinstance(v, Tensor) for v in tree_leaves(value)):
+                out[n] = value
+            return value
+
+        def call_module(self, target, args, kwargs):
+            return model.get_submodule(str(target))(*args, **kwargs)
+
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            _Run(model, graph=graph).run(x)
+    finally:
+        for m, training in modes:
+            m.training = training
+    return out
+
+
+class _Finder:
+    def __init__(self, model: nn.Module, graph: fx.Graph, values: dict[fx.Node, object]):
+        self.model, self.graph, self.values = model, graph, values
+        self.calls = Counter(str(n.target) for n in graph.nodes if n.op == "call_module")
+        named = list(model.named_parameters(remove_duplicate=False))
+        count = Counter(id(p) for _, p in named)
+        self.param_name = {id(p): n for n, p in named}
+        self.shared = {n for n, p in named if count[id(p)] > 1}
+        self.found = _Found()
+        self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
+
+    # -- graph helpers ---------------------------------------------------------------------------------------
+    def users(self, node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if not is_metadata(u)]
+
+    def module(self, node: fx.Node) -> nn.Module | None:
+        return self.model.get_submodule(str(node.target)) if node.op == "call_module" else None
+
+    def label(self, node: fx.Node) -> str:
+        if node.op == "call_module":
+            return f"module '{node.target}' ({type(self.module(node)).__name__})"
+        return f"'{target_name(node)}' (graph node '{node.name}')"
+
+    def plain_linear(self, node: fx.Node) -> bool:
+        m = self.module(node)
+        return m is not None and _plain_affine(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
+
+    def is_mha(self, node: fx.Node) -> bool:
+        return type(self.module(node)) is nn.MultiheadAttention
+
+    def param(self, module_name: str, attr: str) -> str | None:
+        owner, _, attr = f"{module_name}.{attr}".rpartition(".")
+        tensor = getattr(self.model.get_submodule(owner), attr, None)
+        if tensor is None:
+            return None
+        name = self.param_name.get(id(tensor))
+        if name is None:
+            raise _Fail(f"'{module_name}.{attr}' is not a plain parameter")
+        if name in self.shared:
+            raise _Fail(f"the parameter '{name}' is shared with another module")
+        return name
+
+    def data_arg(self, node: fx.Node) -> fx.Node | None:
+        """The one tensor argument of a reshape or constant factor (others must be known non-tensors)."""
+        nodes: list[fx.Node] = []
+        fx.node.map_arg((node.args, node.kwargs), nodes.append)
+        tensors = [n for n in nodes if n not in self.values]
+        if len(tensors) != 1 or not node.args or node.args[0] is not tensors[0]:
+            return None
+        name = target_name(node)
+        if name in _RESHAPES:
+            return tensors[0]
+        if name in _SCALINGS and len(node.args) == 2 and not node.kwargs:
+            factor = node.args[1]
+            factor = self.values.get(factor) if isinstance(factor, fx.Node) else factor
+            if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 0:
+                return tensors[0]
+        return None
+
+    def back(self, node: fx.Node, role: str) -> tuple[fx.Node, list[fx.Node]]:
+        """The Linear call whose output reaches ``node`` through reshapes only, and those reshapes in order."""
+        chain: list[fx.Node] = []
+        current = node
+        while True:
+            if len(self.users(current)) != 1:
+                raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
+            if self.plain_linear(current):
+                if self.calls[str(current.target)] != 1:
+                    raise _Fail(f"the {role} projection {self.label(current)} is called more than once")
+                return current, chain[::-1]
+            source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
+            if source is None:
+                between = self.label(current)
+                raise _Fail(f"the {role} is not a Linear's output reshaped into heads ({between} is between)")
+            chain.append(current)
+            current = source
+
+    def forward(self, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+        """The Linear call reading ``node`` through reshapes only (nothing else reading them), and the reshapes."""
+        chain: list[fx.Node] = []
+        current = node
+        while True:
+            users = self.users(current)
+            if len(users) != 1:
+                raise _Fail(f"the heads' output {self.label(current)} is read by {len(users)} operations, not one")
+            (user,) = users
+            if self.plain_linear(user) and user.args == (current,) and not user.kwargs:
+                if self.calls[str(user.target)] != 1:
+                    raise _Fail(f"the output projection {self.label(user)} is called more than once")
+                return user, chain
+            if user.op not in ("call_method", "call_function") or self.data_arg(user) is not current:
+                raise _Fail(f"the heads' output reaches {self.label(user)}, not an output Linear through reshapes")
+            chain.append(user)
+            current = user
+
+    def replay(self, chain: Sequence[fx.Node], probe: Tensor) -> Tensor:
+        """Run the reshapes of ``chain`` on ``probe`` (constant factors skipped: they move no index)."""
+        current = probe
+        for node in chain:
+            if target_name(node) in _SCALINGS:
+                continue
+            source, data = self.data_arg(node), current
+            args = fx.node.map_arg(node.args, lambda n, s=source, d=data: d if n is s else self.values[n])
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: self.values[n])
+            if node.op == "call_method":
+                current = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            else:
+                current = node.target(*args, **kwargs)
+        return current
+
+    def feature_probe(self, linear: fx.Node) -> Tensor:
+        """A tensor shaped like the Linear's output holding each feature's index."""
+        shape = linear.meta.get("shape")
+        if shape is None:
+            raise _Fail(f"the shape of {self.label(linear)} is unknown")
+        return torch.arange(shape[-1], dtype=torch.float64).expand(shape).clone()
+
+    # -- heads ---------------------------------------------------------------------------------------------
+    def groups(self, probe: Tensor, features_last: bool, role: str) -> Tensor:
+        """``(slots, hd)`` feature indices per head slot of a ``(..., tokens, hd)`` (or transposed) probe."""
+        if probe.dim() < 2:
+            raise _Fail(f"the {role} has fewer than two axes")
+        if not features_last:
+            probe = probe.transpose(-2, -1)
+        if not bool((probe == probe[..., :1, :]).all()):
+            raise _Fail(f"the {role}'s heads do not use the same features for every token")
+        return probe[..., 0, :].reshape(-1, probe.shape[-1]).long()
+
+    def heads(self, groups: Sequence[Tensor], role: str) -> list[tuple[tuple[int, ...], ...]]:
+        """The distinct heads: tuples of one feature group per operand; each operand's groups must be disjoint
+        and each group belong to one head."""
+        rows = torch.cat(list(groups), dim=1)
+        hd = groups[0].shape[1]
+        unique = [tuple(int(v) for v in r) for r in torch.unique(rows, dim=0)]
+        heads = [tuple(u[i * hd : (i + 1) * hd] for i in range(len(groups))) for u in unique]
+        for i in range(len(groups)):
+            seen: set[int] = set()
+            for head in heads:
+                g = head[i]
+                if len(set(g)) != hd or seen & set(g):
+                    raise _Fail(f"the {role}'s heads do not partition its features")
+                seen |= set(g)
+        return heads
+
+    def linear_blocks(self, linear: fx.Node, index: tuple[int, ...], how: str, rows: bool) -> list[Block]:
+        name = str(linear.target)
+        weight = self.param(name, "weight")
+        blocks = [Block(weight, 0 if rows else 1, index, None, how)]
+        bias = self.param(name, "bias") if rows else None
+        if bias is not None:
+            blocks.append(Block(bias, 0, index, None, how))
+        return blocks
+
+    def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool) -> None:
+        lq, chain_q = self.back(q, "query")
+        lk, chain_k = self.back(k, "key")
+        if lq is lk:
+            raise _Fail("the query and the key come from the same Linear")
+        pq = self.replay(chain_q, self.feature_probe(lq))
+        pk = self.replay(chain_k, self.feature_probe(lk))
+        if pq.shape[:-2] != pk.shape[:-2]:
+            raise _Fail("the query and key heads are broadcast against each other")
+        heads = self.heads([self.groups(pq, True, "query"), self.groups(pk, k_features_last, "key")], "query/key")
+        factors = [
+            Factor(
+                "GL",
+                len(gq),
+                tuple(self.linear_blocks(lq, gq, "T", True) + self.linear_blocks(lk, gk, "inv", True)),
+                f"attention at {where}, head {h}: query/key",
+                "A",
+            )
+            for h, (gq, gk) in enumerate(heads)
+        ]
+        self.found.factors.extend(factors)  # only once every head's blocks are known
+        self.claimed_rows |= {str(lq.target), str(lk.target)}
+
+    def value_output(self, where: str, v: fx.Node, out: fx.Node) -> None:
+        lv, chain_v = self.back(v, "value")
+        lo, chain_o = self.forward(out)
+        pv = self.replay(chain_v, self.feature_probe(lv))
+        groups = self.groups(pv, True, "value")
+        heads = [g for (g,) in self.heads([groups], "value")]
+        hd = groups.shape[1]
+        # Code every entry of the heads' output by (head, j) and replay the merge of the heads.
+        head_of = {g: h for h, g in enumerate(heads)}
+        slot_head = torch.tensor([head_of[tuple(int(v) for v in g)] for g in groups], dtype=torch.float64)
+        shape = out.meta.get("shape")
+        if shape is None or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd:
+            raise _Fail("the attention output's heads do not match the value's")
+        code = slot_head.reshape(*shape[:-2], 1, 1) * hd + torch.arange(hd, dtype=torch.float64)
+        merged = self.replay(chain_o, code.expand(shape).clone())
+        rows = merged.reshape(-1, merged.shape[-1])
+        if not bool((rows == rows[:1]).all()):
+            raise _Fail("the merged heads do not put every head at the same features for every token")
+        codes = rows[0].long().tolist()
+        if sorted(codes) != list(range(len(heads) * hd)):
+            raise _Fail("the merged heads do not cover the output projection's inputs once each")
+        column = {c: f for f, c in enumerate(codes)}
+        factors = []
+        for h, gv in enumerate(heads):
+            cols = tuple(column[h * hd + j] for j in range(hd))
+            blocks = self.linear_blocks(lv, gv, "T", True) + self.linear_blocks(lo, cols, "invT", False)
+            factors.append(Factor("GL", hd, tuple(blocks), f"attention at {where}, head {h}: value/output", "B"))
+        self.found.factors.extend(factors)
+        self.claimed_rows.add(str(lv.target))
+
+    def pin(self, where: str, channels: int, reason: str) -> None:
+        self.found.pins.append(Pin(where, channels, reason))
+
+    # -- patterns --------------------------------------------------------------------------------------------
+    def matmul(self, node: fx.Node) -> None:
+        if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+            return
+        a, b = node.args
+        where = self.label(node)
+        try:
+            self.query_key(where, a, b, k_features_last=False)
+            return
+        except _Fail as qk_failure:
+            first = str(qk_failure)
+        try:
+            self.value_output(where, b, node)
+        except _Fail as vo_failure:  # a product of no attention we can prove: say why, it pins nothing else
+            why = f"no attention factor: as scores, {first}; as weights times values, {vo_failure}"
+            self.pin(f"product {where}", 0, why)
+
+    def sdpa(self, node: fx.Node) -> None:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, node.args)) | dict(node.kwargs)
+        where = self.label(node)
+        if bound.get("enable_gqa"):
+            self.pin(f"attention {where}", 0, "enable_gqa repeats key/value heads across query heads")
+            return
+        q, k, v = (bound.get(n) for n in names[:3])
+        if len({q, k, v}) != 3:
+            self.pin(f"attention {where}", 0, "one tensor is passed as more than one of query, key and value")
+            return
+        try:
+            self.query_key(where, q, k, k_features_last=True)
+        except _Fail as failure:
+            self.pin(f"query/key of {where}", 0, f"no query/key factor: {failure}")
+        try:
+            self.value_output(where, v, node)
+        except _Fail as failure:
+            self.pin(f"value/output of {where}", 0, f"no value/output factor: {failure}")
+
+    def mha(self, node: fx.Node) -> None:
+        m = self.module(node)
+        name, where = str(node.target), self.label(node)
+        if m._forward_hooks or m._forward_pre_hooks:
+            self.pin(where, 0, "it has forward hooks")
+            return
+        e, heads = m.embed_dim, m.num_heads
+        hd = e // heads
+        try:
+            if m._qkv_same_embed_dim:
+                packed = self.param(name, "in_proj_weight")
+                weights = [(packed, 0), (packed, e), (packed, 2 * e)]
+            else:
+                weights = [(self.param(name, f"{p}_proj_weight"), 0) for p in "qkv"]
+            bias = self.param(name, "in_proj_bias")
+            out = self.param(name, "out_proj.weight")
+        except _Fail as failure:
+            self.pin(where, 0, str(failure))
+            return
+
+        def rows(i: int, h: int, how: str) -> list[Block]:
+            weight, offset = weights[i]
+            index = tuple(range(offset + h * hd, offset + (h + 1) * hd))
+            blocks = [Block(weight, 0, index, None, how)]
+            if bias is not None:
+                blocks.append(Block(bias, 0, tuple(range(i * e + h * hd, i * e + (h + 1) * hd)), None, how))
+            return blocks
+
+        for h in range(heads):
+            label = f"attention {where}, head {h}"
+            if m.bias_k is None:
+                blocks = rows(0, h, "T") + rows(1, h, "inv")
+                self.found.factors.append(Factor("GL", hd, tuple(blocks), f"{label}: query/key", "A"))
+            if m.bias_v is None:
+                cols = Block(out, 1, tuple(range(h * hd, (h + 1) * hd)), None, "invT")
+                self.found.factors.append(Factor("GL", hd, (*rows(2, h, "T"), cols), f"{label}: value/output", "B"))
+        if m.bias_k is not None:
+            self.pin(where, 2 * e, "add_bias_kv appends key and value rows that no projection moves")
+
+    # -- diagonal trades -------------------------------------------------------------------------------------
+    def consumer_blocks(self, node: fx.Node, index: tuple[int, ...]) -> list[Block]:
+        """Column blocks (``/ c``) of every layer reading ``node``; fails unless all are input projections."""
+        blocks: list[Block] = []
+        users = self.users(node)
+        if not users:
+            raise _Fail("nothing reads it")
+        for user in users:
+            m = self.module(user)
+            if m is not None and self.calls[str(user.target)] != 1:
+                raise _Fail(f"it is read by {self.label(user)}, which is called more than once")
+            if self.plain_linear(user) and user.args == (node,) and not user.kwargs:
+                blocks.append(Block(self.param(str(user.target), "weight"), 1, index, None, "inv"))
+            elif type(m) is nn.MultiheadAttention and not (m._forward_hooks or m._forward_pre_hooks):
+                blocks.extend(self.mha_columns(user, m, node, index))
+            else:
+                raise _Fail(f"it is read by {self.label(user)}, which is not a Linear or attention input")
+        return blocks
+
+    def mha_columns(self, user: fx.Node, m: nn.MultiheadAttention, node: fx.Node, index) -> list[Block]:
+        roles = ("query", "key", "value")
+        bound = dict(zip(roles, user.args)) | {k: v for k, v in user.kwargs.items() if k in roles}
+        elsewhere: list[fx.Node] = []
+        fx.node.map_arg((user.args[3:], {k: v for k, v in user.kwargs.items() if k not in roles}), elsewhere.append)
+        if node in elsewhere:
+            raise _Fail(f"it is also a mask of {self.label(user)}")
+        blocks = []
+        name, e = str(user.target), m.embed_dim
+        for i, role in enumerate(roles):
+            if bound.get(role) is not node:
+                continue
+            if m._qkv_same_embed_dim:
+                rows = tuple(range(i * e, (i + 1) * e))
+                blocks.append(Block(self.param(name, "in_proj_weight"), 1, index, rows, "inv"))
+            else:
+                blocks.append(Block(self.param(name, f"{role[0]}_proj_weight"), 1, index, None, "inv"))
+        return blocks
+
+    def norm(self, node: fx.Node) -> None:
+        m = self.module(node)
+        where = self.label(node)
+        if m.weight is None or len(m.normalized_shape) != 1:
+            why = "it has no affine scale" if m.weight is None else "it normalizes over more than the last axis"
+            self.pin(f"output of {where}", 0, why)
+            return
+        size = m.normalized_shape[0]
+        index = tuple(range(size))
+        try:
+            if m._forward_hooks or m._forward_pre_hooks:
+                raise _Fail("it has forward hooks")
+            if self.calls[str(node.target)] != 1:
+                raise _Fail("it is called more than once")
+            own = [
+                Block(self.param(str(node.target), p), 0, index, None, "T")
+                for p in ("weight", "bias")
+                if getattr(m, p, None) is not None
+            ]
+            blocks = own + self.consumer_blocks(node, index)
+        except _Fail as failure:
+            self.pin(f"output of {where}", size, f"its affine scale cannot be traded: {failure}")
+            return
+        self.found.factors.append(Factor("diagonal", size, tuple(blocks), f"affine scale of {where}", "c"))
+
+    def mlp(self, node: fx.Node) -> None:
+        """A Linear whose output reaches only Linears through ReLU / LeakyReLU / dropout: unit scalings."""
+        name, where = str(node.target), self.label(node)
+        size = node.meta.get("shape", (0,))[-1]
+        current = node
+        try:
+            if self.calls[name] != 1:
+                raise _Fail("it is called more than once")
+            while True:
+                users = self.users(current)
+                if len(users) == 1 and self.positive(users[0], current):
+                    current = users[0]
+                    continue
+                if all(self.plain_linear(u) or self.is_mha(u) for u in users):
+                    break
+                bad = next(u for u in users if not (self.plain_linear(u) or self.is_mha(u)))
+                kind = target_name(bad) if bad.op != "call_module" else type(self.module(bad)).__name__
+                if kind.lower() in _NON_HOMOGENEOUS:
+                    raise _Fail(f"it feeds {self.label(bad)}, which is not positively homogeneous")
+                raise _Fail(f"it feeds {self.label(bad)}")
+            index = tuple(range(size))
+            blocks = self.linear_blocks(node, index, "T", True) + self.consumer_blocks(current, index)
+        except _Fail as failure:
+            self.pin(f"output of {where}", size, f"its units cannot be rescaled: {failure}")
+            return
+        self.found.factors.append(Factor("diagonal", size, tuple(blocks), f"units of {where}", "c"))
+
+    def positive(self, user: fx.Node, source: fx.Node) -> bool:
+        """Whether ``user`` commutes with a positive scaling of its only tensor input ``source``, feature-wise."""
+        if user.args[:1] != (source,):
+            return False
+        m = self.module(user)
+        if m is not None:
+            return isinstance(m, _POSITIVE_MODULES) and len(user.args) == 1 and not m._forward_hooks
+        extra = [a for a in list(user.args[1:]) + list(user.kwargs.values()) if isinstance(a, fx.Node)]
+        return target_name(user) in _POSITIVE and not extra
+
+    def run(self) -> _Found:
+        nodes = list(self.graph.nodes)
+        for node in nodes:
+            name = target_name(node) if node.op in ("call_function", "call_method") else ""
+            if node.op == "call_module" and type(self.module(node)) is nn.MultiheadAttention:
+                self.mha(node)
+            elif name in _MATMULS or (node.op == "call_function" and node.target is operator.matmul):
+                self.matmul(node)
+            elif name == _SDPA:
+                self.sdpa(node)
+        for node in nodes:
+            if node.op != "call_module":
+                continue
+            m = self.module(node)
+            if type(m) in _NORMS:
+                self.norm(node)
+            elif self.plain_linear(node) and str(node.target) not in self.claimed_rows:
+                self.mlp(node)
+        return self.found
+
+
+def _diagonal_sides(group) -> set[tuple[str, int]]:
+    """``(tensor, axis)`` pairs the diagonal group moves with a free scale (axis 0: outputs, 1: inputs)."""
+    sides: set[tuple[str, int]] = set()
+    for a in group.parameter_actions:
+        for axis, index in ((0, a.plus), (1, a.minus)):
+            if index is not None and bool((index < group.dim).any()):
+                sides.add((a.name, axis))
+    return sides
+
+
+def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor) -> tuple[list[Factor], list[Pin]]:
+    """The matrix factors of ``model`` on its traced graph, and the reasons for what is pinned.
+
+    Args:
+        model: the network.
+        traced: its :func:`manifolds.trace_network` result (with shapes).
+        example_input: one input batch (its first two samples are run once to read sizes).
+    """
+    values = _values(model, traced.graph, input_like(model, example_input))
+    found = _Finder(model, traced.graph, values).run()
+    return found.factors, found.pins
+
+
+def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymmetry:
+    """The function-preserving group of ``model``: the diagonal rescaling group times attention and
+    normalization factors (see :mod:`manifolds._attention`).
+
+    Args:
+        model: the network (not modified).
+        example_input: one input batch (for the shapes and sizes on the graph).
+
+    Returns:
+        The :class:`MatrixSymmetry`; ``print(sym.describe())`` lists every factor and pin. A factor that would
+        move a side of a tensor the diagonal group already moves is dropped (and listed as pinned).
+
+    Raises:
+        UnsupportedModelError: fx cannot trace ``model`` or the forward fails on ``example_input``.
+    """
+    traced = trace_network(model, example_input)
+    if not traced.has_shapes:
+        raise UnsupportedModelError(f"Cannot find the symmetry group: {traced.failure}.")
+    diagonal = analyze(model, example_input).group
+    factors, pins = find_factors(model, traced, example_input)
+    taken = _diagonal_sides(diagonal) if diagonal is not None else set()
+    kept = []
+    for f in factors:
+        if any((b.name, b.axis) in taken for b in f.blocks):
+            pins.append(Pin(f.label, f.size, "the diagonal rescaling group already moves these features"))
+        else:
+            kept.append(f)
+    return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
+
+
+def random_transform(
+    model: nn.Module, example_input: Tensor, scale: float = 1.0, generator: torch.Generator | None = None
+) -> nn.Module:
+    """A deep copy of ``model`` moved by a random element of its whole symmetry group (the same function).
+
+    Args:
+        model: the network.
+        example_input: one input batch (for the graph's shapes).
+        scale: spread of the element (see :meth:`MatrixSymmetry.random_element`).
+        generator: random generator, or ``None`` for the global one.
+    """
+    sym = transformer_symmetry(model, example_input)
+    return sym.transformed(model, sym.random_element(scale, generator))

@@ -1,0 +1,374 @@
+"""The transformer symmetry group (manifolds._attention, manifolds._matrix_group) on tiny float64 transformers.
+
+Each model comes with its group dimension counted by hand and a transformation written here directly on the
+state dict (independently of the library): both must keep the outputs to 1e-10, and a deliberately wrong
+variant of the hand transformation must not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import manifolds
+from sharpness import euclidean_sharpness
+
+D, H, HD, FF, T = 8, 2, 4, 12, 5  # model width, heads, head size, MLP width, tokens
+
+
+def _activation(kind: str) -> nn.Module:
+    return nn.ReLU() if kind == "relu" else nn.GELU()
+
+
+class MHABlock(nn.Module):
+    """A transformer block with nn.MultiheadAttention; ``kdim`` adds a Linear producing key/value inputs."""
+
+    def __init__(self, pre_ln=True, bias=True, batch_first=True, kdim=None, act="relu", add_bias_kv=False, rms=False):
+        super().__init__()
+        self.pre_ln = pre_ln
+        norm = nn.RMSNorm if rms else nn.LayerNorm
+        self.ln1, self.ln2 = norm(D), norm(D)
+        self.kv_in = nn.Linear(D, kdim) if kdim else None
+        self.attn = nn.MultiheadAttention(
+            D, H, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim, add_bias_kv=add_bias_kv
+        )
+        self.fc1, self.act, self.fc2 = nn.Linear(D, FF), _activation(act), nn.Linear(FF, D)
+
+    def forward(self, x):
+        if self.pre_ln:
+            y = self.ln1(x)
+            kv = self.kv_in(y) if self.kv_in is not None else y
+            x = x + self.attn(y, kv, kv, need_weights=False)[0]
+            return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+        kv = self.kv_in(x) if self.kv_in is not None else x
+        x = self.ln1(x + self.attn(x, kv, kv, need_weights=False)[0])
+        return self.ln2(x + self.fc2(self.act(self.fc1(x))))
+
+
+class HandBlock(nn.Module):
+    """A pre-LN block with attention written by hand (explicit product and softmax, or SDPA)."""
+
+    def __init__(self, sdpa=False, rotary=False):
+        super().__init__()
+        self.sdpa, self.rotary = sdpa, rotary
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.drop = nn.Dropout(0.1)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.register_buffer("phase", torch.linspace(0.5, 1.5, T * HD).reshape(T, HD))
+        self.scale = HD**-0.5
+
+    def forward(self, x):
+        b, t, c = x.shape
+        y = self.ln1(x)
+        q = self.q(y).view(b, t, H, HD).transpose(1, 2)
+        k = self.k(y).view(b, t, H, HD).transpose(1, 2)
+        v = self.v(y).view(b, t, H, HD).transpose(1, 2)
+        if self.rotary:  # a position-dependent factor on q and k: not a reshape, so no query/key factor
+            q, k = q * self.phase, k * self.phase
+        if self.sdpa:
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            a = self.drop((q @ k.transpose(-2, -1) * self.scale).softmax(dim=-1)) @ v
+        x = x + self.o(a.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+
+# -- hand-written group elements (state dict in, state dict out) -------------------------------------------------
+def _rows(sd, name, rows, m):
+    w = sd[name].clone()
+    w[rows] = m @ w[rows]
+    sd[name] = w
+
+
+def _cols(sd, name, cols, m, rows=slice(None)):
+    w = sd[name].clone()
+    w[rows, cols] = w[rows, cols] @ m
+    sd[name] = w
+
+
+def hand_mha(sd, prefix, a, b, wrong_key=False):
+    """Per head: Wq_h <- A^T Wq_h, Wk_h <- A^-1 Wk_h (biases too), Wv_h <- B^T Wv_h, out columns <- (.) B^-T."""
+    packed = prefix + "in_proj_weight" in sd
+    for h in range(H):
+        mats = {"q": a[h].T, "k": a[h].T if wrong_key else torch.linalg.inv(a[h]), "v": b[h].T}
+        for i, role in enumerate("qkv"):
+            block = slice(i * D + h * HD, i * D + (h + 1) * HD)
+            if packed:
+                _rows(sd, prefix + "in_proj_weight", block, mats[role])
+            else:
+                _rows(sd, f"{prefix}{role}_proj_weight", slice(h * HD, (h + 1) * HD), mats[role])
+            if prefix + "in_proj_bias" in sd:
+                _rows(sd, prefix + "in_proj_bias", block, mats[role])
+        _cols(sd, prefix + "out_proj.weight", slice(h * HD, (h + 1) * HD), torch.linalg.inv(b[h]).T)
+
+
+def hand_linear_heads(sd, prefix, a, b, qk=True):
+    """The same on separate q/k/v/o Linears whose output features h*HD:(h+1)*HD form head h."""
+    for h in range(H):
+        rows = slice(h * HD, (h + 1) * HD)
+        pairs = [("q", a[h].T), ("k", torch.linalg.inv(a[h]))] if qk else []
+        for role, m in [*pairs, ("v", b[h].T)]:
+            _rows(sd, f"{prefix}{role}.weight", rows, m)
+            _rows(sd, f"{prefix}{role}.bias", rows, m)
+        _cols(sd, f"{prefix}o.weight", rows, torch.linalg.inv(b[h]).T)
+
+
+def hand_trade(sd, scaled, consumers, c):
+    """Scale the vectors ``scaled`` (rows of a matrix) by ``c`` and divide the consumers' columns by ``c``."""
+    for name in scaled:
+        t = sd[name].clone()
+        sd[name] = t * (c[:, None] if t.dim() == 2 else c)
+    for name, rows in consumers:
+        _cols(sd, name, slice(None), torch.diag(1 / c), rows)
+
+
+def _random_gl(g, k=HD):
+    return torch.eye(k) + 0.4 * torch.randn(k, k, generator=g)
+
+
+def _random_scales(g, k):
+    return torch.exp(0.5 * torch.randn(k, generator=g))
+
+
+def hand_mha_block(sd, cfg, g, wrong_key=False):
+    """The whole group of an MHABlock, by hand."""
+    a, b = [_random_gl(g) for _ in range(H)], [_random_gl(g) for _ in range(H)]
+    if not cfg.get("add_bias_kv"):
+        hand_mha(sd, "attn.", a, b, wrong_key)
+    kdim = cfg.get("kdim")
+    if cfg.get("pre_ln", True):
+        readers = ["attn.q_proj_weight", "kv_in.weight"] if kdim else ["attn.in_proj_weight"]
+        affine = [p for p in ("weight", "bias") if f"ln1.{p}" in sd]  # RMSNorm has no bias
+        hand_trade(sd, [f"ln1.{p}" for p in affine], [(r, slice(None)) for r in readers], _random_scales(g, D))
+        hand_trade(sd, [f"ln2.{p}" for p in affine], [("fc1.weight", slice(None))], _random_scales(g, D))
+    if kdim:
+        consumers = [("attn.k_proj_weight", slice(None)), ("attn.v_proj_weight", slice(None))]
+        hand_trade(sd, ["kv_in.weight", "kv_in.bias"], consumers, _random_scales(g, kdim))
+    if cfg.get("act", "relu") == "relu":
+        hand_trade(sd, ["fc1.weight", "fc1.bias"], [("fc2.weight", slice(None))], _random_scales(g, FF))
+    return sd
+
+
+def hand_hand_block(sd, cfg, g, wrong_key=False):
+    a, b = [_random_gl(g) for _ in range(H)], [_random_gl(g) for _ in range(H)]
+    if wrong_key:
+        for h in range(H):
+            rows = slice(h * HD, (h + 1) * HD)
+            _rows(sd, "q.weight", rows, a[h].T)
+            _rows(sd, "q.bias", rows, a[h].T)
+            _rows(sd, "k.weight", rows, a[h].T)  # should be A^-1
+            _rows(sd, "k.bias", rows, a[h].T)
+        return sd
+    hand_linear_heads(sd, "", a, b, qk=not cfg.get("rotary"))
+    hand_trade(sd, ["ln1.weight", "ln1.bias"], [(f"{r}.weight", slice(None)) for r in "qkv"], _random_scales(g, D))
+    hand_trade(sd, ["ln2.weight", "ln2.bias"], [("fc1.weight", slice(None))], _random_scales(g, D))
+    hand_trade(sd, ["fc1.weight", "fc1.bias"], [("fc2.weight", slice(None))], _random_scales(g, FF))
+    return sd
+
+
+def hand_two_blocks(sd, cfg, g, wrong_key=False):
+    """The group of each of two MHABlocks in an nn.Sequential, by hand."""
+    for prefix in ("0.", "1."):
+        sub = hand_mha_block({k[2:]: v for k, v in sd.items() if k.startswith(prefix)}, cfg, g, wrong_key)
+        sd.update({prefix + k: v for k, v in sub.items()})
+    return sd
+
+
+def mha_dim(cfg) -> int:
+    # 2 GL(HD) factors per head (query/key and value/output) unless add_bias_kv pins them; pre-LN: both LayerNorm
+    # scales (D each); a key/value input Linear: kdim unit scales; ReLU MLP: FF unit scales (GELU: none).
+    gl = 0 if cfg.get("add_bias_kv") else 2 * H * HD * HD
+    ln = 2 * D if cfg.get("pre_ln", True) else 0
+    return gl + ln + (cfg.get("kdim") or 0) + (FF if cfg.get("act", "relu") == "relu" else 0)
+
+
+def hand_dim(cfg) -> int:
+    # query/key GL factors only without the rotary factor; value/output always; ln1, ln2 (D each); FF ReLU units.
+    return (1 if cfg.get("rotary") else 2) * H * HD * HD + 2 * D + FF
+
+
+MHA_CASES = {
+    "pre_ln": {},
+    "post_ln": {"pre_ln": False},
+    "no_bias": {"bias": False},
+    "seq_first": {"batch_first": False},
+    "kdim": {"kdim": 6},
+    "kdim_post_ln_no_bias": {"kdim": 6, "pre_ln": False, "bias": False},
+    "gelu": {"act": "gelu"},
+    "bias_kv": {"add_bias_kv": True},
+    "rms": {"rms": True},
+}
+HAND_CASES = {
+    "matmul": {},
+    "sdpa": {"sdpa": True},
+    "rotary": {"rotary": True},
+    "rotary_sdpa": {"rotary": True, "sdpa": True},
+}
+
+
+def make(kind: str, name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "mha":
+        cfg = MHA_CASES[name]
+        model = MHABlock(**cfg)
+        hand, dim = hand_mha_block, mha_dim(cfg)
+    elif kind == "two":
+        cfg = {}
+        model = nn.Sequential(MHABlock(), MHABlock())
+        hand, dim = hand_two_blocks, 2 * mha_dim(cfg)
+    else:
+        cfg = HAND_CASES[name]
+        model = HandBlock(**cfg)
+        hand, dim = hand_hand_block, hand_dim(cfg)
+    with torch.no_grad():  # away from the default initialization (unit LayerNorm scales, zero biases)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.eval()
+    x = torch.randn(4, T, D)
+    if not cfg.get("batch_first", True):
+        x = x.transpose(0, 1).contiguous()
+    return model, x, cfg, hand, dim
+
+
+ALL = [("mha", n) for n in MHA_CASES] + [("hand", n) for n in HAND_CASES] + [("two", "pre_ln")]
+
+
+def _with(model, sd):
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(sd)
+    return twin
+
+
+@pytest.mark.parametrize("kind,name", ALL)
+def test_random_elements_keep_the_function(kind, name):
+    model, x, _, _, dim = make(kind, name)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.dim == dim, sym.describe()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ref = model(x)
+        for _ in range(3):
+            element = sym.random_element(1.0, g)
+            moved = sym.transformed(model, element)
+            assert (moved(x) - ref).abs().max() < 1e-10
+            changed = max((p - q).abs().max() for p, q in zip(model.parameters(), moved.parameters()))
+            assert changed > 0.1  # the parameters did move
+
+
+@pytest.mark.parametrize("kind,name", ALL)
+def test_hand_built_elements_keep_the_function_and_wrong_ones_do_not(kind, name):
+    model, x, cfg, hand, _ = make(kind, name)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        ref = model(x)
+        moved = _with(model, hand(dict(model.state_dict()), cfg, g))
+        assert (moved(x) - ref).abs().max() < 1e-10
+        if cfg.get("add_bias_kv") or cfg.get("rotary"):  # the pinned factor really is no symmetry here
+            sd = dict(model.state_dict())
+            a, b = [_random_gl(g) for _ in range(H)], [_random_gl(g) for _ in range(H)]
+            if cfg.get("add_bias_kv"):
+                hand_mha(sd, "attn.", a, b)
+            else:
+                hand_linear_heads(sd, "", a, b)
+            assert (_with(model, sd)(x) - ref).abs().max() > 1e-3
+        else:
+            wrong = _with(model, hand(dict(model.state_dict()), cfg, g, wrong_key=True))
+            assert (wrong(x) - ref).abs().max() > 1e-3
+
+
+def test_pins_and_their_reasons():
+    model, x, *_ = make("mha", "gelu")
+    text = manifolds.transformer_symmetry(model, x).describe()
+    assert "'fc1'" in text and "not positively homogeneous" in text
+    model, x, *_ = make("mha", "bias_kv")
+    assert "add_bias_kv" in manifolds.transformer_symmetry(model, x).describe()
+    model, x, *_ = make("hand", "rotary")
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not any("query/key" in f.label for f in sym.factors)
+    assert any("query/key" in p.reason or "query" in p.reason for p in sym.pins), sym.describe()
+    model, x, *_ = make("mha", "post_ln")
+    assert "its affine scale cannot be traded" in manifolds.transformer_symmetry(model, x).describe()
+
+
+@pytest.mark.parametrize("kind,name", [("mha", "pre_ln"), ("mha", "kdim"), ("hand", "matmul"), ("two", "pre_ln")])
+def test_vertical_tangents_are_the_orbit_derivative(kind, name):
+    model, x, *_ = make(kind, name)
+    sym = manifolds.transformer_symmetry(model, x)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    xi = torch.randn(sym.dim, generator=torch.Generator().manual_seed(3))
+    t = 1e-5
+    plus, minus = sym.act(params, sym.exp(t * xi)), sym.act(params, sym.exp(-t * xi))
+    tangent = sym.vertical(params, xi)
+    for n in params:
+        fd = (plus[n] - minus[n]) / (2 * t)
+        assert (fd - tangent.get(n, torch.zeros_like(fd))).abs().max() < 1e-7, n
+    # the adjoint and the dense basis agree with the map
+    basis = sym.vertical_basis(params)
+    layout = manifolds.ParamLayout.from_tensors(params)
+    flat = layout.flatten({n: tangent.get(n, torch.zeros_like(p)) for n, p in params.items()})
+    assert torch.allclose(basis @ xi, flat, atol=1e-12)
+    v = {n: torch.randn_like(p) for n, p in params.items()}
+    assert torch.allclose(sym.vertical_adjoint(params, v), basis.T @ layout.flatten(v), atol=1e-10)
+    assert torch.linalg.matrix_rank(basis) == sym.dim  # the factors are independent: nothing counted twice
+
+
+def test_euclidean_sharpness_moves_while_the_loss_does_not():
+    model, x, *_ = make("mha", "pre_ln")
+    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    sym = manifolds.transformer_symmetry(model, x)
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(5)))
+    loss = nn.MSELoss()
+    with torch.no_grad():
+        assert abs(loss(model(x), y) - loss(moved(x), y)) < 1e-12
+    with sdpa_kernel(SDPBackend.MATH):  # the default CPU kernel has no second derivative
+        before = euclidean_sharpness(model, loss, (x, y), progress=False).value
+        after = euclidean_sharpness(moved, loss, (x, y), progress=False).value
+    ratio = max(before, after) / min(before, after)
+    assert ratio > 3, (before, after)
+
+
+def test_nothing_is_claimed_twice_next_to_the_diagonal_group():
+    # On (batch, features) tensors the diagonal group already frees the LayerNorm's output and the ReLU units:
+    # its dimension is D + 16, and the norm trade and unit scalings found here are dropped as duplicates.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(6, D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.diagonal_dim == D + 16 and sym.matrix_dim == 0 and not sym.factors
+    assert sum("already moves" in p.reason for p in sym.pins) == 2
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    assert torch.linalg.matrix_rank(sym.vertical_basis(params)) == sym.dim
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(6)))
+        assert (moved(x) - model(x)).abs().max() < 1e-12
+
+
+def test_diagonal_and_matrix_factors_compose():
+    # A token-wise block feeding a pooled 2-D ReLU head: the head's units belong to the diagonal group, the
+    # attention to the matrix factors; a random element of the whole group keeps the function.
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = MHABlock()
+            self.head1, self.head2 = nn.Linear(D, 16), nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head2(torch.relu(self.head1(self.block(x).mean(dim=1))))
+
+    torch.manual_seed(0)
+    model = Classifier().eval()
+    x = torch.randn(4, T, D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.diagonal_dim == 16 and sym.matrix_dim == mha_dim({})
+    assert not any("head1" in f.label for f in sym.factors)
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(7)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    assert torch.linalg.matrix_rank(sym.vertical_basis(params)) == sym.dim
