@@ -44,8 +44,12 @@ def refusals():
     "scenario, message",
     [
         ("too_small", "the data set has 1 sample but 2 processes share it"),
-        ("other_data", "process 1 was given other data than process 0"),
-        ("shuffled_loader", "a DataLoader that shuffles or samples cannot be shared between processes"),
+        ("other_data", "process 1 was given other data than process 0 (11 samples against 23)"),
+        ("permuted_data", "process 1 was given other data than process 0 (the same 23 samples but other inputs or "
+                          "another order)"),
+        ("swapped_labels", "process 1 was given other data than process 0 (the same 23 samples but other targets or "
+                           "another order)"),
+        ("shuffled_loader", "the DataLoader shuffles (shuffle=True or a random sampler), so every pass"),
     ],
 )
 def test_bad_data_is_refused_on_every_process(refusals, scenario, message):
