@@ -208,3 +208,19 @@ def test_fingerprint_is_exact_and_order_sensitive(case):
     order = torch.randperm(23, generator=torch.Generator().manual_seed(1))
     permuted = ChunkedData((case.X[order], case.y[order])).fingerprint()
     assert permuted[0] == one[0] and permuted[1] != one[1] and permuted[2] != one[2]
+
+
+def test_a_data_file_holding_a_tuple_is_one_sentence_naming_the_format(tmp_path, capsys, monkeypatch):
+    from sharpness._cli import main
+
+    monkeypatch.chdir(tmp_path)
+    from sharpness.cli import build_model
+
+    torch.save(build_model("mlp:4-3").state_dict(), "m.pt")
+    torch.save((torch.randn(6, 4), torch.arange(6) % 3), "pair.pt")
+    code = main(["compute", "--model", "mlp:4-3", "--checkpoint", "m.pt", "--data", "pair.pt", "--quiet"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "error: data file pair.pt holds a tuple, not a dictionary with tensors X and y; save a dictionary instead: "
+        "torch.save({'X': X, 'y': y}, 'data.pt'), or np.savez('data.npz', X=X, y=y)\n"
+    )
