@@ -21,6 +21,7 @@ from torch import nn
 from manifolds import UnsupportedModelError
 from sharpness._launch import (
     DEFAULT_TIMEOUT_S,
+    confirm_inputs,
     join_processes,
     launch_rank,
     launched_processes,
@@ -118,14 +119,22 @@ def memory_budget(mib: float | None) -> int | None:
 
 
 def start_objective(args: argparse.Namespace, model: nn.Module, loss_fn: nn.Module, data, **options) -> Objective:
-    """The objective of a command, after every check of its arguments: under ``torchrun`` the processes join
-    their group here (each waiting at most ``--timeout`` seconds for the others at each exchange) and share the
-    data; ``options`` go to :class:`Objective`."""
+    """The objective of a command, after every check of its arguments: under ``torchrun`` the processes share
+    the data (see :func:`join`); ``options`` go to :class:`Objective`."""
     return Objective(model, loss_fn, data, distributed=join(args), **options)
 
 
 def join(args: argparse.Namespace) -> Communicator:
-    """Under ``torchrun``, join the other processes (see :func:`start_objective`); else one process."""
+    """Under ``torchrun``, the group of the processes (joined by :func:`load_problem`), once every process has
+    confirmed that its inputs are usable (:func:`~sharpness._launch.confirm_inputs`); else one process."""
+    comm = _join_group(args)
+    confirm_inputs()
+    return comm
+
+
+def _join_group(args: argparse.Namespace) -> Communicator:
+    """Under ``torchrun``, join the other processes (each waiting at most ``--timeout`` seconds for the others at
+    each exchange); else one process."""
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise SpecError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     return join_processes(parse_device(args.device), args.timeout)
@@ -137,7 +146,10 @@ def command_inputs(args: argparse.Namespace) -> tuple[str | None, ...]:
 
 
 def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """Model (checkpoint loaded, eval mode, in ``--dtype``), loss and data from the shared arguments."""
+    """Model (checkpoint loaded, eval mode, in ``--dtype``), loss and data from the shared arguments. Under
+    ``torchrun`` the processes join their group first, so that one whose files fail here makes every process
+    stop (:func:`~sharpness._launch.confirm_inputs`, in :func:`join` and :func:`run_command`)."""
+    _join_group(args)
     model = build_model(args.model)
     load_checkpoint(model, args.checkpoint)
     X, y = load_data(args.data)
@@ -217,11 +229,16 @@ def run_command(command, args, user_errors: tuple[type[BaseException], ...] = US
 
     Under ``torchrun`` process 0 says what went wrong. The others stay silent on what every process found
     alike (bad input, checked the same way on the same files, and failures that
-    :meth:`~sharpness.products._distributed.Communicator.check_together` shared), and name themselves on a
+    :meth:`~sharpness.products._distributed.Communicator.check_together` shared, such as a process's missing
+    data file found after joining: :func:`~sharpness._launch.confirm_inputs`), and name themselves on a
     failure of their own; a process left waiting for another that failed ends with
     :class:`~sharpness.products._distributed.DistributedError`, exit code 1."""
     try:
-        return command(args)
+        try:
+            return command(args)
+        except user_errors as exc:
+            confirm_inputs(exc)  # joined but not yet confirmed: every process learns of it and stops (raises)
+            raise
     except user_errors as exc:
         shared = not dist.is_initialized() or getattr(exc, "shared_by_all_processes", False)
         if quiet_process() and shared:

@@ -1,10 +1,12 @@
 """The command lines under ``torchrun``: one process per device, joined in a ``torch.distributed`` group.
 
 ``torchrun --nproc_per_node=N -m sharpness compute ...`` starts N copies of the command with ``WORLD_SIZE``,
-``RANK`` and ``LOCAL_RANK`` in their environment. Each loads the same checkpoint and data, checks its
-arguments (the same checks on the same inputs, so a bad input fails every process alike and process 0
-says so), joins the group (NCCL on CUDA devices, gloo otherwise) and evaluates its share of the samples.
-Only process 0 prints results and writes files.
+``RANK`` and ``LOCAL_RANK`` in their environment. Each checks its command line (the same on every process, so
+a bad option fails every process alike and process 0 says so), joins the group (NCCL on CUDA devices, gloo
+otherwise), loads its checkpoint and data and checks them, and then :func:`confirm_inputs`: every process
+says whether its inputs were usable, so one whose files are missing or differ makes every process stop at once,
+process 0 naming it, instead of leaving the others waiting for it. Each then evaluates its share of the
+samples. Only process 0 prints results and writes files.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from sharpness._specs import SpecError
 from sharpness.products._distributed import SINGLE_PROCESS, Communicator, ProcessGroupCommunicator
 
 DEFAULT_TIMEOUT_S = 1800.0
+
+# The group joined by join_processes, until its processes have confirmed their inputs (confirm_inputs).
+_unconfirmed: list[Communicator] = []
 
 
 def launched_processes() -> int:
@@ -56,7 +61,8 @@ def process_device(device: torch.device) -> torch.device:
 
 def join_processes(device: torch.device, timeout_s: float) -> Communicator:
     """The default process group under ``torchrun`` (initialized here: NCCL for CUDA, gloo otherwise, every
-    exchange waiting at most ``timeout_s`` seconds), or :data:`SINGLE_PROCESS` without it."""
+    exchange waiting at most ``timeout_s`` seconds), or :data:`SINGLE_PROCESS` without it. A group initialized
+    here waits for :func:`confirm_inputs`."""
     if launched_processes() <= 1:
         return SINGLE_PROCESS
     if not dist.is_initialized():
@@ -64,11 +70,26 @@ def join_processes(device: torch.device, timeout_s: float) -> Communicator:
             "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )  # fmt: skip
+        _unconfirmed[:] = [ProcessGroupCommunicator()]
     return ProcessGroupCommunicator()
+
+
+def confirm_inputs(error: BaseException | None = None) -> None:
+    """Once after joining, before any other exchange: every process says whether it could read and check its
+    inputs (``error``: why not). Where one could not, every process raises (its own error, or a ``ValueError``
+    naming the process that failed and why), marked as shared so that process 0 alone reports it. Does nothing
+    without a group waiting for it (one process, or inputs already confirmed).
+
+    Raises:
+        DistributedError: another process stopped before confirming.
+    """
+    if _unconfirmed:
+        _unconfirmed.pop().check_together(error)
 
 
 def leave_processes() -> None:
     """Leave the process group, if one was joined (the other processes then stop waiting for this one)."""
+    _unconfirmed.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

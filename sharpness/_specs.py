@@ -36,6 +36,7 @@ class SpecError(ValueError):
 
 
 SAVE_HINT = "save a state_dict instead: torch.save(model.state_dict(), 'model.pt') or safetensors' save_file"
+DATA_SAVE_HINT = "save a dictionary instead: torch.save({'X': X, 'y': y}, 'data.pt'), or np.savez('data.npz', X=X, y=y)"
 
 
 def mlp(widths: list[int], bias: bool = True) -> nn.Sequential:
@@ -178,7 +179,7 @@ def _from_file(path: str) -> tuple[Tensor, Tensor]:
         except (ValueError, OSError) as exc:
             raise SpecError(f"{path} is not a readable .npz file ({exc})") from None
     elif path.endswith((".pt", ".pth")):
-        arrays = _torch_load(path, what="data file")
+        arrays = _torch_load(path, "data file", DATA_SAVE_HINT, expected="a dictionary with tensors X and y")
     else:
         raise SpecError(f"data file {path} must end in .npz or .pt")
     missing = [k for k in ("X", "y") if k not in arrays]
@@ -226,7 +227,9 @@ def load_data(spec: str) -> tuple[Tensor, Tensor]:
     return X, y
 
 
-def _torch_load(path: str, what: str) -> dict:
+def _torch_load(path: str, what: str, hint: str = SAVE_HINT, expected: str = "a dictionary of tensors") -> dict:
+    """The dictionary a ``.pt`` file holds (read without unpickling objects), or a sentence naming what it holds
+    instead and how to save it (``hint``)."""
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols before refusing: one message is enough
             warnings.simplefilter("ignore")
@@ -234,13 +237,13 @@ def _torch_load(path: str, what: str) -> dict:
     except pickle.UnpicklingError:
         raise SpecError(
             f"{what} {path} holds a pickled Python object (such as a whole model), which is never unpickled "
-            f"here; {SAVE_HINT}"
+            f"here; {hint}"
         ) from None
     except Exception as exc:  # any other failure to parse an untrusted file means it is not a checkpoint
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SpecError(f"{what} {path} is not a PyTorch file ({detail})") from None
     if not isinstance(obj, Mapping):
-        raise SpecError(f"{what} {path} holds a {type(obj).__name__}, not a dictionary of tensors; {SAVE_HINT}")
+        raise SpecError(f"{what} {path} holds a {type(obj).__name__}, not {expected}; {hint}")
     return dict(obj)
 
 

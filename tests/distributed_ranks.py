@@ -202,6 +202,27 @@ def other_data(rank: int | None) -> None:
     Objective(case.model, case.loss_fn, data, distributed=_distributed(rank))
 
 
+def permuted_data(rank: int | None) -> None:
+    """Process 1 reads a row-permuted copy: the same samples, counts and sums, so its share overlaps process 0's."""
+    from sharpness import Objective
+
+    case = make_case("mlp_bias")
+    order = torch.randperm(case.X.shape[0], generator=torch.Generator().manual_seed(0)) if rank else slice(None)
+    Objective(case.model, case.loss_fn, (case.X[order], case.y[order]), distributed=_distributed(rank))
+
+
+def swapped_labels(rank: int | None) -> None:
+    """Process 1 has two (different) labels swapped: the same label counts and sums."""
+    from sharpness import Objective
+
+    case = make_case("mlp_bias")
+    y = case.y.clone()
+    if rank:
+        i, j = 0, int((y != y[0]).nonzero()[0])
+        y[i], y[j] = case.y[j], case.y[i]
+    Objective(case.model, case.loss_fn, (case.X, y), distributed=_distributed(rank))
+
+
 def shuffled_loader(rank: int | None) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -261,7 +282,8 @@ def refusals(rank: int | None) -> dict:
     """Every refusal above in turn (one group for all: each is raised on every process, so they stay in step),
     as ``{scenario: "ExceptionType: message"}``."""
     said = {}
-    for scenario in (too_small, other_data, shuffled_loader, bad_labels_in_one_share):
+    for scenario in (too_small, other_data, permuted_data, swapped_labels, shuffled_loader,
+                     bad_labels_in_one_share):
         try:
             scenario(rank)
             said[scenario.__name__] = ""

@@ -44,8 +44,12 @@ def refusals():
     "scenario, message",
     [
         ("too_small", "the data set has 1 sample but 2 processes share it"),
-        ("other_data", "process 1 was given other data than process 0"),
-        ("shuffled_loader", "a DataLoader that shuffles or samples cannot be shared between processes"),
+        ("other_data", "process 1 was given other data than process 0 (11 samples against 23)"),
+        ("permuted_data", "process 1 was given other data than process 0 (the same 23 samples but other inputs or "
+                          "another order)"),
+        ("swapped_labels", "process 1 was given other data than process 0 (the same 23 samples but other targets or "
+                           "another order)"),
+        ("shuffled_loader", "the DataLoader shuffles (shuffle=True or a random sampler), so every pass"),
     ],
 )
 def test_bad_data_is_refused_on_every_process(refusals, scenario, message):
@@ -131,6 +135,28 @@ def test_torchrun_bad_input_is_one_sentence_from_process_0(checkpoint):
     errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
     assert errors == ["error: the data set has 1 sample but 2 processes share it; give at least one sample per "
                       "process or start fewer processes"]  # fmt: skip
+
+
+def test_a_process_whose_data_file_is_missing_stops_every_process_in_one_sentence(checkpoint):
+    """Process 1 alone cannot read its --data: every process stops at once (no process waits out the group's
+    timeout), process 0 saying which process failed and why."""
+    (checkpoint / "one_missing.py").write_text(
+        "import os, sys\n"
+        "from sharpness._cli import main\n"
+        "argv = sys.argv[1:]\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    argv[argv.index('--data') + 1] = 'missing.npz'\n"
+        "sys.exit(main(argv))\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "one_missing.py", "compute", "--model", MODEL, "--checkpoint", "m.pt",
+               "--data", DATA, "--quiet"]  # fmt: skip
+    # The timeout only guards against a hang (before, the processes waited 30 minutes for each other).
+    run = subprocess.run(command, cwd=checkpoint, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: process 1: data file missing.npz does not exist"], run.stderr
+    assert "DistStoreError" not in run.stderr
 
 
 def test_toy_and_demo_are_refused_under_torchrun(monkeypatch, tmp_path, capsys):

@@ -11,7 +11,6 @@ samples, and every value, gradient and product is summed over them (:mod:`sharpn
 from __future__ import annotations
 
 import copy
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -112,7 +111,12 @@ class Objective:
             so when the module was in training mode.
         loss_fn: ``loss_fn(outputs, targets) -> scalar``; a module's ``reduction`` attribute
             (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample mean.
-        data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches.
+        data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches
+            (:class:`~sharpness.products.ChunkedData`). Every pass must yield the same samples in the same order:
+            a shuffling DataLoader is refused here, and each pass over another loader or iterable is compared
+            with the first complete one (sample count and a digest of content and order), so a one-shot iterable,
+            one that yields fewer batches later, a random sampler or random augmentation raise
+            :class:`DataError` (here or at the first pass that differs) instead of giving each product other data.
         chunk_size: most samples per forward pass (``None``: chosen from ``memory_budget``).
         dtype: evaluate in this floating dtype (parameters, buffers and floating data are cast);
             ``None`` keeps the parameters' dtype.
@@ -144,8 +148,10 @@ class Objective:
             however the data are chunked (found by one pass over the targets when the objective is built).
 
     Raises:
-        DataError: unusable data (every target ignored by a mean-reduced loss included); with several
-            processes also fewer samples than processes, or data that differ between processes.
+        DataError: unusable data (every target ignored by a mean-reduced loss included), a DataLoader that
+            shuffles, data that change between passes (also raised later, by the first evaluation whose pass
+            differs); with several processes also fewer samples than processes, or data that differ between
+            processes (another count, other inputs or targets, or another order: compared by digest).
     """
 
     def __init__(
@@ -722,20 +728,19 @@ class Objective:
         return {k: torch.zeros_like(tangents[k]) if h is None else h for k, h in zip(self.params, hv)}
 
 
-def _check_same_data(comm: Communicator, fingerprint: tuple[int, float, float] | None) -> None:
-    """Refuse, on every process alike, data whose :meth:`ChunkedData.fingerprint` differs from process 0's
-    (``None`` everywhere: nothing to compare)."""
-    text = "" if fingerprint is None else " ".join(map(repr, fingerprint))
-    prints = [tuple(float(t) for t in p.split()) for p in comm.gather_text(text)]
-    # Sums of the same numbers may round differently with other thread counts: compared to 1e-9.
-    differs = [rank for rank, p in enumerate(prints) if len(p) != len(prints[0])
-               or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300) for a, b in zip(p, prints[0]))]  # fmt: skip
+def _check_same_data(comm: Communicator, fingerprint: tuple[int, int, int] | None) -> None:
+    """Refuse, on every process alike, data whose :meth:`ChunkedData.fingerprint` (count and digests of the inputs
+    and the targets, in order) differs from process 0's (``None`` everywhere: nothing to compare)."""
+    text = "" if fingerprint is None else " ".join(map(str, fingerprint))
+    prints = [tuple(int(t) for t in p.split()) for p in comm.gather_text(text)]
+    differs = [rank for rank, p in enumerate(prints) if p != prints[0]]  # exact: integer digests
     if differs:
-        (n0, x0, _), (n1, x1, _) = prints[0], prints[differs[0]]
+        rank, (n0, x0, _), (n1, x1, _) = differs[0], prints[0], prints[differs[0]]
+        what = (f"{n1} samples against {n0}" if n1 != n0 else
+                f"the same {n0} samples but other {'inputs' if x1 != x0 else 'targets'} or another order")  # fmt: skip
         raise shared(DataError(
-            f"process {differs[0]} was given other data than process 0 ({n1:.0f} samples with inputs summing to "
-            f"{x1:.6g}, against {n0:.0f} summing to {x0:.6g}); give every process the whole data set in the same "
-            "order: each evaluates its own share"
+            f"process {rank} was given other data than process 0 ({what}); give every process the whole data set in "
+            "the same order: each evaluates its own share"
         ))  # fmt: skip
 
 
