@@ -315,7 +315,8 @@ class FixedWeightSpace:
             The :class:`Reparametrization` (``model`` is ``None``).
 
         Raises:
-            ValueError: ``value`` not positive, a fixed weight is zero, or a factor overflows float64.
+            ValueError: ``value`` not positive, or a factor overflows float64; DegeneratePointError (a
+                ValueError) where a fixed weight is zero.
         """
         value = _check_value(value, "the fixed value")
         layers = self.structure.layers

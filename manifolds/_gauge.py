@@ -185,8 +185,9 @@ def min_norm_gauge_parameters(
 
     Raises:
         UnsupportedModelError: the structure has no rescaling group (fx could not trace the model).
-        ValueError: bad ``p``, ``tol`` or ``max_iter``, non-finite weights, or a hidden unit whose
-            incoming or outgoing weights are all zero (named in the message).
+        ValueError: bad ``p``, ``tol`` or ``max_iter``, or non-finite weights.
+        DegeneratePointError: a hidden unit whose incoming or outgoing weights are all zero (named in the
+            message; a ``ValueError`` too).
     """
     history = _solve(params, structure, p, tol, max_iter)
     return structure.group.restricted(params).act(params, history.log_scales), history

@@ -171,7 +171,8 @@ class GSpace(nn.Module):
 
     Raises:
         UnsupportedModelError: the model is not a rescalable chain.
-        ValueError: a designated weight or a predecessor-chain value is zero, or the skeleton is invalid.
+        ValueError: the skeleton is invalid; DegeneratePointError (a ValueError) where a designated weight or a
+            predecessor-chain value is zero.
     """
 
     def __init__(

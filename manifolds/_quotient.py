@@ -172,7 +172,7 @@ class LayerScaleQuotient(_Quotient):
             residual connections and BatchNorm included) gives the vertical space.
         layout: flat layout (default: from ``point``).
         zero_blocks: ``"error"`` (default) refuses a block of zero norm, naming it (e.g. zero-initialised
-            biases), with :class:`UnsupportedModelError` (the metric does not exist there); ``"exclude"``
+            biases), with :class:`DegeneratePointError` (the metric does not exist there); ``"exclude"``
             drops such blocks from the tangent space (they are fixed points of every rescaling, so the
             remaining geometry is unchanged; the Hessian is restricted to the other parameters).
     """
