@@ -137,15 +137,27 @@ def random_directions(
 
     Returns:
         :class:`Directions` of kind ``"random"``; ``info`` holds ``seeds``, ``normalization`` and ``bias``.
+
+    Raises:
+        ValueError: ``k < 1``, or a direction that normalization makes zero (every weight it is scaled to is
+            zero, e.g. an all-zero checkpoint): its surface would be flat whatever the loss.
     """
     if k < 1:
         raise ValueError(f"need at least one direction, got k={k}")
     layout = ParamLayout.from_tensors(params)
     vectors = [layout.flatten(normalize_direction(_gaussian(params, seed + i), params, norm, bias)) for i in range(k)]
+    labels = _labels(k)
+    for label, vector in zip(labels, vectors):
+        if not bool(vector.any()):
+            raise ValueError(
+                f"the random direction {label} vanishes under {norm!r} normalization with bias={bias!r}, because every "
+                "weight it is scaled to is zero (an all-zero checkpoint?), so the surface would be flat whatever the "
+                "loss; use a point with nonzero weights, or normalization 'none' (--norm none)"
+            )
     return Directions(
         vectors=torch.stack(vectors),
         kind="random",
-        labels=_labels(k),
+        labels=labels,
         info={"seeds": [seed + i for i in range(k)], "normalization": norm, "bias": bias, "distribution": "gaussian"},
     )
 

@@ -497,3 +497,83 @@ def test_an_unwritable_output_folder_is_one_sentence_without_root(files):
         assert list(locked.iterdir()) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _degenerate_checkpoint(files, tmp_path, kind):
+    """The 8-6-3 checkpoint with one pruned hidden unit (all incoming weights zero), a zero hidden layer, or
+    every weight zero."""
+    state = torch.load(files / "model.pt")
+    if kind == "pruned":
+        state["0.weight"][2] = 0.0
+    elif kind == "zero_hidden":
+        state["0.weight"].zero_(), state["0.bias"].zero_()
+    else:
+        state = {k: torch.zeros_like(v) for k, v in state.items()}
+    torch.save(state, tmp_path / f"{kind}.pt")
+    return str(tmp_path / f"{kind}.pt")
+
+
+def test_a_network_without_symmetry_claims_no_invariance_and_has_nothing_to_verify(files, tmp_path):
+    """GELU: the group has dimension 0, so no invariance is claimed, and verify exits 3 instead of 'passed'."""
+    args = ["--model", f"{files}/factory.py:gelu_net", "--checkpoint", str(files / "gelu_net.safetensors"),
+            "--data", DATA, "--quiet"]  # fmt: skip
+    out = tmp_path / "c.json"
+    r = run_cli("compute", *args, "--metric", "node", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("node "))
+    assert row.endswith("   nothing") and "rescaling group: 0 free node-wise scale(s)" in r.stdout
+    assert "node: invariant under nothing here: this network's rescaling group has dimension 0" in r.stdout
+    node = json.loads(out.read_text())["measures"]["node"]
+    assert node["invariant_under"] == [] and node["group"]["dim"] == 0
+    out = tmp_path / "v.json"
+    r = run_cli("verify", *args, "--trials", "1", "--json", str(out))
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "nothing to verify" in r.stdout and "passed" not in r.stdout and not r.stderr
+    report = json.loads(out.read_text())
+    assert report["outcome"] == "nothing to verify" and report["passed"] is False and report["kinds"] == []
+    assert "3 if there is nothing to verify" in " ".join(run_cli("verify", "--help").stdout.split())
+
+
+def test_degenerate_points_skip_what_does_not_apply_and_count_what_was_left_out(files, tmp_path):
+    """A pruned unit: `--metric all` and `verify` measure what applies and skip the rest with a short reason in
+    the table and one sentence below it; a zero hidden layer: the node measure counts the parameters it drops."""
+    pruned = _degenerate_checkpoint(files, tmp_path, "pruned")
+    base = ["--model", MODEL, "--data", DATA, "--quiet"]
+    out = tmp_path / "all.json"
+    r = run_cli("compute", *base, "--checkpoint", pruned, "--metric", "all", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "minnorm    skipped: dead unit" in lines
+    assert any(line.startswith("minnorm: skipped: the channel(s) output of module '0'") for line in lines)
+    measures = json.loads(out.read_text())["measures"]
+    assert measures["minnorm"]["skip_reason"] == "dead unit" and measures["node"]["value"] > 0
+    assert measures["node"]["n_params"] == 75 and measures["node"]["n_dropped"] == 8
+    for metric in ([], ["--metric", "all"]):
+        r = run_cli("verify", *base, "--checkpoint", pruned, "--trials", "1", *metric)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert "skipped: dead unit" in r.stdout and "passed: every claimed invariance holds" in r.stdout
+    out = tmp_path / "node.json"
+    r = run_cli("compute", *base, "--checkpoint", _degenerate_checkpoint(files, tmp_path, "zero_hidden"),
+                "--metric", "node", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "21/75" in next(line for line in r.stdout.splitlines() if line.startswith("node "))
+    assert "node: 54 of 75 parameters left out (0.weight, 0.bias): they are exactly zero" in r.stdout
+    node = json.loads(out.read_text())["measures"]["node"]
+    assert (node["n_params"], node["n_measured"], node["n_dropped"]) == (75, 21, 54)
+
+
+def test_an_all_zero_checkpoint_keeps_the_euclidean_value(files, tmp_path):
+    zero = _degenerate_checkpoint(files, tmp_path, "zero")
+    base = ["--model", MODEL, "--checkpoint", zero, "--data", DATA, "--quiet"]
+    out = tmp_path / "z.json"
+    r = run_cli("compute", *base, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    measures = json.loads(out.read_text())["measures"]
+    assert measures["euclidean"]["value"] > 0
+    assert measures["node"]["skip_reason"] == "all parameters dropped"
+    assert measures["layer"]["skip_reason"] == "zero-norm tensor"
+    assert "node: skipped: every parameter is exactly zero" in r.stdout
+    r = run_cli("compute", *base, "--metric", "node")  # asked for by name: it must apply
+    assert r.returncode == 2 and r.stderr.startswith("error: every parameter is exactly zero"), r.stderr
+    r = run_cli("verify", *base, "--trials", "1")
+    assert r.returncode == 3 and "nothing to verify" in r.stdout, (r.stdout, r.stderr)
