@@ -20,9 +20,24 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import grad, jvp, vmap
 
 from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
+from sharpness.products._boundary import (
+    as_vector,
+    check_device,
+    check_finite,
+    check_first_batch,
+    check_meta,
+    evaluation_dtype,
+    fixed_tensors,
+    float32_hessian_error,
+    functional_call,
+    precision_warning,
+    select_params,
+    squeeze_label_column,
+    unwrap_model,
+)
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
 from sharpness.products._distributed import Communicator, communicator, shared
@@ -174,6 +189,8 @@ class Objective:
         structure: NetworkStructure | None = None,
         distributed: bool | dist.ProcessGroup | Communicator = False,
     ):
+        # The boundary (sharpness.products._boundary): every argument checked before any work, one sentence each.
+        model, prefix = unwrap_model(model)
         if model.training:
             warnings.warn(
                 f"{type(model).__name__} is in training mode; the objective evaluates it in eval mode "
@@ -184,22 +201,26 @@ class Objective:
         self.model = model
         self.loss_fn = loss_fn
         self.reduction = _loss_reduction(loss_fn, reduction)
-        source = {k: p for k, p in model.named_parameters() if p.requires_grad} if params is None else params
-        if not source:
-            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        source = select_params(model, params, prefix)
+        others = fixed_tensors(model, source)
+        check_meta(source, "parameter" if params is None else "params entry")
+        check_meta(others, "tensor")
         ref = next(iter(source.values()))
-        self.device = torch.device(device) if device is not None else ref.device
-        self.dtype = dtype if dtype is not None else ref.dtype
+        self.device = check_device(torch.device(device) if device is not None else ref.device)
+        self.dtype = evaluation_dtype(dtype, ref.dtype)
         self.comm = communicator(distributed)
         if self.device.type == "cpu":  # pieces of data allocate and free the same tensors over and over
             retain_freed_memory()
         self.params = {k: p.detach().to(self.device, self.dtype) for k, p in source.items()}
+        # Every tensor functional_call takes from the module: buffers and the parameters held fixed (frozen ones).
         self.buffers = {
-            k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
+            k: b.detach().to(self.device, self.dtype if b.is_floating_point() else None) for k, b in others.items()
         }
         if self.comm.world_size > 1:  # process 0's parameters and buffers everywhere, as DistributedDataParallel does
             self.params = {k: self.comm.broadcast_(t.clone()) for k, t in self.params.items()}
             self.buffers = {k: self.comm.broadcast_(t.clone()) for k, t in self.buffers.items()}
+        check_finite(self.params, self.buffers, self.dtype)  # after the broadcast: the same verdict everywhere
+        data = squeeze_label_column(data, loss_fn)
         self.layout = ParamLayout.from_tensors(self.params)
         self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_piece: int | None = None  # samples per piece of a chunk's state (None: whole chunks)
@@ -257,36 +278,36 @@ class Objective:
         return chunked
 
     def _check_targets(self) -> None:
-        """Refuse, on the first batch, targets that a torch loss would broadcast against the outputs (regression
-        targets of another shape) or that lie outside the classes (class labels)."""
-        if not isinstance(self.loss_fn, nn.modules.loss._Loss):
-            return  # a plain function defines its own target format
-        x, y = cast_batch(*self.data.first_batch(), self.dtype, self.device)
-        with torch.no_grad(), eval_mode(self.model):
-            out = functional_call(self.model, (self.params, self.buffers), (x[:1],))
-        name = type(self.loss_fn).__name__
-        if y.is_floating_point():
-            if out.shape[1:] != y.shape[1:]:
-                raise DataError(
-                    f"targets of shape {tuple(y.shape[1:])} per sample do not match the model's outputs of shape "
-                    f"{tuple(out.shape[1:])} per sample, which {name} would broadcast into a different loss; "
-                    f"reshape the targets to (n, {', '.join(map(str, out.shape[1:]))})"
-                )
-        elif isinstance(self.loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and out.dim() >= 2 and y.numel():
-            classes, ignore = out.shape[1], self.loss_fn.ignore_index
-            kept = y[y != ignore]
-            if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
-                raise DataError(
-                    f"class labels range over [{int(kept.min())}, {int(kept.max())}] but the model has {classes} "
-                    f"outputs; {name} needs labels in [0, {classes - 1}]"
-                )
+        """One forward pass on two samples of the first batch: outputs, targets and loss as the objective needs
+        them (:func:`sharpness.products._boundary.check_first_batch`)."""
+        with eval_mode(self.model):
+            check_first_batch(self.model, self.loss_fn, self.params, self.buffers, self.data.first_batch(),
+                              self.dtype, self.device)  # fmt: skip
 
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
-        trainable parameters the Hessian is taken over), ``n_samples`` and, where several processes share the
-        data, ``processes``."""
-        facts = {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples}
+        trainable parameters the Hessian is taken over), ``n_samples``, ``dtype`` (the one computed in, e.g.
+        ``"float32"``), where several processes share the data ``processes``, and where float32 loses the Hessian
+        at this point ``warnings`` (a list of sentences; see :attr:`precision_warning`)."""
+        facts = {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples,
+                 "dtype": str(self.dtype).removeprefix("torch.")}  # fmt: skip
+        if self.precision_warning is not None:
+            facts["warnings"] = [self.precision_warning]
         return facts if self.comm.world_size == 1 else {**facts, "processes": self.comm.world_size}
+
+    @property
+    def precision_warning(self) -> str | None:
+        """Where the objective computes in float32: a sentence naming ``dtype=torch.float64`` when float32 loses
+        the Hessian at ``params`` (a float32 Hessian-vector product on the first samples more than 1% from
+        float64's, :func:`sharpness.products._boundary.float32_hessian_error`; checked once), else ``None``."""
+        if self.dtype != torch.float32:
+            return None
+        if not hasattr(self, "_precision_warning"):
+            with eval_mode(self.model):
+                error = float32_hessian_error(self.model, self.chunk_loss_fn, self.params, self.buffers,
+                                              self.data.first_batch(), self.device)  # fmt: skip
+            self._precision_warning = precision_warning(error)
+        return self._precision_warning
 
     @property
     def structure(self) -> NetworkStructure:
@@ -680,6 +701,7 @@ class Objective:
         applies, else ``"graph"`` when it fits in ``memory_budget``, else the faster streaming kind on
         this machine (measured once).
         """
+        v = as_vector(v, self.layout.size, self.dtype, self.device)
         strategy = self.hvp_strategy(strategy)
         if out is not None:
             _check_out(out, v)
@@ -702,6 +724,7 @@ class Objective:
 
     def hvp_batch(self, vs: Tensor, strategy: str = "auto") -> Tensor:
         """Several Hessian-vector products at once: ``(k, n)`` in, ``(k, n)`` out (vmap)."""
+        vs = as_vector(vs, self.layout.size, self.dtype, self.device, batched=True)
         strategy = self.hvp_strategy(strategy)
         tangents = self.layout.unflatten(vs)
         if strategy == "graph":
