@@ -245,12 +245,14 @@ def test_every_result_records_its_dtype():
     assert density.info["dtype"] == "float64"
 
 
-def _well_fitted(margin: float):
+def _well_fitted(margin: float, seed: int = 0):
     """A small classifier whose logits separate the classes by ``margin`` times a trained margin."""
     g = torch.Generator().manual_seed(1)
     X = torch.randn(60, 4, generator=g, dtype=torch.float64)
     y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
-    model = mlp([4, 16, 3]).double()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = mlp([4, 16, 3]).double()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     for _ in range(300):
         opt.zero_grad()
@@ -263,7 +265,7 @@ def _well_fitted(margin: float):
 
 
 def test_float32_losing_the_hessian_is_said_and_names_float64():
-    model, loss_fn, X, y = _well_fitted(margin=8.0)
+    model, loss_fn, X, y = _well_fitted(margin=5.0)
     exact = S.euclidean_sharpness(model, loss_fn, (X, y)).value
     res32 = S.euclidean_sharpness(copy.deepcopy(model).float(), loss_fn, (X.float(), y))
     assert abs(res32.value / exact - 1) > 0.1  # float32 is far off here: the warning is warranted
@@ -271,6 +273,32 @@ def test_float32_losing_the_hessian_is_said_and_names_float64():
     assert "dtype=torch.float64" in warning
     assert res32.to_dict()["warnings"] == [warning]
     assert "warnings" not in S.euclidean_sharpness(model, loss_fn, (X, y)).info  # float64 is not second-guessed
+
+
+def test_cli_shows_the_float32_warning(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model, _, X, y = _well_fitted(margin=5.0)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save({"X": X, "y": y}, tmp_path / "data.pt")
+    common = ["compute", "--model", "mlp:4-16-3", "--checkpoint", str(tmp_path / "model.pt"), "--data",
+              str(tmp_path / "data.pt"), "--metric", "euclidean", "--quiet"]  # fmt: skip
+    runs = {}
+    for dtype in ("float32", "float64"):
+        out = tmp_path / f"{dtype}.json"
+        proc = subprocess.run([sys.executable, "-m", "sharpness", *common, "--dtype", dtype, "--json", str(out)],
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        runs[dtype] = (proc.stdout, json.loads(out.read_text()))
+    stdout, report = runs["float32"]
+    assert "warning: float32 does not hold the Hessian" in stdout and "--dtype float64" in stdout
+    assert report["dtype"] == "float32" and report["measures"]["euclidean"]["warnings"] == report["warnings"]
+    stdout, report = runs["float64"]
+    assert "warning" not in stdout and "warnings" not in report
+    assert report["measures"]["euclidean"]["dtype"] == "float64"
 
 
 def test_float32_at_an_ordinary_point_has_no_warning():

@@ -132,22 +132,38 @@ def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple
 class Objective:
     """Whole-data-set loss ``f(w)`` of ``model`` under ``loss_fn``, with gradients and HVPs.
 
+    Everything is checked when the objective is built, before any work (:mod:`sharpness.products._boundary`), with
+    one sentence and one documented exception per problem (see Raises).
+
     Args:
-        model: an ordinary ``nn.Module``. It is evaluated in eval mode (dropout off, batch-norm
+        model: an ``nn.Module`` whose forward returns one floating tensor of outputs (a tuple or dict is refused:
+            wrap the model so that forward returns the tensor the loss takes). ``DataParallel``,
+            ``DistributedDataParallel`` and ``torch.compile`` wrappers are taken off (the module inside is
+            evaluated); TorchScript modules are refused. Attention runs through PyTorch's math kernel (the fused
+            kernels have no second derivatives). It is evaluated in eval mode (dropout off, batch-norm
             running statistics) and given back in its own mode after each evaluation; a warning says
             so when the module was in training mode.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar``; a module's ``reduction`` attribute
-            (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample mean.
-        data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` (a 0-dim tensor, checked on the first batch); a module's
+            ``reduction`` attribute (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample
+            mean.
+        data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches; inputs are
+            constants (detached). Under ``CrossEntropyLoss``/``NLLLoss`` an ``(X, y)`` pair whose ``y`` is a
+            column ``(n, 1)`` of integer labels (pandas, scikit-learn) is read as ``(n,)``; batches of such
+            columns are refused, naming the reshape.
         chunk_size: most samples per forward pass (``None``: chosen from ``memory_budget``).
-        dtype: evaluate in this floating dtype (parameters, buffers and floating data are cast);
-            ``None`` keeps the parameters' dtype.
+        dtype: evaluate in this floating dtype, float32 or float64 (parameters, buffers, parameters held
+            fixed and floating data are cast; the model is not changed); ``None`` keeps the parameters' dtype,
+            except half precision (float16, bfloat16), which is measured in float32: bfloat16 arithmetic loses
+            half of a Hessian. Results record it (``dtype`` in :meth:`facts`), and say where float32 is not
+            enough (:attr:`precision_warning`).
         device: device to evaluate on (``None``: the parameters' device).
         reduction: override the loss's reduction (``"mean"`` or ``"sum"``).
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
             whether the Hessian-vector products may keep a whole-data-set graph alive (``None``:
             :func:`default_memory_budget` of the device).
-        params: evaluate at these parameter values instead of the module's (same names).
+        params: evaluate at these parameter values instead of the module's, and differentiate in these only
+            (names of ``model.named_parameters()``, or the wrapper's; a name the model does not have or a shape
+            that differs is refused).
         structure: :func:`manifolds.analyze` of ``model``, when already known (see :attr:`structure`).
         distributed: ``True``: share the samples among the processes of the default ``torch.distributed``
             group (a ``ProcessGroup``: of that group). Every process must build its objective with the same
@@ -158,7 +174,10 @@ class Objective:
             raised on every process. ``False`` (default): this process alone, on all the data.
 
     Attributes:
+        model: the module evaluated (``model`` with its wrappers taken off).
         params: ``{name: tensor}`` of the trainable parameters (detached copies in ``dtype``).
+        buffers: ``{name: tensor}`` of everything else the forward reads from the module: its buffers and the
+            parameters held fixed (frozen ones included), copies in ``dtype`` where floating.
         layout: :class:`manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
         n_samples: number of samples in the data set (every process's share together).
         comm: the :class:`~sharpness.products._distributed.Communicator` the sums go through.
@@ -170,6 +189,13 @@ class Objective:
             however the data are chunked (found by one pass over the targets when the objective is built).
 
     Raises:
+        TypeError: an argument of the wrong kind (a model that is not an ``nn.Module``, ``params`` values that
+            are not floating tensors, a ``dtype`` that is not a ``torch.dtype``, a loss returning a non-tensor).
+        ValueError: an argument with a wrong value: no trainable parameters, unknown or misshapen ``params``,
+            a non-floating or half-precision ``dtype``, the meta device or tensors on it, NaN or infinite weights
+            (in ``dtype``), a loss that is not a scalar, a reduction other than mean or sum.
+        manifolds.UnsupportedModelError: a TorchScript model, or a forward that does not return one floating
+            tensor.
         DataError: unusable data (every target ignored by a mean-reduced loss included); with several
             processes also fewer samples than processes, or data that differ between processes.
     """
@@ -683,6 +709,10 @@ class Objective:
 
     def hvp(self, v: Tensor, strategy: str = "auto", out: Tensor | None = None) -> Tensor:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
+
+        ``v`` is moved to the objective's device and converted to its dtype where that is exact (float32 to
+        float64); a ``v`` of another shape, or one the conversion would round (float64 into a float32
+        objective), is refused with ``ValueError``; a non-floating one with ``TypeError``.
 
         ``out``: an ``(n,)`` tensor (not sharing storage with ``v``) that ``H v`` is *added* to in place
         and returned; the chunk results go straight into it, with no product-sized temporary for the
