@@ -409,9 +409,9 @@ def _load(args: argparse.Namespace):
             f"({str(exc).splitlines()[0]}); check --data and --model"
         ) from None
     target = None
-    if getattr(args, "to", None):
-        target = load_checkpoint(build_model(args.model), args.to)
     dtype = getattr(torch, args.dtype)
+    if getattr(args, "to", None):  # built in --dtype before loading, as the model (no detour through float32)
+        target = load_checkpoint(build_model(args.model).to(dtype), args.to)
     return model, loss_fn, (X, y), target, dtype
 
 

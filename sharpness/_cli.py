@@ -151,11 +151,12 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     ``torchrun`` the processes join their group first, so that one whose files fail here makes every process
     stop (:func:`~sharpness._launch.confirm_inputs`, in :func:`join` and :func:`run_command`)."""
     _join_group(args)
-    model = build_model(args.model)
+    dtype = DTYPES[args.dtype]
+    # Built in --dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
+    model = build_model(args.model).to(dtype)
     load_checkpoint(model, args.checkpoint)
     X, y = load_data(args.data)
-    dtype = DTYPES[args.dtype]
-    model = model.to(parse_device(args.device), dtype)
+    model = model.to(parse_device(args.device))
     X = X.to(dtype)
     # finite in the checkpoint's own dtype (checked on loading) is not enough: a cast to float32 can overflow
     for name, tensor in model.state_dict().items():
@@ -399,6 +400,7 @@ def _table(report: dict) -> str:
         for kind, a in report["adaptive"].items():
             error = f" +- {a['standard_error']:.2g}" if a["standard_error"] is not None else ""
             lines.append(f"  {kind:<8} {a['value']:.6g}{error}")
+    lines += ["", *(f"warning: {w}" for w in report["warnings"])] if report.get("warnings") else []
     return "\n".join(lines)
 
 
