@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from guards import HANG_GUARD_S
 from safetensors.torch import save_file
 
 from sharpness._specs import mlp
@@ -59,7 +60,12 @@ def exits():
 def run_cli(*args, cwd=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "sharpness", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+        [sys.executable, "-m", "sharpness", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=HANG_GUARD_S,
     )
 
 
@@ -365,22 +371,64 @@ def test_usage_errors_are_one_line():
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
 
 
-def test_ctrl_c_is_one_word_and_exit_130(files, tmp_path):
+def _default_sigint():
+    """``preexec_fn`` giving the child the default SIGINT disposition: a test run as a background job (``cmd &``
+    in a script, ``setsid``) inherits SIGINT ignored, and Python keeps an inherited ``SIG_IGN``."""
     import signal
-    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _read_until(fd: int, marker: bytes) -> bytes:
+    """What ``fd`` (a pty's master side) gives until ``marker`` has appeared, or until the writer closed it."""
+    import select
+
+    seen = b""
+    while marker not in seen:
+        ready, _, _ = select.select([fd], [], [], HANG_GUARD_S)
+        assert ready, f"no {marker!r} from the program in an hour: {seen[-2000:]!r}"
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the writer closed its side
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+def test_ctrl_c_is_one_word_and_exit_130(files, tmp_path):
+    """Ctrl-C during the computation: the word ``interrupted``, exit code 130, no output file. The signal is sent
+    when the program announces the computation (its first progress bar, drawn because stderr is a terminal: a
+    pty), with the default SIGINT disposition whatever launched the tests."""
+    import fcntl
+    import pty
+    import signal
+    import struct
+    import termios
 
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sharpness", "compute", "--model", "mlp:784-300-100-10", "--checkpoint",
-         str(files / "big.pt"), "--data", "synthetic:n=3000,dim=784", "--metric", "all", "--k", "5", "--tol", "1e-12",
-         "--json", str(out), "--quiet"],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    time.sleep(8)  # past the start-up, into the computation
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and err.strip() == "interrupted", err
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column terminal shows no bar
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sharpness", "compute", "--model", "mlp:784-300-100-10", "--checkpoint",
+             str(files / "big.pt"), "--data", "synthetic:n=3000,dim=784", "--metric", "all", "--k", "5", "--tol",
+             "1e-12", "--json", str(out)],
+            stdout=subprocess.DEVNULL, stderr=slave, env=env, preexec_fn=_default_sigint,
+        )  # fmt: skip
+        os.close(slave)
+        seen = _read_until(master, b"lanczos")
+        assert b"lanczos" in seen, f"the program ended before its first progress bar: {seen[-2000:]!r}"
+        proc.send_signal(signal.SIGINT)
+        seen += _read_until(master, b"\0")  # the rest, to the end
+        code = proc.wait(timeout=HANG_GUARD_S)
+    finally:
+        os.close(master)
+    text = seen.decode(errors="replace").replace("\r", "\n")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    assert code == 130 and lines[-1] == "interrupted" and "Traceback" not in text, (code, text[-2000:])
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
@@ -461,7 +509,7 @@ def _unprivileged():
 
     try:
         probe = subprocess.run(
-            [sys.executable, "-c", "import torch"], preexec_fn=drop, capture_output=True, timeout=120
+            [sys.executable, "-c", "import torch"], preexec_fn=drop, capture_output=True, timeout=HANG_GUARD_S
         )
     except OSError as err:
         pytest.skip(f"running as root, and the user 'nobody' cannot run this Python ({err.strerror})")
@@ -489,7 +537,7 @@ def test_an_unwritable_output_folder_is_one_sentence_without_root(files):
         argv = [sys.executable, "-m", "sharpness", "compute", "--model", MODEL, "--checkpoint",
                 str(base / "model.pt"), "--data", str(base / "good.npz"), "--metric", "euclidean", "--quiet",
                 "--json", str(locked / "r.json")]  # fmt: skip
-        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, preexec_fn=preexec,
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S, preexec_fn=preexec,
                            cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert r.stderr.strip() == f"error: cannot write --json {locked / 'r.json'}: the folder {locked} does not " \

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from cases import make_case, mlp
+from guards import HANG_GUARD_S
 from matplotlib.colors import LogNorm
 from torch import nn
 
@@ -478,7 +479,7 @@ def test_cli_process_missing_checkpoint(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "landscape", "line", "--model", "mlp:6-5-3", "--checkpoint", str(tmp_path / "no.pt"),
          "--data", "synthetic:n=10,dim=6,classes=3", "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: checkpoint {tmp_path / 'no.pt'} does not exist"]
