@@ -428,7 +428,9 @@ def test_ctrl_c_is_one_word_and_exit_130(files, tmp_path):
         os.close(master)
     text = seen.decode(errors="replace").replace("\r", "\n")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    assert code == 130 and lines[-1] == "interrupted" and "Traceback" not in text, (code, text[-2000:])
+    # the word ends the output, possibly on the line of a bar that the interruption left standing
+    assert code == 130 and lines[-1].endswith("interrupted") and text.count("interrupted") == 1, (code, text[-2000:])
+    assert "Traceback" not in text and "Error" not in text
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
@@ -470,6 +472,44 @@ def test_density_bad_input_is_one_sentence_and_no_file(files, tmp_path, extra, m
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists() and not (tmp_path / "d.jpg").exists()
 
+
+
+def test_density_refuses_names_that_are_not_utf8_before_anything_is_written(files, tmp_path):
+    """A Latin-1 ``--plot`` name, or checkpoint name (drawn in the figure's title): one sentence, no file."""
+    import shutil
+
+    latin1 = os.fsencode(tmp_path) + b"/m\xe9.pt"
+    shutil.copy(files / "model.pt", os.fsdecode(latin1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cases = ((str(files / "model.pt"), b"d\xe9.png", "--plot"), (latin1, b"d.png", "--checkpoint"))
+    for checkpoint, plot, flag in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "sharpness", "density", "--model", MODEL, "--checkpoint", checkpoint, "--data", DATA,
+             "--probes", "2", "--steps", "3", "--json", "d.json", "--plot", plot],
+            capture_output=True, env=env, cwd=tmp_path, timeout=HANG_GUARD_S,
+        )  # fmt: skip
+        err = r.stderr.decode()
+        assert r.returncode == 2 and err.startswith(f"error: {flag} '") and len(err.splitlines()) == 1, err
+        assert "is not UTF-8 text" in err and "rename the file to a UTF-8 name" in err
+        assert sorted(os.listdir(tmp_path)) == [b"m\xe9.pt".decode(errors="surrogateescape")]
+
+
+def test_compute_whose_stdout_reader_left_writes_its_json_and_exits_141(files, tmp_path):
+    """``| head -1`` made certain (the pipe's reading end closed before the command starts): the table is lost,
+    the JSON written, exit code 141 as for a program ended by SIGPIPE, nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "sharpness", "compute", "--model", MODEL, "--checkpoint", str(files / "model.pt"),
+             "--data", DATA, "--quiet", "--json", str(tmp_path / "c.json")],
+            stdout=write, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=HANG_GUARD_S,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+    assert json.loads((tmp_path / "c.json").read_text())["measures"]["node"]["value"] > 0
 
 
 def test_atomic_writer_follows_links_and_refuses_what_it_would_replace(tmp_path):
