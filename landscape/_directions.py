@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from manifolds import GSpace, ParamLayout
+from manifolds import GSpace, NetworkStructure, ParamLayout, UnsupportedModelError, analyze
 from sharpness import MEASURES, Measure, Objective, Solver, get_measure
 
 NORMALIZATIONS = ("filter", "layer", "element", "none")
@@ -45,6 +45,23 @@ def check_normalization(norm: str, gspace: bool = False) -> None:
         )
     if not gspace and norm not in NORMALIZATIONS:
         raise ValueError(f"unknown direction normalization {norm!r}; choose one of {', '.join(NORMALIZATIONS)}")
+
+
+def require_chain(model: nn.Module, what: str) -> NetworkStructure:
+    """The structure of ``model``, refused unless it is a chain of Linear/Conv2d layers with positively homogeneous
+    operations between them, which ``what`` (e.g. ``"fixed-weight planes"``) needs.
+
+    Raises:
+        manifolds.UnsupportedModelError: naming the first reasons, and the landscapes that apply to any model.
+    """
+    structure = analyze(model)
+    if structure.problems:
+        raise UnsupportedModelError(
+            f"{what} need a chain of Linear/Conv2d layers with positively homogeneous operations between them, "
+            f"which this model is not: {structure.problem_summary}; planes and lines along random or eigen "
+            "directions (python -m landscape plane or line, landscape.loss_plane or loss_line) apply to any model"
+        )
+    return structure
 
 
 @dataclass(frozen=True)

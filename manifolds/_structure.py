@@ -190,14 +190,18 @@ class NetworkStructure:
             what: the computation that is defined for chains only, e.g. ``"the G-space parametrization"``.
         """
         if self.problems:
-            shown = "; ".join(self.problems[:2])
-            more = f" (and {len(self.problems) - 2} more reason(s))" if len(self.problems) > 2 else ""
             raise UnsupportedModelError(
                 f"Cannot build {what}, which is defined for chains of Linear/Conv2d layers with positively "
-                f"homogeneous operations between them: {shown}{more}. The node, layer, minnorm and euclidean "
+                f"homogeneous operations between them: {self.problem_summary}. The node, layer, minnorm and euclidean "
                 "measures remain available for this model.",
                 short="needs a chain of layers",
             )
+
+    @property
+    def problem_summary(self) -> str:
+        """The first two of ``problems`` and how many more there are, for a message (empty for a plain chain)."""
+        more = f" (and {len(self.problems) - 2} more reason(s))" if len(self.problems) > 2 else ""
+        return "; ".join(self.problems[:2]) + more
 
 
 @dataclass

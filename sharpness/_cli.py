@@ -31,6 +31,7 @@ from sharpness._launch import (
 )
 from sharpness._results import figure_bytes, jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
+from sharpness._stdio import READER_GONE_STATUS, guarded_streams, require_text
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
 from sharpness.measures._adaptive import adaptive_sharpness
 from sharpness.measures._claims import describe_group, detail_lines, skip_entry
@@ -227,7 +228,9 @@ class OneLineParser(argparse.ArgumentParser):
 def run_command(command, args, user_errors: tuple[type[BaseException], ...] = USER_ERRORS) -> int:
     """``command(args)``'s exit code, with bad input as one sentence on stderr and exit code 2, and Ctrl-C as
     ``interrupted`` and exit code 130 (no traceback; outputs are only written atomically at the end). Parse the
-    command line inside ``command``, so that Ctrl-C there is caught too.
+    command line inside ``command``, so that Ctrl-C there is caught too. ``args``, the command line (``None``:
+    ``sys.argv[1:]``), must be UTF-8 text; a reader of stdout that goes away does not stop the command, whose exit
+    code is then 141 unless it failed (see :mod:`sharpness._stdio`).
 
     Under ``torchrun`` process 0 says what went wrong. The others stay silent on what every process found
     alike (bad input, checked the same way on the same files, and failures that
@@ -235,7 +238,16 @@ def run_command(command, args, user_errors: tuple[type[BaseException], ...] = US
     data file found after joining: :func:`~sharpness._launch.confirm_inputs`), and name themselves on a
     failure of their own; a process left waiting for another that failed ends with
     :class:`~sharpness.products._distributed.DistributedError`, exit code 1."""
+    with guarded_streams() as streams:
+        code = _run(command, args, user_errors)
+    return READER_GONE_STATUS if code == 0 and any(s.reader_gone for s in streams) else code
+
+
+def _run(command, args, user_errors: tuple[type[BaseException], ...]) -> int:
+    """:func:`run_command` without the guard of the standard streams."""
     try:
+        if args is None or isinstance(args, (list, tuple)):
+            require_text(sys.argv[1:] if args is None else args)
         try:
             return command(args)
         except user_errors as exc:
