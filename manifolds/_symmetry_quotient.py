@@ -23,6 +23,7 @@ from torch import Tensor
 from manifolds._connection import Metric, MetricQuotient
 from manifolds._layout import ParamLayout
 from manifolds._matrix_group import MatrixSymmetry
+from manifolds._structure import UnsupportedModelError
 from manifolds._symmetry_metric import _metric, _Plan
 
 
@@ -43,8 +44,9 @@ class SymmetryQuotient(MetricQuotient):
         gram_probes: the number of products ``V^T G V y`` that built ``M``.
 
     Raises:
-        UnsupportedModelError: the metric cannot be built for this group (see :mod:`manifolds._symmetry_metric`).
-        ValueError: the metric is not finite at the point (a zero row block, a zero weight under the node metric).
+        UnsupportedModelError: the metric cannot be built for this group (see :mod:`manifolds._symmetry_metric`),
+            or it is not finite at the point (a zero weight under the node metric, a row block of zero norm); the
+            message names the tensors.
     """
 
     def __init__(self, symmetry: MatrixSymmetry, params: Mapping[str, Tensor], metric: Metric | None = None,
@@ -53,7 +55,17 @@ class SymmetryQuotient(MetricQuotient):
         self.params = {n: p.detach() for n, p in params.items()}
         self.layout = ParamLayout.from_tensors(self.params)
         plan = _Plan(symmetry, self.params)
-        super().__init__(metric or _metric(plan), self.layout.flatten(self.params), vertical=None)
+        metric = metric or _metric(plan)
+        w = self.layout.flatten(self.params)
+        bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
+        if bool(bad.any()):
+            names = [name for name, flags in self.layout.blocks(bad) if bool(flags.any())]
+            raise UnsupportedModelError(
+                f"The {metric.name} metric is undefined at this point: {', '.join(names)} has zero entries (moved by "
+                "the rescaling group, whose node metric divides by them) or rows of zero norm (moved by a factor); "
+                "move the point (e.g. perturb those weights) or use a measure defined there"
+            )
+        super().__init__(metric, w, vertical=None)
         gram, self.gram_probes = self._gram(None if dense_gram else plan.block_of)
         self._gram_factor, self.vertical_dim = _factor(gram)
         self._q = None  # built on request only (O(n d))
