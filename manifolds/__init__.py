@@ -53,6 +53,8 @@ from manifolds._structure import random_factors as random_factors
 from manifolds._structure import random_rescale as random_rescale
 from manifolds._structure import rescale_model as rescale_model
 from manifolds._structure import rescale_parameters as rescale_parameters
+from manifolds._symmetry_metric import symmetry_metric as symmetry_metric
+from manifolds._symmetry_quotient import SymmetryQuotient as SymmetryQuotient
 
 __all__ = [
     "Metric",
@@ -62,8 +64,10 @@ __all__ = [
     "Block",
     "Factor",
     "MatrixSymmetry",
+    "SymmetryQuotient",
     "SymmetryElement",
     "random_transform",
+    "symmetry_metric",
     "transformer_symmetry",
     "FixModel",
     "FixedEntries",

@@ -21,6 +21,7 @@ from sharpness.measures import MinNorm as MinNorm
 from sharpness.measures import Node as Node
 from sharpness.measures import QuotientMeasure as QuotientMeasure
 from sharpness.measures import Rescalings as Rescalings
+from sharpness.measures import Symmetry as Symmetry
 from sharpness.measures import adaptive_sharpness as adaptive_sharpness
 from sharpness.measures import epsilon_sharpness as epsilon_sharpness
 from sharpness.measures import euclidean_sharpness as euclidean_sharpness
@@ -78,6 +79,7 @@ __all__ = [
     "Objective",
     "QuotientMeasure",
     "Rescalings",
+    "Symmetry",
     "Solver",
     "SpectralDensity",
     "SymmetricOperator",

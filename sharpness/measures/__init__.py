@@ -23,6 +23,7 @@ from sharpness.measures._quotient import Node as Node
 from sharpness.measures._quotient import QuotientMeasure as QuotientMeasure
 from sharpness.measures._registry import MEASURES as MEASURES
 from sharpness.measures._registry import get_measure as get_measure
+from sharpness.measures._symmetry import Symmetry as Symmetry
 from sharpness.measures._verify import InvarianceReport as InvarianceReport
 from sharpness.measures._verify import Rescalings as Rescalings
 from sharpness.measures._verify import verify_invariance as verify_invariance
@@ -46,6 +47,7 @@ __all__ = [
     "Node",
     "QuotientMeasure",
     "Rescalings",
+    "Symmetry",
     "epsilon_sharpness",
     "euclidean_sharpness",
     "get_measure",

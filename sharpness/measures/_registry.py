@@ -8,10 +8,13 @@ from sharpness.measures._gspace import GSpaceMeasure
 from sharpness.measures._measure import Measure
 from sharpness.measures._minnorm import MinNorm
 from sharpness.measures._quotient import Layer, Node
+from sharpness.measures._symmetry import Symmetry
 
 # name -> measure with default options; a measure added here is measured, verified and offered by the command
 # line without any other change.
-MEASURES: dict[str, Measure] = {m.name: m for m in (Euclidean(), Layer(), Node(), Fixed(), MinNorm(), GSpaceMeasure())}
+MEASURES: dict[str, Measure] = {
+    m.name: m for m in (Euclidean(), Layer(), Node(), Fixed(), MinNorm(), GSpaceMeasure(), Symmetry())
+}
 
 
 def get_measure(measure: str | Measure) -> Measure:

@@ -1,0 +1,306 @@
+"""A Riemannian metric invariant under a whole :class:`~manifolds.MatrixSymmetry` (GL and diagonal factors and
+the diagonal rescaling group), block-diagonal so that nothing is dense in the number of parameters.
+
+Write a parameter block moved from the left as ``X -> L X`` (``L`` invertible ``k x k``) and from the right as
+``X -> X S`` (``S`` a positive diagonal). The metric of the block is the balanced metric with a column weight
+
+    ``g_X(xi, eta) = tr((X P X^T)^-1 xi P eta^T)``,   ``P = diag(p) > 0``,
+
+invariant as soon as ``p -> p / s^2`` when the columns move by ``s``: then ``X P X^T -> L (X P X^T) L^T`` and
+``xi P eta^T -> L xi P eta^T L^T``. Which parameters form ``X``, and what ``p`` is:
+
+* **Rows moved by a factor** (PyTorch stores ``y = x W^T + b``, so a factor moving a layer's outputs moves rows):
+  for a GL factor, the ``k`` rows it moves with one ``how`` (e.g. ``Wq_h`` and ``bq_h`` under ``A^T``) form one
+  ``X``, each bias entry appended as a column of weight 1 (biases move with the rows, never with the columns); for
+  a diagonal factor (a normalization's affine scale, ReLU units) each index ``j`` is its own ``1 x m`` block
+  (``[gamma_j, beta_j]``, ``[W_j,:, b_j]``), so the metric is ``|xi_j|_P^2 / |x_j|_P^2``: the node metric of a
+  whole unit, defined where a LayerNorm's ``beta`` or a bias is zero.
+* **Column weights** ``p``: a column divided (or multiplied) by the scale ``c_j`` of a diagonal factor gets
+  ``p_j = r_j`` (or ``1 / r_j``), where ``r_j = |x_j|_P^2`` is the factor's reference: the squared weighted norm of
+  its own ``j``-th row block (``gamma_j^2 + beta_j^2`` for a LayerNorm, ``gamma_j^2`` for an RMSNorm, the unit's
+  incoming weights and bias for ReLU units), which scales as ``c_j^2``. For a query block fed by a LayerNorm this
+  is DESIGN's ``tr((W Gam^2 W^T)^-1 xi Gam^2 xi^T)`` with ``Gam^2`` made ``diag(gamma^2 + beta^2)``. References
+  are computed upstream first (a factor's reference uses the column weights of its own rows); a cycle is refused.
+* **Columns moved by a GL factor** (an output projection's head columns under ``B^-T``) on a tensor whose rows
+  nothing moves: ``tr((X^T X)^-1 xi^T eta)`` per head block, the balanced metric read column-wise.
+* **Everything else**: ``xi^2 p`` entry by entry (``p = 1`` where nothing acts: the Euclidean metric, invariant
+  because the group leaves those entries and their weights alone).
+* **Tensors of the diagonal rescaling group** (:func:`manifolds.analyze`'s, where no factor acts): the node metric
+  ``xi^2 / w^2``, invariant under every entry-wise positive scaling.
+
+Refused with :class:`~manifolds.UnsupportedModelError` (one sentence each): a tensor moved both by a factor and by
+the diagonal rescaling group, rows moved by two factors, GL-moved columns on a tensor whose rows also move, a
+block whose rows carry different column weights, and references that depend on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from manifolds._attention import _diagonal_sides
+from manifolds._connection import Metric
+from manifolds._layout import ParamLayout
+from manifolds._matrix_group import Block, MatrixSymmetry
+from manifolds._structure import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Row blocks ``X`` (``(B, k, m)`` flat indices) sharing one column weight per block (``(B, m)`` indices into
+    the weight table); ``factor`` is the diagonal factor whose reference this group is, or ``None``."""
+
+    index: Tensor
+    weight: Tensor
+    factor: int | None
+
+
+def _refuse(why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"The symmetry-invariant metric cannot be built: {why}.")
+
+
+def _select(flat: Tensor, block: Block, shape: torch.Size) -> Tensor:
+    """The block's flat indices as ``(k, m)`` (rows; ``m = 1`` for a vector) or ``(m, k)`` (columns)."""
+    idx = torch.tensor(block.index, dtype=torch.long)
+    if len(shape) == 1:
+        return flat[idx][:, None]
+    other = torch.arange(shape[1 - block.axis]) if block.other is None else torch.tensor(block.other)
+    return flat[idx][:, other] if block.axis == 0 else flat[other][:, idx]
+
+
+class _Plan:
+    """Which flat entries form which block, and which reference weighs which column (built once per model)."""
+
+    def __init__(self, symmetry: MatrixSymmetry, params: Mapping[str, Tensor]):
+        self.layout = layout = ParamLayout.from_tensors(params)
+        n = layout.size
+        flat = {name: torch.arange(layout.slice(name).start, layout.slice(name).stop).reshape(shape)
+                for name, shape in zip(layout.names, layout.shapes)}
+        missing = [name for name in symmetry.names if name not in flat]
+        if missing:
+            raise _refuse(f"the group moves {', '.join(missing)}, which the parameters do not hold (a frozen "
+                          "tensor?); make them trainable or leave them out of the model's symmetry")
+        factors = symmetry.factors
+        shapes = dict(zip(layout.names, layout.shapes))
+        factor_names = {b.name for f in factors for b in f.blocks}
+        diagonal_names: set[str] = set()
+        if symmetry.diagonal is not None and symmetry.diagonal_dim:
+            diagonal_names = {name for name, _ in _diagonal_sides(symmetry.diagonal)}
+        both = sorted(factor_names & diagonal_names)
+        if both:
+            raise _refuse(f"{', '.join(both)} is moved both by a matrix factor and by the diagonal rescaling group")
+
+        # -- rows moved by factors: one group per (factor, how) --------------------------------------------
+        row_owner = torch.full((n,), -1, dtype=torch.long)
+        groups: list[tuple[int, str, Tensor]] = []  # (factor, how, (k, m) flat indices)
+        for fi, f in enumerate(factors):
+            for how in dict.fromkeys(b.how for b in f.blocks if b.axis == 0):
+                parts = [_select(flat[b.name], b, shapes[b.name]) for b in f.blocks if b.axis == 0 and b.how == how]
+                index = torch.cat(parts, dim=1)
+                if bool((row_owner[index] >= 0).any()):
+                    raise _refuse(f"rows of {f.label} are also moved by another factor")
+                row_owner[index] = len(groups)
+                groups.append((fi, how, index))
+
+        # -- column weights: entry -> (diagonal factor, j, power) ------------------------------------------
+        ref_how: dict[int, str] = {}
+        for fi, how, _ in groups:
+            if factors[fi].kind == "diagonal":
+                ref_how.setdefault(fi, how)
+        col_factor = torch.full((n,), -1, dtype=torch.long)
+        col_j = torch.zeros(n, dtype=torch.long)
+        col_power = torch.zeros(n, dtype=torch.long)
+        gl_columns: list[Tensor] = []
+        for fi, f in enumerate(factors):
+            for b in (b for b in f.blocks if b.axis == 1):
+                index = _select(flat[b.name], b, shapes[b.name])  # (rows, k)
+                if f.kind == "GL":
+                    if bool((row_owner[flat[b.name]] >= 0).any()):
+                        raise _refuse(f"{b.name} has columns moved by {f.label} and rows moved by another factor")
+                    gl_columns.append(index)
+                    continue
+                if fi not in ref_how:
+                    raise _refuse(f"{f.label} moves columns only, so no row block gives it a reference scale")
+                if bool((col_factor[index] >= 0).any()):
+                    raise _refuse(f"columns of {b.name} are moved by two diagonal factors")
+                col_factor[index] = fi
+                col_j[index] = torch.arange(f.size)[None, :]
+                # the reference scales as c^2 ("T") or c^-2; the column as c or 1/c: the weight must scale as 1/s^2
+                col_power[index] = -1 if (b.how == "T") == (ref_how[fi] == "T") else 1
+        gl_entries = torch.cat([c.reshape(-1) for c in gl_columns]) if gl_columns else torch.zeros(0, dtype=torch.long)
+        if bool((col_factor[gl_entries] >= 0).any()):
+            raise _refuse("columns moved by a GL factor are also scaled by a diagonal factor")
+
+        # weight table: [1, r_0, ..., r_F, 1/r_0, ..., 1/r_F] with r_f the reference of diagonal factor f
+        self.ref_offsets = {}
+        total = 0
+        for fi in ref_how:
+            self.ref_offsets[fi] = total
+            total += factors[fi].size
+        self.n_refs = total
+
+        def weight_index(entries: Tensor) -> Tensor:
+            fi, j, power = col_factor[entries], col_j[entries], col_power[entries]
+            offset = torch.tensor([self.ref_offsets.get(int(i), 0) for i in fi.reshape(-1)], dtype=torch.long)
+            slot = 1 + offset.reshape(fi.shape) + j + torch.where(power < 0, total, 0)
+            return torch.where(fi >= 0, slot, 0)
+
+        # -- row blocks, their references, and the order references are computed in -------------------------
+        rows: list[_Rows] = []
+        deps: dict[int, set[int]] = {}
+        for fi, how, index in groups:
+            f = factors[fi]
+            weights = weight_index(index)  # (k, m)
+            if f.kind == "GL":
+                if bool((weights != weights[:1]).any()):
+                    raise _refuse(f"the rows of {f.label} carry different column weights")
+                rows.append(_Rows(index[None], weights[:1], None))
+            else:
+                reference = fi if ref_how.get(fi) == how else None
+                rows.append(_Rows(index[:, None, :], weights, reference))
+                if reference is not None:
+                    deps[fi] = {int(g) for g in col_factor[index].unique() if int(g) >= 0}
+        order: list[int] = []
+        state: dict[int, int] = {}
+
+        def visit(fi: int) -> None:
+            if state.get(fi) == 2:
+                return
+            if state.get(fi) == 1:
+                raise _refuse(f"the column weights of {factors[fi].label} depend on themselves through other factors")
+            state[fi] = 1
+            for g in deps.get(fi, ()):
+                visit(g)
+            state[fi] = 2
+            order.append(fi)
+
+        for fi in deps:
+            visit(fi)
+        by_factor = {r.factor: r for r in rows if r.factor is not None}
+        self.references = [(fi, by_factor[fi]) for fi in order]
+        self.rows = [r for r in rows if r.factor is None] + [r for _, r in self.references]
+        self.gl_columns = [c[None] for c in gl_columns]
+
+        # -- everything else, entry-wise ------------------------------------------------------------------
+        taken = torch.zeros(n, dtype=torch.bool)
+        for r in self.rows:
+            taken[r.index.reshape(-1)] = True
+        taken[gl_entries] = True
+        self.entries = torch.nonzero(~taken).reshape(-1)
+        self.entry_weight = weight_index(self.entries)
+        node = torch.zeros(n, dtype=torch.bool)
+        for name in diagonal_names:
+            node[flat[name].reshape(-1)] = True
+        self.entry_node = node[self.entries]
+        perm = torch.cat([r.index.reshape(-1) for r in self.rows] + [c.reshape(-1) for c in self.gl_columns]
+                         + [self.entries])
+        if not torch.equal(torch.sort(perm).values, torch.arange(n)):
+            raise _refuse("the factors' blocks overlap")  # each entry in exactly one block; a defect if reached
+        self.perm = perm
+        self.inverse = torch.argsort(perm)
+        self.block_of = torch.empty(n, dtype=torch.long)  # metric block id of every entry (for sparsity)
+        next_id = 0
+        for part in [*(r.index for r in self.rows), *self.gl_columns]:
+            for blk in part:
+                self.block_of[blk.reshape(-1)] = next_id
+                next_id += 1
+        self.block_of[self.entries] = next_id + torch.arange(self.entries.numel())
+
+
+class _Point:
+    """The metric's factors at one point ``w``: Gram matrices of every block and the column weights."""
+
+    def __init__(self, plan: _Plan, w: Tensor):
+        self.plan = plan
+        table = w.new_ones(1 + 2 * plan.n_refs)
+        for fi, r in plan.references:  # upstream first: a reference reads the weights of earlier ones
+            x = w[r.index]  # (k, 1, m)
+            p = table[r.weight][:, None, :]
+            ref = (x * x * p).sum((-2, -1))
+            start = 1 + plan.ref_offsets[fi]
+            table = torch.cat([table[:start], ref, table[start + ref.numel():]])
+            start += plan.n_refs
+            table = torch.cat([table[:start], 1.0 / ref, table[start + ref.numel():]])
+        self.row_p = [table[r.weight][..., None, :] for r in plan.rows]  # (B, 1, m)
+        self.row_s = [(w[r.index] * p) @ w[r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
+        self.col_s = [w[c].transpose(-1, -2) @ w[c] for c in plan.gl_columns]  # (1, k, k)
+        node = plan.entry_node
+        we = torch.where(node, w[plan.entries], 1.0)  # no 1/0 in the branch not taken: its derivative would be nan
+        self.entry_p = torch.where(node, 1.0 / (we * we), table[plan.entry_weight])
+
+    def map(self, v: Tensor, row, col, entry) -> Tensor:
+        """Apply per-block maps to ``v`` (``(..., n)``) and put the pieces back in the flat order."""
+        plan = self.plan
+        batch = v.shape[:-1]
+        pieces = [row(v[..., r.index], s, p).reshape(*batch, -1) for r, s, p in zip(plan.rows, self.row_s, self.row_p)]
+        pieces += [col(v[..., c], s).reshape(*batch, -1) for c, s in zip(plan.gl_columns, self.col_s)]
+        pieces.append(entry(v[..., plan.entries], self.entry_p))
+        return torch.cat(pieces, dim=-1)[..., plan.inverse]
+
+
+def _solve(s: Tensor, x: Tensor) -> Tensor:
+    """``s^-1 x`` for a batch of small SPD ``s``; ``1 x 1`` blocks (units) by division, not LAPACK."""
+    return x / s if s.shape[-1] == 1 else torch.linalg.solve(s, x)
+
+
+def _sym_power(s: Tensor, power: float) -> Tensor:
+    if s.shape[-1] == 1:
+        return s.pow(power)
+    lam, vec = torch.linalg.eigh(s)
+    return (vec * lam.pow(power)[..., None, :]) @ vec.transpose(-1, -2)
+
+
+def symmetry_metric(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> Metric:
+    """The metric of :mod:`manifolds._symmetry_metric` for ``symmetry``, on flat vectors in the order of ``params``.
+
+    ``apply`` is differentiable in the point by ``torch.func`` (for the Levi-Civita connection of
+    :class:`manifolds.MetricQuotient`); ``solve``, ``whiten`` and ``unwhiten`` (``W = G^{1/2}``, symmetric) work
+    block by block on ``k x k`` Gram matrices, so nothing is dense in the number of parameters. Every map
+    accepts ``(..., n)`` vectors.
+
+    Args:
+        symmetry: the group (:func:`manifolds.transformer_symmetry`).
+        params: ``{name: tensor}`` giving the flat layout (:class:`manifolds.ParamLayout`); every tensor the
+            group moves must be present.
+
+    Returns:
+        The :class:`manifolds.Metric` (name ``"symmetry"``).
+
+    Raises:
+        UnsupportedModelError: a structure the metric cannot weigh invariantly (see the module docstring).
+    """
+    return _metric(_Plan(symmetry, params))
+
+
+def _metric(plan: _Plan) -> Metric:
+    def apply(w: Tensor, xi: Tensor) -> Tensor:
+        return _Point(plan, w).map(
+            xi,
+            lambda x, s, p: _solve(s, x * p),
+            lambda x, s: _solve(s, x.transpose(-1, -2)).transpose(-1, -2),
+            lambda x, p: x * p,
+        )
+
+    def solve(w: Tensor, v: Tensor) -> Tensor:
+        return _Point(plan, w).map(v, lambda x, s, p: s @ (x / p), lambda x, s: x @ s, lambda x, p: x / p)
+
+    def whiten(w: Tensor, xi: Tensor) -> Tensor:
+        return _Point(plan, w).map(
+            xi,
+            lambda x, s, p: _sym_power(s, -0.5) @ (x * p.sqrt()),
+            lambda x, s: x @ _sym_power(s, -0.5),
+            lambda x, p: x * p.sqrt(),
+        )
+
+    def unwhiten(w: Tensor, zeta: Tensor) -> Tensor:
+        return _Point(plan, w).map(
+            zeta,
+            lambda x, s, p: _sym_power(s, 0.5) @ (x / p.sqrt()),
+            lambda x, s: x @ _sym_power(s, 0.5),
+            lambda x, p: x / p.sqrt(),
+        )
+
+    return Metric(apply, solve, whiten, unwhiten, name="symmetry")

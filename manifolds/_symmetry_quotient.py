@@ -1,0 +1,195 @@
+"""The quotient of the parameters by a :class:`~manifolds.MatrixSymmetry`: exact Hessian, projection by Gram matrix.
+
+The vertical space at ``w`` is ``range(V)``, ``V xi = symmetry.vertical(w, xi)`` (``xi`` in the group's Lie
+algebra, ``d`` coordinates). The ``G``-orthogonal projection onto the horizontal space is
+``P eta = eta - V M^-1 V^T G eta`` with ``M = V^T G V`` (``d x d``); in whitened coordinates ``zeta = W eta``
+(``W = G^{1/2}`` symmetric) it is ``zeta - W V M^-1 V^T W zeta``. ``M`` is built without ever forming ``V``:
+``M y = V^T G V y`` by :meth:`~manifolds.MatrixSymmetry.vertical`, the metric and
+:meth:`~manifolds.MatrixSymmetry.vertical_adjoint`, on probe vectors that each cover many factors at once.
+The metric of :func:`manifolds.symmetry_metric` is block-diagonal, so factors whose orbit tangents meet no common
+metric block are ``G``-orthogonal (``M`` is zero between them); factors are coloured so that no two in a colour
+share a metric block or a neighbour (a distance-2 colouring of the graph "touch a common block"), and one probe
+per colour and coordinate reads the columns of all of its factors. ``M`` is then factored once (Cholesky). The
+connection terms (Christoffel symbols by automatic differentiation) are :class:`manifolds.MetricQuotient`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from manifolds._connection import Metric, MetricQuotient
+from manifolds._layout import ParamLayout
+from manifolds._matrix_group import MatrixSymmetry
+from manifolds._structure import UnsupportedModelError
+from manifolds._symmetry_metric import _metric, _Plan
+
+
+class SymmetryQuotient(MetricQuotient):
+    """:class:`manifolds.MetricQuotient` for the metric of :func:`manifolds.symmetry_metric` and a whole group.
+
+    Args:
+        symmetry: the group (:func:`manifolds.transformer_symmetry`).
+        params: the point ``{name: tensor}`` (its order is the flat layout; every tensor the group moves present).
+        metric: another metric invariant under ``symmetry`` (e.g. to show what a non-invariant one does), or
+            ``None`` for :func:`manifolds.symmetry_metric`. A metric given here must be block-diagonal over the
+            blocks of :func:`manifolds.symmetry_metric` for the sparse Gram build to be exact; ``dense_gram=True``
+            builds ``M`` column by column instead.
+        dense_gram: build ``M`` with one probe per coordinate (no colouring).
+
+    Attributes:
+        vertical_dim: rank of the vertical space (``symmetry.dim`` unless the orbit is degenerate at ``w``).
+        gram_probes: the number of products ``V^T G V y`` that built ``M``.
+
+    Raises:
+        UnsupportedModelError: the metric cannot be built for this group (see :mod:`manifolds._symmetry_metric`),
+            or it is not finite at the point (a zero weight under the node metric, a row block of zero norm); the
+            message names the tensors.
+    """
+
+    def __init__(self, symmetry: MatrixSymmetry, params: Mapping[str, Tensor], metric: Metric | None = None,
+                 dense_gram: bool = False):  # fmt: skip
+        self.symmetry = symmetry
+        self.params = {n: p.detach() for n, p in params.items()}
+        self.layout = ParamLayout.from_tensors(self.params)
+        plan = _Plan(symmetry, self.params)
+        metric = metric or _metric(plan)
+        w = self.layout.flatten(self.params)
+        bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
+        if bool(bad.any()):
+            names = [name for name, flags in self.layout.blocks(bad) if bool(flags.any())]
+            raise UnsupportedModelError(
+                f"The {metric.name} metric is undefined at this point: {', '.join(names)} has zero entries (moved by "
+                "the rescaling group, whose node metric divides by them) or rows of zero norm (moved by a factor); "
+                "move the point (e.g. perturb those weights) or use a measure defined there"
+            )
+        super().__init__(metric, w, vertical=None)
+        gram, self.gram_probes = self._gram(None if dense_gram else plan.block_of)
+        self._gram_factor, self.vertical_dim = _factor(gram)
+        self._q = None  # built on request only (O(n d))
+
+    # -- V, V^T on flat vectors -----------------------------------------------------------------------------
+    def vertical(self, y: Tensor) -> Tensor:
+        """``V y``: the orbit tangent of Lie-algebra coordinates ``y`` ``(d,)``, flat ``(n,)``."""
+        v = self.symmetry.vertical(self.params, y)
+        return self.layout.flatten({n: v[n] if n in v else torch.zeros_like(t) for n, t in self.params.items()})
+
+    def vertical_adjoint(self, eta: Tensor) -> Tensor:
+        """``V^T eta`` for a flat ``eta`` ``(n,)``: ``(d,)``."""
+        return self.symmetry.vertical_adjoint(self.params, self.layout.unflatten(eta))
+
+    def _gram(self, block_of: Tensor | None) -> tuple[Tensor, int]:
+        sym, w = self.symmetry, self.point
+        d = sym.dim
+        gram = w.new_zeros(d, d)
+        if d == 0:
+            return gram, 0
+        sizes = [sym.diagonal_dim, *(f.dim for f in sym.factors)]
+        starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        groups = [i for i, s in enumerate(sizes) if s]
+        colours = _colouring(self, groups, starts, block_of)
+        probes = 0
+        for colour in colours:
+            for t in range(max(sizes[g] for g in colour)):
+                y = w.new_zeros(d)
+                members = [g for g in colour if t < sizes[g]]
+                for g in members:
+                    y[starts[g] + t] = 1.0
+                u = self.vertical_adjoint(self.metric.apply(w, self.vertical(y)))
+                probes += 1
+                for g, owner in colours.reach(members):  # rows of g belong to the one member g can see
+                    gram[starts[g]: starts[g + 1], starts[owner] + t] = u[starts[g]: starts[g + 1]]
+        return (gram + gram.T) / 2, probes
+
+    # -- the projection --------------------------------------------------------------------------------------
+    def _solve_gram(self, a: Tensor) -> Tensor:
+        kind, f = self._gram_factor
+        if kind == "cholesky":
+            return torch.cholesky_solve(a[:, None], f)[:, 0]
+        return f @ a
+
+    def whitened_projection(self, zeta: Tensor) -> Tensor:
+        """Orthogonal projection of whitened vectors ``(..., n)`` onto the whitened horizontal space."""
+        if not self.vertical_dim:
+            return zeta
+        if zeta.dim() > 1:
+            return torch.stack([self.whitened_projection(z) for z in zeta.reshape(-1, zeta.shape[-1])]).reshape(
+                zeta.shape)
+        y = self._solve_gram(self.vertical_adjoint(self.whiten(zeta)))
+        return zeta - self.whiten(self.vertical(y))
+
+    def whitened_vertical_basis(self) -> Tensor:
+        """``(d', n)``: an orthonormal basis (rows) of the whitened vertical space ``range(W V)`` (``O(n d)``)."""
+        if self._q is None:
+            eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
+            wv = torch.stack([self.whiten(self.vertical(e)) for e in eye]) if self.symmetry.dim else eye
+            kind, f = self._gram_factor
+            # W V L^-T has orthonormal columns when M = L L^T; the pseudo-inverse root otherwise
+            self._q = (torch.linalg.solve_triangular(f, wv, upper=False) if kind == "cholesky"
+                       else _psd_root(f) @ wv)
+            self._q = self._q[torch.linalg.vector_norm(self._q, dim=1) > 0.5]
+        return self._q
+
+    def vertical_basis(self) -> Tensor:
+        """``(d', n)``: a ``G``-orthonormal basis (rows) of the vertical space."""
+        q = self.whitened_vertical_basis()
+        return self.unwhiten(q) if q.shape[0] else q
+
+
+def _factor(gram: Tensor) -> tuple[tuple[str, Tensor], int]:
+    """Cholesky of ``M``; where ``M`` is singular (a degenerate orbit), its pseudo-inverse, and the rank."""
+    if gram.shape[0] == 0:
+        return ("pinv", gram), 0
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if int(info) == 0:
+        return ("cholesky", chol), gram.shape[0]
+    lam, vec = torch.linalg.eigh(gram)
+    keep = lam > lam.max() * gram.shape[0] * torch.finfo(gram.dtype).eps
+    return ("pinv", (vec[:, keep] / lam[keep]) @ vec[:, keep].T), int(keep.sum())
+
+
+def _psd_root(pinv: Tensor) -> Tensor:
+    lam, vec = torch.linalg.eigh(pinv)
+    return (vec * lam.clamp_min(0).sqrt()) @ vec.T
+
+
+class _Colours(list):
+    """Colour classes of coordinate groups, and for each group the groups it touches."""
+
+    def __init__(self, classes: list[list[int]], touches: dict[int, set[int]]):
+        super().__init__(classes)
+        self.touches = touches
+
+    def reach(self, members: list[int]) -> list[tuple[int, int]]:
+        """``(group, member)`` for every group that touches (or is) a member of one colour: at most one each."""
+        out = []
+        for g, near in self.touches.items():
+            seen = [m for m in members if m == g or m in near]
+            if seen:
+                out.append((g, seen[0]))
+        return out
+
+
+def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int], block_of: Tensor | None) -> _Colours:
+    """A distance-2 greedy colouring of the groups (0: the diagonal group, ``i``: factor ``i - 1``)."""
+    if block_of is None:  # no structure known: every group touches every other
+        touches = {g: set(groups) - {g} for g in groups}
+    else:
+        support = {}
+        generator = torch.Generator().manual_seed(0)  # generic coefficients: no entry of a tangent cancels by chance
+        for g in groups:
+            y = quotient.point.new_zeros(quotient.symmetry.dim)
+            coefficients = 0.5 + torch.rand(starts[g + 1] - starts[g], generator=generator, dtype=y.dtype)
+            y[starts[g]: starts[g + 1]] = coefficients.to(y.device)
+            moved = torch.nonzero(quotient.vertical(y)).reshape(-1)
+            support[g] = set(block_of[moved].tolist())
+        touches = {g: {h for h in groups if h != g and support[g] & support[h]} for g in groups}
+    colour: dict[int, int] = {}
+    for g in groups:
+        near = set(touches[g]) | {k for h in touches[g] for k in touches[h]}
+        taken = {colour[h] for h in near if h in colour}
+        colour[g] = next(c for c in range(len(groups) + 1) if c not in taken)
+    classes = [[g for g in groups if colour[g] == c] for c in range(max(colour.values(), default=-1) + 1)]
+    return _Colours(classes, touches)

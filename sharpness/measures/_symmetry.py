@@ -1,0 +1,66 @@
+"""Sharpness on the quotient by a network's whole symmetry group: attention heads, normalization scales, units.
+
+The group is :func:`manifolds.transformer_symmetry`'s (per-head GL factors on query/key and value/output,
+LayerNorm/RMSNorm scale trades, token-wise ReLU units, and the diagonal rescaling group of ReLU and BatchNorm
+networks); the metric is :func:`manifolds.symmetry_metric` (invariant under all of it), and the measure is the top
+eigenvalue of the exact Riemannian Hessian on the horizontal space (:class:`manifolds.SymmetryQuotient`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from manifolds import SymmetryQuotient, transformer_symmetry
+from sharpness.measures._measure import CurvatureOperator, Measure
+from sharpness.measures._quotient import QuotientMeasure
+from sharpness.products._objective import Objective
+from sharpness.products._operator import CallableOperator
+
+try:  # the default CPU kernel of scaled_dot_product_attention has no second derivative; the math kernel has
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def _math_attention():
+        return sdpa_kernel(SDPBackend.MATH)
+except ImportError:  # pragma: no cover - older torch: one kernel only
+    _math_attention = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class Symmetry(QuotientMeasure):
+    """Top eigenvalue of the quotient Hessian under the model's whole symmetry group (``"symmetry"``).
+
+    Invariant under every element of the group :func:`manifolds.transformer_symmetry` finds: per-head
+    ``GL(hd)`` on query/key and on value/output, the affine scales of LayerNorm/RMSNorm traded against the layers
+    reading them, token-wise ReLU unit scalings, and the node- and layer-wise rescalings of ReLU/BatchNorm
+    networks. Where that group has dimension 0 the value is the top eigenvalue of the Riemannian Hessian of the
+    metric alone and is invariant under nothing: ``info["symmetry_group_dim"]`` says which case holds.
+    Every product of the measure runs attention with the math kernel of ``scaled_dot_product_attention``
+    (PyTorch's default CPU kernel has no second derivative). It has no metric ball yet (no epsilon-sharpness).
+    Units: dimensionless, as the node measure.
+    """
+
+    name = "symmetry"
+    description = ("quotient by the whole symmetry group (attention heads' GL factors, normalization scales, "
+                   "ReLU units): invariant under all of it")
+    invariant_under = ("node", "layer", "attention", "normalization")
+    ball = Measure.ball  # geodesic balls on this quotient are another measure's job (no ball: no epsilon-sharpness)
+
+    def quotient(self, objective: Objective) -> SymmetryQuotient:
+        symmetry = transformer_symmetry(objective.model, objective.data.first_batch()[0])
+        return SymmetryQuotient(symmetry, objective.params)
+
+    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        with _math_attention():
+            bound = super().operator(objective, hvp)
+        inner = bound.operator
+
+        def matvec(v: Tensor) -> Tensor:
+            with _math_attention():
+                return inner.matvec(v)
+
+        bound.operator = CallableOperator(matvec, inner.size, inner.dtype, inner.device, project=inner.project,
+                                          comm=inner.comm)
+        return bound
