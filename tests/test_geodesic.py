@@ -100,8 +100,9 @@ def critical():
 def test_small_rho_is_half_rho_squared_times_the_node_quotient_eigenvalue(critical):
     """At a critical point the node quotient Hessian is diag(|w|) H diag(|w|) (the connection term g w xi vanishes),
     and f(gamma(1)) = rho^2/2 Hess f(xi, xi) + O(rho^3) along any curve that agrees with the geodesic to second
-    order. So the ratio to rho^2/2 lambda_max is 1 + O(rho): the cubic Taylor term over the quadratic one, measured
-    below 0.6 rho here; the test allows 2 rho (and the Lanczos eigenvalue is exact to far better than that)."""
+    order. So the ratio to rho^2/2 lambda_max is 1 + c rho + O(rho^2), c the cubic Taylor term over the quadratic one:
+    measured 0.11 rho at rho = 1e-2 and 1e-3 (0.15 rho at 0.1) on this model, so the test allows rho; the Lanczos
+    eigenvalue agrees with the dense one to 1e-13."""
     w = critical.layout.flatten(critical.params)
     lam = float(torch.linalg.eigvalsh(w.abs()[:, None] * dense_hessian(critical) * w.abs()[None, :])[-1])
     assert lam > 0
@@ -109,7 +110,7 @@ def test_small_rho_is_half_rho_squared_times_the_node_quotient_eigenvalue(critic
         res = geodesic_sharpness(None, None, None, rho, ascent=Ascent(steps=10, restarts=0), objective=critical,
                                  progress=False)  # fmt: skip
         assert res.eigenvalue == pytest.approx(lam, rel=1e-8)
-        assert res.value == pytest.approx(rho**2 / 2 * lam, rel=2 * rho)
+        assert res.value == pytest.approx(rho**2 / 2 * lam, rel=rho)
         assert res.second_order == pytest.approx(rho**2 / 2 * lam, rel=1e-8)
 
 
