@@ -212,3 +212,18 @@ def test_refuses_an_eigenpair_of_another_measure_and_a_zero_weight():
         model[0].weight[0, 0] = 0.0
     with pytest.raises(ValueError, match="the node metric is not finite at this point"):
         geodesic_sharpness(model, loss, data, 0.1, progress=False)
+
+
+def test_refuses_the_horizontal_ball_when_the_group_is_unknown():
+    from test_group_zoo import _Untraceable
+
+    from manifolds import UnsupportedModelError
+
+    torch.manual_seed(0)
+    model = _Untraceable().double().eval()
+    data = (torch.randn(12, 4, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    with pytest.raises(UnsupportedModelError, match="pass horizontal=False"):
+        geodesic_sharpness(model, nn.CrossEntropyLoss(), data, 0.1, progress=False)
+    whole = geodesic_sharpness(model, nn.CrossEntropyLoss(), data, 0.1, horizontal=False, ascent=ASCENT,
+                               progress=False)  # fmt: skip
+    assert whole.value > 0 and not whole.horizontal

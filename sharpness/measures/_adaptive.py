@@ -194,11 +194,16 @@ def _starts(
             z = (2 * torch.rand(ball.movable.shape, generator=generator, dtype=obj.dtype) - 1) * rho
         else:
             z = torch.randn(ball.movable.shape, generator=generator, dtype=obj.dtype)
-            z = z * (rho / float(torch.linalg.vector_norm(z)))
-        z = obj.comm.broadcast_(z.to(obj.device)) * ball.movable
-        if ball.project is not None:  # back onto the sphere of the admissible subspace
-            z = ball.project(z)
-            z = z * (rho / _norm(z, kind))
+        if ball.project is None:
+            if kind != "linf":
+                z = z * (rho / float(torch.linalg.vector_norm(z)))
+            z = obj.comm.broadcast_(z.to(obj.device)) * ball.movable
+        else:  # onto the admissible subspace first, then onto the sphere (scaled once: rho may be subnormal)
+            z = ball.project(obj.comm.broadcast_(z.to(obj.device)) * ball.movable)
+            size = _norm(z, kind)
+            if size == 0:  # a draw with no admissible component (measure zero): no start
+                continue
+            z = z * (rho / size)
         starts.append((f"random {k}", z))
     return starts
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from manifolds import Metric, MetricQuotient, ParamLayout, layer_metric, node_metric
+from manifolds import Metric, MetricQuotient, ParamLayout, UnsupportedModelError, layer_metric, node_metric
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult, jsonable
 from sharpness.measures._adaptive import Ascent, SearchBall, _starts, _worst_case
@@ -162,11 +162,21 @@ def geodesic_ball(
 
     Raises:
         ValueError: the metric is not defined at ``w`` (a zero weight for ``"node"``, a zero tensor for ``"layer"``).
-        UnsupportedModelError: a quotient metric on a model whose rescaling group is unknown.
+        UnsupportedModelError: a quotient metric on a model whose rescaling group is unknown (with
+            ``horizontal``: there is no horizontal space to restrict the ball to).
     """
     w = objective.layout.flatten(objective.params)
     geometry = MetricQuotient(_METRICS[measure.name](objective.layout), w)
-    project = measure.quotient(objective).whitened_projection if horizontal and measure.name != "euclidean" else None
+    project = None
+    if horizontal and measure.name != "euclidean":
+        quotient = measure.quotient(objective)
+        if getattr(quotient, "projected", True) is False:  # no group, no horizontal space to restrict the ball to
+            raise UnsupportedModelError(
+                "geodesic sharpness restricts the ball to the horizontal space, which needs the rescaling group, and "
+                f"it is unknown ({quotient.structure.group_failure}); pass horizontal=False to search the whole "
+                "tangent ball"
+            )
+        project = quotient.whitened_projection
     unwhiten = geometry.unwhiten
     if order == 1:
         def point(z: Tensor) -> Tensor:
@@ -228,7 +238,8 @@ def geodesic_sharpness(
         ValueError: bad ``rho``, ``order`` or ``horizontal``, a metric other than these three, an ``eigen`` of
             another measure, or a point where the metric is undefined (a zero weight under ``"node"``, a zero
             tensor under ``"layer"``).
-        UnsupportedModelError: a quotient metric on a model whose rescaling group is unknown.
+        UnsupportedModelError: a quotient metric on a model whose rescaling group is unknown (with
+            ``horizontal``: there is no horizontal space to restrict the ball to).
         FloatingPointError: the gradient is not finite inside the ball (``rho`` too large).
     """
     started = time.perf_counter()
