@@ -14,8 +14,9 @@ the quotient manifold. The geodesic is replaced by its Taylor polynomial:
     order 2:  gamma_xi(1) ~ w + xi - 1/2 Gamma_w(xi, xi)      (Christoffel symbols of g, by autodiff of g)
     order 1:  gamma_xi(1) ~ w + xi
 
-Every rescaling ``w -> t w`` of the group is a linear isometry of ``g``, so it maps ``Gamma_w(xi, xi)`` to
-``t Gamma_{tw}``-covariantly and the whole ball to the rescaled ball: ``S_geo`` is invariant (at either order).
+Every rescaling ``w -> t w`` of the group is linear and an isometry of ``g``, so ``Gamma_{tw}(t xi, t xi) =
+t Gamma_w(xi, xi)``: it maps the horizontal ball and both approximate geodesics at ``w`` onto those at ``t w``,
+and ``S_geo`` is invariant at either order (the ascent even follows the same path in whitened coordinates).
 
 **First order = adaptive sharpness.** With the node metric ``g = sum xi_k^2 / w_k^2`` the whitened coordinates
 are ``z = xi / |w|``, so the order-1 point is ``w + |w| z`` over ``||z|| <= rho``: adaptive sharpness (l2) with
@@ -23,7 +24,8 @@ the same ``rho``, once the horizontal constraint is dropped (``horizontal=False`
 :func:`adaptive_sharpness` to rounding, same starts and steps). Adaptive sharpness does not restrict ``z``, and
 at first order that matters: moving ``w + |w| z`` along an orbit direction is a rescaling only to first order,
 so the unrestricted ball reaches other functions through it. The second-order geodesic of the node metric is
-``w (1 + z + z^2 / 2)``, which follows the orbit ``w exp(z)`` to third order.
+``w (1 + u + u^2 / 2)`` with ``u = xi / w`` (``Gamma_w(xi, xi) = -xi^2 / w``): the exact geodesic ``w exp(u)``
+to third order.
 
 The maximum is searched like adaptive sharpness's (one ascent loop, ``_adaptive._worst_case``): projected
 gradient ascent in ``z`` (normalized, horizontal steps, projected back onto the ball), from the centre, from
