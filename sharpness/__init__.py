@@ -12,6 +12,7 @@ from sharpness.measures import CurvatureOperator as CurvatureOperator
 from sharpness.measures import EpsilonSharpness as EpsilonSharpness
 from sharpness.measures import Euclidean as Euclidean
 from sharpness.measures import Fixed as Fixed
+from sharpness.measures import GeodesicSharpness as GeodesicSharpness
 from sharpness.measures import GSpaceLoss as GSpaceLoss
 from sharpness.measures import GSpaceMeasure as GSpaceMeasure
 from sharpness.measures import InvarianceReport as InvarianceReport
@@ -25,6 +26,7 @@ from sharpness.measures import Symmetry as Symmetry
 from sharpness.measures import adaptive_sharpness as adaptive_sharpness
 from sharpness.measures import epsilon_sharpness as epsilon_sharpness
 from sharpness.measures import euclidean_sharpness as euclidean_sharpness
+from sharpness.measures import geodesic_sharpness as geodesic_sharpness
 from sharpness.measures import get_measure as get_measure
 from sharpness.measures import gspace_hessian_operator as gspace_hessian_operator
 from sharpness.measures import invariant_sharpness as invariant_sharpness
@@ -68,6 +70,7 @@ __all__ = [
     "EpsilonSharpness",
     "Euclidean",
     "Fixed",
+    "GeodesicSharpness",
     "GSpaceLoss",
     "GSpaceMeasure",
     "HessianOperator",
@@ -91,6 +94,7 @@ __all__ = [
     "Ascent",
     "adaptive_sharpness",
     "euclidean_sharpness",
+    "geodesic_sharpness",
     "get_measure",
     "gspace_hessian_operator",
     "hessian_spectral_density",

@@ -36,6 +36,7 @@ from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
 from sharpness.measures._adaptive import adaptive_sharpness
 from sharpness.measures._claims import describe_group, detail_lines, skip_entry
 from sharpness.measures._epsilon import epsilon_sharpness, second_order
+from sharpness.measures._geodesic import geodesic_sharpness
 from sharpness.measures._registry import MEASURES, get_measure
 from sharpness.measures._verify import Rescalings, verify_invariance
 from sharpness.products._data import DataError
@@ -314,6 +315,8 @@ def _compute(args: argparse.Namespace) -> int:
         raise SpecError(f"--epsilon must be positive and finite, got {args.epsilon}")
     if args.adaptive is not None and not (math.isfinite(args.adaptive) and args.adaptive > 0):
         raise SpecError(f"--adaptive must be a positive and finite relative radius, got {args.adaptive}")
+    if args.geodesic is not None and not (math.isfinite(args.geodesic) and args.geodesic > 0):
+        raise SpecError(f"--geodesic must be a positive and finite radius, got {args.geodesic}")
     budget = memory_budget(args.memory_mib)
     if not (math.isfinite(args.tol) and args.tol > 0):
         raise SpecError(f"--tol must be a positive number, got {args.tol}")
@@ -356,11 +359,20 @@ def _compute(args: argparse.Namespace) -> int:
             for kind in ADAPTIVE_KINDS
         }
     groups = [m["group"] for m in measures.values() if "group" in m]
+    geodesic = None
+    if args.geodesic is not None:  # node metric; both orders, so the Christoffel term's effect is visible
+        geodesic = {
+            f"order{order}": geodesic_sharpness(None, None, None, args.geodesic, order=order,
+                                                eigen=node_results.get("node"), objective=objective,
+                                                progress=progress).to_dict()  # fmt: skip
+            for order in (2, 1)
+        }
     report = {
         **objective.facts(),
         "group": groups[0] if groups else None,
         "measures": measures,
         "adaptive": adaptive,
+        "geodesic": geodesic,
         "solver": solver.to_dict(),
         "k": args.k,
         "model": args.model,
@@ -412,6 +424,10 @@ def _table(report: dict) -> str:
         for kind, a in report["adaptive"].items():
             error = f" +- {a['standard_error']:.2g}" if a["standard_error"] is not None else ""
             lines.append(f"  {kind:<8} {a['value']:.6g}{error}")
+    if report.get("geodesic"):
+        rho = report["geodesic"]["order2"]["rho"]
+        lines += ["", f"geodesic sharpness, rho = {rho:g} (node metric, horizontal geodesic ball; invariant):"]
+        lines += [f"  order {g['order']}  {g['value']:.6g}" for g in report["geodesic"].values()]
     lines += ["", *(f"warning: {w}" for w in report["warnings"])] if report.get("warnings") else []
     return "\n".join(lines)
 
@@ -522,6 +538,11 @@ def _parser() -> argparse.ArgumentParser:
         "--adaptive", type=float, metavar="RHO",
         help="also report adaptive sharpness (l2 and l-infinity worst case, average case) for this relative "
         "radius, e.g. 0.05",
+    )  # fmt: skip
+    compute.add_argument(
+        "--geodesic", type=float, metavar="RHO",
+        help="also report geodesic sharpness (node metric, second- and first-order geodesics) for this radius, "
+        "e.g. 0.05",
     )  # fmt: skip
     compute.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
     compute.add_argument(

@@ -144,6 +144,8 @@ def test_compute_writes_the_documented_json(files, tmp_path):
         "0.01",
         "--adaptive",
         "0.05",
+        "--geodesic",
+        "0.05",
         "--json",
         str(out),
         "--quiet",
@@ -154,6 +156,10 @@ def test_compute_writes_the_documented_json(files, tmp_path):
     assert set(adaptive) == {"l2", "linf", "average"} and adaptive["l2"]["rho"] == 0.05
     assert 0 < adaptive["l2"]["value"] <= adaptive["linf"]["value"]  # the l2 ball lies inside the l-infinity one
     assert adaptive["average"]["standard_error"] > 0 and "adaptive sharpness, rho = 0.05" in r.stdout
+    geodesic = report["geodesic"]
+    assert [g["order"] for g in geodesic.values()] == [2, 1] and geodesic["order2"]["value"] > 0
+    assert geodesic["order2"]["eigenvalue"] == report["measures"]["node"]["value"]  # the node solve is reused
+    assert "geodesic sharpness, rho = 0.05" in r.stdout
     assert report["n_params"] == 8 * 6 + 6 + 6 * 3 + 3 and report["loss"] > 0
     assert report["model"] == MODEL and report["data"] == DATA and "torch" in report["versions"]
     for name in ("euclidean", "layer", "node"):
@@ -279,6 +285,7 @@ BAD_INPUTS = {
     "unknown device name": (["--device", "gpu"], "--device 'gpu' is not a device name"),
     "absent device": (["--device", "cuda:99"], "--device cuda:99"),
     "negative adaptive radius": (["--adaptive", "-0.1"], "--adaptive must be a positive and finite relative radius"),
+    "infinite geodesic radius": (["--geodesic", "inf"], "--geodesic must be a positive and finite radius"),
     "unwritable output": (["--json", "/nonexistent-folder/out.json"], "cannot write"),
     "output is the checkpoint": (["--json", "{d}/model.pt"], "is one of the inputs"),
     "text labels in .npz": (["--data", "{d}/text_labels.npz"], "array y in"),

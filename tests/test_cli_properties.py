@@ -95,10 +95,13 @@ NUMBER_TEXT = st.one_of(
 
 
 @SETTINGS
-@given(flag=st.sampled_from(["--k", "--tol", "--epsilon", "--adaptive", "--memory-mib"]), value=NUMBER_TEXT)
+@given(flag=st.sampled_from(["--k", "--tol", "--epsilon", "--adaptive", "--geodesic", "--memory-mib"]),
+       value=NUMBER_TEXT)
 @example(flag="--epsilon", value="1e300")  # the loss overflows in the ball
 @example(flag="--adaptive", value="1e300")
 @example(flag="--adaptive", value="1e-320")
+@example(flag="--geodesic", value="1e300")
+@example(flag="--geodesic", value="1e-320")
 @example(flag="--k", value="100000")
 @example(flag="--memory-mib", value="1e-300")
 @example(flag="--tol", value="1e-320")

@@ -1,5 +1,5 @@
 """Sharpness measures: one :class:`Measure` object per geometry in one registry (:data:`MEASURES`), the
-functions that compute them, epsilon- and adaptive sharpness and invariance verification."""
+functions that compute them, epsilon-, adaptive and geodesic sharpness and invariance verification."""
 
 from sharpness.measures._adaptive import AdaptiveSharpness as AdaptiveSharpness
 from sharpness.measures._adaptive import Ascent as Ascent
@@ -11,6 +11,8 @@ from sharpness.measures._epsilon import epsilon_sharpness as epsilon_sharpness
 from sharpness.measures._euclidean import Euclidean as Euclidean
 from sharpness.measures._euclidean import euclidean_sharpness as euclidean_sharpness
 from sharpness.measures._fixed import Fixed as Fixed
+from sharpness.measures._geodesic import GeodesicSharpness as GeodesicSharpness
+from sharpness.measures._geodesic import geodesic_sharpness as geodesic_sharpness
 from sharpness.measures._gspace import GSpaceLoss as GSpaceLoss
 from sharpness.measures._gspace import GSpaceMeasure as GSpaceMeasure
 from sharpness.measures._gspace import gspace_hessian_operator as gspace_hessian_operator
@@ -38,6 +40,7 @@ __all__ = [
     "EpsilonSharpness",
     "Euclidean",
     "Fixed",
+    "GeodesicSharpness",
     "GSpaceLoss",
     "GSpaceMeasure",
     "InvarianceReport",
@@ -50,6 +53,7 @@ __all__ = [
     "Symmetry",
     "epsilon_sharpness",
     "euclidean_sharpness",
+    "geodesic_sharpness",
     "get_measure",
     "gspace_hessian_operator",
     "invariant_sharpness",

@@ -137,57 +137,106 @@ def _project(z: Tensor, kind: str, rho: float) -> Tensor:
     return z * (rho / norm) if norm > rho else z
 
 
+@dataclass(frozen=True)
+class SearchBall:
+    """A ball the worst-case ascent searches, in coordinates ``z`` where it is ``{||z||_p <= rho}``.
+
+    Adaptive sharpness and geodesic sharpness differ only in this object: the ascent (starts, steps,
+    projections, records) is one loop for both.
+
+    Attributes:
+        point: ``z (n,) -> flat parameters (n,)``: the point a perturbation reaches (``w + |w| z`` for
+            adaptive sharpness, a geodesic's end for geodesic sharpness).
+        pullback: ``(z, egrad) -> d/dz f(point(z))`` given the Euclidean gradient ``egrad (n,)`` at ``point(z)``.
+        to_z: a tangent vector at ``w`` (the top eigenvector of a quotient measure) ``(n,) -> z`` direction.
+        movable: ``(n,)`` bool; entries of ``z`` that may be non-zero (random starts are masked by it).
+        project: orthogonal projection of ``z`` onto the admissible subspace (the horizontal space);
+            ``None``: every ``z`` is admissible.
+        radius: what ``||z||`` is, for messages (e.g. ``"relative radius"``).
+    """
+
+    point: Callable[[Tensor], Tensor]
+    pullback: Callable[[Tensor, Tensor], Tensor]
+    to_z: Callable[[Tensor], Tensor]
+    movable: Tensor
+    project: Callable[[Tensor], Tensor] | None = None
+    radius: str = "radius"
+
+
+def _adaptive_ball(obj: Objective) -> SearchBall:
+    """``z -> w + |w| z``: the ``|w|``-scaled ball of adaptive sharpness (zero weights do not move)."""
+    w = obj.layout.flatten(obj.params)
+    c = w.abs()
+    movable = c > 0
+    return SearchBall(
+        point=lambda z: w + c * z,
+        pullback=lambda z, egrad: c * egrad,  # d/dz f(w + c z)
+        to_z=lambda v: torch.where(movable, v / torch.where(movable, c, 1.0), 0.0),  # tangent xi -> z = xi / |w|
+        movable=movable,
+        radius="relative radius",
+    )
+
+
 def _starts(
-    obj: Objective, kind: str, rho: float, ascent: Ascent, movable: Tensor, generator, eigen: EigenResult | None
+    obj: Objective, ball: SearchBall, kind: str, rho: float, ascent: Ascent, generator, direction: Tensor | None
 ) -> list[tuple[str, Tensor]]:
-    zero = torch.zeros_like(movable, dtype=obj.dtype)
+    """The centre, ``+-rho`` times ``direction`` (a tangent vector; ``None``: no eigen starts) mapped to ``z``, and
+    ``ascent.restarts`` random points of the ball's sphere (drawn from ``generator``, process 0's draw everywhere)."""
+    zero = torch.zeros_like(ball.movable, dtype=obj.dtype)
     starts = [("centre", zero)]
-    if ascent.eigen_start:
-        eigen = eigen or Node().sharpness(obj, 1, Solver(), progress=False)
-        v = eigen.eigenvectors[0].to(obj.device, obj.dtype)
-        w = obj.layout.flatten(obj.params)
-        z = torch.where(movable, v / torch.where(movable, w.abs(), 1.0), 0.0)  # tangent xi -> z = xi / |w|
+    if direction is not None:
+        z = ball.to_z(direction.to(obj.device, obj.dtype))
         if _norm(z, kind) > 0:
             z = z * (rho / _norm(z, kind))
             starts += [("eigen+", z), ("eigen-", -z)]
     for k in range(ascent.restarts):
         if kind == "linf":
-            z = (2 * torch.rand(movable.shape, generator=generator, dtype=obj.dtype) - 1) * rho
+            z = (2 * torch.rand(ball.movable.shape, generator=generator, dtype=obj.dtype) - 1) * rho
         else:
-            z = torch.randn(movable.shape, generator=generator, dtype=obj.dtype)
-            z = z * (rho / float(torch.linalg.vector_norm(z)))
-        starts.append((f"random {k}", obj.comm.broadcast_(z.to(obj.device)) * movable))  # process 0's draw
+            z = torch.randn(ball.movable.shape, generator=generator, dtype=obj.dtype)
+        if ball.project is None:
+            if kind != "linf":
+                z = z * (rho / float(torch.linalg.vector_norm(z)))
+            z = obj.comm.broadcast_(z.to(obj.device)) * ball.movable
+        else:  # onto the admissible subspace first, then onto the sphere (scaled once: rho may be subnormal)
+            z = ball.project(obj.comm.broadcast_(z.to(obj.device)) * ball.movable)
+            size = _norm(z, kind)
+            if size == 0:  # a draw with no admissible component (measure zero): no start
+                continue
+            z = z * (rho / size)
+        starts.append((f"random {k}", z))
     return starts
 
 
 def _worst_case(
     obj: Objective,
+    ball: SearchBall,
     kind: str,
     rho: float,
     ascent: Ascent,
-    generator,
+    make_starts: Callable[[], list[tuple[str, Tensor]]],
     tick: Callable[[], None],
     batch: int | None,
-    eigen: EigenResult | None,
 ) -> tuple[float, float, Tensor, list[dict]]:
-    w = obj.layout.flatten(obj.params)
-    c = w.abs()
-    movable = c > 0
+    """Projected gradient ascent of ``z -> f(ball.point(z))`` over ``{||z||_p <= rho}`` (intersected with the range
+    of ``ball.project``) from each of ``make_starts()`` (called after ``f(w)`` is evaluated: an eigen-solve in
+    between may leave the objective's cached state otherwise); returns ``(best increase, f(w), best z, history)``."""
     f0 = float(obj.value())
-    best_value, best_z = f0, torch.zeros_like(w)
+    starts = make_starts()
+    best_value, best_z = f0, torch.zeros_like(starts[0][1])
     history: list[dict] = []
-    for label, z in _starts(obj, kind, rho, ascent, movable, generator, eigen):
+    for label, z in starts:
         for t in range(ascent.steps + 1):
             if t < ascent.steps:
-                value, egrad = obj.value_and_gradient(w + c * z)
-                value, grad = float(value), c * egrad  # d/dz f(w + c z)
+                value, egrad = obj.value_and_gradient(ball.point(z))
+                value, grad = float(value), ball.pullback(z, egrad)
                 if not bool(torch.isfinite(grad).all()):
                     raise FloatingPointError(
-                        f"the gradient of the loss is not finite at relative radius {_norm(z, kind):.3g}; use a "
+                        f"the gradient of the loss is not finite at {ball.radius} {_norm(z, kind):.3g}; use a "
                         "smaller rho"
                     )
             else:  # the last point needs no gradient
-                value = float(obj.value(w + c * z))
+                value = float(obj.value(ball.point(z)))
             history.append({"start": label, "step": t, "increase": value - f0, "radius": _norm(z, kind),
                             "batch": batch})  # fmt: skip
             tick()
@@ -199,11 +248,14 @@ def _worst_case(
             if kind == "linf":
                 z = _project(z + length * torch.sign(grad), kind, rho)
             else:
+                if ball.project is not None:
+                    grad = ball.project(grad)
                 norm = float(torch.linalg.vector_norm(grad))
                 if norm == 0.0:  # stationary in z
                     break
-                z = _project(z + (length / norm) * grad, kind, rho)
-    return best_value - f0, f0, c * best_z, history
+                z = z + (length / norm) * grad
+                z = _project(z if ball.project is None else ball.project(z), kind, rho)
+    return best_value - f0, f0, best_z, history
 
 
 def _average_case(
@@ -299,10 +351,19 @@ def adaptive_sharpness(
                 )
                 errors.append(error)
             else:
+                ball = _adaptive_ball(obj)
                 start = eigen if batch_size is None else None
-                value, f0, delta, records = _worst_case(
-                    obj, kind, float(rho), ascent, generator, lambda: bar.update(1), batch, start
+
+                def make_starts(obj=obj, ball=ball, start=start):
+                    direction = None
+                    if ascent.eigen_start:
+                        direction = (start or Node().sharpness(obj, 1, Solver(), progress=False)).eigenvectors[0]
+                    return _starts(obj, ball, kind, float(rho), ascent, generator, direction)
+
+                value, f0, best_z, records = _worst_case(
+                    obj, ball, kind, float(rho), ascent, make_starts, lambda: bar.update(1), batch
                 )
+                delta = obj.layout.flatten(obj.params).abs() * best_z  # |w| z
                 perturbation = delta.detach() if batch_size is None else None
             values.append(value)
             losses.append(f0)
