@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from manifolds import Pin, RescalingGroup, UnsupportedModelError
+from manifolds import Pin, RescalingGroup, UnsupportedModelError, transformer_symmetry
 from sharpness.products._objective import Objective
 
 KINDS = ("node", "layer")
+# Invariances under the transformer symmetry's factors: claim kind -> (factor kind, what the factor is of).
+FACTOR_KINDS = {
+    "attention": ("GL", "no attention head whose query/key or value/output basis can move was found"),
+    "normalization": ("diagonal", "no normalization layer whose affine scale can be traded was found"),
+}
 
 
 def rescaling_groups(objective: Objective) -> dict[str, RescalingGroup] | None:
@@ -73,6 +78,20 @@ def untestable_kinds(groups: Mapping[str, RescalingGroup] | None, failure: str |
     return {}
 
 
+def untestable_factor_kinds(claimed: Iterable[str], objective: Objective) -> dict[str, str]:
+    """``kind -> reason`` for each claimed invariance under a transformer factor (``"attention"``,
+    ``"normalization"``) that :func:`manifolds.transformer_symmetry` does not find on this network."""
+    wanted = [kind for kind in claimed if kind in FACTOR_KINDS]
+    if not wanted:
+        return {}
+    try:
+        factors = transformer_symmetry(objective.model, objective.data.first_batch()[0]).factors
+    except UnsupportedModelError as err:
+        return dict.fromkeys(wanted, f"the transformer symmetry is unknown, because {first_line(err)}")
+    found = {f.kind for f in factors if f.kind == "GL"} | {"diagonal" for f in factors if f.label.startswith("affine")}
+    return {kind: FACTOR_KINDS[kind][1] for kind in wanted if FACTOR_KINDS[kind][0] not in found}
+
+
 def supported_claims(claimed: Iterable[str], untestable: Mapping[str, str]) -> tuple[tuple[str, ...], str | None]:
     """A measure's general claim ``claimed`` cut to the kinds the network has, and one sentence on what was cut
     (``None`` when nothing was)."""
@@ -94,7 +113,8 @@ def symmetry_facts(claimed: tuple[str, ...], objective: Objective) -> dict:
         return {"invariant_under": []}
     groups = rescaling_groups(objective)
     failure = objective.structure.group_failure
-    kept, note = supported_claims(claimed, untestable_kinds(groups, failure))
+    untestable = {**untestable_kinds(groups, failure), **untestable_factor_kinds(claimed, objective)}
+    kept, note = supported_claims(claimed, untestable)
     facts = {"invariant_under": list(kept), "group": group_summary(groups, failure)}
     return facts if note is None else {**facts, "invariance_note": note}
 

@@ -42,7 +42,12 @@ class QuotientMeasure(Measure):
         """
         quotient = self.quotient(objective)
         layout = objective.layout
-        kept = quotient.sqrt_metric > 0
+        # A quotient without a diagonal G^{1/2} (the symmetry quotient) keeps every entry: it refuses points where
+        # its metric is undefined instead of dropping entries.
+        sqrt_metric = getattr(quotient, "sqrt_metric", None)
+        if sqrt_metric is None:
+            return quotient, {"n_measured": layout.size, "n_dropped": 0}
+        kept = sqrt_metric > 0
         n_measured = int(kept.sum())
         facts = {"n_measured": n_measured, "n_dropped": layout.size - n_measured}
         if n_measured == 0:
