@@ -14,8 +14,9 @@ generator, re-iterable iterables) and the options (chunk size, dtype, reduction,
 
 and in every case leave the model exactly as found (tests/model_guard.py).
 
-Combinations that the issue lists as still open (half precision) are tested apart, each marked
-``xfail(strict=True)`` with its reason, so that the day they are fixed the marker must go.
+Combinations that were once broken (half precision, frozen parameters with another dtype, a non-floating dtype)
+are tested apart on deterministic examples (``test_known_*``), next to the ones these tests found
+(``test_finding_*``).
 """
 
 from __future__ import annotations
@@ -378,14 +379,8 @@ def loss_for(spec: ModelSpec) -> nn.Module:
 # ------------------------------------------------------------------------------------------------ known failures
 def known_failure(spec: ModelSpec, options: Options, node: bool = False) -> str | None:
     """The name of a combination the library gets wrong today, or ``None``. Each is kept out of the property tests
-    here, by name, and tested on its own below (``test_known_*``: the issue's open cases, marked
-    ``xfail(strict=True)``; ``test_finding_*``: found by these tests, not in the issue): delete its line here
+    here, by name, and tested on its own below (``test_finding_*``: found by these tests): delete its line here
     when its fix lands. ``node``: the call solves the node-wise measure."""
-    cast = isinstance(options.dtype, torch.dtype) and options.dtype.is_floating_point and options.dtype != spec.dtype
-    if spec.frozen in ("stem", "head-bias", "hidden") and cast:
-        return "frozen parameters not cast to dtype (issue 37: a frozen layer with dtype=float64 crashes in torch)"
-    if isinstance(options.dtype, torch.dtype) and not options.dtype.is_floating_point:
-        return "a non-floating dtype reaches torch (issue 37: the dtype is validated when the objective is built)"
     if options.reduction in ("mean", "sum") and options.reduction != spec.reduction:
         return "reduction= contradicting the loss module's own gives a chunk-dependent value (finding)"
     if node and spec.frozen in ("stem", "head-bias", "hidden"):  # fails on a frozen bias, a frozen layer before a
@@ -626,7 +621,6 @@ def _recorded_dtype(result) -> str | None:
 HALF_ENTRIES = ("objective", "euclidean", "invariant", "plane")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37, open: half precision is measured in float32 or refused")
 @pytest.mark.parametrize("how", ["bfloat16 model", "float16 model", "dtype=torch.float16", "dtype=torch.bfloat16"])
 @pytest.mark.parametrize("entry", HALF_ENTRIES)
 def test_known_half_precision(entry, how):
@@ -661,7 +655,6 @@ def test_known_half_precision(entry, how):
         assert_close(loss, ref.value(), RTOL[torch.float32], "loss")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37, open: a frozen layer with another dtype crashes in torch")
 @pytest.mark.parametrize("frozen", ["stem", "head-bias", "hidden"])
 @pytest.mark.parametrize("model_dtype, dtype", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
 def test_known_frozen_parameters_with_another_dtype(frozen, model_dtype, dtype):
@@ -669,7 +662,6 @@ def test_known_frozen_parameters_with_another_dtype(frozen, model_dtype, dtype):
                     dataclasses.replace(DEFAULTS, dtype=dtype))  # fmt: skip
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37, open: the dtype is validated when the objective is built")
 def test_known_integer_dtype():
     """``dtype=torch.int64``: a raw NotImplementedError from torch's log_softmax today."""
     check_objective(MLP, SEVEN, dataclasses.replace(DEFAULTS, dtype=torch.int64))
