@@ -8,6 +8,10 @@ and data, warms up, and calls :func:`measure` on the operation, which prints wha
   the process's earlier high-water mark (``rss_precise`` says which).
 * **torch allocator** (optional: its trace holds every allocation, too large for long operations): the peak of
   the bytes torch's CPU allocator holds during the operation, from the profiler's memory events.
+
+On a GPU (``measure(..., device=cuda)``) the resident set says nothing about the operation: every figure is instead
+``torch.cuda.max_memory_allocated`` during it (the peak reset just before) minus what was allocated then, stored under
+the same keys, with ``"memory": "cuda_max_memory_allocated"`` in the result.
 """
 
 from __future__ import annotations
@@ -72,18 +76,44 @@ def module_gradient(model, loss_fn, X, y) -> Callable[[], None]:
     return op
 
 
+def cuda_peak_bytes(op: Callable[[], Any], device) -> int:
+    """Peak bytes the CUDA caching allocator hands out during ``op`` above what it held before (peak reset first)."""
+    import torch
+
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = op()
+    del result
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
 def budget_of(spec: dict[str, Any]) -> dict[str, int]:
     """``{"memory_budget": ...}`` where the probe's spec sets one, for ``Objective(**...)``."""
     return {"memory_budget": spec["memory_budget"]} if "memory_budget" in spec else {}
 
 
 def measure(
-    op: Callable[[], Any], clean: Callable[[], None], rounds: Sequence[str] = ("first", "repeat"), torch_peak=True
+    op: Callable[[], Any],
+    clean: Callable[[], None],
+    rounds: Sequence[str] = ("first", "repeat"),
+    torch_peak=True,
+    device=None,
 ) -> dict[str, Any]:
     """``rss_<round>_bytes`` for each of ``rounds`` (``op`` run again in the same process: one-time
     initialisations drop out of the later rounds), ``rss_precise``, and ``torch_peak_bytes`` (``None`` unless
-    ``torch_peak``). ``clean`` runs before each round."""
+    ``torch_peak``). ``clean`` runs before each round. On a CUDA ``device`` every figure is the GPU's peak
+    allocation instead (see the module docstring; ``torch_peak_bytes`` is the first round's)."""
     out: dict[str, Any] = {}
+    if device is not None and str(device).startswith("cuda"):
+        for key in rounds:
+            clean()
+            gc.collect()
+            out[f"rss_{key}_bytes"] = cuda_peak_bytes(op, device)
+        out.update(rss_precise=True, memory="cuda_max_memory_allocated")
+        out["torch_peak_bytes"] = out[f"rss_{rounds[0]}_bytes"] if torch_peak else None
+        return out
     for key in rounds:
         clean()
         gc.collect()

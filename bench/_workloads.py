@@ -8,10 +8,15 @@ C1: the small CNN of the scale-invariant flatness paper on 1x28x28 inputs: conv 
 
 Data: Gaussian inputs, labels uniform in 10 classes, cross-entropy (mean over samples). Everything
 is seeded, so two calls give bit-identical models and data on the same machine.
+
+Also the ``--device`` option every script shares (:func:`add_device_argument`) and the clock that counts the work
+queued on a GPU (:func:`sync`, :func:`clock`).
 """
 
 from __future__ import annotations
 
+import argparse
+import time
 from dataclasses import dataclass
 
 import torch
@@ -125,3 +130,60 @@ def make_workload(
     with torch.no_grad():
         final = float(loss_fn(model(X), y))
     return Workload(name, description, model, loss_fn, X, y, steps, final)
+
+
+def _device(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device`` (default ``cpu``): where the model and data go; a GPU's work is waited for before every clock
+    read. Thread options keep acting on the CPU only."""
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="cpu (default) or cuda[:N]: the model and data are moved there, every timer waits for "
+                             "the GPU, memory figures are the GPU's peak allocation")  # fmt: skip
+
+
+def use_device(parser: argparse.ArgumentParser, device: torch.device) -> None:
+    """Refuse a GPU this machine does not have (one line, exit status 2). On a GPU, float32 stays float32: TF32
+    (10-bit mantissas in cuDNN's convolutions, on by default) is turned off for every tool alike, or no float32 solve
+    could get within 1e-5 of the float64 reference."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {device}: no such CUDA device on this machine")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def device_label(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H100 ..., CUDA 13.0, TF32 off)``; ``cpu`` as is."""
+    if device.type != "cuda":
+        return str(device)
+    tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+    return f"{device} ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, TF32 {'on' if tf32 else 'off'})"
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for the work queued on ``device`` (``None``: on the current GPU, where this process has used one); nothing
+    on the CPU. Call it before reading a clock, or the GPU's queued work is not counted."""
+    if device is None:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device | str | None = None) -> float:
+    """``time.perf_counter()`` once the queued GPU work is done (see :func:`sync`)."""
+    sync(device)
+    return time.perf_counter()
+
+
+def to_device(device: torch.device, model: nn.Module, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Move ``model`` to ``device`` (in place) and return ``tensors`` there (the same objects on the CPU)."""
+    model.to(device)
+    return tuple(t.to(device) for t in tensors)

@@ -5,6 +5,7 @@ Run by hand, never from the tests::
 
     python bench/connection.py                  # float64 and float32, layer and node metrics
     python bench/connection.py --threads 2 --repeats 30
+    python bench/connection.py --device cuda    # on a GPU: wall time, the GPU waited for
 
 Workload: ReLU MLP 784-128-64-10 with biases (109,386 parameters) on the 500 Gaussian samples of
 ``bench/_workloads.make_data("F1")`` with random labels, cross-entropy, after 20 full-batch Adam steps (a
@@ -25,7 +26,7 @@ import argparse
 import time
 
 import torch
-from _workloads import make_data
+from _workloads import add_device_argument, clock, device_label, make_data, to_device, use_device
 from torch import nn
 
 from manifolds import LayerScaleQuotient, MetricQuotient, NodeScaleQuotient, analyze, layer_metric, node_metric
@@ -50,11 +51,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    add_device_argument(parser)
     args = parser.parse_args()
+    use_device(parser, args.device)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU time, minimum of {args.repeats} rounds")
+    if args.device.type == "cpu":
+        print(f"torch {torch.__version__}, {args.threads} thread(s), CPU time, minimum of {args.repeats} rounds")
+    else:
+        print(f"torch {torch.__version__}, {device_label(args.device)}, wall time (the GPU waited for), minimum of "
+              f"{args.repeats} rounds")  # fmt: skip
     for dtype in (torch.float64, torch.float32):
         model, loss_fn, X, y = workload(dtype)
+        X, y = to_device(args.device, model, X, y)
         obj = Objective(model, loss_fn, (X, y))
         w, g = obj.layout.flatten(obj.params), obj.gradient()
         structure = analyze(model)
@@ -70,8 +78,11 @@ def main() -> None:
 
 
 def time_products(obj: Objective, g: torch.Tensor, closed, ours: MetricQuotient, repeats: int):
-    """Minimum CPU seconds of each product (round-robin), and the relative difference metric vs closed form."""
-    xi = closed.proj_horizontal(torch.randn(g.numel(), generator=torch.Generator().manual_seed(1)).to(g.dtype))
+    """Minimum CPU seconds of each product (round-robin; on a GPU wall seconds, the GPU waited for), and the relative
+    difference metric vs closed form."""
+    now = time.process_time if g.device.type == "cpu" else clock
+    xi = torch.randn(g.numel(), generator=torch.Generator().manual_seed(1)).to(g.device, g.dtype)
+    xi = closed.proj_horizontal(xi)
     rgrad = ours.egrad2rgrad(g)
     whitened = ours.whitened_hessian(g, obj.hvp)
     cases = {
@@ -84,10 +95,10 @@ def time_products(obj: Objective, g: torch.Tensor, closed, ours: MetricQuotient,
     best = dict.fromkeys(cases, float("inf"))
     for round_ in range(repeats + 1):  # round 0 warms up and is not counted
         for key, fn in cases.items():
-            start = time.process_time()
+            start = now()
             fn()
             if round_:
-                best[key] = min(best[key], time.process_time() - start)
+                best[key] = min(best[key], now() - start)
     return best, agree
 
 if __name__ == "__main__":

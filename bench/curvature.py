@@ -7,6 +7,7 @@ Run by hand, never from the tests::
     python bench/curvature.py --quick         # smoke run
     python bench/curvature.py --json out.json # also write every figure as JSON
     python bench/curvature.py --threads 1     # stable CPU-time ratios on a machine shared with other jobs
+    python bench/curvature.py --device cuda   # on a GPU (trained on the CPU, then moved; memory: GPU peak allocation)
 
 Setup of the benchmark environment (the script installs nothing; a missing peer is skipped with a
 printed note). Install the peers without their dependencies so torch stays at the version you have,
@@ -67,7 +68,16 @@ from torch.func import functional_call, grad, jvp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _memory import budget_of, measure, module_gradient, run_probe  # noqa: E402
-from _workloads import WORKLOADS, build_model, make_workload  # noqa: E402
+from _workloads import (  # noqa: E402
+    WORKLOADS,
+    add_device_argument,
+    build_model,
+    clock,
+    device_label,
+    make_workload,
+    to_device,
+    use_device,
+)
 
 from sharpness import HessianOperator, Objective, Solver, euclidean_sharpness, hessian_spectral_density  # noqa: E402
 from sharpness.products import retain_freed_memory  # noqa: E402
@@ -193,9 +203,9 @@ def timed(fn: Callable[..., Any], *args: Any, isolate_gc: bool = True) -> tuple[
         gc.collect()
         gc.disable()
     try:
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu = clock(), time.process_time()
         out = fn(*args)
-        return time.perf_counter() - wall, time.process_time() - cpu, out
+        return clock() - wall, time.process_time() - cpu, out
     finally:
         if was_enabled:
             gc.enable()
@@ -260,7 +270,7 @@ def section_hvp(w, peers: dict[str, Any], budget_s: float, min_rounds: int, max_
     model, loss_fn, X, y = w.model, w.loss_fn, w.X, w.y
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
-    v_flat = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    v_flat = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(X.device)
     v_list = split_like(v_flat, params)
 
     def gradient():
@@ -476,7 +486,7 @@ def solver_families(w, peers: dict[str, Any], quick: bool) -> list[tuple[str, st
                 model.zero_grad(set_to_none=True)
                 torch.manual_seed(seed)  # PyHessian draws its start vector from the global generator
                 counter["n"] = 0
-                H = ph.hessian(model, loss_fn, data=(X, y), cuda=False)
+                H = ph.hessian(model, loss_fn, data=(X, y), cuda=X.is_cuda)
                 vals, _ = H.eigenvalues(maxIter=max_iter, tol=tol, top_n=1)
                 model.zero_grad(set_to_none=True)
                 return float(vals[0]), counter["n"]
@@ -702,7 +712,7 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec["workload"])
     model.load_state_dict(blob["state"])
     model.eval()
-    X, y = blob["X"], blob["y"]
+    X, y = to_device(torch.device(spec.get("device", "cpu")), model, blob["X"], blob["y"])
     loss_fn = torch.nn.CrossEntropyLoss()
     with torch.no_grad():
         model(X)  # warm-up forward
@@ -719,10 +729,10 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     def clean():
         model.zero_grad(set_to_none=True)
 
-    return measure(op, clean)
+    return measure(op, clean, device=spec.get("device"))
 
 
-def section_memory(w, tol: float, state_dir: str, quick: bool) -> dict[str, Any]:
+def section_memory(w, tol: float, state_dir: str, quick: bool, device: torch.device) -> dict[str, Any]:
     path = os.path.join(state_dir, f"{w.name}.pt")
     torch.save({"state": w.model.state_dict(), "X": w.X, "y": w.y}, path)
     probes = {
@@ -749,8 +759,10 @@ def section_memory(w, tol: float, state_dir: str, quick: bool) -> dict[str, Any]
             "memory_budget": 1,
         }
     out = {}
+    on_gpu = {"device": str(device)} if device.type == "cuda" else {}
     for name, spec in probes.items():
-        out[name] = run_probe(__file__, {"workload": w.name, "state": path, "threads": torch.get_num_threads(), **spec})
+        base = {"workload": w.name, "state": path, "threads": torch.get_num_threads()}
+        out[name] = run_probe(__file__, {**base, **spec, **on_gpu})
         out[name]["spec"] = spec
     g = out["gradient"]
     for name, p in out.items():
@@ -791,12 +803,20 @@ def print_memory(res: dict[str, Any]) -> None:
     print(table(headers, rows))
     s = res["summary"]
     precise = all(p["rss_precise"] for p in res["probes"].values())
-    print(
-        f"  (RSS: kernel high-water mark {'reset before the operation' if precise else 'via ru_maxrss (coarse)'},"
-        f" minus RSS at the baseline; 'again': the same operation repeated in the same process;\n"
-        f"   torch peak alloc: peak of torch's CPU allocator bytes during the operation, profiler events; "
-        f"one parameter vector = {fmt_mb(s['param_vector_bytes'])})"
-    )
+    if any(p.get("memory") for p in res["probes"].values()):
+        print(
+            "  (on the GPU every figure is torch.cuda.max_memory_allocated during the operation minus the allocation "
+            "before it, the peak reset just before;\n   'torch peak' repeats the first round's figure, "
+            f"'again' is the operation repeated in the same process; one parameter vector = "
+            f"{fmt_mb(s['param_vector_bytes'])})"
+        )
+    else:
+        print(
+            f"  (RSS: kernel high-water mark {'reset before the operation' if precise else 'via ru_maxrss (coarse)'},"
+            f" minus RSS at the baseline; 'again': the same operation repeated in the same process;\n"
+            f"   torch peak alloc: peak of torch's CPU allocator bytes during the operation, profiler events; "
+            f"one parameter vector = {fmt_mb(s['param_vector_bytes'])})"
+        )
     for key in ("lanczos", "low_memory"):
         c = s[key]
         print(
@@ -838,7 +858,7 @@ def section_pitfalls(w, peers: dict[str, Any], solve: dict[str, Any] | None) -> 
     if "pyhessian" in peers:
         ph = peers["pyhessian"]
         try:
-            ph.hessian(model, loss_fn, data=(w.X, w.y), cuda=False).density(iter=20, n_v=1)
+            ph.hessian(model, loss_fn, data=(w.X, w.y), cuda=w.X.is_cuda).density(iter=20, n_v=1)
             density["PyHessian density(iter=20, n_v=1)"] = {"works": True}
         except Exception as exc:  # noqa: BLE001 - the failure itself is what is reported
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -858,7 +878,7 @@ def section_pitfalls(w, peers: dict[str, Any], solve: dict[str, Any] | None) -> 
     batches = [(X[:120], y[:120]), (X[120:], y[120:])]
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
-    v = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    v = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(X.device)
     exact_obj = Objective(model, loss_fn, (X, y), dtype=torch.float64)
     exact = exact_obj.hvp(v.double(), "double_backward")
     lam_exact = float(euclidean_sharpness(model, loss_fn, (X, y), solver=Solver(tol=1e-10), dtype=torch.float64,
@@ -877,7 +897,7 @@ def section_pitfalls(w, peers: dict[str, Any], solve: dict[str, Any] | None) -> 
     if "pyhessian" in peers:
         ph = peers["pyhessian"]
         model.zero_grad(set_to_none=True)
-        H = ph.hessian(model, loss_fn, dataloader=batches, cuda=False)
+        H = ph.hessian(model, loss_fn, dataloader=batches, cuda=X.is_cuda)
         _, hv = H.dataloader_hv_product(split_like(v, params))
         model.zero_grad(set_to_none=True)
         hv_flat = torch.cat([h.reshape(-1) for h in hv])
@@ -965,8 +985,10 @@ def main(argv: list[str] | None = None) -> int:
         help=f"start vectors per solve setting in section 2 (default {SOLVE_SEEDS}): a setting reaches the "
         "accuracy target only if its solve from every one of them does",
     )
+    add_device_argument(parser)
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    use_device(parser, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Every tool in this run under the same allocator settings (our objectives apply them on first use).
@@ -987,6 +1009,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['cpu_count']}; load average at start {info['loadavg_start']}\n  peers: "
         + ", ".join(f"{k} {v or 'not installed'}" for k, v in info["peers"].items())
     )
+    if args.device.type != "cpu":
+        info["device"] = device_label(args.device)
+        print(f"  device: {info['device']} (trained on the CPU, then moved; CPU times below include waiting for it)")
     for note in notes.values():
         print("  NOTE: " + note)
     results: dict[str, Any] = {"machine": info, "notes": notes, "quick": args.quick, "workloads": {}}
@@ -995,6 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as state_dir:
         for name in args.workloads:
             secs, _, w = timed(lambda name=name: make_workload(name), isolate_gc=False)
+            w.X, w.y = to_device(args.device, w.model, w.X, w.y)
             print(
                 f"\n=== {name}: {w.description}; {w.n_params:,} parameters, {w.n_samples} samples; "
                 f"{w.train_steps} Adam steps -> train loss {w.final_train_loss:.4f} ({fmt_s(secs)})"
@@ -1029,7 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
                     tol = float(lanczos[0]["config"].split("=")[1]) if lanczos else tol
                 print(f"\n[3] peak memory, eigen-solve vs one gradient ({name})")
                 phases["memory"], _, wres["memory"] = timed(
-                    section_memory, w, tol, state_dir, args.quick, isolate_gc=False
+                    section_memory, w, tol, state_dir, args.quick, args.device, isolate_gc=False
                 )
                 print_memory(wres["memory"])
             if 4 in args.sections and name == "F1":

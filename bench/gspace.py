@@ -5,6 +5,7 @@ Run by hand, never from the tests::
     python bench/gspace.py                  # full run, a few minutes
     python bench/gspace.py --quick          # smoke run
     python bench/gspace.py --json out.json  # also write every figure as JSON
+    python bench/gspace.py --device cuda    # on a GPU: steps and our construction there, wall time (GPU waited for)
 
 1. One training step (zero_grad, forward, backward, update) on the thesis's MNIST network shape
    784-64-64-64-64-10 (bias-free ReLU, float32, G-SGD's initialization: skeleton weights 1), random
@@ -34,6 +35,8 @@ Run by hand, never from the tests::
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import math
 import os
@@ -43,10 +46,13 @@ import sys
 import time
 
 import torch
+from _workloads import add_device_argument, clock, device_label, use_device
 from torch import nn
 
 from manifolds import GModel, GOptimizer, GSpace, gsgd_init_
 from sharpness.cli import mlp
+
+CPU = torch.device("cpu")
 
 
 def mnist_net(width: int = 64, seed: int = 0) -> nn.Sequential:
@@ -55,16 +61,21 @@ def mnist_net(width: int = 64, seed: int = 0) -> nn.Sequential:
     return mlp([784, width, width, width, width, 10], bias=False)
 
 
+def on(device: torch.device, model: nn.Module) -> nn.Module:
+    """``model`` itself on the CPU, else a copy of it on ``device``."""
+    return model if device.type == "cpu" else copy.deepcopy(model).to(device)
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. step cost
 
 
-def step_functions(optimizer: str, lr: float, batch: int) -> dict:
+def step_functions(optimizer: str, lr: float, batch: int, device: torch.device = CPU) -> dict:
     """``{label: step()}`` for the weight-space optimizer and its G-space versions on one batch."""
     base = gsgd_init_(mnist_net())
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, 784, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, 784, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
     loss_fn = nn.CrossEntropyLoss()
     cls = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam}[optimizer]
     steps = {}
@@ -79,10 +90,13 @@ def step_functions(optimizer: str, lr: float, batch: int) -> dict:
 
     plain = mnist_net()
     plain.load_state_dict(base.state_dict())
+    plain = on(device, plain)
     steps[optimizer] = make(plain, cls(plain.parameters(), lr=lr))
     wrapped = mnist_net()
     wrapped.load_state_dict(base.state_dict())
+    wrapped = on(device, wrapped)
     steps[f"G-{optimizer} (GOptimizer)"] = make(wrapped, GOptimizer(wrapped, cls, lr=lr))
+    base = on(device, base)
     gmodel = GModel(base)
     steps[f"G-{optimizer} (GModel)"] = make(gmodel, cls(gmodel.parameters(), lr=lr))
     unfused = GModel(base, fused=False)
@@ -90,15 +104,19 @@ def step_functions(optimizer: str, lr: float, batch: int) -> dict:
     return steps
 
 
-def phases(batch: int, repeats: int) -> dict:
-    """Median CPU microseconds of each phase of an SGD step and a GOptimizer G-SGD step, interleaved."""
+def phases(batch: int, repeats: int, device: torch.device = CPU) -> dict:
+    """Median CPU microseconds of each phase of an SGD step and a GOptimizer G-SGD step, interleaved (on a GPU: wall
+    microseconds, the GPU waited for at each mark)."""
     base = gsgd_init_(mnist_net())
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    x, y = x.to(device), y.to(device)
     loss_fn = nn.CrossEntropyLoss()
     plain, wrapped = mnist_net(), mnist_net()
     plain.load_state_dict(base.state_dict())
     wrapped.load_state_dict(base.state_dict())
+    plain, wrapped = on(device, plain), on(device, wrapped)
+    tick = time.thread_time if device.type == "cpu" else lambda: clock(device)
     sgd, gsgd = torch.optim.SGD(plain.parameters(), lr=1e-3), GOptimizer(wrapped, torch.optim.SGD, lr=1e-3)
     names = {
         "SGD": ["zero_grad", "forward", "backward", "update"],
@@ -107,22 +125,22 @@ def phases(batch: int, repeats: int) -> dict:
     samples: dict[str, list[list[float]]] = {"SGD": [], "G-SGD": []}
     for it in range(repeats + 10):
         for label, net, opt in (("SGD", plain, sgd), ("G-SGD", wrapped, gsgd)):
-            marks = [time.thread_time()]
+            marks = [tick()]
             opt.zero_grad()
-            marks.append(time.thread_time())
+            marks.append(tick())
             loss = loss_fn(net(x), y)
-            marks.append(time.thread_time())
+            marks.append(tick())
             loss.backward()
-            marks.append(time.thread_time())
+            marks.append(tick())
             if label == "SGD":
                 opt.step()
             else:  # what GOptimizer.step does, phase by phase
                 opt._pull()
-                marks.append(time.thread_time())
+                marks.append(tick())
                 opt._inner_step()
-                marks.append(time.thread_time())
+                marks.append(tick())
                 opt._push()
-            marks.append(time.thread_time())
+            marks.append(tick())
             if it >= 10:  # warm-up
                 samples[label].append([(b - a) * 1e6 for a, b in zip(marks, marks[1:])])
     out = {}
@@ -148,11 +166,12 @@ def time_pair(base, step, blocks: int, per_block: int) -> dict:
     order = [("base", base), ("step", step)]
     for block in range(blocks):
         for label, fn in order if block % 2 == 0 else order[::-1]:
-            cpu, wall = cpu_clock(), time.perf_counter()
+            cpu, wall = cpu_clock(), clock()
             for _ in range(per_block):
                 fn()
+            wall = clock() - wall  # the GPU, if one is used, waited for
             times[label]["cpu"].append((cpu_clock() - cpu) / per_block * 1e6)
-            times[label]["wall"].append((time.perf_counter() - wall) / per_block * 1e6)
+            times[label]["wall"].append(wall / per_block * 1e6)
     return times
 
 
@@ -173,24 +192,24 @@ def ratio_row(times: dict, clock: str) -> dict:
     }
 
 
-def step_costs(threads: list[int], batches: list[int], blocks: int, per_block: int) -> dict:
+def step_costs(threads: list[int], batches: list[int], blocks: int, per_block: int, device: torch.device = CPU) -> dict:
     """Section 1: every (optimizer, threads, batch) configuration, then a summary of the ratios."""
     configs = [("SGD", 1e-3, t, b) for t in threads for b in batches]
     configs += [("Adam", 1e-4, t, batches[0]) for t in threads]
     record: dict = {}
     for optimizer, lr, n_threads, batch in configs:
         torch.set_num_threads(n_threads)
-        clock = "cpu" if n_threads == 1 else "wall"
-        print(f"\n{optimizer}, batch {batch}, {n_threads} thread(s); ratios on {clock} time, pairs with {optimizer}:")
+        which = "cpu" if n_threads == 1 and device.type == "cpu" else "wall"
+        print(f"\n{optimizer}, batch {batch}, {n_threads} thread(s); ratios on {which} time, pairs with {optimizer}:")
         print(
             f"{'step':34s} {'CPU median':>11s} {'wall median':>12s} {optimizer + ' CPU/wall':>16s}   "
             "ratio: paired median [q25, q75], fastest blocks"
         )
-        steps = step_functions(optimizer, lr, batch)
+        steps = step_functions(optimizer, lr, batch, device)
         base = steps.pop(optimizer)
         rows = {}
         for label, step in steps.items():
-            row = rows[label] = ratio_row(time_pair(base, step, blocks, per_block), clock)
+            row = rows[label] = ratio_row(time_pair(base, step, blocks, per_block), which)
             print(
                 f"{label:34s} {row['cpu_median_us']:9.0f}us {row['wall_median_us']:10.0f}us "
                 f"{row['base_cpu_median_us']:7.0f}/{row['base_wall_median_us']:.0f}us   "
@@ -268,19 +287,22 @@ def ours(model: nn.Module) -> tuple[GSpace, torch.Tensor]:
     return gs, gs.coordinates().detach()
 
 
-def time_call(fn, repeats: int) -> float:
+def time_call(fn, repeats: int, device: torch.device = CPU) -> float:
+    """Best process CPU seconds of ``fn`` (on a GPU: wall seconds, the GPU waited for)."""
+    now = time.process_time if device.type == "cpu" else lambda: clock(device)
     best = math.inf
     for _ in range(repeats):
-        start = time.process_time()
+        start = now()
         fn()
-        best = min(best, time.process_time() - start)
+        best = min(best, now() - start)
     return best
 
 
-def construction(widths: list[int], thesis_widths: list[int], repeats: int) -> dict:
+def construction(widths: list[int], thesis_widths: list[int], repeats: int, device: torch.device = CPU) -> dict:
+    """Ours on ``device``; the thesis's construction (Python loops over the weights) on the CPU."""
     check = mnist_net(16, seed=3).double()
-    gs, v = ours(check)
-    edges = gs.to_edges(v, fill=math.nan)
+    gs, v = ours(on(device, check))
+    edges = {name: e.cpu() for name, e in gs.to_edges(v, fill=math.nan).items()}
     reference = thesis_construction(check)
     error = 0.0
     for layer, name in enumerate(gs.names):
@@ -293,7 +315,7 @@ def construction(widths: list[int], thesis_widths: list[int], repeats: int) -> d
     for width in widths:
         model = mnist_net(width)
         m = sum(p.numel() for p in model.parameters())
-        t_ours = time_call(lambda model=model: ours(model), repeats)
+        t_ours = time_call(functools.partial(ours, on(device, model)), repeats, device)
         t_thesis = time_call(lambda model=model: thesis_construction(model), 1) if width in thesis_widths else None
         rows.append({"width": width, "weights": m, "ours_s": t_ours, "thesis_s": t_thesis})
         thesis = (
@@ -316,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         "--batch", type=int, nargs="+", default=[64, 256, 1024], help="batch sizes (default: 64 256 1024)"
     )
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    use_device(parser, args.device)
     blocks, per_block = (6, 5) if args.quick else (40, 10)
     batches = args.batch[:1] if args.quick else args.batch
     widths = [16, 32, 64, 128] if args.quick else [16, 32, 64, 128, 256, 512, 1024]
@@ -326,11 +350,17 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     record: dict = {"torch": torch.__version__, "load_average_before": os.getloadavg()[0]}
-    record["steps"] = step_costs(args.threads, batches, blocks, per_block)
+    gpu = args.device.type != "cpu"
+    if gpu:
+        record["device"] = device_label(args.device)
+        print(f"device: {record['device']}; every time is wall time, the GPU waited for; the thesis's construction "
+              "runs on the CPU")  # fmt: skip
+    record["steps"] = step_costs(args.threads, batches, blocks, per_block, args.device)
     torch.set_num_threads(1)
-    print("\nphases of one step, batch 64, 1 thread (median thread CPU time):")
-    record["phases"] = phases(64, 30 if args.quick else 300)
-    record["construction"] = construction(widths, thesis_widths, 2 if args.quick else 3)
+    clock_name = "wall time, the GPU waited for at each phase" if gpu else "thread CPU time"
+    print(f"\nphases of one step, batch 64, 1 thread (median {clock_name}):")
+    record["phases"] = phases(64, 30 if args.quick else 300, args.device)
+    record["construction"] = construction(widths, thesis_widths, 2 if args.quick else 3, args.device)
     record["load_average_after"] = os.getloadavg()[0]
     print(f"\nload average after: {record['load_average_after']:.1f}")
     if args.json:

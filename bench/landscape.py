@@ -5,6 +5,7 @@ Run by hand (not part of the test suite)::
     pip install --no-deps loss-landscapes   # benchmark-only dependency
     python bench/landscape.py               # 51 x 51 grid; --steps, --threads, --budget-mib to change
     python bench/landscape.py --workload resnet20 --samples 1000 --steps 7 --repeat 1   # points per second
+    python bench/landscape.py --device cuda  # on a GPU (loss-landscapes' calls run under ``with torch.device(...)``)
 
 Times, in one run on the same model, data and grid size (points per second, higher is better):
 
@@ -27,12 +28,12 @@ the center and moves the model it is given, and how many grid points a memory bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ _spec = importlib.util.spec_from_file_location("_workloads", HERE / "_workloads.
 _workloads = sys.modules["_workloads"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_workloads)
 make_workload = _workloads.make_workload
+clock, to_device = _workloads.clock, _workloads.to_device
 _spec = importlib.util.spec_from_file_location("_resnet_bench", HERE / "resnet.py")
 _resnet_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_resnet_bench)
@@ -77,20 +79,24 @@ def plain_loop(model, loss_fn, X, y, theta: dict, d1: dict, d2: dict, coords: np
 
 
 def time_loss_landscapes(model, loss_fn, X, y, steps: int, span: float, no_grad: bool) -> tuple[float, dict]:
-    """Seconds for ``random_plane`` on a copy of ``model``, and what it did to that copy."""
+    """Seconds for ``random_plane`` on a copy of ``model``, and what it did to that copy. loss-landscapes draws its
+    directions with ``torch.rand`` on the default device: on a GPU its call runs under ``with torch.device(...)`` of
+    the model's, so they are drawn where the model is."""
     import loss_landscapes
     import loss_landscapes.metrics
 
     victim = copy.deepcopy(model)
     before = torch.cat([p.detach().flatten().clone() for p in victim.parameters()])
     metric = loss_landscapes.metrics.Loss(loss_fn, X, y)
-    start = time.perf_counter()
+    where = torch.device(X.device) if X.is_cuda else contextlib.nullcontext()
+    start = clock()
     if no_grad:
-        with torch.no_grad():
+        with torch.no_grad(), where:
             values = loss_landscapes.random_plane(victim, metric, span, steps, normalization="filter")
     else:
-        values = loss_landscapes.random_plane(victim, metric, span, steps, normalization="filter")
-    seconds = time.perf_counter() - start
+        with where:
+            values = loss_landscapes.random_plane(victim, metric, span, steps, normalization="filter")
+    seconds = clock() - start
     after = torch.cat([p.detach().flatten() for p in victim.parameters()])
     with torch.no_grad():
         center = float(loss_fn(model(X), y))
@@ -142,7 +148,9 @@ def main() -> None:
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all but compiled, which needs "
                              "a C++ compiler). Without 'loop', the "
                              "fast path is checked against the plain loop on 9 sampled points")  # fmt: skip
+    _workloads.add_device_argument(parser)
     args = parser.parse_args()
+    _workloads.use_device(parser, args.device)
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(METHODS))
     if unknown or not set(OURS) & set(chosen):
@@ -161,6 +169,9 @@ def main() -> None:
         loss_fn = torch.nn.CrossEntropyLoss()
         about = (f"ResNet-20 with BatchNorm, {sum(p.numel() for p in model.parameters()):,} parameters, {args.samples} "
                  "samples of 3x32x32")  # fmt: skip
+    X, y = to_device(args.device, model, X, y)
+    if args.device.type != "cpu":
+        about += f"; device {_workloads.device_label(args.device)} (the workload built on the CPU, then moved)"
     n_points = args.steps**2
     obj = Objective(model, loss_fn, (X, y), memory_budget=args.budget_mib * 2**20)
     directions = random_directions(obj.params, 2, seed=0, norm="filter")
@@ -181,9 +192,9 @@ def main() -> None:
         return run
 
     def loop() -> float:
-        start = time.perf_counter()
+        start = clock()
         results["reference"] = plain_loop(model, loss_fn, X, y, obj.params, d1, d2, coords)
-        return time.perf_counter() - start
+        return clock() - start
 
     def ours(key: str, strategy: str, compile: bool = False):
         def run() -> float:
@@ -269,6 +280,7 @@ def main() -> None:
                      for n, t in times.items()],
             "max_relative_difference": rel, "memory": memory, "loss_landscapes": ll_facts,
             "threads": args.threads, "steps": args.steps, "checked_points": int(checked.size),
+            **({"device": str(args.device)} if args.device.type != "cpu" else {}),
         }, indent=2))  # fmt: skip
 
 

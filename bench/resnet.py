@@ -6,6 +6,7 @@ Run by hand, never from the tests::
     python bench/resnet.py --samples 250  # a quicker run
     python bench/resnet.py --json out.json
     python bench/resnet.py --section hvp  # one HVP against one gradient only (a few minutes)
+    python bench/resnet.py --device cuda  # on a GPU (the workload is built on the CPU, then moved)
 
 Section "measures" times, in one process and on the same float32 model and data (eval mode, cross-entropy over the whole
 set): our Euclidean top eigenvalue, our node-wise (rescaling-invariant) top eigenvalue, and PyHessian's
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # after the packages: bench/landscape.py loads this file
 
 from _memory import budget_of, measure, module_gradient, run_probe  # noqa: E402
+from _workloads import add_device_argument, clock, device_label, to_device, use_device  # noqa: E402
 
 from manifolds import analyze  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
@@ -75,9 +77,9 @@ def workload(samples: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torc
 def median_time(fn, rounds: int) -> tuple[float, object]:
     times, out = [], None
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = clock()
         out = fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times), out
 
 
@@ -85,15 +87,15 @@ def _best_of(cases: dict, rounds: int) -> tuple[dict[str, float], dict[str, floa
     """Best wall and CPU seconds (of the process: all its threads) per case over ``rounds`` interleaved rounds,
     after one warm-up call each (its results and seconds are returned too). On a machine shared with other
     jobs the CPU time is the steadier figure: waiting for a core does not count."""
-    start = time.perf_counter()
+    start = clock()
     first = {name: fn() for name, fn in cases.items()}
-    setup = time.perf_counter() - start
+    setup = clock() - start
     best, cpu = dict.fromkeys(cases, float("inf")), dict.fromkeys(cases, float("inf"))
     for _ in range(rounds):
         for name, fn in cases.items():
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = clock(), time.process_time()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], clock() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
     return best, cpu, first, setup
 
@@ -106,7 +108,7 @@ def hvp_section(model: nn.Module, X: torch.Tensor, y: torch.Tensor, threads: lis
     interleaved gradients."""
     loss = nn.CrossEntropyLoss()
     budget, chunk = int(memory_gib * 2**30), -(-len(X) // 5)
-    v = torch.randn(sum(p.numel() for p in model.parameters()), generator=torch.Generator().manual_seed(1))
+    v = torch.randn(sum(p.numel() for p in model.parameters()), generator=torch.Generator().manual_seed(1)).to(X.device)
 
     def gradient():
         model.zero_grad(set_to_none=True)
@@ -150,7 +152,9 @@ def memory_probe(spec: dict) -> dict:
     """Runs in the child: build the workload, warm up, measure one operation's peak resident memory."""
     torch.set_num_threads(spec["threads"])
     retain_freed_memory()  # as in the parent and in any use of our objectives on the CPU
+    device = torch.device(spec.get("device", "cpu"))
     model, X, y = workload(spec["samples"])
+    X, y = to_device(device, model, X, y)
     loss = nn.CrossEntropyLoss()
     with torch.no_grad():
         model(X[: spec.get("chunk_size") or len(X)])  # warm-up forward
@@ -167,12 +171,15 @@ def memory_probe(spec: dict) -> dict:
                                      progress=False)  # fmt: skip
 
     # RSS only: the torch allocator's trace of a multi-minute solve holds millions of events.
-    return measure(op, lambda: model.zero_grad(set_to_none=True), rounds=("first",), torch_peak=False)
+    return measure(op, lambda: model.zero_grad(set_to_none=True), rounds=("first",), torch_peak=False,
+                   device=spec.get("device"))  # fmt: skip
 
 
-def memory_section(samples: int, threads: int, tol: float, chunk: int) -> dict:
-    """Peak resident memory of one gradient and of the eigen-solves, each in a fresh process (see the docstring)."""
-    base = {"samples": samples, "threads": threads}
+def memory_section(samples: int, threads: int, tol: float, chunk: int, device: torch.device) -> dict:
+    """Peak resident memory of one gradient and of the eigen-solves, each in a fresh process (see the docstring); on
+    a GPU their peak GPU allocation (``torch.cuda.max_memory_allocated`` above the allocation before, reset first)."""
+    gpu = device.type == "cuda"
+    base = {"samples": samples, "threads": threads, **({"device": str(device)} if gpu else {})}
     solve = {"op": "solve", "tol": tol}
     streamed = {"method": "low-memory-lanczos", "chunk_size": chunk, "memory_budget": 1}  # nothing cached
     probes = {
@@ -182,7 +189,8 @@ def memory_section(samples: int, threads: int, tol: float, chunk: int) -> dict:
         f"node, low-memory-lanczos streaming x{chunk}": {**solve, "measure": "node", **streamed},
     }
     out: dict[str, dict] = {}
-    print(f"\npeak resident memory, each operation in a fresh process ({threads} thread(s), tol {tol:g}):")
+    what = "peak GPU memory allocated (torch.cuda.max_memory_allocated)" if gpu else "peak resident memory"
+    print(f"\n{what}, each operation in a fresh process ({threads} thread(s), tol {tol:g}):")
     for name, spec in probes.items():
         start = time.perf_counter()
         out[name] = run_probe(__file__, {**base, **spec}) | {"spec": spec}
@@ -191,7 +199,8 @@ def memory_section(samples: int, threads: int, tol: float, chunk: int) -> dict:
         out[name]["ratio"] = ratio
         target = f" (target <= 2x): {'met' if ratio <= 2 else 'MISSED'}" if "low-memory" in name else ""
         print(f"  {name:<48} {out[name]['rss_first_bytes'] / 2**20:9.1f} MiB  {ratio:5.2f}x a gradient{target}"
-              f"  [{out[name]['seconds']:.0f} s, RSS mark {'reset' if out[name]['rss_precise'] else 'coarse'}]",
+              f"  [{out[name]['seconds']:.0f} s, {'peak' if gpu else 'RSS'} mark "
+              f"{'reset' if out[name]['rss_precise'] else 'coarse'}]",
               flush=True)  # fmt: skip
     return out
 
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="what to time (memory runs only when named)")  # fmt: skip
     parser.add_argument("--memory-chunk", type=int, default=50,
                         help="memory section: chunk size of the streamed low-memory solves (default: 50)")
+    add_device_argument(parser)
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
     parser.add_argument("--hvp-threads", default="1,2", help="thread counts of the hvp section (default: 1,2)")
     parser.add_argument("--hvp-rounds", type=int, default=3, help="rounds of the hvp section (best counts)")
@@ -218,21 +228,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_probe:
         print(json.dumps(memory_probe(json.loads(args.memory_probe))))
         return 0
+    use_device(parser, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.type != "cpu":
+        print(f"device: {device_label(args.device)} (the workload built on the CPU, then moved)", flush=True)
     if args.section == "memory":
         print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
         print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}")  # fmt: skip
         figures = {"samples": args.samples, "memory": memory_section(args.samples, torch.get_num_threads(),
-                                                                     args.tol, args.memory_chunk)}  # fmt: skip
+                                                                     args.tol, args.memory_chunk,
+                                                                     args.device)}  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2))
         return 0
     model, X, y = workload(args.samples)
+    X, y = to_device(args.device, model, X, y)
     # Every tool in this run under the same allocator settings (our objectives apply them on first use).
     print(f"freed memory retained for reuse (glibc): {retain_freed_memory()}", flush=True)
     figures: dict = {"samples": args.samples}
+    if args.device.type != "cpu":
+        figures["device"] = device_label(args.device)
     if args.section in ("all", "hvp"):
         print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, "
               f"{platform.processor() or platform.machine()}, torch {torch.__version__}")  # fmt: skip
@@ -267,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
 
         def pyhessian_top():
-            h = hessian(model, loss, data=(X, y), cuda=False)
+            h = hessian(model, loss, data=(X, y), cuda=X.is_cuda)
             values, _ = h.eigenvalues(maxIter=200, tol=args.tol, top_n=1)
             return values[0]
 

@@ -5,6 +5,7 @@ Run by hand, never from the tests (about 40 minutes on 2 cores)::
     pip install --no-deps pyhessian hessian-eigenthings curvlinops-for-pytorch einops einconv linear_operator
     python bench/resnet_peers.py                  # ResNet-20, 1000 synthetic 3x32x32 samples, 2 threads
     python bench/resnet_peers.py --threads 1 --json out.json
+    python bench/resnet_peers.py --device cuda    # on a GPU (PyHessian with cuda=True; the others follow the model)
 
 The model and data are ``bench/resnet.py``'s (BatchNorm in eval mode, cross-entropy over all samples, float32).
 Every solve starts from the vector that seeds 0-4 draw from each tool's own random source; a setting reaches the
@@ -55,6 +56,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _workloads import add_device_argument, clock, device_label, sync, to_device, use_device  # noqa: E402
 from resnet import workload  # noqa: E402
 
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
@@ -70,12 +72,12 @@ def rel(a: float, b: float) -> float:
 
 def reference(model, X, y, measure: str, budget: int) -> dict:
     """The float64 top eigenvalue (our Lanczos, tol 1e-10) and the second one (for the power method's rate)."""
-    start = time.perf_counter()
+    start = clock()
     obj = Objective(model, nn.CrossEntropyLoss(), (X, y), dtype=torch.float64, memory_budget=budget)
     r = measure_sharpness(None, None, None, measure, 2, solver=Solver(tol=1e-10), objective=obj, progress=False)
     values = [float(v) for v in r.eigenvalues]
     return {"value": values[0], "second": values[1], "n_hvp": r.n_matvec, "converged": bool(r.converged),
-            "seconds": time.perf_counter() - start}  # fmt: skip
+            "seconds": clock() - start}  # fmt: skip
 
 
 def product_costs(model, X, y, peers: dict, budget: int, rounds: int) -> dict[str, float]:
@@ -85,16 +87,16 @@ def product_costs(model, X, y, peers: dict, budget: int, rounds: int) -> dict[st
     built on it is indicative, not strict."""
     loss = nn.CrossEntropyLoss()
     params = list(model.parameters())
-    v = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(1))
+    v = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(1)).to(X.device)
     v_list = [t.view_as(p) for t, p in zip(torch.split(v, [p.numel() for p in params]), params)]
 
     def best(fn) -> float:
         fn()
         seconds = float("inf")
         for _ in range(rounds):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            seconds = min(seconds, time.perf_counter() - t0)
+            seconds = min(seconds, clock() - t0)
         return seconds
 
     def gradient():
@@ -107,7 +109,7 @@ def product_costs(model, X, y, peers: dict, budget: int, rounds: int) -> dict[st
 
     def pyhessian():
         ph = peers["pyhessian"]
-        H = ph.hessian(model, loss, data=(X, y), cuda=False)
+        H = ph.hessian(model, loss, data=(X, y), cuda=X.is_cuda)
         return lambda: ph.hessian_vector_product(H.gradsH, H.params, v_list)
 
     def eigenthings():
@@ -139,11 +141,11 @@ def ours(model, X, y, measure: str, ref: float, budget: int, seeds: int, tols: t
     for tol in tols:
         times, values, hvps, traces = [], [], [], []  # traces: the top Ritz value after each product
         for seed in range(seeds):
-            t0 = time.perf_counter()
+            t0 = clock()
             obj = Objective(model, nn.CrossEntropyLoss(), (X, y), dtype=torch.float32, memory_budget=budget)
             r = measure_sharpness(None, None, None, measure, solver=Solver("lanczos", tol, seed=seed), objective=obj,
                                   progress=False)  # fmt: skip
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
             values.append(float(r.value))
             hvps.append(r.n_matvec)
             traces.append([float(rec["eigenvalues"][0]) for rec in r.history])
@@ -164,17 +166,18 @@ def pyhessian_runs(ph, model, X, y, seeds: int, max_iter: int) -> list[dict]:
     runs = []
     for seed in range(seeds):
         trace: list[tuple[float, float]] = []
-        t0 = time.perf_counter()
+        t0 = clock()
 
         def stamped(gradsH, params, v, trace=trace, t0=t0):
             hv = original(gradsH, params, v)
+            sync()
             trace.append((time.perf_counter() - t0, float(sum((a * b).sum() for a, b in zip(hv, v)))))
             return hv
 
         model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)  # PyHessian draws its start vector from the global generator
-        H = ph.hessian(model, loss, data=(X, y), cuda=False)
-        build = time.perf_counter() - t0
+        H = ph.hessian(model, loss, data=(X, y), cuda=X.is_cuda)
+        build = clock() - t0
         ph.hessian_vector_product = stamped
         try:
             H.eigenvalues(maxIter=max_iter, tol=min(TOLS), top_n=1)  # every looser tolerance stops earlier
@@ -193,9 +196,9 @@ def pyhessian_stop(trace: list[tuple[float, float]], tol: float, max_iter: int) 
     trace ends first. Its rule: stop at the first iteration whose estimate changes the previous one by less than
     ``tol`` relative, returning the previous one."""
     previous = None
-    for i, (clock, value) in enumerate(trace[:max_iter]):
+    for i, (stamp, value) in enumerate(trace[:max_iter]):
         if previous is not None and abs(previous - value) / (abs(previous) + 1e-6) < tol:
-            return previous, clock, i + 1
+            return previous, stamp, i + 1
         previous = value
     return (previous, trace[max_iter - 1][0], max_iter) if len(trace) >= max_iter else None
 
@@ -208,20 +211,20 @@ def eigenthings_runs(he, model, X, y, seeds: int, steps: int) -> list[dict]:
     loss = nn.CrossEntropyLoss()
     runs = []
     for seed in range(seeds):
-        t0 = time.perf_counter()
+        t0 = clock()
         op = he.HessianOperator(model, [(X, y)], he.supervised_loss(loss), full_dataset=True)
-        build = time.perf_counter() - t0
+        build = clock() - t0
         clocks: list[float] = []
         inner = op.matvec
 
         def stamped(v, inner=inner, clocks=clocks, t0=t0):
             out = inner(v)
-            clocks.append(time.perf_counter() - t0)
+            clocks.append(clock() - t0)
             return out
 
         op.matvec = stamped
         gen = torch.Generator(device="cpu").manual_seed(seed)  # as lanczos(seed=...) draws its start
-        v0 = torch.randn(op.size, dtype=op.dtype, generator=gen)
+        v0 = torch.randn(op.size, dtype=op.dtype, generator=gen).to(op.device)
         td = lanczos_tridiagonal(op, v0, steps, reorthogonalize=True)
         T = torch.diag(td.alphas.double()) + torch.diag(td.betas.double(), 1) + torch.diag(td.betas.double(), -1)
         values = []
@@ -274,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "1e-6); start where an earlier run found the loosest that reaches 1e-5")
     parser.add_argument("--skip", default="", help="peers not to run, comma-separated (e.g. hessian-eigenthings)")
     parser.add_argument("--json", help="also write the figures here")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    use_device(parser, args.device)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     # Every tool in this run under the same allocator settings (our objectives apply them on first use).
@@ -290,12 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print(f"{key} not installed: skipped")
     model, X, y = workload(args.samples)
+    X, y = to_device(args.device, model, X, y)
     budget = int(args.memory_gib * 2**30)
     started = time.perf_counter()
     print(f"ResNet-20 with BatchNorm, {args.samples} synthetic 3x32x32 samples, float32, {args.threads} thread(s), "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     figures: dict = {"samples": args.samples, "threads": args.threads, "seeds": args.seeds}
+    if args.device.type != "cpu":
+        figures["device"] = device_label(args.device)
+        print(f"  device: {figures['device']} (the workload built on the CPU, then moved)", flush=True)
 
     if args.references:
         given = [float(v) for v in args.references.split(",")]
