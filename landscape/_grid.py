@@ -589,7 +589,8 @@ def _run(
     sums[-1] = 0.0 if classify else 1.0
     objective.comm.sum_(sums)
     classify = float(sums[-1]) == 0.0
-    accuracy = (hits / objective.n_samples).cpu().numpy() if classify else None
+    # divided on the host: a GPU divides by a scalar as a product with its reciprocal, which rounds differently
+    accuracy = (hits.cpu() / objective.n_samples).numpy() if classify else None
     seconds = time.perf_counter() - start
     return GridValues(loss.cpu().numpy(), accuracy, strategy, batch, seconds, per_point, engine.compile)
 

@@ -322,8 +322,8 @@ class MatrixSymmetry:
         """The transpose of :meth:`vertical`: ``(dim,)`` with entry ``i`` the inner product of ``tangent`` with
         the orbit tangent of the ``i``-th coordinate (tensors missing from ``tangent`` count as zero)."""
         names = [n for n in self.names if n in tangent]
-        dtype = next(iter(params.values())).dtype
-        xi0 = torch.zeros(self.dim, dtype=dtype)
+        first = next(iter(params.values()))
+        xi0 = torch.zeros(self.dim, dtype=first.dtype, device=first.device)  # the coordinates live with the point
 
         def flat(xi: Tensor) -> dict[str, Tensor]:
             v = self.vertical(params, xi)
@@ -337,13 +337,14 @@ class MatrixSymmetry:
         """The dense ``(n, dim)`` matrix of orbit tangents, rows in the flat order of ``params``
         (:class:`manifolds.ParamLayout`); for small models and checks."""
         layout = ParamLayout.from_tensors(params)
-        dtype = next(iter(params.values())).dtype
-        eye = torch.eye(self.dim, dtype=dtype)
+        first = next(iter(params.values()))
+        dtype = first.dtype
+        eye = torch.eye(self.dim, dtype=dtype, device=first.device)
         columns = []
         for i in range(self.dim):
             v = self.vertical(params, eye[i])
             columns.append(layout.flatten({n: v.get(n, torch.zeros_like(t)) for n, t in params.items()}))
-        return torch.stack(columns, dim=1) if columns else torch.zeros(layout.size, 0, dtype=dtype)
+        return torch.stack(columns, dim=1) if columns else torch.zeros(layout.size, 0, dtype=dtype, device=first.device)
 
 
 def _orthogonal(k: int, generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:

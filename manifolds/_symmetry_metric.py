@@ -227,7 +227,7 @@ class _Point:
         self.row_p = [table[r.weight][..., None, :] for r in plan.rows]  # (B, 1, m)
         self.row_s = [(w[r.index] * p) @ w[r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
         self.col_s = [w[c].transpose(-1, -2) @ w[c] for c in plan.gl_columns]  # (1, k, k)
-        node = plan.entry_node
+        node = plan.entry_node.to(w.device)  # the plan is built once on the CPU; the point may be on a GPU
         we = torch.where(node, w[plan.entries], 1.0)  # no 1/0 in the branch not taken: its derivative would be nan
         self.entry_p = torch.where(node, 1.0 / (we * we), table[plan.entry_weight])
 

@@ -183,7 +183,7 @@ def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int],
             y = quotient.point.new_zeros(quotient.symmetry.dim)
             coefficients = 0.5 + torch.rand(starts[g + 1] - starts[g], generator=generator, dtype=y.dtype)
             y[starts[g]: starts[g + 1]] = coefficients.to(y.device)
-            moved = torch.nonzero(quotient.vertical(y)).reshape(-1)
+            moved = torch.nonzero(quotient.vertical(y)).reshape(-1).cpu()  # block_of is a host table
             support[g] = set(block_of[moved].tolist())
         touches = {g: {h for h in groups if h != g and support[g] & support[h]} for g in groups}
     colour: dict[int, int] = {}
