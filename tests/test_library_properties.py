@@ -705,15 +705,32 @@ def test_finding_jvp_products_with_a_unit_off_on_a_chunk():
     check_objective(spec, dataclasses.replace(SEVEN, n=1), dataclasses.replace(DEFAULTS, strategy="jvp"))
 
 
-def test_finding_given_random_directions_without_info():
+@pytest.mark.parametrize(
+    "kind, info, wording",
+    [
+        ("random", {}, "given random directions"),
+        ("random", {"bias": "keep"}, "given random directions (biases: keep)"),
+        ("random", {"normalization": "filter", "bias": "zero"}, "random filter-normalized directions (biases: zero)"),
+        ("invariant-eigen", {}, "the top Riemannian Hessian eigenvectors (a quotient metric)"),
+    ],
+)
+def test_finding_given_random_directions_without_info(kind, info, wording):
     """``loss_plane(..., Directions(vectors, "random", labels))`` (the documented fields, ``info`` left at its
-    default): ``KeyError: 'normalization'`` while writing the title."""
+    default): was ``KeyError: 'normalization'`` while writing the title; the title now says what ``info`` records
+    and leaves out what it does not."""
     model = build_model(MLP)
     X, y = samples(MLP, SEVEN)
     n = sum(p.numel() for p in model.parameters())
     snap = snapshot(model)
-    directions = landscape.Directions(plane_directions(n, 0).vectors, "random", ("a", "b"))
+    directions = landscape.Directions(plane_directions(n, 0).vectors, kind, ("a", "b"), info)
     surface, error = attempt(lambda: landscape.loss_plane(model, loss_for(MLP), (X, y), directions,
                                                           grid=landscape.Grid(steps=3), progress=False))  # fmt: skip
     assert_unchanged(model, snap)
     assert error is None and surface.loss.shape == (3, 3)
+    assert surface.title == f"loss on the plane of {wording}", surface.title
+    one = landscape.Directions(directions.vectors[:1], kind, ("a",), info)
+    line, error = attempt(lambda: landscape.loss_line(model, loss_for(MLP), (X, y), one,
+                                                      grid=landscape.Grid(steps=3), progress=False))  # fmt: skip
+    assert_unchanged(model, snap)
+    assert error is None and line.loss.shape == (3,)
+    assert line.title == f"loss along {wording.replace('directions', 'direction').replace('vectors', 'vector')}"
