@@ -242,6 +242,41 @@ def test_sum_and_mean_reduction_scale_by_n():
     torch.testing.assert_close(fn_obj.value(), sum_obj.value(), rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize(
+    "loss_fn, override",
+    [
+        (nn.CrossEntropyLoss(), "sum"),
+        (nn.CrossEntropyLoss(reduction="sum"), "mean"),
+        (nn.CrossEntropyLoss(reduction="none"), "sum"),
+        (nn.CrossEntropyLoss(ignore_index=1, reduction="sum"), "mean"),
+        (nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)), "sum"),
+    ],
+    ids=["mean-as-sum", "sum-as-mean", "none-as-sum", "ignored-as-mean", "weighted-as-sum"],
+)
+def test_reduction_override_of_a_loss_module_whatever_the_chunks(loss_fn, override):
+    """``reduction=`` against a torch loss module's own: the true sum or mean over the data set (not the chunks'
+    means summed, nor their sums averaged), for every chunk size; the caller's module is left as it was."""
+    case = make_case("mlp_bias")
+    own = loss_fn.reduction
+    reference = copy.copy(loss_fn)
+    reference.reduction = override
+    layout = Objective(case.model, case.loss_fn, case.data).layout
+    flat = layout.flatten(dict(case.model.named_parameters())).detach()
+
+    def full(w):
+        return reference(torch.func.functional_call(case.model, layout.unflatten(w), (case.X,)), case.y)
+
+    value, gradient, H = full(flat), torch.func.grad(full)(flat), torch.func.hessian(full)(flat)
+    v = torch.randn(layout.size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for chunk_size in (1, 3, 7, case.X.shape[0]):
+        obj = Objective(case.model, loss_fn, case.data, chunk_size=chunk_size, reduction=override)
+        assert obj.reduction == override
+        torch.testing.assert_close(obj.value(), value, rtol=1e-13, atol=0)
+        torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(obj.hvp(v), H @ v, rtol=1e-11, atol=1e-13)
+    assert loss_fn.reduction == own
+
+
 def test_one_shot_iterator_is_kept_for_every_pass():
     case = make_case("mlp_bias")
     batches = iter([(case.X[:10], case.y[:10]), (case.X[10:], case.y[10:])])

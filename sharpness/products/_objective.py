@@ -100,6 +100,18 @@ def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
     return reduction
 
 
+def _reduced_as(loss_fn: Callable, reduction: str) -> Callable:
+    """The loss the objective evaluates: a torch loss module whose own ``reduction`` differs from ``reduction``
+    (the ``reduction=`` override) is evaluated as a copy reduced as the override says, so the value is the true
+    mean or sum over the data set however it is chunked (the chunks' means summed, or their sums averaged, would
+    depend on the chunking). Any other callable is taken to compute what ``reduction`` declares."""
+    if isinstance(loss_fn, nn.modules.loss._Loss) and loss_fn.reduction != reduction:
+        reduced = copy.copy(loss_fn)  # shares the module's tensors (class weights); only the reduction differs
+        reduced.reduction = reduction
+        return reduced
+    return loss_fn
+
+
 def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple[Callable, float, bool]:
     """``(chunk loss, weight, per sample)`` of a mean-reduced loss: a chunk of ``m`` samples weighs ``weight * m``
     (``per sample``), or, for a loss that leaves out the targets equal to its ``ignore_index`` where some do, the
@@ -133,7 +145,7 @@ class Objective:
             so when the module was in training mode.
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` (a 0-dim tensor, checked on the first batch); a module's
             ``reduction`` attribute (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample
-            mean.
+            mean (unless ``reduction`` says otherwise).
         data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches
             (:class:`~sharpness.products.ChunkedData`). Every pass must yield the same samples in the same order:
             a shuffling DataLoader is refused here, and each pass over another loader or iterable is compared
@@ -150,7 +162,9 @@ class Objective:
             half of a Hessian. Results record it (``dtype`` in :meth:`facts`), and say where float32 is not
             enough (:attr:`precision_warning`).
         device: device to evaluate on (``None``: the parameters' device).
-        reduction: override the loss's reduction (``"mean"`` or ``"sum"``).
+        reduction: override the loss's reduction (``"mean"`` or ``"sum"``). A torch loss module whose own
+            ``reduction`` differs is evaluated as a copy with this one (the value is the true mean or sum over
+            the data set); for any other callable it declares what the callable computes.
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
             whether the Hessian-vector products may keep a whole-data-set graph alive (``None``:
             :func:`default_memory_budget` of the device).
@@ -222,6 +236,7 @@ class Objective:
         self.model = model
         self.loss_fn = loss_fn
         self.reduction = _loss_reduction(loss_fn, reduction)
+        self._reduced_loss = _reduced_as(loss_fn, self.reduction)
         source = select_params(model, params, prefix)
         others = fixed_tensors(model, source)
         check_meta(source, "parameter" if params is None else "params entry")
@@ -253,9 +268,10 @@ class Objective:
         # What one process holds at most (the memory decisions, the same on every process).
         self._share_size = -(-self.n_samples // self.comm.world_size)
         # The loss each chunk's weighted share is taken of, and the weights (see chunk_loss_fn).
-        self.chunk_loss_fn, self._weight, self._per_sample = loss_fn, 1.0, False
+        reduced = self._reduced_loss
+        self.chunk_loss_fn, self._weight, self._per_sample = reduced, 1.0, False
         if self.reduction == "mean":
-            self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(loss_fn, self.data, self.n_samples)
+            self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(reduced, self.data, self.n_samples)
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
@@ -302,7 +318,7 @@ class Objective:
         """One forward pass on two samples of the first batch: outputs, targets and loss as the objective needs
         them (:func:`sharpness.products._boundary.check_first_batch`)."""
         with eval_mode(self.model):
-            check_first_batch(self.model, self.loss_fn, self.params, self.buffers, self.data.first_batch(),
+            check_first_batch(self.model, self._reduced_loss, self.params, self.buffers, self.data.first_batch(),
                               self.dtype, self.device)  # fmt: skip
 
     def facts(self) -> dict:
