@@ -88,6 +88,19 @@ def _activation_bytes_per_sample(model: nn.Module, params, buffers, x: Tensor) -
     return total[0] / max(x.shape[0], 1)
 
 
+def hvp_by_jvp(loss: Callable[[object, Tensor, Tensor], Tensor], point: object, tangent: object, x: Tensor,
+               y: Tensor) -> object:  # fmt: skip
+    """``torch.func.jvp`` of ``torch.func.grad(loss)`` at ``point`` along ``tangent`` (forward over reverse): the
+    Hessian-vector product of ``loss(point, x, y)`` in its first argument, shaped like ``point``.
+
+    Floating targets go along as a primal with a zero tangent of their own: torch's forward-mode formula of
+    ``mse_loss``'s backward under ``reduction="mean"`` divides the targets' tangent in place, which raises
+    "ZeroTensors are immutable" when the targets have none (torch 2.x)."""
+    if not y.is_floating_point():
+        return jvp(lambda p: grad(loss)(p, x, y), (point,), (tangent,))[1]
+    return jvp(lambda p, t: grad(loss)(p, x, t), (point, y), (tangent, torch.zeros_like(y)))[1]
+
+
 def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
     reduction = reduction or getattr(loss_fn, "reduction", "mean")
     if reduction not in ("mean", "sum"):
@@ -622,8 +635,7 @@ class Objective:
         return self._autograd_strategy
 
     def _hvp_jvp(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
-        g_fn = grad(self._weighted_loss)
-        return jvp(lambda p: g_fn(p, x, y, w), (self.params,), (v,))[1]
+        return hvp_by_jvp(lambda p, x, y: self._weighted_loss(p, x, y, w), self.params, v, x, y)
 
     def _hvp_double_backward(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
         with torch.enable_grad():
