@@ -387,8 +387,6 @@ def known_failure(spec: ModelSpec, options: Options, node: bool = False) -> str 
     if node and spec.frozen in ("stem", "head-bias", "hidden"):  # fails on a frozen bias, a frozen layer before a
         # BatchNorm, any frozen layer of a tanh network; works on some others
         return "frozen parameters: the node measure leaks ValueError('tuple.index(x): x not in tuple') (finding)"
-    if spec.unused and options.strategy in ("graph", "double_backward", "auto"):
-        return "parameters the forward never uses: raw RuntimeError from the autograd HVPs (finding)"
     return None
 
 
@@ -678,12 +676,14 @@ def test_finding_reduction_contradicting_the_loss(own, override, chunk_size):
                     dataclasses.replace(DEFAULTS, reduction=override, chunk_size=chunk_size))  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", ["graph", "double_backward"])
-def test_finding_parameters_the_forward_never_uses(strategy):
-    """A layer the forward never calls: ``hvp`` ends in torch's raw "One of the differentiated Tensors appears to
-    not have been used in the graph" RuntimeError (``allow_unused`` missing on the first gradient)."""
-    check_objective(dataclasses.replace(MLP, arch="chain", unused=True), SEVEN,
-                    dataclasses.replace(DEFAULTS, strategy=strategy))  # fmt: skip
+@pytest.mark.parametrize("arch", ["chain", "residual"])
+@pytest.mark.parametrize("strategy", ["graph", "double_backward", "auto", "jvp"])
+def test_finding_parameters_the_forward_never_uses(strategy, arch):
+    """A layer the forward never calls: ``hvp`` ended in torch's raw "One of the differentiated Tensors appears to
+    not have been used in the graph" RuntimeError (``allow_unused`` missing on the first gradient); now its
+    gradient and Hessian rows are zero, as the dense reference says."""
+    options = dataclasses.replace(DEFAULTS, strategy=strategy, chunk_size=3)
+    assert check_objective(dataclasses.replace(MLP, arch=arch, unused=True), SEVEN, options) == "measured"
 
 
 @pytest.mark.parametrize("spec", [dataclasses.replace(MLP, frozen="head-bias"),

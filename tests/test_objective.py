@@ -277,6 +277,43 @@ def test_reduction_override_of_a_loss_module_whatever_the_chunks(loss_fn, overri
     assert loss_fn.reduction == own
 
 
+class _ConvWithSpare(nn.Module):
+    """A convolution of the data (the data-convolution cut applies) and a layer the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head, self.spare = nn.Conv2d(1, 2, 3), nn.Linear(8, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def test_parameters_the_forward_never_uses_have_zero_gradient_and_hessian_rows():
+    """Every strategy, through the data-convolution cut too: the spare layer's gradient and Hessian rows are zero
+    and the rest is the dense Hessian's (was torch's RuntimeError from the autograd products)."""
+    torch.manual_seed(0)
+    model = _ConvWithSpare().double().eval()
+    X, y = torch.randn(7, 1, 4, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    obj = Objective(model, nn.CrossEntropyLoss(), (X, y), chunk_size=3)
+    assert obj._data_conv is not None
+    flat = obj.layout.flatten(obj.params)
+
+    def full(w):
+        return F.cross_entropy(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y)
+
+    H, gradient = torch.func.hessian(full)(flat), torch.func.grad(full)(flat)
+    spare = torch.cat([torch.full((p.numel(),), "spare" in k) for k, p in obj.params.items()])
+    assert spare.sum() == 12 and torch.all(H[spare] == 0) and torch.all(gradient[spare] == 0)
+    g = torch.Generator().manual_seed(4)
+    v, V = torch.randn(flat.numel(), generator=g, dtype=torch.float64), torch.randn(3, flat.numel(), generator=g,
+                                                                                dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(obj.value_and_gradient()[1], gradient, rtol=1e-12, atol=1e-15)
+    for strategy in ("graph", "double_backward", "jvp", "auto"):
+        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=1e-11, atol=1e-13)
+        torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=1e-11, atol=1e-13)
+
+
 def test_one_shot_iterator_is_kept_for_every_pass():
     case = make_case("mlp_bias")
     batches = iter([(case.X[:10], case.y[:10]), (case.X[10:], case.y[10:])])

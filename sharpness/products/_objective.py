@@ -44,6 +44,7 @@ from sharpness.products._heap import retain_freed_memory
 from sharpness.products._layout import channels_last
 from sharpness.products._rop import ChunkState, RopChain, rop_chain
 from sharpness.products._rop_graph import RopGraph, rop_graph
+from sharpness.products._second_order import gradient_products, gradient_with_graph
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # Largest tensor of the R-operator products' state, in bytes: each chunk's state is built and used in pieces of
@@ -640,10 +641,10 @@ class Objective:
     def _hvp_double_backward(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
         with torch.enable_grad():
             p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
-            loss = self._autograd_loss(p, x, y, w)
-            g = torch.autograd.grad(loss, list(p.values()), create_graph=True)
-            hv = torch.autograd.grad(g, list(p.values()), grad_outputs=list(v.values()), allow_unused=True)
-        return {k: torch.zeros_like(t) if h is None else h for (k, t), h in zip(self.params.items(), hv)}
+            leaves = list(p.values())
+            g = gradient_with_graph(self._autograd_loss(p, x, y, w), leaves)
+            hv = gradient_products(g, leaves, list(v.values()))
+        return dict(zip(self.params, hv))
 
     def _build_graph(self) -> tuple[list[Tensor], list[Tensor]]:
         if self._graph is None:
@@ -654,7 +655,7 @@ class Objective:
                 total, value = None, 0.0
                 for x, y, w in self.chunks():
                     loss = self._autograd_loss(p, x, y, w)
-                    g = torch.autograd.grad(loss, leaves, create_graph=True)
+                    g = gradient_with_graph(loss, leaves)
                     total = list(g) if total is None else [a + b for a, b in zip(total, g)]
                     value = value + loss.detach()
             self._graph = (leaves, total)
@@ -666,10 +667,8 @@ class Objective:
     def _hvp_graph(self, vs: list[Tensor], batched: bool) -> list[Tensor]:
         leaves, g = self._build_graph()
         with torch.enable_grad():
-            hv = torch.autograd.grad(
-                g, leaves, grad_outputs=vs, retain_graph=True, allow_unused=True, is_grads_batched=batched
-            )
-        return [torch.zeros_like(v) if h is None else h.detach() for v, h in zip(vs, hv)]
+            hv = gradient_products(g, leaves, vs, batched=batched, retain_graph=True)
+        return [h.detach() for h in hv]
 
     def release_graph(self) -> None:
         """Free the cached whole-data-set graph and R-operator state (the next product rebuilds them)."""
@@ -802,11 +801,10 @@ class Objective:
     ) -> dict[str, Tensor]:
         with torch.enable_grad():
             p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
-            g = torch.autograd.grad(self._autograd_loss(p, x, y, w), list(p.values()), create_graph=True)
-            hv = torch.autograd.grad(
-                g, list(p.values()), grad_outputs=list(tangents.values()), allow_unused=True, is_grads_batched=True
-            )
-        return {k: torch.zeros_like(tangents[k]) if h is None else h for k, h in zip(self.params, hv)}
+            leaves = list(p.values())
+            g = gradient_with_graph(self._autograd_loss(p, x, y, w), leaves)
+            hv = gradient_products(g, leaves, list(tangents.values()), batched=True)
+        return dict(zip(self.params, hv))
 
 
 def _check_same_data(comm: Communicator, fingerprint: tuple[int, int, int] | None) -> None:
