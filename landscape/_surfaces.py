@@ -200,21 +200,28 @@ def make_chart(objective: Objective, spec: DirectionSpec, k: int, progress: bool
 
 
 def _describe(d: Directions) -> str:
+    """How the directions were obtained, from what ``d.info`` records; directions given by the caller may record
+    nothing (``info`` is optional), so each missing entry is left out of the wording instead of guessed."""
     s = "s" if d.k > 1 else ""
+    info = d.info
+    biases = f"biases: {info['bias']}" if "bias" in info else None
     if d.kind == "random":
-        norm = d.info["normalization"]
-        return f"random {'' if norm == 'none' else norm + '-normalized '}direction{s} (biases: {d.info['bias']})"
+        norm = info.get("normalization")
+        how = "" if norm in (None, "none") else f"{norm}-normalized "
+        return f"{'given ' if norm is None else ''}random {how}direction{s}" + (f" ({biases})" if biases else "")
     if d.kind == "eigen":
         return f"the top Euclidean Hessian eigenvector{s}"
     if d.kind == "invariant-eigen":
-        return f"the top Riemannian Hessian eigenvector{s} ({d.info['metric']}-wise quotient metric)"
+        metric = f"{info['metric']}-wise quotient metric" if "metric" in info else "a quotient metric"
+        return f"the top Riemannian Hessian eigenvector{s} ({metric})"
     if d.kind == "gspace":
-        norm = d.info["normalization"]
+        norm = info.get("normalization")
         how = {"element": "normalized per coordinate by |v_j|", "layer": "normalized per coordinate block"}.get(
-            norm, "unnormalized"
+            norm, "unnormalized" if norm is not None else None
         )
-        held = {"fixed": ", chain roots fixed", "free": ", chain roots free"}.get(d.info.get("roots"), "")
-        return f"random G-space direction{s} ({how}{held}, biases: {d.info['bias']})"
+        held = {"fixed": "chain roots fixed", "free": "chain roots free"}.get(info.get("roots"))
+        parts = ", ".join(part for part in (how, held, biases) if part)
+        return f"{'' if norm is not None else 'given '}random G-space direction{s}" + (f" ({parts})" if parts else "")
     return "the segment between two points"
 
 

@@ -128,18 +128,19 @@ class RescalingGroup:
     def restricted(self, names: Iterable[str]) -> RescalingGroup:
         """The subgroup that leaves every parameter outside ``names`` unchanged (e.g. frozen parameters).
 
-        Every free scale acting on a tensor outside ``names`` is pinned; buffers are kept. Returns ``self``
-        when nothing changes.
+        Every free scale acting on a tensor outside ``names`` is pinned, and the actions on those tensors are left
+        out (also where no free scale acts on them: a bias of the output layer); buffers are kept. Returns
+        ``self`` when nothing changes.
         """
         kept = set(names)
-        banned: set[int] = set()
-        for a in self.parameter_actions:
-            if a.name not in kept:
-                for index in (a.plus, a.minus):
-                    if index is not None:
-                        banned.update(int(c) for c in index.unique() if int(c) < self.dim)
-        if not banned:
+        outside = [a for a in self.parameter_actions if a.name not in kept]
+        if not outside:
             return self
+        banned: set[int] = set()
+        for a in outside:
+            for index in (a.plus, a.minus):
+                if index is not None:
+                    banned.update(int(c) for c in index.unique() if int(c) < self.dim)
         remaining = [c for c in range(self.dim) if c not in banned]
         new_index = torch.full((self.dim + 1,), len(remaining), dtype=torch.long)
         new_index[remaining] = torch.arange(len(remaining))
@@ -147,7 +148,9 @@ class RescalingGroup:
         twin.level, twin.dim = self.level, len(remaining)
         twin._class_of_variable = new_index[self._class_of_variable]
         twin._labels = self._labels
-        twin.pins = (*self.pins, Pin("parameters outside the given ones", len(banned), "they must stay unchanged"))
+        twin.pins = self.pins
+        if banned:
+            twin.pins = (*self.pins, Pin("parameters outside the given ones", len(banned), "they must stay unchanged"))
         twin.unknown = self.unknown
         twin.actions = tuple(
             _relabelled(a, new_index) for a in self.actions if a.name in kept or a.role == "buffer"

@@ -721,6 +721,16 @@ def test_gspace_sharpness_streaming_hvp_strategies_are_exact_and_invariant(name,
         assert rescaled.value == pytest.approx(result.value, rel=1e-8)
 
 
+def test_gspace_jvp_products_under_a_mean_squared_error():
+    """``MSELoss()`` (mean) under forward-over-reverse: torch divides the targets' tangent in place, which was
+    "ZeroTensors are immutable" while the targets had none; now the dense Hessian's products, chunk by chunk."""
+    case = make_case("mlp_mse_sum")
+    loss = GSpaceLoss(Objective(case.model, nn.MSELoss(), case.data, chunk_size=4))
+    dense = torch.func.hessian(lambda v: loss.chunk_loss(v, case.X, case.y))(loss.point)
+    t = torch.randn(loss.point.shape, generator=torch.Generator().manual_seed(2), dtype=loss.point.dtype)
+    torch.testing.assert_close(loss.hvp(t, "jvp"), dense @ t, rtol=1e-11, atol=1e-13)
+
+
 @pytest.mark.parametrize(
     "build",
     [GModel, lambda m: GOptimizer(m, torch.optim.SGD, lr=0.1), lambda m: GOptimizer(m, torch.optim.Adam, lr=1e-3)],

@@ -242,6 +242,78 @@ def test_sum_and_mean_reduction_scale_by_n():
     torch.testing.assert_close(fn_obj.value(), sum_obj.value(), rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize(
+    "loss_fn, override",
+    [
+        (nn.CrossEntropyLoss(), "sum"),
+        (nn.CrossEntropyLoss(reduction="sum"), "mean"),
+        (nn.CrossEntropyLoss(reduction="none"), "sum"),
+        (nn.CrossEntropyLoss(ignore_index=1, reduction="sum"), "mean"),
+        (nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)), "sum"),
+    ],
+    ids=["mean-as-sum", "sum-as-mean", "none-as-sum", "ignored-as-mean", "weighted-as-sum"],
+)
+def test_reduction_override_of_a_loss_module_whatever_the_chunks(loss_fn, override):
+    """``reduction=`` against a torch loss module's own: the true sum or mean over the data set (not the chunks'
+    means summed, nor their sums averaged), for every chunk size; the caller's module is left as it was."""
+    case = make_case("mlp_bias")
+    own = loss_fn.reduction
+    reference = copy.copy(loss_fn)
+    reference.reduction = override
+    layout = Objective(case.model, case.loss_fn, case.data).layout
+    flat = layout.flatten(dict(case.model.named_parameters())).detach()
+
+    def full(w):
+        return reference(torch.func.functional_call(case.model, layout.unflatten(w), (case.X,)), case.y)
+
+    value, gradient, H = full(flat), torch.func.grad(full)(flat), torch.func.hessian(full)(flat)
+    v = torch.randn(layout.size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for chunk_size in (1, 3, 7, case.X.shape[0]):
+        obj = Objective(case.model, loss_fn, case.data, chunk_size=chunk_size, reduction=override)
+        assert obj.reduction == override
+        torch.testing.assert_close(obj.value(), value, rtol=1e-13, atol=0)
+        torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(obj.hvp(v), H @ v, rtol=1e-11, atol=1e-13)
+    assert loss_fn.reduction == own
+
+
+class _ConvWithSpare(nn.Module):
+    """A convolution of the data (the data-convolution cut applies) and a layer the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head, self.spare = nn.Conv2d(1, 2, 3), nn.Linear(8, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def test_parameters_the_forward_never_uses_have_zero_gradient_and_hessian_rows():
+    """Every strategy, through the data-convolution cut too: the spare layer's gradient and Hessian rows are zero
+    and the rest is the dense Hessian's (was torch's RuntimeError from the autograd products)."""
+    torch.manual_seed(0)
+    model = _ConvWithSpare().double().eval()
+    X, y = torch.randn(7, 1, 4, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    obj = Objective(model, nn.CrossEntropyLoss(), (X, y), chunk_size=3)
+    assert obj._data_conv is not None
+    flat = obj.layout.flatten(obj.params)
+
+    def full(w):
+        return F.cross_entropy(torch.func.functional_call(model, obj.layout.unflatten(w), (X,)), y)
+
+    H, gradient = torch.func.hessian(full)(flat), torch.func.grad(full)(flat)
+    spare = torch.cat([torch.full((p.numel(),), "spare" in k) for k, p in obj.params.items()])
+    assert spare.sum() == 12 and torch.all(H[spare] == 0) and torch.all(gradient[spare] == 0)
+    g = torch.Generator().manual_seed(4)
+    v, V = torch.randn(flat.numel(), generator=g, dtype=torch.float64), torch.randn(3, flat.numel(), generator=g,
+                                                                                dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(obj.gradient(), gradient, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(obj.value_and_gradient()[1], gradient, rtol=1e-12, atol=1e-15)
+    for strategy in ("graph", "double_backward", "jvp", "auto"):
+        torch.testing.assert_close(obj.hvp(v, strategy), H @ v, rtol=1e-11, atol=1e-13)
+        torch.testing.assert_close(obj.hvp_batch(V, strategy), V @ H, rtol=1e-11, atol=1e-13)
+
+
 def test_one_shot_iterator_is_kept_for_every_pass():
     case = make_case("mlp_bias")
     batches = iter([(case.X[:10], case.y[:10]), (case.X[10:], case.y[10:])])

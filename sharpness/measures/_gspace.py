@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.func import grad, jvp
+from torch.func import jvp
 
 from manifolds import GSpace
 from sharpness.measures._measure import CurvatureOperator, Measure
-from sharpness.products._objective import Objective, eval_mode
+from sharpness.products._objective import Objective, eval_mode, hvp_by_jvp
 from sharpness.products._operator import CallableOperator
 
 
@@ -93,7 +93,7 @@ class GSpaceLoss:
         with eval_mode(self.objective.model):
             for x, y, w in self.objective.chunks():
                 if strategy == "jvp":
-                    hv = jvp(lambda v, x=x, y=y: grad(self.chunk_loss)(v, x, y), (self.point,), (t,))[1]
+                    hv = hvp_by_jvp(self.chunk_loss, self.point, t, x, y)
                 else:
                     with torch.enable_grad():
                         leaf = self.point.clone().requires_grad_(True)

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from manifolds import UnsupportedModelError
 from manifolds import functional_call as tie_aware_call
 from sharpness.products._data import DataError, cast_batch
+from sharpness.products._second_order import gradient_products, gradient_with_graph
 
 # Samples of the first batch the float32 precision check differentiates twice, in float32 and in float64.
 PRECISION_SAMPLES = 64
@@ -350,10 +351,9 @@ def float32_hessian_error(
         xs, ys = cast_batch(x, y, dtype, device)
         with torch.enable_grad():
             loss = loss_fn(functional_call(model, (p, b), (xs,)), ys)
-            g = torch.autograd.grad(loss, list(p.values()), create_graph=True)
-            hv = torch.autograd.grad(g, list(p.values()), [d.to(device, dtype) for d in direction], allow_unused=True)
-        products.append(torch.cat([torch.zeros(t.numel(), dtype=torch.float64, device=device) if h is None
-                                   else h.double().flatten() for t, h in zip(p.values(), hv)]))  # fmt: skip
+            leaves = list(p.values())
+            hv = gradient_products(gradient_with_graph(loss, leaves), leaves, [d.to(device, dtype) for d in direction])
+        products.append(torch.cat([h.double().flatten() for h in hv]))
     scale = float(products[1].norm())
     return float((products[0] - products[1]).norm()) / scale if scale > 0 else 0.0
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from manifolds import functional_call, split_first_layer
+from manifolds import functional_call, split_first_layer, tensor_aliases
 
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -111,8 +112,13 @@ class DataConvolution:
         bias = params.get(f"{self.name}.bias")
         if bias is not None:
             out = out + bias.reshape(1, -1, *([1] * (out.dim() - 2)))
-        inner = {k: v for k, v in {**params, **buffers}.items() if not k.startswith(self.name + ".")}
-        return functional_call(self.rest, inner, (out,))
+        # only what ``rest`` holds: the trace leaves out the convolution and any module the forward never calls
+        inner = {k: v for k, v in {**params, **buffers}.items() if k in self._rest_aliases}
+        return functional_call(self.rest, inner, (out,), aliases=self._rest_aliases)
+
+    @cached_property
+    def _rest_aliases(self) -> dict[str, tuple[str, ...]]:
+        return tensor_aliases(self.rest)
 
 
 def split_data_convolution(

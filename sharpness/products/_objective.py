@@ -44,6 +44,7 @@ from sharpness.products._heap import retain_freed_memory
 from sharpness.products._layout import channels_last
 from sharpness.products._rop import ChunkState, RopChain, rop_chain
 from sharpness.products._rop_graph import RopGraph, rop_graph
+from sharpness.products._second_order import gradient_products, gradient_with_graph
 
 HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # Largest tensor of the R-operator products' state, in bytes: each chunk's state is built and used in pieces of
@@ -88,6 +89,19 @@ def _activation_bytes_per_sample(model: nn.Module, params, buffers, x: Tensor) -
     return total[0] / max(x.shape[0], 1)
 
 
+def hvp_by_jvp(loss: Callable[[object, Tensor, Tensor], Tensor], point: object, tangent: object, x: Tensor,
+               y: Tensor) -> object:  # fmt: skip
+    """``torch.func.jvp`` of ``torch.func.grad(loss)`` at ``point`` along ``tangent`` (forward over reverse): the
+    Hessian-vector product of ``loss(point, x, y)`` in its first argument, shaped like ``point``.
+
+    Floating targets go along as a primal with a zero tangent of their own: torch's forward-mode formula of
+    ``mse_loss``'s backward under ``reduction="mean"`` divides the targets' tangent in place, which raises
+    "ZeroTensors are immutable" when the targets have none (torch 2.x)."""
+    if not y.is_floating_point():
+        return jvp(lambda p: grad(loss)(p, x, y), (point,), (tangent,))[1]
+    return jvp(lambda p, t: grad(loss)(p, x, t), (point, y), (tangent, torch.zeros_like(y)))[1]
+
+
 def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
     reduction = reduction or getattr(loss_fn, "reduction", "mean")
     if reduction not in ("mean", "sum"):
@@ -98,6 +112,18 @@ def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
             "use reduction='sum' (and divide the results by the total weight) or an unweighted loss"
         )
     return reduction
+
+
+def _reduced_as(loss_fn: Callable, reduction: str) -> Callable:
+    """The loss the objective evaluates: a torch loss module whose own ``reduction`` differs from ``reduction``
+    (the ``reduction=`` override) is evaluated as a copy reduced as the override says, so the value is the true
+    mean or sum over the data set however it is chunked (the chunks' means summed, or their sums averaged, would
+    depend on the chunking). Any other callable is taken to compute what ``reduction`` declares."""
+    if isinstance(loss_fn, nn.modules.loss._Loss) and loss_fn.reduction != reduction:
+        reduced = copy.copy(loss_fn)  # shares the module's tensors (class weights); only the reduction differs
+        reduced.reduction = reduction
+        return reduced
+    return loss_fn
 
 
 def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple[Callable, float, bool]:
@@ -133,7 +159,7 @@ class Objective:
             so when the module was in training mode.
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` (a 0-dim tensor, checked on the first batch); a module's
             ``reduction`` attribute (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample
-            mean.
+            mean (unless ``reduction`` says otherwise).
         data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches
             (:class:`~sharpness.products.ChunkedData`). Every pass must yield the same samples in the same order:
             a shuffling DataLoader is refused here, and each pass over another loader or iterable is compared
@@ -150,7 +176,9 @@ class Objective:
             half of a Hessian. Results record it (``dtype`` in :meth:`facts`), and say where float32 is not
             enough (:attr:`precision_warning`).
         device: device to evaluate on (``None``: the parameters' device).
-        reduction: override the loss's reduction (``"mean"`` or ``"sum"``).
+        reduction: override the loss's reduction (``"mean"`` or ``"sum"``). A torch loss module whose own
+            ``reduction`` differs is evaluated as a copy with this one (the value is the true mean or sum over
+            the data set); for any other callable it declares what the callable computes.
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
             whether the Hessian-vector products may keep a whole-data-set graph alive (``None``:
             :func:`default_memory_budget` of the device).
@@ -222,6 +250,7 @@ class Objective:
         self.model = model
         self.loss_fn = loss_fn
         self.reduction = _loss_reduction(loss_fn, reduction)
+        self._reduced_loss = _reduced_as(loss_fn, self.reduction)
         source = select_params(model, params, prefix)
         others = fixed_tensors(model, source)
         check_meta(source, "parameter" if params is None else "params entry")
@@ -253,9 +282,10 @@ class Objective:
         # What one process holds at most (the memory decisions, the same on every process).
         self._share_size = -(-self.n_samples // self.comm.world_size)
         # The loss each chunk's weighted share is taken of, and the weights (see chunk_loss_fn).
-        self.chunk_loss_fn, self._weight, self._per_sample = loss_fn, 1.0, False
+        reduced = self._reduced_loss
+        self.chunk_loss_fn, self._weight, self._per_sample = reduced, 1.0, False
         if self.reduction == "mean":
-            self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(loss_fn, self.data, self.n_samples)
+            self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(reduced, self.data, self.n_samples)
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
@@ -302,7 +332,7 @@ class Objective:
         """One forward pass on two samples of the first batch: outputs, targets and loss as the objective needs
         them (:func:`sharpness.products._boundary.check_first_batch`)."""
         with eval_mode(self.model):
-            check_first_batch(self.model, self.loss_fn, self.params, self.buffers, self.data.first_batch(),
+            check_first_batch(self.model, self._reduced_loss, self.params, self.buffers, self.data.first_batch(),
                               self.dtype, self.device)  # fmt: skip
 
     def facts(self) -> dict:
@@ -606,16 +636,15 @@ class Objective:
         return self._autograd_strategy
 
     def _hvp_jvp(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
-        g_fn = grad(self._weighted_loss)
-        return jvp(lambda p: g_fn(p, x, y, w), (self.params,), (v,))[1]
+        return hvp_by_jvp(lambda p, x, y: self._weighted_loss(p, x, y, w), self.params, v, x, y)
 
     def _hvp_double_backward(self, v: dict[str, Tensor], x: Tensor, y: Tensor, w: float) -> dict[str, Tensor]:
         with torch.enable_grad():
             p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
-            loss = self._autograd_loss(p, x, y, w)
-            g = torch.autograd.grad(loss, list(p.values()), create_graph=True)
-            hv = torch.autograd.grad(g, list(p.values()), grad_outputs=list(v.values()), allow_unused=True)
-        return {k: torch.zeros_like(t) if h is None else h for (k, t), h in zip(self.params.items(), hv)}
+            leaves = list(p.values())
+            g = gradient_with_graph(self._autograd_loss(p, x, y, w), leaves)
+            hv = gradient_products(g, leaves, list(v.values()))
+        return dict(zip(self.params, hv))
 
     def _build_graph(self) -> tuple[list[Tensor], list[Tensor]]:
         if self._graph is None:
@@ -626,7 +655,7 @@ class Objective:
                 total, value = None, 0.0
                 for x, y, w in self.chunks():
                     loss = self._autograd_loss(p, x, y, w)
-                    g = torch.autograd.grad(loss, leaves, create_graph=True)
+                    g = gradient_with_graph(loss, leaves)
                     total = list(g) if total is None else [a + b for a, b in zip(total, g)]
                     value = value + loss.detach()
             self._graph = (leaves, total)
@@ -638,10 +667,8 @@ class Objective:
     def _hvp_graph(self, vs: list[Tensor], batched: bool) -> list[Tensor]:
         leaves, g = self._build_graph()
         with torch.enable_grad():
-            hv = torch.autograd.grad(
-                g, leaves, grad_outputs=vs, retain_graph=True, allow_unused=True, is_grads_batched=batched
-            )
-        return [torch.zeros_like(v) if h is None else h.detach() for v, h in zip(vs, hv)]
+            hv = gradient_products(g, leaves, vs, batched=batched, retain_graph=True)
+        return [h.detach() for h in hv]
 
     def release_graph(self) -> None:
         """Free the cached whole-data-set graph and R-operator state (the next product rebuilds them)."""
@@ -774,11 +801,10 @@ class Objective:
     ) -> dict[str, Tensor]:
         with torch.enable_grad():
             p = {k: t.detach().requires_grad_(True) for k, t in self.params.items()}
-            g = torch.autograd.grad(self._autograd_loss(p, x, y, w), list(p.values()), create_graph=True)
-            hv = torch.autograd.grad(
-                g, list(p.values()), grad_outputs=list(tangents.values()), allow_unused=True, is_grads_batched=True
-            )
-        return {k: torch.zeros_like(tangents[k]) if h is None else h for k, h in zip(self.params, hv)}
+            leaves = list(p.values())
+            g = gradient_with_graph(self._autograd_loss(p, x, y, w), leaves)
+            hv = gradient_products(g, leaves, list(tangents.values()), batched=True)
+        return dict(zip(self.params, hv))
 
 
 def _check_same_data(comm: Communicator, fingerprint: tuple[int, int, int] | None) -> None:
