@@ -237,6 +237,7 @@ def _fixed(args: argparse.Namespace) -> int:
     from landscape._plot_plotly import plotly_figure, write_html
 
     values = _check_values(args.values)
+    _distinct_names("--values", values)
     spec = DirectionSpec(norm=args.norm, bias=args.bias, seed=args.seed)
     grid = Grid(span=args.span, steps=args.steps, compile=args.compile)
     grid.require_memory(2)
@@ -375,13 +376,18 @@ def _check_toy_fixed(values: list[float], lim_hi: float) -> tuple[float, ...]:
                              f"got {v:g}")  # fmt: skip
         if not math.isfinite(v * lim_hi):
             raise ValueError(f"--fixed value {v:g} is too large: w1 * {lim_hi:g} overflows")
+    _distinct_names("--fixed", out)
+    return out
+
+
+def _distinct_names(flag: str, values: tuple[float, ...]) -> None:
+    """Refuse values that are equal to 6 significant digits (``f"{v:g}"``), which name the files and panels."""
     seen: dict[str, float] = {}
-    for v in out:
+    for v in values:
         if f"{v:g}" in seen:
-            raise ValueError(f"--fixed values {seen[f'{v:g}']!r} and {v!r} are equal to 6 significant digits, "
+            raise ValueError(f"{flag} {seen[f'{v:g}']!r} and {v!r} are equal to 6 significant digits, "
                              "which name the files and panels; give distinct values")  # fmt: skip
         seen[f"{v:g}"] = v
-    return out
 
 
 def _check_files(args: argparse.Namespace, figures: list[str], surfaces: list[str]) -> None:
@@ -409,9 +415,9 @@ def _load(args: argparse.Namespace):
             f"({str(exc).splitlines()[0]}); check --data and --model"
         ) from None
     target = None
-    if getattr(args, "to", None):
-        target = load_checkpoint(build_model(args.model), args.to)
     dtype = getattr(torch, args.dtype)
+    if getattr(args, "to", None):  # built in --dtype before loading, as the model (no detour through float32)
+        target = load_checkpoint(build_model(args.model).to(dtype), args.to)
     return model, loss_fn, (X, y), target, dtype
 
 

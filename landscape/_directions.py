@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from manifolds import GSpace, ParamLayout
+from manifolds import GSpace, NetworkStructure, ParamLayout, UnsupportedModelError, analyze
 from sharpness import MEASURES, Measure, Objective, Solver, get_measure
 
 NORMALIZATIONS = ("filter", "layer", "element", "none")
@@ -45,6 +45,23 @@ def check_normalization(norm: str, gspace: bool = False) -> None:
         )
     if not gspace and norm not in NORMALIZATIONS:
         raise ValueError(f"unknown direction normalization {norm!r}; choose one of {', '.join(NORMALIZATIONS)}")
+
+
+def require_chain(model: nn.Module, what: str) -> NetworkStructure:
+    """The structure of ``model``, refused unless it is a chain of Linear/Conv2d layers with positively homogeneous
+    operations between them, which ``what`` (e.g. ``"fixed-weight planes"``) needs.
+
+    Raises:
+        manifolds.UnsupportedModelError: naming the first reasons, and the landscapes that apply to any model.
+    """
+    structure = analyze(model)
+    if structure.problems:
+        raise UnsupportedModelError(
+            f"{what} need a chain of Linear/Conv2d layers with positively homogeneous operations between them, "
+            f"which this model is not: {structure.problem_summary}; planes and lines along random or eigen "
+            "directions (python -m landscape plane or line, landscape.loss_plane or loss_line) apply to any model"
+        )
+    return structure
 
 
 @dataclass(frozen=True)
@@ -137,15 +154,27 @@ def random_directions(
 
     Returns:
         :class:`Directions` of kind ``"random"``; ``info`` holds ``seeds``, ``normalization`` and ``bias``.
+
+    Raises:
+        ValueError: ``k < 1``, or a direction that normalization makes zero (every weight it is scaled to is
+            zero, e.g. an all-zero checkpoint): its surface would be flat whatever the loss.
     """
     if k < 1:
         raise ValueError(f"need at least one direction, got k={k}")
     layout = ParamLayout.from_tensors(params)
     vectors = [layout.flatten(normalize_direction(_gaussian(params, seed + i), params, norm, bias)) for i in range(k)]
+    labels = _labels(k)
+    for label, vector in zip(labels, vectors):
+        if not bool(vector.any()):
+            raise ValueError(
+                f"the random direction {label} vanishes under {norm!r} normalization with bias={bias!r}, because every "
+                "weight it is scaled to is zero (an all-zero checkpoint?), so the surface would be flat whatever the "
+                "loss; use a point with nonzero weights, or normalization 'none' (--norm none)"
+            )
     return Directions(
         vectors=torch.stack(vectors),
         kind="random",
-        labels=_labels(k),
+        labels=labels,
         info={"seeds": [seed + i for i in range(k)], "normalization": norm, "bias": bias, "distribution": "gaussian"},
     )
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from landscape._directions import Directions, random_directions
+from landscape._directions import Directions, random_directions, require_chain
 from landscape._settings import DirectionSpec, Grid
 from landscape._surface import Surface
 from landscape._surfaces import _describe, loss_plane
@@ -45,6 +45,27 @@ def _check_values(values: Sequence[float]) -> tuple[float, ...]:
     if bad:
         raise ValueError(f"fixed-weight values must be positive finite numbers, got {bad[0]:g}")
     return out
+
+
+def _check_representable(b: float, reading: str, center: Mapping[str, Tensor], d: Directions, dtype) -> None:
+    """Refuse a value ``b`` that ``dtype`` cannot hold, or whose plane (center, directions) overflows in it: under
+    reading (b) the other weights are scaled by powers of ``b``, so ``1e-30`` takes them to ``1e29``, whose squares
+    (direction norms) overflow float32.
+
+    Raises:
+        ValueError: naming the value, the dtype and the fix.
+    """
+    name = str(dtype).removeprefix("torch.")
+    held = float(torch.tensor(b, dtype=dtype))
+    if not math.isfinite(held) or held < torch.finfo(dtype).tiny:
+        problem = f"{name} cannot hold it"
+    elif not all(bool(torch.isfinite(t).all()) for t in center.values()) or not bool(torch.isfinite(d.vectors).all()):
+        problem = ("rescaling the network so that every fixed weight is ±b" if reading == "b" else
+                   "setting the fixed weights to b") + f" takes its weights or their plane out of the range of {name}"
+    else:
+        return
+    raise ValueError(f"the fixed-weight value {b:g} cannot be drawn in {name}: {problem}; use values nearer 1"
+                     + (" or dtype float64 (--dtype float64)" if dtype != torch.float64 else ""))  # fmt: skip
 
 
 def fixed_weight_centers(
@@ -120,10 +141,14 @@ def fixed_weight_planes(
         raise ValueError(f"unknown reading {reading!r}; choose 'a' (set the fixed weights) or 'b' (rescale)")
     base = build_objective(model, loss_fn, data, objective, dtype=dtype)
     target = math.exp(sum(math.log(v) for v in values) / len(values))
-    space = FixedWeightSpace(base.model, selection, value=target, params=base.params)
+    structure = require_chain(base.model, "fixed-weight planes")
+    space = FixedWeightSpace(base.model, selection, value=target, params=base.params, structure=structure)
+    centers = fixed_weight_centers(base, space, values, reading)
+    planes = [free_plane_directions(c, space, spec.seed, spec.normalization, spec.bias) for c in centers]
+    for b, center, d in zip(values, centers, planes):  # all of them before the first grid
+        _check_representable(b, reading, center, d, base.dtype)
     surfaces = []
-    for b, center in zip(values, fixed_weight_centers(base, space, values, reading)):
-        d = free_plane_directions(center, space, spec.seed, spec.normalization, spec.bias)
+    for b, center, d in zip(values, centers, planes):
         s = loss_plane(None, None, None, d, grid=grid, objective=base.with_params(center), progress=progress)
         selection_name = selection if isinstance(selection, str) else "mask"
         plane = _describe(d)

@@ -41,6 +41,7 @@ from landscape._directions import (
     eigen_directions,
     gspace_directions,
     random_directions,
+    require_chain,
     segment_direction,
     trainable,
 )
@@ -124,7 +125,7 @@ class Chart:
 
 def _gspace_chart(objective: Objective, spec: DirectionSpec, k: int) -> Chart:
     """``w(v + sum c_i d_i)``: a plane in G-space coordinates mapped back to weights."""
-    gs = GSpace(objective.model, params=objective.params)  # refuses unsupported models, naming the module
+    gs = GSpace(require_chain(objective.model, "G-space planes"), params=objective.params)
     missing = [n for n in objective.layout.names if n not in gs.names]
     if missing:
         raise ValueError(

@@ -42,6 +42,7 @@ from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
 from manifolds._quotient import QUOTIENTS as QUOTIENTS
 from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
 from manifolds._quotient import NodeScaleQuotient as NodeScaleQuotient
+from manifolds._structure import DegeneratePointError as DegeneratePointError
 from manifolds._structure import Layer as Layer
 from manifolds._structure import NetworkStructure as NetworkStructure
 from manifolds._structure import UnsupportedModelError as UnsupportedModelError
@@ -103,6 +104,7 @@ __all__ = [
     "NetworkStructure",
     "NodeSymmetry",
     "UnsupportedModelError",
+    "DegeneratePointError",
     "analyze",
     "layer_factors",
     "random_factors",

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from manifolds._layout import ParamLayout
-from manifolds._structure import NetworkStructure, analyze, rescale_parameters
+from manifolds._structure import DegeneratePointError, NetworkStructure, analyze, rescale_parameters
 
 SELECTIONS = ("diagonal", "hungarian")
 
@@ -315,7 +315,8 @@ class FixedWeightSpace:
             The :class:`Reparametrization` (``model`` is ``None``).
 
         Raises:
-            ValueError: ``value`` not positive, a fixed weight is zero, or a factor overflows float64.
+            ValueError: ``value`` not positive, or a factor overflows float64; DegeneratePointError (a
+                ValueError) where a fixed weight is zero.
         """
         value = _check_value(value, "the fixed value")
         layers = self.structure.layers
@@ -326,9 +327,10 @@ class FixedWeightSpace:
             fixed = params[e.weight].detach().reshape(-1)[e.index.to(params[e.weight].device)].cpu().double()
             zero = (fixed == 0).nonzero().flatten().tolist()
             if zero:
-                raise ValueError(
+                raise DegeneratePointError(
                     f"the fixed weights of units {zero} of layer '{e.layer}' are 0, and no rescaling makes 0 "
-                    "equal +-value; choose another selection (e.g. 'hungarian')"
+                    "equal +-value; choose another selection (e.g. 'hungarian')",
+                    short="zero fixed weight",
                 )
             log_next = fixed.abs().log() + log_next[e.rows] - math.log(value)
             factors[i] = torch.exp(log_next)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from manifolds._group import Action, RescalingGroup
-from manifolds._structure import NetworkStructure, _acted_copy, analyze
+from manifolds._structure import DegeneratePointError, NetworkStructure, _acted_copy, analyze
 
 
 @dataclass(frozen=True)
@@ -114,11 +114,12 @@ def _check_scales(group: RescalingGroup, incoming: Tensor, outgoing: Tensor) -> 
         dead = torch.nonzero(norms == 0).flatten()
         if dead.numel():
             members = group.classes[int(dead[0])]
-            raise ValueError(
+            raise DegeneratePointError(
                 f"the channel(s) {', '.join(members[:3])}{' ...' if len(members) > 3 else ''} have all {side} "
                 f"weights zero ({dead.numel()} such scale(s)), so no rescaling minimizes the weight norm (the "
                 "scale would run off to 0 or infinity); prune the unit (it does not depend on the input or does "
-                "not reach the output) before gauge fixing"
+                "not reach the output) before gauge fixing",
+                short="dead unit",
             )
 
 
@@ -184,8 +185,9 @@ def min_norm_gauge_parameters(
 
     Raises:
         UnsupportedModelError: the structure has no rescaling group (fx could not trace the model).
-        ValueError: bad ``p``, ``tol`` or ``max_iter``, non-finite weights, or a hidden unit whose
-            incoming or outgoing weights are all zero (named in the message).
+        ValueError: bad ``p``, ``tol`` or ``max_iter``, or non-finite weights.
+        DegeneratePointError: a hidden unit whose incoming or outgoing weights are all zero (named in the
+            message; a ``ValueError`` too).
     """
     history = _solve(params, structure, p, tol, max_iter)
     return structure.group.restricted(params).act(params, history.log_scales), history

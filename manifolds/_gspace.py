@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from manifolds._layout import ParamLayout
-from manifolds._structure import NetworkStructure, analyze
+from manifolds._structure import DegeneratePointError, NetworkStructure, analyze
 
 
 class GSpaceSingularityError(ValueError):
@@ -171,7 +171,8 @@ class GSpace(nn.Module):
 
     Raises:
         UnsupportedModelError: the model is not a rescalable chain.
-        ValueError: a designated weight or a predecessor-chain value is zero, or the skeleton is invalid.
+        ValueError: the skeleton is invalid; DegeneratePointError (a ValueError) where a designated weight or a
+            predecessor-chain value is zero.
     """
 
     def __init__(
@@ -234,10 +235,11 @@ class GSpace(nn.Module):
             zero = (skel[j] == 0).nonzero().flatten()
             if zero.numel():
                 a = int(zero[0])
-                raise ValueError(
+                raise DegeneratePointError(
                     f"the designated (skeleton) weight of unit {a} of layer '{blocks[j - 1].geometry.name}' is 0 "
                     f"(entry {int(desflat[a])} of {g.weight}); G-space needs a nonzero fixed outgoing weight per "
-                    "hidden unit: designate another entry with skeleton=Skeleton(...)"
+                    "hidden unit: designate another entry with skeleton=Skeleton(...)",
+                    short="zero skeleton weight",
                 )
             blk.register_buffer("desflat", desflat)
             blk.register_buffer("target", target)
@@ -340,9 +342,10 @@ class GSpace(nn.Module):
         roots = kernel.roots(coords[0], kernel.pack([coords[i] for i in range(1, n)]))[:-1]
         zero = (roots == 0).nonzero().flatten()
         if zero.numel():
-            raise ValueError(
+            raise DegeneratePointError(
                 f"{self._describe_root(int(zero[0]))} is 0, so its chain value is 0 and w(v) divides by it; "
-                "choose another predecessor for this unit with skeleton=Skeleton(...)"
+                "choose another predecessor for this unit with skeleton=Skeleton(...)",
+                short="zero predecessor weight",
             )
         self.root_sign.copy_(torch.sign(roots))
         self._kernel_cache = None  # built before the signs were known

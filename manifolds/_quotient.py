@@ -33,7 +33,7 @@ from torch import Tensor
 
 from manifolds._layout import ParamLayout
 from manifolds._node_symmetry import NodeSymmetry
-from manifolds._structure import NetworkStructure, UnsupportedModelError
+from manifolds._structure import DegeneratePointError, NetworkStructure, UnsupportedModelError
 
 
 def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
@@ -172,7 +172,7 @@ class LayerScaleQuotient(_Quotient):
             residual connections and BatchNorm included) gives the vertical space.
         layout: flat layout (default: from ``point``).
         zero_blocks: ``"error"`` (default) refuses a block of zero norm, naming it (e.g. zero-initialised
-            biases), with :class:`UnsupportedModelError` (the metric does not exist there); ``"exclude"``
+            biases), with :class:`DegeneratePointError` (the metric does not exist there); ``"exclude"``
             drops such blocks from the tangent space (they are fixed points of every rescaling, so the
             remaining geometry is unchanged; the Hessian is restricted to the other parameters).
     """
@@ -213,9 +213,10 @@ class LayerScaleQuotient(_Quotient):
         norms = self._block_sum(self.point * self.point).sqrt()
         zero = [name for name, nrm in zip(self.layout.names, norms.tolist()) if nrm == 0.0]
         if zero and zero_blocks == "error":  # the metric does not exist at this point
-            raise UnsupportedModelError(
+            raise DegeneratePointError(
                 f"tensor {', '.join(zero)} has zero norm, so the layer-wise metric 1/||w_B||^2 is undefined "
-                "there; pass zero_blocks='exclude' to leave such tensors out, or use the node-wise metric"
+                "there; pass zero_blocks='exclude' to leave such tensors out, or use the node-wise metric",
+                short="zero-norm tensor",
             )
         self.excluded = tuple(zero)
         self.block_norms = norms  # (n_blocks,)

@@ -87,7 +87,23 @@ _NORM_MODULES: tuple[type[nn.Module], ...] = (
 
 
 class UnsupportedModelError(ValueError):
-    """The model lacks the rescaling symmetry a computation needs, or its structure cannot be found."""
+    """The model lacks the rescaling symmetry a computation needs, or its structure cannot be found.
+
+    Attributes:
+        short: a few words for a table cell (e.g. ``"needs a chain of layers"``); the message says the rest.
+    """
+
+    def __init__(self, message: str = "", short: str = "not supported for this model"):
+        super().__init__(message)
+        self.short = short
+
+
+class DegeneratePointError(UnsupportedModelError):
+    """A computation is undefined at these weights, not for the model: a tensor of zero norm, a dead or zero
+    hidden unit, a zero weight that a chart divides by. Skipped with its reason where measures are skipped."""
+
+    def __init__(self, message: str = "", short: str = "degenerate point"):
+        super().__init__(message, short)
 
 
 @dataclass(frozen=True)
@@ -152,7 +168,8 @@ class NetworkStructure:
         """
         if self.group is None:
             raise UnsupportedModelError(
-                f"Cannot compute {what}: the rescaling group is unknown, because {self.group_failure}."
+                f"Cannot compute {what}: the rescaling group is unknown, because {self.group_failure}.",
+                short="rescaling group unknown",
             )
         return self.group
 
@@ -173,13 +190,18 @@ class NetworkStructure:
             what: the computation that is defined for chains only, e.g. ``"the G-space parametrization"``.
         """
         if self.problems:
-            shown = "; ".join(self.problems[:2])
-            more = f" (and {len(self.problems) - 2} more reason(s))" if len(self.problems) > 2 else ""
             raise UnsupportedModelError(
                 f"Cannot build {what}, which is defined for chains of Linear/Conv2d layers with positively "
-                f"homogeneous operations between them: {shown}{more}. The node, layer, minnorm and euclidean "
-                "measures remain available for this model."
+                f"homogeneous operations between them: {self.problem_summary}. The node, layer, minnorm and euclidean "
+                "measures remain available for this model.",
+                short="needs a chain of layers",
             )
+
+    @property
+    def problem_summary(self) -> str:
+        """The first two of ``problems`` and how many more there are, for a message (empty for a plain chain)."""
+        more = f" (and {len(self.problems) - 2} more reason(s))" if len(self.problems) > 2 else ""
+        return "; ".join(self.problems[:2]) + more
 
 
 @dataclass

@@ -31,8 +31,10 @@ from sharpness._launch import (
 )
 from sharpness._results import figure_bytes, jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
+from sharpness._stdio import READER_GONE_STATUS, guarded_streams, require_text
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
 from sharpness.measures._adaptive import adaptive_sharpness
+from sharpness.measures._claims import describe_group, detail_lines, skip_entry
 from sharpness.measures._epsilon import epsilon_sharpness, second_order
 from sharpness.measures._registry import MEASURES, get_measure
 from sharpness.measures._verify import Rescalings, verify_invariance
@@ -150,11 +152,12 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     ``torchrun`` the processes join their group first, so that one whose files fail here makes every process
     stop (:func:`~sharpness._launch.confirm_inputs`, in :func:`join` and :func:`run_command`)."""
     _join_group(args)
-    model = build_model(args.model)
+    dtype = DTYPES[args.dtype]
+    # Built in --dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
+    model = build_model(args.model).to(dtype)
     load_checkpoint(model, args.checkpoint)
     X, y = load_data(args.data)
-    dtype = DTYPES[args.dtype]
-    model = model.to(parse_device(args.device), dtype)
+    model = model.to(parse_device(args.device))
     X = X.to(dtype)
     # finite in the checkpoint's own dtype (checked on loading) is not enough: a cast to float32 can overflow
     for name, tensor in model.state_dict().items():
@@ -225,7 +228,9 @@ class OneLineParser(argparse.ArgumentParser):
 def run_command(command, args, user_errors: tuple[type[BaseException], ...] = USER_ERRORS) -> int:
     """``command(args)``'s exit code, with bad input as one sentence on stderr and exit code 2, and Ctrl-C as
     ``interrupted`` and exit code 130 (no traceback; outputs are only written atomically at the end). Parse the
-    command line inside ``command``, so that Ctrl-C there is caught too.
+    command line inside ``command``, so that Ctrl-C there is caught too. ``args``, the command line (``None``:
+    ``sys.argv[1:]``), must be UTF-8 text; a reader of stdout that goes away does not stop the command, whose exit
+    code is then 141 unless it failed (see :mod:`sharpness._stdio`).
 
     Under ``torchrun`` process 0 says what went wrong. The others stay silent on what every process found
     alike (bad input, checked the same way on the same files, and failures that
@@ -233,7 +238,16 @@ def run_command(command, args, user_errors: tuple[type[BaseException], ...] = US
     data file found after joining: :func:`~sharpness._launch.confirm_inputs`), and name themselves on a
     failure of their own; a process left waiting for another that failed ends with
     :class:`~sharpness.products._distributed.DistributedError`, exit code 1."""
+    with guarded_streams() as streams:
+        code = _run(command, args, user_errors)
+    return READER_GONE_STATUS if code == 0 and any(s.reader_gone for s in streams) else code
+
+
+def _run(command, args, user_errors: tuple[type[BaseException], ...]) -> int:
+    """:func:`run_command` without the guard of the standard streams."""
     try:
+        if args is None or isinstance(args, (list, tuple)):
+            require_text(sys.argv[1:] if args is None else args)
         try:
             return command(args)
         except user_errors as exc:
@@ -319,7 +333,7 @@ def _compute(args: argparse.Namespace) -> int:
         except UnsupportedModelError as err:
             if not skip_unsupported:
                 raise
-            measures[name] = {"skipped": str(err), "measure": measure.to_dict()}
+            measures[name] = {**skip_entry(err), "measure": measure.to_dict()}
             continue
         entry = {**res.to_dict(), "measure": measure.to_dict()}
         if name == "node":
@@ -341,8 +355,10 @@ def _compute(args: argparse.Namespace) -> int:
                                      progress=progress).to_dict()  # fmt: skip
             for kind in ADAPTIVE_KINDS
         }
+    groups = [m["group"] for m in measures.values() if "group" in m]
     report = {
         **objective.facts(),
+        "group": groups[0] if groups else None,
         "measures": measures,
         "adaptive": adaptive,
         "solver": solver.to_dict(),
@@ -364,34 +380,45 @@ def _compute(args: argparse.Namespace) -> int:
 
 def _table(report: dict) -> str:
     shared = f"   processes {report['processes']}" if report.get("processes") else ""
-    lines = [f"loss {report['loss']:.6g}   parameters {report['n_params']}   data {report['data']}{shared}", ""]
+    lines = [f"loss {report['loss']:.6g}   parameters {report['n_params']}   data {report['data']}{shared}"]
+    if report.get("group"):
+        lines.append(describe_group(report["group"]))
+    lines.append("")
     eps = report["epsilon"] is not None
-    head = f"{'measure':<10} {'top eigenvalue':>15} {'HVPs':>6} {'converged':>9} {'seconds':>8}"
+    head = f"{'measure':<10} {'top eigenvalue':>15} {'HVPs':>6} {'converged':>9} {'seconds':>8} {'params':>9}"
     if eps:
         head += f" {'eps (2nd order)':>16} {'eps (measured)':>15}"
     head += "   invariant under"
     lines += [head, "-" * len(head)]
+    details = []
     for name, m in report["measures"].items():
+        details += detail_lines(name, m)
         if "skipped" in m:
-            lines.append(f"{name:<10} skipped: {m['skipped']}")
+            lines.append(f"{name:<10} skipped: {m['skip_reason']}")
             continue
-        row = f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f}"
+        params = str(m["n_params"]) if not m["n_dropped"] else f"{m['n_measured']}/{m['n_params']}"
+        row = (f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f} "
+               f"{params:>9}")  # fmt: skip
         if eps:
             measured = m["epsilon"]["measured"]
             shown = "-" if measured is None else format(measured, ".4g")
             row += f" {m['epsilon']['second_order']:>16.4g} {shown:>15}"
-        lines.append(row + "   " + (", ".join(m["measure"]["invariant_under"]) or "nothing"))
+        lines.append(row + "   " + (", ".join(m["invariant_under"]) or "nothing"))
+    if details:
+        lines += ["", *details]
     if report.get("adaptive"):
         rho = report["adaptive"]["l2"]["rho"]
         lines += ["", f"adaptive sharpness, rho = {rho:g} (loss increase over the |w|-scaled ball; invariant):"]
         for kind, a in report["adaptive"].items():
             error = f" +- {a['standard_error']:.2g}" if a["standard_error"] is not None else ""
             lines.append(f"  {kind:<8} {a['value']:.6g}{error}")
+    lines += ["", *(f"warning: {w}" for w in report["warnings"])] if report.get("warnings") else []
     return "\n".join(lines)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    metrics = _measures(args.metric)
+    # `all` skips what does not apply, as no --metric does; measures named one by one must apply
+    metrics = None if args.metric and "all" in args.metric else _measures(args.metric)
     if args.trials < 1:
         raise SpecError(f"--trials must be at least 1, got {args.trials}")
     if not (math.isfinite(args.scale) and args.scale > 0):
@@ -416,8 +443,12 @@ def _verify(args: argparse.Namespace) -> int:
         print(report.table())
         if args.json:
             report.save_json(args.json)
-    return 0 if report.passed else 1
+    return VERIFY_EXIT[report.outcome]
 
+
+# verify's exit status: every claimed invariance held, one failed, or nothing could be checked (no measure that
+# applies claims an invariance under a rescaling this network has, e.g. a GELU network whose group is trivial)
+VERIFY_EXIT = {"passed": 0, "FAILED": 1, "nothing to verify": 3}
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
@@ -510,8 +541,11 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify",
         help="check invariance under random function-preserving rescalings",
-        description="Recompute every measure on randomly rescaled, function-identical copies; "
-        "exit code 1 if a measure that claims invariance changes by more than --rtol.",
+        description="Recompute every measure on randomly rescaled, function-identical copies of the network, drawn "
+        "from the rescaling group found on it. Exit status: 0 if every claimed invariance holds to --rtol, 1 if a "
+        "measure that claims invariance changes by more than --rtol, 3 if there is nothing to verify (no measure "
+        "that applies claims an invariance under a rescaling this network has, e.g. a network whose rescaling "
+        "group has dimension 0), 2 on bad input.",
     )
     add_model_arguments(verify)
     verify.add_argument(

@@ -127,6 +127,13 @@ class EigenResult:
     def k(self) -> int:
         return int(self.eigenvalues.shape[0])
 
+    @property
+    def invariant_under(self) -> tuple[str, ...] | None:
+        """The rescaling kinds the value is invariant under on this network (``info["invariant_under"]``: the
+        measure's claim cut to the rescalings the network has; ``()`` for none), or ``None`` where not recorded."""
+        kinds = self.info.get("invariant_under")
+        return None if kinds is None else tuple(kinds)
+
     def parameter_vectors(self) -> list[dict[str, Tensor]]:
         """Eigenvectors as dictionaries shaped like the model's parameters."""
         if self.layout is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from guards import HANG_GUARD_S
 from safetensors.torch import save_file
 
 from sharpness._specs import mlp
@@ -59,7 +60,12 @@ def exits():
 def run_cli(*args, cwd=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "sharpness", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+        [sys.executable, "-m", "sharpness", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=HANG_GUARD_S,
     )
 
 
@@ -365,22 +371,66 @@ def test_usage_errors_are_one_line():
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
 
 
-def test_ctrl_c_is_one_word_and_exit_130(files, tmp_path):
+def _default_sigint():
+    """``preexec_fn`` giving the child the default SIGINT disposition: a test run as a background job (``cmd &``
+    in a script, ``setsid``) inherits SIGINT ignored, and Python keeps an inherited ``SIG_IGN``."""
     import signal
-    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _read_until(fd: int, marker: bytes) -> bytes:
+    """What ``fd`` (a pty's master side) gives until ``marker`` has appeared, or until the writer closed it."""
+    import select
+
+    seen = b""
+    while marker not in seen:
+        ready, _, _ = select.select([fd], [], [], HANG_GUARD_S)
+        assert ready, f"no {marker!r} from the program in an hour: {seen[-2000:]!r}"
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the writer closed its side
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+def test_ctrl_c_is_one_word_and_exit_130(files, tmp_path):
+    """Ctrl-C during the computation: the word ``interrupted``, exit code 130, no output file. The signal is sent
+    when the program announces the computation (its first progress bar, drawn because stderr is a terminal: a
+    pty), with the default SIGINT disposition whatever launched the tests."""
+    import fcntl
+    import pty
+    import signal
+    import struct
+    import termios
 
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sharpness", "compute", "--model", "mlp:784-300-100-10", "--checkpoint",
-         str(files / "big.pt"), "--data", "synthetic:n=3000,dim=784", "--metric", "all", "--k", "5", "--tol", "1e-12",
-         "--json", str(out), "--quiet"],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    time.sleep(8)  # past the start-up, into the computation
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and err.strip() == "interrupted", err
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column terminal shows no bar
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sharpness", "compute", "--model", "mlp:784-300-100-10", "--checkpoint",
+             str(files / "big.pt"), "--data", "synthetic:n=3000,dim=784", "--metric", "all", "--k", "5", "--tol",
+             "1e-12", "--json", str(out)],
+            stdout=subprocess.DEVNULL, stderr=slave, env=env, preexec_fn=_default_sigint,
+        )  # fmt: skip
+        os.close(slave)
+        seen = _read_until(master, b"lanczos")
+        assert b"lanczos" in seen, f"the program ended before its first progress bar: {seen[-2000:]!r}"
+        proc.send_signal(signal.SIGINT)
+        seen += _read_until(master, b"\0")  # the rest, to the end
+        code = proc.wait(timeout=HANG_GUARD_S)
+    finally:
+        os.close(master)
+    text = seen.decode(errors="replace").replace("\r", "\n")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # the word ends the output, possibly on the line of a bar that the interruption left standing
+    assert code == 130 and lines[-1].endswith("interrupted") and text.count("interrupted") == 1, (code, text[-2000:])
+    assert "Traceback" not in text and "Error" not in text
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 
 
@@ -424,6 +474,44 @@ def test_density_bad_input_is_one_sentence_and_no_file(files, tmp_path, extra, m
 
 
 
+def test_density_refuses_names_that_are_not_utf8_before_anything_is_written(files, tmp_path):
+    """A Latin-1 ``--plot`` name, or checkpoint name (drawn in the figure's title): one sentence, no file."""
+    import shutil
+
+    latin1 = os.fsencode(tmp_path) + b"/m\xe9.pt"
+    shutil.copy(files / "model.pt", os.fsdecode(latin1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cases = ((str(files / "model.pt"), b"d\xe9.png", "--plot"), (latin1, b"d.png", "--checkpoint"))
+    for checkpoint, plot, flag in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "sharpness", "density", "--model", MODEL, "--checkpoint", checkpoint, "--data", DATA,
+             "--probes", "2", "--steps", "3", "--json", "d.json", "--plot", plot],
+            capture_output=True, env=env, cwd=tmp_path, timeout=HANG_GUARD_S,
+        )  # fmt: skip
+        err = r.stderr.decode()
+        assert r.returncode == 2 and err.startswith(f"error: {flag} '") and len(err.splitlines()) == 1, err
+        assert "is not UTF-8 text" in err and "rename the file to a UTF-8 name" in err
+        assert sorted(os.listdir(tmp_path)) == [b"m\xe9.pt".decode(errors="surrogateescape")]
+
+
+def test_compute_whose_stdout_reader_left_writes_its_json_and_exits_141(files, tmp_path):
+    """``| head -1`` made certain (the pipe's reading end closed before the command starts): the table is lost,
+    the JSON written, exit code 141 as for a program ended by SIGPIPE, nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "sharpness", "compute", "--model", MODEL, "--checkpoint", str(files / "model.pt"),
+             "--data", DATA, "--quiet", "--json", str(tmp_path / "c.json")],
+            stdout=write, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=HANG_GUARD_S,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+    assert json.loads((tmp_path / "c.json").read_text())["measures"]["node"]["value"] > 0
+
+
 def test_atomic_writer_follows_links_and_refuses_what_it_would_replace(tmp_path):
     from sharpness.io import write_atomic
 
@@ -461,7 +549,7 @@ def _unprivileged():
 
     try:
         probe = subprocess.run(
-            [sys.executable, "-c", "import torch"], preexec_fn=drop, capture_output=True, timeout=120
+            [sys.executable, "-c", "import torch"], preexec_fn=drop, capture_output=True, timeout=HANG_GUARD_S
         )
     except OSError as err:
         pytest.skip(f"running as root, and the user 'nobody' cannot run this Python ({err.strerror})")
@@ -489,7 +577,7 @@ def test_an_unwritable_output_folder_is_one_sentence_without_root(files):
         argv = [sys.executable, "-m", "sharpness", "compute", "--model", MODEL, "--checkpoint",
                 str(base / "model.pt"), "--data", str(base / "good.npz"), "--metric", "euclidean", "--quiet",
                 "--json", str(locked / "r.json")]  # fmt: skip
-        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, preexec_fn=preexec,
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S, preexec_fn=preexec,
                            cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert r.stderr.strip() == f"error: cannot write --json {locked / 'r.json'}: the folder {locked} does not " \
@@ -497,3 +585,83 @@ def test_an_unwritable_output_folder_is_one_sentence_without_root(files):
         assert list(locked.iterdir()) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _degenerate_checkpoint(files, tmp_path, kind):
+    """The 8-6-3 checkpoint with one pruned hidden unit (all incoming weights zero), a zero hidden layer, or
+    every weight zero."""
+    state = torch.load(files / "model.pt")
+    if kind == "pruned":
+        state["0.weight"][2] = 0.0
+    elif kind == "zero_hidden":
+        state["0.weight"].zero_(), state["0.bias"].zero_()
+    else:
+        state = {k: torch.zeros_like(v) for k, v in state.items()}
+    torch.save(state, tmp_path / f"{kind}.pt")
+    return str(tmp_path / f"{kind}.pt")
+
+
+def test_a_network_without_symmetry_claims_no_invariance_and_has_nothing_to_verify(files, tmp_path):
+    """GELU: the group has dimension 0, so no invariance is claimed, and verify exits 3 instead of 'passed'."""
+    args = ["--model", f"{files}/factory.py:gelu_net", "--checkpoint", str(files / "gelu_net.safetensors"),
+            "--data", DATA, "--quiet"]  # fmt: skip
+    out = tmp_path / "c.json"
+    r = run_cli("compute", *args, "--metric", "node", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("node "))
+    assert row.endswith("   nothing") and "rescaling group: 0 free node-wise scale(s)" in r.stdout
+    assert "node: invariant under nothing here: this network's rescaling group has dimension 0" in r.stdout
+    node = json.loads(out.read_text())["measures"]["node"]
+    assert node["invariant_under"] == [] and node["group"]["dim"] == 0
+    out = tmp_path / "v.json"
+    r = run_cli("verify", *args, "--trials", "1", "--json", str(out))
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "nothing to verify" in r.stdout and "passed" not in r.stdout and not r.stderr
+    report = json.loads(out.read_text())
+    assert report["outcome"] == "nothing to verify" and report["passed"] is False and report["kinds"] == []
+    assert "3 if there is nothing to verify" in " ".join(run_cli("verify", "--help").stdout.split())
+
+
+def test_degenerate_points_skip_what_does_not_apply_and_count_what_was_left_out(files, tmp_path):
+    """A pruned unit: `--metric all` and `verify` measure what applies and skip the rest with a short reason in
+    the table and one sentence below it; a zero hidden layer: the node measure counts the parameters it drops."""
+    pruned = _degenerate_checkpoint(files, tmp_path, "pruned")
+    base = ["--model", MODEL, "--data", DATA, "--quiet"]
+    out = tmp_path / "all.json"
+    r = run_cli("compute", *base, "--checkpoint", pruned, "--metric", "all", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "minnorm    skipped: dead unit" in lines
+    assert any(line.startswith("minnorm: skipped: the channel(s) output of module '0'") for line in lines)
+    measures = json.loads(out.read_text())["measures"]
+    assert measures["minnorm"]["skip_reason"] == "dead unit" and measures["node"]["value"] > 0
+    assert measures["node"]["n_params"] == 75 and measures["node"]["n_dropped"] == 8
+    for metric in ([], ["--metric", "all"]):
+        r = run_cli("verify", *base, "--checkpoint", pruned, "--trials", "1", *metric)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert "skipped: dead unit" in r.stdout and "passed: every claimed invariance holds" in r.stdout
+    out = tmp_path / "node.json"
+    r = run_cli("compute", *base, "--checkpoint", _degenerate_checkpoint(files, tmp_path, "zero_hidden"),
+                "--metric", "node", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "21/75" in next(line for line in r.stdout.splitlines() if line.startswith("node "))
+    assert "node: 54 of 75 parameters left out (0.weight, 0.bias): they are exactly zero" in r.stdout
+    node = json.loads(out.read_text())["measures"]["node"]
+    assert (node["n_params"], node["n_measured"], node["n_dropped"]) == (75, 21, 54)
+
+
+def test_an_all_zero_checkpoint_keeps_the_euclidean_value(files, tmp_path):
+    zero = _degenerate_checkpoint(files, tmp_path, "zero")
+    base = ["--model", MODEL, "--checkpoint", zero, "--data", DATA, "--quiet"]
+    out = tmp_path / "z.json"
+    r = run_cli("compute", *base, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    measures = json.loads(out.read_text())["measures"]
+    assert measures["euclidean"]["value"] > 0
+    assert measures["node"]["skip_reason"] == "all parameters dropped"
+    assert measures["layer"]["skip_reason"] == "zero-norm tensor"
+    assert "node: skipped: every parameter is exactly zero" in r.stdout
+    r = run_cli("compute", *base, "--metric", "node")  # asked for by name: it must apply
+    assert r.returncode == 2 and r.stderr.startswith("error: every parameter is exactly zero"), r.stderr
+    r = run_cli("verify", *base, "--trials", "1")
+    assert r.returncode == 3 and "nothing to verify" in r.stdout, (r.stdout, r.stderr)

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from guards import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 IDS = [str(p.relative_to(ROOT)) for p in DOC_FILES]
-TIMEOUT_S = 180
 
 # ```lang [marker]  ...  ``` (fences of three or more backticks, possibly indented, e.g. in lists)
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$",
@@ -81,7 +81,7 @@ def all_subcommands() -> dict[str, frozenset[str]]:
     }
     found = {}
     for package, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 0, f"python -m {package} --help failed:\n{err}"
         choices = re.search(r"\{([\w,-]+)\}", out)
         assert choices, f"no subcommands in python -m {package} --help:\n{out}"
@@ -139,15 +139,15 @@ def test_python_blocks_run(path: Path, tmp_path: Path) -> None:
     }
     try:
         result = subprocess.run(
-            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
         )
         if result.returncode == 0 and shell:
             # `python` in the commands is the interpreter running the tests
             env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
             result = subprocess.run(["bash", "blocks.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                    timeout=TIMEOUT_S)  # fmt: skip
+                                    timeout=HANG_GUARD_S)  # fmt: skip
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the python blocks of {path.name} ran longer than {TIMEOUT_S} s:\n{exc.stderr}")
+        pytest.fail(f"the python blocks of {path.name} ran longer than {HANG_GUARD_S} s (hung?):\n{exc.stderr}")
     assert result.returncode == 0, (
         f"the python blocks of {path.name} failed (exit code {result.returncode}); the script is {script}\n"
         f"--- stderr:\n{result.stderr}"

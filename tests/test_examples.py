@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from guards import HANG_GUARD_S
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -132,7 +133,7 @@ def test_gspace_training_quick_runs_as_a_script(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "best validation loss over 2 epochs, mean over 1 seeds" in done.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cases import make_case, mlp
+from guards import HANG_GUARD_S
 from matplotlib.colors import LogNorm
 from torch import nn
 
@@ -478,11 +480,58 @@ def test_cli_process_missing_checkpoint(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "landscape", "line", "--model", "mlp:6-5-3", "--checkpoint", str(tmp_path / "no.pt"),
          "--data", "synthetic:n=10,dim=6,classes=3", "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: checkpoint {tmp_path / 'no.pt'} does not exist"]
     assert not (tmp_path / "o").exists()
+
+
+def _landscape(tmp_path, *args, **options) -> subprocess.CompletedProcess:
+    """``python -m landscape plane`` on a tiny checkpoint in a subprocess (``args``: str or bytes)."""
+    argv = ["plane", "--model", "mlp:6-5-3", "--checkpoint", str(_checkpoint(tmp_path)), "--data",
+            "synthetic:n=40,dim=6,classes=3", "--steps", "3", *args]  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "landscape", *argv], cwd=tmp_path, timeout=HANG_GUARD_S, **options)
+
+
+def test_cli_a_file_name_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path):
+    """A Latin-1 ``--name`` (or ``--out``) cannot be printed or recorded: refused in one sentence, nothing written."""
+    folder = os.fsencode(tmp_path) + b"/caf\xe9"
+    for extra, shown in ((["--name", b"caf\xe9"], "caf\\xe9"), (["--out", folder], f"{tmp_path}/caf\\xe9")):
+        out = ["--out", str(tmp_path / "o")] if extra[0] == "--name" else []
+        r = _landscape(tmp_path, *out, *extra, capture_output=True)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.decode().splitlines() == [
+            f"error: {extra[0]} '{shown}' is not UTF-8 text (a name in another encoding, such as Latin-1); file names "
+            "are recorded in the outputs (JSON, figure metadata, HTML), so rename the file to a UTF-8 name"
+        ]  # fmt: skip
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny0.pt"]
+
+
+def test_cli_stdout_whose_reader_left_still_writes_every_file_and_exits_141(tmp_path):
+    """``| head -1``, made certain: the pipe's reading end is closed before the command starts."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = _landscape(tmp_path, "--out", str(tmp_path / "o"), stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+        "plane.html", "plane.json", "plane.npz", "plane.png", "plotly.min.js"]  # fmt: skip
+
+
+def test_cli_closed_stdout_or_one_that_cannot_show_the_names_is_no_error(tmp_path):
+    """``>&-`` prints nothing; an ASCII terminal gets a UTF-8 name with backslash escapes. Both exit 0."""
+    r = _landscape(tmp_path, "--out", str(tmp_path / "a"), stderr=subprocess.PIPE, text=True,
+                   preexec_fn=lambda: os.close(1))  # fmt: skip
+    assert (r.returncode, r.stderr) == (0, "")
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    r = _landscape(tmp_path, "--out", str(tmp_path / "b"), "--name", "café", capture_output=True, text=True, env=env)
+    assert (r.returncode, r.stderr) == (0, "") and "caf\\xe9.png" in r.stdout
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "plane.html", "plane.json", "plane.npz", "plane.png", "plotly.min.js"]  # fmt: skip
+    assert (tmp_path / "b" / "café.png").exists()
 
 
 def test_cli_out_naming_a_file_exits_2_before_any_computation(tmp_path, capsys, monkeypatch):

@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 
 import pytest
+from guards import HANG_GUARD_S
 from PIL import Image
 
 from landscape import _toys as toys
@@ -35,7 +36,7 @@ def _screenshot(html: str, png: str) -> None:
             [_require_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}", f"--screenshot={png}", "--window-size=900,700", f"file://{html}"],
-            check=True, capture_output=True, timeout=120,
+            check=True, capture_output=True, timeout=HANG_GUARD_S,
         )  # fmt: skip
 
 

@@ -166,3 +166,74 @@ def test_cli_fixed_panels_share_one_color_scale(tmp_path, capsys, monkeypatch):
     # every filled contour's levels cover the shared range, not just its own panel's
     for cs in filled:
         assert cs.levels[0] <= lo and cs.levels[-1] >= hi
+
+
+def _no_grid(monkeypatch):
+    """Make evaluating any grid fail the test: a refusal must come before the first one."""
+    from landscape import _fixed_planes
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a grid was evaluated before the refusal")
+
+    monkeypatch.setattr(_fixed_planes, "loss_plane", boom)
+
+
+def test_cli_fixed_values_that_name_the_same_files_exit_2_before_any_computation(tmp_path, capsys, monkeypatch):
+    _no_grid(monkeypatch)
+    out = tmp_path / "out"
+    code, stdout, err = _cli([*_args(tmp_path, out), "--values", "0.1", "0.10000001"], capsys)
+    assert (code, stdout) == (2, "")
+    assert err.splitlines() == ["error: --values 0.1 and 0.10000001 are equal to 6 significant digits, which name the "
+                                "files and panels; give distinct values"]  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--values", "1e-30", "--reading", "b", "--dtype", "float32"],
+         "the fixed-weight value 1e-30 cannot be drawn in float32: rescaling the network so that every fixed weight "
+         "is ±b takes its weights or their plane out of the range of float32; use values nearer 1 or dtype float64 "
+         "(--dtype float64)"),
+        (["--values", "1", "1e-300", "--reading", "b"],
+         "the fixed-weight value 1e-300 cannot be drawn in float64: rescaling the network so that every fixed weight "
+         "is ±b takes its weights or their plane out of the range of float64; use values nearer 1"),
+        (["--values", "1e-50", "--dtype", "float32"],
+         "the fixed-weight value 1e-50 cannot be drawn in float32: float32 cannot hold it; use values nearer 1 or "
+         "dtype float64 (--dtype float64)"),
+    ],
+)  # fmt: skip
+def test_cli_fixed_values_the_dtype_cannot_draw_exit_2_before_any_grid(tmp_path, capsys, monkeypatch, extra, message):
+    """Reading (b) at 1e-30 scales the other weights to 1e29, whose squares overflow float32: before, the planes
+    were NaN and the command failed after computing them, on an empty array."""
+    _no_grid(monkeypatch)
+    out = tmp_path / "out"
+    code, stdout, err = _cli([*_args(tmp_path, out), *extra], capsys)
+    assert (code, stdout, err.splitlines()) == (2, "", [f"error: {message}"])
+    assert not out.exists()
+
+
+def test_fixed_value_1e_30_is_drawn_in_float64():
+    case = make_case("mlp_bias")
+    (s,) = landscape.fixed_weight_planes(case.model, case.loss_fn, case.data, [1e-30], reading="b",
+                                         grid=landscape.Grid(steps=3), dtype=torch.float64, progress=False)  # fmt: skip
+    assert np.isfinite(s.loss).all()
+
+
+def test_cli_fixed_and_gspace_planes_on_a_resnet_name_the_landscapes_that_apply(tmp_path, capsys):
+    from sharpness.cli import resnet
+
+    torch.manual_seed(0)
+    torch.save(resnet(20).state_dict(), tmp_path / "r.pt")
+    np.savez(tmp_path / "img.npz", X=np.random.default_rng(0).standard_normal((4, 3, 32, 32)), y=np.arange(4))
+    common = ["--model", "resnet:20", "--checkpoint", str(tmp_path / "r.pt"), "--data", str(tmp_path / "img.npz"),
+              "--steps", "3", "--out", str(tmp_path / "out"), "--quiet"]  # fmt: skip
+    for argv, what in ((["fixed", *common], "fixed-weight planes"),
+                       (["plane", "--directions", "gspace", *common], "G-space planes")):  # fmt: skip
+        code, stdout, err = _cli(argv, capsys)
+        assert (code, stdout, len(err.splitlines())) == (2, "", 1), err
+        assert err.startswith(f"error: {what} need a chain of Linear/Conv2d layers"), err
+        assert "'layer2.0.shortcut.0' (Conv2d)" in err and "measures" not in err
+        assert err.rstrip().endswith("planes and lines along random or eigen directions (python -m landscape plane or "
+                                     "line, landscape.loss_plane or loss_line) apply to any model")  # fmt: skip
+    assert not (tmp_path / "out").exists()

@@ -38,7 +38,7 @@ class Fixed(Measure):
 
     Raises (from :meth:`operator`):
         UnsupportedModelError: positive rescaling is not a symmetry of the model.
-        ValueError: a fixed weight is zero (no rescaling makes it +-1).
+        DegeneratePointError: a fixed weight is zero (no rescaling makes it +-1).
     """
 
     selection: str | Mapping[str, Tensor] = "diagonal"

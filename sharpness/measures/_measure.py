@@ -20,6 +20,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from sharpness._results import EigenResult, jsonable
+from sharpness.measures._claims import symmetry_facts
 from sharpness.products._objective import Objective
 from sharpness.products._operator import SymmetricOperator
 from sharpness.solvers._solve import Solver
@@ -130,14 +131,31 @@ class Measure(ABC):
         Returns:
             :class:`EigenResult` with ``.value`` the measure, ``layout`` and ``seconds`` set, and ``info``
             holding ``metric`` (this measure's name), ``loss``, ``n_params``, ``n_samples``,
-            ``hvp_strategy`` and the measure's own facts.
+            ``hvp_strategy``, what it measured (``n_measured`` of the ``n_params`` parameters; ``n_dropped``,
+            and ``dropped`` saying why where some were left out, e.g. zero weights under the node-wise
+            metric), its symmetry (``invariant_under``: :attr:`invariant_under` cut to the rescalings this
+            network has, ``invariance_note`` saying what was cut and why, and ``group``: the rescaling group
+            used, its dimensions and what pinned the rest; see :func:`~sharpness.measures._claims.symmetry_facts`)
+            and the measure's own facts.
+
+        Raises:
+            UnsupportedModelError: the measure does not apply to this model;
+                :class:`~manifolds.DegeneratePointError` (a subclass) where it does not exist at these weights.
         """
         start = time.perf_counter()
         result = self.solve(objective, k, solver or Solver(), progress)
+        facts = objective.facts()
         return result.replace(
             layout=objective.layout,
             seconds=time.perf_counter() - start,
-            info={**result.info, "metric": self.name, **objective.facts()},
+            info={
+                "n_measured": facts["n_params"],
+                "n_dropped": 0,
+                **result.info,
+                "metric": self.name,
+                **facts,
+                **symmetry_facts(tuple(self.invariant_under), objective),
+            },
         )
 
     def to_dict(self) -> dict:

@@ -35,7 +35,8 @@ class MinNorm(Measure):
 
     Raises (from :meth:`operator` and :meth:`solve`):
         UnsupportedModelError: positive rescaling is not a symmetry of the model.
-        ValueError: a hidden unit with all incoming or all outgoing weights zero.
+        DegeneratePointError: a hidden unit with all incoming or all outgoing weights zero (a dead unit: the
+            gauge does not exist at this point; skipped where measures are chosen for you).
     """
 
     name = "minnorm"

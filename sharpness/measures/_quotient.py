@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
-from manifolds import LayerScaleQuotient, NodeScaleQuotient
+from manifolds import DegeneratePointError, LayerScaleQuotient, NodeScaleQuotient
 from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
@@ -26,12 +27,41 @@ class QuotientMeasure(Measure):
     squared relative change of the weights).
     """
 
+    drops: ClassVar[str]  # which parameters the metric leaves out, e.g. "exactly zero"
+
     @abstractmethod
     def quotient(self, objective: Objective) -> LayerScaleQuotient | NodeScaleQuotient:
         """The quotient geometry at ``objective.params``."""
 
-    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+    def measured(self, objective: Objective) -> tuple[LayerScaleQuotient | NodeScaleQuotient, dict]:
+        """:meth:`quotient`, and what it measures: ``n_measured`` of the parameters, ``n_dropped`` and, where
+        some are dropped, ``dropped`` (one sentence naming the tensors).
+
+        Raises:
+            DegeneratePointError: every parameter is dropped (e.g. an all-zero checkpoint).
+        """
         quotient = self.quotient(objective)
+        layout = objective.layout
+        kept = quotient.sqrt_metric > 0
+        n_measured = int(kept.sum())
+        facts = {"n_measured": n_measured, "n_dropped": layout.size - n_measured}
+        if n_measured == 0:
+            raise DegeneratePointError(
+                f"every parameter is {self.drops}, so the {self.name}-wise metric leaves nothing to measure; use the "
+                "euclidean measure, or a checkpoint with nonzero weights",
+                short="all parameters dropped",
+            )
+        if n_measured < layout.size:
+            names = [name for name in layout.names if not bool(kept[layout.slice(name)].all())]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            facts["dropped"] = (
+                f"{facts['n_dropped']} of {layout.size} parameters left out ({shown}): they are {self.drops}, where "
+                f"the {self.name}-wise metric is undefined"
+            )
+        return quotient, facts
+
+    def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
         egrad = objective.gradient()
         op = CallableOperator(
@@ -49,13 +79,14 @@ class QuotientMeasure(Measure):
             info={
                 "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
                 "hvp_strategy": hessian.strategy,
+                **measured,
             }
             | ({"projection": quotient.projection_note} if getattr(quotient, "projection_note", None) else {}),
         )
 
     def ball(self, objective: Objective) -> BallGeometry:
         """The ball of the quotient metric, retracted with its exact exponential map."""
-        quotient = self.quotient(objective)
+        quotient, _ = self.measured(objective)
         return BallGeometry(
             retract=lambda zeta: quotient.expmap(quotient.unwhiten(zeta)),
             project=quotient.whitened_projection,
@@ -80,6 +111,7 @@ class Layer(QuotientMeasure):
     zero_blocks: str = "error"
 
     name = "layer"
+    drops = "in a tensor of zero norm"
     description = "layer-wise quotient metric (Rangamani et al.): invariant under layer-wise rescaling only"
     invariant_under = LayerScaleQuotient.invariant_under
 
@@ -97,6 +129,7 @@ class Node(QuotientMeasure):
     """
 
     name = "node"
+    drops = "exactly zero"
     description = "node-wise quotient metric: invariant under node-, channel- and layer-wise rescaling"
     invariant_under = NodeScaleQuotient.invariant_under
 

@@ -24,6 +24,14 @@ from torch import Tensor, nn
 from manifolds import UnsupportedModelError, analyze, functional_call
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
+from sharpness.measures._claims import (
+    describe_group,
+    detail_lines,
+    group_summary,
+    skip_entry,
+    supported_claims,
+    untestable_kinds,
+)
 from sharpness.measures._measure import Measure
 from sharpness.measures._registry import MEASURES, get_measure
 from sharpness.products._data import ChunkedData
@@ -32,6 +40,8 @@ from sharpness.solvers._solve import Solver
 
 KINDS = ("node", "layer")
 VERDICTS = ("invariant", "changes", "FAILED")
+# What a whole report says: every claimed invariance held, one did not, or no claim could be checked.
+OUTCOMES = ("passed", "FAILED", "nothing to verify")
 
 
 def _output_tolerance(dtype: torch.dtype) -> float:
@@ -87,8 +97,9 @@ class InvarianceReport:
 
     Attributes:
         metrics: measured metrics, in registry order.
-        kinds: rescaling kinds applied (``"node"``, ``"layer"``).
-        claims: ``metric -> kinds`` the metric claims invariance under (``Measure.invariant_under``).
+        kinds: rescaling kinds applied (``"node"``, ``"layer"``): those asked for that this network has.
+        claims: ``metric -> kinds`` the metric claims invariance under here: ``Measure.invariant_under`` cut to
+            the rescalings this network has.
         original: ``metric -> (k,)`` top eigenvalues at the given parameters, largest first.
         rescaled: ``metric -> kind -> (trials, k)`` top eigenvalues at the rescaled copies.
         relative_differences: ``metric -> kind -> (trials,)`` :func:`relative_difference` of each copy.
@@ -103,8 +114,15 @@ class InvarianceReport:
         dtype: evaluation dtype (``"float64"``).
         method: eigen-solver.
         tol: eigen-solver tolerance.
-        skipped: ``metric -> reason`` for registered metrics that do not apply to this model.
+        skipped: ``metric -> reason`` (one sentence) for registered metrics that do not apply to this model or
+            at these weights.
         seconds: wall time of the whole check.
+        skip_reasons: ``metric -> a few words`` for each skipped metric (a table cell).
+        skipped_kinds: ``kind -> reason`` for each kind asked for that was not applied: the network's group of
+            that kind has dimension 0 (or is unknown), so a copy would be the network itself.
+        claim_notes: ``metric -> sentence`` for each metric whose general claim was cut (see ``claims``).
+        group: the rescaling group the copies were drawn from (``dim``, ``layer_dim``, ``pinned`` ...; see
+            :func:`sharpness.measures._claims.group_summary`).
     """
 
     metrics: tuple[str, ...]
@@ -125,6 +143,10 @@ class InvarianceReport:
     tol: float
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    skip_reasons: dict[str, str] = field(default_factory=dict)
+    skipped_kinds: dict[str, str] = field(default_factory=dict)
+    claim_notes: dict[str, str] = field(default_factory=dict)
+    group: dict = field(default_factory=dict)
 
     def max_relative_difference(self, metric: str, kind: str) -> float:
         """Largest relative difference of ``metric`` over the copies rescaled by ``kind``."""
@@ -147,9 +169,28 @@ class InvarianceReport:
         return {m: {kind: self.verdict(m, kind) for kind in self.kinds} for m in self.metrics}
 
     @property
+    def checked(self) -> tuple[tuple[str, str], ...]:
+        """The ``(metric, kind)`` pairs whose claimed invariance was put to the test."""
+        return tuple((m, kind) for m in self.metrics for kind in self.kinds if self.claims_invariance(m, kind))
+
+    @property
+    def outcome(self) -> str:
+        """``"FAILED"`` (a metric changed under a rescaling it claims invariance under), ``"nothing to verify"``
+        (no claimed invariance could be tested: no rescaling kind applied, or no measured metric claims one) or
+        ``"passed"``."""
+        if any(self.verdict(m, kind) == "FAILED" for m, kind in self.checked):
+            return "FAILED"
+        return "passed" if self.checked else "nothing to verify"
+
+    @property
     def passed(self) -> bool:
-        """True when no metric changed under a rescaling it claims invariance under."""
-        return all(v != "FAILED" for per_kind in self.verdicts.values() for v in per_kind.values())
+        """True when at least one claimed invariance was tested and none changed (see :attr:`outcome`)."""
+        return self.outcome == "passed"
+
+    @property
+    def nothing_to_verify(self) -> bool:
+        """True when no claimed invariance could be tested (see :attr:`outcome`)."""
+        return self.outcome == "nothing to verify"
 
     def table(self) -> str:
         """The report as a fixed-width text table, one row per (metric, rescaling kind).
@@ -161,9 +202,12 @@ class InvarianceReport:
             f"Sharpness under random function-preserving rescalings ({self.trials} per kind, "
             f"log-std {self.scale:g}, {self.dtype}, top {self.k} eigenvalue{'s' if self.k > 1 else ''}, "
             f"{self.method} tol {self.tol:.0e})",
-            f"max relative output difference of the rescaled copies: {out_diffs}",
-            "",
         ]
+        if self.group:
+            lines.append(describe_group(self.group))
+        if self.kinds:
+            lines.append(f"max relative output difference of the rescaled copies: {out_diffs}")
+        lines.append("")
         header = ("metric", "rescaling", "claims invariance", "original", "min rescaled", "max rescaled",
                   "max rel diff", "verdict")
         rows = []
@@ -180,29 +224,37 @@ class InvarianceReport:
                     f"{self.max_relative_difference(m, kind):.2e}",
                     self.verdict(m, kind),
                 ))
+        rows.extend((m, "-", "-", "-", "-", "-", "-", f"skipped: {self.skip_reasons.get(m, 'does not apply')}")
+                    for m in self.skipped)  # fmt: skip
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
         lines.append("  ".join("-" * w for w in widths))
         lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
         lines.append("")
-        failed = [f"{m} under {kind}" for m in self.metrics for kind in self.kinds if self.verdict(m, kind) == "FAILED"]
+        lines.extend(f"{kind}-wise rescalings: skipped: {reason}" for kind, reason in self.skipped_kinds.items())
+        for m in (*self.metrics, *self.skipped):
+            lines.extend(detail_lines(m, {"skipped": self.skipped.get(m), "invariance_note": self.claim_notes.get(m)}))
+        failed = [f"{m} under {kind}" for m, kind in self.checked if self.verdict(m, kind) == "FAILED"]
         if failed:
             lines.append(f"FAILED: changed by more than rtol={self.rtol:.0e} although claimed invariant: "
                          f"{', '.join(failed)}")
-        else:
+        elif self.checked:
             lines.append(f"passed: every claimed invariance holds to rtol={self.rtol:.0e}")
+        else:
+            lines.append("nothing to verify: no measured metric claims an invariance under a rescaling this network "
+                         "has, so no claim was tested")
         unconverged = [m for m in self.metrics if not self.converged[m]]
         if unconverged:
             lines.append(f"warning: the eigen-solver did not reach tol for {', '.join(unconverged)}; "
                          "raise max_iter or tol")
-        lines.extend(f"skipped {m}: {reason}" for m, reason in self.skipped.items())
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
     def to_dict(self) -> dict:
-        """JSON-serialisable form: every field, plus the verdicts and ``passed`` (non-finite floats as strings)."""
+        """JSON-serialisable form: every field, plus the verdicts, ``outcome`` and ``passed`` (non-finite floats as
+        strings)."""
         return jsonable({
             "metrics": list(self.metrics),
             "kinds": list(self.kinds),
@@ -222,10 +274,15 @@ class InvarianceReport:
             "tol": self.tol,
             "skipped": self.skipped,
             "seconds": self.seconds,
+            "skip_reasons": self.skip_reasons,
+            "skipped_kinds": self.skipped_kinds,
+            "claim_notes": self.claim_notes,
+            "group": self.group,
             "max_relative_differences": {
                 m: {kind: self.max_relative_difference(m, kind) for kind in self.kinds} for m in self.metrics
             },
             "verdicts": self.verdicts,
+            "outcome": self.outcome,
             "passed": self.passed,
         })
 
@@ -257,6 +314,10 @@ class InvarianceReport:
             tol=float(d["tol"]),
             skipped=dict(d["skipped"]),
             seconds=float(d["seconds"]),
+            skip_reasons=dict(d.get("skip_reasons", {})),
+            skipped_kinds=dict(d.get("skipped_kinds", {})),
+            claim_notes=dict(d.get("claim_notes", {})),
+            group=dict(d.get("group", {})),
         )
 
     def save_json(self, path: str | os.PathLike) -> None:
@@ -325,7 +386,8 @@ def verify_invariance(
         model, loss_fn, data: as for :class:`Objective`; ``model`` is never modified.
         metrics: measures (names in :data:`MEASURES` or :class:`Measure` objects); ``None`` measures every
             registered measure that applies to the model (one that raises
-            :class:`manifolds.UnsupportedModelError` at the original parameters is listed in ``skipped``).
+            :class:`manifolds.UnsupportedModelError` at the original parameters, or its subclass
+            :class:`manifolds.DegeneratePointError`, is listed in ``skipped`` with its reason).
         rescalings: the copies to make (default ``Rescalings()``: 5 node-wise and 5 layer-wise, log-std 1).
         k: eigenvalues compared per measure.
         rtol: relative difference up to which a measure counts as unchanged.
@@ -336,8 +398,18 @@ def verify_invariance(
         distributed: share the data among the processes of a ``torch.distributed`` group (see
             :class:`Objective`); the rescalings are process 0's.
 
+    Only rescalings the network has are drawn: a kind whose group (restricted to the trainable parameters) has
+    dimension 0 is left out (``skipped_kinds``), and a measure's claim is cut to the kinds left (``claims``,
+    ``claim_notes``), so a claim is only ever checked against a rescaling that moves the parameters. When no
+    claim is left to check (a GELU network: its group has dimension 0), no measure is computed and the report's
+    :attr:`~InvarianceReport.outcome` is ``"nothing to verify"``. A measure that does not exist at these
+    weights (:class:`manifolds.DegeneratePointError`: a dead unit for ``"minnorm"``, a zero-norm tensor for
+    ``"layer"`` ...) is skipped like one that does not apply to the model, unless it was asked for.
+
     Returns:
-        The :class:`InvarianceReport`; ``.passed`` says whether every claimed invariance held.
+        The :class:`InvarianceReport`; ``.outcome`` says whether every claimed invariance held (``"passed"``),
+        one did not (``"FAILED"``) or none could be tested (``"nothing to verify"``); ``.passed`` is True for
+        the first only.
 
     Raises:
         UnsupportedModelError: positive rescaling is not a symmetry of ``model`` (the message names the
@@ -371,22 +443,27 @@ def verify_invariance(
     # frozen parameters must stay as they are: only the scales that leave them alone are drawn
     groups = {"node": structure.group.restricted(obj.params), "layer": structure.layer_group.restricted(obj.params)}
 
+    # a kind whose group has dimension 0 would "rescale" by the identity: a check that cannot fail
+    untestable = untestable_kinds(groups)
+    skipped_kinds = {kind: untestable[kind] for kind in rescalings.kinds if kind in untestable}
+    kinds, trials = tuple(kind for kind in rescalings.kinds if kind not in untestable), rescalings.trials
+
     original: dict[str, tuple[float, ...]] = {}
     converged: dict[str, bool] = {}
-    skipped: dict[str, str] = {}
-    for measure in measures:
+    skipped: dict[str, dict] = {}
+    for measure in measures if kinds else ():
         try:
             result = measure.solve(obj, k, solver, progress=False)
         except UnsupportedModelError as err:
             if explicit:
                 raise
-            skipped[measure.name] = str(err)
+            skipped[measure.name] = skip_entry(err)
             continue
         original[measure.name] = _as_floats(result.eigenvalues)
         converged[measure.name] = result.converged
     measured = tuple(m for m in measures if m.name in original)
+    claims = {m.name: supported_claims(m.invariant_under, untestable) for m in measured}
 
-    kinds, trials = rescalings.kinds, rescalings.trials
     generator = torch.Generator().manual_seed(rescalings.seed)
     rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m.name: {kind: [] for kind in kinds} for m in measured}
     output_differences: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -416,7 +493,7 @@ def verify_invariance(
     return InvarianceReport(
         metrics=tuple(m.name for m in measured),
         kinds=kinds,
-        claims={m.name: tuple(m.invariant_under) for m in measured},
+        claims={name: kept for name, (kept, _) in claims.items()},
         original=original,
         rescaled={m: {kind: tuple(v) for kind, v in per_kind.items()} for m, per_kind in rescaled.items()},
         relative_differences={
@@ -433,6 +510,10 @@ def verify_invariance(
         dtype=str(obj.dtype).removeprefix("torch."),
         method=solver.method,
         tol=float(solver.tol),
-        skipped=skipped,
+        skipped={name: entry["skipped"] for name, entry in skipped.items()},
         seconds=time.perf_counter() - started,
+        skip_reasons={name: entry["skip_reason"] for name, entry in skipped.items()},
+        skipped_kinds=skipped_kinds,
+        claim_notes={name: note for name, (_, note) in claims.items() if note},
+        group=group_summary(groups),
     )

@@ -373,12 +373,20 @@ def _changed(count: int, first: int, during: bool = False) -> str:
 def cast_batch(
     x: Tensor, y: Tensor, dtype: torch.dtype | None, device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """Move a batch to ``device``; floating tensors also to ``dtype``; integer targets (class labels) to int64.
+    """Move a batch to ``device`` (detached); floating tensors also to ``dtype``; integer targets (class labels) to
+    int64.
 
     Every integer dtype converts to int64 exactly. Losses read other integer dtypes differently or not at all:
-    ``cross_entropy`` takes uint8 labels, but indexing with a uint8 tensor selects by mask, not by index."""
+    ``cross_entropy`` takes uint8 labels, but indexing with a uint8 tensor selects by mask, not by index.
+
+    Raises:
+        DataError: a tensor on the meta device (no values).
+    """
     # From the host to a GPU the copy need not wait for the device (the other way round it must).
+    if x.is_meta or y.is_meta:
+        raise DataError("the data are on the meta device and hold no values; give tensors with values")
     ahead = device.type == "cuda" and x.device.type == "cpu"
+    x, y = x.detach(), y.detach()  # data are constants of the objective, even inputs that require gradients
     x = x.to(device=device, dtype=dtype if dtype is not None and x.is_floating_point() else None, non_blocking=ahead)
     y = y.to(device=device, dtype=(dtype if dtype is not None else None) if y.is_floating_point() else torch.int64,
              non_blocking=ahead)  # fmt: skip

@@ -20,8 +20,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import grad, jvp, vmap
 
-from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze, functional_call
+from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
 from manifolds import eval_mode as eval_mode  # every submodule's mode restored; re-exported here
+from sharpness.products._boundary import (
+    as_vector,
+    check_device,
+    check_finite,
+    check_first_batch,
+    check_meta,
+    evaluation_dtype,
+    fixed_tensors,
+    float32_hessian_error,
+    functional_call,
+    precision_warning,
+    select_params,
+    squeeze_label_column,
+    unwrap_model,
+)
 from sharpness.products._data import ChunkedData, DataError, cast_batch
 from sharpness.products._data_conv import DataConvolution, split_data_convolution
 from sharpness.products._distributed import Communicator, communicator, shared
@@ -105,27 +120,43 @@ def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple
 class Objective:
     """Whole-data-set loss ``f(w)`` of ``model`` under ``loss_fn``, with gradients and HVPs.
 
+    Everything is checked when the objective is built, before any work (:mod:`sharpness.products._boundary`), with
+    one sentence and one documented exception per problem (see Raises).
+
     Args:
-        model: an ordinary ``nn.Module``. It is evaluated in eval mode (dropout off, batch-norm
+        model: an ``nn.Module`` whose forward returns one floating tensor of outputs (a tuple or dict is refused:
+            wrap the model so that forward returns the tensor the loss takes). ``DataParallel``,
+            ``DistributedDataParallel`` and ``torch.compile`` wrappers are taken off (the module inside is
+            evaluated); TorchScript modules are refused. Attention runs through PyTorch's math kernel (the fused
+            kernels have no second derivatives). It is evaluated in eval mode (dropout off, batch-norm
             running statistics) and given back in its own mode after each evaluation; a warning says
             so when the module was in training mode.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar``; a module's ``reduction`` attribute
-            (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample mean.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` (a 0-dim tensor, checked on the first batch); a module's
+            ``reduction`` attribute (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample
+            mean.
         data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches
             (:class:`~sharpness.products.ChunkedData`). Every pass must yield the same samples in the same order:
             a shuffling DataLoader is refused here, and each pass over another loader or iterable is compared
             with the first complete one (sample count and a digest of content and order), so a one-shot iterable,
             one that yields fewer batches later, a random sampler or random augmentation raise
             :class:`DataError` (here or at the first pass that differs) instead of giving each product other data.
+            Inputs are constants (detached). Under ``CrossEntropyLoss``/``NLLLoss`` an ``(X, y)`` pair whose ``y`` is a
+            column ``(n, 1)`` of integer labels (pandas, scikit-learn) is read as ``(n,)``; batches of such
+            columns are refused, naming the reshape.
         chunk_size: most samples per forward pass (``None``: chosen from ``memory_budget``).
-        dtype: evaluate in this floating dtype (parameters, buffers and floating data are cast);
-            ``None`` keeps the parameters' dtype.
+        dtype: evaluate in this floating dtype, float32 or float64 (parameters, buffers, parameters held
+            fixed and floating data are cast; the model is not changed); ``None`` keeps the parameters' dtype,
+            except half precision (float16, bfloat16), which is measured in float32: bfloat16 arithmetic loses
+            half of a Hessian. Results record it (``dtype`` in :meth:`facts`), and say where float32 is not
+            enough (:attr:`precision_warning`).
         device: device to evaluate on (``None``: the parameters' device).
         reduction: override the loss's reduction (``"mean"`` or ``"sum"``).
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
             whether the Hessian-vector products may keep a whole-data-set graph alive (``None``:
             :func:`default_memory_budget` of the device).
-        params: evaluate at these parameter values instead of the module's (same names).
+        params: evaluate at these parameter values instead of the module's, and differentiate in these only
+            (names of ``model.named_parameters()``, or the wrapper's; a name the model does not have or a shape
+            that differs is refused).
         structure: :func:`manifolds.analyze` of ``model``, when already known (see :attr:`structure`).
         distributed: ``True``: share the samples among the processes of the default ``torch.distributed``
             group (a ``ProcessGroup``: of that group). Every process must build its objective with the same
@@ -136,7 +167,10 @@ class Objective:
             raised on every process. ``False`` (default): this process alone, on all the data.
 
     Attributes:
+        model: the module evaluated (``model`` with its wrappers taken off).
         params: ``{name: tensor}`` of the trainable parameters (detached copies in ``dtype``).
+        buffers: ``{name: tensor}`` of everything else the forward reads from the module: its buffers and the
+            parameters held fixed (frozen ones included), copies in ``dtype`` where floating.
         layout: :class:`manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
         n_samples: number of samples in the data set (every process's share together).
         comm: the :class:`~sharpness.products._distributed.Communicator` the sums go through.
@@ -148,6 +182,13 @@ class Objective:
             however the data are chunked (found by one pass over the targets when the objective is built).
 
     Raises:
+        TypeError: an argument of the wrong kind (a model that is not an ``nn.Module``, ``params`` values that
+            are not floating tensors, a ``dtype`` that is not a ``torch.dtype``, a loss returning a non-tensor).
+        ValueError: an argument with a wrong value: no trainable parameters, unknown or misshapen ``params``,
+            a non-floating or half-precision ``dtype``, the meta device or tensors on it, NaN or infinite weights
+            (in ``dtype``), a loss that is not a scalar, a reduction other than mean or sum.
+        manifolds.UnsupportedModelError: a TorchScript model, or a forward that does not return one floating
+            tensor.
         DataError: unusable data (every target ignored by a mean-reduced loss included), a DataLoader that
             shuffles, data that change between passes (also raised later, by the first evaluation whose pass
             differs); with several processes also fewer samples than processes, or data that differ between
@@ -169,6 +210,8 @@ class Objective:
         structure: NetworkStructure | None = None,
         distributed: bool | dist.ProcessGroup | Communicator = False,
     ):
+        # The boundary (sharpness.products._boundary): every argument checked before any work, one sentence each.
+        model, prefix = unwrap_model(model)
         if model.training:
             warnings.warn(
                 f"{type(model).__name__} is in training mode; the objective evaluates it in eval mode "
@@ -179,22 +222,26 @@ class Objective:
         self.model = model
         self.loss_fn = loss_fn
         self.reduction = _loss_reduction(loss_fn, reduction)
-        source = {k: p for k, p in model.named_parameters() if p.requires_grad} if params is None else params
-        if not source:
-            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        source = select_params(model, params, prefix)
+        others = fixed_tensors(model, source)
+        check_meta(source, "parameter" if params is None else "params entry")
+        check_meta(others, "tensor")
         ref = next(iter(source.values()))
-        self.device = torch.device(device) if device is not None else ref.device
-        self.dtype = dtype if dtype is not None else ref.dtype
+        self.device = check_device(torch.device(device) if device is not None else ref.device)
+        self.dtype = evaluation_dtype(dtype, ref.dtype)
         self.comm = communicator(distributed)
         if self.device.type == "cpu":  # pieces of data allocate and free the same tensors over and over
             retain_freed_memory()
         self.params = {k: p.detach().to(self.device, self.dtype) for k, p in source.items()}
+        # Every tensor functional_call takes from the module: buffers and the parameters held fixed (frozen ones).
         self.buffers = {
-            k: b.to(self.device, self.dtype if b.is_floating_point() else None) for k, b in model.named_buffers()
+            k: b.detach().to(self.device, self.dtype if b.is_floating_point() else None) for k, b in others.items()
         }
         if self.comm.world_size > 1:  # process 0's parameters and buffers everywhere, as DistributedDataParallel does
             self.params = {k: self.comm.broadcast_(t.clone()) for k, t in self.params.items()}
             self.buffers = {k: self.comm.broadcast_(t.clone()) for k, t in self.buffers.items()}
+        check_finite(self.params, self.buffers, self.dtype)  # after the broadcast: the same verdict everywhere
+        data = squeeze_label_column(data, loss_fn)
         self.layout = ParamLayout.from_tensors(self.params)
         self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_piece: int | None = None  # samples per piece of a chunk's state (None: whole chunks)
@@ -252,36 +299,36 @@ class Objective:
         return chunked
 
     def _check_targets(self) -> None:
-        """Refuse, on the first batch, targets that a torch loss would broadcast against the outputs (regression
-        targets of another shape) or that lie outside the classes (class labels)."""
-        if not isinstance(self.loss_fn, nn.modules.loss._Loss):
-            return  # a plain function defines its own target format
-        x, y = cast_batch(*self.data.first_batch(), self.dtype, self.device)
-        with torch.no_grad(), eval_mode(self.model):
-            out = functional_call(self.model, (self.params, self.buffers), (x[:1],))
-        name = type(self.loss_fn).__name__
-        if y.is_floating_point():
-            if out.shape[1:] != y.shape[1:]:
-                raise DataError(
-                    f"targets of shape {tuple(y.shape[1:])} per sample do not match the model's outputs of shape "
-                    f"{tuple(out.shape[1:])} per sample, which {name} would broadcast into a different loss; "
-                    f"reshape the targets to (n, {', '.join(map(str, out.shape[1:]))})"
-                )
-        elif isinstance(self.loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and out.dim() >= 2 and y.numel():
-            classes, ignore = out.shape[1], self.loss_fn.ignore_index
-            kept = y[y != ignore]
-            if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
-                raise DataError(
-                    f"class labels range over [{int(kept.min())}, {int(kept.max())}] but the model has {classes} "
-                    f"outputs; {name} needs labels in [0, {classes - 1}]"
-                )
+        """One forward pass on two samples of the first batch: outputs, targets and loss as the objective needs
+        them (:func:`sharpness.products._boundary.check_first_batch`)."""
+        with eval_mode(self.model):
+            check_first_batch(self.model, self.loss_fn, self.params, self.buffers, self.data.first_batch(),
+                              self.dtype, self.device)  # fmt: skip
 
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
-        trainable parameters the Hessian is taken over), ``n_samples`` and, where several processes share the
-        data, ``processes``."""
-        facts = {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples}
+        trainable parameters the Hessian is taken over), ``n_samples``, ``dtype`` (the one computed in, e.g.
+        ``"float32"``), where several processes share the data ``processes``, and where float32 loses the Hessian
+        at this point ``warnings`` (a list of sentences; see :attr:`precision_warning`)."""
+        facts = {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples,
+                 "dtype": str(self.dtype).removeprefix("torch.")}  # fmt: skip
+        if self.precision_warning is not None:
+            facts["warnings"] = [self.precision_warning]
         return facts if self.comm.world_size == 1 else {**facts, "processes": self.comm.world_size}
+
+    @property
+    def precision_warning(self) -> str | None:
+        """Where the objective computes in float32: a sentence naming ``dtype=torch.float64`` when float32 loses
+        the Hessian at ``params`` (a float32 Hessian-vector product on the first samples more than 1% from
+        float64's, :func:`sharpness.products._boundary.float32_hessian_error`; checked once), else ``None``."""
+        if self.dtype != torch.float32:
+            return None
+        if not hasattr(self, "_precision_warning"):
+            with eval_mode(self.model):
+                error = float32_hessian_error(self.model, self.chunk_loss_fn, self.params, self.buffers,
+                                              self.data.first_batch(), self.device)  # fmt: skip
+            self._precision_warning = precision_warning(error)
+        return self._precision_warning
 
     @property
     def structure(self) -> NetworkStructure:
@@ -658,6 +705,10 @@ class Objective:
     def hvp(self, v: Tensor, strategy: str = "auto", out: Tensor | None = None) -> Tensor:
         """Hessian-vector product ``H v`` at ``params``, flat ``(n,)`` in and out.
 
+        ``v`` is moved to the objective's device and converted to its dtype where that is exact (float32 to
+        float64); a ``v`` of another shape, or one the conversion would round (float64 into a float32
+        objective), is refused with ``ValueError``; a non-floating one with ``TypeError``.
+
         ``out``: an ``(n,)`` tensor (not sharing storage with ``v``) that ``H v`` is *added* to in place
         and returned; the chunk results go straight into it, with no product-sized temporary for the
         ``"rop"``, ``"double_backward"`` and ``"jvp"`` strategies (in one process: with several, the sum over
@@ -675,6 +726,7 @@ class Objective:
         applies, else ``"graph"`` when it fits in ``memory_budget``, else the faster streaming kind on
         this machine (measured once).
         """
+        v = as_vector(v, self.layout.size, self.dtype, self.device)
         strategy = self.hvp_strategy(strategy)
         if out is not None:
             _check_out(out, v)
@@ -697,6 +749,7 @@ class Objective:
 
     def hvp_batch(self, vs: Tensor, strategy: str = "auto") -> Tensor:
         """Several Hessian-vector products at once: ``(k, n)`` in, ``(k, n)`` out (vmap)."""
+        vs = as_vector(vs, self.layout.size, self.dtype, self.device, batched=True)
         strategy = self.hvp_strategy(strategy)
         tangents = self.layout.unflatten(vs)
         if strategy == "graph":

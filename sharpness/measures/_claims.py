@@ -1,0 +1,119 @@
+"""What a result may claim: the rescaling group found on the model, and what could not be measured.
+
+A measure's :attr:`~sharpness.Measure.invariant_under` is a general claim ("invariant under node-wise
+rescaling"); on a given network it holds only for the rescalings that network has. The claim recorded in a
+result is the general one intersected with the kinds whose group (restricted to the trainable parameters) has
+a positive dimension, and the sentence that says what was removed and why. Skipped measures and dropped
+parameters are said here too, in one style: a few words for a table cell, one sentence for the line below it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from manifolds import Pin, RescalingGroup, UnsupportedModelError
+from sharpness.products._objective import Objective
+
+KINDS = ("node", "layer")
+
+
+def rescaling_groups(objective: Objective) -> dict[str, RescalingGroup] | None:
+    """``kind -> group`` of ``objective.model`` restricted to its trainable parameters (frozen ones stay as they
+    are), or ``None`` when the group is unknown (see ``objective.structure.group_failure``)."""
+    structure = objective.structure
+    if structure.group is None:
+        return None
+    params = objective.params
+    return {"node": structure.group.restricted(params), "layer": structure.layer_group.restricted(params)}
+
+
+def summarize_pins(pins: Iterable[Pin]) -> list[str]:
+    """The pinned channels grouped by reason: ``"<reason>: <channels> channel(s) at <places> place(s)"``."""
+    by_reason: dict[str, list[int]] = {}
+    for pin in pins:
+        by_reason.setdefault(pin.reason, []).append(pin.channels)
+    return [f"{reason}: {sum(c)} channel(s) at {len(c)} place(s)" for reason, c in by_reason.items()]
+
+
+def group_summary(groups: Mapping[str, RescalingGroup] | None, failure: str | None = None) -> dict:
+    """JSON-ready summary of the group a result used: ``dim`` (free node-wise scales), ``layer_dim`` (free
+    layer-wise scales), ``pinned`` (what fixed the other scales, by reason) and ``unknown_operations``; with an
+    unknown group, ``dim`` and ``layer_dim`` are ``None`` and ``unknown_because`` says why."""
+    if groups is None:
+        return {"dim": None, "layer_dim": None, "unknown_because": failure}
+    node = groups["node"]
+    return {
+        "dim": node.dim,
+        "layer_dim": groups["layer"].dim,
+        "pinned": summarize_pins(node.pins),
+        "unknown_operations": list(node.unknown),
+    }
+
+
+def describe_group(summary: Mapping) -> str:
+    """One line for a command line's output: the group's dimensions and what pinned the rest."""
+    if summary.get("dim") is None:
+        return f"rescaling group: unknown, because {summary.get('unknown_because')}"
+    pinned = "; ".join(summary["pinned"]) or "nothing"
+    return (
+        f"rescaling group: {summary['dim']} free node-wise scale(s), {summary['layer_dim']} layer-wise; "
+        f"pinned: {pinned}"
+    )
+
+
+def untestable_kinds(groups: Mapping[str, RescalingGroup] | None, failure: str | None = None) -> dict[str, str]:
+    """``kind -> reason`` for each rescaling kind the network does not have (a group of dimension 0, or no
+    group found): an invariance under it cannot be claimed, nor checked."""
+    if groups is None:
+        return {kind: f"the rescaling group is unknown, because {failure}" for kind in KINDS}
+    if groups["node"].dim == 0:  # the layer-wise group is a subgroup: it has dimension 0 too
+        return dict.fromkeys(KINDS, "this network's rescaling group has dimension 0 (every scale is pinned)")
+    if groups["layer"].dim == 0:
+        return {"layer": "this network's layer-wise rescaling group has dimension 0 (no whole module can be rescaled)"}
+    return {}
+
+
+def supported_claims(claimed: Iterable[str], untestable: Mapping[str, str]) -> tuple[tuple[str, ...], str | None]:
+    """A measure's general claim ``claimed`` cut to the kinds the network has, and one sentence on what was cut
+    (``None`` when nothing was)."""
+    claimed = tuple(claimed)
+    kept = tuple(kind for kind in claimed if kind not in untestable)
+    if kept == claimed:
+        return kept, None
+    cut = [kind for kind in claimed if kind in untestable]
+    head = "invariant under nothing here" if not kept else f"invariant under {', '.join(kept)} only"
+    reasons = "; ".join(dict.fromkeys(untestable[kind] for kind in cut))
+    return kept, f"{head}: {reasons}"
+
+
+def symmetry_facts(claimed: tuple[str, ...], objective: Objective) -> dict:
+    """What a result records about its symmetry: ``invariant_under`` (the claim that holds on this network),
+    ``invariance_note`` (what was cut, when something was) and, for a measure that claims any invariance,
+    ``group`` (:func:`group_summary`)."""
+    if not claimed:
+        return {"invariant_under": []}
+    groups = rescaling_groups(objective)
+    failure = objective.structure.group_failure
+    kept, note = supported_claims(claimed, untestable_kinds(groups, failure))
+    facts = {"invariant_under": list(kept), "group": group_summary(groups, failure)}
+    return facts if note is None else {**facts, "invariance_note": note}
+
+
+def skip_entry(err: UnsupportedModelError) -> dict:
+    """How a skipped measure is recorded: ``skipped`` (the error's first line, one sentence) and
+    ``skip_reason`` (a few words for a table cell)."""
+    return {"skipped": first_line(err), "skip_reason": getattr(err, "short", "does not apply")}
+
+
+def detail_lines(name: str, entry: Mapping) -> list[str]:
+    """The lines under a table for one measure, one sentence each, in one style (``"<name>: <what>: ..."``):
+    why it was skipped, which parameters it left out, and which of its invariances this network lacks."""
+    lines = [f"{name}: skipped: {entry['skipped']}"] if entry.get("skipped") else []
+    lines += [f"{name}: {entry[key]}" for key in ("dropped", "invariance_note") if entry.get(key)]
+    return lines
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,390 @@
+"""The library's boundary: what ``Objective`` (and every entry point, which builds one) checks before any work, the
+one documented exception per kind of problem, and the cases that crashed inside torch or measured silently wrong."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cases import make_case, mlp
+from torch import nn
+from torch.func import functional_call, hessian
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import sharpness as S
+from manifolds import UnsupportedModelError
+from sharpness.products import DataError, Objective
+
+
+def _problem(n: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    model = mlp([4, 5, 3]).eval()
+    X = torch.randn(n, 4, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return model, nn.CrossEntropyLoss(), X, y
+
+
+def _dense_hessian(model: nn.Module, loss_fn, X, y) -> torch.Tensor:
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    flat = torch.cat([dict(model.named_parameters())[k].detach().flatten() for k in names])
+    shapes = [dict(model.named_parameters())[k].shape for k in names]
+
+    def f(w):
+        params, i = {}, 0
+        for k, shape in zip(names, shapes):
+            params[k] = w[i : i + shape.numel()].view(shape)
+            i += shape.numel()
+        with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no second derivatives
+            return loss_fn(functional_call(model, params, (X,)), y)
+
+    return hessian(f)(flat)
+
+
+# 1. Wrappers ------------------------------------------------------------------------------------------------------
+def test_data_parallel_is_unwrapped():
+    model, loss_fn, X, y = _problem()
+    plain = S.invariant_sharpness(model, loss_fn, (X, y), "node")
+    wrapped_obj = Objective(nn.DataParallel(model), loss_fn, (X, y))
+    assert wrapped_obj.model is model
+    assert list(wrapped_obj.params) == [k for k, _ in model.named_parameters()]
+    wrapped = S.invariant_sharpness(nn.DataParallel(model), loss_fn, (X, y), "node")
+    assert wrapped.value == pytest.approx(plain.value, rel=1e-10)
+    # parameters named as the wrapper names them are read as the module's
+    named = dict(nn.DataParallel(model).named_parameters())
+    assert torch.equal(Objective(nn.DataParallel(model), loss_fn, (X, y), params=named).layout.flatten(
+        {k.removeprefix("module."): v for k, v in named.items()}), wrapped_obj.layout.flatten(wrapped_obj.params))
+
+
+def test_distributed_data_parallel_is_unwrapped():
+    import torch.distributed as dist
+
+    model, loss_fn, X, y = _problem()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        obj = Objective(wrapped, loss_fn, (X, y))
+    finally:
+        dist.destroy_process_group()
+    assert obj.model is model
+    assert float(obj.value()) == float(Objective(model, loss_fn, (X, y)).value())
+
+
+def test_torch_compile_is_unwrapped():
+    model, loss_fn, X, y = _problem()
+    compiled = torch.compile(model)
+    obj = Objective(compiled, loss_fn, (X, y))
+    assert obj.model is model
+    assert float(obj.value()) == float(Objective(model, loss_fn, (X, y)).value())
+
+
+def test_torchscript_is_refused_naming_the_fix():
+    model, loss_fn, X, y = _problem()
+    with pytest.raises(UnsupportedModelError, match="TorchScript.*pass the original nn.Module"):
+        Objective(torch.jit.script(model), loss_fn, (X, y))
+    with pytest.raises(UnsupportedModelError, match="TorchScript"):
+        S.euclidean_sharpness(torch.jit.script(model), loss_fn, (X, y))
+
+
+def test_a_non_module_is_a_type_error():
+    _, loss_fn, X, y = _problem()
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        Objective(lambda x: x, loss_fn, (X, y))
+
+
+# 2. Outputs that are not one tensor -------------------------------------------------------------------------------
+class _Tuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp([4, 5, 3])
+
+    def forward(self, x):
+        out = self.net(x)
+        return out, out.detach()
+
+
+class _Dict(_Tuple):
+    def forward(self, x):
+        return {"logits": self.net(x), "features": x}
+
+
+@pytest.mark.parametrize(("module", "message"), [(_Tuple, r"tuple of 2 items.*model\(x\)\[0\]"),
+                                                  (_Dict, r"keys 'logits', 'features'.*model\(x\)\['logits'\]")])
+def test_forward_returning_several_outputs_is_refused_naming_the_fix(module, message):
+    _, loss_fn, X, y = _problem()
+    with pytest.raises(UnsupportedModelError, match=message):
+        Objective(module().eval(), loss_fn, (X, y))
+    with pytest.raises(UnsupportedModelError, match="wrap the model"):  # the entry points build the same objective
+        S.euclidean_sharpness(module().eval(), loss_fn, (X, y))
+
+
+# 3. Parameters by name --------------------------------------------------------------------------------------------
+def test_misspelled_parameter_name_is_an_error_naming_unknown_and_missing():
+    model, loss_fn, X, y = _problem()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    params["2.bais"] = params.pop("2.bias")
+    with pytest.raises(ValueError, match=r"'2\.bais'.*not given are '2\.bias'"):
+        Objective(model, loss_fn, (X, y), params=params)
+
+
+def test_many_unknown_names_are_summarized():
+    model, loss_fn, X, y = _problem()
+    params = {f"layer{i}.weight": torch.zeros(2) for i in range(7)}
+    with pytest.raises(ValueError, match=r"7 names: 'layer0.weight', 'layer1.weight', 'layer2.weight', \.\.\."):
+        Objective(model, loss_fn, (X, y), params=params)
+
+
+def test_parameter_of_another_shape_or_kind_is_refused():
+    model, loss_fn, X, y = _problem()
+    with pytest.raises(ValueError, match=r"params\['0.weight'\] has shape \(4, 5\).*\(5, 4\)"):
+        Objective(model, loss_fn, (X, y), params={"0.weight": torch.zeros(4, 5)})
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        Objective(model, loss_fn, (X, y), params={"0.weight": [[0.0] * 4] * 5})
+
+
+def test_a_subset_of_parameters_is_still_accepted():
+    model, loss_fn, X, y = _problem()
+    obj = Objective(model, loss_fn, (X, y), params={"2.bias": model[2].bias.detach() + 1})
+    assert obj.layout.size == 3
+    shifted = copy.deepcopy(model)
+    with torch.no_grad():
+        shifted[2].bias += 1
+    assert float(obj.value()) == pytest.approx(float(Objective(shifted, loss_fn, (X, y)).value()), rel=1e-14)
+
+
+# 4. The loss must be a scalar -------------------------------------------------------------------------------------
+def test_non_scalar_loss_is_refused_when_built():
+    model, _, X, y = _problem()
+
+    def per_sample(out, target):
+        return nn.functional.cross_entropy(out, target, reduction="none")
+
+    with pytest.raises(ValueError, match=r"shape \(2,\) on 2 samples, not a scalar.*reduction='mean'"):
+        Objective(model, per_sample, (X, y))
+
+
+def test_loss_returning_a_float_is_a_type_error():
+    model, _, X, y = _problem()
+    with pytest.raises(TypeError, match="returned a float"):
+        Objective(model, lambda out, target: 1.0, (X, y))
+
+
+# 5. Meta tensors and non-finite weights ---------------------------------------------------------------------------
+def test_meta_model_data_and_device_are_refused():
+    model, loss_fn, X, y = _problem()
+    with pytest.raises(ValueError, match="meta device and hold no values.*to_empty"):
+        Objective(mlp([4, 5, 3]).to("meta").eval(), loss_fn, (X, y))
+    with pytest.raises(DataError, match="meta device"):
+        Objective(model, loss_fn, (X.to("meta"), y.to("meta")))
+    with pytest.raises(ValueError, match="meta device holds no values"):
+        Objective(model, loss_fn, (X, y), device="meta")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(bad):
+    model, loss_fn, X, y = _problem()
+    with torch.no_grad():
+        model[0].weight[1, 2] = bad
+    with pytest.raises(ValueError, match=r"'0.weight' holds NaN or infinite values"):
+        S.euclidean_sharpness(model, loss_fn, (X, y))
+
+
+def test_weights_overflowing_float32_are_refused_naming_float64():
+    model, loss_fn, X, y = _problem()
+    with torch.no_grad():
+        model[2].bias[0] = 1e300
+    with pytest.raises(ValueError, match="in torch.float32.*dtype=torch.float64"):
+        Objective(model, loss_fn, (X, y), dtype=torch.float32)
+
+
+# 6. Vectors given to hvp ------------------------------------------------------------------------------------------
+def test_hvp_converts_exactly_or_refuses():
+    model, loss_fn, X, y = _problem()
+    obj = Objective(model, loss_fn, (X, y))  # float64
+    v = torch.randn(obj.layout.size, dtype=torch.float32)
+    assert torch.equal(obj.hvp(v), obj.hvp(v.double()))  # float32 -> float64 is exact
+    assert torch.equal(obj.hvp_batch(v[None]), obj.hvp_batch(v.double()[None]))
+    obj32 = Objective(copy.deepcopy(model).float(), loss_fn, (X.float(), y))
+    with pytest.raises(ValueError, match=r"float64 but the objective computes in torch.float32.*would round"):
+        obj32.hvp(v.double())
+    with pytest.raises(ValueError, match=rf"shape \(3,\).*\({obj.layout.size},\)"):
+        obj.hvp(torch.zeros(3))
+    with pytest.raises(ValueError, match=rf"\(k, {obj.layout.size}\)"):
+        obj.hvp_batch(v.double())
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        obj.hvp(torch.ones(obj.layout.size, dtype=torch.int64))
+
+
+# 7. Precision ---------------------------------------------------------------------------------------------------
+def test_half_precision_model_is_measured_in_float32_and_says_so():
+    model, loss_fn, X, y = _problem(n=40)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    res = S.euclidean_sharpness(half, loss_fn, (X.to(torch.bfloat16), y))
+    # the bfloat16 weights and data, exactly, in float32 arithmetic (bfloat16 arithmetic was off by half)
+    ref = S.euclidean_sharpness(copy.deepcopy(half).float(), loss_fn, (X.to(torch.bfloat16).float(), y))
+    assert res.info["dtype"] == "float32"
+    assert res.value == pytest.approx(ref.value, rel=1e-6)
+    assert res.to_dict()["dtype"] == "float32"
+    assert half[0].weight.dtype == torch.bfloat16  # the caller's model is not converted
+
+
+def test_half_precision_dtype_is_refused():
+    model, loss_fn, X, y = _problem()
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="cannot hold Hessian products.*torch.float32 or torch.float64"):
+            Objective(model, loss_fn, (X, y), dtype=dtype)
+    with pytest.raises(ValueError, match="floating dtype"):
+        Objective(model, loss_fn, (X, y), dtype=torch.int64)
+
+
+def test_every_result_records_its_dtype():
+    case = make_case("mlp_bias")
+    res = S.euclidean_sharpness(case.model, case.loss_fn, case.data)
+    assert res.to_dict()["dtype"] == "float64"
+    density = S.hessian_spectral_density(case.model, case.loss_fn, case.data, n_probes=1, n_steps=5)
+    assert density.info["dtype"] == "float64"
+
+
+def _well_fitted(margin: float, seed: int = 0):
+    """A small classifier whose logits separate the classes by ``margin`` times a trained margin."""
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(60, 4, generator=g, dtype=torch.float64)
+    y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = mlp([4, 16, 3]).double()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(300):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        opt.step()
+    with torch.no_grad():
+        model[2].weight.mul_(margin)
+        model[2].bias.mul_(margin)
+    return model.eval(), nn.CrossEntropyLoss(), X, y
+
+
+def test_float32_losing_the_hessian_is_said_and_names_float64():
+    model, loss_fn, X, y = _well_fitted(margin=5.0)
+    exact = S.euclidean_sharpness(model, loss_fn, (X, y)).value
+    res32 = S.euclidean_sharpness(copy.deepcopy(model).float(), loss_fn, (X.float(), y))
+    assert abs(res32.value / exact - 1) > 0.1  # float32 is far off here: the warning is warranted
+    (warning,) = res32.info["warnings"]
+    assert "dtype=torch.float64" in warning
+    assert res32.to_dict()["warnings"] == [warning]
+    assert "warnings" not in S.euclidean_sharpness(model, loss_fn, (X, y)).info  # float64 is not second-guessed
+
+
+def test_cli_shows_the_float32_warning(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model, _, X, y = _well_fitted(margin=5.0)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save({"X": X, "y": y}, tmp_path / "data.pt")
+    common = ["compute", "--model", "mlp:4-16-3", "--checkpoint", str(tmp_path / "model.pt"), "--data",
+              str(tmp_path / "data.pt"), "--metric", "euclidean", "--quiet"]  # fmt: skip
+    runs = {}
+    for dtype in ("float32", "float64"):
+        out = tmp_path / f"{dtype}.json"
+        proc = subprocess.run([sys.executable, "-m", "sharpness", *common, "--dtype", dtype, "--json", str(out)],
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        runs[dtype] = (proc.stdout, json.loads(out.read_text()))
+    stdout, report = runs["float32"]
+    assert "warning: float32 does not hold the Hessian" in stdout and "--dtype float64" in stdout
+    assert report["dtype"] == "float32" and report["measures"]["euclidean"]["warnings"] == report["warnings"]
+    stdout, report = runs["float64"]
+    assert "warning" not in stdout and "warnings" not in report
+    assert report["measures"]["euclidean"]["dtype"] == "float64"
+
+
+def test_float32_at_an_ordinary_point_has_no_warning():
+    model, loss_fn, X, y = _well_fitted(margin=1.0)
+    exact = S.euclidean_sharpness(model, loss_fn, (X, y)).value
+    res32 = S.euclidean_sharpness(copy.deepcopy(model).float(), loss_fn, (X.float(), y))
+    assert res32.value == pytest.approx(exact, rel=1e-3)
+    assert "warnings" not in res32.info
+
+
+# 8. Checkpoints at the requested dtype ----------------------------------------------------------------------------
+def test_float64_checkpoint_is_loaded_without_rounding(tmp_path):
+    from sharpness._cli import _parser, load_problem
+
+    torch.set_default_dtype(torch.float32)  # as on the command line (the fixture restores float64)
+    model = mlp([8, 6, 3]).double()
+    state = {k: v.detach() + 1e-12 for k, v in model.state_dict().items()}  # not representable in float32
+    torch.save(state, tmp_path / "model.pt")
+    g = torch.Generator().manual_seed(0)
+    torch.save({"X": torch.randn(10, 8, generator=g), "y": torch.arange(10) % 3}, tmp_path / "data.pt")
+    args = _parser().parse_args(["compute", "--model", "mlp:8-6-3", "--checkpoint", str(tmp_path / "model.pt"),
+                                 "--data", str(tmp_path / "data.pt"), "--dtype", "float64"])  # fmt: skip
+    loaded, _, _ = load_problem(args)
+    for k, v in loaded.state_dict().items():
+        assert v.dtype == torch.float64
+        assert torch.equal(v, state[k]), k
+
+
+# 9. Crashes inside torch ------------------------------------------------------------------------------------------
+def test_frozen_layer_with_float64():
+    model, loss_fn, X, y = _problem()
+    model, X = model.float(), X.float()
+    model[0].weight.requires_grad_(False)
+    res = S.euclidean_sharpness(model, loss_fn, (X, y), dtype=torch.float64)
+    H = _dense_hessian(copy.deepcopy(model).double(), loss_fn, X.double(), y)
+    assert res.value == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-8)
+    assert model[0].weight.dtype == torch.float32 and not model[0].weight.requires_grad
+
+
+def test_inputs_that_require_grad():
+    model, loss_fn, X, y = _problem()
+    plain = S.invariant_sharpness(model, loss_fn, (X, y), "node").value
+    assert S.invariant_sharpness(model, loss_fn, (X.clone().requires_grad_(True), y), "node").value == pytest.approx(
+        plain, rel=1e-10
+    )
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h, _ = self.attention(x, x, x, need_weights=False)
+        return self.out(h.mean(1))
+
+
+def test_multihead_attention_hvp_matches_dense_hessian():
+    torch.manual_seed(0)
+    model = _Attention().double().eval()  # eval, need_weights=False: the fused fast path's conditions
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(6, 3, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    obj = Objective(model, loss_fn, (X, y))
+    H = _dense_hessian(model, loss_fn, X, y)
+    v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
+    for strategy in ("graph", "double_backward", "jvp"):
+        assert torch.allclose(obj.hvp(v, strategy), H @ v, rtol=1e-9, atol=1e-12), strategy
+    res = S.euclidean_sharpness(model, loss_fn, (X, y))
+    assert res.value == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-8)
+    with torch.no_grad():
+        assert float(obj.value()) == pytest.approx(float(loss_fn(model(X), y)), rel=1e-12)
+
+
+# 10. Class labels as a column ---------------------------------------------------------------------------------------
+def test_label_column_of_a_tensor_pair_is_read_as_labels():
+    model, loss_fn, X, y = _problem()
+    assert S.euclidean_sharpness(model, loss_fn, (X, y[:, None])).value == pytest.approx(
+        S.euclidean_sharpness(model, loss_fn, (X, y)).value, rel=1e-12
+    )
+
+
+def test_label_column_in_batches_is_refused_naming_the_reshape():
+    model, loss_fn, X, y = _problem()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y[:, None]), batch_size=5)
+    with pytest.raises(DataError, match=r"labels of shape \(1,\) per sample.*shape \(n\).*y\.reshape\(-1\)"):
+        Objective(model, loss_fn, loader)
