@@ -13,7 +13,9 @@ top-2 Euclidean and invariant Hessian eigenvectors of both minima and of the res
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -171,19 +173,31 @@ def train_to_loss(
 def _game_euclidean(model: nn.Module, X, y, target: float, tol: float) -> tuple[dict, nn.Module, EigenResult]:
     """Find a layer-wise rescaling ``(a, 1, ..., 1/a)`` of ``model`` whose Euclidean sharpness exceeds
     ``target``: the function and every invariant measure stay the same, the Euclidean one does not.
+    On a network that is not a chain of layers (a transformer) the same element of its layer-wise group:
+    every free layer's outputs times ``a``, the inputs of the layers reading them divided by ``a``.
 
     Returns:
-        ``(summary, twin, result)``: the rescaling found, the rescaled copy and its Euclidean top-2.
+        ``(summary, twin, result)``: the rescaling found (``lambdas`` ``None`` off a chain; ``text`` says it
+        in words), the rescaled copy and its Euclidean top-2.
     """
-    structure = manifolds.analyze(model)
+    structure = manifolds.analyze(model, X[:2])  # with shapes: the layer-wise group of a non-chain needs them
     for a in (2.0, 4.0, 8.0, 16.0, 32.0, 64.0):
-        lambdas = [a] + [1.0] * (len(structure.layers) - 2) + [1.0 / a]
-        twin = manifolds.rescale_model(model, manifolds.layer_factors(structure, lambdas))
+        if structure.rescalable:
+            lambdas = [a] + [1.0] * (len(structure.layers) - 2) + [1.0 / a]
+            twin = manifolds.rescale_model(model, manifolds.layer_factors(structure, lambdas))
+            text = ", ".join(f"{v:g}" for v in lambdas)
+        else:
+            lambdas, group = None, structure.layer_group
+            params = {n: p.detach() for n, p in model.named_parameters()}
+            twin = copy.deepcopy(model)
+            twin.load_state_dict(group.act(params, torch.full((group.dim,), math.log(a))), strict=False)
+            text = f"every layer's outputs times {a:g}"
         result = measure_sharpness(twin, nn.CrossEntropyLoss(), (X, y), "euclidean", 2, solver=Solver(tol=tol),
                                     progress=False)  # fmt: skip
         if result.value > target:
             break
-    summary = {"lambdas": lambdas, "euclidean": result.value, "target": target, "reversed": result.value > target}
+    summary = {"lambdas": lambdas, "text": text, "euclidean": result.value, "target": target,
+               "reversed": result.value > target}  # fmt: skip
     return summary, twin, result
 
 
@@ -307,7 +321,7 @@ def _write_demo(out: str, seed: int, threshold: float, progress: bool | None, gr
     }
     save_surfaces(os.path.join(out, "surfaces.npz"), panels, axes)
     sharpness_figure(os.path.join(out, "sharpness.png"), results, verify, summary["model"])
-    lam = ", ".join(f"{v:g}" for v in gamed["lambdas"])
+    lam = gamed["text"]
     row_labels = {key: NAMES[key] + " minimum" for key in models}
     row_labels["rescaled"] = f"{NAMES[flat]} minimum, layers rescaled by ({lam})"
     surfaces_figure(os.path.join(out, "surfaces.png"), panels, axes, row_labels, summary["model"])
@@ -352,7 +366,7 @@ def _markdown(s: dict, table: str) -> str:
         ]
     g = s["gamed_euclidean"]
     names = NAMES
-    lam = ", ".join(f"{v:g}" for v in g["lambdas"])
+    lam = g["text"]
     verdict = (
         f"above the {names[g['other']]} minimum's {g['target']:.4g}: by the Euclidean measure the flatter minimum "
         "now looks the sharper one"
