@@ -185,12 +185,16 @@ def _parser() -> argparse.ArgumentParser:
         "batch 32 and with the full batch until the same training loss; every measure on both minima, invariance "
         "checks, the Euclidean measure gamed by a rescaling, loss-surface planes along the top Euclidean and "
         "invariant eigenvectors; writes report.md, report.json, two figures, the surface grids (.npz) and both "
-        "checkpoints. Exit code 1 if a measure that claims invariance changed.",
+        "checkpoints. Exit code 1 if a measure that claims invariance changed. --model vit trains the built-in vision "
+        "transformer with Adam instead; measures that do not apply to it are listed as skipped, with the reason.",
     )  # fmt: skip
     demo.add_argument("--out", default="demo-out", help="output folder (default: demo-out)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--threshold", type=_positive_float, default=1e-2, help="training-loss threshold (default: 0.01)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--model", default="mlp:64-128-128-10",
+                      help="model trained: mlp:64-...-10 (SGD + momentum) or vit[:KEY=VALUE,...] (Adam), e.g. vit or "
+                           "vit:attn=hand (default: mlp:64-128-128-10)")  # fmt: skip
     return parser
 
 
@@ -198,7 +202,8 @@ def _demo(args: argparse.Namespace) -> int:
     from landscape._demo import run_demo
 
     start = time.perf_counter()
-    summary = run_demo(args.out, seed=args.seed, threshold=args.threshold, progress=False if args.quiet else None)
+    summary = run_demo(args.out, seed=args.seed, threshold=args.threshold, progress=False if args.quiet else None,
+                       model=args.model)  # fmt: skip
     with open(os.path.join(args.out, "report.md")) as fh:
         print(fh.read())
     print(f"written to {args.out}/ in {time.perf_counter() - start:.0f} s")

@@ -26,7 +26,12 @@ def _pyplot():
     return plt
 
 
-DATA = "scikit-learn digits (1797 images), MLP 64-128-128-10, cross-entropy"
+MODEL_LABEL = "MLP 64-128-128-10"
+
+
+def _data(model: str) -> str:
+    """The captions' provenance: data, ``model`` (how the report names it) and loss."""
+    return f"scikit-learn digits (1797 images), {model}, cross-entropy"
 
 
 def _save(fig, path: str, title: str, description: str) -> None:
@@ -42,7 +47,7 @@ def format_value(v: float) -> str:
     return f"{v:.3e}" if v != 0 and not 1e-3 <= abs(v) < 1e5 else f"{v:.4g}"
 
 
-def sharpness_figure(path: str, results: dict, report_verify: dict) -> None:
+def sharpness_figure(path: str, results: dict, report_verify: dict, model: str = MODEL_LABEL) -> None:
     """One small panel per measure (values of different measures are not comparable: each gets its own
     linear axis from 0, both values written on the bars), and the largest relative change of each measure
     under random rescalings as dots on a log axis against the tolerance (exact zeros drawn at the bottom)."""
@@ -106,11 +111,11 @@ def sharpness_figure(path: str, results: dict, report_verify: dict) -> None:
     ax.grid(axis="y", alpha=0.3, lw=0.5)
     ax.legend(fontsize=7.5, loc="upper right")
     right.suptitle("Change under random function-preserving rescalings", fontsize=10)
-    title = "Sharpness of small- vs full-batch minima and its invariance"
-    add_caption(fig, f"{DATA}; both minima at training loss ≤ 0.01. Measures: layer-wise quotient (Rangamani et al. "
+    title, data = "Sharpness of small- vs full-batch minima and its invariance", _data(model)
+    add_caption(fig, f"{data}; both minima at training loss ≤ 0.01. Measures: layer-wise quotient (Rangamani et al. "
                 "2021), node-wise quotient, fixed weights (Jestädt 2025), minimum-norm gauge, G-space (Meng et al. "
                 "2019).")
-    _save(fig, path, title, f"{DATA}; every sharpness measure of the toolkit on two minima, and its change under "
+    _save(fig, path, title, f"{data}; every sharpness measure of the toolkit on two minima, and its change under "
                             "random node- and layer-wise rescalings")  # fmt: skip
 
 
@@ -129,6 +134,7 @@ def surfaces_figure(
     panels: dict[str, dict[str, SurfacePanel]],
     axes: dict[str, np.ndarray],
     row_labels: dict[str, str],
+    model: str = MODEL_LABEL,
 ) -> None:
     """Grid of loss-surface panels: rows are networks, columns the Euclidean and the invariant plane.
 
@@ -181,8 +187,8 @@ def surfaces_figure(
         cbar.set_label("training loss (log scale)", fontsize=8)
         cbar.ax.tick_params(labelsize=7)
         column.suptitle(COLUMN_TITLES[metric], fontsize=10, fontweight="bold")
-    title = "Loss planes along the top Hessian eigenvectors: Euclidean vs invariant (node-wise)"
-    add_caption(fig, f"{DATA}; training loss on the plane of the top two eigenvectors of each Hessian, at both minima "
+    title, data = "Loss planes along the top Hessian eigenvectors: Euclidean vs invariant (node-wise)", _data(model)
+    add_caption(fig, f"{data}; training loss on the plane of the top two eigenvectors of each Hessian, at both minima "
                 "and at a layer-wise rescaled copy")
-    _save(fig, path, title, f"{DATA}; loss planes along the top two eigenvectors of the Euclidean and of the node-wise "
+    _save(fig, path, title, f"{data}; loss planes along the top two eigenvectors of the Euclidean and of the node-wise "
                             "Riemannian Hessian (Rangamani et al. 2021, generalized node-wise)")  # fmt: skip

@@ -66,7 +66,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     parser.add_argument(
         "--model",
         required=True,
-        help="mlp:IN-...-OUT, lenet, resnet:20[,width=W], path/file.py:factory or pkg.mod:factory",
+        help="mlp:IN-...-OUT, lenet, resnet:20[,width=W], vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision "
+        "transformer for 8x8 digits), path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(

@@ -3,7 +3,10 @@
 Model SPEC: ``mlp:784-300-100-10`` (``nn.Sequential`` of Linear/ReLU: keys ``0.weight``, ``0.bias``,
 ``2.weight`` ...), ``lenet`` (the flatness paper's C1 on 1x28x28 inputs), ``resnet:20`` (a CIFAR-style
 ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=``, ``channels=``, e.g.
-``resnet:20,width=2``), or ``path/to/file.py:factory``
+``resnet:20,width=2``), ``vit`` (a small vision transformer on 8x8 one-channel images, 2x2 patches, inputs
+``(N, 64)`` or ``(N, 1, 8, 8)``; options ``dim=``, ``heads=``, ``depth=``, ``mlp=``, ``classes=``,
+``norm=pre|post``, ``act=relu|gelu``, ``attn=mha|hand``, e.g. ``vit:dim=32,heads=4``; keys in
+:mod:`sharpness._vit`), or ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
 Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``
@@ -94,6 +97,10 @@ def build_model(spec: str) -> nn.Module:
         return lenet()
     if spec == "resnet" or spec.startswith("resnet:"):
         return _resnet(spec)
+    if spec == "vit" or spec.startswith("vit:"):
+        from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
+
+        return vit_from_spec(spec)
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
         if where.endswith(".py"):
@@ -115,7 +122,7 @@ def build_model(spec: str) -> nn.Module:
             raise SpecError(f"{spec} returned {type(model).__name__}, not an nn.Module")
         return model
     raise SpecError(
-        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, path/to/file.py:factory or "
+        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, path/to/file.py:factory or "
         "package.module:factory"
     )
 
