@@ -388,3 +388,52 @@ def test_label_column_in_batches_is_refused_naming_the_reshape():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y[:, None]), batch_size=5)
     with pytest.raises(DataError, match=r"labels of shape \(1,\) per sample.*shape \(n\).*y\.reshape\(-1\)"):
         Objective(model, loss_fn, loader)
+
+
+# --------------------------------------------------------------------------- found by the independent audit
+class _CountingForward(nn.Module):
+    """A forward that writes into its own buffer (a call counter) and reads it: each pass another function."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1.0
+        return self.fc(x) + 0.1 * self.calls
+
+
+def test_a_forward_that_changes_its_buffers_is_refused_and_the_caller_keeps_them():
+    _, loss, X, y = _problem()
+    model = _CountingForward().eval()
+    with pytest.raises(UnsupportedModelError, match="changes buffer\\(s\\) 'calls' in place"):
+        S.euclidean_sharpness(model, loss, (X, y))
+    assert float(model.calls) == 0.0  # the objective evaluates copies of the buffers
+
+
+def test_weight_norm_is_refused_naming_how_to_remove_it():
+    _, loss, X, y = _problem()
+    for wrap in (nn.utils.parametrizations.weight_norm,):
+        model = nn.Sequential(wrap(nn.Linear(4, 5)), nn.ReLU(), nn.Linear(5, 3)).eval()
+        with pytest.raises(UnsupportedModelError, match="module '0' is under weight_norm.*remove_parametrizations"):
+            Objective(model, loss, (X, y))
+
+
+def test_complex_parameters_and_unknown_devices_and_negative_budgets_are_one_sentence():
+    _, loss, X, y = _problem()
+
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (x.to(torch.complex64) @ self.w).real
+
+    with pytest.raises(TypeError, match="parameter 'w' is torch.complex64"):
+        Objective(Complex().eval(), loss, (X, y))
+    with pytest.raises(ValueError, match="device 'nonsense' is not a device torch knows"):
+        Objective(nn.Linear(4, 3).eval(), loss, (X, y), device="nonsense")
+    with pytest.raises(ValueError, match="memory_budget must be a number of bytes >= 0"):
+        Objective(nn.Linear(4, 3).eval(), loss, (X, y), memory_budget=-5)

@@ -102,7 +102,7 @@ def test_an_all_zero_point_keeps_what_exists_and_says_what_does_not():
     X, y = torch.randn(9, 5), torch.randint(0, 3, (9,))
     rep = verify_invariance(model, nn.CrossEntropyLoss(), (X, y), rescalings=Rescalings(trials=1), progress=False)
     assert rep.metrics == ("euclidean",) and rep.original["euclidean"][0] > 0
-    assert set(rep.skipped) == {"layer", "node", "fixed", "minnorm", "gspace"}
+    assert set(rep.skipped) == {"layer", "node", "fixed", "minnorm", "gspace", "symmetry"}
     assert rep.skip_reasons["node"] == "all parameters dropped" and rep.skip_reasons["minnorm"] == "dead unit"
     assert rep.outcome == "nothing to verify"
 

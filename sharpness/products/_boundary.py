@@ -67,7 +67,35 @@ def unwrap_model(model: object) -> tuple[nn.Module, str]:
             f"{type(model).__name__} is a TorchScript module, whose parameters cannot be swapped for the "
             "evaluation points the measures need; pass the original nn.Module (before torch.jit.script or trace)"
         )
+    _refuse_inexact_second_derivatives(model)
     return model, prefix
+
+
+def _refuse_inexact_second_derivatives(model: nn.Module) -> None:
+    """Refuse what the Hessian cannot be taken through exactly: weight normalization, whose fused kernel
+    (``torch._weight_norm``) has an inexact double backward and no forward-mode derivative (a product 23% off was
+    measured), and complex parameters, which the objective's real arithmetic would silently truncate.
+
+    Raises:
+        UnsupportedModelError: a module under ``weight_norm`` (the parametrization or the older hook).
+        TypeError: a complex or integer parameter.
+    """
+    for name, module in model.named_modules():
+        parametrizations = getattr(module, "parametrizations", None)
+        hooks = getattr(module, "_forward_pre_hooks", {}).values()
+        normed = [k for k, p in (parametrizations or {}).items() if any(type(q).__name__ == "_WeightNorm" for q in p)]
+        if normed or any(type(h).__name__ == "WeightNorm" for h in hooks):
+            where = f"module {name!r}" if name else type(model).__name__
+            raise UnsupportedModelError(
+                f"{where} is under weight_norm, whose fused kernel has no exact second derivative; remove it before "
+                "measuring (torch.nn.utils.parametrize.remove_parametrizations(module, 'weight'), or "
+                "torch.nn.utils.remove_weight_norm for the older hook): the function is the same"
+            )
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise TypeError(
+                f"parameter {name!r} is {p.dtype}; the objective differentiates real floating-point parameters only"
+            )
 
 
 def select_params(model: nn.Module, params: Mapping[str, Tensor] | None, prefix: str = "") -> dict[str, Tensor]:
@@ -132,12 +160,16 @@ def evaluation_dtype(dtype: torch.dtype | None, reference: torch.dtype) -> torch
     return dtype
 
 
-def check_device(device: torch.device) -> torch.device:
-    """``device``, refused where it holds no values.
+def check_device(device: object) -> torch.device:
+    """``device`` (a ``torch.device`` or its name), refused where it names none or one that holds no values.
 
     Raises:
-        ValueError: the meta device.
+        ValueError: a name torch does not know, or the meta device.
     """
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device torch knows; give 'cpu', 'cuda' or 'cuda:N'") from exc
     if device.type == "meta":
         raise ValueError("the meta device holds no values to evaluate; give device='cpu' or a GPU")
     return device

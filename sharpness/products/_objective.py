@@ -256,15 +256,17 @@ class Objective:
         check_meta(source, "parameter" if params is None else "params entry")
         check_meta(others, "tensor")
         ref = next(iter(source.values()))
-        self.device = check_device(torch.device(device) if device is not None else ref.device)
+        self.device = check_device(device if device is not None else ref.device)
         self.dtype = evaluation_dtype(dtype, ref.dtype)
         self.comm = communicator(distributed)
         if self.device.type == "cpu":  # pieces of data allocate and free the same tensors over and over
             retain_freed_memory()
         self.params = {k: p.detach().to(self.device, self.dtype) for k, p in source.items()}
         # Every tensor functional_call takes from the module: buffers and the parameters held fixed (frozen ones).
+        # Copies, never views of the caller's tensors: a forward that writes into a buffer must not reach the model.
         self.buffers = {
-            k: b.detach().to(self.device, self.dtype if b.is_floating_point() else None) for k, b in others.items()
+            k: b.detach().to(self.device, self.dtype if b.is_floating_point() else None, copy=True)
+            for k, b in others.items()
         }
         if self.comm.world_size > 1:  # process 0's parameters and buffers everywhere, as DistributedDataParallel does
             self.params = {k: self.comm.broadcast_(t.clone()) for k, t in self.params.items()}
@@ -275,6 +277,9 @@ class Objective:
         self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_piece: int | None = None  # samples per piece of a chunk's state (None: whole chunks)
         self._rop_states: list | None = None  # the chunks' cached forward state (strategy "rop")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or not memory_budget >= 0):  # fmt: skip
+            raise ValueError(f"memory_budget must be a number of bytes >= 0 or None, got {memory_budget!r}")
         self.memory_budget = default_memory_budget(self.device) if memory_budget is None else int(memory_budget)
         self._bytes_per_sample: float | None = None
         self.data = self._share_data(data, chunk_size)
@@ -331,9 +336,16 @@ class Objective:
     def _check_targets(self) -> None:
         """One forward pass on two samples of the first batch: outputs, targets and loss as the objective needs
         them (:func:`sharpness.products._boundary.check_first_batch`)."""
+        before = {k: b.clone() for k, b in self.buffers.items()}
         with eval_mode(self.model):
             check_first_batch(self.model, self._reduced_loss, self.params, self.buffers, self.data.first_batch(),
                               self.dtype, self.device)  # fmt: skip
+        changed = [k for k, b in self.buffers.items() if not torch.equal(b, before[k])]
+        if changed:
+            raise UnsupportedModelError(
+                f"the forward changes buffer(s) {', '.join(map(repr, changed[:3]))} in place even in eval mode, so "
+                "every pass would evaluate another function; keep the forward free of state updates while measuring"
+            )
 
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
