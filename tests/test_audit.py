@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases import mlp
+from guards import HANG_GUARD_S
 from model_guard import assert_unchanged, snapshot
 from torch import nn
 from torch.func import functional_call
@@ -620,7 +621,8 @@ def test_a40_random_rescale_keeps_tie_and_shared_reshape():
 # ---- CLI ------------------------------------------------------------------------------------------------------------
 def cli(pkg, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    return subprocess.run([sys.executable, "-m", pkg, *args], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, "-m", pkg, *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
 
 
 def assert_exit2(p, out_dir=None, before=()):
