@@ -114,7 +114,7 @@ def sharpness_figure(path: str, results: dict, report_verify: dict, model: str =
     title, data = "Sharpness of small- vs full-batch minima and its invariance", _data(model)
     add_caption(fig, f"{data}; both minima at training loss ≤ 0.01. Measures: layer-wise quotient (Rangamani et al. "
                 "2021), node-wise quotient, fixed weights (Jestädt 2025), minimum-norm gauge, G-space (Meng et al. "
-                "2019).")
+                "2019), symmetry: the quotient by the network's whole symmetry group (attention heads, norms, units).")
     _save(fig, path, title, f"{data}; every sharpness measure of the toolkit on two minima, and its change under "
                             "random node- and layer-wise rescalings")  # fmt: skip
 
