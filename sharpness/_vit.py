@@ -1,6 +1,6 @@
 """A small vision transformer for 8x8 one-channel images (scikit-learn's digits), built in for the command line.
 
-``vit()`` splits each 8x8 image into 2x2 patches (16 tokens of 4 pixels, row-major over the patch grid),
+``ViT`` splits each 8x8 image into 2x2 patches (16 tokens of 4 pixels, row-major over the patch grid),
 embeds them with one Linear, adds a learned positional embedding, runs ``depth`` transformer blocks, averages
 the tokens (no class token), and classifies with a final LayerNorm and a Linear. Inputs are ``(N, 64)``
 (``--data digits``: flattened images) or ``(N, 1, 8, 8)``; outputs are ``(N, classes)`` logits.
@@ -78,7 +78,21 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    """The vision transformer of the module docstring: ``(N, 64)`` or ``(N, 1, 8, 8)`` in, ``(N, classes)`` out."""
+    """The vision transformer of the module docstring: ``(N, 64)`` or ``(N, 1, 8, 8)`` in, ``(N, classes)`` out.
+
+    Args:
+        dim: embedding width ``D`` (a multiple of ``heads``).
+        heads: attention heads, each of size ``dim / heads``.
+        depth: number of transformer blocks.
+        mlp: hidden width of each block's MLP (default ``2 * dim``).
+        norm: ``"pre"`` or ``"post"`` LayerNorm blocks.
+        act: the MLP's activation, ``"relu"`` (its units keep their rescaling symmetry) or ``"gelu"``.
+        attn: ``"mha"`` (``nn.MultiheadAttention``) or ``"hand"`` (q/k/v/o Linears and SDPA).
+        classes: number of outputs.
+
+    Raises:
+        ValueError: a size is not positive, ``dim`` is not a multiple of ``heads``, or a choice is unknown.
+    """
 
     def __init__(
         self,
@@ -113,34 +127,6 @@ class ViT(nn.Module):
         return self.head(self.norm(h.mean(dim=1)))
 
 
-def vit(
-    dim: int = 16,
-    heads: int = 2,
-    depth: int = 1,
-    mlp: int | None = None,
-    norm: str = "pre",
-    act: str = "relu",
-    attn: str = "mha",
-    classes: int = 10,
-) -> ViT:
-    """A small vision transformer for 8x8 images (see :class:`ViT` and the module docstring).
-
-    Args:
-        dim: embedding width ``D`` (a multiple of ``heads``).
-        heads: attention heads, each of size ``dim / heads``.
-        depth: number of transformer blocks.
-        mlp: hidden width of each block's MLP (default ``2 * dim``).
-        norm: ``"pre"`` or ``"post"`` LayerNorm blocks.
-        act: the MLP's activation, ``"relu"`` (its units keep their rescaling symmetry) or ``"gelu"``.
-        attn: ``"mha"`` (``nn.MultiheadAttention``) or ``"hand"`` (q/k/v/o Linears and SDPA).
-        classes: number of outputs.
-
-    Raises:
-        ValueError: a size is not positive, ``dim`` is not a multiple of ``heads``, or a choice is unknown.
-    """
-    return ViT(dim, heads, depth, mlp, norm, act, attn, classes)
-
-
 _INTEGERS = ("dim", "heads", "depth", "mlp", "classes")
 _CHOICES = {"norm": NORMS, "act": ACTIVATIONS, "attn": ATTENTIONS}
 
@@ -149,7 +135,7 @@ def vit_from_spec(spec: str) -> ViT:
     """The model of a ``vit[:KEY=VALUE,...]`` SPEC, e.g. ``vit``, ``vit:dim=32,heads=4,depth=2,attn=hand``.
 
     Keys: ``dim``, ``heads``, ``depth``, ``mlp``, ``classes`` (positive integers) and ``norm`` (pre, post),
-    ``act`` (relu, gelu), ``attn`` (mha, hand); see :func:`vit`.
+    ``act`` (relu, gelu), ``attn`` (mha, hand); see :class:`ViT`.
 
     Raises:
         SpecError: an unknown key, a value that is not a positive integer or not one of the choices, or
@@ -176,6 +162,6 @@ def vit_from_spec(spec: str) -> ViT:
         if values[key] < 1:
             raise SpecError(f"model spec {spec!r}: {key} must be a positive integer, not {text!r}")
     try:
-        return vit(**values)
+        return ViT(**values)
     except ValueError as err:
         raise SpecError(f"model spec {spec!r}: {err}") from None
