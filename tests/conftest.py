@@ -6,7 +6,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cases import CASE_NAMES, RESCALABLE_CASES, make_case  # noqa: E402
+from cases import CASE_NAMES, RESCALABLE_CASES, make_case, mlp  # noqa: E402
+from torch import nn  # noqa: E402
+
+from sharpness import Objective  # noqa: E402
 
 # The test problems are tiny: thread hand-offs cost more than they save (and CI has 2 cores).
 torch.set_num_threads(1)
@@ -28,3 +31,19 @@ def _float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture(scope="module")
+def critical():
+    """A regression MLP at an exact critical point: the targets are its own outputs, so the loss is 0.
+    ``(model, loss, x, y, objective)``."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 6, 2]).double().eval()
+    x = torch.randn(30, 3, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        y = model(x)
+    loss = nn.MSELoss()
+    obj = Objective(model, loss, (x, y))
+    assert float(obj.gradient().norm()) == 0.0
+    return model, loss, x, y, obj

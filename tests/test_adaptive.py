@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from cases import mlp
 from test_group_zoo import build
 from torch import nn
 
@@ -31,21 +30,6 @@ def test_invariant_under_the_rescaling_group(name, kind):
     assert b.value == pytest.approx(a.value, rel=1e-8)
     for h, g in zip(a.history, b.history, strict=True):
         assert g["increase"] == pytest.approx(h["increase"], rel=1e-7, abs=1e-12)
-
-
-@pytest.fixture(scope="module")
-def critical():
-    """A regression MLP at an exact critical point: the targets are its own outputs, so the loss is 0."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    model = mlp([3, 6, 2]).double().eval()
-    x = torch.randn(30, 3, generator=g, dtype=torch.float64)
-    with torch.no_grad():
-        y = model(x)
-    loss = nn.MSELoss()
-    obj = Objective(model, loss, (x, y))
-    assert float(obj.gradient().norm()) == 0.0
-    return model, loss, x, y, obj
 
 
 def test_l2_worst_case_is_half_rho_squared_times_the_node_measure_at_a_critical_point(critical):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from cases import make_case, mlp
+from cases import make_case
 from test_group_zoo import build
 from torch import nn
 
@@ -83,31 +83,18 @@ def test_invariant_under_layer_rescaling_with_the_layer_metric():
     assert abs(b.value - a.value) <= 1e-8 * a.value
 
 
-@pytest.fixture(scope="module")
-def critical():
-    """A regression MLP at an exact critical point: the targets are its own outputs, so the loss is 0."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    model = mlp([3, 6, 2]).double().eval()
-    x = torch.randn(30, 3, generator=g, dtype=torch.float64)
-    with torch.no_grad():
-        y = model(x)
-    obj = Objective(model, nn.MSELoss(), (x, y))
-    assert float(obj.gradient().norm()) == 0.0
-    return obj
-
-
 def test_small_rho_is_half_rho_squared_times_the_node_quotient_eigenvalue(critical):
     """At a critical point the node quotient Hessian is diag(|w|) H diag(|w|) (the connection term g w xi vanishes),
     and f(gamma(1)) = rho^2/2 Hess f(xi, xi) + O(rho^3) along any curve that agrees with the geodesic to second
     order. So the ratio to rho^2/2 lambda_max is 1 + c rho + O(rho^2), c the cubic Taylor term over the quadratic one:
     measured 0.11 rho at rho = 1e-2 and 1e-3 (0.15 rho at 0.1) on this model, so the test allows rho; the Lanczos
     eigenvalue agrees with the dense one to 1e-13."""
-    w = critical.layout.flatten(critical.params)
-    lam = float(torch.linalg.eigvalsh(w.abs()[:, None] * dense_hessian(critical) * w.abs()[None, :])[-1])
+    *_, obj = critical
+    w = obj.layout.flatten(obj.params)
+    lam = float(torch.linalg.eigvalsh(w.abs()[:, None] * dense_hessian(obj) * w.abs()[None, :])[-1])
     assert lam > 0
     for rho in (1e-2, 1e-3):
-        res = geodesic_sharpness(None, None, None, rho, ascent=Ascent(steps=10, restarts=0), objective=critical,
+        res = geodesic_sharpness(None, None, None, rho, ascent=Ascent(steps=10, restarts=0), objective=obj,
                                  progress=False)  # fmt: skip
         assert res.eigenvalue == pytest.approx(lam, rel=1e-8)
         assert res.value == pytest.approx(rho**2 / 2 * lam, rel=rho)
