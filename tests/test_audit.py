@@ -730,25 +730,17 @@ def test_c04_float_integral_labels(ck):
         assert_exit2(p)
 
 
+def _plane(checkpoint: str, d, out: str, *extra: str):
+    """``python -m landscape plane`` of the audit's 8-6-3 MLP on its good data, 3x3 points, into ``out``."""
+    return cli("landscape", "plane", "--model", "mlp:8-6-3", "--checkpoint", checkpoint, "--data", str(d / "good.npz"),
+               "--steps", "3", "--out", out, *extra, "--quiet")  # fmt: skip
+
+
 def test_c05_plane_out_is_existing_file(ck, tmp_path):
     d, _ = ck
     f = tmp_path / "existing"
     f.write_text("keep me")
-    p = cli(
-        "landscape",
-        "plane",
-        "--model",
-        "mlp:8-6-3",
-        "--checkpoint",
-        str(d / "good.pt"),
-        "--data",
-        str(d / "good.npz"),
-        "--steps",
-        "3",
-        "--out",
-        str(f),
-        "--quiet",
-    )
+    p = _plane(str(d / "good.pt"), d, str(f))
     assert_exit2(p, tmp_path, ["existing"])
     assert f.read_text() == "keep me"
 
@@ -760,44 +752,14 @@ def test_c06_plane_out_symlink_to_checkpoint(ck, tmp_path):
     before = ck_copy.read_bytes()
     link = tmp_path / "link"
     link.symlink_to(ck_copy)
-    p = cli(
-        "landscape",
-        "plane",
-        "--model",
-        "mlp:8-6-3",
-        "--checkpoint",
-        str(ck_copy),
-        "--data",
-        str(d / "good.npz"),
-        "--steps",
-        "3",
-        "--out",
-        str(link),
-        "--quiet",
-    )
+    p = _plane(str(ck_copy), d, str(link))
     assert_exit2(p, tmp_path, ["ck.pt", "link"])
     assert ck_copy.read_bytes() == before
 
 
 def test_c07_plane_name_with_path_separator(ck, tmp_path):
     d, _ = ck
-    p = cli(
-        "landscape",
-        "plane",
-        "--model",
-        "mlp:8-6-3",
-        "--checkpoint",
-        str(d / "good.pt"),
-        "--data",
-        str(d / "good.npz"),
-        "--steps",
-        "3",
-        "--out",
-        str(tmp_path / "o"),
-        "--name",
-        "../escape",
-        "--quiet",
-    )
+    p = _plane(str(d / "good.pt"), d, str(tmp_path / "o"), "--name", "../escape")
     if p.returncode == 0:
         assert not (tmp_path / "escape.npz").exists(), "--name escaped --out"
     else:
