@@ -426,8 +426,10 @@ def _table(report: dict) -> str:
             error = f" +- {a['standard_error']:.2g}" if a["standard_error"] is not None else ""
             lines.append(f"  {kind:<8} {a['value']:.6g}{error}")
     if report.get("geodesic"):
-        rho = report["geodesic"]["order2"]["rho"]
-        lines += ["", f"geodesic sharpness, rho = {rho:g} (node metric, horizontal geodesic ball; invariant):"]
+        second = report["geodesic"]["order2"]
+        under = ", ".join(second["invariant_under"]) or "nothing here"
+        lines += ["", f"geodesic sharpness, rho = {second['rho']:g} (node metric, horizontal geodesic ball; "
+                      f"invariant under {under}):"]  # fmt: skip
         lines += [f"  order {g['order']}  {g['value']:.6g}" for g in report["geodesic"].values()]
     lines += ["", *(f"warning: {w}" for w in report["warnings"])] if report.get("warnings") else []
     return "\n".join(lines)

@@ -214,3 +214,15 @@ def test_refuses_the_horizontal_ball_when_the_group_is_unknown():
     whole = geodesic_sharpness(model, nn.CrossEntropyLoss(), data, 0.1, horizontal=False, ascent=ASCENT,
                                progress=False)  # fmt: skip
     assert whole.value > 0 and not whole.horizontal
+
+
+def test_a_network_without_symmetry_claims_no_invariance():
+    """A GELU network's rescaling group has dimension 0: the node metric's claim is cut to nothing, with the reason."""
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)).double().eval()
+    x, y = torch.randn(20, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (20,), generator=g)
+    res = geodesic_sharpness(model, nn.CrossEntropyLoss(), (x, y), 0.05, horizontal=False,
+                             ascent=Ascent(steps=2, restarts=0), progress=False)  # fmt: skip
+    assert res.invariant_under == ()
+    assert res.invariance_note.startswith("invariant under nothing here: this network's rescaling group has dimension")
+    assert res.to_dict()["invariant_under"] == []

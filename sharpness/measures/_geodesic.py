@@ -49,6 +49,7 @@ from manifolds import Metric, MetricQuotient, ParamLayout, UnsupportedModelError
 from sharpness._progress import progress_bar
 from sharpness._results import EigenResult, jsonable
 from sharpness.measures._adaptive import Ascent, SearchBall, _starts, _worst_case
+from sharpness.measures._claims import symmetry_facts
 from sharpness.measures._euclidean import Euclidean
 from sharpness.measures._measure import Measure
 from sharpness.measures._quotient import QuotientMeasure
@@ -98,7 +99,9 @@ class GeodesicSharpness:
         history: one record per evaluation: ``start`` (``"centre"``, ``"eigen+"``, ``"eigen-"``,
             ``"random k"``), ``step``, ``increase``, ``radius`` (``||xi||_g``), ``batch`` (always ``None``).
         ascent: the :class:`Ascent` settings.
-        invariant_under: the rescaling kinds that leave the value unchanged (those of the metric's measure).
+        invariant_under: the rescaling kinds that leave the value unchanged: the metric's measure's claim cut to
+            the kinds this network's rescaling group has (empty where it has dimension 0).
+        invariance_note: what was cut from that claim and why (``None`` when nothing was).
         seconds: wall time, eigen-solve included.
         layout: maps the vectors to named parameters.
     """
@@ -117,6 +120,7 @@ class GeodesicSharpness:
     invariant_under: tuple[str, ...]
     seconds: float
     layout: ParamLayout = field(repr=False)
+    invariance_note: str | None = None
 
     @property
     def second_order(self) -> float | None:
@@ -135,6 +139,7 @@ class GeodesicSharpness:
             "eigenvalue": self.eigenvalue,
             "second_order": self.second_order,
             "invariant_under": list(self.invariant_under),
+            "invariance_note": self.invariance_note,
             "ascent": self.ascent.to_dict(),
             "history": self.history,
             "seconds": self.seconds,
@@ -278,6 +283,7 @@ def geodesic_sharpness(
             obj, ball, "l2", float(rho), ascent, make_starts, lambda: bar.update(1), None
         )
     w = obj.layout.flatten(obj.params)
+    claims = symmetry_facts(tuple(measure.invariant_under), obj)  # the claim the group found supports
     return GeodesicSharpness(
         rho=float(rho),
         metric=measure.name,
@@ -290,7 +296,8 @@ def geodesic_sharpness(
         eigenvalue=solved[0].value if solved else None,
         history=history,
         ascent=ascent,
-        invariant_under=tuple(measure.invariant_under),
+        invariant_under=tuple(claims["invariant_under"]),
         seconds=time.perf_counter() - started,
         layout=obj.layout,
+        invariance_note=claims.get("invariance_note"),
     )
