@@ -5,6 +5,8 @@ F1: MLP 784-300-100-10 with biases (``nn.Sequential`` of ``Linear``/``ReLU``), 2
 C1: the small CNN of the scale-invariant flatness paper on 1x28x28 inputs: conv 5x5 (1->10) - relu -
     maxpool 2 - conv 5x5 (10->20) - relu - maxpool 2 - flatten - FC 320-120 - relu - 120-84 - relu -
     84-10, 54,814 parameters.
+T1: the built-in vision transformer (``sharpness._vit.ViT``: 2x2 patches of an 8x8 image, 16 tokens) with width
+    32, 4 heads of size 8, 2 pre-LayerNorm blocks, ReLU MLPs of width 64, ``nn.MultiheadAttention``; 18,154 parameters.
 
 Data: Gaussian inputs, labels uniform in 10 classes, cross-entropy (mean over samples). Everything
 is seeded, so two calls give bit-identical models and data on the same machine.
@@ -48,10 +50,18 @@ def cnn_c1() -> nn.Sequential:
     )
 
 
+def vit_t1() -> nn.Module:
+    """T1: the built-in ViT, width 32, 4 heads, 2 pre-LayerNorm blocks, for (N, 64) inputs."""
+    from sharpness._vit import ViT
+
+    return ViT(dim=32, heads=4, depth=2)
+
+
 # name: (builder, input shape, description, (Adam learning rate, steps) of the brief training)
 _BUILDERS = {
     "F1": (mlp_f1, (784,), "MLP 784-300-100-10 (biases)", (1e-4, 100)),
     "C1": (cnn_c1, (1, 28, 28), "CNN conv5x5(1-10)-pool-conv5x5(10-20)-pool-FC 320-120-84-10", (5e-4, 50)),
+    "T1": (vit_t1, (64,), "ViT width 32, 4 heads, 2 pre-LN blocks, MHA, 2x2 patches of 8x8", (1e-3, 50)),
 }
 WORKLOADS = tuple(_BUILDERS)
 

@@ -11,6 +11,8 @@
 # Every step runs under `timeout` with its own budget (seconds, listed below; they add up to 470 s with the set-up),
 # cut further where the run's deadline is nearer, and a failed or timed-out step does not stop the ones after it.
 #
+# GPU_RUN_ONLY="tests_devices rop_pieces" runs only the named steps (and the set-up).
+#
 # Rehearsal on a machine without a GPU: GPU_RUN_DEVICE=cpu OUT=$(mktemp -d) bash bench/gpu_run.sh
 # runs the same steps on the CPU, with small workloads and budgets scaled by GPU_RUN_SCALE percent (default 50).
 set -u -o pipefail
@@ -37,6 +39,9 @@ if [ "$DEVICE" = cuda ]; then
   F1_PLANE=(--repeat 2 --kinds 21)  # the full 51x51 plane
   PEERS=()
   CONNECTION=(--repeats 10)
+  PIECES=(--samples 1000 --rounds 5)
+  TRANSFORMER=(--workloads T1 --sections 1 2 --quick)
+  PROFILE=(--workload T1)
 else
   SCALE=${GPU_RUN_SCALE:-50} TOTAL=${GPU_RUN_TOTAL:-300}
   DEVICE_TESTS=(tests/test_devices.py -k "test_products_on_the_device and mlp_bias")
@@ -49,6 +54,9 @@ else
   PEERS=(--seeds 1 --tols 5e-3 --references 531.6470689,7.884597132  # (the float64 values for 40 samples)
          --skip pyhessian,hessian-eigenthings,curvlinops)
   CONNECTION=(--repeats 2)
+  PIECES=(--samples 40 --rounds 1 --pieces 0,64)
+  TRANSFORMER=(--workloads T1 --sections 1 --quick)
+  PROFILE=(--workload T1 --lines 10)
 fi
 THREADS=$(nproc)  # all the cores (16 on the GPU machine): the CPU side of the runs
 DEADLINE=$((START + TOTAL))
@@ -61,6 +69,7 @@ log() { echo "$*" | tee -a "$LOG"; }
 step() {
   local name=$1 budget=$2 left rc t0 t
   shift 2
+  case " install nvidia-smi versions ${GPU_RUN_ONLY:-$name} " in *" $name "*) ;; *) return ;; esac
   if ((budget >= 20)); then budget=$((budget * SCALE / 100)); fi  # the set-up steps keep theirs
   left=$((DEADLINE - $(date +%s) - KILL))
   if ((budget > left)); then budget=$left; fi
@@ -129,6 +138,9 @@ step tests_compiled 90 "${PYTEST[@]}" "${COMPILE_TESTS[@]}"
 # --- b. the benchmarks, most wanted first (targets: HVP / gradient, top eigenvalue vs the peers, ResNet-20 measures,
 # a loss plane vs loss-landscapes); --threads acts on the CPU only
 step curvature 65 python3 bench/curvature.py --device "$DEVICE" "${CURVATURE[@]}" --json "$JSON/curvature.json"
+step rop_pieces 45 python3 bench/rop_pieces.py --device "$DEVICE" "${PIECES[@]}" --json "$JSON/rop_pieces.json"
+step transformer 90 python3 bench/curvature.py --device "$DEVICE" "${TRANSFORMER[@]}" --json "$JSON/transformer.json"
+step profile_solve 30 python3 bench/profile_solve.py --device "$DEVICE" "${PROFILE[@]}"
 step resnet 45 python3 bench/resnet.py --device "$DEVICE" --samples "$SAMPLES" --hvp-threads "$THREADS" \
   --hvp-rounds 3 --rounds 3 --json "$JSON/resnet.json"
 step resnet_peers 105 python3 bench/resnet_peers.py --device "$DEVICE" --samples "$SAMPLES" --threads "$THREADS" \

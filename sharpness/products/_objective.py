@@ -52,6 +52,10 @@ HVP_STRATEGIES = ("auto", "rop", "graph", "double_backward", "jvp")
 # (sharpness.products._heap, 128 MiB), or every piece maps them afresh from the system, page by page: with
 # 16 MiB pieces a ResNet-20 product on 1000 samples took 150-450 thousand page faults, a fifth of its time.
 _ROP_PIECE_BYTES = 4 * 2**20
+# On a GPU there is no such heap to fit, and every piece launches the same few hundred kernels: a ResNet-20 product on
+# 1000 samples (H200, float32) took 4.9x a gradient in 4 MiB pieces, 1.5x in 16 MiB and 1.09x from 64 MiB up
+# (bench/rop_pieces.py). The memory budget still bounds the state as a whole.
+_ROP_PIECE_BYTES_GPU = 256 * 2**20
 # Forward activations of one gradient piece on the CPU (larger chunks cut to it; smaller ones joined up to it where
 # the memory budget allows). Activations that fit in the heap's retained memory are reused instead of mapped afresh:
 # a ResNet-20 gradient over 1000 samples took 5.5 s in one piece and 2.0 s in pieces of 70 samples (2 threads).
@@ -588,7 +592,8 @@ class Objective:
         try:
             with torch.no_grad(), eval_mode(self.model):
                 self._rop_bytes_per_sample, largest = self._rop.state_sizes(self.params, x)
-                self._rop_piece = max(1, _ROP_PIECE_BYTES // max(largest, 1))
+                piece_bytes = _ROP_PIECE_BYTES if self.device.type == "cpu" else _ROP_PIECE_BYTES_GPU
+                self._rop_piece = max(1, piece_bytes // max(largest, 1))
         except (ValueError, RuntimeError):  # e.g. Linear layers on (n, seq, features) inputs
             return False
         return True
