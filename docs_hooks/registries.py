@@ -88,7 +88,7 @@ def rows(path: str) -> list[tuple[str, str, str]]:
                 f"{path} is {value!r} but docs_hooks/registries.py describes {sorted(described)}: "
                 "describe each entry there (one line) and drop the ones that are gone"
             )
-        return [(f'`"{name}"`', "", described[name]) for name in value]
+        return [(f'`"{name}"`', "", described[name][:1].upper() + described[name][1:]) for name in value]
     if isinstance(value, dict):
         out = []
         for key, entry in value.items():
@@ -105,15 +105,13 @@ def rows(path: str) -> list[tuple[str, str, str]]:
 
 
 def table(path: str) -> str:
-    """The markdown table of the registry at ``path``."""
-    entries = rows(path)
-    with_value = any(value for _, value, _ in entries)
-    head = "| entry | object | what it is |\n|---|---|---|" if with_value else "| entry | what it is |\n|---|---|"
-    lines = [
-        f"| {key} | {value} | {text.replace('|', '&#124;')} |" if with_value else f"| {key} | {text} |"
-        for key, value, text in entries
-    ]
-    return "\n".join([head, *lines])
+    """The markdown table of the registry at ``path``: the entry, then its object (where it is one) and what it
+    is. Pipes inside code spans need no escaping (the tables extension skips code spans)."""
+    lines = ["| entry | what it is |", "|---|---|"]
+    for key, value, text in rows(path):
+        described = f"{value}: {text}" if value and text else value or text
+        lines.append(f"| {key} | {described} |")
+    return "\n".join(lines)
 
 
 def on_page_markdown(markdown: str, page, config, **kwargs) -> str:
