@@ -3,12 +3,12 @@
 Trains the same MLP (64-128-128-10) with SGD + momentum 0.9 twice, with mini-batches and with the
 full batch, each until the training loss reaches the same threshold (sharpness of cross-entropy
 minima falls as the loss falls, so only minima at matched loss can be compared). ``model`` may name
-another ``mlp:64-...-10`` or a ``vit`` spec instead (see :func:`recipe`: a transformer trains with Adam).
+another ``mlp:64-...-10`` or a ``vit`` spec instead (see `recipe`: a transformer trains with Adam).
 Then it measures every registered sharpness on both minima (recording, with the reason, those that do
 not apply to the model), verifies invariance under random rescalings, shows a
 function-preserving rescaling that games the Euclidean measure, draws the loss on the planes of the
 top-2 Euclidean and invariant Hessian eigenvectors of both minima and of the rescaled twin
-(:mod:`landscape._demo_surfaces`), and writes a report.
+(`landscape._demo_surfaces`), and writes a report.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def _game_euclidean(model: nn.Module, X, y, target: float, tol: float) -> tuple[
 
     Returns:
         ``(summary, twin, result)``: the rescaling found (``lambdas`` ``None`` off a chain; ``text`` says it
-        in words), the rescaled copy and its Euclidean top-2.
+            in words), the rescaled copy and its Euclidean top-2.
     """
     structure = manifolds.analyze(model, X[:2])  # with shapes: the layer-wise group of a non-chain needs them
     for a in (2.0, 4.0, 8.0, 16.0, 32.0, 64.0):
@@ -217,10 +217,10 @@ def run_demo(
     interrupted or failed demo (Ctrl-C included) leaves no partial output and no new folder.
 
     ``grid_steps``: points per axis of each loss-surface panel (odd). ``model``: the model spec trained
-    (:func:`recipe`), checked before anything is written.
+    (`recipe`), checked before anything is written.
 
     Raises:
-        SpecError: ``model`` is not a spec the demo trains (see :func:`demo_model`).
+        SpecError: ``model`` is not a spec the demo trains (see `demo_model`).
     """
     demo_model(model, digits_data()[0])
     parent = os.path.dirname(os.path.abspath(out))
@@ -237,7 +237,7 @@ def run_demo(
 
 
 def _write_demo(out: str, seed: int, threshold: float, progress: bool | None, grid_steps: int, spec: str) -> dict:
-    """The demo's work, its files written into ``out`` (the staging folder of :func:`run_demo`)."""
+    """The demo's work, its files written into ``out`` (the staging folder of `run_demo`)."""
     torch.manual_seed(seed)
     X, y = digits_data()
     how = recipe(spec)

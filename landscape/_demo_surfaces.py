@@ -53,7 +53,7 @@ class SurfacePanel:
 
 def plane_directions(result: EigenResult, objective: Objective, metric: str) -> Tensor:
     """The top-2 eigenvectors of ``result`` as ``(2, n)`` ambient directions of unit length in the measure
-    ``metric`` (one of :data:`SURFACE_METRICS`), horizontal, with the largest entry of each in the measure's
+    ``metric`` (one of `SURFACE_METRICS`), horizontal, with the largest entry of each in the measure's
     whitened coordinates positive."""
     if metric not in SURFACE_METRICS:
         raise ValueError(f"no surface plane for metric {metric!r}; choose one of {', '.join(SURFACE_METRICS)}")
@@ -78,7 +78,7 @@ def surface_panels(
 
     Args:
         networks: ``{row: (float64 model, {metric: EigenResult with k >= 2})}`` for each metric of
-            :data:`SURFACE_METRICS`.
+            `SURFACE_METRICS`.
         data: ``(X, y)`` in float64.
         steps: grid points per axis (odd, so the centre is a grid point).
         range_scale: the half-width of a column is ``range_scale / sqrt(max lambda_1)`` over its rows.

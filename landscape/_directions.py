@@ -7,9 +7,9 @@
   (biases) are zeroed (``bias="zero"``, Li et al.'s default) or kept and normalized as a whole
   (``bias="keep"``).
 * The top eigenvectors of the Euclidean Hessian or of the node-wise (or layer-wise) Riemannian
-  Hessian, from :mod:`sharpness`.
+  Hessian, from `sharpness`.
 * The segment from one checkpoint to another (``theta + alpha (theta_1 - theta)``).
-* Random Gaussian directions in G-space (basis-path coordinates, :class:`manifolds.GSpace`), by
+* Random Gaussian directions in G-space (basis-path coordinates, [`manifolds.GSpace`][manifolds.GSpace]), by
   default with the chain-root coordinates held fixed (so ``w(v)`` has no singularity on the plane),
   each coordinate block rescaled to the norm of the centre's block.
 
@@ -147,13 +147,13 @@ def _labels(k: int, prefix: str = "") -> tuple[str, ...]:
 def random_directions(
     params: Mapping[str, Tensor], k: int = 2, seed: int = 0, norm: str = "filter", bias: str = "zero"
 ) -> Directions:
-    """``k`` independent Gaussian directions at ``params``, normalized by :func:`normalize_direction`.
+    """``k`` independent Gaussian directions at ``params``, normalized by `normalize_direction`.
 
     Direction ``i`` is drawn from a CPU ``torch.Generator`` seeded with ``seed + i`` (in float64,
     then cast), so it does not depend on the device, the dtype or the other directions.
 
     Returns:
-        :class:`Directions` of kind ``"random"``; ``info`` holds ``seeds``, ``normalization`` and ``bias``.
+        `Directions` of kind ``"random"``; ``info`` holds ``seeds``, ``normalization`` and ``bias``.
 
     Raises:
         ValueError: ``k < 1``, or a direction that normalization makes zero (every weight it is scaled to is
@@ -191,17 +191,17 @@ def eigen_directions(
 
     ``metric="euclidean"``: eigenvectors of the Euclidean Hessian (unit Euclidean norm).
     ``metric="node"`` / ``"layer"``: eigenvectors of the Riemannian Hessian on the node-wise /
-    layer-wise quotient (:func:`sharpness.invariant_sharpness`): horizontal tangent vectors of unit
+    layer-wise quotient (`sharpness.invariant_sharpness`): horizontal tangent vectors of unit
     ``g``-norm, so a coordinate step of 1 is a unit step in the invariant metric (for ``"node"``,
     ``sum_k (xi_k / w_k)^2 = 1``: relative changes of the weights). Planes along them are drawn as
     straight lines ``theta + a xi_1 + b xi_2`` (the first-order retraction), or with
-    ``path="geodesic"`` (:func:`landscape.loss_plane`) along the metric's exact exponential map.
-    Any measure with a metric ball (:attr:`sharpness.Measure.has_ball`) works, by name or object; the
+    ``path="geodesic"`` ([`landscape.loss_plane`][landscape.loss_plane]) along the metric's exact exponential map.
+    Any measure with a metric ball (`sharpness.Measure.has_ball`) works, by name or object; the
     others return vectors at another point (a canonical representative) or in other coordinates.
 
     Returns:
-        :class:`Directions` of kind ``"eigen"`` (a measure without invariance) or ``"invariant-eigen"``;
-        ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged`` and ``n_hvp``.
+        `Directions` of kind ``"eigen"`` (a measure without invariance) or ``"invariant-eigen"``;
+            ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged`` and ``n_hvp``.
     """
     measure = get_measure(metric)
     if not measure.has_ball:
@@ -264,11 +264,11 @@ def gspace_directions(
 ) -> Directions:
     """``k`` random Gaussian directions in G-space at the coordinates ``center``.
 
-    Drawn exactly like :func:`random_directions` (direction ``i`` from a CPU generator seeded with
+    Drawn exactly like `random_directions` (direction ``i`` from a CPU generator seeded with
     ``seed + i``, in float64), in the coordinate layout ``gspace.layout``: one block per layer's
     weight coordinates and one per bias.
 
-    ``roots="fixed"`` (default) sets the components on the chain roots (:func:`chain_root_mask`) to
+    ``roots="fixed"`` (default) sets the components on the chain roots (`chain_root_mask`) to
     exactly 0, so no hidden unit's chain value changes anywhere on the plane ``w(v + a d1 + b d2)``:
     ``w`` never divides by a value that crosses 0, and the plane has no singular lines whatever its
     span. ``roots="free"`` moves every coordinate; a root then crosses 0 a distance of about
@@ -285,7 +285,7 @@ def gspace_directions(
     network, so the plane is too.
 
     Args:
-        gspace: the parametrization (:class:`manifolds.GSpace`) of the network.
+        gspace: the parametrization ([`manifolds.GSpace`][manifolds.GSpace]) of the network.
         center: ``(dim,)`` flat G-space coordinates of the centre (``gspace.coordinates(params)``).
         k: number of directions.
         seed: seed of the first direction.
@@ -295,9 +295,9 @@ def gspace_directions(
         roots: ``"fixed"`` (default: the chain roots stay at the centre's values) or ``"free"``.
 
     Returns:
-        :class:`Directions` of kind ``"gspace"``, vectors ``(k, dim)``; ``info`` holds ``space``,
-        ``seeds``, ``normalization``, ``bias``, ``distribution``, ``roots``, ``fixed_coordinates``,
-        ``dim`` and ``blocks``.
+        [`Directions`][landscape.Directions] of kind ``"gspace"``, vectors ``(k, dim)``; ``info`` holds ``space``,
+            ``seeds``, ``normalization``, ``bias``, ``distribution``, ``roots``, ``fixed_coordinates``,
+            ``dim`` and ``blocks``.
     """
     check_normalization(norm, gspace=True)
     if roots not in GSPACE_ROOTS:

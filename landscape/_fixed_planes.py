@@ -3,7 +3,7 @@
 For each value ``b`` the plane is centered at
 
 * reading (a): the model's parameters with every fixed weight set to ``b`` (with the sign rule of
-  :class:`manifolds.FixedWeightSpace`, ``signs * b``): the network function changes with ``b``;
+  [`manifolds.FixedWeightSpace`][manifolds.FixedWeightSpace], ``signs * b``): the network function changes with ``b``;
 * reading (b): the function-preserving node-wise rescaling of the model after which every fixed weight
   is ``+-b``: the same network, only the gauge differs.
 
@@ -113,7 +113,9 @@ def fixed_weight_planes(
     """One loss plane in the free-weight subspace per fixed-weight value ``b``.
 
     Args:
-        model, loss_fn, data: as for :func:`landscape.loss_plane` (the model is read, never modified).
+        model: as for [`landscape.loss_plane`][landscape.loss_plane] (the model is read, never modified).
+        loss_fn: as for [`landscape.loss_plane`][landscape.loss_plane] (the model is read, never modified).
+        data: as for [`landscape.loss_plane`][landscape.loss_plane] (the model is read, never modified).
         values: the fixed-weight values ``b > 0``.
         reading: ``"a"``: center = the parameters with every fixed weight set to ``signs * b`` (the
             function changes with ``b``); ``"b"``: center = the function-preserving rescaling with
@@ -124,12 +126,14 @@ def fixed_weight_planes(
             normalization): the directions of every plane use seeds ``seed`` and ``seed + 1``, are normalized
             against that plane's center and are zero on the fixed entries.
         grid: span, points per axis and strategy (default ``Grid(steps=31)``).
-        dtype, objective, progress: as for :func:`landscape.loss_plane`.
+        dtype: as for [`landscape.loss_plane`][landscape.loss_plane].
+        objective: as for [`landscape.loss_plane`][landscape.loss_plane].
+        progress: as for [`landscape.loss_plane`][landscape.loss_plane].
 
     Returns:
-        One :class:`Surface` per value, with the title naming the reading and ``b``, ``extras["fixed"]``
-        holding ``b`` and metadata ``reading``, ``plane`` (what the two directions are), ``fixed_value``,
-        ``selection``, ``n_fixed``, ``n_free``.
+        One [`Surface`][landscape.Surface] per value, with the title naming the reading and ``b``, ``extras["fixed"]``
+            holding ``b`` and metadata ``reading``, ``plane`` (what the two directions are), ``fixed_value``,
+            ``selection``, ``n_fixed``, ``n_free``.
     """
     spec, grid = directions or DirectionSpec(), grid or Grid(steps=31)
     grid.require_memory(2)

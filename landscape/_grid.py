@@ -1,6 +1,6 @@
 """Exact whole-data-set loss (and accuracy) at every point of a grid ``theta + sum_i c_i d_i``
-(:func:`evaluate_grid`), or at the points ``p(c)`` of any map from grid coordinates to parameters
-(:func:`evaluate_points`: curved charts such as G-space planes or geodesic planes).
+([`evaluate_grid`][landscape.evaluate_grid]), or at the points ``p(c)`` of any map from grid coordinates to parameters
+([`evaluate_points`][landscape.evaluate_points]: curved charts such as G-space planes or geodesic planes).
 
 Three strategies, all giving the same values (to rounding):
 
@@ -16,8 +16,8 @@ Three strategies, all giving the same values (to rounding):
 
 ``"auto"`` takes the fast path when the model allows it, otherwise ``"loop"`` on CPU (where a
 vmapped forward pass is slower than a loop) and ``"vmap"`` elsewhere. The fast path needs the first
-layer's parameters to be linear in the grid coordinates: always for :func:`evaluate_grid`, and for
-:func:`evaluate_points` when the caller says so (``first_layer``; G-space planes, whose first layer is
+layer's parameters to be linear in the grid coordinates: always for [`evaluate_grid`][landscape.evaluate_grid], and for
+`evaluate_points` when the caller says so (``first_layer``; G-space planes, whose first layer is
 ``v_1 / d``, qualify).
 
 Both functions share one driver: the data are traversed once (outer loop over pieces of data, inner
@@ -28,12 +28,12 @@ functionally.
 
 Grids are evaluated in eval mode, where a BatchNorm with running statistics is a per-channel affine
 map: every engine runs the model's traced graph with each such BatchNorm folded into the ``Linear``
-or convolution before it (:func:`sharpness.products.fold_batch_norms`), so no pass over the activations is spent
+or convolution before it (`sharpness.products.fold_batch_norms`), so no pass over the activations is spent
 on it, and its views made reshapes. On CPU, images go through the convolutions in channels-last order; a batch
 of one grid point is a plain call rather than a vmapped one, with the ReLUs and additions done in place where
-nothing else reads the tensor (:mod:`landscape._inplace`). On ResNet-20 with 3x32x32 inputs these took a point
+nothing else reads the tensor (`landscape._inplace`). On ResNet-20 with 3x32x32 inputs these took a point
 from 0.96 s to about 0.52 s (2 threads). With ``compile=True`` each point's forward pass, the first layer's
-combination included, runs through ``torch.compile`` (:mod:`landscape._compiled`), which fuses the element-wise
+combination included, runs through ``torch.compile`` (`landscape._compiled`), which fuses the element-wise
 work between the convolutions and drops the cost of calling the model with new parameters (12% less a point).
 """
 
@@ -146,7 +146,7 @@ def split_first_linear(objective: Objective) -> FirstLayerSplit | None:
     The fast path needs a first parameterized module that is linear in its parameters (Linear, a
     convolution), reached from the input by parameter- and buffer-free operations only, with no connection
     skipping it, and all its parameters among those the grid moves. The cut is read off the model's traced
-    graph (:attr:`Objective.structure`), so any traceable model qualifies, not only an ``nn.Sequential``.
+    graph (`Objective.structure`), so any traceable model qualifies, not only an ``nn.Sequential``.
     """
     traced = objective.structure.traced
     if traced is None or traced.graph is None:
@@ -382,7 +382,7 @@ def _columns(layout, names: Sequence[str], device: torch.device) -> Tensor:
 
 
 def _mlp_layers(chain, names: Sequence[str]) -> list[tuple[str, nn.Module]] | None:
-    """The steps of ``chain`` (a :attr:`FirstLayerSplit.chain`) when it is a plain chain of ``Linear`` and
+    """The steps of ``chain`` (a `FirstLayerSplit.chain`) when it is a plain chain of ``Linear`` and
     ``ReLU`` whose parameters all move with the grid (then batched matrix products replace vmap), else ``None``."""
     if chain is None:
         return None
@@ -439,7 +439,7 @@ class _FirstLayer:
     @functools.cached_property
     def rest_compiled(self) -> tuple[Callable[..., Tensor], set[str]]:
         """One point's forward pass from the stored first-layer outputs, compiled (``compile=True``), and the
-        names of the parameters it takes: ``(params, w, z, nhwc, relu_first) -> outputs``, see :func:`_combined`."""
+        names of the parameters it takes: ``(params, w, z, nhwc, relu_first) -> outputs``, see `_combined`."""
         module, keep, buffers = self.rest_batched  # without in-place operations: the compiler plans memory
         return compiled_forward(module, buffers, head=_combined), keep
 
@@ -456,7 +456,7 @@ class _FirstLayer:
         """The first layer's output shape as stored, ``[z0; z_1; ...; z_k]``, ``(k + 1, n * ...)``: its output at
         theta and along each direction, and whether images are stored channels-last ``(n, H, W, C)``. For a chain
         of ``Linear`` and ``ReLU`` on ``(n, features)`` rows the outputs are stored transposed, ``(features, n)``,
-        see :meth:`_mlp`."""
+        see `_mlp`."""
         xp = self.split.prefix(x)
         z0 = functional_call(self.split.layer, self.first_theta, (xp,))
         zd = [functional_call(self.split.layer, d, (xp,)) for d in self.first_dirs]
@@ -596,7 +596,7 @@ def _run(
 
 
 def check_compile(compile: bool, strategy: str, device: torch.device | None = None) -> None:
-    """Refuse ``compile=True`` where it cannot apply (see :func:`evaluate_grid`), before anything is computed.
+    """Refuse ``compile=True`` where it cannot apply (see `evaluate_grid`), before anything is computed.
 
     Raises:
         ValueError: ``compile`` with strategy ``"vmap"``, or (given a ``device``) where ``torch.compile`` has no
@@ -645,7 +645,7 @@ def evaluate_grid(
     """Whole-data-set loss and accuracy at ``center + coords @ directions`` for every row of ``coords``.
 
     Args:
-        objective: model, loss and data (:class:`sharpness.Objective`); its data are read chunk by chunk and
+        objective: model, loss and data (`sharpness.Objective`); its data are read chunk by chunk and
             run in pieces of about ``CPU_PIECE_BYTES`` of activations on CPU (chunks joined or cut).
         directions: ``(k, n)`` flat directions in ``objective.layout``.
         coords: ``(P, k)`` grid coordinates.
@@ -657,13 +657,13 @@ def evaluate_grid(
         progress: progress bar (``None``: only on a terminal).
         compile: run each grid point's forward pass compiled with ``torch.compile``, one point at a time: the
             loop, and the first-layer path except for a chain of ``Linear`` and ``ReLU`` layers (batched matrix
-            products, not compiled; :attr:`GridValues.compiled` says which ran). ``"auto"`` then takes the loop
+            products, not compiled; `GridValues.compiled` says which ran). ``"auto"`` then takes the loop
             where it would take vmap; ``"vmap"`` and a first-layer ``batch`` above 1 are refused, and so is a
             machine without a C++ compiler (CPU) or Triton (GPU). The first point takes seconds to tens of
             seconds more (compiling), the others less (ResNet-20 on 2 CPU threads: 12%).
 
     Returns:
-        :class:`GridValues` with ``(P,)`` float64 ``loss`` (and ``accuracy`` for class-index targets).
+        [`GridValues`][landscape.GridValues] with ``(P,)`` float64 ``loss`` (and ``accuracy`` for class-index targets).
     """
     start = time.perf_counter()
     check_compile(compile, strategy, objective.device)
@@ -705,14 +705,14 @@ def evaluate_points(
 ) -> GridValues:
     """Whole-data-set loss and accuracy at the parameter points ``point_fn(coords)``.
 
-    The general form of :func:`evaluate_grid` for charts that are not linear in the coordinates
+    The general form of [`evaluate_grid`][landscape.evaluate_grid] for charts that are not linear in the coordinates
     (a G-space plane ``w(v + a d1 + b d2)``, a geodesic plane ``Exp_theta(a xi1 + b xi2)``): the same
     driver (data traversed once, batches sized from the memory budget, progress bar). When only the
     later layers are curved and the first layer's parameters are ``center + c @ directions`` (as in
     G-space, whose first layer is ``v_1 / d``), ``first_layer`` enables the first-layer fast path.
 
     Args:
-        objective: model, loss and data (:class:`sharpness.Objective`); its data are read chunk by chunk and
+        objective: model, loss and data (`sharpness.Objective`); its data are read chunk by chunk and
             run in pieces of about ``CPU_PIECE_BYTES`` of activations on CPU (chunks joined or cut).
         point_fn: maps a batch of coordinates ``(B, k)`` (in ``objective.dtype`` on ``objective.device``)
             to flat parameter vectors ``(B, n)`` in ``objective.layout``, or to a dict
@@ -732,10 +732,10 @@ def evaluate_points(
             batch at once; the loop and the fast path call it on pieces of at most ``POINT_MAP_BYTES``
             of parameters.
         progress: progress bar (``None``: only on a terminal).
-        compile: run each grid point's forward pass compiled, one point at a time (as in :func:`evaluate_grid`).
+        compile: run each grid point's forward pass compiled, one point at a time (as in `evaluate_grid`).
 
     Returns:
-        :class:`GridValues` with ``(P,)`` float64 ``loss`` (and ``accuracy`` for class-index targets).
+        [`GridValues`][landscape.GridValues] with ``(P,)`` float64 ``loss`` (and ``accuracy`` for class-index targets).
     """
     start = time.perf_counter()
     check_compile(compile, strategy, objective.device)

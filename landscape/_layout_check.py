@@ -1,6 +1,6 @@
 """An automatic reviewer of matplotlib figures: no clipped or overlapping text, no linear axis over decades.
 
-:func:`layout_problems` draws a figure and lists, one sentence each,
+[`layout_problems`][landscape.layout_problems] draws a figure and lists, one sentence each,
 
 * every visible text (titles, suptitle, axis and tick labels, colour-bar labels, contour labels,
   legends, annotations, 3-D axis labels, offset texts) that reaches beyond the figure's edge, and
@@ -12,8 +12,8 @@
   would be drawn as zero next to the large ones, and a logarithmic scale shows them.
 
 Only what a draw really renders is checked (tick labels outside the view are not drawn), and the
-boxes are the renderer's window extents at the figure's own dpi. :func:`check_layout` raises
-:class:`LayoutError` listing every problem; the tests run it on every figure the toolkit writes.
+boxes are the renderer's window extents at the figure's own dpi. [`check_layout`][landscape.check_layout] raises
+[`LayoutError`][landscape.LayoutError] listing every problem; the tests run it on every figure the toolkit writes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LayoutError(AssertionError):
 
 @contextlib.contextmanager
 def _recording_texts() -> Iterator[list[Text]]:
-    """Record every :class:`Text` whose ``draw`` runs with something to show (visible, non-empty)."""
+    """Record every `Text` whose ``draw`` runs with something to show (visible, non-empty)."""
     drawn: list[Text] = []
     original = Text.draw
 
@@ -255,7 +255,7 @@ def layout_problems(fig: Figure, tolerance: float = 1.0, max_decades: float = 3.
 
 
 def check_layout(fig: Figure, tolerance: float = 1.0, max_decades: float = 3.0) -> None:
-    """Raise :class:`LayoutError` listing every problem :func:`layout_problems` finds in ``fig``."""
+    """Raise `LayoutError` listing every problem `layout_problems` finds in ``fig``."""
     problems = layout_problems(fig, tolerance, max_decades)
     if problems:
         raise LayoutError(f"{len(problems)} layout problem(s):\n- " + "\n- ".join(problems))

@@ -1,9 +1,9 @@
 """Static figures of loss surfaces with matplotlib: filled contours, heatmaps, 3D surfaces, lines.
 
-Every drawing function takes an ``Axes`` and a :class:`~landscape._surface.Surface` and returns
-the mappable it drew, so callers can arrange panels freely; :func:`surface_figure` arranges a grid
+Every drawing function takes an ``Axes`` and a [`Surface`][landscape.Surface] and returns
+the mappable it drew, so callers can arrange panels freely; [`surface_figure`][landscape.surface_figure] arranges a grid
 of panels (rows = kinds of drawing, columns = surfaces) with one shared color scale, and
-:func:`save_figure` writes PNG/PDF/SVG atomically.
+[`save_figure`][landscape.save_figure] writes PNG/PDF/SVG atomically.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def mark_center_and_minimum(ax: Axes, s: Surface) -> str:
 
 
 def mark_grid_points(ax: Axes, x: np.ndarray, y: np.ndarray, loss: np.ndarray) -> str:
-    """:func:`mark_center_and_minimum` for a grid given as arrays: ``loss[i, j]`` at ``(x[j], y[i])``, the centre
+    """`mark_center_and_minimum` for a grid given as arrays: ``loss[i, j]`` at ``(x[j], y[i])``, the centre
     at ``(0, 0)`` (nothing is marked where the grid does not contain it)."""
     if not (np.any(x == 0) and np.any(y == 0)):
         return ""

@@ -1,6 +1,6 @@
 """Interactive loss surfaces with plotly: a 3D surface next to a contour map, in an HTML page.
 
-Where plotly.js comes from is :data:`HTML_JS`: ``"directory"`` (default) writes one shared
+Where plotly.js comes from is `HTML_JS`: ``"directory"`` (default) writes one shared
 ``plotly.min.js`` beside the pages and points every page at it, so a folder of pages stays small and
 still opens offline (move the folder as a whole); ``"inline"`` puts plotly.js into each page (about
 4.7 MB each: one self-contained file to mail or archive); ``"cdn"`` loads it from the plotly CDN (tiny
@@ -178,7 +178,7 @@ def write_html(
     Args:
         fig: the plotly figure.
         path: the page.
-        js: where plotly.js comes from (see :data:`HTML_JS`): ``"directory"`` also writes
+        js: where plotly.js comes from (see `HTML_JS`): ``"directory"`` also writes
             ``plotly.min.js`` beside the page (once: an identical file is left alone), ``"inline"``
             embeds it, ``"cdn"`` loads it from the internet.
         title: the page's ``<title>`` (default: the figure's title, without markup).

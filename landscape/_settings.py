@@ -1,4 +1,4 @@
-"""Settings of a line or plane: how its directions are made (:class:`DirectionSpec`) and its grid (:class:`Grid`)."""
+"""Settings of a line or plane: how its directions are made (`DirectionSpec`) and its grid (`Grid`)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ class DirectionSpec:
     Attributes:
         kind: ``"random"`` (Gaussian, normalized by ``norm``), ``"eigen"`` (top Euclidean Hessian
             eigenvectors), ``"invariant-eigen"`` (top eigenvectors of the Riemannian Hessian of ``metric``),
-            ``"gspace"`` (random in G-space coordinates), or precomputed :class:`Directions` (used as they are).
+            ``"gspace"`` (random in G-space coordinates), or precomputed `Directions` (used as they are).
         norm: normalization of random directions: ``"filter"`` (default; Li et al. 2018), ``"layer"``,
             ``"element"`` or ``"none"``; of G-space directions ``"element"`` (default), ``"layer"`` or ``"none"``.
         bias: ``"zero"`` (default) or ``"keep"`` for one-dimensional tensors of random directions.
         metric: the measure of ``"invariant-eigen"`` directions (``"node"`` or ``"layer"``, or a
-            :class:`sharpness.Measure`).
+            [`sharpness.Measure`][sharpness.Measure]).
         path: ``"straight"`` (``theta + a d1 + b d2``) or ``"geodesic"`` (``Exp_theta(a xi1 + b xi2)``, the exact
             exponential map of ``metric``; invariant-eigen directions only).
         roots: G-space directions only: ``"fixed"`` (default) holds the chain-root coordinates at the centre's
@@ -69,7 +69,7 @@ class DirectionSpec:
 
     @property
     def kind_name(self) -> str:
-        """The kind as a name (that of given :class:`Directions` included)."""
+        """The kind as a name (that of given [`Directions`][landscape.Directions] included)."""
         return self.kind.kind if isinstance(self.kind, Directions) else self.kind
 
     @property
@@ -81,7 +81,7 @@ class DirectionSpec:
 
 
 def as_direction_spec(directions: str | Directions | DirectionSpec) -> DirectionSpec:
-    """``directions`` as a :class:`DirectionSpec` (a kind name or given :class:`Directions` with the defaults)."""
+    """``directions`` as a `DirectionSpec` (a kind name or given `Directions` with the defaults)."""
     return directions if isinstance(directions, DirectionSpec) else DirectionSpec(directions)
 
 
@@ -106,11 +106,11 @@ class Grid:
         span: half-width of the square (or of the line) in direction units, ``> 0``.
         steps: grid points per axis, ``>= 2``; the grid always contains the centre (inserted when ``steps`` is
             even).
-        strategy: ``"auto"``, ``"first-layer"``, ``"vmap"`` or ``"loop"`` (see :func:`landscape.evaluate_grid`;
-            curved planes use :func:`landscape.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean
+        strategy: ``"auto"``, ``"first-layer"``, ``"vmap"`` or ``"loop"`` (see `landscape.evaluate_grid`;
+            curved planes use `landscape.evaluate_points`, where ``"auto"`` and ``"first-layer"`` mean
             the loop on CPU and vmap elsewhere).
         compile: evaluate each grid point's forward pass compiled with ``torch.compile``, one point at a time
-            (see :func:`landscape.evaluate_grid`): worth it on large grids of convolutional or residual networks.
+            (see `landscape.evaluate_grid`): worth it on large grids of convolutional or residual networks.
 
     Raises:
         ValueError: a span that is not a positive finite number, fewer than 2 steps, an unknown strategy, or
@@ -136,7 +136,7 @@ class Grid:
     def require_memory(self, dims: int) -> None:
         """Refuse, before anything is computed, a grid whose results alone would not fit in memory.
 
-        A grid of ``steps ** dims`` points keeps about :data:`BYTES_PER_POINT` bytes per point (coordinates,
+        A grid of ``steps ** dims`` points keeps about `BYTES_PER_POINT` bytes per point (coordinates,
         loss, accuracy and the figure's arrays); more than half of this machine's physical memory is refused.
 
         Args:

@@ -1,6 +1,6 @@
 """A computed loss curve or surface, and its ``.npz`` + ``.json`` files.
 
-A :class:`Surface` holds everything needed to redraw a plot without recomputing it: the grid
+A [`Surface`][landscape.Surface] holds everything needed to redraw a plot without recomputing it: the grid
 axes, the loss (and accuracy) at every grid point, axis labels, a title and free-form metadata
 (directions' seeds, normalization, center loss, timing). ``save`` writes ``STEM.npz`` (arrays) and
 ``STEM.json`` (everything else), each atomically, so an interrupted run never leaves a
@@ -99,7 +99,7 @@ class Surface:
 
     @classmethod
     def load(cls, stem: str | os.PathLike) -> Surface:
-        """Read a surface written by :meth:`save` (``STEM``, ``STEM.npz`` or ``STEM.json``)."""
+        """Read a surface written by [`save`][landscape.Surface.save] (``STEM``, ``STEM.npz`` or ``STEM.json``)."""
         stem = Path(stem)
         if stem.suffix in (".npz", ".json"):
             stem = stem.with_suffix("")

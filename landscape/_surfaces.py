@@ -1,9 +1,9 @@
-"""Loss lines and planes of real models: directions + grid evaluation + a :class:`Surface` record.
+"""Loss lines and planes of real models: directions + grid evaluation + a [`Surface`][landscape.Surface] record.
 
 Three kinds of chart map grid coordinates ``c = (a, b)`` to parameters:
 
 * ``"straight"``: ``theta + a d1 + b d2`` (random, Euclidean-eigen, invariant-eigen, segment
-  directions), evaluated with :func:`landscape.evaluate_grid` and its first-layer fast path;
+  directions), evaluated with [`landscape.evaluate_grid`][landscape.evaluate_grid] and its first-layer fast path;
 * ``"geodesic"`` (invariant-eigen directions): ``Exp_theta(a xi1 + b xi2)``, the exact exponential
   map of the quotient metric the eigenvectors belong to (node-wise: ``theta * exp((a xi1 + b xi2) /
   theta)`` entry-wise, the straight line in log-coordinates; layer-wise: the per-block cylinder
@@ -12,14 +12,14 @@ Three kinds of chart map grid coordinates ``c = (a, b)`` to parameters:
   rescaling the metric is invariant under is an isometry mapping geodesics to geodesics: the plane
   of a rescaled twin is the rescaled plane, the same function of ``(a, b)``;
 * ``"gspace"``: ``w(v + a d1 + b d2)`` with ``v`` the G-space coordinates of ``theta``, ``d_i``
-  random directions in coordinate space and ``w`` the inverse map of :class:`manifolds.GSpace` (the
+  random directions in coordinate space and ``w`` the inverse map of [`manifolds.GSpace`][manifolds.GSpace] (the
   skeleton weights held at the centre's values). By default the directions leave the chain roots at
   the centre's values, so every hidden unit's chain value, by which ``w`` divides, is the same at
   every point and the plane has no singular lines (``roots="free"`` moves them too). Coordinates and
   directions are invariant under every node-wise rescaling, so the plane of a rescaled twin is the
   same function of ``(a, b)``.
 
-Curved charts are evaluated with :func:`landscape.evaluate_points`.
+Curved charts are evaluated with [`landscape.evaluate_points`][landscape.evaluate_points].
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def make_directions(
     objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None, gspace: GSpace | None = None
 ) -> Directions:
     """``k`` directions at the objective's parameters as ``spec`` says (G-space directions need ``gspace``);
-    given :class:`Directions` are passed through after a shape check. Where several processes share the data,
+    given `Directions` are passed through after a shape check. Where several processes share the data,
     every process gets process 0's directions."""
     made = _directions(objective, spec, k, progress, gspace)
     if objective.comm.world_size == 1:
@@ -287,23 +287,25 @@ def loss_plane(
     G-space directions (see the module docstring).
 
     Args:
-        model, loss_fn, data: as for :class:`sharpness.Objective`; ``theta`` is the model's parameters
+        model: as for [`sharpness.Objective`][sharpness.Objective]; ``theta`` is the model's parameters
             (read, never modified); not used when ``objective`` is given.
-        directions: a :class:`DirectionSpec` (kind, normalization, metric, path, chain roots, seed), or just
+        loss_fn: as for [`sharpness.Objective`][sharpness.Objective]; not used when ``objective`` is given.
+        data: as for [`sharpness.Objective`][sharpness.Objective]; not used when ``objective`` is given.
+        directions: a `DirectionSpec` (kind, normalization, metric, path, chain roots, seed), or just
             its kind (``"random"``, ``"eigen"``, ``"invariant-eigen"``, ``"gspace"``) or precomputed
-            :class:`Directions` with two rows (of kind ``"gspace"``: in G-space coordinates) with the defaults.
+            `Directions` with two rows (of kind ``"gspace"``: in G-space coordinates) with the defaults.
         grid: span, points per axis and evaluation strategy (default ``Grid()``: span 1, 51 x 51 points).
         dtype: evaluation dtype (``None``: the model's).
         objective: an existing objective (chunking, device and memory budget set there) instead of a new one.
         progress: progress bars (``None``: only on a terminal).
 
     Returns:
-        :class:`Surface` with ``loss[i, j]`` at ``(x[j], y[i])``, the accuracy for class-index
-        targets, and metadata recording the directions (seeds, normalization), the path, the center
-        loss and the timing. G-space planes also hold ``extras["crossed"]``, per grid point the number
-        of singularities of the inverse map crossed on the way from the centre (chain roots that changed
-        sign; always 0 with ``roots="fixed"``); ``metadata["crossed_points"]`` counts the points where it
-        is not 0, and ``metadata["roots"]`` says whether the chain roots were held.
+        [`Surface`][landscape.Surface] with ``loss[i, j]`` at ``(x[j], y[i])``, the accuracy for class-index
+            targets, and metadata recording the directions (seeds, normalization), the path, the center
+            loss and the timing. G-space planes also hold ``extras["crossed"]``, per grid point the number
+            of singularities of the inverse map crossed on the way from the centre (chain roots that changed
+            sign; always 0 with ``roots="fixed"``); ``metadata["crossed_points"]`` counts the points where it
+            is not 0, and ``metadata["roots"]`` says whether the chain roots were held.
 
     Raises:
         manifolds.UnsupportedModelError: G-space or geodesic planes of a model without the rescaling
@@ -350,18 +352,24 @@ def loss_line(
     ``d = theta_to - theta`` (``t = 0``: the model, ``t = 1``: ``to``), drawn over ``lim`` (default
     ``(-0.5, 1.5)``), as in the parametric line plots of Goodfellow et al. and Keskar et al.; the grid
     contains both ends exactly. Otherwise ``d`` is one direction as ``directions`` says (see
-    :func:`loss_plane`, including the path and G-space lines ``w(v + t d)``) over ``lim`` (default
+    [`loss_plane`][landscape.loss_plane], including the path and G-space lines ``w(v + t d)``) over ``lim`` (default
     ``(-grid.span, grid.span)``), like the layer-normalized lines of the flatness paper's Fig. 2
     (``DirectionSpec(norm="layer")``).
 
     Args:
-        model, loss_fn, data, directions, dtype, objective, progress: as for :func:`loss_plane`.
+        model: as for [`loss_plane`][landscape.loss_plane].
+        loss_fn: as for [`loss_plane`][landscape.loss_plane].
+        data: as for [`loss_plane`][landscape.loss_plane].
+        directions: as for [`loss_plane`][landscape.loss_plane].
+        dtype: as for [`loss_plane`][landscape.loss_plane].
+        objective: as for [`loss_plane`][landscape.loss_plane].
+        progress: as for [`loss_plane`][landscape.loss_plane].
         to: the other end of a segment (a model or its parameters); then ``directions`` must be left as it is.
         lim: ``(lo, hi)`` range of ``t`` instead of the default.
         grid: points and evaluation strategy (default ``Grid()``; its ``span`` sets the default range).
 
     Returns:
-        :class:`Surface` of a line (``y`` is ``None``), loss and accuracy ``(m,)``.
+        [`Surface`][landscape.Surface] of a line (``y`` is ``None``), loss and accuracy ``(m,)``.
     """
     spec, grid = as_direction_spec(directions), grid or Grid()
     grid.require_memory(1)

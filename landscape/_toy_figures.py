@@ -218,13 +218,13 @@ def toy_figure(
         steps: grid points per axis of each surface.
         source: ``"code"`` (the printed figure, the default) or ``"text"`` for the figures whose thesis
             code differs from the thesis text (``"1.6"``, ``"4.9"``, ``"gspace-4.9"``; see
-            :mod:`landscape._toys`); the other figures have one definition and take ``"text"`` or ``None``.
+            `landscape._toys`); the other figures have one definition and take ``"text"`` or ``None``.
         html_js: where the HTML page gets plotly.js (``"directory"``, ``"inline"``, ``"cdn"``; see
-            :func:`landscape.write_html`).
+            [`landscape.write_html`][landscape.write_html]).
 
     Returns:
         The written paths: figures, ``<stem>.html`` (interactive, offline) and ``.npz`` + ``.json``
-        per surface (arrays ``x``, ``y``, ``loss``; fixed-weight panels also ``fixed``).
+            per surface (arrays ``x``, ``y``, ``loss``; fixed-weight panels also ``fixed``).
     """
     if name not in TOY_FIGURES:
         raise ValueError(f"unknown toy figure {name!r}; choose one of {', '.join(TOY_FIGURES)}")

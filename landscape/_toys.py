@@ -94,7 +94,7 @@ def loss_a(w) -> Tensor:
 
 
 def grad_a(w) -> Tensor:
-    """``dL/dw`` of :func:`loss_a`: ``cos(relu(w)) [w > 0]``."""
+    """``dL/dw`` of `loss_a`: ``cos(relu(w)) [w > 0]``."""
     w = _t(w)
     return torch.cos(torch.relu(w)) * _step(w)
 
@@ -105,7 +105,7 @@ def loss_b(w1, w2) -> Tensor:
 
 
 def grad_b(w1, w2) -> tuple[Tensor, Tensor]:
-    """``(dL/dw1, dL/dw2)`` of :func:`loss_b`: ``(cos(y) w2 [w1 > 0], cos(y) relu(w1))``."""
+    """``(dL/dw1, dL/dw2)`` of `loss_b`: ``(cos(y) w2 [w1 > 0], cos(y) relu(w1))``."""
     w1, w2 = _t(w1), _t(w2)
     c = torch.cos(w2 * torch.relu(w1))
     return c * w2 * _step(w1), c * torch.relu(w1)
@@ -117,7 +117,7 @@ def loss_a2(w1, w2, gain: float = 1.0) -> Tensor:
 
 
 def grad_a2(w1, w2, gain: float = 1.0) -> tuple[Tensor, Tensor]:
-    """``(dL/dw1, dL/dw2)`` of :func:`loss_a2` (both ``gain cos(gain y) [w1 + w2 > 0]``)."""
+    """``(dL/dw1, dL/dw2)`` of `loss_a2` (both ``gain cos(gain y) [w1 + w2 > 0]``)."""
     s = _t(w1) + _t(w2)
     g = gain * torch.cos(gain * torch.relu(s)) * _step(s)
     return g, g.clone()
@@ -129,7 +129,7 @@ def loss_b2(w1, w2, w3, gain: float = 1.0) -> Tensor:
 
 
 def grad_b2(w1, w2, w3, gain: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dL/dw1, dL/dw2, dL/dw3)`` of :func:`loss_b2`."""
+    """``(dL/dw1, dL/dw2, dL/dw3)`` of `loss_b2`."""
     w3, s = _t(w3), _t(w1) + _t(w2)
     c = gain * torch.cos(gain * w3 * torch.relu(s))
     g = c * w3 * _step(s)
@@ -137,7 +137,7 @@ def grad_b2(w1, w2, w3, gain: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def check_source(figure: str, source: str | None) -> str:
-    """The source a toy figure is drawn from: ``source``, or :data:`DEFAULT_SOURCE` (the printed figure) for the
+    """The source a toy figure is drawn from: ``source``, or `DEFAULT_SOURCE` (the printed figure) for the
     figures whose code differs from the text, ``"text"`` for the others; refused where it does not apply."""
     if source is not None and source not in SOURCES:
         raise ValueError(f"source must be 'text' or 'code', got {source!r}")
@@ -219,8 +219,8 @@ def fig_1_6_arrows(
 
     Returns:
         ``(points, gradients, level, alpha)``: ``(m, 2)`` points ``(w1, w2)`` on the invariant lines
-        ``w1 w2 = level`` at rescaling ``alpha``, the exact gradient ``(dL/dw1, dL/dw2)`` of
-        ``L = sin(w2 relu(w1))`` there, and ``(m,)`` level and alpha of each point.
+            ``w1 w2 = level`` at rescaling ``alpha``, the exact gradient ``(dL/dw1, dL/dw2)`` of
+            ``L = sin(w2 relu(w1))`` there, and ``(m,)`` level and alpha of each point.
     """
     points, level, alpha = [], [], []
     for c in levels:
@@ -397,7 +397,7 @@ def gspace_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEF
 
     Returns one G-space surface whose ``extras`` hold ``outline_<i>`` (the image of the plotted
     ``(w2, w3)`` window of the plane ``w1 = fixed[i]``) and ``fixed`` (the values). ``source`` picks
-    Fig. 4.9's window and loss (:func:`fig_4_9_surfaces`).
+    Fig. 4.9's window and loss (`fig_4_9_surfaces`).
     """
     _check_steps(steps)
     source = check_source("gspace-4.9", source)

@@ -14,7 +14,7 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
 * **Token-wise ReLU MLP units** (positive diagonal): rows of a Linear and its bias ``<- c_j (.)``, the columns
   of every Linear reading it through ReLU / LeakyReLU / dropout ``<- / c_j`` (``relu(c x) = c relu(x)``).
-  The diagonal rescaling group of :mod:`manifolds._group_discovery` reads axis 1 as the channels, so on
+  The diagonal rescaling group of `manifolds._group_discovery` reads axis 1 as the channels, so on
   ``(batch, tokens, features)`` tensors it pins these; they are found here on the last axis instead, and
   dropped where the diagonal group already moves the same side of the same tensor (nothing is claimed twice).
 
@@ -517,7 +517,7 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
 
     Args:
         model: the network.
-        traced: its :func:`manifolds.trace_network` result (with shapes).
+        traced: its [`manifolds.trace_network`][manifolds.trace_network] result (with shapes).
         example_input: one input batch (its first two samples are run once to read sizes).
     """
     values = _values(model, traced.graph, input_like(model, example_input))
@@ -527,15 +527,15 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
 
 def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymmetry:
     """The function-preserving group of ``model``: the diagonal rescaling group times attention and
-    normalization factors (see :mod:`manifolds._attention`).
+    normalization factors (see `manifolds._attention`).
 
     Args:
         model: the network (not modified).
         example_input: one input batch (for the shapes and sizes on the graph).
 
     Returns:
-        The :class:`MatrixSymmetry`; ``print(sym.describe())`` lists every factor and pin. A factor that would
-        move a side of a tensor the diagonal group already moves is dropped (and listed as pinned).
+        The `MatrixSymmetry`; ``print(sym.describe())`` lists every factor and pin. A factor that would
+            move a side of a tensor the diagonal group already moves is dropped (and listed as pinned).
 
     Raises:
         UnsupportedModelError: fx cannot trace ``model`` or the forward fails on ``example_input``.
@@ -563,7 +563,7 @@ def random_transform(
     Args:
         model: the network.
         example_input: one input batch (for the graph's shapes).
-        scale: spread of the element (see :meth:`MatrixSymmetry.random_element`).
+        scale: spread of the element (see [`MatrixSymmetry.random_element`][manifolds.MatrixSymmetry.random_element]).
         generator: random generator, or ``None`` for the global one.
     """
     sym = transformer_symmetry(model, example_input)

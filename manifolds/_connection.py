@@ -23,7 +23,7 @@ Euclidean Hessian ``H``) is the symmetric form
 
 So ``f(c(t)) = f + t g^T xi + t^2/2 Hess f(xi, xi) + O(t^3)`` along the geodesic, or along any curve that
 agrees with it to second order, e.g. ``c(t) = w + t xi - t^2/2 Gamma(xi, xi)``
-(:meth:`MetricQuotient.second_order_geodesic`; the "second-order geodesics" of geodesic sharpness).
+(`MetricQuotient.second_order_geodesic`; the "second-order geodesics" of geodesic sharpness).
 
 **The Hessian as an operator.** Eigenvalues are taken relative to ``G``, so we need the ``G``-self-adjoint
 map ``Hess f[xi]`` with ``<eta, G Hess f[xi]> = Hess f(xi, eta)``: ``Hess f[xi] = G^-1 (H xi - B(xi))``
@@ -51,7 +51,7 @@ space the orthogonal complement of ``range(W V)``, and ``zeta -> P_w W Hess f[W^
 relative to ``G``. ``P_w`` comes from a thin SVD of ``W V`` once per point (``O(n d^2)`` time, ``O(n d)``
 memory; rank-deficient bases allowed) and costs ``O(n d)`` per application: fine for the tens to thousands
 of directions of a per-layer or per-head group, not for ``d`` near ``n``, where the group's block structure
-must be used instead (as :class:`manifolds.NodeSymmetry` does for rescalings).
+must be used instead (as [`manifolds.NodeSymmetry`][manifolds.NodeSymmetry] does for rescalings).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class Metric:
     def from_quadratic_form(cls, form: Callable[[Tensor, Tensor], Tensor], **kwargs) -> Metric:
         """The metric whose quadratic form is ``form(w, xi) = xi^T G(w) xi`` (a 0-dim tensor).
 
-        ``G(w) xi = 1/2 grad_xi form(w, xi)``, taken by ``torch.func.grad``; ``kwargs`` as in :class:`Metric`.
+        ``G(w) xi = 1/2 grad_xi form(w, xi)``, taken by ``torch.func.grad``; ``kwargs`` as in `Metric`.
         """
 
         def apply(w: Tensor, xi: Tensor) -> Tensor:
@@ -108,8 +108,8 @@ class Metric:
 def layer_metric(layout: ParamLayout) -> Metric:
     """The layer-wise metric ``g(eta, xi) = sum_B <eta_B, xi_B> / ||w_B||^2`` over the tensors ``B`` of ``layout``.
 
-    The same metric as :class:`manifolds.LayerScaleQuotient` (every weight and every bias a block of its own),
-    written as a function of ``w``. Undefined where a tensor is zero (:class:`MetricQuotient` refuses the point).
+    The same metric as `manifolds.LayerScaleQuotient` (every weight and every bias a block of its own),
+    written as a function of ``w``. Undefined where a tensor is zero (`MetricQuotient` refuses the point).
     """
     sizes = [s.numel() for s in layout.shapes]
 
@@ -127,9 +127,9 @@ def layer_metric(layout: ParamLayout) -> Metric:
 
 
 def node_metric() -> Metric:
-    """The node-wise metric ``g(eta, xi) = sum_k eta_k xi_k / w_k^2`` (as :class:`manifolds.NodeScaleQuotient`).
+    """The node-wise metric ``g(eta, xi) = sum_k eta_k xi_k / w_k^2`` (as `manifolds.NodeScaleQuotient`).
 
-    Undefined at a zero weight (:class:`MetricQuotient` refuses the point; the closed-form class drops such
+    Undefined at a zero weight (`MetricQuotient` refuses the point; the closed-form class drops such
     entries instead).
     """
     return Metric(
@@ -142,9 +142,9 @@ def node_metric() -> Metric:
 
 
 class MetricQuotient:
-    """The quotient geometry of any :class:`Metric` at a point: connection, exact Hessian, horizontal projection.
+    """The quotient geometry of any `Metric` at a point: connection, exact Hessian, horizontal projection.
 
-    The vocabulary is that of :class:`manifolds.LayerScaleQuotient` (``inner``, ``whiten``,
+    The vocabulary is that of [`manifolds.LayerScaleQuotient`][manifolds.LayerScaleQuotient] (``inner``, ``whiten``,
     ``proj_horizontal``, ``egrad2rgrad``, ``connection_hessian``, ``ehess2rhess``, ``whitened_hessian``,
     ``whitened_projection``), so whatever binds those to a loss and an eigen-solver binds this too.
     The metric must be invariant under the group whose orbit tangents ``vertical`` spans (check it
@@ -276,7 +276,8 @@ class MetricQuotient:
 
         Args:
             egrad: Euclidean gradient ``g``, ``(n,)``.
-            xi, eta: tangent vectors, ``(n,)``.
+            xi: tangent vectors, ``(n,)``.
+            eta: tangent vectors, ``(n,)``.
             ehvp_eta: the Euclidean product ``H eta``, ``(n,)``.
         """
         return torch.dot(xi, ehvp_eta) - torch.dot(egrad, self.christoffel(xi, eta))
@@ -315,14 +316,14 @@ class MetricQuotient:
 
     def ehess2rhess(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
         """Quotient Hessian at a horizontal ``xi``: ``P Hess f[xi]``, ``(n,)`` (arguments as in
-        :meth:`connection_hessian`)."""
+        [`connection_hessian`][manifolds.MetricQuotient.connection_hessian])."""
         return self.proj_horizontal(self.connection_hessian(egrad, ehvp, xi))
 
     def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         """``zeta -> P_w W Hess f[W^-1 P_w zeta]``: the quotient Hessian as a symmetric map on ``(n,)``.
 
-        Its eigenvalues on the range of :meth:`whitened_projection` are those of the quotient Hessian relative
-        to ``G``; eigenvectors map back to horizontal tangent vectors with :meth:`unwhiten`.
+        Its eigenvalues on the range of `whitened_projection` are those of the quotient Hessian relative
+        to ``G``; eigenvectors map back to horizontal tangent vectors with `unwhiten`.
 
         Args:
             egrad: Euclidean gradient at the point, ``(n,)``.

@@ -19,7 +19,7 @@ unit fixes exactly ``H`` distinct weights. Selections:
 - ``"hungarian"`` (thesis 6.3.1, "advanced skeleton selection"): going from the last layer backwards,
   unit ``j``'s rescaling factor when entry ``[r, j, p]`` is fixed at ``+-b`` is
   ``f_j = |W[r, j, p]| f_r / b`` (``f_r``: factor of the next layer's unit, 1 for outputs). Each pair
-  ``(r, j)`` takes its best ``p``; :func:`scipy.optimize.linear_sum_assignment` then matches units to
+  ``(r, j)`` takes its best ``p``; `scipy.optimize.linear_sum_assignment` then matches units to
   next-layer units minimizing ``sum_j |log f_j|``, each next-layer unit taking at most
   ``ceil(units_l / out_units)`` fixed weights (a permutation for equal widths, as in the thesis). The
   diagonal selection is one feasible matching, so per layer (given the later layers) the sum is never
@@ -28,7 +28,7 @@ unit fixes exactly ``H`` distinct weights. Selections:
   unit ``j`` inside the absolute value by ``log a_j``, which can change the matching. Use it to
   reparametrize a given checkpoint gently, not where a rescaling-invariant choice is needed.
 - a mask: ``{weight name: bool tensor}`` with exactly one ``True`` in each unit's slice (the format of
-  :attr:`FixedWeightSpace.mask`, so a selection can be reused on a rescaled copy).
+  [`FixedWeightSpace.mask`][manifolds.FixedWeightSpace.mask], so a selection can be reused on a rescaled copy).
 
 Sign rule. Positive rescalings never change a sign, so "fix at ``b``" means: the entry becomes
 ``s * b`` with ``s`` the sign of its current value (+1 for 0). ``b = 1`` gives the +-1 of the thesis's
@@ -176,13 +176,13 @@ class FixedWeightSpace:
         selection: ``"diagonal"``, ``"hungarian"`` or a mask (see the module docstring).
         value: the fixed value ``b`` the Hungarian selection aims for (factors ``|W| f_r / b``).
         params: ``{name: tensor}`` to use instead of the model's parameters (same names).
-        structure: a precomputed :func:`manifolds.analyze` result.
-        example_input: passed to :func:`manifolds.analyze` (needed only when fx cannot trace the model).
+        structure: a precomputed [`manifolds.analyze`][manifolds.analyze] result.
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] (needed only when fx cannot trace the model).
 
     Attributes:
         structure: the network structure.
         layout: flat layout of the parameters.
-        entries: one :class:`FixedEntries` per hidden layer.
+        entries: one [`FixedEntries`][manifolds.FixedEntries] per hidden layer.
         fixed_positions: ``(H,)`` long, positions of the fixed entries in the flat vector, unit order.
         free_positions: ``(n - H,)`` long, positions of the free entries, ascending.
         values: ``(H,)`` the fixed entries of the parameters the space was built from.
@@ -276,11 +276,11 @@ class FixedWeightSpace:
 
         The map a landscape in the fixed-weight subspace evaluates: reading (a) of docs/math.md "Fixed weights" is
         ``params_from_free(free, b)`` for each ``b`` (the function changes with ``b``); for reading (b) use
-        the free vector of :meth:`rescale_to_fixed_value` and the same ``b``.
+        the free vector of `rescale_to_fixed_value` and the same ``b``.
 
         Args:
             free: ``(..., n - H)`` free entries (leading batch dims allowed, e.g. a grid of points).
-            fixed_value: ``None``: :attr:`values`; a number ``b``: ``signs * b`` (the sign rule of the
+            fixed_value: ``None``: `values`; a number ``b``: ``signs * b`` (the sign rule of the
                 module docstring; 0 is allowed here); a tensor: ``(H,)`` (or broadcastable) values.
 
         Returns:
@@ -308,11 +308,11 @@ class FixedWeightSpace:
         entries are then written as exactly ``sign * value`` (they differ from it by rounding only).
 
         Args:
-            params: ``{name: tensor}`` with the names of :attr:`layout` (e.g. a rescaled copy's).
+            params: ``{name: tensor}`` with the names of `layout` (e.g. a rescaled copy's).
             value: the target ``b > 0``.
 
         Returns:
-            The :class:`Reparametrization` (``model`` is ``None``).
+            The [`Reparametrization`][manifolds.Reparametrization] (``model`` is ``None``).
 
         Raises:
             ValueError: ``value`` not positive, or a factor overflows float64; DegeneratePointError (a
@@ -356,7 +356,7 @@ class Reparametrization:
     Attributes:
         params: the rescaled parameters ``{name: tensor}``.
         factors: node factors, one float64 ``(hidden_units[l],)`` tensor per hidden layer, in the convention
-            of :func:`manifolds.rescale_parameters` (rows times ``f``, next layer's columns divided by ``f``).
+            of `manifolds.rescale_parameters` (rows times ``f``, next layer's columns divided by ``f``).
         value: the target ``b``.
         space: the fixed-weight space (its ``mask`` reproduces the selection on the rescaled copy).
         model: the rescaled deep copy, when a model was given; else ``None``.
@@ -395,7 +395,7 @@ def rescale_to_fixed_value(
     """A function-identical copy in which every fixed weight is ``+-value`` (thesis 6.3.1 for ``value = 1``).
 
     Reading (b) of docs/math.md "Fixed weights": the network is the same, only the gauge differs. See
-    :meth:`FixedWeightSpace.rescale_to_fixed_value` for the algorithm; ``result.factor_range`` reports
+    `FixedWeightSpace.rescale_to_fixed_value` for the algorithm; ``result.factor_range`` reports
     how far units were rescaled, which the Hungarian selection keeps small.
 
     Args:
@@ -404,11 +404,11 @@ def rescale_to_fixed_value(
         value: the target ``b > 0``.
         selection: ``"diagonal"``, ``"hungarian"`` (aiming at ``value``) or a mask; ignored when ``space``
             is given.
-        space: a :class:`FixedWeightSpace` to use (its selection).
-        example_input: passed to :func:`manifolds.analyze` (needed only when fx cannot trace the model).
+        space: a [`FixedWeightSpace`][manifolds.FixedWeightSpace] to use (its selection).
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] (needed only when fx cannot trace the model).
 
     Returns:
-        The :class:`Reparametrization`.
+        The [`Reparametrization`][manifolds.Reparametrization].
 
     Raises:
         UnsupportedModelError: positive rescaling is not a symmetry of the model.

@@ -2,7 +2,7 @@
 
 The thesis (3.0.6) zeroed the gradients of fixed weights with hooks, which weight decay and momentum
 bypass and which stack when applied twice. Here every weight that holds fixed entries is a
-:mod:`torch.nn.utils.parametrize` parametrization: its free entries are the only Parameter (a 1-D
+`torch.nn.utils.parametrize` parametrization: its free entries are the only Parameter (a 1-D
 vector), the fixed entries are a buffer, and the forward pass scatters both into the weight. The
 optimizer never sees the fixed entries, so they stay bit-identical, and the trainable parameter count
 is ``m - H``.
@@ -73,14 +73,14 @@ def _same_mask(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> bool:
 class FixModel(nn.Module):
     """A copy of ``model`` with one outgoing weight per hidden unit (conv channel) fixed (thesis ch. 3).
 
-    Layers are taken in forward order (:func:`manifolds.analyze`); which entries are fixed is described
-    in :mod:`manifolds._fixed`. The wrapped network is ``self.module``; its trainable parameters are the
+    Layers are taken in forward order ([`manifolds.analyze`][manifolds.analyze]); which entries are fixed is described
+    in `manifolds._fixed`. The wrapped network is ``self.module``; its trainable parameters are the
     free entries only (``m - H`` numbers), so every optimizer, with weight decay or momentum, leaves the
     fixed entries exactly as they are. ``model`` itself is not modified.
 
     Sign rule: ``fixed_factor=True`` or a number ``b`` sets each fixed entry to ``s * b`` (``b = 1`` for
     ``True``), ``s`` the sign of its current value (+1 for 0); so ``True`` gives +-1, the same signs a
-    function-preserving rescaling (:func:`rescale_to_fixed_value`) would give, and a negative ``b`` flips
+    function-preserving rescaling (`rescale_to_fixed_value`) would give, and a negative ``b`` flips
     them. Setting values changes the network's function; to keep it, rescale first:
     ``rep = rescale_to_fixed_value(model, b)``, then ``FixModel(rep.model, selection=rep.space.mask)``.
 
@@ -91,12 +91,12 @@ class FixModel(nn.Module):
         model: the network (a plain model, or a ``FixModel``).
         fixed_factor: ``False``: keep the current values; ``True``: +-1; a nonzero number ``b``: ``s * b``.
         selection: ``"diagonal"``, ``"hungarian"`` (aiming at ``|b|``) or a mask (see
-            :class:`FixedWeightSpace`); ``None``: ``"diagonal"``, or the existing selection of a ``FixModel``.
-        example_input: passed to :func:`manifolds.analyze` (needed only when fx cannot trace the model).
+            `FixedWeightSpace`); ``None``: ``"diagonal"``, or the existing selection of a ``FixModel``.
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] (needed only when fx cannot trace the model).
 
     Attributes:
         module: the network with its fixed weights in buffers.
-        space: :class:`FixedWeightSpace` of the plain parameter names (``space.values`` are the fixed values
+        space: `FixedWeightSpace` of the plain parameter names (``space.values`` are the fixed values
             at construction).
 
     Raises:
@@ -165,7 +165,7 @@ class FixModel(nn.Module):
         self.train(plain.training)  # same mode as the model (nn.Module starts in training mode)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``self.module(x)``; one input, as for every chain network :func:`manifolds.analyze` accepts."""
+        """``self.module(x)``; one input, as for every chain network `manifolds.analyze` accepts."""
         return self.module(x)
 
     def _parametrizations(self) -> list[_ScatterFixed]:

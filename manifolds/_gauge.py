@@ -1,7 +1,7 @@
 """Minimum-norm gauge fixing: the function-preserving rescaling with the smallest entry-wise p-norm.
 
 Algorithm 1 of the minimum-norm gauge paper, on the network's exact rescaling group (residual
-connections, BatchNorm and concatenation included; see :func:`manifolds.analyze`). Every free scale
+connections, BatchNorm and concatenation included; see [`manifolds.analyze`][manifolds.analyze]). Every free scale
 ``k`` of the group gets the factor
 
     a_k = (sum_out |w|^p / sum_in |w|^p) ** (1 / (4 p)),
@@ -172,7 +172,7 @@ def min_norm_gauge_parameters(
 
     Args:
         params: ``{name: tensor}`` containing at least every layer's weight and bias; not modified.
-        structure: from :func:`analyze` (its ``group`` is used).
+        structure: from [`analyze`][manifolds.analyze] (its ``group`` is used).
         p: exponent of the entry-wise norm ``sum |W_ij|^p``, any ``p > 0``.
         tol: stop once an update has ``max_i |a_i - 1| < tol``. The distance to the exact gauge is
             about ``tol / (1 - rate)`` for the linear convergence rate of the updates, so ask for a
@@ -181,7 +181,7 @@ def min_norm_gauge_parameters(
 
     Returns:
         ``(gauged, history)``: a new dictionary with the same keys (layer weights and biases rescaled
-        by ``history.factors``, everything else passed through), and the :class:`GaugeHistory`.
+            by ``history.factors``, everything else passed through), and the [`GaugeHistory`][manifolds.GaugeHistory].
 
     Raises:
         UnsupportedModelError: the structure has no rescaling group (fx could not trace the model).
@@ -209,18 +209,18 @@ def min_norm_gauge(
     any rescaling of ``model`` gauges to the same weights.
 
     Args:
-        model: any network fx can trace (its group comes from :func:`analyze`).
+        model: any network fx can trace (its group comes from [`analyze`][manifolds.analyze]).
         p: exponent of the entry-wise norm, any ``p > 0``.
-        tol: stop once an update has ``max_i |a_i - 1| < tol`` (see :func:`min_norm_gauge_parameters`).
+        tol: stop once an update has ``max_i |a_i - 1| < tol`` (see `min_norm_gauge_parameters`).
         max_iter: most updates.
-        example_input: passed to :func:`analyze` (needed only when fx cannot trace the model).
+        example_input: passed to [`analyze`][manifolds.analyze] (needed only when fx cannot trace the model).
 
     Returns:
-        ``(gauged_model, history)``, see :class:`GaugeHistory`.
+        ``(gauged_model, history)``, see [`GaugeHistory`][manifolds.GaugeHistory].
 
     Raises:
         UnsupportedModelError: fx cannot trace ``model``, so its rescaling group is unknown.
-        ValueError: as for :func:`min_norm_gauge_parameters`.
+        ValueError: as for [`min_norm_gauge_parameters`][manifolds.min_norm_gauge_parameters].
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))

@@ -1,15 +1,15 @@
 """geoopt manifolds for Riemannian optimisation on the rescaling quotient of ReLU networks.
 
 Each manifold describes ONE parameter tensor; wrap a tensor in a ``geoopt.ManifoldParameter`` with
-it (or let :func:`quotient_parameters` do so for a whole model) and any geoopt optimiser
+it (or let `quotient_parameters` do so for a whole model) and any geoopt optimiser
 (``geoopt.optim.RiemannianSGD``, ``geoopt.optim.RiemannianAdam``) follows the metric:
 
-- :class:`LayerScaleEuclidean`: ``g_W(u, v) = <u, v> / ||W||^2`` (whole-tensor Frobenius norm), the
+- `LayerScaleEuclidean`: ``g_W(u, v) = <u, v> / ||W||^2`` (whole-tensor Frobenius norm), the
   per-block metric of the scale-invariant flatness paper. A layer-wise rescaling multiplies every
   tensor by one positive scalar; gradient steps, momentum and the Adam statistics transform with it,
   so training a rescaled copy reproduces the original losses exactly. It does NOT follow node-wise
   rescalings (a tensor's entries then scale by different factors).
-- :class:`LogEuclidean`: ``g_w(u, v) = sum_k u_k v_k / w_k^2``, Euclidean in ``log|w_k|``. Every
+- `LogEuclidean`: ``g_w(u, v) = sum_k u_k v_k / w_k^2``, Euclidean in ``log|w_k|``. Every
   positive rescaling (node-, channel- or layer-wise) is a translation there, so training follows all
   of them exactly. Entries never change sign, and an entry that is exactly zero stays zero.
 
@@ -19,7 +19,7 @@ over every entry.
 
 geoopt 0.5.1's ``RiemannianSGD`` seeds its momentum buffer with the Euclidean gradient and then
 adds the Riemannian one; the two scale oppositely under rescaling, so the very first momentum
-step breaks the equivariance. :func:`zero_init_momentum` seeds zeros instead.
+step breaks the equivariance. [`zero_init_momentum`][manifolds._geoopt.zero_init_momentum] seeds zeros instead.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class LayerScaleEuclidean(Manifold):
     - ``transp(W, Y, v) = v ||Y|| / ||W||``, an isometry ``T_W -> T_Y`` for any nonzero ``Y``;
     - ``proju`` and ``projx`` are the identity (the manifold is open in ``R^S``).
 
-    The zero tensor is not a point (the metric blows up); :meth:`check_point` refuses it with a
+    The zero tensor is not a point (the metric blows up); `check_point` refuses it with a
     reason, so ``geoopt.ManifoldParameter(torch.zeros(3), manifold=LayerScaleEuclidean())`` raises.
     The operations themselves do not check (they run in the optimiser's inner loop).
 
@@ -98,7 +98,7 @@ class LayerScaleEuclidean(Manifold):
         return (ok, reason) if explain else ok
 
     def assert_check_point(self, x: Tensor) -> None:
-        """Raise ``ValueError`` with the reason when :meth:`check_point` fails."""
+        """Raise ``ValueError`` with the reason when `check_point` fails."""
         ok, reason = self.check_point(x, explain=True)
         if not ok:
             raise ValueError(f"`x` is not a valid point of the {self.name} manifold: {reason}")
@@ -228,13 +228,13 @@ def quotient_parameters(model: nn.Module, metric: str = "layer", *, exclude: Ite
 
     ``model`` itself is left untouched. Train the copy with a geoopt optimiser to follow the quotient
     metric, e.g. ``geoopt.optim.RiemannianSGD(copy.parameters(), lr=1e-2)``; with ``momentum > 0``
-    also call :func:`zero_init_momentum` on the optimiser to keep the first step equivariant.
+    also call `zero_init_momentum` on the optimiser to keep the first step equivariant.
     Parameters with ``requires_grad=False`` stay as they are; tied parameters stay tied.
 
     Args:
         model: any module; parameters of shape ``S`` become manifold parameters of shape ``S``.
-        metric: ``"layer"``: :class:`LayerScaleEuclidean` per tensor (follows layer-wise rescalings;
-            every tensor must be nonzero). ``"node"``: :class:`LogEuclidean` per tensor (follows
+        metric: ``"layer"``: `LayerScaleEuclidean` per tensor (follows layer-wise rescalings;
+            every tensor must be nonzero). ``"node"``: `LogEuclidean` per tensor (follows
             node-, channel- and layer-wise rescalings; entries keep their sign and zero entries stay
             zero for ever).
         exclude: names (as in ``model.named_parameters()``) of parameters kept as plain Euclidean

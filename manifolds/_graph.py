@@ -1,6 +1,6 @@
 """One traced graph of a network, with the shape of every tensor in it.
 
-:func:`trace_network` reads a model once with :mod:`torch.fx` (modules and functional calls alike:
+[`trace_network`][manifolds.trace_network] reads a model once with `torch.fx` (modules and functional calls alike:
 ``F.relu``, ``torch.flatten``, ``x.view(x.size(0), -1)``, ``torch.cat``, ``+``) and records the shape of
 every node from one forward pass on a two-sample input. Symmetry discovery and the chain view of the
 layers both read this graph instead of inspecting the model themselves.
@@ -80,7 +80,7 @@ def sequential_calls(seq: nn.Sequential) -> list[tuple[str, nn.Module]]:
 
 
 def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
-    """The chain ``x -> child_1 -> child_2 -> ...`` of a Sequential (see :func:`sequential_calls`)."""
+    """The chain ``x -> child_1 -> child_2 -> ...`` of a Sequential (see `sequential_calls`)."""
     graph = fx.Graph()
     node = graph.placeholder("x")
     for name, _ in sequential_calls(seq):
@@ -142,8 +142,8 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
             for a convolution).
 
     Returns:
-        The :class:`TracedNetwork`; ``failure`` says why when the model cannot be traced (``graph is None``)
-        or the shapes are unknown (no input shape fits, or the forward fails on ``example_input``).
+        The `TracedNetwork`; ``failure`` says why when the model cannot be traced (``graph is None``)
+            or the shapes are unknown (no input shape fits, or the forward fails on ``example_input``).
     """
     try:
         graph = _Tracer().trace(model)
@@ -258,7 +258,7 @@ class FirstLayerSplit:
         layer: the layer module.
         relu_first: whether ``act`` is a ReLU that is the layer's only consumer (else the identity).
         rest: everything after (a ``GraphModule`` keeping the model's parameter names).
-        chain: ``rest`` as ``(name, module)`` steps when it is a plain chain (see :func:`module_chain`).
+        chain: ``rest`` as ``(name, module)`` steps when it is a plain chain (see `module_chain`).
     """
 
     prefix: nn.Module
@@ -302,7 +302,7 @@ def split_first_layer(
     layer, a weight tied to another module's).
 
     Args:
-        graph: the model's fx graph (:attr:`TracedNetwork.graph`).
+        graph: the model's fx graph ([`TracedNetwork.graph`][manifolds.TracedNetwork]).
         model: the model.
         kinds: the module types the first layer may have.
         fold_relu: also cut after a ReLU that is the layer's only consumer (``relu_first``).

@@ -1,7 +1,7 @@
 """The diagonal rescaling group of a network: its free log-scales and how they act on the parameters.
 
 A group element is a vector ``s`` of log-scales, one per free class of channels (see
-:mod:`manifolds._group_discovery` for the rules that form the classes); it maps every parameter tensor
+`manifolds._group_discovery` for the rules that form the classes); it maps every parameter tensor
 ``t`` to ``t * exp(power * (s[plus] - s[minus]))`` entry-wise, with ``plus`` / ``minus`` the classes of
 the output / input channel the entry connects (for example ``W[o, i] -> W[o, i] e^{s(o) - s(i)}``).
 Every entry has at most one ``plus`` and one ``minus`` class, which is what makes the min-norm gauge's
@@ -46,8 +46,9 @@ class Action:
     Attributes:
         name: parameter (or buffer) name in ``model.named_parameters()``.
         shape: the tensor's shape.
-        plus, minus: int64 class indices broadcastable to ``shape``; the index ``dim`` (one past the last
+        plus: int64 class indices broadcastable to ``shape``; the index ``dim`` (one past the last
             class) means "no term" (a pinned channel), and ``None`` no term at all.
+        minus: as ``plus``.
         power: 1, or 2 for a BatchNorm running variance.
         role: ``"weight"``, ``"bias"`` or ``"buffer"``.
         module: the module owning the tensor.
@@ -91,7 +92,7 @@ def _relabelled(source: Record | Action, index: Tensor) -> Action:
 class RescalingGroup:
     """The diagonal positive rescalings that leave a network's function unchanged, as found on its graph.
 
-    Built by :func:`manifolds.analyze` (``structure.group`` node-wise, ``structure.layer_group`` with one scale
+    Built by `manifolds.analyze` (``structure.group`` node-wise, ``structure.layer_group`` with one scale
     per module output); not meant to be constructed by hand.
 
     Attributes:

@@ -150,19 +150,19 @@ class GSpace(nn.Module):
     ``torch.func``; the gradient is exactly the inverse chain rule of G-SGD.
 
     Args:
-        model: the network, or a :class:`NetworkStructure` (then ``params`` is required). It must be
-            rescalable (:func:`manifolds.analyze`): grouped convolutions, residual connections,
+        model: the network, or a `NetworkStructure` (then ``params`` is required). It must be
+            rescalable ([`manifolds.analyze`][manifolds.analyze]): grouped convolutions, residual connections,
             normalization layers and non-homogeneous activations are refused, naming the module.
-        skeleton: designated and predecessor entries (:class:`Skeleton`); default: the G-SGD skeleton
+        skeleton: designated and predecessor entries ([`Skeleton`][manifolds.Skeleton]); default: the G-SGD skeleton
             described in the module docstring. A given one is validated.
         params: ``{name: tensor}`` to read the skeleton values and reference signs from (default: the
             model's parameters).
-        example_input: passed to :func:`manifolds.analyze` (needed only when fx cannot trace the model).
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] (needed only when fx cannot trace the model).
 
     Attributes:
         structure: the network structure.
         skeleton: the skeleton in use.
-        layout: :class:`ParamLayout` of the coordinate tensors, named like the parameters they replace
+        layout: [`ParamLayout`][manifolds.ParamLayout] of the coordinate tensors, named like the parameters they replace
             (weight coordinates of layer 0 have the weight's shape, of later layers
             ``(out_units * rest - 1, prev_units)``: each column misses its designated entry; biases
             keep their shape).
@@ -463,7 +463,7 @@ class GSpace(nn.Module):
         return coords
 
     def _raise_singular(self, roots: Tensor) -> None:
-        """Raise :class:`GSpaceSingularityError` for the first chain root (``roots``, layer order) that is
+        """Raise `GSpaceSingularityError` for the first chain root (``roots``, layer order) that is
         0, NaN or of the wrong sign."""
         k = int((~(roots.detach() * self.root_sign > 0)).nonzero()[0])
         value = float(roots[k].detach())
@@ -479,7 +479,7 @@ class GSpace(nn.Module):
         )
 
     def check(self, coords: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
-        """Raise :class:`GSpaceSingularityError` if a chain value of ``coords`` is 0, NaN or changed sign."""
+        """Raise `GSpaceSingularityError` if a chain value of ``coords`` is 0, NaN or changed sign."""
         kernel, parts = self._kernel(), self._split(coords)
         with torch.no_grad():
             kernel.check(kernel.roots(parts[0], kernel.pack([parts[i] for i in kernel.packed_index]))[:-1])
@@ -494,9 +494,9 @@ class GSpace(nn.Module):
 
         Args:
             coords: a flat ``(dim,)`` vector, ``{name: tensor}`` or a sequence in ``layout`` order.
-            check: raise :class:`GSpaceSingularityError` when a chain value is 0 or changed sign (reads
+            check: raise `GSpaceSingularityError` when a chain value is 0 or changed sign (reads
                 one value back; switch off inside ``torch.func`` transforms and check once outside).
-            fused: differentiate with the hand-written inverse chain rule (:meth:`gradient`) instead of
+            fused: differentiate with the hand-written inverse chain rule (`gradient`) instead of
                 recording every operation: the same values and gradients with fewer operations per
                 training step, but first-order reverse mode only (no ``torch.func``, no double
                 backward). The default records plain operations and supports every kind of
@@ -523,7 +523,7 @@ class GSpace(nn.Module):
         (skeleton weights 1) and 2.3 (any skeleton weights).
 
         Args:
-            coords: the point, as for :meth:`weights`.
+            coords: the point, as for [`weights`][manifolds.GSpace.weights].
             weight_grads: ``{name: dL/dw}`` for every name in ``names`` (missing ones count as 0).
 
         Returns:
@@ -614,9 +614,9 @@ def gsgd_init_(model: nn.Module, skeleton: Skeleton | None = None, *, example_in
     rescaling).
 
     Args:
-        model: a rescalable chain of Linear/Conv2d layers (see :class:`GSpace`).
+        model: a rescalable chain of Linear/Conv2d layers (see [`GSpace`][manifolds.GSpace]).
         skeleton: designated and predecessor entries (default: the G-SGD skeleton).
-        example_input: passed to :func:`manifolds.analyze` when fx cannot trace the model.
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] when fx cannot trace the model.
 
     Returns:
         ``model`` itself.
@@ -644,7 +644,7 @@ def set_gsgd_entries_(gspace: GSpace, tensors: Mapping[str, Tensor]) -> None:
 
 
 class _Kernel:
-    """The hot path of ``w(v)`` and of its inverse chain rule, precomputed once per :class:`GSpace`.
+    """The hot path of ``w(v)`` and of its inverse chain rule, precomputed once per [`GSpace`][manifolds.GSpace].
 
     Coordinates come in two parts: ``first``, the first layer's weight coordinates (its weight is
     ``first * invd_first``, a row scaling), and ``packed``, one flat vector of everything else in
@@ -655,11 +655,11 @@ class _Kernel:
 
     On a small network every tensor operation costs a fixed dispatch overhead that dwarfs its
     arithmetic, and the tensors a step touches between forward and backward passes are out of cache, so
-    the hot path counts operations and bytes: :meth:`forward`, :meth:`packed_weights` and
-    :meth:`backward` run without autograd into tensors the caller keeps (:class:`_Workspace`, views made
+    the hot path counts operations and bytes: `forward`, `packed_weights` and
+    `backward` run without autograd into tensors the caller keeps (`_Workspace`, views made
     once), and the structure of straight networks with the default skeleton (``columns``,
     ``unit_scale``, ``root_step``, ``block_cols``) replaces gathers and scatters by broadcasts, column
-    sums and strided views. :meth:`weights` is the same map in plain differentiable operations
+    sums and strided views. `weights` is the same map in plain differentiable operations
     (``torch.func``, double backward).
     """
 
@@ -840,7 +840,7 @@ class _Kernel:
     def forward(self, first: Tensor, packed: Tensor, ws: _Workspace, check: bool = True) -> None:
         """``w(v)``'s intermediates, without autograd, into ``ws``: the roots (``1 / root`` in the columns
         case), ``factor = scale / root`` (unless every scale is 1) and ``scaled = packed * factor`` (the
-        packed weights' values, see :meth:`packed_weights`); raises :class:`GSpaceSingularityError` if a
+        packed weights' values, see `packed_weights`); raises `GSpaceSingularityError` if a
         chain value is singular."""
         if self.columns:
             # 1 / root per column, contiguous (broadcasting a strided operand is slow), then broadcasts.
@@ -865,11 +865,11 @@ class _Kernel:
         torch.mul(packed, ws.factor, out=ws.scaled)
 
     def packed_weights(self, ws: _Workspace, out: Tensor | None = None) -> Tensor:
-        """The packed weights from :meth:`forward`'s ``ws``, as a new tensor or into ``out``."""
+        """The packed weights from `forward`'s ``ws``, as a new tensor or into ``out``."""
         return torch.index_select(ws.scaled_ext, 0, self.gather_pos, out=out)
 
     def backward(self, grad_packed_w: Tensor, ws: _Workspace, grad_first: Tensor, grad_packed: Tensor) -> None:
-        """The inverse chain rule without autograd, at the point :meth:`forward` left in ``ws``.
+        """The inverse chain rule without autograd, at the point `forward` left in ``ws``.
 
         ``grad_first`` (contiguous; the one ``ws`` is bound to, if so) holds ``scale_first(dL/dW_1)``
         and receives the roots' terms in place; ``grad_packed`` is overwritten with ``dL/dv`` of the
@@ -901,10 +901,10 @@ class _Kernel:
 
 
 class _Workspace:
-    """The tensors :meth:`_Kernel.forward` and :meth:`_Kernel.backward` fill, with their views made once:
+    """The tensors `_Kernel.forward` and `_Kernel.backward` fill, with their views made once:
     a caller that steps repeatedly keeps one and allocates nothing per step.
 
-    ``stamp`` counts the forward passes that filled it (see :class:`_FusedWeights`).
+    ``stamp`` counts the forward passes that filled it (see `_FusedWeights`).
     """
 
     def __init__(self, kernel: _Kernel):
@@ -935,7 +935,7 @@ class _Workspace:
             self.factor[n_weights:] = kernel.packed_scale[n_weights:]  # biases: root 1
 
     def bind(self, first: Tensor, packed: Tensor) -> None:
-        """Make once the views of the coordinates that every :meth:`_Kernel.forward` needs, when the
+        """Make once the views of the coordinates that every `_Kernel.forward` needs, when the
         kernel works on them (``root_step``), for a caller whose coordinates live in fixed contiguous
         tensors; the forward must then get these ``first`` and ``packed``."""
         kernel = self.kernel
@@ -946,7 +946,7 @@ class _Workspace:
         self.bound = True
 
     def bind_grads(self, grad_first: Tensor, grad_packed: Tensor) -> None:
-        """The same for the gradients :meth:`_Kernel.backward` writes, when they are fixed tensors too."""
+        """The same for the gradients `_Kernel.backward` writes, when they are fixed tensors too."""
         kernel = self.kernel
         if kernel.root_step is None:
             return

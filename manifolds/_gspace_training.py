@@ -34,20 +34,20 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 class GModel(nn.Module):
     """``model`` reparametrized by its G-space coordinates: ``parameters()`` are the coordinates.
 
-    The forward pass computes the weights ``w(v)`` (:class:`GSpace`) and runs a structural copy of
+    The forward pass computes the weights ``w(v)`` ([`GSpace`][manifolds.GSpace]) and runs a structural copy of
     ``model`` with them, so ``loss.backward()`` fills the coordinates' gradients directly and any
     optimizer trains in G-space (``torch.optim.SGD(gmodel.parameters(), lr)`` is G-SGD). ``model``
-    itself is not modified; :meth:`to_model` returns a trained copy.
+    itself is not modified; [`to_model`][manifolds.GModel.to_model] returns a trained copy.
 
     Args:
-        model: a rescalable chain of Linear/Conv2d layers (see :class:`GSpace`).
+        model: a rescalable chain of Linear/Conv2d layers (see [`GSpace`][manifolds.GSpace]).
         skeleton: designated and predecessor entries (default: the G-SGD skeleton).
         fused: compute gradients with the hand-written inverse chain rule (fewer operations per step,
             first-order reverse mode only); ``False`` records plain operations, which ``torch.func``
             and double backward need.
-        example_input: passed to :func:`manifolds.analyze` when fx cannot trace the model.
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] when fx cannot trace the model.
         init: ``"model"`` starts from the model's weights; ``"gsgd"`` from them with every skeleton and
-            predecessor weight set to 1 (:func:`manifolds.gsgd_init_`, the G-SGD paper's initialization; the
+            predecessor weight set to 1 (`manifolds.gsgd_init_`, the G-SGD paper's initialization; the
             model itself is left as it is). From PyTorch's default initialization the chain values are
             products of small weights, so G-SGD needs ``"gsgd"`` or a tiny learning rate.
 
@@ -92,7 +92,7 @@ class GModel(nn.Module):
     def _link(self) -> None:
         """Make the packed coordinates (all but the first layer's weight) views of one flat tensor, so the
         fused ``w(v)`` reads them without copying, and a workspace reused by every pass with its views of
-        the coordinates made once (see _FusedWeights). Redone by :meth:`forward` if their storage moved."""
+        the coordinates made once (see _FusedWeights). Redone by `forward` if their storage moved."""
         kernel = self.gspace._kernel()
         coords = list(self.coordinates)
         params = [coords[k] for k in kernel.packed_index]
@@ -201,7 +201,7 @@ class GOptimizer(torch.optim.Optimizer):
 
     Use it like the wrapped optimizer on the original model: ``loss.backward()`` on the model, then
     ``step()``. Each step turns the weight gradients into coordinate gradients (inverse chain rule,
-    :meth:`GSpace.gradient`), lets the wrapped optimizer update the coordinates, and writes ``w(v)``
+    `GSpace.gradient`), lets the wrapped optimizer update the coordinates, and writes ``w(v)``
     back into the model. The wrapped optimizer keeps its state between steps (so G-Adam is Adam on the
     coordinates); ``param_groups`` are the wrapped optimizer's, so learning-rate schedulers work, and
     ``step(closure)`` supports closures (LBFGS). The model's designated (skeleton) weights never change.
@@ -219,9 +219,9 @@ class GOptimizer(torch.optim.Optimizer):
             positively homogeneous (ReLU, LeakyReLU, identity).
         optimizer_class: any ``torch.optim.Optimizer`` subclass.
         skeleton: designated and predecessor entries (default: the G-SGD skeleton).
-        example_input: passed to :func:`manifolds.analyze` when fx cannot trace the model.
+        example_input: passed to [`manifolds.analyze`][manifolds.analyze] when fx cannot trace the model.
         init: ``"model"`` starts from the model's weights; ``"gsgd"`` first sets every skeleton and predecessor
-            weight of the model (or of the given parameters) to 1, in place, as :func:`manifolds.gsgd_init_`
+            weight of the model (or of the given parameters) to 1, in place, as `manifolds.gsgd_init_`
             does (the G-SGD paper's initialization; it changes the network function). From PyTorch's default
             initialization the chain values are products of small weights, so G-SGD needs ``"gsgd"`` or a
             tiny learning rate.
@@ -234,7 +234,7 @@ class GOptimizer(torch.optim.Optimizer):
         coordinates: the coordinate tensors, ``gspace.layout`` order.
 
     Raises:
-        GSpaceSingularityError: from :meth:`step`, when the update would make a chain value 0 or change
+        GSpaceSingularityError: from `step`, when the update would make a chain value 0 or change
             its sign; the coordinates are then reset to the model's (unchanged) weights.
     """
 
@@ -335,7 +335,7 @@ class GOptimizer(torch.optim.Optimizer):
         """Make the model's weights after the first views of ``packed_w`` (holding their current values),
         so that computing them writes them, with no copy: the way flat-buffer optimizers keep
         parameters. The model's tensors stay the same objects; as writing through ``packed_w`` bypasses
-        their version counters, :meth:`_refresh` bumps those, as any in-place update would. Where the
+        their version counters, `_refresh` bumps those, as any in-place update would. Where the
         model's tensors moved since (``.to()``, a new ``.data``), steps copy into them instead."""
         targets = self._packed_targets
         if not targets or any(not t.is_leaf or t._base is not None for t in targets):
@@ -352,7 +352,7 @@ class GOptimizer(torch.optim.Optimizer):
         """Recompute ``w(v)``'s intermediates for the inverse chain rule; with ``write``, put ``w(v)`` in
         the model.
 
-        Raises :class:`GSpaceSingularityError` before anything is written if a chain value is singular.
+        Raises `GSpaceSingularityError` before anything is written if a chain value is singular.
         """
         kernel = self.gspace._kernel()
         first = self.coordinates[0]
@@ -458,7 +458,7 @@ class GOptimizer(torch.optim.Optimizer):
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)
 
     def _inner_step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
-        """The wrapped optimizer's step, outside the base class's wrapper (see :meth:`step`) unless the
+        """The wrapped optimizer's step, outside the base class's wrapper (see `step`) unless the
         wrapped optimizer has hooks of its own or a profiler records."""
         opt = self.optimizer
         step = type(opt).step
@@ -470,7 +470,7 @@ class GOptimizer(torch.optim.Optimizer):
     def resync(self) -> None:
         """Re-read the coordinates from the model's current weights (after changing them from outside).
 
-        The next :meth:`step` writes ``w(v)`` back, with the designated weights at their fixed values,
+        The next `step` writes ``w(v)`` back, with the designated weights at their fixed values,
         a function-preserving rescaling of what the model holds.
         """
         with torch.no_grad():
@@ -481,7 +481,7 @@ class GOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the model's weights (the coordinates' gradients are recomputed from
-        them by every :meth:`step`)."""
+        them by every [`step`][manifolds.GOptimizer.step])."""
         for t in self._targets:
             if t.grad is None:
                 continue

@@ -2,7 +2,7 @@
 
 Solvers and metrics work on one flat vector of length ``n`` (all parameters concatenated in a
 fixed order); users see dictionaries ``{name: tensor}`` shaped like ``model.named_parameters()``.
-:class:`ParamLayout` converts between the two without copying more than needed.
+[`ParamLayout`][manifolds.ParamLayout] converts between the two without copying more than needed.
 """
 
 from __future__ import annotations

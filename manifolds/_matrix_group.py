@@ -1,8 +1,8 @@
 """A symmetry group made of matrix factors (GL(k) and positive diagonal) next to the diagonal rescaling group.
 
-A :class:`Factor` is one copy of ``GL(k)`` (an invertible ``k x k`` matrix ``M``) or of the positive diagonal
+A `Factor` is one copy of ``GL(k)`` (an invertible ``k x k`` matrix ``M``) or of the positive diagonal
 group (a vector ``c > 0``, read as ``M = diag(c)``), together with the parameter blocks it moves. A
-:class:`Block` is a ``k``-long set of rows (``axis=0``; the entries of a vector) or columns (``axis=1``) of one
+`Block` is a ``k``-long set of rows (``axis=0``; the entries of a vector) or columns (``axis=1``) of one
 parameter tensor, optionally restricted to some indices of the other axis, and how ``M`` moves it:
 
 =============  ===================  ===============================  =====================
@@ -19,7 +19,7 @@ layer is ``W_cols <- W_cols M^-T``. The vertical (orbit) tangent at a point alon
 a vector ``s`` with ``Omega = diag(s)`` for a diagonal factor) is the derivative of the block's map at
 ``M = I``: ``D X`` for rows and ``X D`` for columns, ``D`` the table's last column.
 
-:class:`MatrixSymmetry` holds the factors, the diagonal rescaling group of :mod:`manifolds._group` (which
+`MatrixSymmetry` holds the factors, the diagonal rescaling group of `manifolds._group` (which
 acts on other tensors or other sides of them: nothing is claimed twice) and the reasons everything else is
 pinned. The whole group's Lie algebra has coordinates ``xi = (log-scales of the diagonal group, vec(Omega_1),
 ..., s_j, ...)`` (row-major ``Omega``), in the order of ``factors``.
@@ -111,7 +111,7 @@ class Factor:
 
 @dataclass(frozen=True)
 class SymmetryElement:
-    """One element of a :class:`MatrixSymmetry`.
+    """One element of a [`MatrixSymmetry`][manifolds.MatrixSymmetry].
 
     Attributes:
         log_scales: ``(diagonal_dim,)`` log-scales of the diagonal rescaling group.
@@ -152,7 +152,7 @@ def _apply(x: Tensor, t: Tensor, axis: int, diagonal: bool) -> Tensor:
 class MatrixSymmetry:
     """The function-preserving group of a network: diagonal rescalings times GL and diagonal matrix factors.
 
-    Built by :func:`manifolds.transformer_symmetry`; see :mod:`manifolds._attention` for what is found and why
+    Built by `manifolds.transformer_symmetry`; see `manifolds._attention` for what is found and why
     it preserves the function.
 
     Attributes:
@@ -319,7 +319,7 @@ class MatrixSymmetry:
         return out
 
     def vertical_adjoint(self, params: Mapping[str, Tensor], tangent: Mapping[str, Tensor]) -> Tensor:
-        """The transpose of :meth:`vertical`: ``(dim,)`` with entry ``i`` the inner product of ``tangent`` with
+        """The transpose of `vertical`: ``(dim,)`` with entry ``i`` the inner product of ``tangent`` with
         the orbit tangent of the ``i``-th coordinate (tensors missing from ``tangent`` count as zero)."""
         names = [n for n in self.names if n in tangent]
         first = next(iter(params.values()))
@@ -335,7 +335,7 @@ class MatrixSymmetry:
 
     def vertical_basis(self, params: Mapping[str, Tensor]) -> Tensor:
         """The dense ``(n, dim)`` matrix of orbit tangents, rows in the flat order of ``params``
-        (:class:`manifolds.ParamLayout`); for small models and checks."""
+        ([`manifolds.ParamLayout`][manifolds.ParamLayout]); for small models and checks."""
         layout = ParamLayout.from_tensors(params)
         first = next(iter(params.values()))
         dtype = first.dtype

@@ -88,8 +88,9 @@ def functional_call(
         module: the model; its tensors are the same objects afterwards.
         tensors: ``{name: tensor}`` (or a tuple of such dicts), any of a tensor's names; a tensor held by
             several modules takes the value given under any of its names.
-        args, kwargs: the forward's arguments.
-        aliases: :func:`tensor_aliases` of ``module``, when already computed (e.g. outside a compiled
+        args: the forward's arguments.
+        kwargs: the forward's arguments.
+        aliases: `tensor_aliases` of ``module``, when already computed (e.g. outside a compiled
             function).
     """
     if isinstance(tensors, tuple):

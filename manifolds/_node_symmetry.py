@@ -1,9 +1,9 @@
 """Linear algebra of a rescaling group in log coordinates ``u = log|w|``.
 
 The group element ``exp(t c)`` adds ``t (c[plus] - c[minus])`` to ``u`` entry-wise (see
-:class:`manifolds.RescalingGroup`), so the orbit through any point is an affine subspace ``u + range(J)``
+`manifolds.RescalingGroup`), so the orbit through any point is an affine subspace ``u + range(J)``
 with a constant ``(n, dim)`` matrix ``J`` whose rows hold at most one ``+1`` and one ``-1``.
-:class:`NodeSymmetry` applies ``J``, its transpose, its Gram matrix and the projection onto
+[`NodeSymmetry`][manifolds.NodeSymmetry] applies ``J``, its transpose, its Gram matrix and the projection onto
 ``range(J)^perp`` without forming ``J``: each tensor's class indices broadcast against it.
 """
 
@@ -42,7 +42,7 @@ class NodeSymmetry:
     """The infinitesimal action ``J`` (``(n, dim)``) of a rescaling group in log coordinates.
 
     Args:
-        group: the group (:attr:`manifolds.NetworkStructure.group` or ``.layer_group``).
+        group: the group ([`manifolds.NetworkStructure.group`][manifolds.NetworkStructure] or ``.layer_group``).
         layout: flat layout of the parameters. Parameters the group does not act on get zero rows of ``J``;
             scales acting on a tensor outside the layout (a frozen parameter) are left out, as it must not move.
 
@@ -93,7 +93,7 @@ class NodeSymmetry:
         return out
 
     def apply_transpose(self, v: Tensor) -> Tensor:
-        """``J^T v``, the exact adjoint of :meth:`apply`.
+        """``J^T v``, the exact adjoint of [`apply`][manifolds.NodeSymmetry.apply].
 
         Args:
             v: ``(n,)`` or ``(k, n)``.

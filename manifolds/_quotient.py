@@ -1,6 +1,6 @@
 """Quotient geometries of the rescaling symmetry: layer-wise and node-wise metrics.
 
-Both classes work on flat vectors of length ``n`` (see :class:`manifolds.ParamLayout`) at a fixed
+Both classes work on flat vectors of length ``n`` (see [`manifolds.ParamLayout`][manifolds.ParamLayout]) at a fixed
 point ``w`` and share one vocabulary (geoopt / pymanopt style):
 
 - ``inner(eta, xi)``, ``norm(xi)``: the metric ``g_w``;
@@ -72,7 +72,7 @@ class _Quotient(ABC):
     @classmethod
     @abstractmethod
     def geoopt_manifold(cls):
-        """The per-tensor ``geoopt`` manifold with this metric (for :func:`manifolds.quotient_parameters`)."""
+        """The per-tensor ``geoopt`` manifold with this metric (for `manifolds.quotient_parameters`)."""
 
     def geodesic_map(self, directions: Tensor) -> Callable[[Tensor], Tensor]:
         """``c (B, k) -> (B, n)``: the points ``Exp(sum_i c_i directions_i)`` for tangent ``directions (k, n)``."""
@@ -124,8 +124,8 @@ class _Quotient(ABC):
     def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         """``zeta -> P G^{1/2} Hess f[G^{-1/2} P zeta]``: the Riemannian Hessian as a symmetric map.
 
-        Its eigenvalues on the range of :meth:`whitened_projection` are those of the Riemannian
-        Hessian on the quotient; eigenvectors map back to tangent vectors with :meth:`unwhiten`.
+        Its eigenvalues on the range of `whitened_projection` are those of the Riemannian
+        Hessian on the quotient; eigenvectors map back to tangent vectors with `unwhiten`.
 
         Args:
             egrad: Euclidean gradient at the point, ``(n,)``.
@@ -168,11 +168,11 @@ class LayerScaleQuotient(_Quotient):
 
     Args:
         point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
-        structure: :func:`manifolds.analyze` of the network; its ``layer_group`` (one scale per module output,
+        structure: `manifolds.analyze` of the network; its ``layer_group`` (one scale per module output,
             residual connections and BatchNorm included) gives the vertical space.
         layout: flat layout (default: from ``point``).
         zero_blocks: ``"error"`` (default) refuses a block of zero norm, naming it (e.g. zero-initialised
-            biases), with :class:`DegeneratePointError` (the metric does not exist there); ``"exclude"``
+            biases), with `DegeneratePointError` (the metric does not exist there); ``"exclude"``
             drops such blocks from the tangent space (they are fixed points of every rescaling, so the
             remaining geometry is unchanged; the Hessian is restricted to the other parameters).
     """
@@ -263,7 +263,7 @@ class NodeScaleQuotient(_Quotient):
     """Quotient by node-wise (unit- and channel-wise) rescaling with ``g_w(eta, xi) = sum eta xi / w^2``.
 
     In ``u = log|w|`` the metric is Euclidean and every rescaling a translation along ``range(J)``
-    (:class:`manifolds.NodeSymmetry`), so the Riemannian Hessian is exactly
+    ([`manifolds.NodeSymmetry`][manifolds.NodeSymmetry]), so the Riemannian Hessian is exactly
     ``Hess f[xi] = w^2 (H xi) + (w g) xi`` (entry-wise), i.e. ``diag(|w|) H diag(|w|) + diag(w g)`` in
     whitened coordinates, with the rescaling directions in its kernel. Invariant under node-wise,
     channel-wise and layer-wise rescaling at every point, eigenvectors included.
@@ -273,7 +273,7 @@ class NodeScaleQuotient(_Quotient):
 
     Args:
         point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
-        structure: :func:`manifolds.analyze` of the network; its ``group`` gives the horizontal projection.
+        structure: `manifolds.analyze` of the network; its ``group`` gives the horizontal projection.
             Without a group (fx cannot trace the model) nothing is projected: the Hessian is still invariant,
             and the rescaling directions lie in its kernel, so only zero eigenvalues are affected
             (``projected`` is ``False``).

@@ -1,7 +1,7 @@
-"""What :func:`analyze` reads from a model: its exact rescaling group, and its chain of layers if it is one.
+"""What `analyze` reads from a model: its exact rescaling group, and its chain of layers if it is one.
 
-The group comes from the rules of :mod:`manifolds._group_discovery` on the model's traced graph
-(:mod:`manifolds._graph`); it covers residual connections, BatchNorm, concatenation and shared modules.
+The group comes from the rules of `manifolds._group_discovery` on the model's traced graph
+(`manifolds._graph`); it covers residual connections, BatchNorm, concatenation and shared modules.
 The chain view is what G-space and fixed weights need: Linear/Conv2d layers in forward order with only
 positively homogeneous operations between them, where a hidden unit (or channel) can be rescaled by
 multiplying its incoming weights and bias by ``c`` and dividing its outgoing weights by ``c``; every
@@ -11,8 +11,8 @@ Both read the one fx graph, so they see functional calls (``F.relu``, ``torch.fl
 and additions. When fx cannot trace a model the chain view falls back to the children of an
 ``nn.Sequential``, and otherwise to the call order of leaf modules recorded with forward pre-hooks on
 one forward pass with ``example_input``, which cannot see functional operations or additions; there is
-no group then. :func:`rescale_parameters` and friends apply chain rescalings functionally;
-:func:`random_rescale` draws elements of the group.
+no group then. [`rescale_parameters`][manifolds.rescale_parameters] and friends apply chain rescalings functionally;
+[`random_rescale`][manifolds.random_rescale] draws elements of the group.
 
 Only what happens between the first and the last layer matters for the chain view: rescalings act on
 hidden units only, so the output of the last layer, and everything computed from it (a Sigmoid or
@@ -132,7 +132,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class NetworkStructure:
-    """What :func:`analyze` finds: the network's exact rescaling group, and its chain of layers if it is one.
+    """What `analyze` finds: the network's exact rescaling group, and its chain of layers if it is one.
 
     Attributes:
         layers: Linear/Conv2d layers in forward order.
@@ -161,7 +161,7 @@ class NetworkStructure:
         return not self.problems
 
     def require_group(self, what: str) -> RescalingGroup:
-        """The node-wise group, or :class:`UnsupportedModelError` saying why it is unknown.
+        """The node-wise group, or [`UnsupportedModelError`][manifolds.UnsupportedModelError] saying why it is unknown.
 
         Args:
             what: the computation that needs it, e.g. ``"a function-preserving rescaling"``.
@@ -184,7 +184,7 @@ class NetworkStructure:
         return sum(self.hidden_units)
 
     def require_rescalable(self, what: str) -> None:
-        """Raise :class:`UnsupportedModelError` unless the network is a plain chain (see ``problems``).
+        """Raise `UnsupportedModelError` unless the network is a plain chain (see ``problems``).
 
         Args:
             what: the computation that is defined for chains only, e.g. ``"the G-space parametrization"``.
@@ -500,7 +500,7 @@ def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStr
     """Read ``model`` once: its exact rescaling group, and its chain of layers when it is one.
 
     The group (``structure.group``, with ``structure.layer_group`` its one-scale-per-module subgroup) is
-    found on the :mod:`torch.fx` graph with the rules of :mod:`manifolds._group_discovery`: residual
+    found on the `torch.fx` graph with the rules of `manifolds._group_discovery`: residual
     additions tie scales, BatchNorm and non-homogeneous activations pin them, unknown operations pin their
     inputs and outputs. ``print(structure.group.describe())`` shows its dimension and every pinned channel
     with its reason.
@@ -573,7 +573,7 @@ def rescale_parameters(
 
     Args:
         params: ``{name: tensor}`` containing at least every layer's weight and bias.
-        structure: from :func:`analyze`.
+        structure: from [`analyze`][manifolds.analyze].
         factors: ``len(structure.hidden_units)`` positive tensors, ``factors[i]`` of shape
             ``(hidden_units[i],)``; cast to each parameter's dtype and device.
 
@@ -611,7 +611,7 @@ def random_factors(
     """Random positive rescaling factors, one tensor per hidden layer.
 
     Args:
-        structure: from :func:`analyze`.
+        structure: from [`analyze`][manifolds.analyze].
         kind: ``"node"``: an independent log-normal factor (log-std ``scale``) per hidden unit.
             ``"layer"``: per-layer multipliers ``lambda_i`` for ALL layers (last included), ``log lambda``
             drawn i.i.d. ``N(0, scale^2)`` and centred so that ``prod lambda_i = 1`` exactly, expressed as
@@ -645,7 +645,7 @@ def layer_factors(
     """Node factors of the layer-wise rescaling ``W_i -> lambda_i W_i``, ``b_i -> (lambda_1...lambda_i) b_i``.
 
     Args:
-        structure: from :func:`analyze`.
+        structure: from [`analyze`][manifolds.analyze].
         lambdas: one positive multiplier per layer (``len(structure.layers)``) with product 1
             (checked to 1e-9 relative), e.g. ``(5, 4, 1/20)`` as in the flatness paper's tables.
         dtype: dtype of the factors.
@@ -680,13 +680,13 @@ def _rescaled_copy(model: nn.Module, structure: NetworkStructure, factors: Seque
 def rescale_model(model: nn.Module, factors: Sequence[Tensor], *, example_input: Tensor | None = None) -> nn.Module:
     """A deep copy of a chain network rescaled by node factors, computing the same function.
 
-    For any traceable model use :func:`random_rescale` or ``RescalingGroup.act``; this takes the factors
-    of :func:`layer_factors` / :func:`random_factors` (one tensor per hidden layer of a chain).
+    For any traceable model use `random_rescale` or ``RescalingGroup.act``; this takes the factors
+    of `layer_factors` / `random_factors` (one tensor per hidden layer of a chain).
 
     Args:
         model: a chain network (``analyze(model).rescalable``); ``model`` is untouched.
-        factors: as for :func:`rescale_parameters`.
-        example_input: passed to :func:`analyze` (needed only when fx cannot trace the model).
+        factors: as for [`rescale_parameters`][manifolds.rescale_parameters].
+        example_input: passed to [`analyze`][manifolds.analyze] (needed only when fx cannot trace the model).
 
     Raises:
         UnsupportedModelError: ``model`` is not a chain.
@@ -729,7 +729,7 @@ def _acted_copy(model: nn.Module, group: RescalingGroup, log_scales: Tensor) -> 
     """A deep copy of ``model`` with ``group``'s element ``exp(log_scales)`` applied (ties and sharing kept).
 
     Raises:
-        ValueError: a rescaled tensor leaves its dtype's normal range (see :func:`_check_range`).
+        ValueError: a rescaled tensor leaves its dtype's normal range (see `_check_range`).
     """
     if not bool(torch.isfinite(log_scales).all()):
         raise ValueError("the log-scales must be finite")
@@ -776,7 +776,7 @@ def random_rescale(
     """A randomly rescaled deep copy of ``model`` that computes the same function.
 
     The log-scales are i.i.d. ``N(0, scale^2)``, one per free class of the node-wise group (``"node"``) or of
-    the layer-wise group (``"layer"``: one per module output class); see :func:`analyze`. Works on any
+    the layer-wise group (``"layer"``: one per module output class); see [`analyze`][manifolds.analyze]. Works on any
     traceable model (residual connections, BatchNorm, concatenation, weight sharing).
 
     Args:
@@ -784,15 +784,15 @@ def random_rescale(
         kind: ``"node"`` or ``"layer"``.
         scale: standard deviation of the log-scales.
         generator: random generator, or ``None`` for the global one.
-        example_input: passed to :func:`analyze` (for the shapes).
+        example_input: passed to [`analyze`][manifolds.analyze] (for the shapes).
         buffers: (``kind="node"`` only) also scale the channels feeding each BatchNorm with its running mean
             (by ``c``) and variance (by ``c^2``): the function is preserved up to BatchNorm's ``eps``.
 
     Returns:
         The copy. Every rescaled tensor stays in its dtype's normal range (each entry the exact rescaling up to
-        one rounding), and without ``buffers`` its outputs on a random input of the traced shape match the
-        model's within ``sqrt(eps)`` of the dtype, relative to the largest output (``1.5e-8`` in float64,
-        ``3.5e-4`` in float32); a draw that does not is refused, never returned.
+            one rounding), and without ``buffers`` its outputs on a random input of the traced shape match the
+            model's within ``sqrt(eps)`` of the dtype, relative to the largest output (``1.5e-8`` in float64,
+            ``3.5e-4`` in float32); a draw that does not is refused, never returned.
 
     Raises:
         ValueError: unknown ``kind``, ``buffers=True`` with ``kind="layer"``, ``scale`` not a finite number

@@ -1,4 +1,4 @@
-"""A Riemannian metric invariant under a whole :class:`~manifolds.MatrixSymmetry` (GL and diagonal factors and
+"""A Riemannian metric invariant under a whole [`MatrixSymmetry`][manifolds.MatrixSymmetry] (GL and diagonal factors and
 the diagonal rescaling group), block-diagonal so that nothing is dense in the number of parameters.
 
 Write a parameter block moved from the left as ``X -> L X`` (``L`` invertible ``k x k``) and from the right as
@@ -25,10 +25,10 @@ invariant as soon as ``p -> p / s^2`` when the columns move by ``s``: then ``X P
   nothing moves: ``tr((X^T X)^-1 xi^T eta)`` per head block, the balanced metric read column-wise.
 * **Everything else**: ``xi^2 p`` entry by entry (``p = 1`` where nothing acts: the Euclidean metric, invariant
   because the group leaves those entries and their weights alone).
-* **Tensors of the diagonal rescaling group** (:func:`manifolds.analyze`'s, where no factor acts): the node metric
+* **Tensors of the diagonal rescaling group** (`manifolds.analyze`'s, where no factor acts): the node metric
   ``xi^2 / w^2``, invariant under every entry-wise positive scaling.
 
-Refused with :class:`~manifolds.UnsupportedModelError` (one sentence each): a tensor moved both by a factor and by
+Refused with `UnsupportedModelError` (one sentence each): a tensor moved both by a factor and by
 the diagonal rescaling group, rows moved by two factors, GL-moved columns on a tensor whose rows also move, a
 block whose rows carry different column weights, and references that depend on each other in a cycle.
 """
@@ -254,20 +254,20 @@ def _sym_power(s: Tensor, power: float) -> Tensor:
 
 
 def symmetry_metric(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> Metric:
-    """The metric of :mod:`manifolds._symmetry_metric` for ``symmetry``, on flat vectors in the order of ``params``.
+    """The metric of `manifolds._symmetry_metric` for ``symmetry``, on flat vectors in the order of ``params``.
 
     ``apply`` is differentiable in the point by ``torch.func`` (for the Levi-Civita connection of
-    :class:`manifolds.MetricQuotient`); ``solve``, ``whiten`` and ``unwhiten`` (``W = G^{1/2}``, symmetric) work
+    `manifolds.MetricQuotient`); ``solve``, ``whiten`` and ``unwhiten`` (``W = G^{1/2}``, symmetric) work
     block by block on ``k x k`` Gram matrices, so nothing is dense in the number of parameters. Every map
     accepts ``(..., n)`` vectors.
 
     Args:
-        symmetry: the group (:func:`manifolds.transformer_symmetry`).
-        params: ``{name: tensor}`` giving the flat layout (:class:`manifolds.ParamLayout`); every tensor the
+        symmetry: the group ([`manifolds.transformer_symmetry`][manifolds.transformer_symmetry]).
+        params: ``{name: tensor}`` giving the flat layout (`manifolds.ParamLayout`); every tensor the
             group moves must be present.
 
     Returns:
-        The :class:`manifolds.Metric` (name ``"symmetry"``).
+        The [`manifolds.Metric`][manifolds.Metric] (name ``"symmetry"``).
 
     Raises:
         UnsupportedModelError: a structure the metric cannot weigh invariantly (see the module docstring).

@@ -1,16 +1,16 @@
-"""The quotient of the parameters by a :class:`~manifolds.MatrixSymmetry`: exact Hessian, projection by Gram matrix.
+"""The quotient of the parameters by a `MatrixSymmetry`: exact Hessian, projection by Gram matrix.
 
 The vertical space at ``w`` is ``range(V)``, ``V xi = symmetry.vertical(w, xi)`` (``xi`` in the group's Lie
 algebra, ``d`` coordinates). The ``G``-orthogonal projection onto the horizontal space is
 ``P eta = eta - V M^-1 V^T G eta`` with ``M = V^T G V`` (``d x d``); in whitened coordinates ``zeta = W eta``
 (``W = G^{1/2}`` symmetric) it is ``zeta - W V M^-1 V^T W zeta``. ``M`` is built without ever forming ``V``:
-``M y = V^T G V y`` by :meth:`~manifolds.MatrixSymmetry.vertical`, the metric and
-:meth:`~manifolds.MatrixSymmetry.vertical_adjoint`, on probe vectors that each cover many factors at once.
-The metric of :func:`manifolds.symmetry_metric` is block-diagonal, so factors whose orbit tangents meet no common
+``M y = V^T G V y`` by [`vertical`][manifolds.MatrixSymmetry.vertical], the metric and
+[`vertical_adjoint`][manifolds.MatrixSymmetry.vertical_adjoint], on probe vectors that each cover many factors at once.
+The metric of `manifolds.symmetry_metric` is block-diagonal, so factors whose orbit tangents meet no common
 metric block are ``G``-orthogonal (``M`` is zero between them); factors are coloured so that no two in a colour
 share a metric block or a neighbour (a distance-2 colouring of the graph "touch a common block"), and one probe
 per colour and coordinate reads the columns of all of its factors. ``M`` is then factored once (Cholesky). The
-connection terms (Christoffel symbols by automatic differentiation) are :class:`manifolds.MetricQuotient`'s.
+connection terms (Christoffel symbols by automatic differentiation) are `manifolds.MetricQuotient`'s.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from manifolds._symmetry_metric import _metric, _Plan
 
 
 class SymmetryQuotient(MetricQuotient):
-    """:class:`manifolds.MetricQuotient` for the metric of :func:`manifolds.symmetry_metric` and a whole group.
+    """`manifolds.MetricQuotient` for the metric of `manifolds.symmetry_metric` and a whole group.
 
     Args:
-        symmetry: the group (:func:`manifolds.transformer_symmetry`).
+        symmetry: the group ([`manifolds.transformer_symmetry`][manifolds.transformer_symmetry]).
         params: the point ``{name: tensor}`` (its order is the flat layout; every tensor the group moves present).
         metric: another metric invariant under ``symmetry`` (e.g. to show what a non-invariant one does), or
-            ``None`` for :func:`manifolds.symmetry_metric`. A metric given here must be block-diagonal over the
-            blocks of :func:`manifolds.symmetry_metric` for the sparse Gram build to be exact; ``dense_gram=True``
+            ``None`` for `manifolds.symmetry_metric`. A metric given here must be block-diagonal over the
+            blocks of `manifolds.symmetry_metric` for the sparse Gram build to be exact; ``dense_gram=True``
             builds ``M`` column by column instead.
         dense_gram: build ``M`` with one probe per coordinate (no colouring).
 
@@ -44,7 +44,7 @@ class SymmetryQuotient(MetricQuotient):
         gram_probes: the number of products ``V^T G V y`` that built ``M``.
 
     Raises:
-        UnsupportedModelError: the metric cannot be built for this group (see :mod:`manifolds._symmetry_metric`),
+        UnsupportedModelError: the metric cannot be built for this group (see `manifolds._symmetry_metric`),
             or it is not finite at the point (a zero weight under the node metric, a row block of zero norm); the
             message names the tensors.
     """

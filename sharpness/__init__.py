@@ -1,6 +1,6 @@
 """Curvature of a loss over a whole data set: the objective and its exact Hessian-vector products
-(:mod:`sharpness.products`), eigen-solvers (:mod:`sharpness.solvers`), and the sharpness measures, Euclidean and
-scale-invariant, with epsilon-sharpness and invariance verification (:mod:`sharpness.measures`)."""
+(`sharpness.products`), eigen-solvers (`sharpness.solvers`), and the sharpness measures, Euclidean and
+scale-invariant, with epsilon-sharpness and invariance verification (`sharpness.measures`)."""
 
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult

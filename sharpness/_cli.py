@@ -2,7 +2,7 @@
 
 Bad input gets one sentence on stderr naming the problem and the fix, exit code 2, no traceback,
 and no output file (outputs are written atomically, and only after the work succeeded). Under ``torchrun``
-the processes share the data (:mod:`sharpness._launch`); process 0 prints and writes.
+the processes share the data (`sharpness._launch`); process 0 prints and writes.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
 
 
 def parse_device(text: str) -> torch.device:
-    """``--device`` as a :class:`torch.device`, refused in one sentence when it does not exist on this machine."""
+    """``--device`` as a `torch.device`, refused in one sentence when it does not exist on this machine."""
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -124,13 +124,13 @@ def memory_budget(mib: float | None) -> int | None:
 
 def start_objective(args: argparse.Namespace, model: nn.Module, loss_fn: nn.Module, data, **options) -> Objective:
     """The objective of a command, after every check of its arguments: under ``torchrun`` the processes share
-    the data (see :func:`join`); ``options`` go to :class:`Objective`."""
+    the data (see `join`); ``options`` go to [`Objective`][sharpness.Objective]."""
     return Objective(model, loss_fn, data, distributed=join(args), **options)
 
 
 def join(args: argparse.Namespace) -> Communicator:
-    """Under ``torchrun``, the group of the processes (joined by :func:`load_problem`), once every process has
-    confirmed that its inputs are usable (:func:`~sharpness._launch.confirm_inputs`); else one process."""
+    """Under ``torchrun``, the group of the processes (joined by `load_problem`), once every process has
+    confirmed that its inputs are usable (`confirm_inputs`); else one process."""
     comm = _join_group(args)
     confirm_inputs()
     return comm
@@ -152,7 +152,7 @@ def command_inputs(args: argparse.Namespace) -> tuple[str | None, ...]:
 def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Model (checkpoint loaded, eval mode, in ``--dtype``), loss and data from the shared arguments. Under
     ``torchrun`` the processes join their group first, so that one whose files fail here makes every process
-    stop (:func:`~sharpness._launch.confirm_inputs`, in :func:`join` and :func:`run_command`)."""
+    stop (`confirm_inputs`, in `join` and [`run_command`][sharpness.cli.run_command])."""
     _join_group(args)
     dtype = DTYPES[args.dtype]
     # Built in --dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
@@ -232,21 +232,21 @@ def run_command(command, args, user_errors: tuple[type[BaseException], ...] = US
     ``interrupted`` and exit code 130 (no traceback; outputs are only written atomically at the end). Parse the
     command line inside ``command``, so that Ctrl-C there is caught too. ``args``, the command line (``None``:
     ``sys.argv[1:]``), must be UTF-8 text; a reader of stdout that goes away does not stop the command, whose exit
-    code is then 141 unless it failed (see :mod:`sharpness._stdio`).
+    code is then 141 unless it failed (see `sharpness._stdio`).
 
     Under ``torchrun`` process 0 says what went wrong. The others stay silent on what every process found
     alike (bad input, checked the same way on the same files, and failures that
-    :meth:`~sharpness.products._distributed.Communicator.check_together` shared, such as a process's missing
-    data file found after joining: :func:`~sharpness._launch.confirm_inputs`), and name themselves on a
+    [`check_together`][sharpness.Communicator.check_together] shared, such as a process's missing
+    data file found after joining: `confirm_inputs`), and name themselves on a
     failure of their own; a process left waiting for another that failed ends with
-    :class:`~sharpness.products._distributed.DistributedError`, exit code 1."""
+    [`DistributedError`][sharpness.DistributedError], exit code 1."""
     with guarded_streams() as streams:
         code = _run(command, args, user_errors)
     return READER_GONE_STATUS if code == 0 and any(s.reader_gone for s in streams) else code
 
 
 def _run(command, args, user_errors: tuple[type[BaseException], ...]) -> int:
-    """:func:`run_command` without the guard of the standard streams."""
+    """[`run_command`][sharpness.cli.run_command] without the guard of the standard streams."""
     try:
         if args is None or isinstance(args, (list, tuple)):
             require_text(sys.argv[1:] if args is None else args)

@@ -3,7 +3,7 @@
 ``torchrun --nproc_per_node=N -m sharpness compute ...`` starts N copies of the command with ``WORLD_SIZE``,
 ``RANK`` and ``LOCAL_RANK`` in their environment. Each checks its command line (the same on every process, so
 a bad option fails every process alike and process 0 says so), joins the group (NCCL on CUDA devices, gloo
-otherwise), loads its checkpoint and data and checks them, and then :func:`confirm_inputs`: every process
+otherwise), loads its checkpoint and data and checks them, and then `confirm_inputs`: every process
 says whether its inputs were usable, so one whose files are missing or differ makes every process stop at once,
 process 0 naming it, instead of leaving the others waiting for it. Each then evaluates its share of the
 samples. Only process 0 prints results and writes files.
@@ -61,8 +61,8 @@ def process_device(device: torch.device) -> torch.device:
 
 def join_processes(device: torch.device, timeout_s: float) -> Communicator:
     """The default process group under ``torchrun`` (initialized here: NCCL for CUDA, gloo otherwise, every
-    exchange waiting at most ``timeout_s`` seconds), or :data:`SINGLE_PROCESS` without it. A group initialized
-    here waits for :func:`confirm_inputs`."""
+    exchange waiting at most ``timeout_s`` seconds), or `SINGLE_PROCESS` without it. A group initialized
+    here waits for `confirm_inputs`."""
     if launched_processes() <= 1:
         return SINGLE_PROCESS
     if not dist.is_initialized():

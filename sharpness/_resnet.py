@@ -65,5 +65,5 @@ class ResNet(nn.Module):
 
 
 def resnet(depth: int = 20, width: int = 1, classes: int = 10, in_channels: int = 3) -> ResNet:
-    """A CIFAR-style ResNet-``depth`` with BatchNorm (see :class:`ResNet`)."""
+    """A CIFAR-style ResNet-``depth`` with BatchNorm (see `ResNet`)."""
     return ResNet(depth, width, classes, in_channels)

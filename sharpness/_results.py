@@ -60,7 +60,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`write_atomic`)."""
+    """Write ``text`` to ``path`` atomically (see [`write_atomic`][sharpness.io.write_atomic])."""
     write_atomic(path, text)
 
 

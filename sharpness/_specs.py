@@ -6,7 +6,7 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``resnet:20,width=2``), ``vit`` (a small vision transformer on 8x8 one-channel images, 2x2 patches, inputs
 ``(N, 64)`` or ``(N, 1, 8, 8)``; options ``dim=``, ``heads=``, ``depth=``, ``mlp=``, ``classes=``,
 ``norm=pre|post``, ``act=relu|gelu``, ``attn=mha|hand``, e.g. ``vit:dim=32,heads=4``; keys in
-:mod:`sharpness._vit`), or ``path/to/file.py:factory``
+`sharpness._vit`), or ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
 Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``

@@ -84,7 +84,7 @@ class _Stream:
 
 @contextlib.contextmanager
 def guarded_streams() -> Iterator[list[_Stream]]:
-    """``sys.stdout`` and ``sys.stderr`` wrapped (see :class:`_Stream`) while the block runs; yields the wrappers,
+    """``sys.stdout`` and ``sys.stderr`` wrapped (see `_Stream`) while the block runs; yields the wrappers,
     whose ``reader_gone`` says whether a reader went away. A closed stream (``None``) is left as it is."""
     saved = sys.stdout, sys.stderr
     streams = [None if s is None else _Stream(s) for s in saved]

@@ -10,7 +10,7 @@ Each block is pre-LayerNorm (``x + attn(ln1(x))``, then ``x + fc2(act(fc1(ln2(x)
 (``attn=mha``) or written by hand (``attn=hand``): separate query, key, value and output Linears, split
 into heads by ``unflatten``/``transpose`` and joined by ``F.scaled_dot_product_attention``. Separate (not
 fused) projections keep every head's query/key and value/output ``GL(head size)`` symmetry visible to
-:func:`manifolds.transformer_symmetry`.
+[`manifolds.transformer_symmetry`][manifolds.transformer_symmetry].
 
 State-dict keys (``i`` the block index; shapes for ``dim=D``, ``mlp=F``, ``classes=C``)::
 
@@ -135,7 +135,7 @@ def vit_from_spec(spec: str) -> ViT:
     """The model of a ``vit[:KEY=VALUE,...]`` SPEC, e.g. ``vit``, ``vit:dim=32,heads=4,depth=2,attn=hand``.
 
     Keys: ``dim``, ``heads``, ``depth``, ``mlp``, ``classes`` (positive integers) and ``norm`` (pre, post),
-    ``act`` (relu, gelu), ``attn`` (mha, hand); see :class:`ViT`.
+    ``act`` (relu, gelu), ``attn`` (mha, hand); see `ViT`.
 
     Raises:
         SpecError: an unknown key, a value that is not a positive integer or not one of the choices, or

@@ -110,7 +110,7 @@ def bash_commands(path: Path) -> list[tuple[str, str]]:
 
 # The pages whose shell blocks run too, after their Python blocks and in the same folder (the Python blocks
 # write the checkpoint, data and model file the commands read).
-SHELL_FILES = ("getting-started.md",)
+SHELL_FILES = ("getting-started.md", "index.md")
 # Only the files that have something to check are parametrized: a test that can only skip checks nothing.
 PYTHON_FILES = [p for p in DOC_FILES if python_blocks(p)]
 COMMAND_FILES = [p for p in DOC_FILES if bash_commands(p)]

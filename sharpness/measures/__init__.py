@@ -1,4 +1,4 @@
-"""Sharpness measures: one :class:`Measure` object per geometry in one registry (:data:`MEASURES`), the
+"""Sharpness measures: one `Measure` object per geometry in one registry (`MEASURES`), the
 functions that compute them, epsilon-, adaptive and geodesic sharpness and invariance verification."""
 
 from sharpness.measures._adaptive import AdaptiveSharpness as AdaptiveSharpness

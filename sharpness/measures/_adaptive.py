@@ -89,7 +89,7 @@ class AdaptiveSharpness:
         history: one record per evaluation: ``start`` (``"centre"``, ``"eigen+"``, ``"eigen-"``,
             ``"random k"`` or ``"sample"``), ``step``, ``increase``, ``radius`` (``||z||_p``), ``batch``.
         batch_values: per-batch values when ``batch_size`` is given.
-        ascent: the :class:`Ascent` settings.
+        ascent: the [`Ascent`][sharpness.Ascent] settings.
         batch_size: ``None`` (whole data set) or the batch size of the per-batch average.
         seconds: wall time.
         layout: maps ``perturbation`` to named parameters.
@@ -296,23 +296,24 @@ def adaptive_sharpness(
     rescaling (residual, BatchNorm and concatenation networks included); the model is not modified.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective` (not used when ``objective`` is given, except ``data``
-            with ``batch_size``).
+        model: as for `Objective` (not used when ``objective`` is given).
+        loss_fn: as for `Objective` (not used when ``objective`` is given).
+        data: as for `Objective` (not used when ``objective`` is given, except with ``batch_size``).
         rho: radius ``> 0`` in normalized coordinates ``z = delta / |w|`` (0.05 is a 5% change of each weight
             in l-infinity).
         kind: ``"l2"`` or ``"linf"`` (worst case, projected gradient ascent) or ``"average"`` (Gaussian noise).
-        ascent: search and sampling settings (default :class:`Ascent()`).
+        ascent: search and sampling settings (default `Ascent()`).
         batch_size: ``None`` for the loss over the whole data set; an integer for the reference code's
             variant: each batch of at most ``batch_size`` samples is measured on its own and the values are
             averaged.
         dtype: evaluation dtype (default: the model's).
-        eigen: the node-wise top eigenpair at this point (:class:`Node`), to start the worst-case ascent from
+        eigen: the node-wise top eigenpair at this point ([`Node`][sharpness.Node]), to start the worst-case ascent from
             without solving for it again (whole data set only).
         objective: an existing whole-data-set objective (then ``batch_size`` must be ``None``).
         progress: progress bar over the loss evaluations (``None``: only on a terminal).
 
     Returns:
-        :class:`AdaptiveSharpness`.
+        [`AdaptiveSharpness`][sharpness.AdaptiveSharpness].
 
     Raises:
         ValueError: bad ``rho``, ``kind`` or ``batch_size``, or ``objective`` together with ``batch_size``.

@@ -1,6 +1,6 @@
 """What a result may claim: the rescaling group found on the model, and what could not be measured.
 
-A measure's :attr:`~sharpness.Measure.invariant_under` is a general claim ("invariant under node-wise
+A measure's [`invariant_under`][sharpness.Measure] is a general claim ("invariant under node-wise
 rescaling"); on a given network it holds only for the rescalings that network has. The claim recorded in a
 result is the general one intersected with the kinds whose group (restricted to the trainable parameters) has
 a positive dimension, and the sentence that says what was removed and why. Skipped measures and dropped
@@ -80,7 +80,7 @@ def untestable_kinds(groups: Mapping[str, RescalingGroup] | None, failure: str |
 
 def untestable_factor_kinds(claimed: Iterable[str], objective: Objective) -> dict[str, str]:
     """``kind -> reason`` for each claimed invariance under a transformer factor (``"attention"``,
-    ``"normalization"``) that :func:`manifolds.transformer_symmetry` does not find on this network."""
+    ``"normalization"``) that `manifolds.transformer_symmetry` does not find on this network."""
     wanted = [kind for kind in claimed if kind in FACTOR_KINDS]
     if not wanted:
         return {}
@@ -108,7 +108,7 @@ def supported_claims(claimed: Iterable[str], untestable: Mapping[str, str]) -> t
 def symmetry_facts(claimed: tuple[str, ...], objective: Objective) -> dict:
     """What a result records about its symmetry: ``invariant_under`` (the claim that holds on this network),
     ``invariance_note`` (what was cut, when something was) and, for a measure that claims any invariance,
-    ``group`` (:func:`group_summary`)."""
+    ``group`` (`group_summary`)."""
     if not claimed:
         return {"invariant_under": []}
     groups = rescaling_groups(objective)

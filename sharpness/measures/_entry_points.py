@@ -31,9 +31,11 @@ def measure_sharpness(
     The same as ``get_measure(measure).sharpness(objective, k, solver, progress)``.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective` (not used when ``objective`` is given).
-        measure: a key of :data:`MEASURES` (``"euclidean"``, ``"layer"``, ``"node"``, ``"fixed"``,
-            ``"minnorm"``, ``"gspace"``) or a :class:`Measure` with its options (e.g. ``Layer("exclude")``).
+        model: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        loss_fn: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        data: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        measure: a key of [`MEASURES`][sharpness.MEASURES] (``"euclidean"``, ``"layer"``, ``"node"``, ``"fixed"``,
+            ``"minnorm"``, ``"gspace"``) or a `Measure` with its options (e.g. ``Layer("exclude")``).
         k: number of eigenpairs.
         solver: eigen-solver settings (default ``Solver()``).
         dtype: evaluation dtype (``None``: the model's).
@@ -41,7 +43,7 @@ def measure_sharpness(
         progress: show a progress bar (``None``: only on a terminal).
 
     Returns:
-        The measure's :class:`EigenResult`; ``info["metric"]`` names the measure.
+        The measure's [`EigenResult`][sharpness.EigenResult]; ``info["metric"]`` names the measure.
 
     Raises:
         ValueError: an unknown measure name.
@@ -68,27 +70,33 @@ def invariant_sharpness(
     ``metric="node"``: the node-wise quotient (``g = sum xi_k^2 / w_k^2``), invariant under every
     positive rescaling of hidden units or channels (and so under layer-wise rescaling).
     ``metric="layer"``: the layer-wise quotient of Rangamani et al., invariant under layer-wise
-    rescaling only; a node-wise rescaling changes it (see :func:`verify_invariance`).
+    rescaling only; a node-wise rescaling changes it (see [`verify_invariance`][sharpness.verify_invariance]).
     Both use the exact Levi-Civita Hessian, so values are right away from critical points too.
     ``"minnorm"``, ``"fixed"`` and ``"gspace"`` are invariant through a canonical representative or
-    invariant coordinates (see :data:`MEASURES`).
+    invariant coordinates (see [`MEASURES`][sharpness.MEASURES]).
 
     ``Solver(method="power")`` is the Riemannian power method (Rangamani et al., Algorithm 1) on horizontal
     vectors; ``"lanczos"`` (default) needs far fewer Hessian-vector products, and ``"low-memory-lanczos"``
     trades twice the products for a memory of three parameter vectors.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective`. Any differentiable model: the measure's rescaling
+        model: as for `Objective`. Any differentiable model: the measure's rescaling
             group is found on its fx graph (residual connections, BatchNorm, concatenation, weight sharing).
+        loss_fn: as for `Objective`.
+        data: as for `Objective`.
         metric: a measure name or object that claims some invariance (not ``"euclidean"``).
-        k, solver, dtype, objective, progress: as for :func:`measure_sharpness`.
+        k: as for [`measure_sharpness`][sharpness.measure_sharpness].
+        solver: as for [`measure_sharpness`][sharpness.measure_sharpness].
+        dtype: as for [`measure_sharpness`][sharpness.measure_sharpness].
+        objective: as for [`measure_sharpness`][sharpness.measure_sharpness].
+        progress: as for [`measure_sharpness`][sharpness.measure_sharpness].
 
     Returns:
-        :class:`EigenResult` whose ``.value`` is the invariant sharpness. For the quotient metrics it is
-        dimensionless (loss units per squared relative change of the weights), eigenvectors are
-        unit-``g``-norm horizontal tangent vectors (``coordinates="tangent"``), and ``info`` holds
-        ``metric``, ``loss``, ``n_params``, ``n_samples``, ``riemannian_grad_norm`` (0 at a critical point)
-        and ``hvp_strategy``.
+        `EigenResult` whose ``.value`` is the invariant sharpness. For the quotient metrics it is
+            dimensionless (loss units per squared relative change of the weights), eigenvectors are
+            unit-``g``-norm horizontal tangent vectors (``coordinates="tangent"``), and ``info`` holds
+            ``metric``, ``loss``, ``n_params``, ``n_samples``, ``riemannian_grad_norm`` (0 at a critical point)
+            and ``hvp_strategy``.
 
     Raises:
         ValueError: an unknown or a non-invariant measure.

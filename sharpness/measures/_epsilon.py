@@ -49,7 +49,7 @@ class EpsilonSharpness:
         history: one record per evaluation: ``start`` (``+1``/``-1``: the sign of the top eigenvector
             the ascent started from), ``step``, ``sharpness`` (normalized as ``measured``), ``radius``
             (``||xi||_g``).
-        lambda_max: the top eigenpair of the metric's Hessian (:func:`measure_sharpness`).
+        lambda_max: the top eigenpair of the metric's Hessian ([`measure_sharpness`][sharpness.measure_sharpness]).
         start_sign: start of the ascent that found the maximum (``0``: the centre was best).
         steps: ascent steps per start.
         step_size: first step length as a fraction of ``epsilon``.
@@ -108,7 +108,7 @@ class EpsilonSharpness:
         return jsonable(out)
 
     def save_json(self, path: str | os.PathLike, with_vectors: bool = False) -> None:
-        """Write :meth:`to_dict` to ``path`` atomically."""
+        """Write [`to_dict`][sharpness.EpsilonSharpness.to_dict] to ``path`` atomically."""
         write_text_atomic(path, json.dumps(self.to_dict(with_vectors), indent=2))
 
 
@@ -141,7 +141,7 @@ def epsilon_sharpness(
 
     The maximum of ``zeta -> f(R(zeta))`` over the horizontal ball ``||zeta|| <= eps`` (whitened
     coordinates, ``R`` the measure's retraction: ``w + zeta`` for ``"euclidean"``,
-    ``expmap(unwhiten(zeta))`` for the quotients; see :meth:`Measure.ball`) is searched by projected
+    ``expmap(unwhiten(zeta))`` for the quotients; see [`Measure.ball`][sharpness.Measure.ball]) is searched by projected
     gradient ascent started at ``+-eps`` times the top eigenvector (the maximizer to second order), keeping
     the better start. The gradient in ``zeta`` is the Euclidean gradient at the moved point pulled back
     through ``R`` with ``torch.func.vjp``; each step moves ``step_size * eps / sqrt(t + 1)`` along the
@@ -149,21 +149,23 @@ def epsilon_sharpness(
     is not modified.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective` (not used when ``objective`` is given).
-        epsilon: ball radius ``> 0`` in the metric (see :attr:`EpsilonSharpness.epsilon`).
-        metric: a measure with a ball (:attr:`Measure.has_ball`: ``"euclidean"``, ``"layer"``, ``"node"``),
+        model: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        loss_fn: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        data: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        epsilon: ball radius ``> 0`` in the metric (see [`EpsilonSharpness.epsilon`][sharpness.EpsilonSharpness]).
+        metric: a measure with a ball (`Measure.has_ball`: ``"euclidean"``, ``"layer"``, ``"node"``),
             by name or object.
         steps: ascent steps per start (``0``: evaluate the two starts only).
         step_size: first step length as a fraction of ``epsilon``.
         eigen: a precomputed top eigenpair of this measure at this point (e.g. to sweep ``epsilon``);
-            computed with :meth:`Measure.sharpness` when ``None``.
+            computed with [`Measure.sharpness`][sharpness.Measure.sharpness] when ``None``.
         solver: eigen-solver settings for that eigenpair (default ``Solver()``).
         objective: an existing objective instead of a new one.
         progress: progress bar over the ascent evaluations and the eigen-solve (``None``: only on a
             terminal).
 
     Returns:
-        :class:`EpsilonSharpness`.
+        [`EpsilonSharpness`][sharpness.EpsilonSharpness].
 
     Raises:
         ValueError: unknown measure, a measure without a ball, ``epsilon <= 0``, ``steps < 0``,

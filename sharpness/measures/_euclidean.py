@@ -47,7 +47,7 @@ class Euclidean(Measure):
         return CurvatureOperator(op, info={"hvp_strategy": op.strategy, "data_span": None})
 
     def solve(self, objective: Objective, k: int, solver: Solver, progress: bool | None = None) -> EigenResult:
-        """Top eigenpairs, in data-span coordinates where they apply (see :attr:`data_span`).
+        """Top eigenpairs, in data-span coordinates where they apply (see [`data_span`][sharpness.Euclidean]).
 
         In data-span coordinates the Hessian's exact null space outside the span is left out, so when one of
         the ``k`` eigenvalues found there is not positive (zeros from outside the span may rank above it), or
@@ -102,23 +102,25 @@ def euclidean_sharpness(
     """Largest ``k`` eigenvalues of the Euclidean Hessian of the loss over the whole data set.
 
     Not invariant under rescalings of a ReLU network (Dinh et al. 2017): see
-    :func:`invariant_sharpness` for measures that are. The same as
+    [`invariant_sharpness`][sharpness.invariant_sharpness] for measures that are. The same as
     ``Euclidean(data_span).sharpness(objective, k, solver, progress)``.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective` (``data``: ``(X, y)``, a DataLoader or an
-            iterable of batches); not used when ``objective`` is given.
+        model: as for [`Objective`][sharpness.Objective]; not used when ``objective`` is given.
+        loss_fn: as for [`Objective`][sharpness.Objective]; not used when ``objective`` is given.
+        data: as for [`Objective`][sharpness.Objective] (``(X, y)``, a DataLoader or an iterable of batches);
+            not used when ``objective`` is given.
         k: number of eigenpairs.
-        solver: eigen-solver settings (:class:`Solver`; default ``Solver()``: Lanczos, tol 1e-6).
-        data_span: see :attr:`Euclidean.data_span`.
+        solver: eigen-solver settings ([`Solver`][sharpness.Solver]; default ``Solver()``: Lanczos, tol 1e-6).
+        data_span: see [`Euclidean.data_span`][sharpness.Euclidean].
         dtype: evaluation dtype (``None``: the model's).
         objective: an existing objective (chunking, device and memory budget set there) instead of a new one.
         progress: show a progress bar (``None``: only on a terminal).
 
     Returns:
-        :class:`EigenResult` with ``.value`` the largest eigenvalue (units of the loss per squared
-        parameter unit), eigenvectors mappable to parameters with ``.parameter_vectors()``, and
-        ``info`` holding ``loss``, ``n_params``, ``n_samples``, ``hvp_strategy``, ``metric`` and ``data_span``.
+        [`EigenResult`][sharpness.EigenResult] with ``.value`` the largest eigenvalue (units of the loss per squared
+            parameter unit), eigenvectors mappable to parameters with ``.parameter_vectors()``, and
+            ``info`` holding ``loss``, ``n_params``, ``n_samples``, ``hvp_strategy``, ``metric`` and ``data_span``.
     """
     objective = build_objective(model, loss_fn, data, objective, dtype=dtype)
     return Euclidean(data_span).sharpness(objective, k, solver, progress)

@@ -33,10 +33,10 @@ class Fixed(Measure):
     ``factor_max`` (range of the node factors that moved the point to the representative).
 
     Attributes:
-        selection: which weights are fixed (see :class:`manifolds.FixedWeightSpace`); only a gauge-independent
+        selection: which weights are fixed (see `manifolds.FixedWeightSpace`); only a gauge-independent
             one (``"diagonal"``, the default, or a fixed mask) gives a rescaling-invariant measure.
 
-    Raises (from :meth:`operator`):
+    Raises (from [`operator`][sharpness.Fixed]):
         UnsupportedModelError: positive rescaling is not a symmetry of the model.
         DegeneratePointError: a fixed weight is zero (no rescaling makes it +-1).
     """

@@ -21,7 +21,7 @@ and ``S_geo`` is invariant at either order (the ascent even follows the same pat
 **First order = adaptive sharpness.** With the node metric ``g = sum xi_k^2 / w_k^2`` the whitened coordinates
 are ``z = xi / |w|``, so the order-1 point is ``w + |w| z`` over ``||z|| <= rho``: adaptive sharpness (l2) with
 the same ``rho``, once the horizontal constraint is dropped (``horizontal=False``; the result equals
-:func:`adaptive_sharpness` to rounding, same starts and steps). Adaptive sharpness does not restrict ``z``, and
+`adaptive_sharpness` to rounding, same starts and steps). Adaptive sharpness does not restrict ``z``, and
 at first order that matters: moving ``w + |w| z`` along an orbit direction is a rescaling only to first order,
 so the unrestricted ball reaches other functions through it. The second-order geodesic of the node metric is
 ``w (1 + u + u^2 / 2)`` with ``u = xi / w`` (``Gamma_w(xi, xi) = -xi^2 / w``): the exact geodesic ``w exp(u)``
@@ -98,7 +98,7 @@ class GeodesicSharpness:
             ``None``; ``rho^2 / 2`` times it is the second-order prediction of ``value`` at a critical point.
         history: one record per evaluation: ``start`` (``"centre"``, ``"eigen+"``, ``"eigen-"``,
             ``"random k"``), ``step``, ``increase``, ``radius`` (``||xi||_g``), ``batch`` (always ``None``).
-        ascent: the :class:`Ascent` settings.
+        ascent: the [`Ascent`][sharpness.Ascent] settings.
         invariant_under: the rescaling kinds that leave the value unchanged: the metric's measure's claim cut to
             the kinds this network's rescaling group has (empty where it has dimension 0).
         invariance_note: what was cut from that claim and why (``None`` when nothing was).
@@ -163,9 +163,9 @@ def geodesic_ball(
             project for ``Euclidean``).
 
     Returns:
-        ``(ball, geometry)``: the :class:`SearchBall` the ascent searches and the :class:`manifolds.MetricQuotient`
-        of the metric at ``w`` (no vertical space: it gives the whitening and the Christoffel symbols, the
-        measure's own quotient gives the horizontal projection, which scales with the group).
+        ``(ball, geometry)``: the `SearchBall` the ascent searches and the `manifolds.MetricQuotient`
+            of the metric at ``w`` (no vertical space: it gives the whitening and the Christoffel symbols, the
+            measure's own quotient gives the horizontal projection, which scales with the group).
 
     Raises:
         ValueError: the metric is not defined at ``w`` (a zero weight for ``"node"``, a zero tensor for ``"layer"``).
@@ -224,7 +224,9 @@ def geodesic_sharpness(
     See the module docstring for the definition. The loss is over the whole data set; the model is not modified.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective` (not used when ``objective`` is given).
+        model: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        loss_fn: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
+        data: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
         rho: radius ``> 0`` of the ball in the metric, ``||xi||_g``.
         metric: ``"node"`` (default; invariant under node-, channel- and layer-wise rescaling), ``"layer"``
             (layer-wise only) or ``"euclidean"`` (flat metric: straight lines, nothing projected, not
@@ -232,14 +234,14 @@ def geodesic_sharpness(
         order: ``2`` (second-order geodesics, the paper's measure) or ``1`` (``w + xi``).
         horizontal: restrict ``xi`` to the horizontal space (the definition); ``False`` searches the whole
             tangent ball, which with ``metric="node", order=1`` is exactly adaptive sharpness (l2).
-        ascent: search settings (default :class:`Ascent()`; ``samples`` is not used).
+        ascent: search settings (default `Ascent()`; ``samples`` is not used).
         eigen: this measure's top eigenpair at this point, to start from without solving for it again.
         objective: an existing objective instead of a new one.
         dtype: evaluation dtype (default: the model's).
         progress: progress bar over the loss evaluations (``None``: only on a terminal).
 
     Returns:
-        :class:`GeodesicSharpness`.
+        [`GeodesicSharpness`][sharpness.GeodesicSharpness].
 
     Raises:
         ValueError: bad ``rho``, ``order`` or ``horizontal``, a metric other than these three, an ``eigen`` of

@@ -1,6 +1,6 @@
 """Sharpness in G-space: the top eigenvalues of the Hessian of ``L(w(v))`` in basis-path coordinates.
 
-The G-space coordinates ``v`` (values of basis paths, :class:`manifolds.GSpace`) are unchanged by
+The G-space coordinates ``v`` (values of basis paths, [`manifolds.GSpace`][manifolds.GSpace]) are unchanged by
 every positive rescaling of hidden units, and ``L(w(v))`` is the same function of ``v`` for every
 representative of a network, so its Hessian, and its spectrum, are invariant under node-wise (and
 layer-wise) rescaling exactly, at any point.
@@ -120,7 +120,7 @@ def gspace_hessian_operator(
         objective: the loss over the data set.
         gspace: the parametrization (default: the G-SGD skeleton).
         hvp: ``"auto"`` (chosen as for the Euclidean Hessian), ``"graph"``, ``"double_backward"`` or
-            ``"jvp"``; see :meth:`GSpaceLoss.hvp`.
+            ``"jvp"``; see [`GSpaceLoss.hvp`][sharpness.GSpaceLoss.hvp].
 
     Returns:
         ``(operator, loss)``: the symmetric operator on ``(dim,)`` vectors and the G-space loss it uses.

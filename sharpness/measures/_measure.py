@@ -1,7 +1,7 @@
 """What a sharpness measure is: one object per geometry, asked by every consumer.
 
-A :class:`Measure` says what it is (``name``, ``description``), which rescalings leave it unchanged
-(``invariant_under``), which symmetric operator it gives an :class:`~sharpness.Objective` (its top
+A [`Measure`][sharpness.Measure] says what it is (``name``, ``description``), which rescalings leave it unchanged
+(``invariant_under``), which symmetric operator it gives an [`Objective`][sharpness.Objective] (its top
 eigenvalues are the measure), how that operator's eigenvectors map back to parameters, and, where the
 measure has one, its epsilon ball (a retraction and a horizontal projection in whitened coordinates).
 Sharpness, epsilon-sharpness, invariance verification and the landscape's eigenvector planes all take
@@ -41,7 +41,7 @@ class BallGeometry:
         retract: ``zeta (d,) -> flat parameters (n,)``, ``R(unwhiten(zeta))``; must be differentiable
             with ``torch.func.vjp``.
         project: orthogonal projection of ``zeta (d,)`` onto the whitened horizontal space.
-        whiten: tangent vector (the eigenvector coordinates of the measure's :class:`EigenResult`) ->
+        whiten: tangent vector (the eigenvector coordinates of the measure's [`EigenResult`][sharpness.EigenResult]) ->
             ``zeta``.
         unwhiten: ``zeta`` -> tangent vector.
     """
@@ -59,7 +59,7 @@ class CurvatureOperator:
     Attributes:
         operator: the symmetric operator on ``(d,)`` vectors whose top eigenvalues are the measure.
         to_parameters: ``(k, d)`` unit eigenvectors of ``operator`` -> ``(k, n)`` flat vectors in the
-            objective's parameter layout (what :attr:`EigenResult.coordinates` names).
+            objective's parameter layout (what [`EigenResult.coordinates`][sharpness.EigenResult] names).
         coordinates: what the mapped vectors are: ``"euclidean"`` (unit Euclidean parameter vectors),
             ``"tangent"`` (tangent vectors at the point, unit in the measure's metric), ``"gauged"`` /
             ``"fixed"`` (unit Euclidean vectors at the canonical representative the measure moved to).
@@ -76,8 +76,8 @@ class Measure(ABC):
     """A sharpness measure: the top eigenvalues of a symmetric curvature operator of the loss.
 
     Subclasses are frozen dataclasses whose fields are the measure's options (e.g. which tensors the
-    layer-wise metric leaves out); they set the class attributes and implement :meth:`operator`, and a
-    measure with an epsilon ball implements :meth:`ball` too. The registry :data:`sharpness.MEASURES`
+    layer-wise metric leaves out); they set the class attributes and implement `operator`, and a
+    measure with an epsilon ball implements `ball` too. The registry `sharpness.MEASURES`
     holds one default instance per name.
 
     Attributes:
@@ -98,7 +98,7 @@ class Measure(ABC):
         """The measure's operator at ``objective.params`` (``hvp``: the Hessian-vector product strategy)."""
 
     def ball(self, objective: Objective) -> BallGeometry:
-        """The measure's epsilon ball at ``objective.params`` (for :func:`sharpness.epsilon_sharpness`).
+        """The measure's epsilon ball at ``objective.params`` (for `sharpness.epsilon_sharpness`).
 
         Raises:
             ValueError: the measure has no ball geometry.
@@ -110,12 +110,12 @@ class Measure(ABC):
 
     @property
     def has_ball(self) -> bool:
-        """Whether :meth:`ball` is implemented (epsilon-sharpness is defined for this measure)."""
+        """Whether [`ball`][sharpness.Measure.ball] is implemented (epsilon-sharpness is defined for this measure)."""
         return type(self).ball is not Measure.ball
 
     def solve(self, objective: Objective, k: int, solver: Solver, progress: bool | None = None) -> EigenResult:
-        """Top ``k`` eigenpairs of :meth:`operator`, eigenvectors mapped to parameters (no timing or facts
-        about the objective: :meth:`sharpness` adds those)."""
+        """Top ``k`` eigenpairs of `operator`, eigenvectors mapped to parameters (no timing or facts
+        about the objective: [`sharpness`][sharpness.Measure.sharpness] adds those)."""
         bound = self.operator(objective, solver.hvp)
         result = solver.solve(bound.operator, k, progress)
         return result.replace(
@@ -129,18 +129,18 @@ class Measure(ABC):
         """The measure at ``objective.params``: its top ``k`` eigenpairs and how they were found.
 
         Returns:
-            :class:`EigenResult` with ``.value`` the measure, ``layout`` and ``seconds`` set, and ``info``
-            holding ``metric`` (this measure's name), ``loss``, ``n_params``, ``n_samples``,
-            ``hvp_strategy``, what it measured (``n_measured`` of the ``n_params`` parameters; ``n_dropped``,
-            and ``dropped`` saying why where some were left out, e.g. zero weights under the node-wise
-            metric), its symmetry (``invariant_under``: :attr:`invariant_under` cut to the rescalings this
-            network has, ``invariance_note`` saying what was cut and why, and ``group``: the rescaling group
-            used, its dimensions and what pinned the rest; see :func:`~sharpness.measures._claims.symmetry_facts`)
-            and the measure's own facts.
+            `EigenResult` with ``.value`` the measure, ``layout`` and ``seconds`` set, and ``info``
+                holding ``metric`` (this measure's name), ``loss``, ``n_params``, ``n_samples``,
+                ``hvp_strategy``, what it measured (``n_measured`` of the ``n_params`` parameters; ``n_dropped``,
+                and ``dropped`` saying why where some were left out, e.g. zero weights under the node-wise
+                metric), its symmetry (``invariant_under``: `invariant_under` cut to the rescalings this
+                network has, ``invariance_note`` saying what was cut and why, and ``group``: the rescaling group
+                used, its dimensions and what pinned the rest; see `symmetry_facts`)
+                and the measure's own facts.
 
         Raises:
             UnsupportedModelError: the measure does not apply to this model;
-                :class:`~manifolds.DegeneratePointError` (a subclass) where it does not exist at these weights.
+                `DegeneratePointError` (a subclass) where it does not exist at these weights.
         """
         start = time.perf_counter()
         result = self.solve(objective, k, solver or Solver(), progress)

@@ -26,14 +26,14 @@ GAUGE_MAX_ITER = 100_000
 class MinNorm(Measure):
     """The top eigenvalue of the Euclidean Hessian at the minimum-l2-norm gauge of the point.
 
-    The point is moved by the node-wise rescaling of :func:`manifolds.min_norm_gauge_parameters` (``p = 2``,
+    The point is moved by the node-wise rescaling of `manifolds.min_norm_gauge_parameters` (``p = 2``,
     Jacobi updates to ``max |a_i - 1| < 1e-12``); the loss is unchanged, the Hessian is that of the canonical
     representative. Eigenvectors are unit Euclidean vectors at the gauged parameters
     (``coordinates="gauged"``); ``info`` holds ``gauge_iterations``, ``gauge_gamma`` (eq. (20) imbalance left),
     ``gauge_converged``, ``gauge_norm_reduction`` (``||W||^2`` after / before) and, as for
-    :class:`Euclidean`, ``data_span``.
+    [`Euclidean`][sharpness.Euclidean], ``data_span``.
 
-    Raises (from :meth:`operator` and :meth:`solve`):
+    Raises (from [`operator`][sharpness.MinNorm] and [`solve`][sharpness.MinNorm]):
         UnsupportedModelError: positive rescaling is not a symmetry of the model.
         DegeneratePointError: a hidden unit with all incoming or all outgoing weights zero (a dead unit: the
             gauge does not exist at this point; skipped where measures are chosen for you).

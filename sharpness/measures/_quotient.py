@@ -1,7 +1,7 @@
 """Scale-invariant sharpness on a rescaling quotient: the top eigenvalues of the exact Riemannian Hessian.
 
 The geometry itself (metric, horizontal projection, Levi-Civita Hessian, exponential map) is a quotient class
-of :mod:`manifolds`; the measures here bind it to an objective.
+of `manifolds`; the measures here bind it to an objective.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sharpness.products._operator import CallableOperator
 
 
 class QuotientMeasure(Measure):
-    """The top eigenvalue of the Riemannian Hessian on a rescaling quotient (:meth:`quotient`).
+    """The top eigenvalue of the Riemannian Hessian on a rescaling quotient (`quotient`).
 
     The operator is the whitened Riemannian Hessian restricted to the horizontal space (a symmetric map on
     ``zeta = G^{1/2} xi``); its eigenvectors come back as horizontal tangent vectors of unit ``g``-norm
@@ -34,7 +34,7 @@ class QuotientMeasure(Measure):
         """The quotient geometry at ``objective.params``."""
 
     def measured(self, objective: Objective) -> tuple[LayerScaleQuotient | NodeScaleQuotient, dict]:
-        """:meth:`quotient`, and what it measures: ``n_measured`` of the parameters, ``n_dropped`` and, where
+        """`quotient`, and what it measures: ``n_measured`` of the parameters, ``n_dropped`` and, where
         some are dropped, ``dropped`` (one sentence naming the tensors).
 
         Raises:
@@ -105,7 +105,7 @@ class Layer(QuotientMeasure):
     """The layer-wise quotient metric of Rangamani et al.: ``g(eta, xi) = sum_B <eta_B, xi_B> / ||w_B||^2``.
 
     Invariant under layer-wise rescaling only: a node-wise rescaling changes it (see
-    :func:`sharpness.verify_invariance`).
+    [`sharpness.verify_invariance`][sharpness.verify_invariance]).
 
     Attributes:
         zero_blocks: ``"error"`` (default) refuses a tensor of zero norm (the metric ``1/||w_B||^2`` is

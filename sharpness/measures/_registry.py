@@ -1,4 +1,4 @@
-"""The one registry of sharpness measures: name -> default :class:`Measure` instance."""
+"""The one registry of sharpness measures: name -> default [`Measure`][sharpness.Measure] instance."""
 
 from __future__ import annotations
 

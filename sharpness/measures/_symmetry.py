@@ -1,9 +1,9 @@
 """Sharpness on the quotient by a network's whole symmetry group: attention heads, normalization scales, units.
 
-The group is :func:`manifolds.transformer_symmetry`'s (per-head GL factors on query/key and value/output,
+The group is `manifolds.transformer_symmetry`'s (per-head GL factors on query/key and value/output,
 LayerNorm/RMSNorm scale trades, token-wise ReLU units, and the diagonal rescaling group of ReLU and BatchNorm
-networks); the metric is :func:`manifolds.symmetry_metric` (invariant under all of it), and the measure is the top
-eigenvalue of the exact Riemannian Hessian on the horizontal space (:class:`manifolds.SymmetryQuotient`).
+networks); the metric is `manifolds.symmetry_metric` (invariant under all of it), and the measure is the top
+eigenvalue of the exact Riemannian Hessian on the horizontal space (`manifolds.SymmetryQuotient`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - older torch: one kernel only
 class Symmetry(QuotientMeasure):
     """Top eigenvalue of the quotient Hessian under the model's whole symmetry group (``"symmetry"``).
 
-    Invariant under every element of the group :func:`manifolds.transformer_symmetry` finds: per-head
+    Invariant under every element of the group `manifolds.transformer_symmetry` finds: per-head
     ``GL(hd)`` on query/key and on value/output, the affine scales of LayerNorm/RMSNorm traded against the layers
     reading them, token-wise ReLU unit scalings, and the node- and layer-wise rescalings of ReLU/BatchNorm
     networks. Where that group has dimension 0 the value is the top eigenvalue of the Riemannian Hessian of the

@@ -4,8 +4,8 @@ A positive rescaling of hidden units (node-wise) or of whole layers (layer-wise)
 network's function unchanged, so a measure of the function's sharpness should not move. The
 Euclidean top eigenvalue does (Dinh et al. 2017), the layer-wise quotient measure of Rangamani et al.
 is invariant under layer-wise rescaling only, and the node-wise quotient measure under both.
-:func:`verify_invariance` checks each registered measure against the invariances it claims
-(:attr:`Measure.invariant_under`) and prints the table of Tables 2-3 of the flatness paper.
+[`verify_invariance`][sharpness.verify_invariance] checks each registered measure against the invariances it claims
+([`Measure.invariant_under`][sharpness.Measure]) and prints the table of Tables 2-3 of the flatness paper.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class InvarianceReport:
             the rescalings this network has.
         original: ``metric -> (k,)`` top eigenvalues at the given parameters, largest first.
         rescaled: ``metric -> kind -> (trials, k)`` top eigenvalues at the rescaled copies.
-        relative_differences: ``metric -> kind -> (trials,)`` :func:`relative_difference` of each copy.
+        relative_differences: ``metric -> kind -> (trials,)`` `relative_difference` of each copy.
         output_differences: ``kind -> (trials,)`` max relative difference of the copies' outputs from
             the original's over the data set (rounding only: the copies compute the same function).
         converged: ``metric -> whether every eigen-solve of that metric met tol``.
@@ -122,7 +122,7 @@ class InvarianceReport:
             that kind has dimension 0 (or is unknown), so a copy would be the network itself.
         claim_notes: ``metric -> sentence`` for each metric whose general claim was cut (see ``claims``).
         group: the rescaling group the copies were drawn from (``dim``, ``layer_dim``, ``pinned`` ...; see
-            :func:`sharpness.measures._claims.group_summary`).
+            `sharpness.measures._claims.group_summary`).
     """
 
     metrics: tuple[str, ...]
@@ -184,12 +184,12 @@ class InvarianceReport:
 
     @property
     def passed(self) -> bool:
-        """True when at least one claimed invariance was tested and none changed (see :attr:`outcome`)."""
+        """True when at least one claimed invariance was tested and none changed (see `outcome`)."""
         return self.outcome == "passed"
 
     @property
     def nothing_to_verify(self) -> bool:
-        """True when no claimed invariance could be tested (see :attr:`outcome`)."""
+        """True when no claimed invariance could be tested (see [`outcome`][sharpness.InvarianceReport.outcome])."""
         return self.outcome == "nothing to verify"
 
     def table(self) -> str:
@@ -288,7 +288,7 @@ class InvarianceReport:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> InvarianceReport:
-        """Rebuild a report from :meth:`to_dict` output (derived entries are recomputed, not read)."""
+        """Rebuild a report from `to_dict` output (derived entries are recomputed, not read)."""
         return cls(
             metrics=tuple(d["metrics"]),
             kinds=tuple(d["kinds"]),
@@ -321,13 +321,13 @@ class InvarianceReport:
         )
 
     def save_json(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_dict` to ``path`` atomically (no half-written file on failure)."""
+        """Write `to_dict` to ``path`` atomically (no half-written file on failure)."""
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2))
 
 
 @dataclass(frozen=True)
 class Rescalings:
-    """The random function-preserving rescalings :func:`verify_invariance` applies.
+    """The random function-preserving rescalings [`verify_invariance`][sharpness.verify_invariance] applies.
 
     Attributes:
         kinds: rescaling kinds, out of ``"node"`` (one factor per free channel class of the model's rescaling
@@ -374,20 +374,22 @@ def verify_invariance(
     """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
 
     For each kind in ``rescalings.kinds`` and each of ``rescalings.trials`` copies, a random element of the
-    model's exact rescaling group is drawn (:func:`manifolds.analyze`: i.i.d. normal log-scales with std
+    model's exact rescaling group is drawn ([`manifolds.analyze`][manifolds.analyze]: i.i.d. normal log-scales with std
     ``rescalings.scale``, one per free class of channels for ``"node"``, one per module-output class for
     ``"layer"``; residual connections tie scales, BatchNorm pins its input) and applied to the parameters in
-    ``dtype`` (as :func:`manifolds.random_rescale` does, but after the cast, so a float32 model is rescaled
+    ``dtype`` (as `manifolds.random_rescale` does, but after the cast, so a float32 model is rescaled
     without float32 rounding). Each copy is checked to compute the same outputs on the data, then every
     measure's top ``k`` eigenvalues are recomputed and compared with the original ones. ``print(report)``
     shows the table of Tables 2-3 of the flatness paper.
 
     Args:
-        model, loss_fn, data: as for :class:`Objective`; ``model`` is never modified.
-        metrics: measures (names in :data:`MEASURES` or :class:`Measure` objects); ``None`` measures every
+        model: as for [`Objective`][sharpness.Objective]; ``model`` is never modified.
+        loss_fn: as for [`Objective`][sharpness.Objective]; ``model`` is never modified.
+        data: as for [`Objective`][sharpness.Objective]; ``model`` is never modified.
+        metrics: measures (names in `MEASURES` or `Measure` objects); ``None`` measures every
             registered measure that applies to the model (one that raises
-            :class:`manifolds.UnsupportedModelError` at the original parameters, or its subclass
-            :class:`manifolds.DegeneratePointError`, is listed in ``skipped`` with its reason).
+            `manifolds.UnsupportedModelError` at the original parameters, or its subclass
+            `manifolds.DegeneratePointError`, is listed in ``skipped`` with its reason).
         rescalings: the copies to make (default ``Rescalings()``: 5 node-wise and 5 layer-wise, log-std 1).
         k: eigenvalues compared per measure.
         rtol: relative difference up to which a measure counts as unchanged.
@@ -396,20 +398,20 @@ def verify_invariance(
         dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
         progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
         distributed: share the data among the processes of a ``torch.distributed`` group (see
-            :class:`Objective`); the rescalings are process 0's.
+            [`Objective`][sharpness.Objective]); the rescalings are process 0's.
 
     Only rescalings the network has are drawn: a kind whose group (restricted to the trainable parameters) has
     dimension 0 is left out (``skipped_kinds``), and a measure's claim is cut to the kinds left (``claims``,
     ``claim_notes``), so a claim is only ever checked against a rescaling that moves the parameters. When no
     claim is left to check (a GELU network: its group has dimension 0), no measure is computed and the report's
-    :attr:`~InvarianceReport.outcome` is ``"nothing to verify"``. A measure that does not exist at these
-    weights (:class:`manifolds.DegeneratePointError`: a dead unit for ``"minnorm"``, a zero-norm tensor for
+    [`outcome`][sharpness.InvarianceReport.outcome] is ``"nothing to verify"``. A measure that does not exist at these
+    weights (`manifolds.DegeneratePointError`: a dead unit for ``"minnorm"``, a zero-norm tensor for
     ``"layer"`` ...) is skipped like one that does not apply to the model, unless it was asked for.
 
     Returns:
-        The :class:`InvarianceReport`; ``.outcome`` says whether every claimed invariance held (``"passed"``),
-        one did not (``"FAILED"``) or none could be tested (``"nothing to verify"``); ``.passed`` is True for
-        the first only.
+        The `InvarianceReport`; ``.outcome`` says whether every claimed invariance held (``"passed"``),
+            one did not (``"FAILED"``) or none could be tested (``"nothing to verify"``); ``.passed`` is True for
+            the first only.
 
     Raises:
         UnsupportedModelError: positive rescaling is not a symmetry of ``model`` (the message names the

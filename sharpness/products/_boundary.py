@@ -1,4 +1,4 @@
-"""The library's boundary: what :class:`~sharpness.products.Objective` checks of its arguments before any work.
+"""The library's boundary: what [`Objective`][sharpness.Objective] checks of its arguments before any work.
 
 Every check here is cheap (no pass over the data: at most one forward pass on two samples of the first batch) and
 ends in one sentence naming the problem and the fix, with one documented exception type per kind of problem:
@@ -7,12 +7,12 @@ ends in one sentence naming the problem and the fix, with one documented excepti
 - ``ValueError``: an argument with a wrong value (unknown or misshapen parameters, a non-floating or half-precision
   ``dtype``, the meta device, non-finite weights, a loss that is not a scalar, a vector of another shape or one
   that would be rounded).
-- :class:`manifolds.UnsupportedModelError` (a ``ValueError``): a model the objective cannot evaluate functionally
+- `manifolds.UnsupportedModelError` (a ``ValueError``): a model the objective cannot evaluate functionally
   (TorchScript) or whose forward does not return one tensor of outputs.
-- :class:`~sharpness.products.DataError` (a ``ValueError``): data the model or loss cannot use.
+- [`DataError`][sharpness.DataError] (a ``ValueError``): data the model or loss cannot use.
 
-It also holds what the objective's own evaluations share: :func:`functional_call` (attention through PyTorch's
-math kernel, the only one with second derivatives) and :func:`float32_hessian_error` (whether float32 holds the
+It also holds what the objective's own evaluations share: `functional_call` (attention through PyTorch's
+math kernel, the only one with second derivatives) and `float32_hessian_error` (whether float32 holds the
 Hessian at this point).
 """
 
@@ -216,7 +216,7 @@ def check_finite(params: Mapping[str, Tensor], others: Mapping[str, Tensor], dty
 def squeeze_label_column(data: object, loss_fn: Callable) -> object:
     """An ``(X, y)`` pair of tensors whose ``y`` is a column ``(n, 1)`` of integer class labels, as pandas and
     scikit-learn give them, under ``CrossEntropyLoss``/``NLLLoss``: the pair with ``y`` as ``(n,)`` (a view);
-    anything else as given (other sources are checked on their first batch, :func:`check_first_batch`)."""
+    anything else as given (other sources are checked on their first batch, `check_first_batch`)."""
     if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) or not isinstance(data, (tuple, list)):
         return data
     if len(data) != 2 or not all(isinstance(t, Tensor) for t in data):
@@ -241,8 +241,8 @@ def _math_attention() -> Iterator[None]:
 
 
 def functional_call(model: nn.Module, tensors: tuple[Mapping[str, Tensor], ...], args: tuple) -> object:
-    """:func:`manifolds.functional_call` (shared modules keep their own tensors) with attention through the math
-    kernel (see :func:`_math_attention`)."""
+    """`manifolds.functional_call` (shared modules keep their own tensors) with attention through the math
+    kernel (see `_math_attention`)."""
     with _math_attention():
         return tie_aware_call(model, tensors, args)
 
@@ -369,7 +369,7 @@ def float32_hessian_error(
     batch: tuple[Tensor, Tensor], device: torch.device,
 ) -> float:  # fmt: skip
     """Relative distance between one Hessian-vector product in float32 and the same in float64, on the first
-    :data:`PRECISION_SAMPLES` samples of ``batch`` at the same weights (a fixed random direction): how much of the
+    `PRECISION_SAMPLES` samples of ``batch`` at the same weights (a fixed random direction): how much of the
     Hessian float32 keeps here. At a well-fitted point the loss's curvature lies below float32's resolution (a
     softmax's ``p (1 - p)`` with ``1 - p`` near 1e-7) and the distance is of order one. The caller sets eval mode.
     """
@@ -391,8 +391,8 @@ def float32_hessian_error(
 
 
 def precision_warning(error: float) -> str | None:
-    """The sentence a result carries where float32 lost the Hessian (:func:`float32_hessian_error` above
-    :data:`PRECISION_TOLERANCE`), else ``None``."""
+    """The sentence a result carries where float32 lost the Hessian (`float32_hessian_error` above
+    `PRECISION_TOLERANCE`), else ``None``."""
     if not error > PRECISION_TOLERANCE:
         return None
     return (

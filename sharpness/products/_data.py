@@ -6,8 +6,8 @@ Hessian-vector product needs another pass over the data). Where several processe
 gets the whole data set and iterates only its own contiguous share of the samples (``shard``).
 
 Every pass must see the same samples in the same order: a loader or iterable whose passes differ is refused
-(:func:`digest` of each pass against the first complete one), and processes that share a data set compare a
-digest of all of it (:meth:`ChunkedData.fingerprint`).
+(`digest` of each pass against the first complete one), and processes that share a data set compare a
+digest of all of it ([`ChunkedData.fingerprint`][sharpness.ChunkedData.fingerprint]).
 """
 
 from __future__ import annotations
@@ -155,15 +155,15 @@ class ChunkedData:
         chunk_size: largest number of samples per chunk (``None``: batches as given, a tensor pair
             in one chunk). Larger batches are split, never merged.
         shard: ``(rank, world_size)``: iterate only the share of process ``rank`` out of ``world_size``
-            (:func:`sharpness.products._distributed.shard_range` of the samples in order); ``None``: all.
+            (`sharpness.products._distributed.shard_range` of the samples in order); ``None``: all.
 
     Every pass must yield the same samples in the same order. A DataLoader that shuffles is refused at once; the
     passes over any other loader or iterable (not over a tensor pair or a list of batches, which cannot change)
-    are checked as they go: each complete pass's sample count and :func:`digest` (of at most
-    :data:`PASS_DIGEST_VALUES` values per sample and every target: about 1 ms per pass over 1000 samples of
+    are checked as they go: each complete pass's sample count and `digest` (of at most
+    `PASS_DIGEST_VALUES` values per sample and every target: about 1 ms per pass over 1000 samples of
     3x32x32 on one CPU thread, against seconds for a ResNet-20 forward pass) must equal those of the first complete
     pass (the same share of it, with several processes), and a pass is refused as soon as it yields more samples
-    than that. A pass its caller leaves midway is not compared; :meth:`first_batch` is the first batch of the first
+    than that. A pass its caller leaves midway is not compared; `first_batch` is the first batch of the first
     complete pass, so no pass that could go unchecked is ever the first.
 
     Raises:
@@ -317,7 +317,7 @@ class ChunkedData:
         return self._not_label[label]
 
     def fingerprint(self) -> tuple[int, int, int]:
-        """The whole data set's sample count and the :func:`digest` of all its inputs and of all its targets (one
+        """The whole data set's sample count and the `digest` of all its inputs and of all its targets (one
         pass): processes that share a data set compare theirs, so a process given other data, only its own part,
         or the same samples in another order is caught."""
         count, inputs, targets = 0, 0, 0

@@ -5,10 +5,10 @@ with respect to the convolution's input whenever a weight tangent is given, whet
 input needs one. For the first convolution of a network the input is the data, so each Hessian-vector
 product pays for a transposed convolution whose result is thrown away; on CPU, with one input
 channel, that is the slowest convolution of the whole product (about 40% of an HVP on the flatness
-paper's small CNN). :class:`DataConvolution` computes the same function and the same derivatives of
+paper's small CNN). `DataConvolution` computes the same function and the same derivatives of
 every order that HVPs use, without it.
 
-:func:`split_data_convolution` finds where it applies, on the model's traced graph: any model (a
+`split_data_convolution` finds where it applies, on the model's traced graph: any model (a
 chain, a ResNet) whose first parameterized module is a ``Conv1d/2d/3d`` with zero padding given as
 integers, reached from the input by operations without parameters or buffers, with nothing else using
 the input.
@@ -67,7 +67,7 @@ class _WeightGradient(torch.autograd.Function):
 
 
 class _Convolution(torch.autograd.Function):
-    """``conv(x, W)`` whose backward gives the weight gradient only, through :class:`_WeightGradient`."""
+    """``conv(x, W)`` whose backward gives the weight gradient only, through `_WeightGradient`."""
 
     generate_vmap_rule = True
 
@@ -124,12 +124,12 @@ class DataConvolution:
 def split_data_convolution(
     model: nn.Module, names: Mapping[str, Tensor] | list[str], graph: fx.Graph | None
 ) -> DataConvolution | None:
-    """The :class:`DataConvolution` cut of ``model``, or ``None`` when it does not have that shape.
+    """The `DataConvolution` cut of ``model``, or ``None`` when it does not have that shape.
 
     Args:
         model: the network.
         names: the names of the parameters that are differentiated (the convolution's must be among them).
-        graph: the model's traced graph (:attr:`manifolds.TracedNetwork.graph`); ``None``: no cut.
+        graph: the model's traced graph ([`manifolds.TracedNetwork.graph`][manifolds.TracedNetwork]); ``None``: no cut.
     """
     if graph is None:
         return None

@@ -94,12 +94,14 @@ class _LowerTriangular:
 class DataSpanHessian(SymmetricOperator):
     """The Euclidean Hessian of ``objective`` with its first ``Linear`` weight ``(h, d)`` in data-span coordinates
     ``(h, n)`` (see the module docstring); the other parameters are as they are. Build it with
-    :func:`data_span_hessian`.
+    `data_span_hessian`.
 
     Attributes:
         layout: the flat layout of its vectors (the first weight's shape is ``(h, n)``).
-        objective, weight: the objective and the name of the first layer's weight.
-        samples, features: ``n`` and ``d``.
+        objective: the objective and the name of the first layer's weight.
+        weight: the objective and the name of the first layer's weight.
+        samples: ``n`` and ``d``.
+        features: ``n`` and ``d``.
         factor: the triangular factor ``L`` of the Gram matrix of the data.
     """
 
@@ -164,7 +166,7 @@ def data_span_hessian(op: HessianOperator) -> DataSpanHessian | None:
     chunk states are kept in memory in a single process, a ``Linear`` layer of the data (the first layer of a
     chain; in a graph, a layer whose input depends on no parameter, alone or fused with the BatchNorm it feeds), and
     fewer samples than it has input features, by enough that the set-up pays for itself within a few products
-    (:func:`_pays_off`).
+    (`_pays_off`).
     ``None`` otherwise."""
     if op.strategy != "rop" or op.objective.comm.world_size > 1:  # the span of every process's data together
         return None

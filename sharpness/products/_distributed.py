@@ -1,14 +1,14 @@
 """Data-parallel evaluation across the processes of a ``torch.distributed`` group.
 
 Every process holds the whole data set and evaluates only its own contiguous share of the samples
-(:func:`shard_range`: shares differ in size by at most one sample, nothing is padded or repeated). The
+(`shard_range`: shares differ in size by at most one sample, nothing is padded or repeated). The
 loss, gradient and Hessian-vector products are sums over samples with each sample weighted once, so each
 process adds up its share and one ``all_reduce`` per operator application gives every process the whole
 sum. Every process then runs the same solver on the same reduced numbers; what could still differ between
-them is made the same by :class:`Communicator`: random vectors are drawn on process 0 and broadcast, and
+them is made the same by `Communicator`: random vectors are drawn on process 0 and broadcast, and
 the stopping decisions of the solvers are process 0's.
 
-A single process uses :data:`SINGLE_PROCESS`, whose collectives do nothing, so the code paths are the same.
+A single process uses `SINGLE_PROCESS`, whose collectives do nothing, so the code paths are the same.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def shard_range(n_samples: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class Communicator:
-    """One process: every collective is the identity. :class:`ProcessGroupCommunicator` is the distributed one.
+    """One process: every collective is the identity. `ProcessGroupCommunicator` is the distributed one.
 
     Attributes:
         rank: this process's number (0 for one process).
@@ -72,7 +72,7 @@ class Communicator:
 
     def check_together(self, error: BaseException | None) -> None:
         """Raise on every process when any process has an ``error``: its own, else the first other process's
-        message as a :class:`ValueError` naming that process. Validation that could fail on one process only
+        message as a `ValueError` naming that process. Validation that could fail on one process only
         (its share of the data) goes through here, so no process is left waiting for another."""
         if error is not None:
             raise error
@@ -96,7 +96,7 @@ class ProcessGroupCommunicator(Communicator):
     """The processes of an initialized ``torch.distributed`` group (``None``: the default group).
 
     Small tensors (flags, choices) travel on the backend's device: the current CUDA device for NCCL, the CPU
-    otherwise. A collective that fails (another process stopped or timed out) raises :class:`DistributedError`.
+    otherwise. A collective that fails (another process stopped or timed out) raises `DistributedError`.
 
     Raises:
         ValueError: ``torch.distributed`` has no initialized process group.
@@ -174,8 +174,8 @@ class ProcessGroupCommunicator(Communicator):
 
 
 def communicator(distributed: bool | dist.ProcessGroup | Communicator) -> Communicator:
-    """The communicator an :class:`~sharpness.Objective` argument names: ``False`` one process, ``True`` the
-    default ``torch.distributed`` group, a ``ProcessGroup`` that group, a :class:`Communicator` itself."""
+    """The communicator an [`Objective`][sharpness.Objective] argument names: ``False`` one process, ``True`` the
+    default ``torch.distributed`` group, a ``ProcessGroup`` that group, a `Communicator` itself."""
     if isinstance(distributed, Communicator):
         return distributed
     if distributed is False or distributed is None:

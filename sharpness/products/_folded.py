@@ -42,7 +42,7 @@ def _scaled_layer(x: Tensor, weight: Tensor, bias: Tensor | None, mean: Tensor, 
 
 def _foldable(node: fx.Node, root: nn.Module, names: set[str]) -> tuple[tuple | None, nn.Module] | None:
     """``(conv, norm)`` where ``node`` calls an eval-mode-foldable BatchNorm on the output of a ``Linear`` or
-    zero-padded convolution used by nothing else (``conv`` as :func:`_scaled_layer` takes it), else ``None``.
+    zero-padded convolution used by nothing else (``conv`` as `_scaled_layer` takes it), else ``None``.
     ``names``: the root's parameters."""
     if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
         return None

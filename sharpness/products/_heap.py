@@ -8,7 +8,7 @@ pages afresh, and on a 2-core virtual machine those page faults cost a ResNet-20
 of its time (half a million faults a product, 2 GB of first touches). With the mapping threshold at glibc's
 largest (32 MiB) and the trim threshold at 128 MiB, a product takes about ten thousand.
 
-Process-wide and once: :class:`sharpness.Objective` applies it when it runs on the CPU. The memory kept is at
+Process-wide and once: `sharpness.Objective` applies it when it runs on the CPU. The memory kept is at
 most the trim threshold above what the process holds at its peak. ``SHARPNESS_RETAIN_FREED_MEMORY=0`` in the
 environment leaves the allocator as it is. Nothing happens outside Linux with glibc.
 """
@@ -36,7 +36,7 @@ def retain_freed_memory() -> bool:
 
     Returns:
         Whether the settings are in force: ``False`` outside Linux with glibc, where ``mallopt`` refused them, or
-        where ``SHARPNESS_RETAIN_FREED_MEMORY`` is ``0``, ``false``, ``no`` or ``off``.
+            where ``SHARPNESS_RETAIN_FREED_MEMORY`` is ``0``, ``false``, ``no`` or ``off``.
     """
     with _lock:
         if not _state:

@@ -1,4 +1,4 @@
-"""The Euclidean Hessian of an :class:`Objective` as a symmetric operator on flat vectors."""
+"""The Euclidean Hessian of an [`Objective`][sharpness.Objective] as a symmetric operator on flat vectors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class HessianOperator(SymmetricOperator):
 
     Args:
         objective: the loss over the data set.
-        strategy: how products are computed (see :meth:`Objective.hvp`); resolved once.
+        strategy: how products are computed (see [`Objective.hvp`][sharpness.Objective.hvp]); resolved once.
     """
 
     def __init__(self, objective: Objective, strategy: str = "auto"):

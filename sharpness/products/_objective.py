@@ -5,7 +5,7 @@
 with each chunk weighted by its number of samples, so unequal batches are weighted correctly.
 Parameters are passed functionally (``torch.func.functional_call``); the user's module keeps its
 parameters untouched. With ``distributed=True`` the processes of a ``torch.distributed`` group share the
-samples, and every value, gradient and product is summed over them (:mod:`sharpness.products._distributed`).
+samples, and every value, gradient and product is summed over them (`sharpness.products._distributed`).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple
 class Objective:
     """Whole-data-set loss ``f(w)`` of ``model`` under ``loss_fn``, with gradients and HVPs.
 
-    Everything is checked when the objective is built, before any work (:mod:`sharpness.products._boundary`), with
+    Everything is checked when the objective is built, before any work (`sharpness.products._boundary`), with
     one sentence and one documented exception per problem (see Raises).
 
     Args:
@@ -165,11 +165,11 @@ class Objective:
             ``reduction`` attribute (``"mean"``/``"sum"``) is honoured, a plain function is taken as a per-sample
             mean (unless ``reduction`` says otherwise).
         data: ``(X, y)`` tensors, a DataLoader, or an iterable of ``(inputs, targets)`` batches
-            (:class:`~sharpness.products.ChunkedData`). Every pass must yield the same samples in the same order:
+            ([`ChunkedData`][sharpness.ChunkedData]). Every pass must yield the same samples in the same order:
             a shuffling DataLoader is refused here, and each pass over another loader or iterable is compared
             with the first complete one (sample count and a digest of content and order), so a one-shot iterable,
             one that yields fewer batches later, a random sampler or random augmentation raise
-            :class:`DataError` (here or at the first pass that differs) instead of giving each product other data.
+            `DataError` (here or at the first pass that differs) instead of giving each product other data.
             Inputs are constants (detached). Under ``CrossEntropyLoss``/``NLLLoss`` an ``(X, y)`` pair whose ``y`` is a
             column ``(n, 1)`` of integer labels (pandas, scikit-learn) is read as ``(n,)``; batches of such
             columns are refused, naming the reshape.
@@ -177,19 +177,19 @@ class Objective:
         dtype: evaluate in this floating dtype, float32 or float64 (parameters, buffers, parameters held
             fixed and floating data are cast; the model is not changed); ``None`` keeps the parameters' dtype,
             except half precision (float16, bfloat16), which is measured in float32: bfloat16 arithmetic loses
-            half of a Hessian. Results record it (``dtype`` in :meth:`facts`), and say where float32 is not
-            enough (:attr:`precision_warning`).
+            half of a Hessian. Results record it (``dtype`` in `facts`), and say where float32 is not
+            enough ([`precision_warning`][sharpness.Objective.precision_warning]).
         device: device to evaluate on (``None``: the parameters' device).
         reduction: override the loss's reduction (``"mean"`` or ``"sum"``). A torch loss module whose own
             ``reduction`` differs is evaluated as a copy with this one (the value is the true mean or sum over
             the data set); for any other callable it declares what the callable computes.
         memory_budget: bytes of activations allowed in flight; sets the default chunk size and
             whether the Hessian-vector products may keep a whole-data-set graph alive (``None``:
-            :func:`default_memory_budget` of the device).
+            `default_memory_budget` of the device).
         params: evaluate at these parameter values instead of the module's, and differentiate in these only
             (names of ``model.named_parameters()``, or the wrapper's; a name the model does not have or a shape
             that differs is refused).
-        structure: :func:`manifolds.analyze` of ``model``, when already known (see :attr:`structure`).
+        structure: `manifolds.analyze` of ``model``, when already known (see `structure`).
         distributed: ``True``: share the samples among the processes of the default ``torch.distributed``
             group (a ``ProcessGroup``: of that group). Every process must build its objective with the same
             model, parameters and whole data set (a DataLoader without shuffling), and then make the same
@@ -203,11 +203,11 @@ class Objective:
         params: ``{name: tensor}`` of the trainable parameters (detached copies in ``dtype``).
         buffers: ``{name: tensor}`` of everything else the forward reads from the module: its buffers and the
             parameters held fixed (frozen ones included), copies in ``dtype`` where floating.
-        layout: :class:`manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
+        layout: `manifolds.ParamLayout` of ``params`` (flat vectors have length ``layout.size``).
         n_samples: number of samples in the data set (every process's share together).
-        comm: the :class:`~sharpness.products._distributed.Communicator` the sums go through.
+        comm: the [`Communicator`][sharpness.Communicator] the sums go through.
         chunk_loss_fn: the loss each chunk's weighted share is taken of: the objective is
-            ``sum(weight * chunk_loss_fn(outputs, targets))`` over :meth:`chunks` (or :meth:`pieces`). It is
+            ``sum(weight * chunk_loss_fn(outputs, targets))`` over `chunks` (or `pieces`). It is
             ``loss_fn``, except for a mean-reduced loss that leaves out the targets equal to its ``ignore_index``
             (``CrossEntropyLoss``, ``NLLLoss``) where some do: then its summed copy, each chunk weighted by one
             over the targets counted in the whole data set, so the objective is the mean over those targets
@@ -339,7 +339,7 @@ class Objective:
 
     def _check_targets(self) -> None:
         """One forward pass on two samples of the first batch: outputs, targets and loss as the objective needs
-        them (:func:`sharpness.products._boundary.check_first_batch`)."""
+        them (`sharpness.products._boundary.check_first_batch`)."""
         before = {k: b.clone() for k, b in self.buffers.items()}
         with eval_mode(self.model):
             check_first_batch(self.model, self._reduced_loss, self.params, self.buffers, self.data.first_batch(),
@@ -355,7 +355,7 @@ class Objective:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
         trainable parameters the Hessian is taken over), ``n_samples``, ``dtype`` (the one computed in, e.g.
         ``"float32"``), where several processes share the data ``processes``, and where float32 loses the Hessian
-        at this point ``warnings`` (a list of sentences; see :attr:`precision_warning`)."""
+        at this point ``warnings`` (a list of sentences; see `precision_warning`)."""
         facts = {"loss": float(self.value()), "n_params": self.layout.size, "n_samples": self.n_samples,
                  "dtype": str(self.dtype).removeprefix("torch.")}  # fmt: skip
         if self.precision_warning is not None:
@@ -366,7 +366,7 @@ class Objective:
     def precision_warning(self) -> str | None:
         """Where the objective computes in float32: a sentence naming ``dtype=torch.float64`` when float32 loses
         the Hessian at ``params`` (a float32 Hessian-vector product on the first samples more than 1% from
-        float64's, :func:`sharpness.products._boundary.float32_hessian_error`; checked once), else ``None``."""
+        float64's, `sharpness.products._boundary.float32_hessian_error`; checked once), else ``None``."""
         if self.dtype != torch.float32:
             return None
         if not hasattr(self, "_precision_warning"):
@@ -378,8 +378,8 @@ class Objective:
 
     @property
     def structure(self) -> NetworkStructure:
-        """:func:`manifolds.analyze` of the model: its layers and which rescalings it admits (computed once,
-        shared with the :meth:`with_params` copies)."""
+        """`manifolds.analyze` of the model: its layers and which rescalings it admits (computed once,
+        shared with the [`with_params`][sharpness.Objective.with_params] copies)."""
         if not self._structure:
             self._structure.append(analyze(self.model, example_input=self.data.first_batch()[0]))
         return self._structure[0]
@@ -444,7 +444,7 @@ class Objective:
             yield x, y, w
 
     def pieces(self, size: int, join: bool = False) -> Iterator[tuple[Tensor, Tensor, float]]:
-        """:meth:`chunks` regrouped into pieces of at most ``size`` samples, each weighted by its share, so that
+        """`chunks` regrouped into pieces of at most ``size`` samples, each weighted by its share, so that
         ``sum(weight * piece_loss)`` is still the objective: a larger chunk is cut into near-equal pieces, and with
         ``join`` consecutive smaller chunks are concatenated up to ``size`` samples (a piece then holds several
         chunks' inputs at once)."""
@@ -483,8 +483,8 @@ class Objective:
         return w * self._chunk_loss(params, x, y)
 
     def _autograd_loss(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, w: float) -> Tensor:
-        """:meth:`_weighted_loss` for the autograd HVP paths (graph, double backward): same value and
-        derivatives, through :mod:`sharpness.products._data_conv` where the model allows it."""
+        """`_weighted_loss` for the autograd HVP paths (graph, double backward): same value and
+        derivatives, through `sharpness.products._data_conv` where the model allows it."""
         if self._data_conv is None or x.requires_grad:
             return self._weighted_loss(params, x, y, w)
         return w * self.chunk_loss_fn(self._data_conv(params, self.buffers, x), y)
@@ -625,7 +625,7 @@ class Objective:
     def hvp_strategy(self, strategy: str = "auto", autograd: bool = False) -> str:
         """Resolve ``strategy`` (``"auto"`` picks once, by model, memory and measurement, and remembers).
 
-        ``"auto"`` is ``"rop"`` where it applies (see :meth:`hvp`), else ``"graph"`` when the whole-data-set
+        ``"auto"`` is ``"rop"`` where it applies (see `hvp`), else ``"graph"`` when the whole-data-set
         graph fits in ``memory_budget``, else the faster streaming kind; with ``autograd=True`` (for
         products through a reparametrization, which the R-operator does not see) only the autograd ones.
         """
@@ -693,8 +693,8 @@ class Objective:
         self._rop_states = None
 
     def rop_states(self) -> tuple[RopChain | RopGraph, list[ChunkState]] | None:
-        """The R-operator chain or graph and every chunk's forward state (:mod:`sharpness.products._rop`,
-        :mod:`sharpness.products._rop_graph`), computed once and kept; ``None`` where those products do not apply
+        """The R-operator chain or graph and every chunk's forward state (`sharpness.products._rop`,
+        `sharpness.products._rop_graph`), computed once and kept; ``None`` where those products do not apply
         or the states do not fit in ``memory_budget``. Where several processes share the data: the chunks of
         this process's share."""
         if self._rop_states is None:
@@ -725,7 +725,7 @@ class Objective:
         return states
 
     def _rop_pieces(self) -> Iterator[tuple[Tensor, Tensor, float]]:
-        """:meth:`chunks` cut into pieces of at most ``_rop_piece`` samples, each weighted by its share."""
+        """`chunks` cut into pieces of at most ``_rop_piece`` samples, each weighted by its share."""
         return self.chunks() if self._rop_piece is None else self.pieces(self._rop_piece)
 
     def _hvp_rop(self, tangents: list[dict[str, Tensor]], totals: list[dict[str, Tensor]]) -> None:
@@ -760,8 +760,8 @@ class Objective:
 
         ``strategy``: ``"rop"`` (models of Linear/ConvNd layers, eval-mode BatchNorm, ReLU, LeakyReLU,
         max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or
-        graphs) is the R-operator written out by hand (:mod:`sharpness.products._rop`,
-        :mod:`sharpness.products._rop_graph`), with each chunk's forward state
+        graphs) is the R-operator written out by hand (`sharpness.products._rop`,
+        `sharpness.products._rop_graph`), with each chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``
@@ -825,7 +825,7 @@ class Objective:
 
 
 def _check_same_data(comm: Communicator, fingerprint: tuple[int, int, int] | None) -> None:
-    """Refuse, on every process alike, data whose :meth:`ChunkedData.fingerprint` (count and digests of the inputs
+    """Refuse, on every process alike, data whose `ChunkedData.fingerprint` (count and digests of the inputs
     and the targets, in order) differs from process 0's (``None`` everywhere: nothing to compare)."""
     text = "" if fingerprint is None else " ".join(map(str, fingerprint))
     prints = [tuple(int(t) for t in p.split()) for p in comm.gather_text(text)]

@@ -20,11 +20,12 @@ from sharpness.products._distributed import SINGLE_PROCESS, Communicator
 
 
 class SymmetricOperator(ABC):
-    """Base class. Subclasses implement :meth:`_matvec` (and optionally :meth:`_matmat`).
+    """Base class. Subclasses implement `_matvec` (and optionally `_matmat`).
 
     Attributes:
         size: dimension ``n``.
-        dtype, device: of the vectors it accepts and returns.
+        dtype: of the vectors it accepts and returns.
+        device: of the vectors it accepts and returns.
         n_matvec: number of vectors the operator has been applied to so far.
         comm: the processes that apply it together (products of a data set shared among processes): solvers
             draw their random vectors and take their stopping decisions through it, so every process does
@@ -54,7 +55,7 @@ class SymmetricOperator(ABC):
     def matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
         """``out += A @ v`` in place and return ``out`` (both ``(n,)``, not sharing storage).
 
-        Operators that can add their product straight into ``out`` (:class:`HessianOperator`) spare a
+        Operators that can add their product straight into ``out`` (`HessianOperator`) spare a
         product-sized temporary: low-memory solvers keep one vector fewer that way.
         """
         self.n_matvec += 1

@@ -266,12 +266,12 @@ class RopChain:
 
     def forward_state(self, params: Mapping[str, Tensor], x: Tensor, y: Tensor, loss_fn: Callable,
                       weight: float) -> ChunkState:  # fmt: skip
-        """:func:`forward_state` of this chain."""
+        """`forward_state` of this chain."""
         return forward_state(self, params, x, y, loss_fn, weight)
 
     def add_products(self, params: Mapping[str, Tensor], state: ChunkState, v: Mapping[str, Tensor],
                      into: Mapping[str, Tensor], first_layer: tuple[Tensor, Tensor] | None = None) -> None:  # fmt: skip
-        """:func:`add_products` of this chain."""
+        """`add_products` of this chain."""
         add_products(self, params, state, v, into, first_layer)
 
     def first_linear(self, states: list[ChunkState]) -> tuple[str, list[Tensor]] | None:
@@ -284,7 +284,7 @@ class RopChain:
 def rop_chain(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> RopChain | None:
     """Read ``model`` as a chain the R-operator products handle, or ``None`` when it is not one.
 
-    Its traced ``graph`` (:attr:`manifolds.TracedNetwork.graph`) must be a chain (:func:`manifolds.module_chain`:
+    Its traced ``graph`` (`manifolds.TracedNetwork.graph`) must be a chain (`manifolds.module_chain`:
     an ``nn.Sequential`` or a forward calling modules one after the other, functional ReLU and flatten
     included; no hooks) of ``Linear``, zero-padded ``Conv1d/2d/3d``, ``ReLU``, ``LeakyReLU``,
     ``MaxPool1d/2d/3d``, ``Flatten``, ``Identity`` and dropout, with at least one affine layer and every affine
@@ -310,7 +310,7 @@ def rop_chain(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | 
 
 
 def _fuse_slope_pool(ops: list) -> tuple:
-    """``ops`` with every slope directly followed by a max-pool merged into one :class:`_SlopePool`."""
+    """``ops`` with every slope directly followed by a max-pool merged into one `_SlopePool`."""
     fused: list = []
     for op in ops:
         if isinstance(op, _MaxPool) and fused and isinstance(fused[-1], _Slope):
@@ -445,7 +445,7 @@ def add_products(
 ) -> None:
     """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
 
-    For products whose first-layer weights live in other coordinates (:mod:`sharpness.products._data_span`),
+    For products whose first-layer weights live in other coordinates (`sharpness.products._data_span`),
     ``first_layer = (first_dot, first_errors)``, both ``(chunk, out_features)``: the first layer's output tangent
     from its weight (its bias tangent is added to it in place), and where the tangent errors at that output
     are written; the first layer's weight is then neither read in ``v`` nor written in ``into``.

@@ -1,7 +1,7 @@
 """Exact Hessian-vector products of networks that branch and merge (residual, concatenating, with BatchNorm) by
 the R-operator over their traced graph.
 
-:mod:`sharpness.products._rop` writes Pearlmutter's R-operator out for chains; here the same passes walk the
+`sharpness.products._rop` writes Pearlmutter's R-operator out for chains; here the same passes walk the
 model's traced ``torch.fx`` graph, a directed acyclic graph, in topological order (forward, tangent forward)
 and in reverse (errors, tangent errors), errors of a tensor used several times summed over its users. Every
 operation is, at the current point, either
@@ -15,7 +15,7 @@ operation is, at the current point, either
   identity and dropout (eval mode), multiplication by a number, addition of a number, residual sums and
   differences, and concatenation. Its second derivative vanishes (almost everywhere).
 
-Each operation's tangent and adjoint are in :mod:`sharpness.products._rop_ops`.
+Each operation's tangent and adjoint are in `sharpness.products._rop_ops`.
 
 Tensors that depend on no parameter (the data, and whatever is computed from them alone) have no tangent, and
 neither pass goes into them: first-order errors are formed only downstream of a layer whose input moves, and
@@ -66,7 +66,7 @@ _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Step:
-    """One node of the graph: ``op`` (``None`` for the input, a :class:`_Layer`, a :class:`_Map`, or a callable
+    """One node of the graph: ``op`` (``None`` for the input, a `_Layer`, a `_Map`, or a callable
     computing a non-tensor value such as ``x.size(0)``), the slots of its tensor inputs, and whether its value
     depends on the parameters (``moving``)."""
 
@@ -78,7 +78,7 @@ class _Step:
 
 @dataclass(frozen=True)
 class RopGraph:
-    """A network read off its traced graph as :class:`_Step` s in topological order (step 0 the input), its
+    """A network read off its traced graph as `_Step` s in topological order (step 0 the input), its
     output at step ``output``, with, per step, whether its first-order error (``errors``) is needed and which
     steps' values the products keep (``kept``)."""
 
@@ -157,7 +157,7 @@ class RopGraph:
 
     @cached_property
     def _first_linear(self) -> int | None:
-        """The step of :meth:`first_linear`'s layer (found once)."""
+        """The step of `first_linear`'s layer (found once)."""
         layers = [(i, s.op) for i, s in enumerate(self.steps) if isinstance(s.op, _Layer)]
         for i, op in layers:
             if op.affine is not None and op.affine.dims == 0 and not self.steps[self.steps[i].inputs[0]].moving:
@@ -170,10 +170,10 @@ class RopGraph:
                      into: Mapping[str, Tensor], first_layer: tuple[Tensor, Tensor] | None = None) -> None:  # fmt: skip
         """Add the chunk's ``H v`` to ``into`` (``{name: tensor}`` like ``params``), in place.
 
-        ``first_layer = (first_dot, first_errors)``: as for chains (:func:`sharpness.products._rop.add_products`),
-        for the layer :meth:`first_linear` names: the image ``X V^T`` of its weight's tangent (alone, the layer adds
+        ``first_layer = (first_dot, first_errors)``: as for chains (`sharpness.products._rop.add_products`),
+        for the layer `first_linear` names: the image ``X V^T`` of its weight's tangent (alone, the layer adds
         its bias tangent in place) and where the tangent errors of that image are written (see
-        :meth:`_Layer.span_backward`); its weight is neither read in ``v`` nor written in ``into``.
+        `_Layer.span_backward`); its weight is neither read in ``v`` nor written in ``into``.
         """
         steps, saved, deltas = self.steps, state.saved, state.deltas
         first = self._first_linear if first_layer is not None else None
@@ -259,7 +259,7 @@ def _single_user(node: fx.Node) -> bool:
 
 
 def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]):
-    """A module call as a :class:`_Layer` or :class:`_Map`, or ``None`` where it is not supported."""
+    """A module call as a `_Layer` or `_Map`, or ``None`` where it is not supported."""
     name, kind, shape = str(node.target), type(module), node.args[0].meta["shape"]
     if kind is nn.Linear or kind in _CONVS:
         if kind is nn.Linear and len(shape) != 2:
@@ -296,7 +296,7 @@ def _batch_norm(name, module, params, buffers, dims: int) -> _Layer | None:
 
 
 def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
-    """A function or method call as a :class:`_Map` and its tensor inputs, or ``None`` where not supported."""
+    """A function or method call as a `_Map` and its tensor inputs, or ``None`` where not supported."""
     name = target_name(node)
     target = node.target if node.op == "call_function" else name
     args = node.args
@@ -378,7 +378,7 @@ def _fuse_batch_norms(read: dict[fx.Node, tuple], output: fx.Node) -> None:
 def rop_graph(
     model: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], graph: fx.Graph | None
 ) -> RopGraph | None:
-    """Read ``model``'s traced ``graph`` (:attr:`manifolds.TracedNetwork.graph`, with shapes) for the R-operator
+    """Read ``model``'s traced ``graph`` (`manifolds.TracedNetwork.graph`, with shapes) for the R-operator
     products, or ``None`` where one of its operations is not supported (see the module docstring), a module
     has hooks, a layer's parameters are not all trainable (among ``params``), or nothing has parameters.
     ``buffers``: the BatchNorm running statistics, in the products' dtype and device."""

@@ -1,4 +1,4 @@
-"""The operations the graph R-operator (:mod:`sharpness.products._rop_graph`) walks: layers bilinear in (input,
+"""The operations the graph R-operator (`sharpness.products._rop_graph`) walks: layers bilinear in (input,
 parameters) and fixed linear maps.
 
 With a tangent ``v`` (``V``, ``c`` for an affine layer's weight and bias, ``G``, ``B`` for a BatchNorm's), the
@@ -10,7 +10,7 @@ first-order errors ``delta = dL/dz`` and the tangent errors ``ddot``::
                input tangent error = gamma a ddot + G a delta,   a = 1 / sqrt(var + eps)
     P          zdot = P hdot                        input tangent error = P^T ddot
 
-An affine layer whose only user is a BatchNorm is merged with it (:class:`_Layer`).
+An affine layer whose only user is a BatchNorm is merged with it (`_Layer`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class _Layer:
 
     (sums and inner products per output channel). ``xhat`` is never formed either: ``G xhat`` is the weight
     ``m W`` and bias ``m (b - mu)``, and ``sum(xhat ddot) = a (<W, A_W^T(h, ddot)> + (b - mu) sum ddot)``. Only a
-    fused ``Linear`` layer keeps ``xhat``, for the data-span products (:meth:`span_tangent`), which never form
+    fused ``Linear`` layer keeps ``xhat``, for the data-span products (`span_tangent`), which never form
     its weight's blocks.
     """
 
@@ -126,10 +126,10 @@ class _Layer:
         return weight, bias
 
     def span_tangent(self, saved, params, v, first_dot: Tensor) -> Tensor:
-        """:meth:`tangent` of a ``Linear`` layer of the data (alone or fused with a BatchNorm) whose weight is in
-        data-span coordinates (:mod:`sharpness.products._data_span`): ``first_dot`` ``(n, h)`` is ``X V^T``, the
+        """`tangent` of a ``Linear`` layer of the data (alone or fused with a BatchNorm) whose weight is in
+        data-span coordinates (`sharpness.products._data_span`): ``first_dot`` ``(n, h)`` is ``X V^T``, the
         image of the weight's tangent (the weight itself is not read in ``v``). Alone, the layer adds its bias
-        tangent into ``first_dot`` and returns it; fused, ``first_dot`` is left as it is (:meth:`span_backward`
+        tangent into ``first_dot`` and returns it; fused, ``first_dot`` is left as it is (`span_backward`
         reads it)."""
         a, n = self.affine, self.norm
         if n is None:
@@ -145,7 +145,7 @@ class _Layer:
         return z
 
     def span_backward(self, g_dot: Tensor, kept, saved, params, v, into, first_dot: Tensor, errors: Tensor) -> None:
-        """:meth:`backward` of the same layer: writes the tangent errors ``E`` ``(n, h)`` of the weight's image into
+        """`backward` of the same layer: writes the tangent errors ``E`` ``(n, h)`` of the weight's image into
         ``errors`` (the weight's block of ``H v`` is ``E^T X``, which the caller forms in span coordinates) and adds
         the other blocks to ``into``. Fused, ``E = g ddot + G a delta`` and ``<V, Hz> = sum(delta * X V^T)`` per
         channel (see the class docstring)."""

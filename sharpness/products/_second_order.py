@@ -22,7 +22,7 @@ def gradient_products(
     gradient: list[Tensor], leaves: list[Tensor], vs: list[Tensor], batched: bool = False, retain_graph: bool = False
 ) -> list[Tensor]:
     """``H v``: ``sum_i <gradient_i, v_i>`` differentiated in ``leaves`` (``gradient`` from
-    :func:`gradient_with_graph`), one tensor per leaf shaped like its ``v`` (``batched``: each ``v`` has a leading
+    `gradient_with_graph`), one tensor per leaf shaped like its ``v`` (``batched``: each ``v`` has a leading
     dimension of products). Entries of ``gradient`` without a graph contribute nothing; a leaf nothing depends on
     gets zeros."""
     keep = [i for i, g in enumerate(gradient) if g.requires_grad]

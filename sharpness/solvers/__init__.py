@@ -1,5 +1,5 @@
 """Eigen-solvers on symmetric operators (Lanczos, low-memory Lanczos, deflated power iteration), the Hutchinson
-trace, spectral densities by stochastic Lanczos quadrature, and the :class:`Solver` settings shared by all."""
+trace, spectral densities by stochastic Lanczos quadrature, and the `Solver` settings shared by all."""
 
 from sharpness.solvers._density import SpectralDensity as SpectralDensity
 from sharpness.solvers._density import hessian_spectral_density as hessian_spectral_density

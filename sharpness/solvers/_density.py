@@ -82,7 +82,7 @@ class SpectralDensity:
 
     def density(self, grid: Tensor | np.ndarray, sigma: float | None = None) -> Tensor:
         """The density ``(g,)`` float64 at the points ``grid`` ``(g,)``: every quadrature smoothed by a
-        Gaussian of width ``sigma`` (default :meth:`default_sigma`), averaged over the probes. It
+        Gaussian of width ``sigma`` (default `default_sigma`), averaged over the probes. It
         integrates to 1 (per unit of eigenvalue)."""
         sigma = self.default_sigma() if sigma is None else float(sigma)
         if not sigma > 0:
@@ -126,7 +126,7 @@ class SpectralDensity:
         floor: float = 1e-10,
         **line_kwargs,
     ):
-        """Matplotlib line of :meth:`density` on :meth:`grid` (log scale by default, as spectra of trained
+        """Matplotlib line of `density` on `grid` (log scale by default, as spectra of trained
         networks span many decades); returns the axes.
 
         On the log scale the smoothed density underflows far from every node: values below ``floor``
@@ -190,7 +190,7 @@ def spectral_density(
         progress: show a progress bar (``None``: only on a terminal).
 
     Returns:
-        :class:`SpectralDensity`; ``n_matvec = sum_i m_i``.
+        [`SpectralDensity`][sharpness.SpectralDensity]; ``n_matvec = sum_i m_i``.
 
     Raises:
         ValueError: bad counts, a probe of the wrong size, or one with no component in the subspace.
@@ -251,12 +251,18 @@ def hessian_spectral_density(
     progress: bool | None = None,
 ) -> SpectralDensity:
     """Eigenvalue density of the Euclidean Hessian of the loss over the whole data set (SLQ, see
-    :func:`spectral_density`); ``info`` holds ``loss``, ``n_params``, ``n_samples`` and ``hvp_strategy``.
+    `spectral_density`); ``info`` holds ``loss``, ``n_params``, ``n_samples`` and ``hvp_strategy``.
 
     Args:
-        model, loss_fn, data, dtype, objective, progress: as for :func:`euclidean_sharpness`.
-        hvp: Hessian-vector product strategy (see :meth:`Objective.hvp`).
-        n_probes, n_steps: as for :func:`spectral_density`.
+        model: as for [`euclidean_sharpness`][sharpness.euclidean_sharpness].
+        loss_fn: as for [`euclidean_sharpness`][sharpness.euclidean_sharpness].
+        data: as for [`euclidean_sharpness`][sharpness.euclidean_sharpness].
+        dtype: as for [`euclidean_sharpness`][sharpness.euclidean_sharpness].
+        objective: as for [`euclidean_sharpness`][sharpness.euclidean_sharpness].
+        progress: as for [`euclidean_sharpness`][sharpness.euclidean_sharpness].
+        hvp: Hessian-vector product strategy (see [`Objective.hvp`][sharpness.Objective.hvp]).
+        n_probes: as for [`spectral_density`][sharpness.spectral_density].
+        n_steps: as for [`spectral_density`][sharpness.spectral_density].
         seed: seed of the random probes.
     """
     obj = build_objective(model, loss_fn, data, objective, dtype=dtype)

@@ -39,7 +39,7 @@ def _top_ritz(alphas: list[float], betas: list[float], k: int) -> tuple[np.ndarr
 
     Returns:
         Ritz values ``(k',)`` descending, their eigenvectors ``(m, k')`` as columns, and a Gershgorin
-        bound on ``||T||``.
+            bound on ``||T||``.
     """
     d = np.array(alphas, dtype=np.float64)
     e = np.array(betas, dtype=np.float64)
@@ -72,10 +72,10 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
 
     Returns:
         ``(w, alpha, beta)``: the next Lanczos vector ``(n,)``, of unit norm (built in the basis's next row,
-        so ``basis.append(w)`` copies nothing, unless every block was full and it lives in the spare vector, or
-        the operator's projection made a new one), ``alpha = q_m^T A q_m`` and ``beta``, its norm before
-        normalization; ``beta`` is 0 when that vector is rounding (the Krylov space is invariant), and ``w``
-        is then meaningless.
+            so ``basis.append(w)`` copies nothing, unless every block was full and it lives in the spare vector, or
+            the operator's projection made a new one), ``alpha = q_m^T A q_m`` and ``beta``, its norm before
+            normalization; ``beta`` is 0 when that vector is rounding (the Krylov space is invariant), and ``w``
+            is then meaningless.
     """
     m = basis.size
     q = basis[m - 1]
@@ -115,7 +115,7 @@ def _orthonormalize(w: Tensor, basis: KrylovBasis) -> tuple[Tensor, Tensor, floa
 
     One pass gives the coefficients and ``||w||^2`` together; when one Gram-Schmidt pass is enough (DGKS),
     ``beta^2 = ||w||^2 - ||coefficients||^2`` loses at most a few rounding units, and a second pass subtracts
-    and normalizes at once. Otherwise the general :func:`_gram_schmidt` (a repeated pass, explicit norm).
+    and normalizes at once. Otherwise the general `_gram_schmidt` (a repeated pass, explicit norm).
     """
     coeffs, before_sq = basis.coefficients_and_norm(w)
     after_sq = before_sq - float(torch.dot(coeffs, coeffs))
@@ -156,7 +156,7 @@ def lanczos(
     ``max_iter`` is reached first.
 
     Single-vector Krylov methods see one copy of a repeated eigenvalue until the Krylov space is
-    exhausted: for top-k problems with exact multiplicities use :func:`power_iteration` (deflation).
+    exhausted: for top-k problems with exact multiplicities use `power_iteration` (deflation).
 
     Args:
         op: the symmetric operator, size ``n``.
@@ -174,9 +174,9 @@ def lanczos(
 
     Returns:
         ``EigenResult`` with ``eigenvalues`` ``(k,)`` float64 descending, unit ``eigenvectors``
-        ``(k, n)`` in the operator's dtype, relative ``residuals`` (see ``residuals``), one history
-        record per iteration and, in ``info``, the final Krylov dimension, the number of restarts
-        and which residuals were reported.
+            ``(k, n)`` in the operator's dtype, relative ``residuals`` (see ``residuals``), one history
+            record per iteration and, in ``info``, the final Krylov dimension, the number of restarts
+            and which residuals were reported.
 
     Raises:
         ValueError: bad ``k``/``max_iter``, a ``v0`` with no component in the subspace, or ``k``

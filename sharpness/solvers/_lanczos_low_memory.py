@@ -30,7 +30,7 @@ _MAX_RESTARTS = 3
 class _Recurrence:
     """The three-term Lanczos step of ``B = D P A P D`` (``P`` = ``op.project``, ``D`` = projection
     orthogonal to the rows of ``found``) on two vectors: the current one and the previous one, whose
-    storage receives the next product (:meth:`SymmetricOperator.matvec_add`)."""
+    storage receives the next product ([`SymmetricOperator.matvec_add`][sharpness.SymmetricOperator.matvec_add])."""
 
     def __init__(self, op: SymmetricOperator, found: KrylovBasis):
         self.op, self.found = op, found
@@ -80,7 +80,7 @@ def _first_pass(
 
     Returns:
         ``alphas`` ``(m,)``, ``betas`` ``(m-1,)``, the top Ritz value, its ``T``-eigenvector ``(m,)``,
-        whether its estimate met ``tol`` (or the Krylov space became invariant), and ``||T||``.
+            whether its estimate met ``tol`` (or the Krylov space became invariant), and ``||T||``.
     """
     op = rec.op
     q, previous, beta = q0.clone(), None, 0.0
@@ -142,7 +142,7 @@ def low_memory_lanczos(
     For models whose parameters dominate memory (a Krylov basis of ``m`` vectors costs ``m`` parameter
     vectors): apart from the ``k`` vectors it returns, this solver holds three vectors of size ``n``
     (two, plus what the operator's ``matvec_add`` needs, in the first pass) however many iterations it
-    runs, against ``m + 2`` for :func:`lanczos`. The price is operator products: about twice as many.
+    runs, against ``m + 2`` for [`lanczos`][sharpness.lanczos]. The price is operator products: about twice as many.
 
     Pairs are found one after the other, each by two passes over the same Krylov space of
     ``B = D P A P D`` (``P`` = ``op.project``, ``D`` = projection orthogonal to the pairs already
@@ -150,7 +150,7 @@ def low_memory_lanczos(
 
     1. the three-term recurrence alone (each vector is re-orthogonalized against the current one only)
        runs until the top Ritz value of the tridiagonal ``T`` meets the stopping rule of
-       :func:`lanczos`: ``|beta_m s_m| <= tol * max(|theta|, eps ||T||)``. The vectors are not kept.
+       [`lanczos`][sharpness.lanczos]: ``|beta_m s_m| <= tol * max(|theta|, eps ||T||)``. The vectors are not kept.
        Without full reorthogonalization they lose orthogonality once ``theta`` converges and ``T`` then
        gains copies of it ("ghosts", Paige 1976), which leave the top Ritz value itself unchanged;
     2. the same recurrence is replayed from the same start vector with the stored coefficients, to
@@ -171,9 +171,9 @@ def low_memory_lanczos(
 
     Returns:
         ``EigenResult`` with ``eigenvalues`` ``(k,)`` float64 descending (top Ritz values), unit
-        ``eigenvectors`` ``(k, n)`` in the operator's dtype, their true relative ``residuals``, one
-        history record per first-pass iteration, ``converged`` when every pair met ``tol``, and in
-        ``info`` the first-pass Krylov dimension and the number of restarts of each pair.
+            ``eigenvectors`` ``(k, n)`` in the operator's dtype, their true relative ``residuals``, one
+            history record per first-pass iteration, ``converged`` when every pair met ``tol``, and in
+            ``info`` the first-pass Krylov dimension and the number of restarts of each pair.
 
     Raises:
         ValueError: bad ``k``/``max_iter``, a ``v0`` with no component in the subspace,

@@ -45,7 +45,7 @@ def _run(
     """Power iteration on ``apply(., shift)`` (the deflated ``A - shift I``) from the unit vector ``x``.
 
     Args:
-        agree: the operator's :meth:`~sharpness.products._distributed.Communicator.agree` (every process that
+        agree: the operator's [`agree`][sharpness.Communicator.agree] (every process that
             applies the operator stops where process 0 does).
         eps: rounding unit of the operator's dtype.
 
@@ -133,10 +133,10 @@ def power_iteration(
 
     Returns:
         ``EigenResult`` with ``eigenvalues`` ``(k,)`` float64 descending (Rayleigh quotients of the
-        returned vectors), unit ``eigenvectors`` ``(k, n)`` in the operator's dtype, true relative
-        ``residuals`` from one final ``op.matmat`` (counted in ``n_matvec``), one history record per
-        iteration (``residual``: relative residual of the iterate, ``change``: the Rayleigh-quotient
-        change), ``converged`` when every run met its rule, and ``info["shifts"]``.
+            returned vectors), unit ``eigenvectors`` ``(k, n)`` in the operator's dtype, true relative
+            ``residuals`` from one final ``op.matmat`` (counted in ``n_matvec``), one history record per
+            iteration (``residual``: relative residual of the iterate, ``change``: the Rayleigh-quotient
+            change), ``converged`` when every run met its rule, and ``info["shifts"]``.
 
     Raises:
         ValueError: bad ``k``/``max_iter``/``v0``, or ``k`` larger than the dimension of the subspace

@@ -1,4 +1,4 @@
-"""Choose an eigen-solver by name, and the solver settings every sharpness measure shares (:class:`Solver`)."""
+"""Choose an eigen-solver by name, and the solver settings every sharpness measure shares (`Solver`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def top_eigenpairs(
     generator: torch.Generator | None = None,
     progress: bool | None = None,
 ) -> EigenResult:
-    """The ``k`` largest algebraic eigenpairs of ``op`` with ``method`` in :data:`SOLVERS`."""
+    """The ``k`` largest algebraic eigenpairs of ``op`` with ``method`` in [`SOLVERS`][sharpness.SOLVERS]."""
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     if method == "lanczos":
@@ -48,12 +48,12 @@ class Solver:
     Attributes:
         method: ``"lanczos"`` (default; keeps its Krylov basis, one parameter vector per iteration),
             ``"low-memory-lanczos"`` (three parameter vectors whatever the iteration count, about twice the
-            Hessian-vector products; see :func:`sharpness.low_memory_lanczos`) or ``"power"`` (deflated power
+            Hessian-vector products; see `sharpness.low_memory_lanczos`) or ``"power"`` (deflated power
             iteration; on a quotient this is the Riemannian power method of Rangamani et al., Algorithm 1).
         tol: relative residual tolerance (Lanczos) or relative change of the Rayleigh quotient (power).
         max_iter: iteration cap (``None``: the solver's default). A solve that stops on it says
             ``converged=False``.
-        hvp: Hessian-vector product strategy (see :meth:`sharpness.Objective.hvp`): ``"auto"``, ``"rop"``,
+        hvp: Hessian-vector product strategy (see `sharpness.Objective.hvp`): ``"auto"``, ``"rop"``,
             ``"graph"``, ``"double_backward"`` or ``"jvp"``.
         seed: seed of the random start vector.
 

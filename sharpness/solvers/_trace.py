@@ -35,8 +35,8 @@ def hutchinson_trace(
 
     Returns:
         ``TraceResult``: ``estimate`` = mean of the ``samples`` ``z_i^T A z_i`` (``(n_probes,)`` float64
-        CPU tensor), ``stderr`` = their sample standard deviation over ``sqrt(n_probes)`` (NaN for a
-        single probe).
+            CPU tensor), ``stderr`` = their sample standard deviation over ``sqrt(n_probes)`` (NaN for a
+            single probe).
 
     Raises:
         ValueError: ``n_probes`` or ``batch_size`` below 1.

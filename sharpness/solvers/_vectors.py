@@ -55,8 +55,8 @@ def _gram_schmidt(
 
     Returns:
         The orthogonalized vector ``(n,)``, the summed coefficients ``(m,)`` it lost, its norm, and
-        the norm ``v`` had. Only the final norm is a pass over the vector: the rows being orthonormal,
-        the norm before a pass is ``hypot(||coefficients||, norm after)``.
+            the norm ``v`` had. Only the final norm is a pass over the vector: the rows being orthonormal,
+            the norm before a pass is ``hypot(||coefficients||, norm after)``.
     """
     blocks = block.blocks() if isinstance(block, KrylovBasis) else [block]
     if sum(b.shape[0] for b in blocks) == 0:
@@ -78,7 +78,7 @@ def _gram_schmidt(
 
 
 def _orthogonalize(v: Tensor, block: Tensor | KrylovBasis, overwrite: bool = False) -> tuple[Tensor, Tensor]:
-    """:func:`_gram_schmidt` without the norms: ``(orthogonalized v, summed coefficients)``."""
+    """`_gram_schmidt` without the norms: ``(orthogonalized v, summed coefficients)``."""
     v, coeffs, _, _ = _gram_schmidt(v, block, overwrite)
     return v, coeffs
 
@@ -124,7 +124,7 @@ class KrylovBasis:
 
     def append(self, v: Tensor, scale: float = 1.0) -> None:
         """Store ``scale * v`` as the next row (scaled on the way in: no temporary vector; nothing to do when
-        ``v`` is that row, from :meth:`next_row`, and ``scale`` is 1)."""
+        ``v`` is that row, from `next_row`, and ``scale`` is 1)."""
         if self.size == len(self._blocks) * self.block_rows:
             self._spare = None  # v may be it: it stays alive until copied into the new block
             self._blocks.append(torch.empty(self.block_rows, self.n, dtype=self.dtype, device=self.device))
@@ -134,7 +134,7 @@ class KrylovBasis:
         self.size += 1
 
     def next_row(self) -> Tensor:
-        """Storage for the vector :meth:`append` stores next, to be built in place: the next row of the last
+        """Storage for the vector `append` stores next, to be built in place: the next row of the last
         block, or a single spare vector when every block is full (a new block is only allocated when
         that vector is appended, so a last, discarded vector never costs a whole block)."""
         if self.size < len(self._blocks) * self.block_rows:
@@ -152,7 +152,7 @@ class KrylovBasis:
         return self._blocks[:full] + ([self._blocks[full][:rest]] if rest else [])
 
     def coefficients_and_norm(self, v: Tensor) -> tuple[Tensor, float]:
-        """``(rows @ v, ||v||^2)`` for the vector about to be stored (:meth:`next_row`), in one pass over the
+        """``(rows @ v, ||v||^2)`` for the vector about to be stored (`next_row`), in one pass over the
         basis and ``v`` when ``v`` is that row of the last block."""
         full, rest = divmod(self.size, self.block_rows)
         if self.size < len(self._blocks) * self.block_rows and v.data_ptr() == self._blocks[-1][rest].data_ptr():
@@ -250,7 +250,7 @@ def _true_residuals(
 
     Returns:
         ``(values, residuals)``, both ``(k,)`` float64 CPU tensors, residuals
-        ``||A v - theta v|| / max(|theta|, eps ||A||)``.
+            ``||A v - theta v|| / max(|theta|, eps ||A||)``.
     """
     products = _project_rows(op, op.matmat(vectors)).double()
     vecs = vectors.double()
