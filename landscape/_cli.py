@@ -138,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     toy = sub.add_parser(
         "toy", help="the thesis's toy networks (Figs. 1.5, 1.6, 4.9) and their G-space charts",
-        description="Draw a toy figure of the thesis: 1.5 (networks a and b), 1.6 (invariant lines and exact "
-        "gradients), 4.9 (fixed-weight planes, reading (a): w1 set to each value), gspace-1.5 and gspace-4.9 (the "
+        description="Draw a toy figure of the thesis: 1.5 (networks a and b), 1.6 (invariant lines and gradient "
+        "arrows), 4.9 (fixed-weight planes, reading (a): w1 set to each value), gspace-1.5 and gspace-4.9 (the "
         "same networks in G-space). Writes a figure, an interactive HTML and one .npz (+ .json) per surface.",
     )  # fmt: skip
     toy.add_argument("--figure", required=True, choices=("1.5", "1.6", "4.9", "gspace-1.5", "gspace-4.9"),

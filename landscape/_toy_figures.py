@@ -284,7 +284,8 @@ def toy_figure(
 
     Returns:
         The written paths: figures, ``<stem>.html`` (interactive, offline) and ``.npz`` + ``.json``
-        per surface (arrays ``x``, ``y``, ``loss``; fixed-weight panels also ``fixed``).
+        per surface (arrays ``x``, ``y``, ``loss``; fixed-weight panels also ``fixed``; with ``source="code"``
+        the filled-contour panels 1.5 (b) and 4.9 (a) also ``contour_levels``, the code's 25 automatic levels).
     """
     if name not in TOY_FIGURES:
         raise ValueError(f"unknown toy figure {name!r}; choose one of {', '.join(TOY_FIGURES)}")

@@ -137,6 +137,11 @@ NOTES = {
                 "chosen here: [0, 3]^2 (on [0, 10]^2 panel d would show about 32 stripes), 201 x 201 points, "
                 "contours 0.2 apart, and a 3-D view of each panel",
     },
+    "gspace-1.5": {
+        "code": "the toolkit's chart, not a thesis figure: no thesis code draws it, and `--source code` is refused",
+        "text": "the toolkit's chart, not a thesis figure: network b of Fig. 1.5 over the window [-4, 4]^2 chosen for "
+                "Fig. 1.5 after the text",
+    },
     "gspace-4.9": {
         "code": "the toolkit's chart, not a thesis figure: Fig. 4.9's network b with the thesis code's loss of "
                 "panels (b)-(d), sin(0.3 y), and window [0, 10]^2",

@@ -187,7 +187,10 @@ def test_captions_say_what_each_source_draws(tmp_path, drawn, figure):
             assert "thesis code (experiments/" in caption.lower()
 
 
-def test_the_toolkits_own_chart_takes_no_code_source():
+def test_the_toolkits_own_chart_takes_no_code_source(tmp_path, drawn):
     with pytest.raises(ValueError, match="gspace-1.5 is the toolkit's own chart"):
         toys.check_source("gspace-1.5", "code")
+    toy_figure("gspace-1.5", tmp_path, steps=7)
+    caption = " ".join(drawn[-1]._supxlabel.get_text().split())
+    assert "not a thesis figure" in caption and " ".join(toys.NOTES["gspace-1.5"]["text"].split())[1:] in caption
     assert [toys.check_source(f, None) for f in toys.SOURCE_FIGURES] == ["code"] * len(toys.SOURCE_FIGURES)
