@@ -99,7 +99,7 @@ def test_fig_4_9_surfaces_are_reading_a_with_fixed_values(source, gain, hi):
         b = float(s.extras["fixed"])
         w2, w3 = np.meshgrid(s.x, s.y)
         assert s.loss == pytest.approx(np.sin(gain * w3 * np.maximum(b + w2, 0)), abs=1e-14)
-    assert toys.fig_4_9_surfaces(steps=7)[1].metadata["source"] == "code"  # the printed figure by default
+    assert toys.fig_4_9_surfaces(steps=7)[1].metadata["source"] == "code"  # the thesis code's figure by default
 
 
 def test_fig_1_6_code_arrows_are_the_thesis_codes_and_parallel_to_the_gradient():
@@ -656,7 +656,7 @@ def test_cli_toy_figures_store_the_analytic_loss(tmp_path, capsys, figure):
         assert f["x"][-1] == pytest.approx(2.0 * hi)  # the G-space window covers every outline
 
 
-def test_cli_toy_source_code_draws_the_printed_figures(tmp_path, capsys):
+def test_cli_toy_source_code_draws_the_thesis_codes_figures(tmp_path, capsys):
     code, out, err = _cli(["toy", "--figure", "4.9", "--source", "code", "--fixed", "2", "--steps", "7", "--out",
                            str(tmp_path), "--quiet"], capsys)  # fmt: skip
     assert code == 0 and out == "", err
