@@ -154,24 +154,42 @@ def gspace_training(record: dict) -> tuple[list[str], list[str]]:
     return [row], lines
 
 
-def toys() -> list[str]:
-    """Overview rows of the thesis's toy figures, from the definitions the toy command draws."""
+def toys() -> tuple[list[str], list[str]]:
+    """Overview rows and a section on the thesis's toy figures, from the definitions the toy command draws."""
     from landscape import _toys as toys
 
-    lo, hi = toys.LIM_4_9
-    clo, chi = toys.LIM_4_9_CODE
-    return [
-        "| Jestädt thesis, Fig. 1.5 | `python -m landscape toy --figure 1.5` | exact loss curve and surface of the "
-        "1- and 2-parameter networks | exact (closed form) | none |",
-        "| Jestädt thesis, Fig. 1.6 | `python -m landscape toy --figure 1.6 [--source text]` | invariant lines and "
-        "gradient arrows | exact | `--source code` (default, as printed) draws the thesis code's arrows "
-        f"-grad({toys.CODE_ARROWS_1_6:g} w1 w2), parallel to the true gradient on each line but of another length "
-        "and sign; `--source text` draws the gradient of the loss |",
-        "| Jestädt thesis, Fig. 4.9 | `python -m landscape toy --figure 4.9 [--source text]` | fixed-weight "
-        "planes, reading (a) | exact | `--source code` (default, as printed): "
-        f"sin({toys.CODE_GAIN_4_9:g} y) on [{clo:g}, {chi:g}]^2, as the thesis's plotting code; `--source text`: "
-        f"sin(y) on [{lo:g}, {hi:g}]^2, as the thesis text defines it |",
+    what = {"1.5": "loss curve and surface of the 1- and 2-parameter networks",
+            "1.6": "invariant lines and gradient arrows", "4.9": "fixed-weight planes, reading (a)"}  # fmt: skip
+    rows = [
+        f"| Jestädt thesis, Fig. {f} | `python -m landscape toy --figure {f} [--source text]` | {what[f]} | "
+        "exact (closed form); `--source code` equals the thesis code's formulas on its own windows and grids "
+        f"(tests/test_toy_sources.py) | `--source code` (default): {toys.CODE_DIFFERENCES[f]}; `--source text`: "
+        "the text's definitions, with the choices it leaves open made as stated in the section on the toy "
+        "figures below and in the caption |"
+        for f in ("1.5", "1.6", "4.9")
     ]
+    lines = [
+        "## The thesis's toy figures",
+        "",
+        "The thesis's plotting code (the public repository `chris-je/ScaleInvariantParameterSpaces`, folder "
+        "`experiments/`) draws every toy figure; its text defines the networks and the loss but gives no "
+        "windows, grids, levels or arrow positions. `--source code` (the default) draws what the code draws; "
+        "`--source text` follows the text, and where the text leaves a choice open, the choice made is stated "
+        "below and in each figure's caption.",
+        "",
+        "| figure | `--source code`: what the thesis code draws | `--source text`: what the text fixes, what it "
+        "leaves open and what was chosen |",
+        "|---|---|---|",
+        *(f"| {f} | {toys.NOTES[f]['code']} | {toys.NOTES[f]['text']} |" for f in toys.NOTES),
+        "",
+        "Not reproduced: the code's `3. gradient_arrows.py` (arrows -0.1 (w2, w1) at spacing 0.5 over "
+        "sin(w1 w2)) has no figure in the thesis; `5.1 3D contour planes.py` also writes a panel for w1 = 2, "
+        "which the thesis does not print; Fig. 1.1 (ReLU, LeakyReLU) is not a loss landscape. The text says the "
+        "ReLU of Fig. 1.5 (a) \"cuts off for inputs below 1\"; relu cuts off below 0, as the code and both "
+        "sources draw it.",
+        "",
+    ]
+    return rows, lines
 
 
 SECTIONS = (("flatness_tables.json", flatness), ("min_norm_gauge.json", gauge),
@@ -184,13 +202,14 @@ def render(data: Path = DATA) -> str:
         row, lines = section(_load(name, data))
         rows += row
         details += lines
+    toy_rows, toy_lines = toys()
     table = [
         "| paper item | how to run it | what is compared | result | differences from the paper |",
         "|---|---|---|---|---|",
         *rows,
-        *toys(),
+        *toy_rows,
     ]
-    return "\n".join([HEADER, *table, "", *details]).rstrip() + "\n"
+    return "\n".join([HEADER, *table, "", *details, *toy_lines]).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,8 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     toy = sub.add_parser(
         "toy", help="the thesis's toy networks (Figs. 1.5, 1.6, 4.9) and their G-space charts",
-        description="Draw a toy figure of the thesis: 1.5 (networks a and b), 1.6 (invariant lines and exact "
-        "gradients), 4.9 (fixed-weight planes, reading (a): w1 set to each value), gspace-1.5 and gspace-4.9 (the "
+        description="Draw a toy figure of the thesis: 1.5 (networks a and b), 1.6 (invariant lines and gradient "
+        "arrows), 4.9 (fixed-weight planes, reading (a): w1 set to each value), gspace-1.5 and gspace-4.9 (the "
         "same networks in G-space). Writes a figure, an interactive HTML and one .npz (+ .json) per surface.",
     )  # fmt: skip
     toy.add_argument("--figure", required=True, choices=("1.5", "1.6", "4.9", "gspace-1.5", "gspace-4.9"),
@@ -147,11 +147,14 @@ def _parser() -> argparse.ArgumentParser:
     toy.add_argument("--fixed", type=float, nargs="+",
                      help="values w1 > 0 of the fixed weight (4.9 and gspace-4.9 only; default 1 6 10)")  # fmt: skip
     toy.add_argument("--source", choices=("text", "code"),
-                     help="for 1.6, 4.9 and gspace-4.9, whose thesis plotting code differs from the thesis text: "
-                          "'code' draws the printed figure (4.9: L = sin(0.3 y) on [0, 10]^2; 1.6: arrows "
-                          "-grad(0.1 w1 w2)), 'text' the text's definition (4.9: L = sin(y) on [0, 3]^2; 1.6: the "
-                          "gradient of L); default code")  # fmt: skip
-    toy.add_argument("--steps", type=_positive_int, default=201, help="grid points per axis (default 201)")
+                     help="for 1.5, 1.6, 4.9 and gspace-4.9: 'code' draws what the thesis's plotting code draws, "
+                          "on its windows and grids (1.5: [-10, 10] and sin(w1 w2) on [0, 10]^2; 1.6: the lines "
+                          "w1 w2 = 2 pi k and arrows -grad(0.1 w1 w2) on a grid of spacing 2 over [0, 10]^2; 4.9: "
+                          "sin(w1 + w2) and sin(0.3 w3 (w1 + w2)) on [0, 10]^2), 'text' the text's definitions, "
+                          "with the choices it leaves open stated in the caption; default code")  # fmt: skip
+    toy.add_argument("--steps", type=_positive_int,
+                     help="grid points per axis (default: the thesis code's 200 with --source code, 201 with "
+                          "--source text)")  # fmt: skip
     toy.add_argument("--out", required=True, help="output folder (created if missing)")
     _formats(toy)
     toy.add_argument("--quiet", action="store_true", help="print nothing")
@@ -340,7 +343,7 @@ def _toy(args: argparse.Namespace) -> int:
 
     if args.fixed is not None and args.figure not in ("4.9", "gspace-4.9"):
         raise ValueError(f"--fixed applies to figures 4.9 and gspace-4.9 only, not {args.figure}")
-    if args.steps < 3:
+    if args.steps is not None and args.steps < 3:
         raise ValueError(f"--steps must be at least 3 for a toy surface, got {args.steps}")
     source = check_source(args.figure, args.source)
     fixed = FIG_4_9_FIXED if args.fixed is None else _check_toy_fixed(args.fixed, window_4_9(source)[1])

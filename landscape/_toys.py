@@ -32,17 +32,24 @@ signs of the skeleton weights label the chart.
   part of this one surface with ``v1 = b w3``, ``v2 = w2 w3``: every panel of Fig. 4.9 b is the same
   G-space surface seen through a different, distorted chart.
 
-Text and code. The thesis's plotting code differs from its text in two figures, and the printed
-figures follow the code. Each figure that differs takes ``source="text"`` or ``source="code"``
-(default ``"code"``, the printed figure):
+Text and code. The thesis's plotting code (the public repository
+``chris-je/ScaleInvariantParameterSpaces``, folder ``experiments/``) draws every toy figure; its text
+defines the networks and the loss but no windows, grids or arrow positions. Each thesis figure takes
+``source="code"`` (the default: what the plotting code draws, on its own windows and grids) or
+``source="text"`` (the text's definitions; where the text leaves a choice open, the choice made is
+stated in `NOTES` and in the figure's caption):
 
-* Fig. 4.9: the text defines ``L = sin(y)`` on ``[0, 3]^2``; the code draws ``sin(0.3 w3 (w1 + w2))``
-  on ``[0, 10]^2``, i.e. ``L = sin(0.3 y)``. Network a gets the same loss ``sin(0.3 y)`` here, so the
-  panels stay comparable, and so does the G-space chart of ``"gspace-4.9"``.
-* Fig. 1.6: the text's arrows show the gradient of ``L``; the code draws the descent direction
-  ``-grad(0.1 w1 w2) = -0.1 (w2, w1)`` of another function. On an invariant line ``w1 w2 = c`` (``w1 > 0``)
-  the true gradient is ``cos(c) (w2, w1)``, so both arrows are parallel and rescale alike (by ``1/alpha``
-  in ``w1``, ``alpha`` in ``w2``); they differ by the factor ``-0.1 / cos(c)``: sign and length per line.
+* Fig. 1.5 (``2.0 sin 1D.py``, ``2.1 loss 2D colors.py``): the code draws (a) ``sin(w)`` for ``w > 0``,
+  else 0, at 400 points over ``[-10, 10]``, and (b) ``sin(w1 w2)`` on a 200 x 200 grid over ``[0, 10]^2``
+  (``= sin(w2 relu(w1))`` there) with 25 automatic filled-contour levels.
+* Fig. 1.6 (``2.2 loss 2D arrows.py``): no loss; the zero lines of ``sin(0.5 w1 w2)``, i.e.
+  ``w1 w2 = 2 pi k``, contoured on the 200 x 200 grid over ``[0, 10]^2``, and the arrows
+  ``-0.1 (w2, w1) = -grad(0.1 w1 w2)`` (not the gradient of ``L``) at the points ``{0, 2, ..., 10}^2``,
+  at scale 1. On a line ``w1 w2 = c`` (``w1 > 0``) the true gradient is ``cos(c) (w2, w1)``: both arrows
+  are parallel and rescale alike, and differ by the factor ``-0.1 / cos(c)``.
+* Fig. 4.9 (``5.0 parametrization plane.py``, ``5.1 3D contour planes.py``): (a) ``sin(w1 + w2)`` and
+  (b)-(d) ``sin(0.3 w3 (w1 + w2))`` for ``w1 = 1, 6, 10``, each on a 200 x 200 grid over ``[0, 10]^2``:
+  the 0.3 is in panels (b)-(d) only. The text gives ``L = sin(y)`` for all four.
 """
 
 from __future__ import annotations
@@ -57,24 +64,91 @@ from landscape._surface import Surface
 
 FIG_4_9_FIXED = (1.0, 6.0, 10.0)
 
-SOURCES = ("text", "code")  # the thesis's text, or its plotting code (the printed figures)
-SOURCE_FIGURES = ("1.6", "4.9", "gspace-4.9")  # the figures whose code differs from the text
+SOURCES = ("text", "code")  # the thesis's text, or its plotting code
+SOURCE_FIGURES = ("1.5", "1.6", "4.9", "gspace-4.9")  # the thesis's figures (and the chart built on 4.9)
 DEFAULT_SOURCE = "code"
-SOURCE_LABELS = {"text": "as defined in the thesis text", "code": "as printed, from the thesis code"}
-CODE_GAIN_4_9 = 0.3  # Fig. 4.9 in the thesis code: L = sin(0.3 y)
-CODE_ARROWS_1_6 = 0.1  # Fig. 1.6 in the thesis code: arrows -grad(0.1 w1 w2)
+SOURCE_LABELS = {"text": "after the thesis text", "code": "as the thesis's plotting code draws it"}
 
-# Plot windows: Fig. 1.5/1.6 show the dead half-plane w1 < 0 too; Fig. 4.9 uses positive weights
-# only, as in the thesis.
+# The thesis's plotting code: every 2-D panel is a 200 x 200 grid over [0, 10]^2, Fig. 1.5 a 400 points over
+# [-10, 10]; filled contours with matplotlib's levels=25 (Figs. 1.5 b, 4.9 a), the magma colormap.
+CODE_LIM = (0.0, 10.0)
+CODE_STEPS = 200
+CODE_LIM_1_5_A = (-10.0, 10.0)
+CODE_LEVELS = 25
+CODE_CMAP = "magma"
+CODE_GAIN_4_9 = 0.3  # Fig. 4.9 (b)-(d) in the thesis code: L = sin(0.3 y); panel (a) has no factor
+CODE_LINES_1_6 = 0.5  # Fig. 1.6 in the thesis code: the zero lines of sin(0.5 w1 w2)
+CODE_ARROWS_1_6 = 0.1  # Fig. 1.6 in the thesis code: arrows -grad(0.1 w1 w2)
+CODE_ARROW_SPACING_1_6 = 2.0  # ... at the points {0, 2, ..., 10}^2
+
+# The text's figures: grids of 201 steps; the windows are choices (the text gives none). Figs. 1.5/1.6
+# show the dead half-plane w1 < 0 too; Fig. 4.9 positive weights only, as the text says.
+TEXT_STEPS = 201
 LIM_1_5_A = (-4.0, 12.0)
 LIM_1_5_B = (-4.0, 4.0)
 LIM_4_9 = (0.0, 3.0)
-LIM_4_9_CODE = (0.0, 10.0)
 
-# Fig. 1.6: invariant lines w1 w2 = c and the rescaling factors alpha at which arrows are drawn.
-# |cos(c)| is near 1 on these lines, so the arrows are long enough to read.
+# Fig. 1.6 after the text: invariant lines w1 w2 = c and the rescaling factors alpha at which arrows are
+# drawn. |cos(c)| is near 1 on these lines, so the arrows are long enough to read.
 FIG_1_6_LEVELS = (-3.0, -0.5, 0.5, 3.0)
 FIG_1_6_ALPHAS = (0.5, 2**-0.5, 1.0, 2**0.5, 2.0)
+
+# What the --source code figures still do differently from the thesis code (the reproductions page).
+CODE_DIFFERENCES = {
+    "1.5": "the thesis code's formulas, windows, grids, contour levels and colours; only sizes, fonts, titles and "
+           "axis labels are the toolkit's",
+    "1.6": "the thesis code's lines, arrow points, arrow vectors and arrow scale on its window; only sizes, fonts, "
+           "the title and the legend are the toolkit's",
+    "4.9": "the thesis code's formulas, windows, grids, levels and colours; panels (b)-(d) are drawn flat over "
+           "(w2, w3), where the code paints the same colours on the plane w1 = b in 3-D axes; sizes, fonts, titles "
+           "and labels are the toolkit's",
+}
+
+# What each source draws; for the text, the choices it leaves open and the ones made (captions and the
+# reproductions page).
+NOTES = {
+    "1.5": {
+        "code": "thesis code (experiments/2.0 sin 1D.py, 2.1 loss 2D colors.py): (a) sin(w) for w > 0, else 0, "
+                "at 400 points over [-10, 10]; (b) sin(w1 w2) = sin(w2 relu(w1)) on a 200 x 200 grid over "
+                "[0, 10]^2, filled contours at 25 automatic levels",
+        "text": "the text fixes x = 1, L = sin(y), y = relu(w) (a) and y = w2 relu(w1) (b), and leaves the "
+                "windows, grids and levels open; chosen here: (a) [-4, 12], (b) [-4, 4]^2 (to show the dead "
+                "half-plane w1 < 0), 201 x 201 points, contours 0.2 apart, and a 3-D view of (b)",
+    },
+    "1.6": {
+        "code": "thesis code (experiments/2.2 loss 2D arrows.py): no loss drawn; the zero lines of "
+                "sin(0.5 w1 w2), i.e. w1 w2 = 2 pi k, contoured on a 200 x 200 grid over [0, 10]^2, and the "
+                "arrows -0.1 (w2, w1) = -grad(0.1 w1 w2) (not the gradient of L; parallel to it on each line, "
+                "-0.1 / cos(w1 w2) times it) at the 36 points {0, 2, ..., 10}^2, at scale 1",
+        "text": "the text says only that the lines are invariant lines of network b and that the arrows show "
+                "how its gradients scale, and leaves the window, the lines and the arrow positions open; chosen "
+                "here: L = sin(w2 relu(w1)) over [-4, 4]^2, lines w1 w2 = -3, -0.5, 0.5, 3, the exact "
+                "gradient of L at the rescalings alpha = 1/2, 1/sqrt(2), 1, sqrt(2), 2 of each line's "
+                "balanced point, on one common scale",
+    },
+    "4.9": {
+        "code": "thesis code (experiments/5.0 parametrization plane.py, 5.1 3D contour planes.py): (a) "
+                "sin(w1 + w2), filled contours at 25 automatic levels; (b)-(d) sin(0.3 w3 (w1 + w2)) for "
+                "w1 = 1, 6, 10 in continuous colours on [-1, 1] (the code paints them on the plane w1 = b in "
+                "3-D axes; drawn flat here); each on a 200 x 200 grid over [0, 10]^2. The 0.3, in (b)-(d) "
+                "only, is not in the thesis's panel captions",
+        "text": "the text fixes x1 = x2 = 1, positive weights, L = sin(y), sin(w1 + w2) (a) and "
+                "sin(w3 (b + w2)) for w1 = b = 1, 6, 10 (b-d), and leaves the window, grid and levels open; "
+                "chosen here: [0, 3]^2 (on [0, 10]^2 panel d would show about 32 stripes), 201 x 201 points, "
+                "contours 0.2 apart, and a 3-D view of each panel",
+    },
+    "gspace-1.5": {
+        "code": "the toolkit's chart, not a thesis figure: no thesis code draws it, and `--source code` is refused",
+        "text": "the toolkit's chart, not a thesis figure: network b of Fig. 1.5 over the window [-4, 4]^2 chosen for "
+                "Fig. 1.5 after the text",
+    },
+    "gspace-4.9": {
+        "code": "the toolkit's chart, not a thesis figure: Fig. 4.9's network b with the thesis code's loss of "
+                "panels (b)-(d), sin(0.3 y), and window [0, 10]^2",
+        "text": "the toolkit's chart, not a thesis figure: Fig. 4.9's network b with the text's loss sin(y) and "
+                "the window [0, 3]^2 chosen for Fig. 4.9 after the text",
+    },
+}
 
 
 def _t(x) -> Tensor:
@@ -137,25 +211,35 @@ def grad_b2(w1, w2, w3, gain: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def check_source(figure: str, source: str | None) -> str:
-    """The source a toy figure is drawn from: ``source``, or `DEFAULT_SOURCE` (the printed figure) for the
-    figures whose code differs from the text, ``"text"`` for the others; refused where it does not apply."""
+    """The source a toy figure is drawn from: ``source``, or `DEFAULT_SOURCE` (the thesis code's figure)
+    for the thesis's figures, ``"text"`` for the toolkit's own chart ``gspace-1.5``; refused where it does not
+    apply."""
     if source is not None and source not in SOURCES:
         raise ValueError(f"source must be 'text' or 'code', got {source!r}")
     if figure not in SOURCE_FIGURES:
         if source not in (None, "text"):
-            raise ValueError(f"--source code applies to figures {', '.join(SOURCE_FIGURES)} only, where the "
-                             f"thesis's plotting code differs from its text; figure {figure} has one definition")
+            raise ValueError(f"--source code applies to figures {', '.join(SOURCE_FIGURES)} only, which the "
+                             f"thesis's plotting code draws; figure {figure} is the toolkit's own chart")
         return "text"
     return DEFAULT_SOURCE if source is None else source
 
 
+def grid_steps(source: str, steps: int | None) -> int:
+    """Grid points per axis: ``steps``, or by default the thesis code's 200 (``"code"``) or 201 (``"text"``)."""
+    steps = (CODE_STEPS if source == "code" else TEXT_STEPS) if steps is None else steps
+    _check_steps(steps)
+    return steps
+
+
 def window_4_9(source: str) -> tuple[float, float]:
-    """The weight window of Fig. 4.9: ``[0, 3]`` in the thesis text, ``[0, 10]`` in its code."""
-    return LIM_4_9_CODE if source == "code" else LIM_4_9
+    """The weight window of Fig. 4.9: ``[0, 10]`` in the thesis code, ``[0, 3]`` chosen for the text (which gives
+    none)."""
+    return CODE_LIM if source == "code" else LIM_4_9
 
 
 def gain_4_9(source: str) -> float:
-    """The factor in Fig. 4.9's loss ``sin(gain y)``: 1 in the thesis text, 0.3 in its code."""
+    """The factor in the loss ``sin(gain y)`` of Fig. 4.9's network b (panels b-d): 1 in the thesis text, 0.3 in
+    its code. Panel (a) has no factor in either."""
     return CODE_GAIN_4_9 if source == "code" else 1.0
 
 
@@ -259,18 +343,27 @@ TITLE_A = "network a: y = relu(w)"
 TITLE_B = "network b: y = w₂·relu(w₁)"
 
 
-def fig_1_5_surfaces(steps: int = 201) -> list[Surface]:
-    """Thesis Fig. 1.5: network a's curve and network b's surface (``L = sin(y)``, ``x = 1``)."""
-    _check_steps(steps)
-    wa = _axis(LIM_1_5_A, 8 * steps + 1)
+def fig_1_5_surfaces(steps: int | None = None, source: str = DEFAULT_SOURCE) -> list[Surface]:
+    """Thesis Fig. 1.5: network a's curve and network b's surface (``L = sin(y)``, ``x = 1``).
+
+    ``source="code"`` (default): the thesis code's windows, ``[-10, 10]`` at ``2 steps`` points (400) and
+    ``[0, 10]^2`` at ``steps`` (200) per axis; ``"text"``: ``[-4, 12]`` at ``8 steps + 1`` points and
+    ``[-4, 4]^2`` at ``steps`` (201) per axis, windows the text leaves open (`NOTES`).
+    """
+    source = check_source("1.5", source)
+    steps = grid_steps(source, steps)
+    lim_a, lim_b = (CODE_LIM_1_5_A, CODE_LIM) if source == "code" else (LIM_1_5_A, LIM_1_5_B)
+    wa = _axis(lim_a, 2 * steps if source == "code" else 8 * steps + 1)
     curve = Surface(
         x=wa, y=None, loss=loss_a(_t(wa)).numpy(), x_label="w", title=TITLE_A, z_label="L = sin(y)",
-        metadata={"figure": "1.5", "network": "a", "function": "sin(relu(w))"},
+        metadata={"figure": "1.5", "network": "a", "function": "sin(relu(w))", "source": source,
+                  "window": list(lim_a)},
     )  # fmt: skip
-    x, y, z = _plane(loss_b, LIM_1_5_B, LIM_1_5_B, steps)
+    x, y, z = _plane(loss_b, lim_b, lim_b, steps)
     plane = Surface(
         x=x, y=y, loss=z, x_label="w₁", y_label="w₂", title=TITLE_B, z_label="L = sin(y)",
-        metadata={"figure": "1.5", "network": "b", "function": "sin(w2 relu(w1))"},
+        metadata={"figure": "1.5", "network": "b", "function": "sin(w2 relu(w1))", "source": source,
+                  "window": list(lim_b)},
     )  # fmt: skip
     return [curve, plane]
 
@@ -281,29 +374,61 @@ ARROWS_1_6 = {
 }
 
 
-def fig_1_6_surface(steps: int = 201, source: str = DEFAULT_SOURCE) -> Surface:
-    """Thesis Fig. 1.6: network b's surface with its invariant lines and gradient arrows.
+def fig_1_6_code_arrows() -> tuple[np.ndarray, np.ndarray]:
+    """The thesis code's arrows of Fig. 1.6: ``(points, vectors)``, each ``(36, 2)``.
 
-    ``extras`` hold ``arrow_points`` ``(m, 2)``, ``arrow_vector`` ``(m, 2)`` (the drawn arrows: the true
-    gradient of the plotted loss for ``source="text"``, the thesis code's ``-grad(0.1 w1 w2)`` for
-    ``"code"``), ``arrow_gradient`` ``(m, 2)`` (the true gradient, either way), ``arrow_level`` and
-    ``arrow_alpha`` ``(m,)``, and ``invariant_levels`` (the ``c`` of the drawn lines ``w1 w2 = c``).
+    The points ``(w1, w2)`` of the grid ``{0, 2, ..., 10}^2`` (``w1`` fastest, as a ``meshgrid`` flattens),
+    the vectors ``-0.1 (w2, w1)``: the descent direction of ``0.1 w1 w2``.
     """
-    _check_steps(steps)
+    lo, hi = CODE_LIM
+    axis = np.arange(lo, hi + CODE_ARROW_SPACING_1_6, CODE_ARROW_SPACING_1_6)
+    w2, w1 = np.meshgrid(axis, axis, indexing="ij")
+    pts = np.stack([w1.ravel(), w2.ravel()], axis=-1)
+    return pts, -CODE_ARROWS_1_6 * pts[:, ::-1]
+
+
+def fig_1_6_code_levels() -> np.ndarray:
+    """The constants ``c = 2 pi k`` of the lines ``w1 w2 = c`` the thesis code draws in Fig. 1.6 (the zeros of
+    ``sin(0.5 w1 w2)`` with ``0 < c <= 100`` in ``[0, 10]^2``)."""
+    top = CODE_LIM[1] ** 2
+    k = np.arange(1, math.floor(top * CODE_LINES_1_6 / math.pi) + 1)
+    return math.pi * k / CODE_LINES_1_6
+
+
+def fig_1_6_surface(steps: int | None = None, source: str = DEFAULT_SOURCE) -> Surface:
+    """Thesis Fig. 1.6: network b's surface with its invariant lines and the arrows.
+
+    ``extras`` hold ``arrow_points`` ``(m, 2)``, ``arrow_vector`` ``(m, 2)`` (the drawn arrows: for ``"text"``
+    the true gradient of the loss at rescaled points of the lines, also ``arrow_alpha`` ``(m,)``; for
+    ``"code"`` the thesis code's ``-grad(0.1 w1 w2)`` on its grid of spacing 2), ``arrow_gradient``
+    ``(m, 2)`` (the true gradient, either way), ``arrow_level`` ``(m,)`` (``w1 w2`` at each point) and
+    ``invariant_levels`` (the ``c`` of the drawn lines ``w1 w2 = c``). For ``"code"`` also ``line_field``
+    (``sin(0.5 w1 w2)`` on the grid; the code draws its zero contour, ``line_levels``) -- the code draws no
+    loss, and ``loss`` holds network b's loss on the code's window for reference.
+    """
     source = check_source("1.6", source)
-    x, y, z = _plane(loss_b, LIM_1_5_B, LIM_1_5_B, steps)
-    pts, grads, level, alpha = fig_1_6_arrows()
-    drawn = grads if source == "text" else -CODE_ARROWS_1_6 * pts[:, ::-1].copy()
+    steps = grid_steps(source, steps)
+    lim = CODE_LIM if source == "code" else LIM_1_5_B
+    x, y, z = _plane(loss_b, lim, lim, steps)
+    if source == "code":
+        pts, drawn = fig_1_6_code_arrows()
+        field = _plane(lambda w1, w2: torch.sin(CODE_LINES_1_6 * w1 * w2), lim, lim, steps)[2]
+        extras = {"line_field": field, "line_levels": np.zeros(1), "invariant_levels": fig_1_6_code_levels(),
+                  "arrow_level": pts[:, 0] * pts[:, 1]}  # fmt: skip
+    else:
+        pts, _, level, alpha = fig_1_6_arrows()
+        extras = {"arrow_alpha": alpha, "arrow_level": level, "invariant_levels": np.asarray(FIG_1_6_LEVELS)}
+    g1, g2 = grad_b(_t(pts[:, 0]), _t(pts[:, 1]))
+    grads = torch.stack([g1, g2], dim=-1).numpy()
+    if source == "text":
+        drawn = grads
     return Surface(
         x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label="L = sin(y)",
         title="network b: invariant lines w₁w₂ = c and " + ("the gradient ∇L" if source == "text" else
                                                              "the thesis code's arrows −∇(0.1 w₁w₂)"),
-        extras={
-            "arrow_points": pts, "arrow_vector": drawn, "arrow_gradient": grads, "arrow_level": level,
-            "arrow_alpha": alpha, "invariant_levels": np.asarray(FIG_1_6_LEVELS),
-        },
+        extras={"arrow_points": pts, "arrow_vector": drawn, "arrow_gradient": grads, **extras},
         metadata={"figure": "1.6", "network": "b", "function": "sin(w2 relu(w1))", "source": source,
-                  "arrows": ARROWS_1_6[source],
+                  "window": list(lim), "arrows": ARROWS_1_6[source],
                   "gradient": "(cos(y) w2 [w1>0], cos(y) relu(w1)), y = w2 relu(w1)"},
     )  # fmt: skip
 
@@ -312,26 +437,28 @@ def fixed_title(b: float) -> str:
     return f"network b′, w₁ set to {b:g}\nreading (a): the function changes with w₁"
 
 
-def fig_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEFAULT_SOURCE) -> list[Surface]:
+def fig_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int | None = None, source: str = DEFAULT_SOURCE) -> list[Surface]:
     """Thesis Fig. 4.9: network a over ``(w1, w2)`` and network b over ``(w2, w3)`` for each fixed ``w1``.
 
     Reading (a) of the fixed-weight planes: ``w1`` is set to each value ``b`` and the function changes.
-    Each fixed-weight surface carries ``extras["fixed"] = b``. ``source="code"`` (the printed figure) draws
-    ``L = sin(0.3 y)`` on ``[0, 10]^2``, ``"text"`` the text's ``L = sin(y)`` on ``[0, 3]^2``.
+    Each fixed-weight surface carries ``extras["fixed"] = b``. ``source="code"`` (default) draws what the
+    thesis code does: (a) ``sin(w1 + w2)``, (b) ``sin(0.3 w3 (b + w2))`` on ``[0, 10]^2`` at ``steps`` (200)
+    per axis; ``"text"`` the text's ``L = sin(y)`` for both, on ``[0, 3]^2`` (a window the text leaves open)
+    at ``steps`` (201).
     """
-    _check_steps(steps)
     source = check_source("4.9", source)
+    steps = grid_steps(source, steps)
     if len(fixed) == 0:
         raise ValueError("give at least one fixed value for w1")
     lim, gain = window_4_9(source), gain_4_9(source)
     z_label = loss_label(gain)
-    common = {"figure": "4.9", "source": source, "window": list(lim), "gain": gain}
-    x, y, z = _plane(lambda w1, w2: loss_a2(w1, w2, gain), lim, lim, steps)
+    common = {"figure": "4.9", "source": source, "window": list(lim)}
+    x, y, z = _plane(loss_a2, lim, lim, steps)
     out = [
         Surface(
-            x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label=z_label,
+            x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label=loss_label(1.0),
             title="network a′: y = relu(w₁ + w₂)",
-            metadata={**common, "network": "a", "function": _sin_of(gain, "relu(w1 + w2)")},
+            metadata={**common, "gain": 1.0, "network": "a", "function": "sin(relu(w1 + w2))"},
         )
     ]  # fmt: skip
     for b in fixed:
@@ -340,20 +467,20 @@ def fig_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEFAUL
             Surface(
                 x=x, y=y, loss=z, x_label="w₂", y_label="w₃", z_label=z_label, title=fixed_title(b),
                 extras={"fixed": np.asarray(float(b))},
-                metadata={**common, "network": "b", "function": _sin_of(gain, f"w3 relu({b:g} + w2)"),
+                metadata={**common, "gain": gain, "network": "b", "function": _sin_of(gain, f"w3 relu({b:g} + w2)"),
                           "reading": "a", "fixed_weight": "w1", "fixed": float(b)},
             )
         )  # fmt: skip
     return out
 
 
-def gspace_b_surfaces(steps: int = 201) -> list[Surface]:
+def gspace_b_surfaces(steps: int | None = None) -> list[Surface]:
     """Network b in weight space and in G-space.
 
     Returns ``[weight-space plane over (w1, w2), G-space curve for w2 > 0, G-space curve for w2 < 0]``;
-    the ``w2 > 0`` curve ``sin(relu(v))`` is network a's curve of Fig. 1.5.
+    the ``w2 > 0`` curve ``sin(relu(v))`` is network a's curve of Fig. 1.5. Windows as Fig. 1.5 after the text.
     """
-    _check_steps(steps)
+    steps = grid_steps("text", steps)
     x, y, z = _plane(loss_b, LIM_1_5_B, LIM_1_5_B, steps)
     plane = Surface(
         x=x, y=y, loss=z, x_label="w₁", y_label="w₂", z_label="L = sin(y)",
@@ -392,15 +519,17 @@ def fixed_plane_outline(b: float, lim=LIM_4_9, n: int = 200) -> np.ndarray:
     return np.stack([v1.numpy(), v2.numpy()], axis=-1)
 
 
-def gspace_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEFAULT_SOURCE) -> list[Surface]:
+def gspace_4_9_surfaces(
+    fixed=FIG_4_9_FIXED, steps: int | None = None, source: str = DEFAULT_SOURCE
+) -> list[Surface]:
     """Fig. 4.9's network b in G-space (``w3 > 0``): one surface ``sin(gain relu(v1 + v2))`` for every ``w1``.
 
     Returns one G-space surface whose ``extras`` hold ``outline_<i>`` (the image of the plotted
     ``(w2, w3)`` window of the plane ``w1 = fixed[i]``) and ``fixed`` (the values). ``source`` picks
-    Fig. 4.9's window and loss (`fig_4_9_surfaces`).
+    Fig. 4.9's window and the loss of its network b (`fig_4_9_surfaces`).
     """
-    _check_steps(steps)
     source = check_source("gspace-4.9", source)
+    steps = grid_steps(source, steps)
     if len(fixed) == 0:
         raise ValueError("give at least one fixed value for w1")
     lim, gain = window_4_9(source), gain_4_9(source)
@@ -424,17 +553,19 @@ def gspace_4_9_surfaces(fixed=FIG_4_9_FIXED, steps: int = 201, source: str = DEF
     ]  # fmt: skip
 
 
-def gspace_4_9_window(steps: int = 201, source: str = DEFAULT_SOURCE) -> Surface:
-    """The G-space surface of Fig. 4.9's network b over Fig. 4.9 (a)'s window: network a's surface in ``v``."""
-    _check_steps(steps)
+def gspace_4_9_window(steps: int | None = None, source: str = DEFAULT_SOURCE) -> Surface:
+    """The G-space surface of Fig. 4.9's network b over Fig. 4.9 (a)'s window: network a's surface in ``v`` (with
+    the code's factor 0.3 for ``source="code"``, which the code's panel (a) does not have)."""
     source = check_source("gspace-4.9", source)
+    steps = grid_steps(source, steps)
     lim, gain = window_4_9(source), gain_4_9(source)
     x, y, z = _plane(lambda v1, v2: loss_b2_gspace(v1, v2, 1.0, gain), lim, lim, steps)
     return Surface(
         x=x, y=y, loss=z, x_label="v₁ = w₁w₃", y_label="v₂ = w₂w₃",
         z_label=loss_label(gain),
-        title=f"G-space over [{lim[0]:g}, {lim[1]:g}]²: network a′ of Fig. 4.9 (a)\n"
-              "with (w₁, w₂) renamed (v₁, v₂)",
+        title=(f"G-space over [{lim[0]:g}, {lim[1]:g}]²: network a′ of Fig. 4.9 (a)\nwith (w₁, w₂) renamed (v₁, v₂)"
+               if gain == 1.0 else f"G-space over [{lim[0]:g}, {lim[1]:g}]²: sin({gain:g} (v₁ + v₂)),\n"
+               f"Fig. 4.9 (a) with the factor {gain:g} of (b)-(d)"),
         metadata={"figure": "gspace-4.9", "network": "b", "chart": "gspace", "window": list(lim),
                   "source": source, "gain": gain},
     )  # fmt: skip

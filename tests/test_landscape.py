@@ -90,7 +90,7 @@ def test_fig_4_9_surfaces_are_reading_a_with_fixed_values(source, gain, hi):
     surfaces = toys.fig_4_9_surfaces(fixed=(1.0, 6.0), steps=7, source=source)
     assert [float(s.extras["fixed"]) for s in surfaces[1:]] == [1.0, 6.0]
     w1, w2 = np.meshgrid(surfaces[0].x, surfaces[0].y)
-    assert surfaces[0].loss == pytest.approx(np.sin(gain * np.maximum(w1 + w2, 0)), abs=1e-14)
+    assert surfaces[0].loss == pytest.approx(np.sin(np.maximum(w1 + w2, 0)), abs=1e-14)  # (a): no gain in either
     for s in surfaces:
         assert (s.x[0], s.x[-1], s.y[0], s.y[-1]) == (0.0, hi, 0.0, hi)
         assert s.metadata["source"] == source and s.metadata["window"] == [0.0, hi]
@@ -99,16 +99,18 @@ def test_fig_4_9_surfaces_are_reading_a_with_fixed_values(source, gain, hi):
         b = float(s.extras["fixed"])
         w2, w3 = np.meshgrid(s.x, s.y)
         assert s.loss == pytest.approx(np.sin(gain * w3 * np.maximum(b + w2, 0)), abs=1e-14)
-    assert toys.fig_4_9_surfaces(steps=7)[1].metadata["source"] == "code"  # the printed figure by default
+    assert toys.fig_4_9_surfaces(steps=7)[1].metadata["source"] == "code"  # the thesis code's figure by default
 
 
 def test_fig_1_6_code_arrows_are_the_thesis_codes_and_parallel_to_the_gradient():
     s = toys.fig_1_6_surface(steps=5, source="code")
     pts, drawn, grads = s.extras["arrow_points"], s.extras["arrow_vector"], s.extras["arrow_gradient"]
     np.testing.assert_allclose(drawn, -0.1 * np.stack([pts[:, 1], pts[:, 0]], -1), rtol=0, atol=1e-15)
-    # on the line w1 w2 = c the true gradient is cos(c) (w2, w1): the code's arrow is -0.1 / cos(c) times it
-    factor = -0.1 / np.cos(s.extras["arrow_level"])
-    np.testing.assert_allclose(drawn, factor[:, None] * grads, rtol=1e-12)
+    # on the line w1 w2 = c (w1 > 0) the true gradient is cos(c) (w2, w1): the code's arrow is -0.1 / cos(c) times it
+    live = pts[:, 0] > 0
+    assert live.sum() == 30  # the code's grid {0, 2, ..., 10}^2 without its column w1 = 0
+    factor = -0.1 / np.cos(s.extras["arrow_level"][live])
+    np.testing.assert_allclose(drawn[live], factor[:, None] * grads[live], rtol=1e-12)
     assert "−∇(0.1 w₁w₂)" in s.title and "-grad(0.1 w1 w2)" in s.metadata["arrows"]
 
 
@@ -607,7 +609,7 @@ def test_cli_toy_figures_store_the_analytic_loss(tmp_path, capsys, figure):
     argv = ["toy", "--figure", figure, "--steps", "7", "--out", str(tmp_path), "--quiet"]
     if figure == "gspace-4.9":
         argv += ["--fixed", "1", "2", "--source", "text"]
-    if figure == "1.6":
+    if figure in ("1.5", "1.6"):
         argv += ["--source", "text"]
     code, out, err = _cli(argv, capsys)
     assert code == 0 and out == "", err
@@ -654,7 +656,7 @@ def test_cli_toy_figures_store_the_analytic_loss(tmp_path, capsys, figure):
         assert f["x"][-1] == pytest.approx(2.0 * hi)  # the G-space window covers every outline
 
 
-def test_cli_toy_source_code_draws_the_printed_figures(tmp_path, capsys):
+def test_cli_toy_source_code_draws_the_thesis_codes_figures(tmp_path, capsys):
     code, out, err = _cli(["toy", "--figure", "4.9", "--source", "code", "--fixed", "2", "--steps", "7", "--out",
                            str(tmp_path), "--quiet"], capsys)  # fmt: skip
     assert code == 0 and out == "", err
@@ -673,13 +675,12 @@ def test_cli_toy_source_code_draws_the_printed_figures(tmp_path, capsys):
     assert f["x"][-1] == 10.0
 
 
-@pytest.mark.parametrize("figure", ["1.5", "gspace-1.5"])
-def test_cli_toy_source_code_refused_where_the_code_has_no_other_figure(tmp_path, capsys, figure):
-    code, out, err = _cli(["toy", "--figure", figure, "--source", "code", "--out", str(tmp_path / "o")], capsys)
+def test_cli_toy_source_code_refused_for_the_toolkits_own_chart(tmp_path, capsys):
+    code, out, err = _cli(["toy", "--figure", "gspace-1.5", "--source", "code", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and out == ""
-    assert err.strip().splitlines() == [f"error: --source code applies to figures 1.6, 4.9, gspace-4.9 only, where "
-                                        f"the thesis's plotting code differs from its text; figure {figure} has one "
-                                        "definition"]  # fmt: skip
+    assert err.strip().splitlines() == ["error: --source code applies to figures 1.5, 1.6, 4.9, gspace-4.9 only, "
+                                        "which the thesis's plotting code draws; figure gspace-1.5 is the toolkit's "
+                                        "own chart"]  # fmt: skip
     assert not (tmp_path / "o").exists()
 
 
