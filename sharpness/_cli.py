@@ -610,7 +610,9 @@ def _study_lines(result) -> str:
             counts[name] = counts.get(name, 0) + 1
     lines += [f"{name}: skipped on {count} of {n} checkpoints (reasons in skipped.json)"
               for name, count in counts.items()]  # fmt: skip
-    if result.summary is not None:
+    if result.summary is None:
+        lines.append("no statistics or report: this installation lacks sharpness.study._stats and _report")
+    else:
         lines += ["", result.summary.to_string(index=False, float_format=lambda v: f"{v:.3f}")]
     return "\n".join(lines)
 

@@ -15,7 +15,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -189,13 +188,15 @@ def run_study(
         _measure_rows(todo, options, keys, out_dir, jobs, progress)
     except SpecError as exc:
         error = exc
+    computed = {row.id for row in todo}
     if world > 1:
         comm.check_together(error)  # every process waits for the others' rows; one's failure stops all
+        computed = {ident for text in comm.gather_text(" ".join(sorted(computed))) for ident in text.split()}
     elif error is not None:
         raise error
     records = {row.id: store.load(row.id, keys[row.id]) for row in parsed.rows}
     result = _tabulate(parsed, records, options)
-    result.out_dir, result.computed = out_dir, [row.id for row in todo]
+    result.out_dir, result.computed = out_dir, [row.id for row in parsed.rows if row.id in computed]
     if world == 1 or launch_rank() == 0:
         _write_outputs(result, report)
     return result
@@ -379,8 +380,7 @@ def _statistics_and_report(result: StudyResult) -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in ("sharpness.study._stats", "sharpness.study._report"):
             raise
-        print("note: the statistics and report modules are not installed; wrote the table only", file=sys.stderr)
-        return
+        return  # result.summary stays None
     measured = [m for m in result.measures if result.table[m].notna().any()]
     result.summary = summarize(result.table, measured, result.hyper_columns)
     summary_path = os.path.join(result.out_dir, "summary.csv")
