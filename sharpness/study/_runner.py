@@ -195,6 +195,10 @@ def run_study(
     elif error is not None:
         raise error
     records = {row.id: store.load(row.id, keys[row.id]) for row in parsed.rows}
+    lost = [row for row in parsed.rows if records[row.id] is None]
+    if lost:  # replaced after it was stored: another study with other options writes to the same folder
+        raise SpecError(f"the stored result of manifest {lost[0].where()} was replaced while this study ran; "
+                        f"give each study its own output folder ({out_dir} is shared)")  # fmt: skip
     result = _tabulate(parsed, records, options)
     result.out_dir, result.computed = out_dir, [row.id for row in parsed.rows if row.id in computed]
     if world == 1 or launch_rank() == 0:
@@ -204,6 +208,7 @@ def run_study(
 
 def _options(measures, k, tol, method, dtype, device, memory_mib) -> StudyOptions:
     """The options, checked (the same sentences as ``compute``'s)."""
+    measures = [measures] if isinstance(measures, str) else measures
     names = _measures(list(measures)) if measures else list(MEASURES)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise SpecError(f"--k must be at least 1, got {k}")
