@@ -258,7 +258,7 @@ def test_bad_manifests_are_refused_before_any_work_naming_the_row(population, tm
     lines, parts = BAD[case]
     header = HEADER.replace("test,", "") if case == "missing column" else HEADER
     manifest = _manifest(population.parent, lines, header, name=f"bad-{case.replace(' ', '-')}.csv")
-    with pytest.raises(SpecError) as info:
+    with pytest.raises(sharpness.study.ManifestError) as info:
         sharpness.study(manifest, tmp_path / "out", MEASURES)
     message = str(info.value)
     assert "\n" not in message, message

@@ -40,7 +40,7 @@ from sharpness.measures._claims import first_line
 from sharpness.measures._registry import MEASURES
 from sharpness.products._objective import Objective
 from sharpness.solvers._solve import SOLVERS, Solver
-from sharpness.study._manifest import MEASURED, Manifest, Row, read_manifest
+from sharpness.study._manifest import MEASURED, Manifest, ManifestError, Row, read_manifest
 from sharpness.study._store import RowStore, file_digest, row_key
 
 # A study's losses are mean cross-entropy (errors are argmax misses), as in the table's definition.
@@ -228,7 +228,7 @@ def check_rows(manifest: Manifest, options: StudyOptions) -> dict[str, str]:
     held-out data load and the model takes them (the checks of ``compute``). Returns each row's store key.
 
     Raises:
-        SpecError: one sentence naming the row.
+        ManifestError: one sentence naming the row.
     """
     data_cache: dict[str, tuple] = {}
     digests: dict[str, str] = {}
@@ -246,7 +246,7 @@ def check_rows(manifest: Manifest, options: StudyOptions) -> dict[str, str]:
                 if os.path.isfile(spec):
                     files[which] = file_digest(spec, digests)
         except SpecError as exc:
-            raise SpecError(f"manifest {row.where()}: {first_line(exc)}") from None
+            raise ManifestError(f"manifest {row.where()}: {first_line(exc)}") from None
         keys[row.id] = row_key(row.content(), options.key(), files)
     return keys
 
