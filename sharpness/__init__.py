@@ -2,6 +2,8 @@
 (`sharpness.products`), eigen-solvers (`sharpness.solvers`), and the sharpness measures, Euclidean and
 scale-invariant, with epsilon-sharpness and invariance verification (`sharpness.measures`)."""
 
+# a callable package: sharpness.study(manifest, out_dir) runs a study
+from sharpness import study as study
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness.measures import MEASURES as MEASURES
@@ -53,6 +55,8 @@ from sharpness.solvers import lanczos as lanczos
 from sharpness.solvers import low_memory_lanczos as low_memory_lanczos
 from sharpness.solvers import power_iteration as power_iteration
 from sharpness.solvers import spectral_density as spectral_density
+from sharpness.study import StudyResult as StudyResult
+from sharpness.study import run_study as run_study
 
 __all__ = [
     "HVP_STRATEGIES",
@@ -85,6 +89,7 @@ __all__ = [
     "Symmetry",
     "Solver",
     "SpectralDensity",
+    "StudyResult",
     "SymmetricOperator",
     "TraceResult",
     "build_objective",
@@ -104,6 +109,8 @@ __all__ = [
     "low_memory_lanczos",
     "measure_sharpness",
     "power_iteration",
+    "run_study",
     "spectral_density",
+    "study",
     "verify_invariance",
 ]

@@ -1,4 +1,4 @@
-"""``python -m sharpness``: compute, verify and density from the command line.
+"""``python -m sharpness``: compute, verify, density and study from the command line.
 
 Bad input gets one sentence on stderr naming the problem and the fix, exit code 2, no traceback,
 and no output file (outputs are written atomically, and only after the work succeeded). Under ``torchrun``
@@ -29,7 +29,7 @@ from sharpness._launch import (
     process_device,
     quiet_process,
 )
-from sharpness._results import figure_bytes, jsonable, write_atomic, write_text_atomic
+from sharpness._results import EigenResult, figure_bytes, jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness._stdio import READER_GONE_STATUS, guarded_streams, require_text
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
@@ -154,23 +154,52 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     ``torchrun`` the processes join their group first, so that one whose files fail here makes every process
     stop (`confirm_inputs`, in `join` and [`run_command`][sharpness.cli.run_command])."""
     _join_group(args)
-    dtype = DTYPES[args.dtype]
-    # Built in --dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
-    model = build_model(args.model).to(dtype)
-    load_checkpoint(model, args.checkpoint)
-    X, y = load_data(args.data)
+    model = load_model(args.model, args.checkpoint, args.dtype)
+    data = load_data(args.data)
     model = model.to(parse_device(args.device))
-    X = X.to(dtype)
-    # finite in the checkpoint's own dtype (checked on loading) is not enough: a cast to float32 can overflow
+    check_model_dtype(model, args.dtype)
+    return model, LOSSES[args.loss](), prepare_data(model, data, args.data, args.dtype, args.loss)
+
+
+def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
+    """The model of a model SPEC with ``checkpoint`` loaded (eval mode), in ``dtype`` (a key of :data:`DTYPES`).
+
+    Raises:
+        SpecError: the spec does not build or the checkpoint does not fit it.
+    """
+    # Built in the dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
+    model = build_model(spec).to(DTYPES[dtype])
+    load_checkpoint(model, checkpoint)
+    return model
+
+
+def check_model_dtype(model: nn.Module, dtype: str) -> None:
+    """Refuse a model whose tensors overflow in ``dtype``: finite in the checkpoint's own dtype (checked on
+    loading) is not enough, a cast to float32 can overflow."""
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise SpecError(f"checkpoint tensor {name} overflows in {args.dtype}; use --dtype float64")
+            raise SpecError(f"checkpoint tensor {name} overflows in {dtype}; use --dtype float64")
+
+
+def prepare_data(
+    model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], spec: str, dtype: str, loss: str,
+    pairing: str = "--model and --data",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``data`` (as :func:`~sharpness._specs.load_data` returns it for the data SPEC ``spec``) in ``dtype``,
+    checked against ``model`` and the loss named ``loss``: finite, targets of the loss's kind, labels in the
+    model's output range, inputs the model takes (``pairing`` names what to check in that sentence).
+
+    Raises:
+        SpecError: one sentence naming the problem.
+    """
+    X, y = data
+    X = X.to(DTYPES[dtype])
     if not bool(torch.isfinite(X).all()):
-        raise SpecError(f"the data {args.data} overflow in {args.dtype}; use --dtype float64")
-    if args.loss == "mse":
+        raise SpecError(f"the data {spec} overflow in {dtype}; use --dtype float64")
+    if loss == "mse":
         if not y.is_floating_point():
             raise SpecError("--loss mse needs real-valued targets y; use --loss ce for class labels")
-        y = y.to(dtype)
+        y = y.to(DTYPES[dtype])
     elif y.is_floating_point():
         raise SpecError("--loss ce needs integer class labels y; use --loss mse for real-valued targets")
     try:
@@ -178,9 +207,9 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     except RuntimeError as exc:
         raise SpecError(
             f"the model cannot take inputs of shape {tuple(X.shape[1:])} ({str(exc).splitlines()[0]}); "
-            "check that --model and --data match"
+            f"check that {pairing} match"
         ) from None
-    return model, LOSSES[args.loss](), (X, y)
+    return X, y
 
 
 def check_outputs(
@@ -308,6 +337,26 @@ def _versions() -> dict:
     }
 
 
+def measure_entry(
+    objective: Objective, name: str, k: int, solver: Solver, progress: bool | None, skip_unsupported: bool
+) -> tuple[dict, EigenResult | None]:
+    """One registered measure at ``objective``'s point as ``compute`` reports it: ``(entry, result)``, the entry
+    being the result's JSON form plus the measure's description. A measure that does not apply is, with
+    ``skip_unsupported``, recorded with its reason (:func:`~sharpness.measures._claims.skip_entry`) and no result.
+
+    Raises:
+        UnsupportedModelError: the measure does not apply and ``skip_unsupported`` is false.
+    """
+    measure = get_measure(name)
+    try:
+        res = measure.sharpness(objective, k, solver, progress)
+    except UnsupportedModelError as err:
+        if not skip_unsupported:
+            raise
+        return {**skip_entry(err), "measure": measure.to_dict()}, None
+    return {**res.to_dict(), "measure": measure.to_dict()}, res
+
+
 def _compute(args: argparse.Namespace) -> int:
     names = _measures(args.metric) or list(DEFAULT_COMPUTE)
     if args.k < 1:
@@ -332,14 +381,10 @@ def _compute(args: argparse.Namespace) -> int:
     skip_unsupported = not args.metric or "all" in args.metric
     for name in names:
         measure = get_measure(name)
-        try:
-            res = measure.sharpness(objective, args.k, solver, progress)
-        except UnsupportedModelError as err:
-            if not skip_unsupported:
-                raise
-            measures[name] = {**skip_entry(err), "measure": measure.to_dict()}
+        entry, res = measure_entry(objective, name, args.k, solver, progress, skip_unsupported)
+        if res is None:
+            measures[name] = entry
             continue
-        entry = {**res.to_dict(), "measure": measure.to_dict()}
         if name == "node":
             node_results["node"] = res
         if args.epsilon is not None:
@@ -516,6 +561,62 @@ def _density(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    # imported here: the study package uses this module's loaders
+    from sharpness.study._runner import run_study
+
+    if args.builtin == (args.manifest is not None):
+        raise SpecError("give a manifest, or --builtin for the built-in population (not both)")
+    if args.quick and not args.builtin:
+        raise SpecError("--quick applies to --builtin only")
+    progress = False if args.quiet else None
+    studies = _builtin_studies(args.out, args.quick, progress) if args.builtin else [(args.manifest, args.out)]
+    for manifest, out in studies:
+        result = run_study(
+            manifest, out, args.metric, args.jobs, progress, k=args.k, tol=args.tol, method=args.method,
+            dtype=args.dtype, device=args.device, memory_mib=args.memory_mib, timeout=args.timeout,
+        )  # fmt: skip
+        if not quiet_process():
+            print(_study_lines(result))
+    return 0
+
+
+def _builtin_studies(out: str, quick: bool, progress: bool | None) -> list[tuple[str, str]]:
+    """Train the built-in population (resumably) under ``out/population``; the studies of its two manifests
+    (as trained, and with half the checkpoints randomly rescaled) with their output folders."""
+    if launched_processes() > 1:
+        raise SpecError("--builtin trains its population in one process; run it without torchrun")
+    try:
+        from sharpness.study._builtin import train_builtin_population
+    except ModuleNotFoundError as exc:
+        if exc.name != "sharpness.study._builtin":
+            raise
+        raise SpecError("this installation has no built-in population (sharpness.study._builtin); give a manifest "
+                        "instead") from None  # fmt: skip
+    manifest = train_builtin_population(os.path.join(out, "population"), rescaled=True, quick=quick, progress=progress)
+    rescaled = os.path.join(os.path.dirname(manifest), "manifest_rescaled.csv")
+    return [(os.fspath(manifest), os.path.join(out, "study")), (rescaled, os.path.join(out, "study_rescaled"))]
+
+
+def _study_lines(result) -> str:
+    """What ``study`` prints: the rows measured and reused, the outputs, the skipped measures and the summary."""
+    n = len(result.table)
+    lines = [f"{n} checkpoints: {len(result.computed)} measured now, {n - len(result.computed)} read from "
+             f"{os.path.join(result.out_dir, 'rows')}"]  # fmt: skip
+    lines += [f"wrote {path}" for path in result.files]
+    counts: dict[str, int] = {}
+    for reasons in result.skipped.values():
+        for name in reasons:
+            counts[name] = counts.get(name, 0) + 1
+    lines += [f"{name}: skipped on {count} of {n} checkpoints (reasons in skipped.json)"
+              for name, count in counts.items()]  # fmt: skip
+    if result.summary is None:
+        lines.append("no statistics or report: this installation lacks sharpness.study._stats and _report")
+    else:
+        lines += ["", result.summary.to_string(index=False, float_format=lambda v: f"{v:.3f}")]
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m sharpness", description="Scale-invariant sharpness of ReLU networks.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -599,12 +700,50 @@ def _parser() -> argparse.ArgumentParser:
     density.add_argument("--plot", help="write the density figure here (.png, .pdf or .svg)")
     density.add_argument("--quiet", action="store_true", help="no progress bars")
 
+    study = sub.add_parser(
+        "study",
+        help="every measure over a population of checkpoints, with the generalization gap (resumable, parallel)",
+        description="Measure every checkpoint of a manifest (CSV or JSON: columns id, model, checkpoint, train, test "
+        "and any hyperparameter columns): every requested measure on the training data, the training and held-out "
+        "loss and error, and the gap; writes OUT/table.csv, OUT/skipped.json and one file per checkpoint under "
+        "OUT/rows (a rerun measures only new or changed rows), then the statistics and report where installed. "
+        "Under torchrun the processes share the rows.",
+    )
+    study.add_argument(
+        "manifest", nargs="?", help="the manifest (.csv or .json); paths in it are relative to its folder"
+    )
+    study.add_argument("--out", required=True, help="output folder (created if missing; reused to resume)")
+    study.add_argument(
+        "--builtin", action="store_true",
+        help="train the built-in digits population under OUT/population and study it, as trained (OUT/study) and "
+        "with half the checkpoints randomly rescaled (OUT/study_rescaled)",
+    )  # fmt: skip
+    study.add_argument("--quick", action="store_true", help="with --builtin: a tiny population (a smoke test)")
+    study.add_argument(
+        "--metric", action="append",
+        help=f"repeatable; one of {', '.join(MEASURES)}, or all (default: all; what does not apply is skipped)",
+    )  # fmt: skip
+    study.add_argument("--jobs", type=int, default=1, help="worker processes measuring rows at once (default: 1)")
+    study.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
+    study.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
+    study.add_argument("--method", choices=SOLVERS, default="lanczos", help="eigen-solver (default: lanczos)")
+    study.add_argument("--dtype", choices=sorted(DTYPES), default="float64", help="evaluation dtype (default: float64)")
+    study.add_argument("--device", default="cpu", help="where to evaluate: cpu (default), cuda, cuda:1, mps ...")
+    study.add_argument("--memory-mib", type=float, default=None, help="memory budget for activations in MiB, per "
+                       "process (default: 2048 on the CPU, half the free memory of a GPU)")  # fmt: skip
+    study.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        help="under torchrun: how long a process waits for the others, their rows included (default: "
+        f"{DEFAULT_TIMEOUT_S:.0f})",
+    )  # fmt: skip
+    study.add_argument("--quiet", action="store_true", help="no progress bars")
+
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     def parse_and_run(argv: list[str] | None) -> int:
         args = _parser().parse_args(argv)
-        return {"compute": _compute, "verify": _verify, "density": _density}[args.command](args)
+        return {"compute": _compute, "verify": _verify, "density": _density, "study": _study}[args.command](args)
 
     return run_command(parse_and_run, argv)
