@@ -162,7 +162,7 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
 
 
 def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
-    """The model of a model SPEC with ``checkpoint`` loaded (eval mode), in ``dtype`` (a key of :data:`DTYPES`).
+    """The model of a model SPEC with ``checkpoint`` loaded (eval mode), in ``dtype`` (a key of `DTYPES`).
 
     Raises:
         SpecError: the spec does not build or the checkpoint does not fit it.
@@ -185,7 +185,7 @@ def prepare_data(
     model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], spec: str, dtype: str, loss: str,
     pairing: str = "--model and --data",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``data`` (as :func:`~sharpness._specs.load_data` returns it for the data SPEC ``spec``) in ``dtype``,
+    """``data`` (as `sharpness._specs.load_data` returns it for the data SPEC ``spec``) in ``dtype``,
     checked against ``model`` and the loss named ``loss``: finite, targets of the loss's kind, labels in the
     model's output range, inputs the model takes (``pairing`` names what to check in that sentence).
 
@@ -342,7 +342,7 @@ def measure_entry(
 ) -> tuple[dict, EigenResult | None]:
     """One registered measure at ``objective``'s point as ``compute`` reports it: ``(entry, result)``, the entry
     being the result's JSON form plus the measure's description. A measure that does not apply is, with
-    ``skip_unsupported``, recorded with its reason (:func:`~sharpness.measures._claims.skip_entry`) and no result.
+    ``skip_unsupported``, recorded with its reason (`sharpness.measures._claims.skip_entry`) and no result.
 
     Raises:
         UnsupportedModelError: the measure does not apply and ``skip_unsupported`` is false.

@@ -1,9 +1,9 @@
 """Sharpness studies: every measure over a population of checkpoints, in one resumable, parallel run.
 
-``sharpness.study(manifest, out_dir)`` (this package is callable: it is :func:`run_study`) reads a manifest (one
+``sharpness.study(manifest, out_dir)`` (this package is callable: it is `run_study`) reads a manifest (one
 row per checkpoint: ``id``, ``model``, ``checkpoint``, ``train``, ``test`` and hyperparameter columns), checks
 every row, measures each (stored as it is finished, so an interrupted study resumes) and returns a
-:class:`StudyResult` whose ``table`` is a pandas DataFrame; ``python -m sharpness study`` is the same from the
+`StudyResult` whose ``table`` is a pandas DataFrame; ``python -m sharpness study`` is the same from the
 command line.
 """
 
@@ -26,7 +26,7 @@ class _CallableModule(types.ModuleType):
     its submodules stay reachable (a function of the same name would hide the package)."""
 
     def __call__(self, manifest, out_dir, measures=None, jobs=1, progress=None, **options) -> StudyResult:
-        """:func:`run_study` (see there for the arguments)."""
+        """`run_study` (see there for the arguments)."""
         return run_study(manifest, out_dir, measures, jobs, progress, **options)
 
 

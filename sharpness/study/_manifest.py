@@ -91,14 +91,14 @@ class Manifest:
 
 
 def read_manifest(path: str | os.PathLike, reserved: tuple[str, ...] = ()) -> Manifest:
-    """Read and check a manifest's text (not its files: see :func:`sharpness.study._runner.check_rows`).
+    """Read and check a manifest's text (not its files: see `sharpness.study._runner.check_rows`).
 
     Args:
         path: a ``.csv`` (header row first) or ``.json`` file (a list of objects, or ``{"rows": [...]}``).
         reserved: further column names a hyperparameter may not take (the measures' names: table columns).
 
     Returns:
-        The :class:`Manifest`.
+        The `Manifest`.
 
     Raises:
         ManifestError: one sentence naming the row or column: an unreadable file, a missing required column,

@@ -1,9 +1,9 @@
 """Run a study: every manifest row checked, then measured (resumably, in parallel), then tabulated and reported.
 
-Each row is loaded the way ``python -m sharpness compute`` loads a checkpoint (:func:`sharpness._cli.load_model`,
-:func:`sharpness._cli.prepare_data`) and measured by the same code (:func:`sharpness._cli.measure_entry`), over
+Each row is loaded the way ``python -m sharpness compute`` loads a checkpoint (`sharpness._cli.load_model`,
+`sharpness._cli.prepare_data`) and measured by the same code (`sharpness._cli.measure_entry`), over
 the whole training set; its loss and error are evaluated over the whole training and held-out sets. Each row's
-result is stored as it is finished (:mod:`sharpness.study._store`), so a rerun measures only rows that are new,
+result is stored as it is finished (`sharpness.study._store`), so a rerun measures only rows that are new,
 changed, or were not finished. Rows are shared between ``jobs`` worker processes, and between the processes of
 a ``torchrun`` launch by index (process ``r`` of ``W`` takes rows ``r, r + W, ...``).
 """
@@ -55,7 +55,7 @@ class StudyOptions:
         measures: registered measure names, in table order.
         k: eigenvalues per measure (the table holds the largest).
         tol: the eigen-solver's relative residual tolerance.
-        method: the eigen-solver (a name in :data:`sharpness.SOLVERS`).
+        method: the eigen-solver (a name in `sharpness.SOLVERS`).
         dtype: ``"float64"`` or ``"float32"``.
         device: where to evaluate (``"cpu"``, ``"cuda"`` ...).
         memory_mib: memory budget for activations in MiB (``None``: the objective's default); changes how the data
@@ -135,14 +135,16 @@ def run_study(
     every process returns the whole table and process 0 writes the outputs.
 
     Args:
-        manifest: the manifest file (``.csv`` or ``.json``; see :mod:`sharpness.study._manifest`).
+        manifest: the manifest file (``.csv`` or ``.json``; see `sharpness.study._manifest`).
         out_dir: folder for ``rows/<id>.json``, ``table.csv``, ``skipped.json`` (and the statistics and report,
             where available); created if missing.
         measures: registered measure names, or ``["all"]``; ``None``: every registered measure (those that do not
             apply to a row are recorded as skipped).
         jobs: worker processes measuring rows at once (1: in this process).
         progress: a bar over the rows with the time left; ``None``: on a terminal only.
-        k, tol, method: the eigen-solver's settings, as for ``compute``.
+        k: eigenvalues per eigenvalue measure, as for ``compute``.
+        tol: the eigen-solver's relative tolerance.
+        method: the eigen-solver (``"lanczos"``, ``"power"``, ...; see `sharpness.SOLVERS`).
         dtype: ``"float64"`` (default) or ``"float32"``.
         device: where to evaluate.
         memory_mib: memory budget for activations per process, in MiB (``None``: the default of the device).
@@ -150,11 +152,11 @@ def run_study(
         report: also compute the statistics and write the report (where that part is installed).
 
     Returns:
-        The :class:`StudyResult`.
+        The `StudyResult`.
 
     Raises:
         SpecError: a bad option, or a bad manifest
-            (:class:`~sharpness.study._manifest.ManifestError`, naming the row): missing files, a model spec that
+            (`sharpness.study._manifest.ManifestError`, naming the row): missing files, a model spec that
             does not build or does not fit its checkpoint, data the model cannot take, repeated ids, a column
             mixing numbers and text.
     """
@@ -377,7 +379,7 @@ def _write_outputs(result: StudyResult, report: bool) -> None:
 
 
 def _statistics_and_report(result: StudyResult) -> None:
-    """``summary.csv`` and the report, from :mod:`sharpness.study._stats` and :mod:`sharpness.study._report`;
+    """``summary.csv`` and the report, from `sharpness.study._stats` and `sharpness.study._report`;
     without those modules (an installation without them) the table alone is the result."""
     try:
         from sharpness.study._report import write_report

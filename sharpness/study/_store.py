@@ -2,7 +2,7 @@
 
 The key digests what the result depends on: the row as written, the measurement options, and the bytes of the
 checkpoint and of data files. A stored row whose key matches is reused; any change recomputes that row only.
-Since every file is written whole or not at all (:func:`sharpness._results.write_atomic`), a study killed at any
+Since every file is written whole or not at all (`sharpness._results.write_atomic`), a study killed at any
 moment leaves only complete rows behind.
 """
 
