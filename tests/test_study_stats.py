@@ -103,7 +103,7 @@ def test_granulated_tau_equals_groupby_and_scipy_on_a_grid():
 def test_summarize_matches_a_loop_over_the_same_resamples():
     table = grid_table(3, nan_rows=2)
     columns = ["width", "lr", "opt", "seed"]
-    table["m2"] = -table["gap"] ** 3  # perfectly anti-ranked: tau -1 in every resample that has variation
+    table["m2"] = -(table["gap"] ** 3)  # perfectly anti-ranked: tau -1 in every resample that has variation
     summary = summarize(table, ["m", "m2"], columns, n_boot=25, seed=5, confidence=0.9)
     assert list(summary.columns) == ["measure", "tau", "tau_low", "tau_high", "psi", "psi_low", "psi_high",
                                      "tau_width", "tau_lr", "tau_opt", "tau_seed"]  # fmt: skip
@@ -150,3 +150,90 @@ def test_summarize_refuses_bad_arguments():
         summarize(table, ["m"], ["width"], n_boot=0)
     with pytest.raises(ValueError, match="confidence"):
         summarize(table, ["m"], ["width"], confidence=1.0)
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+
+def test_report_page_and_figures(tmp_path):
+    from sharpness.study._report import write_report
+
+    table = grid_table(4)
+    table["wide"] = np.exp(3 * table["m"])  # positive over decades: a log axis
+    table["missing"] = np.nan  # a measure that applied to no model
+    measures, columns = ["m", "wide", "missing"], ["width", "lr", "opt", "seed"]
+    summary = summarize(table, measures, columns, n_boot=50, seed=1)
+    written = write_report(table, summary, tmp_path / "out", measures, columns)
+    assert [p.name for p in written] == ["report.md", "scatter.png", "summary.png"]
+    page = written[0].read_text()
+    m = summary.iloc[0]
+    assert f"| `m` | 24/24 | {m['tau']:+.2f} [{m['tau_low']:+.2f}, {m['tau_high']:+.2f}] |" in page
+    assert "| `missing` | 0/24 | n/a | n/a |" in page and "95% bootstrap percentile intervals over 50" in page
+    from PIL import Image
+
+    for path in written[1:]:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.info["Title"].startswith("sharpness study")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.md", "scatter.png", "summary.png"]
+    with pytest.raises(ValueError, match="no row for absent"):
+        write_report(table, summary, tmp_path / "out", ["absent"], columns)
+
+
+# ---- built-in population --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_population(tmp_path_factory):
+    from sharpness.study._builtin import train_builtin_population
+
+    out = tmp_path_factory.mktemp("population")
+    return out, train_builtin_population(out, rescaled=True, quick=True, progress=False)
+
+
+def test_builtin_population_writes_a_manifest_the_loaders_accept(quick_population):
+    import torch
+
+    from sharpness._specs import build_model, load_checkpoint, load_data
+
+    out, manifest = quick_population
+    rows = pd.read_csv(manifest)
+    assert list(rows.columns) == ["id", "model", "checkpoint", "train", "test", "width", "batch_size", "lr",
+                                  "weight_decay", "seed"]  # fmt: skip
+    assert len(rows) == 6 and rows["id"].is_unique and set(rows["width"]) == {8, 16, 32}
+    X_train, y_train = load_data(str(out / "train.pt"))
+    X_test, _ = load_data(str(out / "test.pt"))
+    assert X_train.shape == (300, 64) and X_test.shape == (1497, 64)
+    twins = pd.read_csv(out / "manifest_rescaled.csv")
+    assert (twins["id"] == rows["id"]).all() and twins["rescaled"].sum() == 3
+    with torch.no_grad():
+        for row, twin in zip(rows.itertuples(), twins.itertuples()):
+            model = load_checkpoint(build_model(row.model).double(), str(out / row.checkpoint))
+            assert float(torch.nn.functional.cross_entropy(model(X_train.double()), y_train)) <= 0.15
+            if twin.rescaled:
+                assert twin.checkpoint.endswith("-rescaled.safetensors")
+                copy = load_checkpoint(build_model(row.model).double(), str(out / twin.checkpoint))
+                torch.testing.assert_close(copy(X_test.double()), model(X_test.double()), rtol=1e-9, atol=1e-9)
+                ratio = copy[0].weight.norm(dim=1) / model[0].weight.norm(dim=1)
+                assert float(ratio.max() / ratio.min()) > 3  # large scales
+            else:
+                assert twin.checkpoint == row.checkpoint
+
+
+def test_builtin_population_resumes_and_is_deterministic(quick_population, tmp_path):
+    from sharpness.study._builtin import train_builtin_population
+
+    out, manifest = quick_population
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    (out / "checkpoints" / "w8-b64-lr0.1-wd0-s0.safetensors").unlink()  # as if killed before this one
+    assert train_builtin_population(out, rescaled=True, quick=True, progress=False) == manifest
+    for p in files:
+        assert p.read_bytes() == before[p][1], p.name
+        if p.name != "w8-b64-lr0.1-wd0-s0.safetensors" and not p.name.startswith("manifest"):
+            assert p.stat().st_mtime_ns == before[p][0], p.name  # kept, not rewritten
+    fresh = tmp_path / "fresh"
+    train_builtin_population(fresh, rescaled=True, quick=True, progress=False)
+    for p in files:
+        assert (fresh / p.relative_to(out)).read_bytes() == before[p][1], p.name
+    with pytest.raises(ValueError, match="other settings"):
+        train_builtin_population(out, quick=True, seed=1, progress=False)

@@ -199,7 +199,8 @@ def summarize(table, measures: list[str], hyper_columns: list[str], gap: str = "
 
     Returns:
         DataFrame with columns ``measure, tau, tau_low, tau_high, psi, psi_low, psi_high`` and ``tau_<col>``
-        (the granulated tau ``psi_col`` of each hyperparameter column).
+        (the granulated tau ``psi_col`` of each hyperparameter column); its ``attrs`` record ``n_boot``,
+        ``seed``, ``confidence`` and ``gap``.
 
     Raises:
         ValueError: a column missing, ``n_boot < 1`` or ``confidence`` outside ``(0, 1)``.
@@ -227,7 +228,9 @@ def summarize(table, measures: list[str], hyper_columns: list[str], gap: str = "
         row.update({f"tau_{c}": float(v) for c, v in zip(hyper_columns, per_column)})
         rows.append(row)
     columns = ["measure", "tau", "tau_low", "tau_high", "psi", "psi_low", "psi_high"]
-    return pd.DataFrame(rows, columns=columns + [f"tau_{c}" for c in hyper_columns])
+    frame = pd.DataFrame(rows, columns=columns + [f"tau_{c}" for c in hyper_columns])
+    frame.attrs.update(n_boot=int(n_boot), seed=seed, confidence=float(confidence), gap=gap)
+    return frame
 
 
 def _percentiles(samples: np.ndarray, tail: float) -> tuple[float, float]:
