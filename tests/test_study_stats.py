@@ -175,6 +175,11 @@ def test_report_page_and_figures(tmp_path):
         with Image.open(path) as image:
             assert image.format == "PNG" and image.info["Title"].startswith("sharpness study")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.md", "scatter.png", "summary.png"]
+    from sharpness.study._report import scatter_figure
+
+    fig = scatter_figure(table, summary, measures, "gap", "width")
+    assert [ax.get_xscale() for ax in fig.axes[:3]] == ["linear", "log", "linear"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["16", "32", "64"]
     with pytest.raises(ValueError, match="no row for absent"):
         write_report(table, summary, tmp_path / "out", ["absent"], columns)
 

@@ -50,17 +50,24 @@ def _use_log(values: np.ndarray) -> bool:
     return finite.size > 1 and bool((finite > 0).all()) and finite.max() / finite.min() >= LOG_SPAN
 
 
-def _category_colors(values) -> tuple[list, dict]:
-    """Sorted distinct values and a colour for each (a qualitative map)."""
-    from matplotlib import colormaps
-
-    levels = sorted(set(values), key=lambda v: (isinstance(v, str), v if not isinstance(v, str) else 0, str(v)))
-    cmap = colormaps["tab10"] if len(levels) <= 10 else colormaps["viridis"].resampled(len(levels))
-    return levels, {v: cmap(i if len(levels) <= 10 else i / max(1, len(levels) - 1)) for i, v in enumerate(levels)}
-
-
 def _label(value) -> str:
     return f"{value:g}" if isinstance(value, (float, np.floating)) else str(value)
+
+
+def _category_colors(values) -> dict:
+    """A colour (qualitative map) for each distinct value's label, in the values' sorted order (numbers first;
+    labels as keys, so NaN, which equals nothing, is one category)."""
+    from matplotlib import colormaps
+
+    def order(v):
+        number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+        return (not number or v != v, float(v) if number and v == v else 0.0, str(v))
+
+    labels = list(dict.fromkeys(_label(v) for v in sorted(values, key=order)))
+    if len(labels) <= 10:
+        return {label: colormaps["tab10"](i) for i, label in enumerate(labels)}
+    cmap = colormaps["viridis"]
+    return {label: cmap(i / (len(labels) - 1)) for i, label in enumerate(labels)}
 
 
 def scatter_figure(table, summary, measures: list[str], gap: str, color: str | None):
@@ -75,8 +82,8 @@ def scatter_figure(table, summary, measures: list[str], gap: str, color: str | N
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     rows = summary.set_index("measure")
     y = table[gap].to_numpy(dtype=float)
-    levels, colors = _category_colors(table[color].tolist()) if color else ([], {})
-    point_colors = [colors[v] for v in table[color]] if color else "tab:blue"
+    colors = _category_colors(table[color].tolist()) if color else {}
+    point_colors = [colors[_label(v)] for v in table[color]] if color else "tab:blue"
     for ax, measure in zip(axes.flat, measures):
         x = table[measure].to_numpy(dtype=float)
         shown = np.isfinite(x) & np.isfinite(y)
@@ -101,9 +108,9 @@ def scatter_figure(table, summary, measures: list[str], gap: str, color: str | N
     for ax in list(axes.flat)[len(measures) :]:
         ax.set_visible(False)
     if color:
-        handles = [Line2D([], [], marker="o", linestyle="", markerfacecolor=colors[v], markeredgecolor="black",
-                          markeredgewidth=0.3, label=_label(v)) for v in levels]  # fmt: skip
-        fig.legend(handles=handles, title=color, loc="outside lower center", ncols=min(len(levels), 8), fontsize=8,
+        handles = [Line2D([], [], marker="o", linestyle="", markerfacecolor=rgba, markeredgecolor="black",
+                          markeredgewidth=0.3, label=label) for label, rgba in colors.items()]  # fmt: skip
+        fig.legend(handles=handles, title=color, loc="outside lower center", ncols=min(len(colors), 8), fontsize=8,
                    title_fontsize=8, frameon=False)  # fmt: skip
     return fig
 
