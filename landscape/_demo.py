@@ -19,10 +19,8 @@ import math
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -38,8 +36,8 @@ from landscape._demo_surfaces import (
 )
 from manifolds import UnsupportedModelError
 from sharpness import MEASURES, EigenResult, Rescalings, Solver, measure_sharpness, verify_invariance
-from sharpness.cli import SpecError, build_model, load_data
-from sharpness.io import jsonable, progress_bar, write_text_atomic
+from sharpness.cli import SpecError, build_model, load_data, train_to_loss
+from sharpness.io import jsonable, write_text_atomic
 
 
 def digits_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,72 +100,6 @@ def demo_model(spec: str, X: torch.Tensor) -> nn.Module:
     if shape != (2, 10):
         raise SpecError(f"model spec {spec!r} does not map digits' 64 features to 10 classes; e.g. mlp:64-32-10")
     return model
-
-
-@dataclass(frozen=True)
-class TrainingRun:
-    batch_size: int
-    lr: float
-    steps: int
-    epochs: float
-    loss: float
-    accuracy: float
-    seconds: float
-
-
-def train_to_loss(
-    model: nn.Module,
-    X: torch.Tensor,
-    y: torch.Tensor,
-    batch_size: int,
-    lr: float,
-    threshold: float,
-    seed: int,
-    max_steps: int = 50_000,
-    progress: bool | None = None,
-    optimizer: str = "sgd",
-    check_every: int = 4,
-) -> TrainingRun:
-    """SGD with momentum 0.9 (``optimizer="sgd"``) or Adam (``"adam"``) until the full training loss is at
-    most ``threshold`` (checked every ``check_every`` steps, so runs stop close to the same loss whatever
-    the batch size)."""
-    loss_fn = nn.CrossEntropyLoss()
-    if optimizer == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    g = torch.Generator().manual_seed(seed)
-    n = X.shape[0]
-    start, steps, loss = time.perf_counter(), 0, float("inf")
-    bar = progress_bar(None, f"training, batch {batch_size}", progress)
-    model.train()
-    while steps < max_steps:
-        perm = torch.randperm(n, generator=g)
-        for i in range(0, n, batch_size):
-            idx = perm[i : i + batch_size]
-            opt.zero_grad()
-            loss_fn(model(X[idx]), y[idx]).backward()
-            opt.step()
-            steps += 1
-            if steps % check_every == 0:
-                with torch.no_grad():
-                    loss = float(loss_fn(model(X), y))
-                bar.update(check_every)
-                bar.set_postfix(loss=f"{loss:.3g}")
-                if loss <= threshold or np.isnan(loss) or loss == float("inf"):
-                    break
-        if loss <= threshold or np.isnan(loss) or (loss == float("inf") and steps >= check_every):
-            break
-    bar.close()
-    model.eval()
-    if not np.isfinite(loss) or loss > threshold:
-        raise RuntimeError(
-            f"training with batch {batch_size} and lr {lr} did not reach loss {threshold:g} in {steps} steps "
-            f"(loss {loss:.3g}); lower the learning rate or raise the threshold"
-        )
-    with torch.no_grad():
-        accuracy = float((model(X).argmax(1) == y).float().mean())
-    return TrainingRun(batch_size, lr, steps, steps * batch_size / n, loss, accuracy, time.perf_counter() - start)
 
 
 def _game_euclidean(model: nn.Module, X, y, target: float, tol: float) -> tuple[dict, nn.Module, EigenResult]:

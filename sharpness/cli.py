@@ -1,5 +1,6 @@
 """Command-line pieces shared by ``python -m sharpness`` and ``python -m landscape``: the model, checkpoint,
-data, loss and dtype arguments, their safe loaders, and the error types that mean bad input."""
+data, loss and dtype arguments, their safe loaders, the error types that mean bad input, and the training loop of
+their built-in examples (``landscape demo``, ``sharpness study --builtin``)."""
 
 from sharpness._cli import DTYPES as DTYPES
 from sharpness._cli import USER_ERRORS as USER_ERRORS
@@ -19,12 +20,15 @@ from sharpness._specs import lenet as lenet
 from sharpness._specs import load_checkpoint as load_checkpoint
 from sharpness._specs import load_data as load_data
 from sharpness._specs import mlp as mlp
+from sharpness._training import TrainingRun as TrainingRun
+from sharpness._training import train_to_loss as train_to_loss
 
 __all__ = [
     "DTYPES",
     "USER_ERRORS",
     "OneLineParser",
     "SpecError",
+    "TrainingRun",
     "add_model_arguments",
     "build_model",
     "check_outputs",
@@ -39,4 +43,5 @@ __all__ = [
     "resnet",
     "run_command",
     "start_objective",
+    "train_to_loss",
 ]
