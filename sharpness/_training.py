@@ -14,7 +14,7 @@ from sharpness._progress import progress_bar
 
 @dataclass(frozen=True)
 class TrainingRun:
-    """How a :func:`train_to_loss` run went: its batch size and learning rate, optimizer steps, epochs (steps
+    """How a `train_to_loss` run went: its batch size and learning rate, optimizer steps, epochs (steps
     times batch size over the data size), the final whole-data training loss and accuracy, wall seconds."""
 
     batch_size: int
@@ -58,7 +58,7 @@ def train_to_loss(
         weight_decay: L2 penalty coefficient of the optimizer (0: none).
 
     Returns:
-        The :class:`TrainingRun`.
+        The `TrainingRun`.
 
     Raises:
         RuntimeError: the loss did not reach ``threshold`` in ``max_steps`` steps, or diverged.

@@ -3,13 +3,13 @@ hyperparameters, and a copy of it where half the networks are replaced by functi
 
 The data split is fixed: the 1797 digits (``--data digits``, ``X`` in [0, 1]) are permuted by
 ``numpy.random.RandomState(0).permutation(1797)`` (the legacy generator, whose stream numpy keeps fixed across
-versions); the first :data:`N_TRAIN` rows train (``train.pt``), the other rows are held out (``test.pt``). A small
+versions); the first `N_TRAIN` rows train (``train.pt``), the other rows are held out (``test.pt``). A small
 training set makes the generalization gaps large enough to rank.
 
-Every network is an ``mlp:64-WIDTH-10`` trained by SGD with momentum 0.9 (:func:`sharpness.cli.train_to_loss`)
-until its whole-training-set cross-entropy reaches :data:`THRESHOLD`: as in Jiang et al. (2020), the models are
+Every network is an ``mlp:64-WIDTH-10`` trained by SGD with momentum 0.9 (`sharpness.cli.train_to_loss`)
+until its whole-training-set cross-entropy reaches `THRESHOLD`: as in Jiang et al. (2020), the models are
 compared at the same training loss, so the measures rank minima rather than how far training went. The
-hyperparameters form a full grid (:data:`GRID`), so every granulated-tau group varies exactly one of them.
+hyperparameters form a full grid (`GRID`), so every granulated-tau group varies exactly one of them.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def train_builtin_population(
     ``id, model, checkpoint, train, test`` and the hyperparameters ``width, batch_size, lr, weight_decay,
     seed``; paths relative to ``out_dir``) and ``population.json`` (the settings). With ``rescaled``, also
     ``checkpoints/<id>-rescaled.safetensors`` for a random half of the rows: a node-wise rescaling
-    (:func:`manifolds.random_rescale`, log-scales ``N(0, (ln 10 / 2)^2)``) of the float64 network, saved in
+    (`manifolds.random_rescale`, log-scales ``N(0, (ln 10 / 2)^2)``) of the float64 network, saved in
     float64 so it computes the same function to rounding, and ``manifest_rescaled.csv``: the same ids, those
     rows pointing at the rescaled files, and a last column ``rescaled`` (1 for them, 0 otherwise).
 
@@ -123,8 +123,8 @@ def train_builtin_population(
     Args:
         out_dir: the folder (created if needed).
         rescaled: also write the rescaled population.
-        quick: 6 tiny networks trained to a looser loss (:data:`QUICK_GRID`), for tests, instead of the 72 of
-            :data:`GRID`.
+        quick: 6 tiny networks trained to a looser loss (`QUICK_GRID`), for tests, instead of the 72 of
+            `GRID`.
         seed: seed of the initializations, mini-batch orders, the rescaled half and the rescalings; a row's own
             ``seed`` column picks among its initializations.
         progress: show a progress bar (``None``: when stderr is a terminal).

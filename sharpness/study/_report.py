@@ -2,7 +2,7 @@
 generalization gap, a grid of scatter plots (measure against gap, one panel per measure) and a summary plot of
 the taus with their bootstrap intervals.
 
-Figures are drawn on :class:`matplotlib.figure.Figure` objects (no pyplot, so the caller's backend is left
+Figures are drawn on `matplotlib.figure.Figure` objects (no pyplot, so the caller's backend is left
 alone) and written atomically with their provenance in the PNG metadata.
 """
 
@@ -35,7 +35,7 @@ def _interval(low: float, high: float) -> str:
 
 def _color_column(table, hyper_columns: list[str], color_by: str | None) -> str | None:
     """The hyperparameter to colour by: ``color_by`` if given, else the first column with 2 to
-    :data:`MAX_CATEGORIES` distinct values, else the first column that varies."""
+    `MAX_CATEGORIES` distinct values, else the first column that varies."""
     if color_by is not None:
         if color_by not in table.columns:
             raise ValueError(f"color_by {color_by!r} is not a column of the table")
@@ -199,7 +199,7 @@ def write_report(table, summary, out_dir: str | os.PathLike, measures: list[str]
     Args:
         table: the tidy table (pandas DataFrame, one row per model) with the measure, gap and hyperparameter
             columns.
-        summary: :func:`sharpness.study._stats.summarize` of the table (its ``attrs`` name the bootstrap).
+        summary: `sharpness.study._stats.summarize` of the table (its ``attrs`` name the bootstrap).
         out_dir: the folder (created if needed).
         measures: the measure columns, in the order shown.
         hyper_columns: the hyperparameter columns.

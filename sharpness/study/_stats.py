@@ -12,7 +12,7 @@ Edge cases, all returning NaN rather than a number that means nothing:
 
 - a pair is counted only where both values are present: rows with NaN in the measure or the gap are left out;
 - tau of fewer than two rows, or of values that do not vary (every pair tied in either variable), is NaN,
-  as :func:`scipy.stats.kendalltau` says;
+  as `scipy.stats.kendalltau` says;
 - a group of the granulated tau with fewer than two usable rows, or without variation in the measure or the
   gap, contributes nothing: ``psi_i`` is the mean over the groups whose tau is defined (NaN where none is);
   ``psi`` is the mean over the columns whose ``psi_i`` is defined (NaN where none is);
@@ -135,7 +135,7 @@ def kendall_tau(x, y) -> float:
 
     Returns:
         tau-b in ``[-1, 1]`` (``(concordant - discordant) / sqrt(untied pairs in x * untied pairs in y)``, as
-        :func:`scipy.stats.kendalltau`), or NaN with fewer than two usable rows or no variation in either.
+        `scipy.stats.kendalltau`), or NaN with fewer than two usable rows or no variation in either.
 
     Raises:
         ValueError: ``x`` or ``y`` not one-dimensional numbers, or of different lengths.
