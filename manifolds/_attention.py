@@ -545,14 +545,30 @@ def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymme
         raise UnsupportedModelError(f"Cannot find the symmetry group: {traced.failure}.")
     diagonal = analyze(model, example_input).group
     factors, pins = find_factors(model, traced, example_input)
-    taken = _diagonal_sides(diagonal) if diagonal is not None else set()
-    kept = []
-    for f in factors:
-        if any((b.name, b.axis) in taken for b in f.blocks):
-            pins.append(Pin(f.label, f.size, "the diagonal rescaling group already moves these features"))
-        else:
-            kept.append(f)
+    names = [n for n, _ in model.named_parameters()]
+    # A tensor moved by a factor and by the diagonal group on its other side cannot be weighed by the metric (it
+    # weighs a tensor one way): such a tensor is left to the factors and the diagonal classes scaling it pinned,
+    # starting with the rows GL factors move, until no factor and the diagonal group share a tensor.
+    moved = {b.name for f in factors if f.kind == "GL" for b in f.blocks}
+    full = diagonal
+    while True:
+        diagonal = None if full is None else _without(full, names, moved)
+        taken = _diagonal_sides(diagonal) if diagonal is not None else set()
+        kept = [f for f in factors if not any((b.name, b.axis) in taken for b in f.blocks)]
+        shared = {b.name for f in kept for b in f.blocks} & {name for name, _ in taken}
+        if not shared:
+            break
+        moved |= shared
+    reason = "the diagonal rescaling group already moves these features"
+    pins.extend(Pin(f.label, f.size, reason) for f in factors if f not in kept)
     return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
+
+
+def _without(group, names: Sequence[str], moved: set[str]):
+    """``group`` with every class that scales a tensor in ``moved`` pinned (``group`` itself when none does)."""
+    if not {a.name for a in group.parameter_actions} & moved:
+        return group
+    return group.restricted([n for n in names if n not in moved])
 
 
 def random_transform(

@@ -365,7 +365,9 @@ def test_diagonal_and_matrix_factors_compose():
     model = Classifier().eval()
     x = torch.randn(4, T, D)
     sym = manifolds.transformer_symmetry(model, x)
-    assert sym.diagonal_dim == 16 and sym.matrix_dim == mha_dim({})
+    # the diagonal group reads the token-wise features on the last axis: ln2's scale trade (D) and the ReLU
+    # units (FF) are its own, next to the head's 16 units; the factors keep the attention and ln1's trade
+    assert sym.diagonal_dim == 16 + D + FF and sym.matrix_dim == mha_dim({}) - D - FF
     assert not any("head1" in f.label for f in sym.factors)
     with torch.no_grad():
         moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(7)))
