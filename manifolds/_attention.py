@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
-from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
+from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
 from manifolds._group_discovery import Pin, _plain_affine
 from manifolds._matrix_group import Block, Factor, MatrixSymmetry
 from manifolds._structure import UnsupportedModelError, analyze
@@ -540,11 +540,21 @@ def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymme
     Raises:
         UnsupportedModelError: fx cannot trace ``model`` or the forward fails on ``example_input``.
     """
-    traced = trace_network(model, example_input)
-    if not traced.has_shapes:
-        raise UnsupportedModelError(f"Cannot find the symmetry group: {traced.failure}.")
-    diagonal = analyze(model, example_input).group
-    factors, pins = find_factors(model, traced, example_input)
+    structure = analyze(model, example_input)
+    if structure.group is None:
+        raise UnsupportedModelError(f"Cannot find the symmetry group: {structure.group_failure}.")
+    return structure.symmetry
+
+
+def symmetry_of(structure) -> MatrixSymmetry:
+    """The whole group of an :func:`manifolds.analyze` result whose diagonal group is known (its ``symmetry``)."""
+    traced, model = structure.traced, structure.traced.model
+    example = structure.example_input
+    if example is None:  # the input analyze guessed: the shape its graph was traced with
+        placeholder = next(n for n in traced.graph.nodes if n.op == "placeholder")
+        example = torch.zeros(placeholder.meta["shape"])
+    diagonal = structure.group
+    factors, pins = find_factors(model, traced, example)
     names = [n for n, _ in model.named_parameters()]
     # A tensor moved by a factor and by the diagonal group on its other side cannot be weighed by the metric (it
     # weighs a tensor one way): such a tensor is left to the factors and the diagonal classes scaling it pinned,
