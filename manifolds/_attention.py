@@ -558,8 +558,10 @@ def symmetry_of(structure) -> MatrixSymmetry:
     names = [n for n, _ in model.named_parameters()]
     # A tensor moved by a factor and by the diagonal group on its other side cannot be weighed by the metric (it
     # weighs a tensor one way): such a tensor is left to the factors and the diagonal classes scaling it pinned,
-    # starting with the rows GL factors move, until no factor and the diagonal group share a tensor.
-    moved = {b.name for f in factors if f.kind == "GL" for b in f.blocks}
+    # starting with the rows GL factors move and the normalization trades (their unit-block metric is defined
+    # where a shift is zero, as at initialization; the node metric is not), until no factor and the diagonal
+    # group share a tensor.
+    moved = {b.name for f in factors if f.kind == "GL" or f.label.startswith("affine scale") for b in f.blocks}
     full = diagonal
     while True:
         diagonal = None if full is None else _without(full, names, moved)

@@ -277,9 +277,7 @@ def test_metrics_without_the_invariant_weighting_move(variant):
     before = _form(metric, layout, params, xi, eta)
     element = sym.random_element(1.0, g)
     after = _form(metric, layout, sym.act(params, element), sym.act(xi, element), sym.act(eta, element))
-    # the invariant metric moves by rounding only (1e-15 relative); ln2's trade and the ReLU units belong to the
-    # diagonal group (node metric), so the unweighted variant changes only ln1's q/k/v columns: by about 1e-2
-    assert abs(after - before) > 1e-3 * abs(before), (before, after)
+    assert abs(after - before) > 0.05 * abs(before), (before, after)
 
 
 # -- (b) the measure equals a dense reference ----------------------------------------------------------------------
