@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
 from manifolds._group_discovery import Pin, _plain_affine
-from manifolds._matrix_group import Block, Factor, MatrixSymmetry
+from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._structure import UnsupportedModelError, analyze
 
 _RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
@@ -571,8 +571,7 @@ def symmetry_of(structure) -> MatrixSymmetry:
         if not shared:
             break
         moved |= shared
-    reason = "the diagonal rescaling group already moves these features"
-    pins.extend(Pin(f.label, f.size, reason) for f in factors if f not in kept)
+    pins.extend(Pin(f.label, f.size, COVERED) for f in factors if f not in kept)
     return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
 
 

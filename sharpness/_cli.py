@@ -444,6 +444,8 @@ def _verify(args: argparse.Namespace) -> int:
         raise SpecError(f"--scale must be a positive number, got {args.scale}")
     if not (math.isfinite(args.rtol) and args.rtol > 0):
         raise SpecError(f"--rtol must be a positive number, got {args.rtol}")
+    if args.geodesic is not None and not (math.isfinite(args.geodesic) and args.geodesic > 0):
+        raise SpecError(f"--geodesic must be a positive and finite radius, got {args.geodesic}")
     check_outputs([("--json", args.json)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
     kinds = {"both": ("node", "layer"), "all": None}.get(args.kind, (args.kind,))
@@ -457,6 +459,7 @@ def _verify(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype],
         progress=False if args.quiet else None,
         distributed=join(args),
+        balls=args.geodesic,
     )
     if not quiet_process():
         print(report.table())
@@ -585,6 +588,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--scale", type=float, default=1.0, help="std of the log rescaling factors (default: 1)")
     verify.add_argument("--rtol", type=float, default=1e-6, help="invariance tolerance (default: 1e-6)")
+    verify.add_argument(
+        "--geodesic", type=float, metavar="RHO",
+        help="also recompute geodesic sharpness (symmetry metric, second order) and adaptive sharpness at this "
+        "radius on every copy",
+    )  # fmt: skip
     verify.add_argument("--json", help="write the report to this JSON file")
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
 

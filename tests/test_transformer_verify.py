@@ -16,12 +16,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 import manifolds
 from landscape._grid import evaluate_grid
 from sharpness import MEASURES, InvarianceReport, Objective, Rescalings, Solver, verify_invariance
+from sharpness._cli import main as sharpness_main
+from sharpness._specs import build_model
 from sharpness.measures import Ascent, adaptive_sharpness, geodesic_sharpness
+from sharpness.measures._draws import ALL_KINDS, Draws
 
 D, H, HD, FF, T, N = 4, 2, 2, 4, 3, 4  # width, heads, head size, MLP width, tokens, samples
 
@@ -182,14 +186,20 @@ def test_measures_on_a_hand_built_element():
 
 def test_verify_checks_the_whole_group_on_a_transformer():
     model, x, y = make(blocks=1, pre=True, hand=True)
-    rep = verify_invariance(model, nn.CrossEntropyLoss(), (x, y), ["euclidean", "symmetry"],
-                            rescalings=Rescalings(trials=1), solver=Solver(tol=1e-9), progress=False)  # fmt: skip
-    assert rep.kinds == ("node", "layer", "attention", "normalization", "group")
-    assert rep.claims["symmetry"] == rep.kinds and rep.claims["euclidean"] == ()
-    assert all(rep.verdict("symmetry", kind) == "invariant" for kind in rep.kinds)
-    assert rep.verdict("euclidean", "attention") == "changes" and rep.verdict("euclidean", "group") == "changes"
+    # by default: node and layer, and the kinds this network has
+    assert Draws(manifolds.analyze(model, x), dict(model.named_parameters()), None).kinds == ALL_KINDS
+    rep = verify_invariance(model, nn.CrossEntropyLoss(), (x, y), ["euclidean", "symmetry"], balls=0.05,
+                            rescalings=Rescalings(("attention", "group"), trials=1), solver=Solver(tol=1e-9),
+                            progress=False)  # fmt: skip
+    assert rep.metrics == ("euclidean", "symmetry", "geodesic", "adaptive")
+    assert rep.claims["symmetry"] == rep.claims["geodesic"] == ALL_KINDS and rep.claims["euclidean"] == ()
+    assert rep.claims["adaptive"] == ("node", "layer", "normalization")  # the entry-wise scalings only
+    for m in ("symmetry", "geodesic"):
+        assert all(rep.verdict(m, kind) == "invariant" for kind in rep.kinds), rep.table()
+    for m in ("euclidean", "adaptive"):
+        assert rep.verdict(m, "attention") == "changes" and rep.verdict(m, "group") == "changes", rep.table()
     assert max(rep.output_differences["group"]) < 1e-12 and rep.outcome == "passed"
-    assert rep.group["attention_factors"] == 2 * H and rep.group["normalization_factors"] == 1
+    assert rep.group["attention_factors"] == 2 * H and rep.group["normalization_factors"] == 2
     again = InvarianceReport.from_dict(json.loads(json.dumps(rep.to_dict())))
     assert again.kinds == rep.kinds and again.outcome == "passed"
     # asked for on a network without attention: skipped with the reason, nothing claimed
@@ -248,3 +258,19 @@ def test_landscape_grid_runs_attention_through_the_math_kernel():
     assert abs(batched.loss - loop.loss).max() < 1e-12
     assert abs(batched.loss[0] - obj.evaluate()["loss"]) < 1e-12
 
+
+
+def test_verify_on_the_built_in_transformer_from_the_command_line(tmp_path):
+    """A fresh ``vit`` (zero LayerNorm shifts, where the node metric is undefined): verify draws the attention
+    factors, the symmetry measure holds to rtol and the Euclidean one moves."""
+    spec = "vit:dim=4,heads=2,mlp=4,classes=3"
+    torch.manual_seed(0)
+    path, out = tmp_path / "vit.safetensors", tmp_path / "v.json"
+    save_file({k: v.contiguous() for k, v in build_model(spec).state_dict().items()}, str(path))
+    argv = ["verify", "--model", spec, "--checkpoint", str(path), "--data", "synthetic:n=8,dim=64,classes=3",
+            "--metric", "symmetry", "--metric", "euclidean", "--kind", "attention", "--trials", "1", "--quiet",
+            "--json", str(out)]  # fmt: skip
+    assert sharpness_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["kinds"] == ["attention"] and report["group"]["attention_factors"] == 4
+    assert report["verdicts"] == {"symmetry": {"attention": "invariant"}, "euclidean": {"attention": "changes"}}

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from manifolds import UnsupportedModelError, analyze, functional_call
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
+from sharpness.measures._ball_rows import ball_rows
 from sharpness.measures._claims import (
     describe_group,
     detail_lines,
@@ -380,6 +381,7 @@ def verify_invariance(
     dtype: torch.dtype = torch.float64,
     progress: bool | None = None,
     distributed: bool | dist.ProcessGroup = False,
+    balls: float | None = None,
 ) -> InvarianceReport:
     """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
 
@@ -409,6 +411,10 @@ def verify_invariance(
         progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
         distributed: share the data among the processes of a ``torch.distributed`` group (see
             :class:`Objective`); the rescalings are process 0's.
+        balls: a radius ``rho``: also recompute second-order geodesic sharpness on the symmetry measure's metric
+            (row ``geodesic``, claims the whole group) and adaptive sharpness (row ``adaptive``, claims the
+            entry-wise scalings only) at it, each a worst loss increase instead of an eigenvalue (see
+            :mod:`sharpness.measures._ball_rows`).
 
     Only rescalings the network has are drawn: a kind whose group (restricted to the trainable parameters) has
     dimension 0 is left out (``skipped_kinds``), and a measure's claim is cut to the kinds left (``claims``,
@@ -443,6 +449,8 @@ def verify_invariance(
         measures = tuple(get_measure(m) for m in metrics)
     if not measures:
         raise ValueError("metrics is empty; name at least one of " + ", ".join(MEASURES))
+    if balls is not None:
+        measures = (*measures, *ball_rows(balls))
     names = tuple(m.name for m in measures)
     if len(set(names)) != len(names):
         raise ValueError(f"metrics names a measure twice: {', '.join(names)}")
