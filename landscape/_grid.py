@@ -57,6 +57,7 @@ from manifolds import FirstLayerSplit, UnsupportedModelError, eval_mode, functio
 from sharpness import Objective
 from sharpness.io import progress_bar
 from sharpness.products import fold_batch_norms
+from sharpness.products._boundary import _math_attention as math_attention
 from sharpness.products._layout import channels_last, cpu_images, reshape_views
 
 STRATEGIES = ("auto", "first-layer", "vmap", "loop")
@@ -574,7 +575,9 @@ def _run(
     classify = True
     share = objective.data.n_samples  # this process's samples
     bar = progress_bar(n_points, "grid points", progress, unit="pt")
-    with torch.no_grad(), eval_mode(objective.model), bar:
+    # attention as the Objective runs it: the math kernel, no fused MultiheadAttention fast path (which vmap
+    # cannot batch and which takes another kernel than the one the measures differentiate)
+    with torch.no_grad(), eval_mode(objective.model), math_attention(), bar:
         for x, y, w in objective.pieces(piece, join=True):
             if points is not None and x.shape[0] >= share:
                 points.cache = None  # one piece holds every sample: no later piece reuses the points

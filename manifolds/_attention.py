@@ -46,9 +46,9 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
-from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
+from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
 from manifolds._group_discovery import Pin, _plain_affine
-from manifolds._matrix_group import Block, Factor, MatrixSymmetry
+from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._structure import UnsupportedModelError, analyze
 
 _RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
@@ -540,19 +540,46 @@ def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymme
     Raises:
         UnsupportedModelError: fx cannot trace ``model`` or the forward fails on ``example_input``.
     """
-    traced = trace_network(model, example_input)
-    if not traced.has_shapes:
-        raise UnsupportedModelError(f"Cannot find the symmetry group: {traced.failure}.")
-    diagonal = analyze(model, example_input).group
-    factors, pins = find_factors(model, traced, example_input)
-    taken = _diagonal_sides(diagonal) if diagonal is not None else set()
-    kept = []
-    for f in factors:
-        if any((b.name, b.axis) in taken for b in f.blocks):
-            pins.append(Pin(f.label, f.size, "the diagonal rescaling group already moves these features"))
-        else:
-            kept.append(f)
+    structure = analyze(model, example_input)
+    if structure.group is None:
+        raise UnsupportedModelError(f"Cannot find the symmetry group: {structure.group_failure}.")
+    return structure.symmetry
+
+
+def symmetry_of(structure) -> MatrixSymmetry:
+    """The whole group of an `manifolds.analyze` result whose diagonal group is known (its ``symmetry``)."""
+    traced, model = structure.traced, structure.traced.model
+    example = structure.example_input
+    if example is None:  # the input analyze guessed: the shape its graph was traced with
+        placeholder = next(n for n in traced.graph.nodes if n.op == "placeholder")
+        example = torch.zeros(placeholder.meta["shape"])
+    diagonal = structure.group
+    factors, pins = find_factors(model, traced, example)
+    names = [n for n, _ in model.named_parameters()]
+    # A tensor moved by a factor and by the diagonal group on its other side cannot be weighed by the metric (it
+    # weighs a tensor one way): such a tensor is left to the factors and the diagonal classes scaling it pinned,
+    # starting with the rows GL factors move and the normalization trades (their unit-block metric is defined
+    # where a shift is zero, as at initialization; the node metric is not), until no factor and the diagonal
+    # group share a tensor.
+    moved = {b.name for f in factors if f.kind == "GL" or f.label.startswith("affine scale") for b in f.blocks}
+    full = diagonal
+    while True:
+        diagonal = None if full is None else _without(full, names, moved)
+        taken = _diagonal_sides(diagonal) if diagonal is not None else set()
+        kept = [f for f in factors if not any((b.name, b.axis) in taken for b in f.blocks)]
+        shared = {b.name for f in kept for b in f.blocks} & {name for name, _ in taken}
+        if not shared:
+            break
+        moved |= shared
+    pins.extend(Pin(f.label, f.size, COVERED) for f in factors if f not in kept)
     return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
+
+
+def _without(group, names: Sequence[str], moved: set[str]):
+    """``group`` with every class that scales a tensor in ``moved`` pinned (``group`` itself when none does)."""
+    if not {a.name for a in group.parameter_actions} & moved:
+        return group
+    return group.restricted([n for n in names if n not in moved])
 
 
 def random_transform(

@@ -1,7 +1,11 @@
 """Discovery of the exact diagonal rescaling group of a traced network.
 
 Every tensor of the graph gets one log-scale variable ``s`` per channel (dimension 1; a feature of a
-flattened tensor inherits its channel's variable). Each operation adds constraints between the variables
+flattened tensor inherits its channel's variable). A Linear applied to a ``(batch, tokens, ..., features)``
+tensor acts on the last axis, so its output's channels are its last axis, and so are those of everything
+computed from it feature-wise (activations, additions, a LayerNorm over the last axis, a mean over the
+tokens): the channel axis is tracked per tensor. A tensor whose channels are all pinned may be read along
+any axis. Each operation adds constraints between the variables
 of its inputs and outputs, chosen so that scaling every channel of every tensor by ``e^s`` and the
 parameters as below leaves the function unchanged:
 
@@ -221,6 +225,10 @@ def _channels(shape: tuple[int, ...]) -> int:
     return shape[1] if len(shape) >= 2 else 1
 
 
+def _keepdim(node: fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
 class _Walker:
     """One pass over the graph in order, applying the rules of the module docstring."""
 
@@ -228,6 +236,8 @@ class _Walker:
         self.model, self.graph, self.buffers = model, graph, buffers
         self.d = Discovery()
         self.ids: dict[fx.Node, Tensor] = {}
+        # the axis holding a tensor's channels where it is not 1: the last axis of a Linear's token-wise output
+        self.axes: dict[fx.Node, int] = {}
         # module (by identity) -> (input ids, output ids) of its first call
         self.calls: dict[int, tuple[Tensor, Tensor]] = {}
         # A tensor is named by its first name, as in ``model.named_parameters()``: a module used twice or a
@@ -270,19 +280,47 @@ class _Walker:
         self.d.unknown.append(label + (f" ({why})" if why else ""))
         self.pin_around(node, data, "an operation the rescaling rules do not know" + (f" ({why})" if why else ""))
 
+    def axis(self, node: fx.Node) -> int:
+        """The axis of ``node``'s tensor that holds its channels (1 unless a token-wise Linear made it the last)."""
+        return self.axes.get(node, 1)
+
+    def along(self, node: fx.Node, axis: int) -> Tensor | None:
+        """``node``'s channel variables read along ``axis``: its own when that is its channel axis, fresh pinned
+        ones when all of its own are pinned (a tensor of fixed scale has a fixed scale along every axis), else
+        ``None``."""
+        if node not in self.ids:
+            return None
+        if self.axis(node) == axis:
+            return self.ids[node]
+        shape = self.shape(node)
+        if shape is None or not all(self.d.pinned[self.d.find(int(a))] for a in self.ids[node]):
+            return None
+        ids = self.d.new(shape[axis], f"{self.label(node)} along axis {axis}")
+        for a in ids.tolist():
+            self.d.pinned[a] = True  # already fixed: no new reason to record
+        return ids
+
     def passthrough(self, node: fx.Node, source: fx.Node) -> bool:
         shape, src = self.shape(node), self.shape(source)
         if shape is None or src is None or source not in self.ids:
             return False
-        if len(shape) >= 2 and len(src) >= 2 and shape[0] == src[0] and shape[1] == src[1]:
+        axis = self.axis(source)
+        if axis == 1:
+            same = len(shape) >= 2 and len(src) >= 2 and shape[0] == src[0] and shape[1] == src[1]
+        else:  # token-wise channels on the last axis: an element-wise operation keeps the shape
+            same = shape == src
+        if same:
             self.ids[node] = self.ids[source]
-            return True
-        return False
+            if axis != 1:
+                self.axes[node] = axis
+        return same
 
     def reshape(self, node: fx.Node, source: fx.Node) -> bool:
         """A reshape keeping the batch axis: each new channel must lie inside one old channel (row-major)."""
         shape, src = self.shape(node), self.shape(source)
         if shape is None or src is None or source not in self.ids or len(shape) < 2 or len(src) < 2:
+            return False
+        if self.axis(source) != 1:  # token-wise features reshaped (e.g. into heads): no rule here
             return False
         if shape[0] != src[0] or shape[1] % src[1]:
             return False
@@ -307,17 +345,23 @@ class _Walker:
     def affine(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
         dims = _AFFINE[_plain_affine(module)]
         src = self.shape(source)
-        if src is None or source not in self.ids or (dims == 0 and len(src) != 2) or (dims and len(src) != dims + 2):
+        if src is None or source not in self.ids or (dims == 0 and len(src) < 2) or (dims and len(src) != dims + 2):
+            return False
+        # a Linear reads the last axis, token-wise on (batch, tokens, ..., features); a convolution axis 1
+        in_axis = len(src) - 1 if dims == 0 else 1
+        in_ids = self.along(source, in_axis)
+        if in_ids is None:
             return False
         weight = self.param_name(module.weight)
         bias = self.param_name(module.bias) if module.bias is not None else None
         if weight is None or (module.bias is not None and bias is None):
             return False
         name = str(node.target)
-        in_ids = self.ids[source]
+        if in_axis != 1:
+            self.axes[node] = in_axis
         if self.reuse(node, module, in_ids):
             return True
-        out_ids = self.d.new(self.shape(node)[1], f"output of {self.label(node)}")
+        out_ids = self.d.new(self.shape(node)[in_axis], f"output of {self.label(node)}")
         shape = tuple(module.weight.shape)
         rest = (1,) * (len(shape) - 2)
         groups = getattr(module, "groups", 1)
@@ -361,10 +405,12 @@ class _Walker:
             )
         else:
             self.d.pin(in_ids, f"input of {label}", f"{type(module).__name__} normalizes it, so its scale is lost")
-        channels = _channels(shape)
+        channels, axis = _channels(shape), 1
         weight = getattr(module, "weight", None)
         if isinstance(module, nn.LayerNorm):
             covers = tuple(module.normalized_shape) == tuple(shape[1:])
+            if not covers and len(shape) > 2 and tuple(module.normalized_shape) == (shape[-1],):
+                covers, channels, axis = True, shape[-1], len(shape) - 1  # token-wise: one scale per feature
         else:
             covers = weight is None or tuple(weight.shape) == (channels,)
         if weight is None or not covers:
@@ -387,6 +433,8 @@ class _Walker:
         self.d.module_outputs[name] = out_ids
         self.calls[id(module)] = (in_ids, out_ids)
         self.ids[node] = out_ids
+        if axis != 1:
+            self.axes[node] = axis
         return True
 
     def module(self, node: fx.Node, data: list[fx.Node]) -> None:
@@ -450,9 +498,20 @@ class _Walker:
         if dim is None or src is None:
             return False
         dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-        if not all(isinstance(d, int) for d in dims) or {d % len(src) for d in dims} & {0, 1}:
+        axis = self.axis(source)
+        if not all(isinstance(d, int) for d in dims) or {d % len(src) for d in dims} & {0, axis}:
             return False
-        return self.passthrough(node, source)
+        if axis == 1:
+            return self.passthrough(node, source)
+        # a mean over the tokens: the features move down by the number of axes dropped before them
+        new = axis if _keepdim(node) else axis - sum(d % len(src) < axis for d in set(dims))
+        shape = self.shape(node)
+        if source not in self.ids or shape is None or len(shape) <= new or shape[new] != src[axis]:
+            return False
+        self.ids[node] = self.ids[source]
+        if new != 1:
+            self.axes[node] = new
+        return True
 
     def scaling(self, node: fx.Node, source: fx.Node) -> bool:
         if node.kwargs or len(node.args) != 2:
@@ -465,6 +524,8 @@ class _Walker:
         )
 
     def getitem(self, node: fx.Node, source: fx.Node) -> bool:
+        if self.axis(source) != 1:
+            return False
         index = node.args[1]
         index = index if isinstance(index, tuple) else (index,)
         full = slice(None, None, None)
@@ -480,6 +541,8 @@ class _Walker:
         mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
         value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
         if src is None or shape is None or source not in self.ids or not isinstance(pads, (tuple, list)):
+            return False
+        if self.axis(source) != 1:
             return False
         if mode == "constant" and value not in (None, 0, 0.0):
             return False
@@ -509,8 +572,18 @@ class _Walker:
         extra = [a for a in node.args[2:]] + [v for k, v in node.kwargs.items() if k != "alpha"]
         if extra:
             return False
-        self.d.tie(self.ids[data[0]], self.ids[data[1]])
-        self.ids[node] = self.ids[data[0]]
+        # both operands read along one channel axis (a pinned one may be read along the other's)
+        axis = self.axis(data[0])
+        first, second = self.ids[data[0]], self.along(data[1], axis)
+        if second is None:
+            axis = self.axis(data[1])
+            first, second = self.along(data[0], axis), self.ids[data[1]]
+        if first is None:
+            return False
+        self.d.tie(first, second)
+        self.ids[node] = first
+        if axis != 1:
+            self.axes[node] = axis
         return True
 
     def concatenation(self, node: fx.Node, data: list[fx.Node]) -> bool:
@@ -523,7 +596,12 @@ class _Walker:
         if out is None or any(s is None or len(s) < 2 for s in shapes) or not isinstance(dim, int):
             return False
         dim %= len(out)
-        if dim == 1:
+        axis = self.axis(parts[0])
+        if any(self.axis(p) != axis for p in parts):
+            return False
+        if axis != 1:
+            self.axes[node] = axis
+        if dim == axis:
             self.ids[node] = torch.cat([self.ids[p] for p in parts])
             return True
         for p in parts[1:]:

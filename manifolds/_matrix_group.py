@@ -39,6 +39,8 @@ from manifolds._group_discovery import Pin
 from manifolds._layout import ParamLayout
 
 _HOWS = ("T", "inv", "invT")
+# the reason recorded for a factor left out because the diagonal rescaling group moves the same features
+COVERED = "the diagonal rescaling group already moves these features"
 _SYMBOL = {"T": "^T", "inv": "^-1", "invT": "^-T"}
 
 
@@ -193,9 +195,13 @@ class MatrixSymmetry:
             f"{self.matrix_dim}"
         ]
         lines.extend(f.describe() for f in self.factors)
-        if self.pins:
+        pinned = [pin for pin in self.pins if pin.reason != COVERED]
+        covered = [pin.where for pin in self.pins if pin.reason == COVERED]
+        if covered:  # not pinned: free, in the diagonal group's dimension
+            lines.append(f"moved by the diagonal rescaling group instead: {'; '.join(covered)}")
+        if pinned:
             lines.append("pinned:")
-            lines.extend(f"  {pin}" for pin in self.pins)
+            lines.extend(f"  {pin}" for pin in pinned)
         return "\n".join(lines)
 
     # -- elements ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor, fx, nn
@@ -154,6 +155,25 @@ class NetworkStructure:
     layer_group: RescalingGroup | None = field(default=None, compare=False)
     group_failure: str | None = None
     traced: TracedNetwork | None = field(default=None, compare=False, repr=False)
+    example_input: Tensor | None = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def symmetry(self):
+        """The whole function-preserving group (`manifolds.MatrixSymmetry`): ``group`` times the attention
+        heads' ``GL(h)`` factors, the LayerNorm/RMSNorm scale trades and the token-wise ReLU units of
+        `manifolds._attention` (built on first use, from the same graph), or ``None`` when ``group`` is."""
+        if self.group is None:
+            return None
+        from manifolds._attention import symmetry_of  # the factors are found on this structure's graph
+
+        return symmetry_of(self)
+
+    def describe(self) -> str:
+        """The whole group (`symmetry`): its dimensions, every GL and diagonal factor with the blocks it moves,
+        the diagonal rescaling group and every pinned channel with its reason; or why the group is unknown."""
+        if self.group is None:
+            return f"symmetry group unknown, because {self.group_failure}"
+        return self.symmetry.describe() + "\n" + self.group.describe()
 
     @property
     def rescalable(self) -> bool:
@@ -548,6 +568,7 @@ def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStr
         group=RescalingGroup(discovery, "node"),
         layer_group=RescalingGroup(discovery, "layer"),
         traced=traced,
+        example_input=example_input,
     )
 
 
@@ -725,17 +746,20 @@ def _check_range(old: Tensor, new: Tensor, name: str) -> None:
         )
 
 
-def _acted_copy(model: nn.Module, group: RescalingGroup, log_scales: Tensor) -> nn.Module:
-    """A deep copy of ``model`` with ``group``'s element ``exp(log_scales)`` applied (ties and sharing kept).
+def _acted_copy(model: nn.Module, group, element) -> nn.Module:
+    """A deep copy of ``model`` with ``group``'s element applied (ties and sharing kept): ``exp(log_scales)`` of a
+    `RescalingGroup`, or a `manifolds.SymmetryElement` of a `manifolds.MatrixSymmetry`.
 
     Raises:
         ValueError: a rescaled tensor leaves its dtype's normal range (see `_check_range`).
     """
-    if not bool(torch.isfinite(log_scales).all()):
+    parts = (element,) if isinstance(element, Tensor) else (element.log_scales, *element.matrices)
+    if not all(bool(torch.isfinite(p).all()) for p in parts):
         raise ValueError("the log-scales must be finite")
     twin = copy.deepcopy(model)
     own = dict(twin.named_parameters(remove_duplicate=False)) | dict(twin.named_buffers(remove_duplicate=False))
-    new = group.act({a.name: own[a.name].detach() for a in group.actions}, log_scales)
+    names = [a.name for a in group.actions] if isinstance(group, RescalingGroup) else group.names
+    new = group.act({name: own[name].detach() for name in names}, element)
     with torch.no_grad():
         for name, value in new.items():
             if name in own and value is not own[name]:
@@ -776,12 +800,17 @@ def random_rescale(
     """A randomly rescaled deep copy of ``model`` that computes the same function.
 
     The log-scales are i.i.d. ``N(0, scale^2)``, one per free class of the node-wise group (``"node"``) or of
-    the layer-wise group (``"layer"``: one per module output class); see [`analyze`][manifolds.analyze]. Works on any
-    traceable model (residual connections, BatchNorm, concatenation, weight sharing).
+    the layer-wise group (``"layer"``: one per module output class); see `analyze`. Works on any
+    traceable model (residual connections, BatchNorm, concatenation, weight sharing). ``"group"`` draws an
+    element of the whole group (``analyze(model).symmetry``, `manifolds.MatrixSymmetry.random_element`):
+    per attention head a well-conditioned random ``GL(h)`` matrix for query/key and one for value/output
+    (condition number at most ``exp(4 scale)``), positive scales ``exp(N(0, scale^2))`` for normalization
+    trades, ReLU units and the diagonal rescalings; on a network without attention or normalization factors it
+    is ``"node"``'s group.
 
     Args:
         model: the network.
-        kind: ``"node"`` or ``"layer"``.
+        kind: ``"node"``, ``"layer"`` or ``"group"``.
         scale: standard deviation of the log-scales.
         generator: random generator, or ``None`` for the global one.
         example_input: passed to [`analyze`][manifolds.analyze] (for the shapes).
@@ -800,8 +829,8 @@ def random_rescale(
             the dtype's range (a ``scale`` too large for it).
         UnsupportedModelError: the rescaling group of ``model`` is unknown (fx cannot trace it).
     """
-    if kind not in ("node", "layer"):
-        raise ValueError(f"unknown rescaling kind {kind!r}; use 'node' or 'layer'")
+    if kind not in ("node", "layer", "group"):
+        raise ValueError(f"unknown rescaling kind {kind!r}; use 'node', 'layer' or 'group'")
     if not isinstance(buffers, bool):
         raise ValueError(f"buffers must be True or False, got {buffers!r}")
     if example_input is not None and not isinstance(example_input, Tensor):
@@ -815,8 +844,12 @@ def random_rescale(
         return _acted_copy(model, group, group.random_log_scales(scale, generator))
     structure = analyze(model, example_input)
     structure.require_group(f"a function-preserving {kind}-wise rescaling")
-    group = structure.group if kind == "node" else structure.layer_group
-    twin = _acted_copy(model, group, group.random_log_scales(scale, generator))
+    if kind == "group":
+        symmetry = structure.symmetry
+        twin = _acted_copy(model, symmetry, symmetry.random_element(scale, generator))
+    else:
+        group = structure.group if kind == "node" else structure.layer_group
+        twin = _acted_copy(model, group, group.random_log_scales(scale, generator))
     floating = next((p for p in model.parameters() if p.is_floating_point()), None)
     if floating is not None and structure.traced is not None:
         limit = math.sqrt(torch.finfo(floating.dtype).eps)

@@ -489,9 +489,11 @@ def _verify(args: argparse.Namespace) -> int:
         raise SpecError(f"--scale must be a positive number, got {args.scale}")
     if not (math.isfinite(args.rtol) and args.rtol > 0):
         raise SpecError(f"--rtol must be a positive number, got {args.rtol}")
+    if args.geodesic is not None and not (math.isfinite(args.geodesic) and args.geodesic > 0):
+        raise SpecError(f"--geodesic must be a positive and finite radius, got {args.geodesic}")
     check_outputs([("--json", args.json)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
-    kinds = ("node", "layer") if args.kind == "both" else (args.kind,)
+    kinds = {"both": ("node", "layer"), "all": None}.get(args.kind, (args.kind,))
     report = verify_invariance(
         model,
         loss_fn,
@@ -502,6 +504,7 @@ def _verify(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype],
         progress=False if args.quiet else None,
         distributed=join(args),
+        balls=args.geodesic,
     )
     if not quiet_process():
         print(report.table())
@@ -678,9 +681,19 @@ def _parser() -> argparse.ArgumentParser:
         help=f"repeatable; one of {', '.join(MEASURES)}, or all (default: every measure that applies to the model)",
     )  # fmt: skip
     verify.add_argument("--trials", type=int, default=3, help="rescaled copies per kind (default: 3)")
-    verify.add_argument("--kind", choices=["node", "layer", "both"], default="both", help="rescaling kind")
+    verify.add_argument(
+        "--kind", choices=["node", "layer", "attention", "normalization", "group", "both", "all"], default="all",
+        help="which random elements of the symmetry group: node- or layer-wise rescalings (both: the two), attention "
+        "heads' GL(h) factors, normalization scale trades, the whole group at once, or all (default: node, layer "
+        "and each of the others this network has)",
+    )
     verify.add_argument("--scale", type=float, default=1.0, help="std of the log rescaling factors (default: 1)")
     verify.add_argument("--rtol", type=float, default=1e-6, help="invariance tolerance (default: 1e-6)")
+    verify.add_argument(
+        "--geodesic", type=float, metavar="RHO",
+        help="also recompute geodesic sharpness (symmetry metric, second order) and adaptive sharpness at this "
+        "radius on every copy",
+    )  # fmt: skip
     verify.add_argument("--json", help="write the report to this JSON file")
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -334,14 +334,16 @@ def test_euclidean_sharpness_moves_while_the_loss_does_not():
 
 
 def test_nothing_is_claimed_twice_next_to_the_diagonal_group():
-    # On (batch, features) tensors the diagonal group already frees the LayerNorm's output and the ReLU units:
-    # its dimension is D + 16, and the norm trade and unit scalings found here are dropped as duplicates.
+    # The diagonal group also frees the LayerNorm's output and the ReLU units here. A normalization trade is left
+    # to its factor (whose unit-block metric is defined at a zero shift, the node metric is not), and then the
+    # Linear it trades against too, so the units' factor: the diagonal classes of those tensors are pinned, and the
+    # group (dimension D + 16) is counted once.
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3))
     x = torch.randn(6, D)
+    assert manifolds.analyze(model, x).group.dim == D + 16
     sym = manifolds.transformer_symmetry(model, x)
-    assert sym.diagonal_dim == D + 16 and sym.matrix_dim == 0 and not sym.factors
-    assert sum("already moves" in p.reason for p in sym.pins) == 2
+    assert sym.diagonal_dim == 0 and sym.matrix_dim == D + 16 and len(sym.factors) == 2
     params = {n: p.detach() for n, p in model.named_parameters()}
     assert torch.linalg.matrix_rank(sym.vertical_basis(params)) == sym.dim
     with torch.no_grad():

@@ -173,10 +173,12 @@ def geodesic_ball(
             ``horizontal``: there is no horizontal space to restrict the ball to).
     """
     w = objective.layout.flatten(objective.params)
-    geometry = MetricQuotient(_METRICS[measure.name](objective.layout), w)
+    # the symmetry measure's quotient is its metric's geometry at w already (the metric depends on the group)
+    quotient = measure.quotient(objective) if measure.name == "symmetry" else None
+    geometry = quotient or MetricQuotient(_METRICS[measure.name](objective.layout), w)
     project = None
     if horizontal and measure.name != "euclidean":
-        quotient = measure.quotient(objective)
+        quotient = quotient or measure.quotient(objective)
         if getattr(quotient, "projected", True) is False:  # no group, no horizontal space to restrict the ball to
             raise UnsupportedModelError(
                 "geodesic sharpness restricts the ball to the horizontal space, which needs the rescaling group, and "
@@ -229,7 +231,9 @@ def geodesic_sharpness(
         data: as for [`Objective`][sharpness.Objective] (not used when ``objective`` is given).
         rho: radius ``> 0`` of the ball in the metric, ``||xi||_g``.
         metric: ``"node"`` (default; invariant under node-, channel- and layer-wise rescaling), ``"layer"``
-            (layer-wise only) or ``"euclidean"`` (flat metric: straight lines, nothing projected, not
+            (layer-wise only), ``"symmetry"`` (`manifolds.symmetry_metric`: invariant under the whole group,
+            attention heads' ``GL(h)`` and normalization trades included) or ``"euclidean"``
+            (flat metric: straight lines, nothing projected, not
             invariant), by name or measure object (e.g. ``Layer(zero_blocks="error")``).
         order: ``2`` (second-order geodesics, the paper's measure) or ``1`` (``w + xi``).
         horizontal: restrict ``xi`` to the horizontal space (the definition); ``False`` searches the whole
@@ -259,10 +263,10 @@ def geodesic_sharpness(
     if not isinstance(horizontal, bool):
         raise ValueError(f"horizontal must be True or False, got {horizontal!r}")
     measure = get_measure(metric)
-    if not isinstance(measure, (QuotientMeasure, Euclidean)) or measure.name not in _METRICS:
+    if not isinstance(measure, (QuotientMeasure, Euclidean)) or measure.name not in (*_METRICS, "symmetry"):
         raise ValueError(
             f"geodesic sharpness needs a metric on the parameters; {measure.name!r} has none: use "
-            f"{', '.join(repr(m) for m in _METRICS)}"
+            f"{', '.join(repr(m) for m in (*_METRICS, 'symmetry'))}"
         )
     if eigen is not None and eigen.info.get("metric") != measure.name:
         raise ValueError(f"eigen was computed for metric {eigen.info.get('metric')!r}, not {measure.name!r}")

@@ -8,7 +8,6 @@ eigenvalue of the exact Riemannian Hessian on the horizontal space (`manifolds.S
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -16,16 +15,9 @@ from torch import Tensor
 from manifolds import SymmetryQuotient, transformer_symmetry
 from sharpness.measures._measure import CurvatureOperator, Measure
 from sharpness.measures._quotient import QuotientMeasure
+from sharpness.products._boundary import _math_attention  # the one kernel with second derivatives
 from sharpness.products._objective import Objective
 from sharpness.products._operator import CallableOperator
-
-try:  # the default CPU kernel of scaled_dot_product_attention has no second derivative; the math kernel has
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def _math_attention():
-        return sdpa_kernel(SDPBackend.MATH)
-except ImportError:  # pragma: no cover - older torch: one kernel only
-    _math_attention = contextlib.nullcontext
 
 
 @dataclass(frozen=True)

@@ -24,21 +24,22 @@ from torch import Tensor, nn
 from manifolds import UnsupportedModelError, analyze, functional_call
 from sharpness._progress import progress_bar
 from sharpness._results import jsonable, write_text_atomic
+from sharpness.measures._ball_rows import ball_rows
 from sharpness.measures._claims import (
     describe_group,
     detail_lines,
     group_summary,
     skip_entry,
     supported_claims,
-    untestable_kinds,
 )
+from sharpness.measures._draws import ALL_KINDS, Draws, general_claim
 from sharpness.measures._measure import Measure
 from sharpness.measures._registry import MEASURES, get_measure
 from sharpness.products._data import ChunkedData
 from sharpness.products._objective import Objective, eval_mode
 from sharpness.solvers._solve import Solver
 
-KINDS = ("node", "layer")
+KINDS = ALL_KINDS  # node, layer, attention, normalization, group: see sharpness.measures._draws
 VERDICTS = ("invariant", "changes", "FAILED")
 # What a whole report says: every claimed invariance held, one did not, or no claim could be checked.
 OUTCOMES = ("passed", "FAILED", "nothing to verify")
@@ -331,7 +332,10 @@ class Rescalings:
 
     Attributes:
         kinds: rescaling kinds, out of ``"node"`` (one factor per free channel class of the model's rescaling
-            group) and ``"layer"`` (one factor per free module-output class).
+            group), ``"layer"`` (one factor per free module-output class), ``"attention"`` (a random ``GL(h)``
+            per attention head and side), ``"normalization"`` (normalization scale trades) and ``"group"`` (an
+            element of the whole group at once; `sharpness.measures._draws`); ``None`` (default): node and
+            layer, and each of the others this network has.
         trials: rescaled copies per kind.
         scale: standard deviation of the log factors (1.0 gives factors of about e^{+-1}).
         seed: seed of the factors.
@@ -340,21 +344,28 @@ class Rescalings:
         ValueError: an unknown or repeated kind, ``trials < 1`` or a negative or non-finite ``scale``.
     """
 
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] | None = None
     trials: int = 5
     scale: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
-        unknown = [kind for kind in kinds if kind not in KINDS]
-        if unknown or not kinds or len(set(kinds)) != len(kinds):
-            raise ValueError(f"kinds must be distinct rescaling kinds out of {', '.join(KINDS)}, got {self.kinds!r}")
+        if self.kinds is None:
+            kinds = None
+        else:
+            kinds = self._kinds()
         object.__setattr__(self, "kinds", kinds)
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"trials must be a positive integer, got {self.trials!r}")
         if not (isinstance(self.scale, (int, float)) and 0.0 <= self.scale < math.inf):
             raise ValueError(f"scale must be a non-negative finite log-std, got {self.scale!r}")
+
+    def _kinds(self) -> tuple[str, ...]:
+        kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+        unknown = [kind for kind in kinds if kind not in KINDS]
+        if unknown or not kinds or len(set(kinds)) != len(kinds):
+            raise ValueError(f"kinds must be distinct rescaling kinds out of {', '.join(KINDS)}, got {self.kinds!r}")
+        return kinds
 
 
 def verify_invariance(
@@ -370,11 +381,14 @@ def verify_invariance(
     dtype: torch.dtype = torch.float64,
     progress: bool | None = None,
     distributed: bool | dist.ProcessGroup = False,
+    balls: float | None = None,
 ) -> InvarianceReport:
     """Recompute every sharpness measure on random function-preserving rescalings of ``model``.
 
     For each kind in ``rescalings.kinds`` and each of ``rescalings.trials`` copies, a random element of the
-    model's exact rescaling group is drawn ([`manifolds.analyze`][manifolds.analyze]: i.i.d. normal log-scales with std
+    model's exact rescaling group is drawn (the kinds ``"attention"``, ``"normalization"`` and ``"group"`` draw
+    from the whole group of `manifolds.NetworkStructure.symmetry` instead: see
+    `sharpness.measures._draws`) (`manifolds.analyze`: i.i.d. normal log-scales with std
     ``rescalings.scale``, one per free class of channels for ``"node"``, one per module-output class for
     ``"layer"``; residual connections tie scales, BatchNorm pins its input) and applied to the parameters in
     ``dtype`` (as `manifolds.random_rescale` does, but after the cast, so a float32 model is rescaled
@@ -398,7 +412,11 @@ def verify_invariance(
         dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
         progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
         distributed: share the data among the processes of a ``torch.distributed`` group (see
-            [`Objective`][sharpness.Objective]); the rescalings are process 0's.
+            `Objective`); the rescalings are process 0's.
+        balls: a radius ``rho``: also recompute second-order geodesic sharpness on the symmetry measure's metric
+            (row ``geodesic``, claims the whole group) and adaptive sharpness (row ``adaptive``, claims the
+            entry-wise scalings only) at it, each a worst loss increase instead of an eigenvalue (see
+            `sharpness.measures._ball_rows`).
 
     Only rescalings the network has are drawn: a kind whose group (restricted to the trainable parameters) has
     dimension 0 is left out (``skipped_kinds``), and a measure's claim is cut to the kinds left (``claims``,
@@ -433,6 +451,8 @@ def verify_invariance(
         measures = tuple(get_measure(m) for m in metrics)
     if not measures:
         raise ValueError("metrics is empty; name at least one of " + ", ".join(MEASURES))
+    if balls is not None:
+        measures = (*measures, *ball_rows(balls))
     names = tuple(m.name for m in measures)
     if len(set(names)) != len(names):
         raise ValueError(f"metrics names a measure twice: {', '.join(names)}")
@@ -442,13 +462,14 @@ def verify_invariance(
     structure = analyze(model, example_input=data.first_batch()[0])
     structure.require_group("the invariance table of random function-preserving rescalings")
     obj = Objective(model, loss_fn, data, dtype=dtype, structure=structure, distributed=distributed)
-    # frozen parameters must stay as they are: only the scales that leave them alone are drawn
-    groups = {"node": structure.group.restricted(obj.params), "layer": structure.layer_group.restricted(obj.params)}
+    # frozen parameters must stay as they are: only the elements that leave them alone are drawn
+    draws = Draws(structure, obj.params, rescalings.kinds)
+    groups = draws.groups
 
     # a kind whose group has dimension 0 would "rescale" by the identity: a check that cannot fail
-    untestable = untestable_kinds(groups)
-    skipped_kinds = {kind: untestable[kind] for kind in rescalings.kinds if kind in untestable}
-    kinds, trials = tuple(kind for kind in rescalings.kinds if kind not in untestable), rescalings.trials
+    untestable = draws.untestable
+    skipped_kinds = {kind: untestable[kind] for kind in draws.kinds if kind in untestable}
+    kinds, trials = tuple(kind for kind in draws.kinds if kind not in untestable), rescalings.trials
 
     original: dict[str, tuple[float, ...]] = {}
     converged: dict[str, bool] = {}
@@ -464,7 +485,7 @@ def verify_invariance(
         original[measure.name] = _as_floats(result.eigenvalues)
         converged[measure.name] = result.converged
     measured = tuple(m for m in measures if m.name in original)
-    claims = {m.name: supported_claims(m.invariant_under, untestable) for m in measured}
+    claims = {m.name: supported_claims(general_claim(m.invariant_under), untestable) for m in measured}
 
     generator = torch.Generator().manual_seed(rescalings.seed)
     rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m.name: {kind: [] for kind in kinds} for m in measured}
@@ -473,9 +494,7 @@ def verify_invariance(
     with progress_bar(len(kinds) * trials, "rescaled copies", progress) as bar:
         for kind in kinds:
             for trial in range(trials):
-                log_scales = groups[kind].random_log_scales(rescalings.scale, generator, dtype=obj.dtype)
-                obj.comm.broadcast_(log_scales)
-                twin = obj.with_params(groups[kind].act(obj.params, log_scales))
+                twin = obj.with_params(draws.draw(kind, obj.params, rescalings.scale, generator, obj.comm.broadcast_))
                 difference = _output_difference(obj, twin)
                 if not difference <= limit:
                     raise UnsupportedModelError(
@@ -517,5 +536,5 @@ def verify_invariance(
         skip_reasons={name: entry["skip_reason"] for name, entry in skipped.items()},
         skipped_kinds=skipped_kinds,
         claim_notes={name: note for name, (_, note) in claims.items() if note},
-        group=group_summary(groups),
+        group={**group_summary(groups), **draws.summary()},
     )
