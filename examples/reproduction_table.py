@@ -5,16 +5,28 @@ run of an example (``reproduce_flatness_tables.py --json``, ``min_norm_gauge.py`
 the toy figures' rows come from the definitions the toy command draws. Nothing is typed by hand: rerun an
 example, copy its JSON into ``docs/reproductions/`` and rerun this script.
 
+``--check`` re-runs the quick version of every reproduction (its checks, among them each one's dense float64
+reference on a tiny instance of the same network, so a wrong Hessian fails the reproduction itself) and fails
+when a result is beyond its stated tolerance, or when the page is not what the JSON records give.
+
 Run from the repository root:
-    python examples/reproduction_table.py            # rewrite docs/reproductions.md
-    python examples/reproduction_table.py --check    # exit 1 if docs/reproductions.md is not what the JSON gives
+    python examples/reproduction_table.py                    # rewrite docs/reproductions.md
+    python examples/reproduction_table.py --check            # re-run every quick reproduction (minutes); exit 1 on a
+                                                             # failed check or a stale page
+    python examples/reproduction_table.py --check --reference-only   # only the dense references (seconds)
+    python examples/reproduction_table.py --check --page-only        # only the page against the JSON records
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import io
 import json
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from sharpness.io import write_atomic
@@ -193,19 +205,93 @@ def render(data: Path = DATA) -> str:
     return "\n".join([HEADER, *table, "", *details]).rstrip() + "\n"
 
 
+def example(name: str):
+    """Import ``examples/<name>.py`` (the folder is not a package); registered in ``sys.modules`` for its
+    dataclasses."""
+    module_name = f"example_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, Path(__file__).resolve().parent / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+def _quick_flatness(out: Path) -> list[dict]:
+    return example("reproduce_flatness_tables").main(["--quick", "--no-progress", "--threads", "1"])["checks"]
+
+
+def _quick_gauge(out: Path) -> list[dict]:
+    example("min_norm_gauge").main(["--quick", "--out", str(out)])
+    return json.loads((out / "min_norm_gauge.json").read_text())["checks"]
+
+
+def _quick_gspace(out: Path) -> list[dict]:
+    example("gspace_training").main(["--quick", "--no-progress", "--out", str(out)])
+    return json.loads((out / "gspace_training.json").read_text())["checks"]
+
+
+# reproduction -> (its quick run's checks, its dense-reference checks alone); each returns verdict dicts with
+# "check", "value", "bound" and "passed".
+QUICK: dict[str, tuple[Callable[[Path], list[dict]], Callable[[], list[dict]]]] = {
+    "Tables 2-3 (reproduce_flatness_tables.py --quick)":
+        (_quick_flatness, lambda: example("reproduce_flatness_tables").reference_checks()),
+    "gauge Fig. 2 (min_norm_gauge.py --quick)": (_quick_gauge, lambda: example("min_norm_gauge").reference_checks()),
+    "thesis Fig. 4.1 (gspace_training.py --quick)":
+        (_quick_gspace, lambda: example("gspace_training").reference_checks()),
+}  # fmt: skip
+
+
+def rerun(reference_only: bool = False) -> list[dict]:
+    """Every reproduction's quick checks (or only its dense-reference ones), each verdict tagged with
+    ``reproduction``; the examples' own output is swallowed."""
+    import torch
+
+    torch.set_num_threads(1)  # tiny and quick networks: thread hand-offs cost more than they save
+    verdicts = []
+    for name, (quick, reference) in QUICK.items():
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            found = reference() if reference_only else quick(Path(tmp))
+        verdicts += [{"reproduction": name} | c for c in found]
+    return verdicts
+
+
+def format_verdicts(verdicts: list[dict]) -> str:
+    lines = []
+    for c in verdicts:
+        where = f"{c['model']} " if "model" in c else ""
+        relation = ">=" if c.get("at_least") else "<="
+        lines.append(f"{'PASS' if c['passed'] else 'FAIL'}  {c['reproduction']}: {where}{c['check']}: "
+                     f"{c['value']:.2e} {relation} {c['bound']:.2e}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write docs/reproductions.md from the examples' JSON records.")
     parser.add_argument("--data", type=Path, default=DATA, help="the JSON records' folder (docs/reproductions)")
     parser.add_argument("--out", type=Path, default=OUT, help="the page to write (default docs/reproductions.md)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page differs")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; re-run every reproduction's quick version and exit 1 if a check fails "
+                             "or the page differs from what the JSON records give")  # fmt: skip
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--reference-only", action="store_true",
+                      help="with --check: re-run only each reproduction's dense-reference checks (seconds)")
+    mode.add_argument("--page-only", action="store_true", help="with --check: compare only the page, re-run nothing")
     args = parser.parse_args(argv)
+    if (args.reference_only or args.page_only) and not args.check:
+        parser.error("--reference-only and --page-only go with --check")
     text = render(args.data)
     if args.check:
         same = args.out.exists() and args.out.read_text() == text
         if not same:
             print(f"{args.out} is not what {args.data} gives: rerun python examples/reproduction_table.py",
                   file=sys.stderr)  # fmt: skip
-        return 0 if same else 1
+        verdicts = [] if args.page_only else rerun(args.reference_only)
+        if verdicts:
+            print(format_verdicts(verdicts))
+            failed = sum(not c["passed"] for c in verdicts)
+            print(f"{len(verdicts) - failed}/{len(verdicts)} checks pass")
+        return 0 if same and all(c["passed"] for c in verdicts) else 1
     write_atomic(args.out, text)
     print(f"wrote {args.out}")
     return 0
