@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.func import hessian
 
+from manifolds import RescalingGroup
 from sharpness.products._objective import Objective, eval_mode
 
 
@@ -51,7 +52,7 @@ def _horizontal_basis(vertical: Tensor, kept: Tensor) -> Tensor:
     return eye @ u[:, rank:]
 
 
-def dense_riemannian_hessian(objective: Objective, metric: str) -> Tensor:
+def dense_riemannian_hessian(objective: Objective, metric: str, group: RescalingGroup | None = None) -> Tensor:
     """The Riemannian Hessian of the layer-wise or node-wise quotient metric as an ``(m, m)`` symmetric matrix.
 
     Built independently of the quotient classes, from :func:`dense_hessian`, the gradient and the metrics'
@@ -70,6 +71,8 @@ def dense_riemannian_hessian(objective: Objective, metric: str) -> Tensor:
     Args:
         objective: the loss over the data set, float64 for a reference.
         metric: ``"layer"`` or ``"node"``.
+        group: the rescaling group whose orbit is quotiented out (default: the model's, ``structure.layer_group``
+            for ``"layer"``, ``structure.group`` for ``"node"``; e.g. a restricted one where tensors are frozen).
 
     Returns:
         ``(m, m)`` tensor, ``m`` the dimension of the horizontal space.
@@ -81,7 +84,8 @@ def dense_riemannian_hessian(objective: Objective, metric: str) -> Tensor:
     if metric not in ("layer", "node"):
         raise ValueError(f"dense_riemannian_hessian takes metric 'layer' or 'node', got {metric!r}")
     structure = objective.structure
-    group = structure.layer_group if metric == "layer" else structure.group
+    if group is None:
+        group = structure.layer_group if metric == "layer" else structure.group
     if group is None:
         raise ValueError(
             f"the rescaling group of this model is unknown ({structure.group_failure}), so the horizontal space "
