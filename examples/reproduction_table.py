@@ -158,7 +158,7 @@ def flatness(record: dict) -> tuple[list[str], list[str]]:
                          f"{'PASS' if c['passed'] else 'FAIL'} |")  # fmt: skip
     threads = record.get("torch_threads", "?")
     lines += ["", f"Run: `python examples/reproduce_flatness_tables.py --threads {threads} --json ...`, "
-              f"{record['wall_seconds']:.0f} s wall time.", ""]  # fmt: skip
+              f"{record['wall_seconds']:.0f} s wall time, {record['cpu_seconds']:.0f} s CPU time.", ""]  # fmt: skip
     return [row], lines
 
 
