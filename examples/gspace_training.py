@@ -18,7 +18,9 @@ G-SGD needs far smaller learning rates (a run that pushes a chain value through 
 
 Run:  python examples/gspace_training.py [--out DIR] [--epochs 15] [--seeds 3] [--init one]
       python examples/gspace_training.py --quick   # 2 epochs, 1 seed, lr 1e-1 and 1e-2: a few seconds
-Writes ``DIR/gspace_training.png``, ``.pdf`` and ``.json`` and prints the table behind the figure.
+Writes ``DIR/gspace_training.png``, ``.pdf`` and ``.json`` and prints the table behind the figure. Exit status 1
+when a check fails: G-space on a tiny instance of the network against a dense float64 reference
+(:func:`reference_checks`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ OPTIMIZERS = {  # label: (torch optimizer, train in G-space)
     "G-Adam": (torch.optim.Adam, True),
 }
 STYLE = {"SGD": ("tab:blue", "-"), "G-SGD": ("tab:blue", "--"), "Adam": ("tab:red", "-"), "G-Adam": ("tab:red", "--")}
+REFERENCE_WIDTHS = (6, 4, 4, 4, 4, 3)  # a tiny instance of the thesis network (four bias-free hidden ReLU layers)
+REFERENCE_TOL = 1e-8  # G-space gradient and top eigenvalues against the dense float64 reference (relative)
+REFERENCE_K = 3
 
 
 def digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,6 +110,47 @@ def train(model: nn.Module, label: str, lr: float, data, epochs: int, seed: int,
             break
         history.append(val)
     return {"val_loss": history, "diverged": diverged}
+
+
+def reference_checks(seed: int = 0) -> list[dict]:
+    """G-space, as the G-optimizers train in it, against a dense float64 reference on a tiny thesis network.
+
+    For both initializations of the run (``one``: :class:`manifolds.GModel` with ``init="gsgd"``; ``default``)
+    and random data, the gradient the G-optimizers step along (``GModel``'s, by backpropagation through
+    ``w(v)``) and the top eigenvalues of the G-space Hessian (measure ``"gspace"``) must equal
+    :func:`sharpness.dense_gspace_hessian`, which differentiates only the path values ``v(w)`` (never the
+    inverse ``w(v)``): a basis path with the wrong sign, or a wrong factor in either map, fails here.
+    Returns one verdict dict (``check``, ``value``, ``bound``, ``passed``) per comparison."""
+    from sharpness import Objective, Solver, dense_gspace_hessian, dense_spectrum, get_measure
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(24, REFERENCE_WIDTHS[0], generator=generator, dtype=torch.float64)
+    y = torch.randint(0, REFERENCE_WIDTHS[-1], (24,), generator=generator)
+    loss_fn, out = nn.CrossEntropyLoss(), []
+    name = "-".join(map(str, REFERENCE_WIDTHS))
+    for init in ("one", "default"):
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[m for a, b in zip(REFERENCE_WIDTHS[:-1], REFERENCE_WIDTHS[1:])
+                                for m in (nn.Linear(a, b, bias=False), nn.ReLU())][:-1]).double().eval()  # fmt: skip
+        gmodel = GModel(model, init="gsgd" if init == "one" else "model")
+        if init == "one":
+            gsgd_init_(model)  # the same weights as GModel's: the reference is taken there
+        loss_fn(gmodel(x), y).backward()
+        ours = torch.cat([p.grad.reshape(-1) for p in gmodel.parameters()])
+        objective = Objective(model, loss_fn, (x, y))
+        _, gradient = dense_gspace_hessian(objective)
+        error = float((ours - gradient).norm() / gradient.norm())
+        out.append({"check": f"{name} tiny, init {init}: GModel's G-space gradient against the dense float64 "
+                    "reference (relative)", "value": error, "bound": REFERENCE_TOL})  # fmt: skip
+        reference = dense_spectrum(objective, "gspace")[:REFERENCE_K]
+        solver = Solver(tol=1e-12, max_iter=300, seed=seed)
+        values = get_measure("gspace").sharpness(objective, REFERENCE_K, solver, False).eigenvalues
+        error = float((values - reference).abs().max() / reference[0].abs())
+        out.append({"check": f"{name} tiny, init {init}: gspace top {REFERENCE_K} eigenvalues against the dense "
+                    "float64 reference (relative)", "value": error, "bound": REFERENCE_TOL})  # fmt: skip
+    for c in out:
+        c["passed"] = bool(c["value"] <= c["bound"])  # a NaN fails
+    return out
 
 
 def plot(
@@ -200,15 +246,20 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{value:.4f}" + (f" ({diverged} div)" if diverged else ""))
         print(f"{label:10s}" + "".join(f"{c:>16s}" for c in cells))
     paths = plot(summary, counts, args.seeds, args.init, args.out, learning_rates)
+    verdicts = reference_checks()
     record = {
         "settings": vars(args) | {"out": str(args.out), "learning_rates": learning_rates},
         "best_val_loss_mean": summary,
         "runs": {label: {f"{lr:g}": v for lr, v in per_lr.items()} for label, per_lr in runs.items()},
+        "checks": verdicts,
+        "passed": all(c["passed"] for c in verdicts),
     }
     json_path = args.out / "gspace_training.json"
     json_path.write_text(json.dumps(record, indent=1))
+    for c in verdicts:
+        print(f"{'PASS' if c['passed'] else 'FAIL'} {c['check']}: {c['value']:.2e} <= {c['bound']:.2e}")
     print(f"wrote {', '.join(str(p) for p in [*paths, json_path])} in {time.perf_counter() - start:.0f} s")
-    return 0
+    return 0 if record["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,12 @@ So the comparison here is made like for like, at a critical point:
 * Checks that can fail: the gradient norm is below ``--grad-tol``; our float64 relative differences
   are below 1e-12; our float32 relative differences are within 4x the float32 noise floor measured in
   this run (the largest relative error of the paper's float32 computation against the float64 value
-  of the same number, over the points); the gap is below 1e-6.
+  of the same number, over the points); the gap is below 1e-6. These can only see a measure that is not
+  invariant; a wrong but invariant one (connection terms dropped, the metric scaled by a constant) passes
+  them. So, last, the exact reference (:func:`reference_checks`): on tiny F1 and C1 our layer- and
+  node-wise top eigenvalues equal a dense float64 Riemannian Hessian built from ``torch.func.hessian``
+  and the metrics' closed forms (``sharpness.dense_spectrum``) to 1e-8, at a point that is not critical
+  (the random labels) and at the measured one (the own predictions).
 * Beside them: the node-wise invariant measure (``metric="node"``) at the same points and under
   random node-wise rescalings, where the layer-wise measure is NOT invariant (shown too), and the
   Euclidean top Hessian eigenvalue, which changes by orders of magnitude.
@@ -111,6 +116,15 @@ class Sizes:
 
 PAPER_SIZES = Sizes(side=28, n_samples=500, f1_hidden=(300, 100), c1_channels=(10, 20), c1_hidden=(120, 84))
 QUICK_SIZES = Sizes(side=20, n_samples=64, f1_hidden=(24, 16), c1_channels=(3, 4), c1_hidden=(16, 12))
+# Tiny instances of F1 and C1 for the dense float64 reference (a few hundred parameters each; C1 needs 16x16
+# inputs for its two conv-pool stages).
+REFERENCE_SIZES = {
+    "F1": Sizes(side=5, n_samples=24, f1_hidden=(6, 5), c1_channels=(2, 3), c1_hidden=(5, 4)),
+    "C1": Sizes(side=16, n_samples=24, f1_hidden=(6, 5), c1_channels=(2, 3), c1_hidden=(5, 4)),
+}
+REFERENCE_TOL = 1e-8  # top eigenvalues of our measures against the dense reference, relative to the largest
+REFERENCE_GAP = 1e-4  # at the random-label point the exact Hessian must differ from G^-1 H at least this much
+REFERENCE_K = 3
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -410,6 +424,43 @@ def checks(result: dict, grad_tol: float) -> list[dict]:
     return out
 
 
+def reference_checks(seed: int = 0, adam_steps: int = 40) -> list[dict]:
+    """Our measures on tiny F1 and C1 against a dense float64 Riemannian Hessian (:func:`sharpness.dense_spectrum`).
+
+    Each tiny network is trained as in the run (Adam, label smoothing) and measured twice: on the random labels,
+    where W is not a critical point, so the connection terms count (the check that the point tells the exact
+    Hessian from the paper's G^-1 H guards against a point where they vanish), and on its own predictions, the
+    loss the tables measure. A Hessian that drops a term, scales the metric or projects wrongly fails here, even
+    where the invariance checks cannot see it (a wrong but invariant measure)."""
+    out = []
+    solver = sharpness.Solver(tol=1e-12, max_iter=300, seed=seed)
+    for name, sizes in REFERENCE_SIZES.items():
+        X, y = make_data(name, sizes, seed)
+        torch.manual_seed(seed)
+        model = build_model(name, sizes)
+        trained_on = nn.CrossEntropyLoss(label_smoothing=0.1)
+        train(model, X, y, trained_on, adam_steps, 3e-3, progress=False)
+        losses = {"random labels": (trained_on, y), "own predictions": (nn.CrossEntropyLoss(), own_targets(model, X))}
+        for where, (loss_fn, targets) in losses.items():
+            obj = sharpness.Objective(model, loss_fn, (X, targets), dtype=torch.float64)
+            for measure in ("layer", "node"):
+                reference = sharpness.dense_spectrum(obj, measure)[:REFERENCE_K]
+                ours = sharpness.get_measure(measure).sharpness(obj, REFERENCE_K, solver, False).eigenvalues
+                out.append({"model": f"{name} tiny", "check": f"{where}: {measure} top {REFERENCE_K} eigenvalues "
+                            "against the dense float64 reference (relative)",
+                            "value": float((ours - reference).abs().max() / reference[0].abs()),
+                            "bound": REFERENCE_TOL})  # fmt: skip
+                if where == "random labels" and measure == "layer":
+                    paper = gh_lanczos(obj, 1e-12, 300, seed)["value"]
+                    out.append({"model": f"{name} tiny", "check": f"{where}: the paper's G^-1 H differs from the "
+                                "reference (the point is not critical), at least",
+                                "value": relative_difference(float(reference[0]), paper), "bound": REFERENCE_GAP,
+                                "at_least": True})  # fmt: skip
+    for c in out:
+        c["passed"] = bool(c["value"] >= c["bound"] if c.get("at_least") else c["value"] <= c["bound"])  # NaN fails
+    return out
+
+
 def format_model(result: dict) -> str:
     cols = [f"{m} {_dtype_name(d)}" for m, d in COLUMNS]
     t = result["training"]
@@ -459,8 +510,8 @@ def format_summary(verdicts: list[dict], wall: float, cpu: float, args) -> str:
     return "\n".join(
         [
             "checks:",
-            *(f"  {c['model']} {c['check']}: {c['value']:.2e} <= {c['bound']:.2e}  {'PASS' if c['passed'] else 'FAIL'}"
-              for c in verdicts),  # fmt: skip
+            *(f"  {c['model']} {c['check']}: {c['value']:.2e} {'>=' if c.get('at_least') else '<='} {c['bound']:.2e}  "
+              f"{'PASS' if c['passed'] else 'FAIL'}" for c in verdicts),  # fmt: skip
             f"training loss: cross-entropy with label smoothing {args.label_smoothing:g}; measured loss: cross-entropy "
             f"against W's own predictions; Lanczos tol {args.tol:g} (float64), "
             f"{args.tol32:g} (float32), {args.loose_tol:g} (non-invariant cases); power method tol {args.power_tol:g}, "
@@ -526,14 +577,16 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.models:
         results.append(run_model(name, sizes, args))
         print(format_model(results[-1]) + "\n", flush=True)
-    verdicts = [c for r in results for c in checks(r, args.grad_tol)]
+    verdicts = [c for r in results for c in checks(r, args.grad_tol)] + reference_checks(args.seed)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(format_summary(verdicts, wall, cpu, args), flush=True)
     payload = {
         "example": "reproduce_flatness_tables",
         "settings": {k: v for k, v in vars(args).items() if k != "lr"} | {"sizes": asdict(sizes)},
         "tolerances": {"float64": FLOAT64_TOL, "float32_factor": FLOAT32_FACTOR, "gap": GAP_TOL,
-                       "grad_norm": args.grad_tol},  # fmt: skip
+                       "grad_norm": args.grad_tol, "reference": REFERENCE_TOL,
+                       "reference_gap": REFERENCE_GAP},  # fmt: skip
+        "reference_sizes": {name: asdict(sizes) for name, sizes in REFERENCE_SIZES.items()},
         "paper": {
             name: [{"lambdas": [str(x) for x in lam], "relative_difference": d} for lam, d in rows]
             for name, rows in PAPER_LAMBDAS.items()

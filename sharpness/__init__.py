@@ -45,7 +45,10 @@ from sharpness.products import HessianOperator as HessianOperator
 from sharpness.products import Objective as Objective
 from sharpness.products import SymmetricOperator as SymmetricOperator
 from sharpness.products import build_objective as build_objective
+from sharpness.products import dense_gspace_hessian as dense_gspace_hessian
 from sharpness.products import dense_hessian as dense_hessian
+from sharpness.products import dense_riemannian_hessian as dense_riemannian_hessian
+from sharpness.products import dense_spectrum as dense_spectrum
 from sharpness.solvers import SOLVERS as SOLVERS
 from sharpness.solvers import Solver as Solver
 from sharpness.solvers import SpectralDensity as SpectralDensity
@@ -93,7 +96,10 @@ __all__ = [
     "SymmetricOperator",
     "TraceResult",
     "build_objective",
+    "dense_gspace_hessian",
     "dense_hessian",
+    "dense_riemannian_hessian",
+    "dense_spectrum",
     "epsilon_sharpness",
     "AdaptiveSharpness",
     "Ascent",

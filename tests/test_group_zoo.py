@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from manifolds import analyze, buffer_group, random_rescale
-from sharpness import Objective, Solver, dense_hessian, measure_sharpness
+from sharpness import Objective, Solver, dense_hessian, dense_riemannian_hessian, measure_sharpness
 from sharpness._resnet import BasicBlock  # the post-activation block of the built-in ResNet-20
 
 TIGHT = Solver(tol=1e-12)
@@ -155,42 +155,12 @@ def build(name: str, seed: int = 0):
     return model, x, y, node_dim, layer_dim
 
 
-def _log_generator(group, obj):
-    """Dense ``J`` (``(n, dim)``): the action is exactly linear in log-coordinates, so unit log-scales give it."""
-    w = obj.layout.flatten(obj.params)
-    columns = []
-    for k in range(group.dim):
-        e = torch.zeros(group.dim, dtype=torch.float64)
-        e[k] = 1.0
-        columns.append(obj.layout.flatten(group.act(obj.params, e)).abs().log() - w.abs().log())
-    return torch.stack(columns, dim=1) if columns else w.new_zeros(w.numel(), 0)
-
-
-def _top_horizontal(M, V):
-    """Largest eigenvalue of ``M`` on the orthogonal complement of ``range(V)``."""
-    q, r = torch.linalg.qr(V, mode="complete") if V.shape[1] else (torch.eye(M.shape[0], dtype=M.dtype), None)
-    rank = int((torch.linalg.svdvals(V) > 1e-9).sum()) if V.shape[1] else 0
-    Q = q[:, rank:]
-    return float(torch.linalg.eigvalsh(Q.T @ M @ Q)[-1])
-
-
 def dense_node(obj, group):
-    H, g, w = dense_hessian(obj), obj.gradient(), obj.layout.flatten(obj.params)
-    M = w.abs()[:, None] * H * w.abs()[None, :] + torch.diag(w * g)
-    return _top_horizontal(M, torch.sign(w)[:, None] * _log_generator(group, obj))
+    return float(torch.linalg.eigvalsh(dense_riemannian_hessian(obj, "node", group))[-1])
 
 
 def dense_layer(obj, group):
-    H, g, w = dense_hessian(obj), obj.gradient(), obj.layout.flatten(obj.params)
-    norms = torch.cat([w[obj.layout.slice(n)].norm().expand(obj.layout.slice(n).stop - obj.layout.slice(n).start)
-                       for n in obj.layout.names])  # fmt: skip
-    C = norms[:, None] ** 2 * H
-    for name in obj.layout.names:
-        b = obj.layout.slice(name)
-        wb, gb = w[b], g[b]
-        C[b, b] += torch.outer(gb, wb) + torch.outer(wb, gb) - torch.dot(wb, gb) * torch.eye(len(wb), dtype=w.dtype)
-    M = C * norms[None, :] / norms[:, None]
-    return _top_horizontal(M, (w[:, None] * _log_generator(group, obj)) / norms[:, None])
+    return float(torch.linalg.eigvalsh(dense_riemannian_hessian(obj, "layer", group))[-1])
 
 
 @pytest.fixture(params=list(ZOO))

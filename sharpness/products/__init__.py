@@ -15,7 +15,10 @@ from sharpness.products._objective import eval_mode as eval_mode
 from sharpness.products._operator import CallableOperator as CallableOperator
 from sharpness.products._operator import DenseOperator as DenseOperator
 from sharpness.products._operator import SymmetricOperator as SymmetricOperator
+from sharpness.products._reference import dense_gspace_hessian as dense_gspace_hessian
 from sharpness.products._reference import dense_hessian as dense_hessian
+from sharpness.products._reference import dense_riemannian_hessian as dense_riemannian_hessian
+from sharpness.products._reference import dense_spectrum as dense_spectrum
 
 __all__ = [
     "HVP_STRATEGIES",
@@ -29,7 +32,10 @@ __all__ = [
     "Objective",
     "SymmetricOperator",
     "build_objective",
+    "dense_gspace_hessian",
     "dense_hessian",
+    "dense_riemannian_hessian",
+    "dense_spectrum",
     "eval_mode",
     "fold_batch_norms",
     "retain_freed_memory",
