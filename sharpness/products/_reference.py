@@ -55,7 +55,7 @@ def _horizontal_basis(vertical: Tensor, kept: Tensor) -> Tensor:
 def dense_riemannian_hessian(objective: Objective, metric: str, group: RescalingGroup | None = None) -> Tensor:
     """The Riemannian Hessian of the layer-wise or node-wise quotient metric as an ``(m, m)`` symmetric matrix.
 
-    Built independently of the quotient classes, from :func:`dense_hessian`, the gradient and the metrics'
+    Built independently of the quotient classes, from `dense_hessian`, the gradient and the metrics'
     closed forms (docs/math.md): in whitened coordinates ``zeta = G^{1/2} xi``,
 
     - ``"node"`` (``g = sum xi^2 / w^2``): ``diag(|w|) H diag(|w|) + diag(w g)``; exactly-zero weights are
@@ -124,11 +124,11 @@ def dense_gspace_hessian(objective: Objective, gspace=None) -> tuple[Tensor, Ten
     """The Hessian and gradient of ``F(v) = L(w(v))`` in G-space coordinates, without the inverse map ``w(v)``.
 
     On the weights ``u`` that G-space leaves free (every weight entry but the designated ones, every bias),
-    the coordinates ``v = phi(u)`` (path values, :meth:`manifolds.GSpace.coordinates`) are a bijection, and
+    the coordinates ``v = phi(u)`` (path values, `manifolds.GSpace.coordinates`) are a bijection, and
     ``L = F o phi``. Differentiating twice: ``grad F = J^-T grad_u L`` and
     ``Hess F = J^-T (H_u - sum_k (grad F)_k Hess phi_k) J^-1`` with ``J = d phi / du``, all by ``torch.func`` in
     the objective's dtype: only the forward map ``phi`` is used, never the library's inverse ``w(v)``, so a
-    sign or factor wrong in either shows as a mismatch with :class:`sharpness.GSpaceMeasure`.
+    sign or factor wrong in either shows as a mismatch with `sharpness.GSpaceMeasure`.
 
     Args:
         objective: the loss over the data set, float64 for a reference.
@@ -168,8 +168,8 @@ def dense_gspace_hessian(objective: Objective, gspace=None) -> tuple[Tensor, Ten
 def dense_spectrum(objective: Objective, measure: str) -> Tensor:
     """All eigenvalues, largest first, of the dense reference for one measure at ``objective.params``.
 
-    ``"euclidean"``: :func:`dense_hessian`; ``"layer"``, ``"node"``: :func:`dense_riemannian_hessian`;
-    ``"gspace"``: :func:`dense_gspace_hessian`. The top ``k`` are what the measure of that name returns with
+    ``"euclidean"``: `dense_hessian`; ``"layer"``, ``"node"``: `dense_riemannian_hessian`;
+    ``"gspace"``: `dense_gspace_hessian`. The top ``k`` are what the measure of that name returns with
     ``k`` eigenvalues (``"node"`` adds a zero eigenvalue per left-out zero weight, which only matters where the
     top ``k`` are not positive).
 
