@@ -573,7 +573,7 @@ def _run(
     loss, hits = sums[:n_points], sums[n_points:-1]
     classify = True
     share = objective.data.n_samples  # this process's samples
-    bar = progress_bar(n_points, "grid points", progress, unit="pt")
+    bar = progress_bar(n_points, "grid points", progress, unit="pt", estimate=True)
     with torch.no_grad(), eval_mode(objective.model), bar:
         for x, y, w in objective.pieces(piece, join=True):
             if points is not None and x.shape[0] >= share:
