@@ -44,11 +44,10 @@ def _lines_wanted(progress: bool | None) -> bool:
 
 
 def _program() -> str:
-    """The line prefix: the package run with ``python -m`` (``landscape``, ``sharpness``), else ``sharpness``."""
+    """The line prefix: ``landscape`` under ``python -m landscape``, else ``sharpness``."""
     main = sys.argv[0] if sys.argv else ""
-    if os.path.basename(main) == "__main__.py":
-        return os.path.basename(os.path.dirname(main)) or "sharpness"
-    return "sharpness"
+    ran_landscape = os.path.basename(main) == "__main__.py" and os.path.basename(os.path.dirname(main)) == "landscape"
+    return "landscape" if ran_landscape else "sharpness"
 
 
 def _count(n: float) -> str:
