@@ -19,7 +19,7 @@ from torch import nn
 
 from sharpness import Euclidean, Rescalings, verify_invariance
 from sharpness._specs import build_model, load_data
-from sharpness.measures._verify import RESOLVABLE, InvarianceReport, rounding_floor
+from sharpness.measures._verify import JITTER_FACTOR, RESOLVABLE, InvarianceReport, rounding_floor
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,9 @@ def test_float32_cli_verify_of_a_trained_mlp_passes(float32_problem, tmp_path):
     for m, kind in report.checked:  # within a floor that still tells invariance from change
         assert report.max_relative_difference(m, kind) <= report.tolerance(m, kind) < RESOLVABLE
     assert report.verdict("layer", "node") == "changes"
+    assert set(report.jitter) == {"node", "layer"}  # measured at weights perturbed by one rounding unit
+    for m in report.metrics:
+        assert all(report.noise[m][kind] >= JITTER_FACTOR * report.jitter[m] for kind in report.kinds)
 
 
 def test_a_broken_measure_still_fails_in_float32(float32_problem):
@@ -137,3 +140,4 @@ def test_float64_keeps_the_asked_tolerances():
     real = verify_invariance(case.model, case.loss_fn, case.data, ["node"], rescalings=Rescalings("layer", 1),
                              progress=False)  # fmt: skip
     assert real.tol == 1e-10 and real.tolerance("node", "layer") == 1e-6 and real.rounding < 1e-13
+    assert real.jitter == {}  # no perturbed copy in float64: its rounding is far below any rtol

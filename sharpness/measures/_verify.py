@@ -75,6 +75,37 @@ def rounding_floor(dtype: torch.dtype, n: int) -> float:
     return math.sqrt(max(n, 1)) * torch.finfo(dtype).eps
 
 
+# The rounding-perturbed copy's change is one draw of the noise a rescaled copy shows, so the floor takes a multiple:
+# reproducing the flatness paper's tables, float32 changes of rescaled copies stayed within 4x such a floor.
+JITTER_FACTOR = 4.0
+
+
+def _rounding_jitter(obj: Objective, measures: tuple[Measure, ...], original: Mapping[str, tuple[float, ...]], k: int,
+                     solver: Solver, seed: int, progress: bool | None) -> dict[str, float]:  # fmt: skip
+    """``metric -> relative change`` of each measure at a copy of the weights perturbed by one rounding unit (each
+    weight times ``1 + eps z``, ``z`` standard normal), below float64 only.
+
+    A rescaled copy in a short dtype is not the same function to the last bit: its weights are rounded, and at a
+    ReLU or max-pool input within rounding of its kink the branch taken can flip, which moves the Hessian far more
+    than ``sqrt(n) eps`` (a float32 LeNet: 2e-4). This measures that sensitivity directly, for one more solve per
+    measure. In float64 it is far below any useful ``rtol`` and not measured (``{}``).
+    """
+    if obj.dtype == torch.float64:
+        return {}
+    generator = torch.Generator().manual_seed(seed + 1)  # the same draw on every process of a group
+    eps = torch.finfo(obj.dtype).eps
+    nudged = obj.with_params({
+        name: p * (1 + eps * torch.randn(p.shape, generator=generator, dtype=torch.float64)).to(p)
+        for name, p in obj.params.items()
+    })  # fmt: skip
+    jitter = {}
+    for measure in measures:
+        with progress_phase(f"measuring a rounding-perturbed copy ({measure.name})", progress):
+            result = measure.solve(nudged, k, solver, progress=progress)
+        jitter[measure.name] = relative_difference(original[measure.name], _as_floats(result.eigenvalues))
+    return jitter
+
+
 def _solve_error(eigenvalues: Tensor, residuals: Tensor, floor: float) -> float:
     """Absolute error bound of the top ``k`` eigenvalues of one solve: the eigenpair residual ``||A v - theta v||``
     (a symmetric matrix has an eigenvalue within it of ``theta``), at least the rounding ``floor`` (relative)."""
@@ -161,9 +192,12 @@ class InvarianceReport:
         noise: ``metric -> kind -> relative noise floor``: the largest, over the copies, of the two compared
             eigenvalues' error bounds (each its residual ``||A v - theta v||``, at least ``rounding``), summed and
             divided by the original top eigenvalue. A difference below it cannot be told from rounding and solver
-            error; the row's tolerance is ``max(rtol, noise)`` (:meth:`tolerance`).
+            error; the row's tolerance is ``max(rtol, noise)`` (:meth:`tolerance`). At least :data:`JITTER_FACTOR`
+            times ``jitter``.
         rounding: :func:`rounding_floor` of one eigenvalue in ``dtype`` for this network.
         tol_asked: the eigen-solver tolerance asked for (``tol`` where it was not raised).
+        jitter: ``metric -> relative change`` at a copy of the weights perturbed by one rounding unit (below float64
+            only; ``{}`` in float64): ``noise`` is at least :data:`JITTER_FACTOR` times it.
     """
 
     metrics: tuple[str, ...]
@@ -191,6 +225,7 @@ class InvarianceReport:
     noise: dict[str, dict[str, float]] = field(default_factory=dict)
     rounding: float = 0.0
     tol_asked: float | None = None
+    jitter: dict[str, float] = field(default_factory=dict)
 
     def tolerance(self, metric: str, kind: str) -> float:
         """Relative difference up to which ``metric`` counts as unchanged under ``kind``: ``max(rtol, noise)``."""
@@ -323,6 +358,10 @@ class InvarianceReport:
         lines = [f"verdict tolerance per row: max(rtol {self.rtol:.0e}, noise floor), noise floor = the two "
                  f"eigenvalues' residual bounds |A v - theta v|, each at least the {self.dtype} rounding "
                  f"sqrt(n) eps = {self.rounding:.1e}"]
+        if self.jitter:
+            moved = ", ".join(f"{m} {v:.1e}" for m, v in self.jitter.items())
+            lines.append(f"  and at least {JITTER_FACTOR:g}x the change at weights perturbed by one {self.dtype} "
+                         f"rounding unit: {moved}")
         if self.tol_asked is not None and self.tol_asked < self.tol:
             lines.append(f"solver tol {self.tol_asked:.0e} asked for is below what {self.dtype} resolves; raised to "
                          f"{self.tol:.1e} (sqrt(n) eps)")
@@ -360,6 +399,7 @@ class InvarianceReport:
             "noise": self.noise,
             "rounding": self.rounding,
             "tol_asked": self.tol_asked,
+            "jitter": self.jitter,
             "tolerances": {m: {kind: self.tolerance(m, kind) for kind in self.kinds} for m in self.metrics},
             "max_relative_differences": {
                 m: {kind: self.max_relative_difference(m, kind) for kind in self.kinds} for m in self.metrics
@@ -404,6 +444,7 @@ class InvarianceReport:
             noise={m: {kind: float(v) for kind, v in per_kind.items()} for m, per_kind in d.get("noise", {}).items()},
             rounding=float(d.get("rounding", 0.0)),
             tol_asked=None if d.get("tol_asked") is None else float(d["tol_asked"]),
+            jitter={m: float(v) for m, v in d.get("jitter", {}).items()},
         )
 
     def save_json(self, path: str | os.PathLike) -> None:
@@ -559,6 +600,7 @@ def verify_invariance(
         converged[measure.name] = result.converged
     measured = tuple(m for m in measures if m.name in original)
     claims = {m.name: supported_claims(m.invariant_under, untestable) for m in measured}
+    jitter = _rounding_jitter(obj, measured, original, k, solver, rescalings.seed, progress)
 
     generator = torch.Generator().manual_seed(rescalings.seed)
     rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m.name: {kind: [] for kind in kinds} for m in measured}
@@ -587,7 +629,7 @@ def verify_invariance(
                     rescaled[measure.name][kind].append(_as_floats(result.eigenvalues))
                     both = errors[measure.name] + _solve_error(result.eigenvalues, result.residuals, rounding)
                     scale = max(abs(v) for v in original[measure.name])
-                    floor = both / scale if scale > 0 else math.inf
+                    floor = max(both / scale if scale > 0 else math.inf, JITTER_FACTOR * jitter.get(measure.name, 0.0))
                     noise[measure.name][kind] = max(noise[measure.name][kind], floor)
                     converged[measure.name] = converged[measure.name] and result.converged
                 bar.update(1)
@@ -621,4 +663,5 @@ def verify_invariance(
         noise=noise,
         rounding=rounding,
         tol_asked=float(tol_asked),
+        jitter=jitter,
     )
