@@ -29,6 +29,7 @@ from sharpness._launch import (
     process_device,
     quiet_process,
 )
+from sharpness._progress import progress_phase
 from sharpness._results import figure_bytes, jsonable, write_atomic, write_text_atomic
 from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
 from sharpness._stdio import READER_GONE_STATUS, guarded_streams, require_text
@@ -337,7 +338,8 @@ def _compute(args: argparse.Namespace) -> int:
     for name in names:
         measure = get_measure(name)
         try:
-            res = measure.sharpness(objective, args.k, solver, progress)
+            with progress_phase(f"measuring {name}", progress):  # names the measure in the progress lines
+                res = measure.sharpness(objective, args.k, solver, progress)
         except UnsupportedModelError as err:
             if not skip_unsupported:
                 raise
