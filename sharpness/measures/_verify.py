@@ -107,11 +107,11 @@ def _rounding_jitter(obj: Objective, measures: tuple[Measure, ...], original: Ma
 
 
 def _solve_error(eigenvalues: Tensor, residuals: Tensor, floor: float) -> float:
-    """Absolute error bound of the top ``k`` eigenvalues of one solve: the eigenpair residual ``||A v - theta v||``
-    (a symmetric matrix has an eigenvalue within it of ``theta``), at least the rounding ``floor`` (relative)."""
-    values = eigenvalues.double().abs()
-    relative = torch.clamp(residuals.double().cpu(), min=floor)
-    return float((relative * values.cpu()).max())
+    """Absolute error bound of the top ``k`` eigenvalues of one solve: the largest eigenpair residual
+    ``||A v - theta v||`` (a symmetric operator has an eigenvalue within it of ``theta``), at least the rounding
+    ``floor`` (relative to the largest ``|theta|``: rounding is relative to the operator's size, not to each value)."""
+    values = eigenvalues.double().abs().cpu()
+    return max(float((residuals.double().cpu() * values).max()), floor * float(values.max()))
 
 
 def relative_difference(original: Tensor | list[float], rescaled: Tensor | list[float]) -> float:
