@@ -4,8 +4,9 @@ Without a terminal a bar is replaced by :class:`PhaseLines`: nothing for a phase
 :data:`FIRST_LINE_S`, then a line on standard error at least every :data:`LINE_EVERY_S` seconds naming every open
 phase and bar, e.g. ``[sharpness] measuring original model (node) > lanczos 40/300, residual=1.2e-03: 62 s
 elapsed``, and a closing line with the total time. A bar made with ``estimate=True`` (grids) also says, after its
-first update, how long the whole loop will take, when that is longer than :data:`FIRST_LINE_S`. The clock is
-:data:`clock` (tests put a fake monotonic clock there).
+first update, how long the whole loop will take, when that is longer than :data:`FIRST_LINE_S`. Lines come with
+updates, and from a background thread (every :data:`TICK_S` s) where an update is late. The clock is :data:`clock`
+(tests put a fake monotonic clock there, and no ticker).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,12 +26,28 @@ from tqdm.auto import tqdm
 clock: Callable[[], float] = time.monotonic
 # A phase shorter than this prints no line: short runs stay quiet in logs.
 FIRST_LINE_S = 5.0
-# Then a line at least this often while updates come (twice a minute, so a log shows life at least once a minute).
+# Then a line at least this often (twice a minute, so a log shows life at least once a minute).
 LINE_EVERY_S = 30.0
+# Real seconds between the looks of a background thread that writes the line when no update comes in time (a setup
+# step with no loop, one very long iteration); None: no thread (tests driving a fake clock).
+TICK_S: float | None = 5.0
 
 _open: list[PhaseLines] = []  # phases and line-mode bars open now, outermost first
 _phases: list[str] = []  # labels of the open phases (progress_phase), for the terminal bars' descriptions
 _last_line = [-math.inf]  # clock time of the last phase line written
+_lock = threading.RLock()  # the open phases are read by the ticker thread too
+
+
+def _tick() -> None:
+    """Write the elapsed line if one is due (what the ticker thread does every :data:`TICK_S` seconds)."""
+    with _lock:
+        if _open:
+            _open[-1].due(clock())
+
+
+def _ticker(stop: threading.Event) -> None:
+    while not stop.wait(TICK_S):
+        _tick()
 
 
 def _enabled(progress: bool | None) -> bool:
@@ -71,9 +89,14 @@ class PhaseLines:
         self.postfix = ""
         self.start = clock()
         self.lines = 0
-        if not _open:
-            _last_line[0] = -math.inf
-        _open.append(self)
+        self._stop: threading.Event | None = None
+        with _lock:
+            if not _open:  # the outermost phase: its own cadence, and a ticker for the silences between updates
+                _last_line[0] = -math.inf
+                if TICK_S is not None:
+                    self._stop = threading.Event()
+                    threading.Thread(target=_ticker, args=(self._stop,), daemon=True, name="progress-lines").start()
+            _open.append(self)
 
     def __enter__(self) -> PhaseLines:
         return self
@@ -96,16 +119,22 @@ class PhaseLines:
         return f"{self.desc} {done}{unit}" + (f", {self.postfix}" if self.postfix else "")
 
     def update(self, n: float = 1) -> None:
-        first = self.n == 0
-        self.n += n
-        now = clock()
+        with _lock:
+            first = self.n == 0
+            self.n += n
+            now = clock()
+            if first and self.estimate and self.total and 0 < self.n < self.total:
+                whole = (now - self.start) * self.total / self.n
+                if whole >= FIRST_LINE_S:
+                    self._write(f"{self.desc}: {_count(self.total)} {self.unit} in all; the first {_count(self.n)} "
+                                f"took {now - self.start:.1f} s, so about {whole:.0f} s in all", now)  # fmt: skip
+                    return
+            self.due(now)
+
+    def due(self, now: float) -> None:
+        """Write the line naming every open phase if the outermost has run :data:`FIRST_LINE_S` and the last line
+        is :data:`LINE_EVERY_S` old."""
         root = _open[0].start if _open else self.start
-        if first and self.estimate and self.total and 0 < self.n < self.total:
-            whole = (now - self.start) * self.total / self.n
-            if whole >= FIRST_LINE_S:
-                self._write(f"{self.desc}: {_count(self.total)} {self.unit} in all; the first {_count(self.n)} took "
-                            f"{now - self.start:.1f} s, so about {whole:.0f} s in all", now)  # fmt: skip
-                return
         if now - root >= FIRST_LINE_S and now - _last_line[0] >= LINE_EVERY_S:
             self._write(f"{' > '.join(bar.status() for bar in _open)}: {now - root:.0f} s elapsed", now)
 
@@ -116,11 +145,15 @@ class PhaseLines:
             bar.lines += 1
 
     def close(self) -> None:
-        if self not in _open:
-            return
-        if self is _open[0] and self.lines:  # the outermost, after lines were written: say it ended
-            self._write(f"{self.status()}: done in {clock() - self.start:.0f} s", clock())
-        _open.remove(self)
+        with _lock:
+            if self._stop is not None:
+                self._stop.set()
+            if self not in _open:
+                return
+            if self is _open[0] and self.lines:  # the outermost, after lines were written: say it ended
+                now = clock()
+                self._write(f"{self.status()}: done in {now - self.start:.0f} s", now)
+            _open.remove(self)
 
 
 def progress_bar(total: int | None, desc: str, progress: bool | None = None, *, estimate: bool = False,

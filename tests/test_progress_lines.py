@@ -27,15 +27,17 @@ HARNESS = """
 import itertools, runpy, sys
 import sharpness._progress as progress
 ticks = itertools.count(0.0, {step})
-progress.clock = lambda: next(ticks)
+progress.clock, progress.TICK_S = (lambda: next(ticks)), None
 sys.argv = [{package!r}, *{argv!r}]
 runpy.run_module({package!r}, run_name="__main__", alter_sys=True)
 """
 
 
 def _fake_clock(monkeypatch) -> None:
+    """Each reading of the clock is STEP_S fake seconds after the last; no ticker thread (it reads the clock too)."""
     ticks = itertools.count(0.0, STEP_S)
     monkeypatch.setattr(progress_module, "clock", lambda: next(ticks))
+    monkeypatch.setattr(progress_module, "TICK_S", None)
 
 
 def _cadence(lines: list[str]) -> list[tuple[str, int]]:
@@ -128,3 +130,16 @@ def test_a_grid_says_its_point_count_and_an_estimate_after_the_first_batch(monke
                         f"{5 * STEP_S:.0f} s in all")  # fmt: skip
     evaluate_grid(objective, directions, coords, batch=5, progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_a_phase_without_updates_gets_its_line_from_the_ticker(monkeypatch, capsys):
+    """A setup step with no loop (no update for minutes) is not silent: the ticker's look writes the line."""
+    _fake_clock(monkeypatch)
+    with progress_phase("measuring original model (symmetry)"), progress_bar(300, "lanczos", None):
+        for _ in range(13):  # the ticker's looks, one every STEP_S fake seconds from 6 s on, no update
+            progress_module._tick()
+    assert capsys.readouterr().err.splitlines() == [
+        "[sharpness] measuring original model (symmetry) > lanczos 0/300: 6 s elapsed",
+        "[sharpness] measuring original model (symmetry) > lanczos 0/300: 36 s elapsed",
+        "[sharpness] measuring original model (symmetry): done in 45 s",
+    ]

@@ -83,7 +83,8 @@ JITTER_FACTOR = 4.0
 def _rounding_jitter(obj: Objective, measures: tuple[Measure, ...], original: Mapping[str, tuple[float, ...]], k: int,
                      solver: Solver, seed: int, progress: bool | None) -> dict[str, float]:  # fmt: skip
     """``metric -> relative change`` of each measure at a copy of the weights perturbed by one rounding unit (each
-    weight times ``1 + eps z``, ``z`` standard normal), below float64 only.
+    weight times ``1 + eps z``, ``z`` standard normal), below float64 only (the caller passes the measures that
+    claim an invariance here).
 
     A rescaled copy in a short dtype is not the same function to the last bit: its weights are rounded, and at a
     ReLU or max-pool input within rounding of its kink the branch taken can flip, which moves the Hessian far more
@@ -196,8 +197,9 @@ class InvarianceReport:
             times ``jitter``.
         rounding: :func:`rounding_floor` of one eigenvalue in ``dtype`` for this network.
         tol_asked: the eigen-solver tolerance asked for (``tol`` where it was not raised).
-        jitter: ``metric -> relative change`` at a copy of the weights perturbed by one rounding unit (below float64
-            only; ``{}`` in float64): ``noise`` is at least :data:`JITTER_FACTOR` times it.
+        jitter: ``metric -> relative change`` at a copy of the weights perturbed by one rounding unit, for the metrics
+            that claim an invariance here (below float64 only; ``{}`` in float64): ``noise`` is at least
+            :data:`JITTER_FACTOR` times it.
     """
 
     metrics: tuple[str, ...]
@@ -600,7 +602,8 @@ def verify_invariance(
         converged[measure.name] = result.converged
     measured = tuple(m for m in measures if m.name in original)
     claims = {m.name: supported_claims(m.invariant_under, untestable) for m in measured}
-    jitter = _rounding_jitter(obj, measured, original, k, solver, rescalings.seed, progress)
+    claiming = tuple(m for m in measured if claims[m.name][0])  # the others have no verdict of invariance to guard
+    jitter = _rounding_jitter(obj, claiming, original, k, solver, rescalings.seed, progress)
 
     generator = torch.Generator().manual_seed(rescalings.seed)
     rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m.name: {kind: [] for kind in kinds} for m in measured}
