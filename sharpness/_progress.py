@@ -139,7 +139,10 @@ class PhaseLines:
             self._write(f"{' > '.join(bar.status() for bar in _open)}: {now - root:.0f} s elapsed", now)
 
     def _write(self, text: str, now: float) -> None:
-        print(f"[{_program()}] {text}", file=sys.stderr, flush=True)
+        try:
+            print(f"[{_program()}] {text}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # standard error closed or gone: a progress line is not worth failing for
+            pass
         _last_line[0] = now
         for bar in _open:
             bar.lines += 1
