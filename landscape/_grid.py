@@ -574,7 +574,7 @@ def _run(
     loss, hits = sums[:n_points], sums[n_points:-1]
     classify = True
     share = objective.data.n_samples  # this process's samples
-    bar = progress_bar(n_points, "grid points", progress, unit="pt")
+    bar = progress_bar(n_points, "grid points", progress, unit="pt", estimate=True)
     # attention as the Objective runs it: the math kernel, no fused MultiheadAttention fast path (which vmap
     # cannot batch and which takes another kernel than the one the measures differentiate)
     with torch.no_grad(), eval_mode(objective.model), math_attention(), bar:

@@ -10,6 +10,7 @@ is invariant under layer-wise rescaling only, and the node-wise quotient measure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from manifolds import UnsupportedModelError, analyze, functional_call
-from sharpness._progress import progress_bar
+from sharpness._progress import progress_bar, progress_phase
 from sharpness._results import jsonable, write_text_atomic
 from sharpness.measures._ball_rows import ball_rows
 from sharpness.measures._claims import (
@@ -40,7 +41,8 @@ from sharpness.products._objective import Objective, eval_mode
 from sharpness.solvers._solve import Solver
 
 KINDS = ALL_KINDS  # node, layer, attention, normalization, group: see sharpness.measures._draws
-VERDICTS = ("invariant", "changes", "FAILED")
+# "unresolved": the values agree within the noise floor, but that floor is above RESOLVABLE, so the dtype cannot tell
+VERDICTS = ("invariant", "changes", "FAILED", "unresolved")
 # What a whole report says: every claimed invariance held, one did not, or no claim could be checked.
 OUTCOMES = ("passed", "FAILED", "nothing to verify")
 
@@ -49,6 +51,69 @@ def _output_tolerance(dtype: torch.dtype) -> float:
     """Largest relative output change a rescaled copy may show before it counts as a different function."""
     # float64 rounding of a rescaled forward pass stays near 1e-15; 1e-6 leaves room for deep nets.
     return 1e-6 if dtype == torch.float64 else 1e-3
+
+
+# A noise floor above this is no check: a measure that is not invariant changes by O(1) under log-std 1 rescalings.
+RESOLVABLE = 1e-2
+
+
+def rounding_floor(dtype: torch.dtype, n: int) -> float:
+    """Relative rounding error of one computed top eigenvalue: ``sqrt(n) * eps`` of ``dtype``.
+
+    The eigenvalue is a Rayleigh quotient ``v^T H v`` of a Hessian-vector product accumulated over the ``n``
+    parameters; with independent rounding errors a sum of ``n`` terms is off by about ``sqrt(n)`` rounding units
+    relative to its size, not the worst case ``n`` (Higham and Mary, "A new approach to probabilistic rounding
+    error analysis", SIAM J. Sci. Comput. 2019). Measured: 1e-6 for a float32 MLP on digits (26k parameters,
+    floor 1.9e-5); 1e-5 to 6e-5 reported for a float32 ResNet-20 in issue 36 (270k, floor 6.2e-5 per eigenvalue).
+
+    Args:
+        dtype: the evaluation dtype.
+        n: the number of parameters (the operator's size).
+
+    Returns:
+        The floor, relative to the eigenvalue (2.2e-16 * sqrt(n) in float64, 1.2e-7 * sqrt(n) in float32).
+    """
+    return math.sqrt(max(n, 1)) * torch.finfo(dtype).eps
+
+
+# The rounding-perturbed copy's change is one draw of the noise a rescaled copy shows, so the floor takes a multiple:
+# reproducing the flatness paper's tables, float32 changes of rescaled copies stayed within 4x such a floor.
+JITTER_FACTOR = 4.0
+
+
+def _rounding_jitter(obj: Objective, measures: tuple[Measure, ...], original: Mapping[str, tuple[float, ...]], k: int,
+                     solver: Solver, seed: int, progress: bool | None) -> dict[str, float]:  # fmt: skip
+    """``metric -> relative change`` of each measure at a copy of the weights perturbed by one rounding unit (each
+    weight times ``1 + eps z``, ``z`` standard normal), below float64 only (the caller passes the measures that
+    claim an invariance here).
+
+    A rescaled copy in a short dtype is not the same function to the last bit: its weights are rounded, and at a
+    ReLU or max-pool input within rounding of its kink the branch taken can flip, which moves the Hessian far more
+    than ``sqrt(n) eps`` (a float32 LeNet: 2e-4). This measures that sensitivity directly, for one more solve per
+    measure. In float64 it is far below any useful ``rtol`` and not measured (``{}``).
+    """
+    if obj.dtype == torch.float64:
+        return {}
+    generator = torch.Generator().manual_seed(seed + 1)  # the same draw on every process of a group
+    eps = torch.finfo(obj.dtype).eps
+    nudged = obj.with_params({
+        name: p * (1 + eps * torch.randn(p.shape, generator=generator, dtype=torch.float64)).to(p)
+        for name, p in obj.params.items()
+    })  # fmt: skip
+    jitter = {}
+    for measure in measures:
+        with progress_phase(f"measuring a rounding-perturbed copy ({measure.name})", progress):
+            result = measure.solve(nudged, k, solver, progress=progress)
+        jitter[measure.name] = relative_difference(original[measure.name], _as_floats(result.eigenvalues))
+    return jitter
+
+
+def _solve_error(eigenvalues: Tensor, residuals: Tensor, floor: float) -> float:
+    """Absolute error bound of the top ``k`` eigenvalues of one solve: the largest eigenpair residual
+    ``||A v - theta v||`` (a symmetric operator has an eigenvalue within it of ``theta``), at least the rounding
+    ``floor`` (relative to the largest ``|theta|``: rounding is relative to the operator's size, not to each value)."""
+    values = eigenvalues.double().abs().cpu()
+    return max(float((residuals.double().cpu() * values).max()), floor * float(values.max()))
 
 
 def relative_difference(original: Tensor | list[float], rescaled: Tensor | list[float]) -> float:
@@ -107,14 +172,16 @@ class InvarianceReport:
         output_differences: ``kind -> (trials,)`` max relative difference of the copies' outputs from
             the original's over the data set (rounding only: the copies compute the same function).
         converged: ``metric -> whether every eigen-solve of that metric met tol``.
-        rtol: relative difference up to which a metric counts as invariant.
+        rtol: relative difference up to which a metric counts as invariant, asked for; raised per row to the
+            noise floor where the dtype or the solver cannot resolve it (see ``noise``).
         trials: rescaled copies per kind.
         scale: standard deviation of the log rescaling factors.
         k: eigenvalues compared per measure.
         seed: seed of the rescalings.
         dtype: evaluation dtype (``"float64"``).
         method: eigen-solver.
-        tol: eigen-solver tolerance.
+        tol: eigen-solver tolerance used: the one asked for, raised to ``rounding`` where it was below (see
+            ``tol_asked``).
         skipped: ``metric -> reason`` (one sentence) for registered metrics that do not apply to this model or
             at these weights.
         seconds: wall time of the whole check.
@@ -124,6 +191,16 @@ class InvarianceReport:
         claim_notes: ``metric -> sentence`` for each metric whose general claim was cut (see ``claims``).
         group: the rescaling group the copies were drawn from (``dim``, ``layer_dim``, ``pinned`` ...; see
             `sharpness.measures._claims.group_summary`).
+        noise: ``metric -> kind -> relative noise floor``: the largest, over the copies, of the two compared
+            eigenvalues' error bounds (each its residual ``||A v - theta v||``, at least ``rounding``), summed and
+            divided by the original top eigenvalue. A difference below it cannot be told from rounding and solver
+            error; the row's tolerance is ``max(rtol, noise)`` (`tolerance`). At least `JITTER_FACTOR`
+            times ``jitter``.
+        rounding: `rounding_floor` of one eigenvalue in ``dtype`` for this network.
+        tol_asked: the eigen-solver tolerance asked for (``tol`` where it was not raised).
+        jitter: ``metric -> relative change`` at a copy of the weights perturbed by one rounding unit, for the metrics
+            that claim an invariance here (below float64 only; ``{}`` in float64): ``noise`` is at least
+            `JITTER_FACTOR` times it.
     """
 
     metrics: tuple[str, ...]
@@ -148,6 +225,18 @@ class InvarianceReport:
     skipped_kinds: dict[str, str] = field(default_factory=dict)
     claim_notes: dict[str, str] = field(default_factory=dict)
     group: dict = field(default_factory=dict)
+    noise: dict[str, dict[str, float]] = field(default_factory=dict)
+    rounding: float = 0.0
+    tol_asked: float | None = None
+    jitter: dict[str, float] = field(default_factory=dict)
+
+    def tolerance(self, metric: str, kind: str) -> float:
+        """Relative difference up to which ``metric`` counts as unchanged under ``kind``: ``max(rtol, noise)``."""
+        return max(self.rtol, self.noise.get(metric, {}).get(kind, 0.0))
+
+    def resolvable(self, metric: str, kind: str) -> bool:
+        """Whether the row's noise floor is small enough (at most `RESOLVABLE`) for a verdict of invariance."""
+        return self.noise.get(metric, {}).get(kind, 0.0) <= RESOLVABLE
 
     def max_relative_difference(self, metric: str, kind: str) -> float:
         """Largest relative difference of ``metric`` over the copies rescaled by ``kind``."""
@@ -158,10 +247,11 @@ class InvarianceReport:
         return kind in self.claims[metric]
 
     def verdict(self, metric: str, kind: str) -> str:
-        """``"invariant"`` (within ``rtol``), ``"changes"`` (not claimed invariant, and changed) or
-        ``"FAILED"`` (claimed invariant, but changed beyond ``rtol``)."""
-        if self.max_relative_difference(metric, kind) <= self.rtol:
-            return "invariant"
+        """``"invariant"`` (within `tolerance`), ``"changes"`` (not claimed invariant, and changed),
+        ``"FAILED"`` (claimed invariant, but changed beyond `tolerance`) or ``"unresolved"`` (within the
+        noise floor, but that floor is above `RESOLVABLE`: the dtype or the solver cannot tell)."""
+        if self.max_relative_difference(metric, kind) <= self.tolerance(metric, kind):
+            return "invariant" if self.resolvable(metric, kind) else "unresolved"
         return "FAILED" if self.claims_invariance(metric, kind) else "changes"
 
     @property
@@ -171,13 +261,16 @@ class InvarianceReport:
 
     @property
     def checked(self) -> tuple[tuple[str, str], ...]:
-        """The ``(metric, kind)`` pairs whose claimed invariance was put to the test."""
-        return tuple((m, kind) for m in self.metrics for kind in self.kinds if self.claims_invariance(m, kind))
+        """The ``(metric, kind)`` pairs whose claimed invariance was put to the test (an ``"unresolved"`` one was
+        not: the dtype could not tell)."""
+        return tuple((m, kind) for m in self.metrics for kind in self.kinds
+                     if self.claims_invariance(m, kind) and self.verdict(m, kind) != "unresolved")  # fmt: skip
 
     @property
     def outcome(self) -> str:
         """``"FAILED"`` (a metric changed under a rescaling it claims invariance under), ``"nothing to verify"``
-        (no claimed invariance could be tested: no rescaling kind applied, or no measured metric claims one) or
+        (no claimed invariance could be tested: no rescaling kind applied, no measured metric claims one, or the
+        dtype could not resolve any) or
         ``"passed"``."""
         if any(self.verdict(m, kind) == "FAILED" for m, kind in self.checked):
             return "FAILED"
@@ -202,7 +295,8 @@ class InvarianceReport:
         lines = [
             f"Sharpness under random function-preserving rescalings ({self.trials} per kind, "
             f"log-std {self.scale:g}, {self.dtype}, top {self.k} eigenvalue{'s' if self.k > 1 else ''}, "
-            f"{self.method} tol {self.tol:.0e})",
+            f"{self.method} tol {self.tol:.1e})",
+            *self.tolerance_lines(),
         ]
         if self.group:
             lines.append(describe_group(self.group))
@@ -210,7 +304,7 @@ class InvarianceReport:
             lines.append(f"max relative output difference of the rescaled copies: {out_diffs}")
         lines.append("")
         header = ("metric", "rescaling", "claims invariance", "original", "min rescaled", "max rescaled",
-                  "max rel diff", "verdict")
+                  "max rel diff", "tolerance", "verdict")
         rows = []
         for m in self.metrics:
             for kind in self.kinds:
@@ -223,9 +317,10 @@ class InvarianceReport:
                     f"{min(tops):.4g}",
                     f"{max(tops):.4g}",
                     f"{self.max_relative_difference(m, kind):.2e}",
+                    f"{self.tolerance(m, kind):.1e}",
                     self.verdict(m, kind),
                 ))
-        rows.extend((m, "-", "-", "-", "-", "-", "-", f"skipped: {self.skip_reasons.get(m, 'does not apply')}")
+        rows.extend((m, "-", "-", "-", "-", "-", "-", "-", f"skipped: {self.skip_reasons.get(m, 'does not apply')}")
                     for m in self.skipped)  # fmt: skip
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
@@ -235,12 +330,23 @@ class InvarianceReport:
         lines.extend(f"{kind}-wise rescalings: skipped: {reason}" for kind, reason in self.skipped_kinds.items())
         for m in (*self.metrics, *self.skipped):
             lines.extend(detail_lines(m, {"skipped": self.skipped.get(m), "invariance_note": self.claim_notes.get(m)}))
+        raised = [f"{m} under {kind} {self.tolerance(m, kind):.1e}" for m in self.metrics for kind in self.kinds
+                  if self.claims_invariance(m, kind) and self.tolerance(m, kind) > self.rtol]  # fmt: skip
+        if raised:
+            lines.append(f"rtol {self.rtol:.0e} is below the noise floor in {self.dtype}, so these are checked to "
+                         f"their floor: {', '.join(raised)} (smaller differences are not resolvable in {self.dtype}"
+                         f"{'; use float64' if self.dtype != 'float64' else ''})")
         failed = [f"{m} under {kind}" for m, kind in self.checked if self.verdict(m, kind) == "FAILED"]
+        loosest = max((self.tolerance(m, kind) for m, kind in self.checked), default=self.rtol)
         if failed:
-            lines.append(f"FAILED: changed by more than rtol={self.rtol:.0e} although claimed invariant: "
-                         f"{', '.join(failed)}")
+            lines.append(f"FAILED: changed by more than rtol={self.rtol:.0e} (or the row's noise floor where higher) "
+                         f"although claimed invariant: {', '.join(failed)}")
         elif self.checked:
-            lines.append(f"passed: every claimed invariance holds to rtol={self.rtol:.0e}")
+            lines.append(f"passed: every claimed invariance holds to rtol={self.rtol:.0e}" + (
+                f", or its row's noise floor where higher (up to {loosest:.1e})" if loosest > self.rtol else ""))
+        elif any(self.verdict(m, kind) == "unresolved" for m in self.metrics for kind in self.kinds):
+            lines.append(f"nothing to verify: every claimed invariance is within a noise floor above {RESOLVABLE:g}, "
+                         f"not resolvable in {self.dtype}; use float64 or a tighter solver tol")
         else:
             lines.append("nothing to verify: no measured metric claims an invariance under a rescaling this network "
                          "has, so no claim was tested")
@@ -249,6 +355,20 @@ class InvarianceReport:
             lines.append(f"warning: the eigen-solver did not reach tol for {', '.join(unconverged)}; "
                          "raise max_iter or tol")
         return "\n".join(lines)
+
+    def tolerance_lines(self) -> list[str]:
+        """What the verdicts' tolerance was and why: the header lines of `table`."""
+        lines = [f"verdict tolerance per row: max(rtol {self.rtol:.0e}, noise floor), noise floor = the two "
+                 f"eigenvalues' residual bounds |A v - theta v|, each at least the {self.dtype} rounding "
+                 f"sqrt(n) eps = {self.rounding:.1e}"]
+        if self.jitter:
+            moved = ", ".join(f"{m} {v:.1e}" for m, v in self.jitter.items())
+            lines.append(f"  and at least {JITTER_FACTOR:g}x the change at weights perturbed by one {self.dtype} "
+                         f"rounding unit: {moved}")
+        if self.tol_asked is not None and self.tol_asked < self.tol:
+            lines.append(f"solver tol {self.tol_asked:.0e} asked for is below what {self.dtype} resolves; raised to "
+                         f"{self.tol:.1e} (sqrt(n) eps)")
+        return lines
 
     def __str__(self) -> str:
         return self.table()
@@ -279,6 +399,11 @@ class InvarianceReport:
             "skipped_kinds": self.skipped_kinds,
             "claim_notes": self.claim_notes,
             "group": self.group,
+            "noise": self.noise,
+            "rounding": self.rounding,
+            "tol_asked": self.tol_asked,
+            "jitter": self.jitter,
+            "tolerances": {m: {kind: self.tolerance(m, kind) for kind in self.kinds} for m in self.metrics},
             "max_relative_differences": {
                 m: {kind: self.max_relative_difference(m, kind) for kind in self.kinds} for m in self.metrics
             },
@@ -319,6 +444,10 @@ class InvarianceReport:
             skipped_kinds=dict(d.get("skipped_kinds", {})),
             claim_notes=dict(d.get("claim_notes", {})),
             group=dict(d.get("group", {})),
+            noise={m: {kind: float(v) for kind, v in per_kind.items()} for m, per_kind in d.get("noise", {}).items()},
+            rounding=float(d.get("rounding", 0.0)),
+            tol_asked=None if d.get("tol_asked") is None else float(d["tol_asked"]),
+            jitter={m: float(v) for m, v in d.get("jitter", {}).items()},
         )
 
     def save_json(self, path: str | os.PathLike) -> None:
@@ -410,7 +539,8 @@ def verify_invariance(
         solver: eigen-solver settings (default ``Solver(tol=1e-10)``: tight, so solver error stays far
             below ``rtol``).
         dtype: evaluation dtype; float64 keeps rounding well below ``rtol``.
-        progress: progress bar over the (kind, trial) pairs (``None``: only on a terminal).
+        progress: progress of every solve and over the (kind, trial) pairs: ``None``, bars on a terminal and phase
+            lines on standard error without one (see `sharpness.io.progress_bar`); ``False``: nothing.
         distributed: share the data among the processes of a ``torch.distributed`` group (see
             `Objective`); the rescalings are process 0's.
         balls: a radius ``rho``: also recompute second-order geodesic sharpness on the symmetry measure's metric
@@ -471,28 +601,41 @@ def verify_invariance(
     skipped_kinds = {kind: untestable[kind] for kind in draws.kinds if kind in untestable}
     kinds, trials = tuple(kind for kind in draws.kinds if kind not in untestable), rescalings.trials
 
+    # Neither the solver nor the verdict can resolve less than rounding: a tolerance below it is raised to it.
+    rounding = rounding_floor(obj.dtype, obj.layout.size)
+    tol_asked = solver.tol
+    if solver.tol < rounding:
+        solver = dataclasses.replace(solver, tol=rounding)
+
     original: dict[str, tuple[float, ...]] = {}
+    errors: dict[str, float] = {}  # absolute error bound of each original solve
     converged: dict[str, bool] = {}
     skipped: dict[str, dict] = {}
     for measure in measures if kinds else ():
         try:
-            result = measure.solve(obj, k, solver, progress=False)
+            with progress_phase(f"measuring original model ({measure.name})", progress):
+                result = measure.solve(obj, k, solver, progress=progress)
         except UnsupportedModelError as err:
             if explicit:
                 raise
             skipped[measure.name] = skip_entry(err)
             continue
         original[measure.name] = _as_floats(result.eigenvalues)
+        errors[measure.name] = _solve_error(result.eigenvalues, result.residuals, rounding)
         converged[measure.name] = result.converged
     measured = tuple(m for m in measures if m.name in original)
     claims = {m.name: supported_claims(general_claim(m.invariant_under), untestable) for m in measured}
+    claiming = tuple(m for m in measured if claims[m.name][0])  # the others have no verdict of invariance to guard
+    jitter = _rounding_jitter(obj, claiming, original, k, solver, rescalings.seed, progress)
 
     generator = torch.Generator().manual_seed(rescalings.seed)
     rescaled: dict[str, dict[str, list[tuple[float, ...]]]] = {m.name: {kind: [] for kind in kinds} for m in measured}
+    noise: dict[str, dict[str, float]] = {m.name: {kind: 0.0 for kind in kinds} for m in measured}
     output_differences: dict[str, list[float]] = {kind: [] for kind in kinds}
     limit = _output_tolerance(obj.dtype)
     with progress_bar(len(kinds) * trials, "rescaled copies", progress) as bar:
         for kind in kinds:
+            bar.set_postfix(kind=kind, refresh=False)
             for trial in range(trials):
                 twin = obj.with_params(draws.draw(kind, obj.params, rescalings.scale, generator, obj.comm.broadcast_))
                 difference = _output_difference(obj, twin)
@@ -505,11 +648,15 @@ def verify_invariance(
                     )
                 output_differences[kind].append(difference)
                 for measure in measured:
-                    result = measure.solve(twin, k, solver, progress=False)
+                    with progress_phase(f"{kind}-wise copy {trial + 1}/{trials} ({measure.name})", progress):
+                        result = measure.solve(twin, k, solver, progress=progress)
                     rescaled[measure.name][kind].append(_as_floats(result.eigenvalues))
+                    both = errors[measure.name] + _solve_error(result.eigenvalues, result.residuals, rounding)
+                    scale = max(abs(v) for v in original[measure.name])
+                    floor = max(both / scale if scale > 0 else math.inf, JITTER_FACTOR * jitter.get(measure.name, 0.0))
+                    noise[measure.name][kind] = max(noise[measure.name][kind], floor)
                     converged[measure.name] = converged[measure.name] and result.converged
                 bar.update(1)
-                bar.set_postfix(kind=kind, refresh=False)
 
     return InvarianceReport(
         metrics=tuple(m.name for m in measured),
@@ -537,4 +684,8 @@ def verify_invariance(
         skipped_kinds=skipped_kinds,
         claim_notes={name: note for name, (_, note) in claims.items() if note},
         group={**group_summary(groups), **draws.summary()},
+        noise=noise,
+        rounding=rounding,
+        tol_asked=float(tol_asked),
+        jitter=jitter,
     )
