@@ -1,11 +1,11 @@
 """Progress of long loops: tqdm bars on a terminal, plain phase lines without one (logs, ``nohup``), silenceable.
 
-Without a terminal a bar is replaced by :class:`PhaseLines`: nothing for a phase shorter than
-:data:`FIRST_LINE_S`, then a line on standard error at least every :data:`LINE_EVERY_S` seconds naming every open
+Without a terminal a bar is replaced by `PhaseLines`: nothing for a phase shorter than
+`FIRST_LINE_S`, then a line on standard error at least every `LINE_EVERY_S` seconds naming every open
 phase and bar, e.g. ``[sharpness] measuring original model (node) > lanczos 40/300, residual=1.2e-03: 62 s
 elapsed``, and a closing line with the total time. A bar made with ``estimate=True`` (grids) also says, after its
-first update, how long the whole loop will take, when that is longer than :data:`FIRST_LINE_S`. Lines come with
-updates, and from a background thread (every :data:`TICK_S` s) where an update is late. The clock is :data:`clock`
+first update, how long the whole loop will take, when that is longer than `FIRST_LINE_S`. Lines come with
+updates, and from a background thread (every `TICK_S` s) where an update is late. The clock is `clock`
 (tests put a fake monotonic clock there, and no ticker).
 """
 
@@ -39,7 +39,7 @@ _lock = threading.RLock()  # the open phases are read by the ticker thread too
 
 
 def _tick() -> None:
-    """Write the elapsed line if one is due (what the ticker thread does every :data:`TICK_S` seconds)."""
+    """Write the elapsed line if one is due (what the ticker thread does every `TICK_S` seconds)."""
     with _lock:
         if _open:
             _open[-1].due(clock())
@@ -132,8 +132,8 @@ class PhaseLines:
             self.due(now)
 
     def due(self, now: float) -> None:
-        """Write the line naming every open phase if the outermost has run :data:`FIRST_LINE_S` and the last line
-        is :data:`LINE_EVERY_S` old."""
+        """Write the line naming every open phase if the outermost has run `FIRST_LINE_S` and the last line
+        is `LINE_EVERY_S` old."""
         root = _open[0].start if _open else self.start
         if now - root >= FIRST_LINE_S and now - _last_line[0] >= LINE_EVERY_S:
             self._write(f"{' > '.join(bar.status() for bar in _open)}: {now - root:.0f} s elapsed", now)
@@ -161,7 +161,7 @@ class PhaseLines:
 
 def progress_bar(total: int | None, desc: str, progress: bool | None = None, *, estimate: bool = False,
                  **kwargs) -> tqdm | PhaseLines:  # fmt: skip
-    """A progress bar: a tqdm bar on a terminal, plain phase lines (:class:`PhaseLines`) without one.
+    """A progress bar: a tqdm bar on a terminal, plain phase lines (`PhaseLines`) without one.
 
     Args:
         total: iterations expected (``None``: unknown).
@@ -187,7 +187,7 @@ def progress_bar(total: int | None, desc: str, progress: bool | None = None, *, 
 def progress_phase(label: str, progress: bool | None = None) -> Iterator[None]:
     """Name a phase around inner loops: their bars (on a terminal) or phase lines (without one) say ``label``.
 
-    ``progress`` is as for :func:`progress_bar` (``False``: nothing).
+    ``progress`` is as for `progress_bar` (``False``: nothing).
     """
     lines = PhaseLines(None, label) if _enabled(progress) and _lines_wanted(progress) else None
     _phases.append(label)
