@@ -107,3 +107,23 @@ def test_unknown_hyperparameter_or_colour_column_is_refused_before_any_work(stud
         assert not (tmp_path / "out").exists()
     assert main(["study", "--builtin", "--out", str(tmp_path / "cli"), "--color-by", "width"]) == 2
     assert not (tmp_path / "cli").exists()
+
+
+def test_command_line_takes_the_hyperparameters_and_colour_column(studies, tmp_path, capsys):
+    import shutil
+
+    from sharpness._cli import main
+
+    rescaled = studies[1]
+    out = tmp_path / "again"
+    shutil.copytree(rescaled.out_dir, out)  # the stored rows: only the statistics and the report are redone
+    manifest = Path(rescaled.out_dir).parent / "population" / "manifest_rescaled.csv"
+    argv = ["study", str(manifest), "--out", str(out), "--quiet", "--hyper", "width", "--hyper", "lr",
+            "--color-by", "seed", *(f"--metric={m}" for m in MEASURES)]  # fmt: skip
+    assert main(argv) == 0
+    assert "0 measured now, 6 read" in capsys.readouterr().out
+    summary = pd.read_csv(out / "summary.csv")
+    assert list(summary.columns)[7:] == ["tau_width", "tau_lr"]  # after measure, tau, psi and their intervals
+    assert "rescaled" in pd.read_csv(out / "table.csv").columns
+    with Image.open(out / "scatter.png") as image:
+        assert image.text["Description"].endswith("coloured by seed")
