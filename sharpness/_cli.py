@@ -579,32 +579,35 @@ def _study(args: argparse.Namespace) -> int:
     if args.quick and not args.builtin:
         raise SpecError("--quick applies to --builtin only")
     progress = False if args.quiet else None
-    studies = _builtin_studies(args.out, args.quick, progress) if args.builtin else [(args.manifest, args.out)]
-    for manifest, out in studies:
+    if args.builtin and (args.hyper or args.color_by):
+        raise SpecError("--hyper and --color-by apply to a manifest; the built-in studies choose their own")
+    studies = (_builtin_studies(args.out, args.quick, progress) if args.builtin
+               else [(args.manifest, args.out, {"hyper_columns": args.hyper, "color_by": args.color_by})])  # fmt: skip
+    for manifest, out, report_options in studies:
         result = run_study(
             manifest, out, args.metric, args.jobs, progress, k=args.k, tol=args.tol, method=args.method,
-            dtype=args.dtype, device=args.device, memory_mib=args.memory_mib, timeout=args.timeout,
+            dtype=args.dtype, device=args.device, memory_mib=args.memory_mib, timeout=args.timeout, **report_options,
         )  # fmt: skip
         if not quiet_process():
             print(_study_lines(result))
     return 0
 
 
-def _builtin_studies(out: str, quick: bool, progress: bool | None) -> list[tuple[str, str]]:
+def _builtin_studies(out: str, quick: bool, progress: bool | None) -> list[tuple[str, str, dict]]:
     """Train the built-in population (resumably) under ``out/population``; the studies of its two manifests
-    (as trained, and with half the checkpoints randomly rescaled) with their output folders."""
+    (as trained, and with half the checkpoints randomly rescaled): manifest, output folder and the options of
+    each (`sharpness.study._builtin.builtin_studies`)."""
     if launched_processes() > 1:
         raise SpecError("--builtin trains its population in one process; run it without torchrun")
     try:
-        from sharpness.study._builtin import train_builtin_population
+        from sharpness.study._builtin import builtin_studies
     except ModuleNotFoundError as exc:
         if exc.name != "sharpness.study._builtin":
             raise
         raise SpecError("this installation has no built-in population (sharpness.study._builtin); give a manifest "
                         "instead") from None  # fmt: skip
-    manifest = train_builtin_population(os.path.join(out, "population"), rescaled=True, quick=quick, progress=progress)
-    rescaled = os.path.join(os.path.dirname(manifest), "manifest_rescaled.csv")
-    return [(os.fspath(manifest), os.path.join(out, "study")), (rescaled, os.path.join(out, "study_rescaled"))]
+    return [(os.fspath(manifest), os.fspath(folder), options)
+            for manifest, folder, options in builtin_studies(out, quick=quick, progress=progress)]  # fmt: skip
 
 
 def _study_lines(result) -> str:
@@ -745,6 +748,13 @@ def _parser() -> argparse.ArgumentParser:
         "--metric", action="append",
         help=f"repeatable; one of {', '.join(MEASURES)}, or all (default: all; what does not apply is skipped)",
     )  # fmt: skip
+    study.add_argument(
+        "--hyper", action="append", metavar="COLUMN",
+        help="repeatable: the manifest columns that are hyperparameters of the granulated tau (default: every "
+        "column besides id, model, checkpoint, train, test; the others are kept in the table as labels)",
+    )  # fmt: skip
+    study.add_argument("--color-by", metavar="COLUMN", help="the manifest column colouring the scatter plots "
+                       "(default: the first hyperparameter with 2 to 10 values)")  # fmt: skip
     study.add_argument("--jobs", type=int, default=1, help="worker processes measuring rows at once (default: 1)")
     study.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
     study.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")

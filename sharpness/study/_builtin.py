@@ -205,3 +205,36 @@ def _write_rescaled(out: Path, rows: list[dict], seed: int) -> None:
             _write_tensors(path, twin.state_dict())
         twin_rows.append({**row, "checkpoint": f"checkpoints/{path.name}", "rescaled": 1})
     _write_manifest(out / "manifest_rescaled.csv", twin_rows)
+
+
+def builtin_studies(
+    out_dir: str | os.PathLike, *, quick: bool = False, seed: int = 0, progress=None
+) -> list[tuple[Path, Path, dict]]:
+    """Train the built-in population (with its rescaled copy) under ``out_dir/population`` and say how to study it.
+
+    Two studies: the population as trained (``out_dir/study``) and with half the checkpoints randomly rescaled
+    (``out_dir/study_rescaled``). The second colours its points by the ``rescaled`` column and leaves that
+    column out of the hyperparameters: a rescaling changes no trained network, so the granulated tau must group
+    the rows exactly as in the first study, and the invariant measures' statistics then agree between the two.
+
+    Args:
+        out_dir: the folder (created if needed).
+        quick: the small population of `QUICK_GRID` (for tests).
+        seed: as for `train_builtin_population`.
+        progress: as for `train_builtin_population`.
+
+    Returns:
+        ``[(manifest, output folder, options), ...]``, the options being keyword arguments of
+        `sharpness.study.run_study` (``hyper_columns``, ``color_by``).
+
+    Raises:
+        ValueError: as `train_builtin_population`.
+        RuntimeError: as `train_builtin_population`.
+    """
+    out = Path(out_dir)
+    manifest = train_builtin_population(out / "population", rescaled=True, quick=quick, seed=seed, progress=progress)
+    return [
+        (manifest, out / "study", {}),
+        (manifest.parent / "manifest_rescaled.csv", out / "study_rescaled",
+         {"hyper_columns": list(GRID), "color_by": "rescaled"}),
+    ]  # fmt: skip

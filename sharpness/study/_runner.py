@@ -87,7 +87,8 @@ class StudyResult:
             eigenvalue; NaN where it does not apply).
         skipped: ``{id: {measure: reason}}`` for the measures that did not apply.
         measures: the measure columns of the table.
-        hyper_columns: the hyperparameter columns of the table.
+        hyper_columns: the hyperparameter columns of the statistics (the table also holds the manifest's other
+            columns, as labels).
         summary: the statistics per measure (``sharpness.study._stats.summarize``), where available.
         out_dir: the folder the outputs were written to.
         computed: ids measured by this run (the others were read from the store).
@@ -127,6 +128,8 @@ def run_study(
     memory_mib: float | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     report: bool = True,
+    hyper_columns: list[str] | None = None,
+    color_by: str | None = None,
 ) -> StudyResult:
     """Measure every row of a manifest, store each row as it is finished, and write the table.
 
@@ -150,6 +153,11 @@ def run_study(
         memory_mib: memory budget for activations per process, in MiB (``None``: the default of the device).
         timeout: under ``torchrun``, seconds a process waits for the others (their rows included) at the end.
         report: also compute the statistics and write the report (where that part is installed).
+        hyper_columns: the manifest columns that are hyperparameters of the granulated tau; ``None``: every column
+            besides the required ones. The others are labels: kept in the table, not grouped by (say a
+            ``rescaled`` flag, which changes no trained model and so is no hyperparameter).
+        color_by: the manifest column colouring the report's scatter plots (``None``: the first hyperparameter
+            with 2 to 10 distinct values).
 
     Returns:
         The `StudyResult`.
@@ -158,7 +166,7 @@ def run_study(
         SpecError: a bad option, or a bad manifest
             (`sharpness.study._manifest.ManifestError`, naming the row): missing files, a model spec that
             does not build or does not fit its checkpoint, data the model cannot take, repeated ids, a column
-            mixing numbers and text.
+            mixing numbers and text; a ``hyper_columns`` or ``color_by`` entry that is not a column of the manifest.
     """
     options = _options(measures, k, tol, method, dtype, device, memory_mib)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -175,6 +183,7 @@ def run_study(
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SpecError(f"the output folder {out_dir} exists and is not a folder")
     parsed = read_manifest(manifest, reserved=tuple(MEASURES))
+    hyper = _hyper_columns(parsed, hyper_columns, color_by)
     inputs = (os.fspath(manifest), *(row.checkpoint_path for row in parsed.rows))
     outputs = [("the table", os.path.join(out_dir, "table.csv")),
                ("the skipped measures", os.path.join(out_dir, "skipped.json"))]  # fmt: skip
@@ -202,10 +211,28 @@ def run_study(
         raise SpecError(f"the stored result of manifest {lost[0].where()} was replaced while this study ran; "
                         f"give each study its own output folder ({out_dir} is shared)")  # fmt: skip
     result = _tabulate(parsed, records, options)
+    result.hyper_columns = hyper
     result.out_dir, result.computed = out_dir, [row.id for row in parsed.rows if row.id in computed]
     if world == 1 or launch_rank() == 0:
-        _write_outputs(result, report)
+        _write_outputs(result, report, color_by)
     return result
+
+
+def _hyper_columns(manifest: Manifest, hyper_columns: list[str] | None, color_by: str | None) -> list[str]:
+    """The hyperparameter columns of the statistics, checked against the manifest's columns (as is ``color_by``)."""
+    columns = list(manifest.hyper_columns)
+    if hyper_columns is None:
+        chosen = columns
+    else:
+        chosen = [hyper_columns] if isinstance(hyper_columns, str) else list(hyper_columns)
+        if len(set(chosen)) != len(chosen):
+            raise SpecError(f"hyperparameter columns repeat: {', '.join(chosen)}; name each once")
+    for name, what in [*((c, "hyperparameter") for c in chosen), *([(color_by, "colour")] if color_by else [])]:
+        if name not in columns:
+            have = ", ".join(columns) or "none"
+            raise ManifestError(f"the {what} column {name!r} is not a column of the manifest {manifest.path} (its "
+                                f"columns besides the required ones: {have})")  # fmt: skip
+    return chosen
 
 
 def _options(measures, k, tol, method, dtype, device, memory_mib) -> StudyOptions:
@@ -367,7 +394,7 @@ def _tabulate(manifest: Manifest, records: dict[str, dict], options: StudyOption
                        hyper_columns=list(manifest.hyper_columns))  # fmt: skip
 
 
-def _write_outputs(result: StudyResult, report: bool) -> None:
+def _write_outputs(result: StudyResult, report: bool, color_by: str | None = None) -> None:
     """``table.csv`` and ``skipped.json``, then the statistics and the report where that part is installed."""
     out = result.out_dir
     table_path, skipped_path = os.path.join(out, "table.csv"), os.path.join(out, "skipped.json")
@@ -375,10 +402,10 @@ def _write_outputs(result: StudyResult, report: bool) -> None:
     write_text_atomic(skipped_path, json.dumps(result.skipped, indent=2) + "\n")
     result.files = [table_path, skipped_path]
     if report:
-        _statistics_and_report(result)
+        _statistics_and_report(result, color_by)
 
 
-def _statistics_and_report(result: StudyResult) -> None:
+def _statistics_and_report(result: StudyResult, color_by: str | None = None) -> None:
     """``summary.csv`` and the report, from `sharpness.study._stats` and `sharpness.study._report`;
     without those modules (an installation without them) the table alone is the result."""
     try:
@@ -392,5 +419,6 @@ def _statistics_and_report(result: StudyResult) -> None:
     result.summary = summarize(result.table, measured, result.hyper_columns)
     summary_path = os.path.join(result.out_dir, "summary.csv")
     write_text_atomic(summary_path, result.summary.to_csv(index=False))
-    written = write_report(result.table, result.summary, result.out_dir, measured, result.hyper_columns)
+    written = write_report(result.table, result.summary, result.out_dir, measured, result.hyper_columns,
+                           color_by=color_by)  # fmt: skip
     result.files += [summary_path, *map(os.fspath, written)]
