@@ -97,7 +97,8 @@ def _problem_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, default_dtype="float32")
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """The arguments of ``plane`` and ``line`` (``command``), which differ only in what ``line`` adds."""
     _problem_arguments(parser)
     parser.add_argument("--directions", default="random", choices=("random", "eigen", "invariant-eigen", "gspace"),
                         help="random Gaussian directions (default), top Euclidean Hessian eigenvectors, top "
@@ -127,10 +128,11 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default; the first-order retraction) or geodesics Exp_theta(a ξ1 + b ξ2) of the "
                              "quotient metric (exact exponential map: the surface of a rescaled copy of the network "
                              "is the same)")  # fmt: skip
+    with_to = ", or 41 with --to" if command == "line" else ""
     parser.add_argument("--steps", type=_positive_int,
-                        help="grid points per axis (default 51, or 41 with --to; the grid always contains the "
+                        help=f"grid points per axis (default 51{with_to}; the grid always contains the "
                              "model itself)")  # fmt: skip
-    _grid_arguments(parser, name=None, name_help="plane or line")
+    _grid_arguments(parser, name=None, name_help=command)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,13 +163,13 @@ def _parser() -> argparse.ArgumentParser:
         "--path geodesic: Exp_theta(a d1 + b d2); with --directions gspace: w(v + a d1 + b d2) in G-space). Writes "
         "NAME.npz + NAME.json (redraw without recomputing), NAME.png (contour + 3D) and NAME.html (interactive).",
     )  # fmt: skip
-    _model_arguments(plane)
+    _model_arguments(plane, "plane")
     line = sub.add_parser(
         "line", help="loss along a line, or along the segment to a second checkpoint",
         description="Whole-data-set loss and accuracy along theta + t d: one direction as for 'plane', or with --to "
         "the segment to a second checkpoint (t = 0: --checkpoint, t = 1: --to; default range -0.5 to 1.5).",
     )  # fmt: skip
-    _model_arguments(line)
+    _model_arguments(line, "line")
     line.add_argument("--to", help="second checkpoint: draw the segment from --checkpoint to it")
     line.add_argument("--range", nargs=2, type=float, metavar=("LO", "HI"),
                       help="coordinate range (default: -span to span, or -0.5 to 1.5 with --to)")  # fmt: skip
