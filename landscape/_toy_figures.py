@@ -206,6 +206,7 @@ def toy_figure(
     steps: int = 201,
     source: str | None = None,
     html_js: str = "directory",
+    shared_folder: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Compute, draw and write one toy figure.
 
@@ -221,6 +222,8 @@ def toy_figure(
             :mod:`landscape._toys`); the other figures have one definition and take ``"text"`` or ``None``.
         html_js: where the HTML page gets plotly.js (``"directory"``, ``"inline"``, ``"cdn"``; see
             :func:`landscape.write_html`).
+        shared_folder: with ``"directory"``, a folder whose ``plotly.min.js`` pages of several folders share
+            (see :func:`landscape.write_html`; ``None``: beside the page).
 
     Returns:
         The written paths: figures, ``<stem>.html`` (interactive, offline) and ``.npz`` + ``.json``
@@ -246,7 +249,8 @@ def toy_figure(
     description = f"{thesis}; {toys.SOURCE_LABELS[source]}" if source in toys.SOURCE_LABELS else thesis
     add_caption(fig, f"After {description}.")
     paths = save_figure(fig, stem, formats, description=description)
-    paths += write_html(html, stem.with_name(stem.name + ".html"), html_js, meta={"source": description})
+    paths += write_html(html, stem.with_name(stem.name + ".html"), html_js, meta={"source": description},
+                        shared_folder=shared_folder)  # fmt: skip
     for s, surface_stem in zip(surfaces, _surface_stems(name, fixed)):
         paths.extend(s.save(out / surface_stem))
     return paths

@@ -186,3 +186,37 @@ def test_help_texts_say_what_the_issue_asked():
     plane, line = landscape_pages["plane"].format_help(), landscape_pages["line"].format_help()
     assert "--to" not in plane and "--to" in line and "41 with --to" in line
     assert "(default: plane)" in " ".join(plane.split()) and "(default: line)" in " ".join(line.split())
+
+
+def test_pages_of_output_folders_side_by_side_share_one_plotly_js(tmp_path, monkeypatch):
+    from landscape import _toys as toys
+    from landscape._plot_plotly import PLOTLY_JS, plotly_figure, plotly_js_path, write_html
+
+    monkeypatch.chdir(tmp_path)
+
+    def shared(out: str, html_js: str = "directory"):
+        return landscape_cli.shared_js_folder(argparse.Namespace(out=out, html_js=html_js))
+
+    assert shared("fixed-a") == tmp_path and shared("runs/a") == tmp_path / "runs"
+    assert shared(".") is None and shared(str(tmp_path.parent / "elsewhere")) is None  # nothing above the cwd
+    assert shared("fixed-a", "inline") is None
+    fig = plotly_figure([next(s for s in toys.fig_1_5_surfaces(steps=5) if not s.is_line)], title="t")
+    written = []
+    for folder in ("fixed-a", "fixed-b"):
+        (tmp_path / folder).mkdir()
+        written.append(write_html(fig, f"{folder}/page.html", shared_folder=shared(folder)))
+    assert written == [[str(tmp_path / PLOTLY_JS), "fixed-a/page.html"], ["fixed-b/page.html"]]  # written once
+    assert sorted(p.name for p in tmp_path.rglob(PLOTLY_JS)) == [PLOTLY_JS]
+    for folder in ("fixed-a", "fixed-b"):
+        page = (tmp_path / folder / "page.html").read_text()
+        assert '<script charset="utf-8" src="../plotly.min.js"></script>' in page
+    # a plotly.min.js of the user's own is never replaced: the shared one falls back to beside the page, and one
+    # beside the page is refused
+    own = tmp_path / "own"
+    (own / "run").mkdir(parents=True)
+    (own / PLOTLY_JS).write_text("// my own script")
+    assert write_html(fig, own / "run" / "page.html", shared_folder=own)[0] == str(own / "run" / PLOTLY_JS)
+    assert (own / PLOTLY_JS).read_text() == "// my own script"
+    assert 'src="plotly.min.js"' in (own / "run" / "page.html").read_text()
+    with pytest.raises(ValueError, match=r"own/plotly.min.js exists and is not plotly.js, so it is not replaced"):
+        plotly_js_path(own)
