@@ -220,3 +220,12 @@ def test_pages_of_output_folders_side_by_side_share_one_plotly_js(tmp_path, monk
     assert 'src="plotly.min.js"' in (own / "run" / "page.html").read_text()
     with pytest.raises(ValueError, match=r"own/plotly.min.js exists and is not plotly.js, so it is not replaced"):
         plotly_js_path(own)
+
+
+def test_long_tensor_lists_in_degenerate_point_messages_are_cut_to_the_first_few():
+    from manifolds._structure import name_list
+
+    assert name_list([f"layer{i}.bias" for i in range(21)]) == (
+        "layer0.bias, layer1.bias, layer2.bias, layer3.bias and 17 more"
+    )
+    assert name_list(["0.weight", "0.bias"]) == "0.weight, 0.bias"
