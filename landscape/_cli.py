@@ -60,9 +60,11 @@ def _formats(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", nargs="+", default=["png"], choices=("png", "pdf", "svg"),
                         help="figure formats (default: png); an interactive .html is always written")  # fmt: skip
     parser.add_argument("--html-js", default="directory", choices=("directory", "inline", "cdn"),
-                        help="where the .html pages get plotly.js: directory (default: one shared plotly.min.js "
-                             "written beside them; works offline, keep the folder together), inline (in every "
-                             "page, about 4.7 MB each) or cdn (from the internet)")  # fmt: skip
+                        help="where the .html pages get plotly.js: directory (default: one plotly.min.js that "
+                             "the pages share, written once into the folder that holds --out when that is the "
+                             "current folder or inside it, so runs side by side share it, else into --out; works "
+                             "offline, keep the folders together), inline (in every page, about 4.7 MB each) or "
+                             "cdn (from the internet)")  # fmt: skip
 
 
 def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help: str) -> None:
@@ -97,7 +99,8 @@ def _problem_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, default_dtype="float32")
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """The arguments of ``plane`` and ``line`` (``command``), which differ only in what ``line`` adds."""
     _problem_arguments(parser)
     parser.add_argument("--directions", default="random", choices=("random", "eigen", "invariant-eigen", "gspace"),
                         help="random Gaussian directions (default), top Euclidean Hessian eigenvectors, top "
@@ -127,10 +130,11 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default; the first-order retraction) or geodesics Exp_theta(a ξ1 + b ξ2) of the "
                              "quotient metric (exact exponential map: the surface of a rescaled copy of the network "
                              "is the same)")  # fmt: skip
+    with_to = ", or 41 with --to" if command == "line" else ""
     parser.add_argument("--steps", type=_positive_int,
-                        help="grid points per axis (default 51, or 41 with --to; the grid always contains the "
+                        help=f"grid points per axis (default 51{with_to}; the grid always contains the "
                              "model itself)")  # fmt: skip
-    _grid_arguments(parser, name=None, name_help="plane or line")
+    _grid_arguments(parser, name=None, name_help=command)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,13 +168,13 @@ def _parser() -> argparse.ArgumentParser:
         "--path geodesic: Exp_theta(a d1 + b d2); with --directions gspace: w(v + a d1 + b d2) in G-space). Writes "
         "NAME.npz + NAME.json (redraw without recomputing), NAME.png (contour + 3D) and NAME.html (interactive).",
     )  # fmt: skip
-    _model_arguments(plane)
+    _model_arguments(plane, "plane")
     line = sub.add_parser(
         "line", help="loss along a line, or along the segment to a second checkpoint",
         description="Whole-data-set loss and accuracy along theta + t d: one direction as for 'plane', or with --to "
         "the segment to a second checkpoint (t = 0: --checkpoint, t = 1: --to; default range -0.5 to 1.5).",
     )  # fmt: skip
-    _model_arguments(line)
+    _model_arguments(line, "line")
     line.add_argument("--to", help="second checkpoint: draw the segment from --checkpoint to it")
     line.add_argument("--range", nargs=2, type=float, metavar=("LO", "HI"),
                       help="coordinate range (default: -span to span, or -0.5 to 1.5 with --to)")  # fmt: skip
@@ -299,7 +303,8 @@ def _fixed(args: argparse.Namespace) -> int:
     for b, s in zip(values, surfaces):
         paths += s.save(out / f"{args.name}_b{b:g}")
     paths += save_figure(fig, out / args.name, args.format, title=title, description=caption)
-    paths += write_html(html, out / f"{args.name}.html", args.html_js, meta={"title": title, "caption": caption})
+    paths += write_html(html, out / f"{args.name}.html", args.html_js, meta={"title": title, "caption": caption},
+                        shared_folder=shared_js_folder(args))  # fmt: skip
     if not args.quiet:
         for b, s in zip(values, surfaces):
             print(f"b = {b:g}: center loss {s.metadata['center_loss']:.6g}")
@@ -347,8 +352,9 @@ def _toy(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be at least 3 for a toy surface, got {args.steps}")
     source = check_source(args.figure, args.source)
     fixed = FIG_4_9_FIXED if args.fixed is None else _check_toy_fixed(args.fixed, window_4_9(source)[1])
+    _check_js(args)
     paths = toy_figure(args.figure, args.out, fixed=fixed, formats=args.format, steps=args.steps, source=source,
-                       html_js=args.html_js)  # fmt: skip
+                       html_js=args.html_js, shared_folder=shared_js_folder(args))  # fmt: skip
     if not args.quiet:
         print("\n".join(str(p) for p in paths))
     return 0
@@ -398,9 +404,31 @@ def _distinct_names(flag: str, values: tuple[float, ...]) -> None:
         seen[f"{v:g}"] = v
 
 
+def shared_js_folder(args: argparse.Namespace) -> Path | None:
+    """With ``--html-js directory``, the folder that holds ``--out``, whose one ``plotly.min.js`` the pages of every
+    run written side by side share (``--out fixed-a`` and ``--out fixed-b``): only when that folder is the current
+    one or inside it, so nothing is written above where the user works (``None``: the script goes into ``--out``)."""
+    if args.html_js != "directory":
+        return None
+    out, here = Path(args.out).absolute(), Path.cwd()
+    parent = Path(os.path.normpath(out)).parent
+    if Path(os.path.normpath(out)) == here or not (parent == here or here in parent.parents):
+        return None
+    return parent
+
+
+def _check_js(args: argparse.Namespace) -> None:
+    """Refuse, before any computation, a ``plotly.min.js`` of the user's own where the pages would get theirs."""
+    from landscape._plot_plotly import plotly_js_path  # plotly is imported once there is a page to write
+
+    if args.html_js == "directory":
+        plotly_js_path(args.out, shared_js_folder(args))
+
+
 def _check_files(args: argparse.Namespace, figures: list[str], surfaces: list[str]) -> None:
     """Refuse, before any computation, output files under ``--out`` that would replace an input or cannot be
     written (``figures``: stems of the figures and the HTML, ``surfaces``: stems of ``.npz`` + ``.json``)."""
+    _check_js(args)
     out = Path(args.out)
     names = [f"{stem}.{ext}" for stem in figures for ext in (*args.format, "html")]
     names += [f"{stem}.{ext}" for stem in surfaces for ext in ("npz", "json")]
@@ -485,7 +513,8 @@ def _real(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     paths = list(surface.save(out / name))
     paths += save_figure(fig, out / name, args.format, title=title, description=caption)
-    paths += write_html(html, out / f"{name}.html", args.html_js, meta={"title": title, "caption": caption})
+    paths += write_html(html, out / f"{name}.html", args.html_js, meta={"title": title, "caption": caption},
+                        shared_folder=shared_js_folder(args))  # fmt: skip
     if not args.quiet:
         meta = surface.metadata
         print(f"center loss {meta['center_loss']:.6g}; {meta['n_points']} points in {meta['grid_seconds']:.2f} s "

@@ -1,8 +1,9 @@
 """Interactive loss surfaces with plotly: a 3D surface next to a contour map, in an HTML page.
 
 Where plotly.js comes from is `HTML_JS`: ``"directory"`` (default) writes one shared
-``plotly.min.js`` beside the pages and points every page at it, so a folder of pages stays small and
-still opens offline (move the folder as a whole); ``"inline"`` puts plotly.js into each page (about
+``plotly.min.js`` beside the pages, or in a folder that several output folders share (see
+`plotly_js_path`), and points every page at it by a relative path, so a folder of pages stays small and
+still opens offline (move the folders and the script together); ``"inline"`` puts plotly.js into each page (about
 4.7 MB each: one self-contained file to mail or archive); ``"cdn"`` loads it from the plotly CDN (tiny
 pages that need the internet). All panels share one color range and colorbar. Plotly has no
 logarithmic color scale, so ``log`` plots ``log10(loss)`` and says so in the colorbar title.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import html as html_text
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -84,11 +86,19 @@ def plotly_figure(
     zs = [_z(s, log) for s in surfaces]
     zmin = min(float(np.nanmin(z)) for z in zs)
     zmax = max(float(np.nanmax(z)) for z in zs)
+    titles = [_wrap(s.title, PANEL_TITLE_CHARS) for s in surfaces]
+    title_lines = max(t.count("<br>") + 1 for t in titles)
+    # Heights in pixels: each row's panels, the gap under a row (its contour's axis title, then the next row's
+    # panel title) and the top margin (the figure title, then the first row's panel title), so that no title
+    # touches another at any page width.
+    gap = 56 + 21 * title_lines
+    height = PANEL_PX * len(surfaces) + gap * (len(surfaces) - 1)
+    top = _title_px(title) + 21 * title_lines + 16
     fig = make_subplots(
         rows=len(surfaces), cols=2,
         specs=[[{"type": "surface"}, {"type": "xy"}] for _ in surfaces],
-        subplot_titles=[t for s in surfaces for t in (s.title.replace("\n", "<br>"), "")],
-        horizontal_spacing=0.08, vertical_spacing=0.12 / max(1, len(surfaces) - 1) if len(surfaces) > 1 else 0.1,
+        subplot_titles=[t for title in titles for t in (title, "")],
+        horizontal_spacing=0.08, vertical_spacing=gap / height if len(surfaces) > 1 else 0.1,
     )  # fmt: skip
     scale = _colorscale(surfaces)
     colorbar = {"title": {"text": ("log10 " if log else "") + surfaces[0].z_label}, "len": 0.9}
@@ -112,15 +122,46 @@ def plotly_figure(
         fig.layout[scene].update(
             xaxis_title=s.x_label, yaxis_title=s.y_label, zaxis_title=("log10 " if log else "") + s.z_label
         )
-        fig.update_xaxes(title_text=s.x_label, row=r, col=2)
-        fig.update_yaxes(title_text=s.y_label, row=r, col=2)
+        fig.update_xaxes(title_text=s.x_label, row=r, col=2, constrain="domain")
+        # a square contour panel whatever the page's width (the plane's two axes span equal lengths)
+        anchor = fig.get_subplot(r, 2).xaxis.plotly_name.replace("axis", "")
+        ratio = float(s.x[-1] - s.x[0]) / float(s.y[-1] - s.y[0])
+        fig.update_yaxes(title_text=s.y_label, row=r, col=2, scaleanchor=anchor, scaleratio=ratio, constrain="domain")
         if r - 1 in overlays:
             _add_overlay(fig, overlays[r - 1], r, s)
     fig.update_layout(
-        title={"text": title.replace("\n", "<br>"), "x": 0.5},
-        height=480 * len(surfaces) + 80, showlegend=False, margin={"t": 90, "l": 40, "r": 40, "b": 40},
+        title=_title(title), height=height + top + BOTTOM_PX, showlegend=False,
+        margin={"t": top, "l": 40, "r": 40, "b": BOTTOM_PX},
     )  # fmt: skip
     return fig
+
+
+# Layout in pixels and characters, for pages 1280 to 1920 px wide: a figure title of at most TITLE_CHARS
+# characters a line (17 px font, about 1000 px wide) and panel titles of at most PANEL_TITLE_CHARS (16 px font,
+# over half the page) fit the narrowest; PANEL_PX is each row's height, BOTTOM_PX holds the last axis title.
+TITLE_CHARS = 110
+PANEL_TITLE_CHARS = 64
+PANEL_PX = 480
+BOTTOM_PX = 60
+TITLE_LINE_PX = 24
+
+
+def _wrap(text: str, width: int) -> str:
+    """``text`` broken at spaces into lines of at most ``width`` characters, joined by ``<br>`` (plotly does not
+    wrap titles: a long one runs off both sides of the page)."""
+    lines = text.replace("<br>", "\n").split("\n")
+    return "<br>".join(part for line in lines for part in textwrap.wrap(line, width) or [""])
+
+
+def _title_px(title: str) -> int:
+    """Pixels the figure title takes at the top of the page, its padding included (none without a title)."""
+    return 14 + TITLE_LINE_PX * (_wrap(title, TITLE_CHARS).count("<br>") + 1) if title else 0
+
+
+def _title(title: str) -> dict:
+    """The layout's title: wrapped, centred, at the top of the page (the margin under it is the caller's)."""
+    return {"text": _wrap(title, TITLE_CHARS), "x": 0.5, "xanchor": "center", "y": 1, "yref": "container",
+            "yanchor": "top", "pad": {"t": 12}}  # fmt: skip
 
 
 def _add_overlay(fig: go.Figure, overlay: Overlay, row: int, s: Surface) -> None:
@@ -159,7 +200,7 @@ def _line_figure(surfaces: Sequence[Surface], title: str, log: bool, labels: Seq
                                      line={"dash": "dash"}))  # fmt: skip
             fig.update_layout(yaxis2={"title": "accuracy (%)", "overlaying": "y", "side": "right"})
     fig.update_layout(
-        title={"text": title.replace("\n", "<br>"), "x": 0.5},
+        title=_title(title), margin={"t": _title_px(title) + 30},
         xaxis_title=surfaces[0].x_label, yaxis_title=surfaces[0].z_label,
         yaxis_type="log" if log else "linear", height=520,
     )  # fmt: skip
@@ -172,6 +213,7 @@ def write_html(
     js: str = "directory",
     title: str | None = None,
     meta: Mapping | None = None,
+    shared_folder: str | os.PathLike | None = None,
 ) -> list[str]:
     """Write ``fig`` as an HTML page, atomically; returns the paths written.
 
@@ -179,11 +221,16 @@ def write_html(
         fig: the plotly figure.
         path: the page.
         js: where plotly.js comes from (see `HTML_JS`): ``"directory"`` also writes
-            ``plotly.min.js`` beside the page (once: an identical file is left alone), ``"inline"``
-            embeds it, ``"cdn"`` loads it from the internet.
+            ``plotly.min.js`` (once: an identical file is left alone) where `plotly_js_path` says and
+            points the page at it by a relative path, ``"inline"`` embeds it, ``"cdn"`` loads it from the internet.
         title: the page's ``<title>`` (default: the figure's title, without markup).
         meta: provenance (model, data, measure, the paper's figure) stored as the figure's
             ``layout.meta`` in the page.
+        shared_folder: with ``"directory"``, a folder whose one ``plotly.min.js`` the pages of several output
+            folders share (such as the folder that holds them); ``None``: beside the page.
+
+    Raises:
+        ValueError: an unknown ``js``, or a ``plotly.min.js`` beside the page that is not plotly.js.
     """
     if js not in HTML_JS:
         raise ValueError(f"unknown plotly.js source {js!r}; choose from {', '.join(HTML_JS)}")
@@ -199,9 +246,46 @@ def write_html(
     written = []
     if js == "directory":
         script = get_plotlyjs().encode("utf-8")
-        beside = os.path.join(os.path.dirname(path), PLOTLY_JS)
-        if not (os.path.isfile(beside) and os.path.getsize(beside) == len(script)):
-            write_atomic(beside, script)
-            written.append(beside)
+        target = plotly_js_path(os.path.dirname(path) or ".", shared_folder)
+        src = os.path.relpath(target, os.path.dirname(os.path.abspath(path))).replace(os.sep, "/")
+        page = page.replace(f'src="{PLOTLY_JS}"', f'src="{html_text.escape(src)}"', 1)
+        if not (os.path.isfile(target) and _read(target) == script):
+            write_atomic(target, script)
+            written.append(target)
     write_atomic(path, page.encode("utf-8"))
     return [*written, path]
+
+
+# How every plotly.js bundle begins: a file that does not is the user's own, never replaced.
+PLOTLY_BANNER = b"/**\n* plotly.js v"
+
+
+def plotly_js_path(folder: str | os.PathLike, shared_folder: str | os.PathLike | None = None) -> str:
+    """Where the pages in ``folder`` get ``plotly.min.js`` with ``--html-js directory``: in ``shared_folder`` when
+    one is given and its ``plotly.min.js`` is absent or a plotly.js bundle, else in ``folder`` itself.
+
+    Raises:
+        ValueError: ``folder``'s ``plotly.min.js`` would be used and is not a plotly.js bundle (the user's own file).
+    """
+    if shared_folder is not None:
+        shared = os.path.join(os.fspath(shared_folder), PLOTLY_JS)
+        if not os.path.lexists(shared) or _is_plotly_js(shared):
+            return shared
+    beside = os.path.join(os.fspath(folder), PLOTLY_JS)
+    if os.path.lexists(beside) and not _is_plotly_js(beside):
+        raise ValueError(f"{beside} exists and is not plotly.js, so it is not replaced; move it away or use "
+                         "--html-js inline (plotly.js in the page) or cdn")  # fmt: skip
+    return beside
+
+
+def _is_plotly_js(path: str) -> bool:
+    """Whether ``path`` is a regular file that begins as every plotly.js bundle does."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as fh:
+        return fh.read(len(PLOTLY_BANNER)) == PLOTLY_BANNER
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()

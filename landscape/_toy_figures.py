@@ -264,6 +264,7 @@ def toy_figure(
     steps: int | None = None,
     source: str | None = None,
     html_js: str = "directory",
+    shared_folder: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Compute, draw and write one toy figure.
 
@@ -280,7 +281,9 @@ def toy_figure(
             for the thesis's figures ``"1.5"``, ``"1.6"``, ``"4.9"`` and the chart ``"gspace-4.9"`` (see
             `landscape._toys`); ``"gspace-1.5"`` is the toolkit's own and takes ``"text"`` or ``None``.
         html_js: where the HTML page gets plotly.js (``"directory"``, ``"inline"``, ``"cdn"``; see
-            [`landscape.write_html`][landscape.write_html]).
+            `landscape.write_html`).
+        shared_folder: with ``"directory"``, a folder whose ``plotly.min.js`` pages of several folders share
+            (see `landscape.write_html`; ``None``: beside the page).
 
     Returns:
         The written paths: figures, ``<stem>.html`` (interactive, offline) and ``.npz`` + ``.json``
@@ -310,7 +313,8 @@ def toy_figure(
     note = toys.NOTES.get(name, {}).get(source)
     add_caption(fig, f"After {description}." + (f"\n{note[0].upper()}{note[1:]}." if note else ""))
     paths = save_figure(fig, stem, formats, description=description)
-    paths += write_html(html, stem.with_name(stem.name + ".html"), html_js, meta={"source": description})
+    paths += write_html(html, stem.with_name(stem.name + ".html"), html_js, meta={"source": description},
+                        shared_folder=shared_folder)  # fmt: skip
     for s, surface_stem in zip(surfaces, _surface_stems(name, fixed)):
         paths.extend(s.save(out / surface_stem))
     return paths

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from manifolds._layout import ParamLayout
 from manifolds._node_symmetry import NodeSymmetry
-from manifolds._structure import DegeneratePointError, NetworkStructure, UnsupportedModelError
+from manifolds._structure import DegeneratePointError, NetworkStructure, UnsupportedModelError, name_list
 
 
 def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
@@ -214,7 +214,8 @@ class LayerScaleQuotient(_Quotient):
         zero = [name for name, nrm in zip(self.layout.names, norms.tolist()) if nrm == 0.0]
         if zero and zero_blocks == "error":  # the metric does not exist at this point
             raise DegeneratePointError(
-                f"tensor {', '.join(zero)} has zero norm, so the layer-wise metric 1/||w_B||^2 is undefined "
+                f"{'tensor' if len(zero) == 1 else 'tensors'} {name_list(zero)} {'has' if len(zero) == 1 else 'have'} "
+                "zero norm, so the layer-wise metric 1/||w_B||^2 is undefined "
                 "there; pass zero_blocks='exclude' to leave such tensors out, or use the node-wise metric",
                 short="zero-norm tensor",
             )

@@ -99,6 +99,12 @@ class UnsupportedModelError(ValueError):
         self.short = short
 
 
+def name_list(names: list[str], limit: int = 4) -> str:
+    """``a, b, c, d and 17 more``: a message names the first few of a long list of tensors, not all of them."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 class DegeneratePointError(UnsupportedModelError):
     """A computation is undefined at these weights, not for the model: a tensor of zero norm, a dead or zero
     hidden unit, a zero weight that a chart divides by. Skipped with its reason where measures are skipped."""

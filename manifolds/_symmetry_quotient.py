@@ -23,7 +23,7 @@ from torch import Tensor
 from manifolds._connection import Metric, MetricQuotient
 from manifolds._layout import ParamLayout
 from manifolds._matrix_group import MatrixSymmetry
-from manifolds._structure import UnsupportedModelError
+from manifolds._structure import UnsupportedModelError, name_list
 from manifolds._symmetry_metric import _metric, _Plan
 
 
@@ -61,7 +61,7 @@ class SymmetryQuotient(MetricQuotient):
         if bool(bad.any()):
             names = [name for name, flags in self.layout.blocks(bad) if bool(flags.any())]
             raise UnsupportedModelError(
-                f"The {metric.name} metric is undefined at this point: {', '.join(names)} has zero entries (moved by "
+                f"The {metric.name} metric is undefined at this point: {name_list(names)} has zero entries (moved by "
                 "the rescaling group, whose node metric divides by them) or rows of zero norm (moved by a factor); "
                 "move the point (e.g. perturb those weights) or use a measure defined there"
             )

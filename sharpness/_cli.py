@@ -35,7 +35,14 @@ from sharpness._specs import SpecError, build_model, check_labels, load_checkpoi
 from sharpness._stdio import READER_GONE_STATUS, guarded_streams, require_text
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
 from sharpness.measures._adaptive import adaptive_sharpness
-from sharpness.measures._claims import describe_group, detail_lines, skip_entry
+from sharpness.measures._claims import (
+    describe_group,
+    detail_lines,
+    first_line,
+    lower_first,
+    skip_entry,
+    skip_notes,
+)
 from sharpness.measures._epsilon import epsilon_sharpness, second_order
 from sharpness.measures._geodesic import geodesic_sharpness
 from sharpness.measures._registry import MEASURES, get_measure
@@ -67,8 +74,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
     parser.add_argument(
         "--model",
         required=True,
-        help="mlp:IN-...-OUT, lenet, resnet:20[,width=W], vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision "
-        "transformer for 8x8 digits), path/file.py:factory or pkg.mod:factory",
+        help="mlp:IN-...-OUT, lenet, resnet:DEPTH[,width=W] (CIFAR ResNet-20/32/56 whose 16, 32 and 64 channels per "
+        "stage W multiplies; default W=1), vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision transformer for "
+        "8x8 digits), path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(
@@ -310,7 +318,7 @@ def _run(command, args, user_errors: tuple[type[BaseException], ...]) -> int:
 
 def _report(exc: BaseException) -> None:
     """``exc`` in one line on stderr (under ``torchrun``, naming the process unless it is process 0)."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = lower_first(first_line(exc))  # one style: "error: cannot ...", whatever the library's sentence case
     who = f"process {launch_rank()} of {launched_processes()}: " if quiet_process() else ""
     print(f"error: {who}{message}", file=sys.stderr)
 
@@ -436,13 +444,15 @@ def _compute(args: argparse.Namespace) -> int:
         "versions": _versions(),
     }
     if objective.comm.is_main:
-        print(_table(report))
+        print(_table(report, args.json))
         if args.json:
             write_text_atomic(args.json, json.dumps(jsonable(report), indent=2))
     return 0
 
 
-def _table(report: dict) -> str:
+def _table(report: dict, json_path: str | None = None) -> str:
+    """``compute``'s report as text: a header, one row per measure, and the notes under the table (``json_path``:
+    where the report was written, which the notes on skipped measures point to)."""
     shared = f"   processes {report['processes']}" if report.get("processes") else ""
     lines = [f"loss {report['loss']:.6g}   parameters {report['n_params']}   data {report['data']}{shared}"]
     if report.get("group"):
@@ -454,12 +464,14 @@ def _table(report: dict) -> str:
         head += f" {'eps (2nd order)':>16} {'eps (measured)':>15}"
     head += "   invariant under"
     lines += [head, "-" * len(head)]
-    details = []
+    skipped = {name: m for name, m in report["measures"].items() if "skipped" in m}
+    where = f"measures.NAME.skipped in {json_path}" if json_path else "add --json FILE and read measures.NAME.skipped"
+    tags, details = skip_notes(skipped, where)
     for name, m in report["measures"].items():
-        details += detail_lines(name, m)
-        if "skipped" in m:
-            lines.append(f"{name:<10} skipped: {m['skip_reason']}")
+        if name in tags:  # a tag in the table, the reason below it
+            lines.append(f"{name:<10} {tags[name]}")
             continue
+        details += detail_lines(name, m)
         params = str(m["n_params"]) if not m["n_dropped"] else f"{m['n_measured']}/{m['n_params']}"
         row = (f"{name:<10} {m['value']:>15.6g} {m['n_hvp']:>6} {str(m['converged']):>9} {m['seconds']:>8.2f} "
                f"{params:>9}")  # fmt: skip
@@ -695,8 +707,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--kind", choices=["node", "layer", "attention", "normalization", "group", "both", "all"], default="all",
         help="which random elements of the symmetry group: node- or layer-wise rescalings (both: the two), attention "
-        "heads' GL(h) factors, normalization scale trades, the whole group at once, or all (default: node, layer "
-        "and each of the others this network has)",
+        "heads' GL(h) factors, normalization scale trades, the whole group at once, or all (default: all, that is "
+        "node, layer and each of the others this network has)",
     )
     verify.add_argument("--scale", type=float, default=1.0, help="std of the log rescaling factors (default: 1)")
     verify.add_argument("--rtol", type=float, default=1e-6,

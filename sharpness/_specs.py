@@ -280,26 +280,18 @@ def load_state_dict(path: str) -> dict[str, Tensor]:
 
 
 def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
-    """Load ``path`` into ``model`` strictly, naming missing/unexpected keys, shape mismatches, integer, bool or
-    complex values where the model has floating point (and the reverse) and non-finite tensors. Returns
-    ``model`` in eval mode."""
+    """Load ``path`` into ``model`` strictly. Returns ``model`` in eval mode.
+
+    Raises:
+        SpecError: keys or shapes that do not fit (summarized by `describe_mismatch`), integer, bool or
+            complex values where the model has floating point (and the reverse), or non-finite tensors.
+    """
     state = load_state_dict(path)
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys {', '.join(unexpected)}")
-        raise SpecError(f"checkpoint {path} does not fit the model: {'; '.join(parts)}; check the --model spec")
+    mismatch = describe_mismatch(expected, state)
+    if mismatch:
+        raise SpecError(f"checkpoint {path} does not fit the model: {mismatch}")
     for k, v in state.items():
-        if v.shape != expected[k].shape:
-            raise SpecError(
-                f"checkpoint {path}: tensor {k} has shape {tuple(v.shape)} but the model expects "
-                f"{tuple(expected[k].shape)}; check the --model spec"
-            )
         if v.is_complex() or v.is_floating_point() != expected[k].is_floating_point():
             have, want = str(v.dtype).removeprefix("torch."), str(expected[k].dtype).removeprefix("torch.")
             raise SpecError(
@@ -310,6 +302,73 @@ def load_checkpoint(model: nn.Module, path: str) -> nn.Module:
             raise SpecError(f"checkpoint {path}: tensor {k} contains NaN or Inf; the checkpoint is unusable")
     model.load_state_dict(state)
     return model.eval()
+
+
+def describe_mismatch(expected: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> str | None:
+    """How a checkpoint's ``state`` differs from a model's ``expected`` state_dict in keys and shapes, in one
+    short clause ending in the fix (``None`` when they fit): a prefix that one side adds to every key (such as
+    ``module.`` from DataParallel), else counts and the first few missing keys, unexpected keys and shapes that
+    differ. A list of every key would be hundreds of names on one line."""
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    added = _added_prefix(unexpected, missing)
+    if (
+        added is not None
+        and all(k.startswith(added) for k in state)
+        and {k.removeprefix(added) for k in state} == set(expected)
+    ):
+        return (
+            f"every one of its {len(state)} keys starts with {added!r}, which the model's keys lack (a prefix that "
+            f"a wrapper such as DataParallel or torch.compile adds); save the inner module's state_dict, or strip the "
+            f"prefix: {{k.removeprefix({added!r}): v for k, v in state.items()}}"
+        )
+    lacking = _added_prefix(missing, unexpected)
+    if lacking is not None and {lacking + k for k in state} == set(expected):
+        return (
+            f"every one of the model's {len(expected)} keys starts with {lacking!r}, which the checkpoint's keys lack "
+            f"(it was saved from the inner module {lacking[:-1]!r}); load it into that module, or add the prefix: "
+            f"{{{lacking!r} + k: v for k, v in state.items()}}"
+        )
+    shapes = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    parts = []
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        parts.append(f"{len(missing)} of the model's {len(expected)} keys {verb} missing ({_first(missing)})")
+    if unexpected:
+        verb = "is" if len(unexpected) == 1 else "are"
+        parts.append(f"{len(unexpected)} of the checkpoint's {len(state)} keys {verb} not in the model "
+                     f"({_first(unexpected)})")  # fmt: skip
+    if shapes:
+        first = shapes[0]
+        parts.append(
+            f"{len(shapes)} tensor(s) differ in shape (first {first!r}: {tuple(state[first].shape)} in the checkpoint, "
+            f"{tuple(expected[first].shape)} in the model)"
+        )
+    if not parts:
+        return None
+    if added is not None or lacking is not None:
+        which = f"the checkpoint adds {added!r}" if added is not None else f"the model adds {lacking!r}"
+        parts.append(f"some keys differ only by a prefix ({which})")
+    return "; ".join(parts) + "; check the --model spec (depth, widths, classes) against the checkpoint's model"
+
+
+def _first(names: list[str], limit: int = 3) -> str:
+    """``'a', 'b', 'c', ...``: the first few of a list whose length is said beside it."""
+    return ", ".join(map(repr, names[:limit])) + ", ..." * (len(names) > limit)
+
+
+def _added_prefix(longer: list[str], shorter: list[str]) -> str | None:
+    """The most common prefix (ending in ``.``) that turns a key of ``shorter`` into one of ``longer``, if it does
+    so for at least half of ``shorter`` (a coincidence such as ``0.weight`` inside ``block.0.weight`` is not a
+    prefix)."""
+    targets = set(shorter)
+    counts: dict[str, int] = {}
+    for key in longer:
+        for i, char in enumerate(key):
+            if char == "." and key[i + 1 :] in targets:
+                counts[key[: i + 1]] = counts.get(key[: i + 1], 0) + 1
+    best = max(counts, key=counts.get, default=None)
+    return best if best is not None and 2 * counts[best] >= len(shorter) else None
 
 
 def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:

@@ -86,7 +86,7 @@ def test_a_zero_hidden_layer_is_counted_as_dropped():
     assert (layer.info["n_measured"], layer.info["n_dropped"]) == (15, 24) and "zero norm" in layer.info["dropped"]
     euclidean = MEASURES["euclidean"].sharpness(obj, 1, SOLVER, progress=False)
     assert (euclidean.info["n_measured"], euclidean.info["n_dropped"]) == (39, 0) and "dropped" not in euclidean.info
-    with pytest.raises(DegeneratePointError, match=r"0\.weight, 0\.bias has zero norm") as err:
+    with pytest.raises(DegeneratePointError, match=r"tensors 0\.weight, 0\.bias have zero norm") as err:
         MEASURES["layer"].sharpness(obj, 1, SOLVER, progress=False)
     assert err.value.short == "zero-norm tensor"
 

@@ -4,6 +4,7 @@ no output file) for every kind of bad input. Every case runs the real CLI in a s
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -246,9 +247,9 @@ BAD_INPUTS = {
     "missing checkpoint": (["--checkpoint", "{d}/nope.pt"], "does not exist"),
     "checkpoint is a folder": (["--checkpoint", "{d}"], "folder"),
     "not a checkpoint": (["--checkpoint", "{d}/garbage.pt"], "not a PyTorch file"),
-    "missing keys": (["--checkpoint", "{d}/missing_key.pt"], "missing keys 2.bias"),
-    "unexpected keys": (["--checkpoint", "{d}/extra_key.pt"], "unexpected keys 9.weight"),
-    "shape mismatch": (["--checkpoint", "{d}/bad_shape.pt"], "0.weight has shape (5, 8)"),
+    "missing keys": (["--checkpoint", "{d}/missing_key.pt"], "keys is missing ('2.bias')"),
+    "unexpected keys": (["--checkpoint", "{d}/extra_key.pt"], "keys is not in the model ('9.weight')"),
+    "shape mismatch": (["--checkpoint", "{d}/bad_shape.pt"], "'0.weight': (5, 8) in the checkpoint"),
     "nan weights": (["--checkpoint", "{d}/nan_weights.pt"], "0.bias contains NaN"),
     "pickled module": (["--checkpoint", "{d}/pickled_module.pt"], "state_dict"),
     "arbitrary pickle": (["--checkpoint", "{d}/arbitrary.pt"], "never unpickled"),
@@ -341,7 +342,7 @@ def test_metric_all_measures_what_applies_and_records_why_not(files, tmp_path, f
     for name in ("gspace", "fixed"):
         assert "defined for chains" in measures[name]["skipped"]
         assert "The node, layer, minnorm and euclidean measures remain available" in measures[name]["skipped"]
-    assert "skipped: Cannot build" in r.stdout
+    assert re.search(r"^skipped \(\d\) fixed, gspace: needs a chain of layers; cannot build", r.stdout, re.M)
 
 
 def test_resnet20_checkpoint_compute_and_verify(tmp_path):
@@ -638,8 +639,11 @@ def test_degenerate_points_skip_what_does_not_apply_and_count_what_was_left_out(
     r = run_cli("compute", *base, "--checkpoint", pruned, "--metric", "all", "--json", str(out))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "minnorm    skipped: dead unit" in lines
-    assert any(line.startswith("minnorm: skipped: the channel(s) output of module '0'") for line in lines)
+    tag = next(line for line in lines if line.startswith("minnorm ")).split(None, 1)[1]  # "skipped (n)"
+    assert re.fullmatch(r"skipped \(\d\)", tag), lines
+    assert any(line.startswith(tag) and "minnorm: dead unit; the channel(s) output of module '0'" in line
+               for line in lines)  # fmt: skip
+    assert f"whole reasons: measures.NAME.skipped in {out}" in lines
     measures = json.loads(out.read_text())["measures"]
     assert measures["minnorm"]["skip_reason"] == "dead unit" and measures["node"]["value"] > 0
     assert measures["node"]["n_params"] == 75 and measures["node"]["n_dropped"] == 8
@@ -667,7 +671,8 @@ def test_an_all_zero_checkpoint_keeps_the_euclidean_value(files, tmp_path):
     assert measures["euclidean"]["value"] > 0
     assert measures["node"]["skip_reason"] == "all parameters dropped"
     assert measures["layer"]["skip_reason"] == "zero-norm tensor"
-    assert "node: skipped: every parameter is exactly zero" in r.stdout
+    assert re.search(r"^skipped \(\d\) node: all parameters dropped; every parameter is exactly zero", r.stdout, re.M)
+    assert f"whole reasons: measures.NAME.skipped in {out}" in r.stdout
     r = run_cli("compute", *base, "--metric", "node")  # asked for by name: it must apply
     assert r.returncode == 2 and r.stderr.startswith("error: every parameter is exactly zero"), r.stderr
     r = run_cli("verify", *base, "--trials", "1")

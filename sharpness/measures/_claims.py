@@ -125,12 +125,54 @@ def skip_entry(err: UnsupportedModelError) -> dict:
     return {"skipped": first_line(err), "skip_reason": getattr(err, "short", "does not apply")}
 
 
+# Characters of a skip reason shown under a table; the whole reason is in the JSON output.
+SKIP_REASON_CHARS = 100
+
+
+def skip_notes(skipped: Mapping[str, Mapping], where: str) -> tuple[dict[str, str], list[str]]:
+    """Table tags and the lines under the table for skipped measures, so that no reason (often hundreds of
+    characters, naming every tensor) stretches a table: measures skipped for the same reason share a number.
+
+    Args:
+        skipped: ``name -> entry`` with ``skipped`` (the reason, one sentence) and ``skip_reason`` (a few words).
+        where: where the whole reasons are, e.g. ``'measures.NAME.skipped in out.json'``.
+
+    Returns:
+        ``name -> "skipped (n)"`` for the table cells, and one line per distinct reason, ``"skipped (n) names: few
+        words; the reason's beginning ..."``, then one line pointing to ``where`` (none when nothing was skipped).
+    """
+    groups: dict[str, list[str]] = {}
+    for name, entry in skipped.items():
+        groups.setdefault(entry.get("skip_reason") or "does not apply", []).append(name)
+    tags, lines = {}, []
+    for n, (short, names) in enumerate(groups.items(), start=1):
+        tags.update(dict.fromkeys(names, f"skipped ({n})"))
+        reason = clip(lower_first(skipped[names[0]]["skipped"]), SKIP_REASON_CHARS)
+        lines.append(f"skipped ({n}) {', '.join(names)}: {short}; {reason}")
+    if lines:
+        lines.append(f"whole reasons: {where}")
+    return tags, lines
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut at a word boundary to at most about ``limit`` characters, ``...`` marking the cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+
+
 def detail_lines(name: str, entry: Mapping) -> list[str]:
     """The lines under a table for one measure, one sentence each, in one style (``"<name>: <what>: ..."``):
     why it was skipped, which parameters it left out, and which of its invariances this network lacks."""
     lines = [f"{name}: skipped: {entry['skipped']}"] if entry.get("skipped") else []
     lines += [f"{name}: {entry[key]}" for key in ("dropped", "invariance_note") if entry.get(key)]
     return lines
+
+
+def lower_first(text: str) -> str:
+    """``text`` with a capitalized first word in lower case (``"Cannot build"`` -> ``"cannot build"``), for a
+    message that follows ``error:`` or a semicolon; names and acronyms (``"X has"``, ``"CUDA"``) stay."""
+    return text[0].lower() + text[1:] if len(text) > 1 and text[0].isupper() and text[1].islower() else text
 
 
 def first_line(err: BaseException) -> str:
