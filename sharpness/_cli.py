@@ -780,7 +780,7 @@ def _parser() -> argparse.ArgumentParser:
         help="under torchrun: how long a process waits for the others, their rows included (default: "
         f"{DEFAULT_TIMEOUT_S:.0f})",
     )  # fmt: skip
-    study.add_argument("--quiet", action="store_true", help="no progress bars")
+    study.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
 
     return parser
 
