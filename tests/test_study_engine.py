@@ -232,8 +232,9 @@ BAD = {  # case: (manifest lines, what the message says, in order)
     "spec does not build": ([LINES[0], LINES[1].replace("mlp:4-5-3", "mlp:4-x-3")],
                             ["manifest row 2 (id b): model spec 'mlp:4-x-3' is not of the form"]),
     "spec does not fit": ([LINES[0], LINES[1].replace("mlp:4-5-3", "mlp:4-6-3")],
-                          ["manifest row 2 (id b): checkpoint ", "b.safetensors: tensor 0.bias has shape (5,) but the "
-                           "model expects (6,)"]),
+                          ["manifest row 2 (id b): checkpoint ", "b.safetensors does not fit the model: 3 ",
+                           "tensor(s) differ in shape (first '0.weight': (5, 4) in the checkpoint, (6, 4) in the "
+                           "model)"]),
     "data the model cannot take": ([LINES[0], LINES[1].replace("train.pt", '"synthetic:n=5,dim=7,classes=3"')],
                                    ["manifest row 2 (id b): the model cannot take inputs of shape (7,)",
                                     "check that its model and train data match"]),
