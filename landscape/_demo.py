@@ -22,7 +22,6 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 import manifolds
@@ -37,7 +36,7 @@ from landscape._demo_surfaces import (
 from manifolds import UnsupportedModelError
 from sharpness import MEASURES, EigenResult, Rescalings, Solver, measure_sharpness, verify_invariance
 from sharpness.cli import SpecError, build_model, load_data, train_to_loss
-from sharpness.io import jsonable, write_text_atomic
+from sharpness.io import jsonable, write_tensors_atomic, write_text_atomic
 
 
 def digits_data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +181,7 @@ def _write_demo(out: str, seed: int, threshold: float, progress: bool | None, gr
                                   optimizer=how.optimizer, check_every=check_every)  # fmt: skip
         models[key] = model
         path = os.path.join(out, f"{key}.safetensors")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_tensors_atomic(path, model.state_dict())
 
     X64 = X.double()
     tol = 1e-8

@@ -59,6 +59,14 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         raise
 
 
+def write_tensors_atomic(path: str | os.PathLike, tensors: dict) -> None:
+    """Write ``{name: tensor}`` to ``path`` as a ``.safetensors`` checkpoint, atomically (see
+    [`write_atomic`][sharpness.io.write_atomic]); tensors are detached and made contiguous first."""
+    from safetensors.torch import save
+
+    write_atomic(path, save({k: v.detach().contiguous() for k, v in tensors.items()}))
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically (see [`write_atomic`][sharpness.io.write_atomic])."""
     write_atomic(path, text)

@@ -27,7 +27,7 @@ import torch
 
 import manifolds
 from sharpness._progress import progress_bar
-from sharpness._results import write_atomic
+from sharpness._results import write_atomic, write_tensors_atomic
 from sharpness._specs import build_model, load_data, load_state_dict
 from sharpness._training import train_to_loss
 
@@ -61,12 +61,6 @@ REQUIRED = ("id", "model", "checkpoint", "train", "test")
 def _row_id(values: dict) -> str:
     return (f"w{values['width']}-b{values['batch_size']}-lr{values['lr']:g}-wd{values['weight_decay']:g}"
             f"-s{values['seed']}")  # fmt: skip
-
-
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save
-
-    write_atomic(path, save({k: v.detach().contiguous() for k, v in tensors.items()}))
 
 
 def _write_split(out: Path) -> None:
@@ -180,7 +174,7 @@ def _train_rows(out: Path, combos: list[dict], train: dict, threshold: float, se
                 model = build_model(spec)
             train_to_loss(model, train["X"], train["y"], values["batch_size"], values["lr"], threshold, run_seed,
                           progress=False, weight_decay=values["weight_decay"])  # fmt: skip
-            _write_tensors(path, model.state_dict())
+            write_tensors_atomic(path, model.state_dict())
         rows.append({"id": row_id, "model": spec, "checkpoint": f"checkpoints/{path.name}", "train": "train.pt",
                      "test": "test.pt", **values})  # fmt: skip
         bar.update(1)
@@ -202,7 +196,7 @@ def _write_rescaled(out: Path, rows: list[dict], seed: int) -> None:
             model.load_state_dict(load_state_dict(str(out / row["checkpoint"])))
             generator = torch.Generator().manual_seed(1000 * seed + i)
             twin = manifolds.random_rescale(model, "node", RESCALE_LOG_STD, generator)
-            _write_tensors(path, twin.state_dict())
+            write_tensors_atomic(path, twin.state_dict())
         twin_rows.append({**row, "checkpoint": f"checkpoints/{path.name}", "rescaled": 1})
     _write_manifest(out / "manifest_rescaled.csv", twin_rows)
 
