@@ -107,6 +107,9 @@ class PhaseLines:
     def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs) -> None:
         self.postfix = ", ".join(f"{k}={v}" for k, v in {**(ordered_dict or {}), **kwargs}.items())
 
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = str(s)
+
     def set_description(self, desc: str, refresh: bool = True) -> None:
         self.desc = desc
 
@@ -173,7 +176,8 @@ def progress_bar(total: int | None, desc: str, progress: bool | None = None, *, 
         **kwargs: passed to tqdm (``unit`` is used by the phase lines too).
 
     Returns:
-        An object with tqdm's ``update``, ``set_postfix``, ``set_description`` and ``close``, usable in ``with``.
+        An object with tqdm's ``update``, ``set_postfix``, ``set_postfix_str``, ``set_description`` and ``close``,
+            usable in ``with``.
     """
     enabled = _enabled(progress)
     if enabled and _lines_wanted(progress):

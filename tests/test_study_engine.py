@@ -214,7 +214,8 @@ def test_a_study_killed_by_sigkill_resumes_without_recomputing_and_ends_as_an_un
 
 
 def test_jobs_share_the_rows_between_processes_with_the_same_results(population, reference, tmp_path):
-    result = sharpness.study(population, tmp_path / "out", MEASURES, jobs=2, progress=False)
+    # progress=None with standard error captured (not a terminal): the bar is phase lines, as under nohup
+    result = sharpness.study(population, tmp_path / "out", MEASURES, jobs=2, progress=None)
     assert sorted(result.computed) == ["a", "b", "c", "d"]
     pd.testing.assert_frame_equal(result.table, reference.table, check_exact=True)
     assert result.skipped == reference.skipped
@@ -291,6 +292,11 @@ def test_bad_json_manifests_are_refused_naming_the_row(population, tmp_path, row
     with pytest.raises(SpecError) as info:
         sharpness.study(manifest, tmp_path / "out", MEASURES)
     assert message in str(info.value), str(info.value)
+
+
+def test_a_study_without_a_terminal_reports_in_phase_lines(population, reference, tmp_path):
+    result = sharpness.study(population, tmp_path / "out", MEASURES, progress=None)  # stderr is not a terminal here
+    pd.testing.assert_frame_equal(result.table, reference.table, check_exact=True)
 
 
 def test_a_json_manifest_gives_the_csv_manifests_table(population, reference, tmp_path):
