@@ -227,3 +227,20 @@ def test_the_version_comes_from_the_package_metadata():
     page = site_info.on_page_markdown("relu-geometry <!-- version -->.", page=None)
     assert page == f"relu-geometry {importlib.metadata.version('relu-geometry')}."
     assert site_info.PLACEHOLDER in (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+
+
+def test_the_repository_link_comes_from_the_project_urls(monkeypatch):
+    import email.message
+    from types import SimpleNamespace
+
+    site_info = hook("site_info")
+    meta = email.message.Message()
+    meta["Project-URL"] = "Documentation, https://docs.example.org"
+    monkeypatch.setattr(site_info.importlib.metadata, "metadata", lambda name: meta)
+    config = site_info.on_config(SimpleNamespace(copyright=None, repo_url=None))
+    assert config.repo_url is None  # no Repository entry: no link, not a wrong one
+    meta["Project-URL"] = "Repository, https://git.example.org/relu-geometry "
+    assert site_info.repository() == "https://git.example.org/relu-geometry"
+    assert site_info.on_config(SimpleNamespace(copyright=None, repo_url=None)).repo_url == site_info.repository()
+    kept = site_info.on_config(SimpleNamespace(copyright=None, repo_url="https://mirror.example.org"))
+    assert kept.repo_url == "https://mirror.example.org"  # mkdocs.yml's own repo_url wins
