@@ -19,6 +19,7 @@ from sharpness import MEASURES
 from sharpness.cli import (
     OneLineParser,
     add_model_arguments,
+    add_quiet_argument,
     check_outputs,
     command_inputs,
     launched_processes,
@@ -90,7 +91,7 @@ def _grid_arguments(parser: argparse.ArgumentParser, name: str | None, name_help
                         help="compile each grid point's forward pass with torch.compile (needs a C++ compiler on "
                              "the CPU): the first point takes seconds to tens of seconds more, the others less; "
                              "worth it on large grids of convolutional or residual networks")  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
+    add_quiet_argument(parser)
 
 
 def _problem_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo-out", help="output folder (default: demo-out)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--threshold", type=_positive_float, default=1e-2, help="training-loss threshold (default: 0.01)")
-    demo.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
+    add_quiet_argument(demo)
     demo.add_argument("--model", default="mlp:64-128-128-10",
                       help="model trained: mlp:64-...-10 (SGD + momentum) or vit[:KEY=VALUE,...] (Adam), e.g. vit or "
                            "vit:attn=hand (default: mlp:64-128-128-10)")  # fmt: skip

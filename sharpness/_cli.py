@@ -83,6 +83,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "--data", required=True, help="digits, synthetic:n=500,dim=784,classes=10,seed=0, or a .npz/.pt with X and y"
     )
     parser.add_argument("--loss", choices=sorted(LOSSES), default="ce", help="loss (default: ce)")
+    add_evaluation_arguments(parser, default_dtype=default_dtype)
+
+
+def add_evaluation_arguments(
+    parser: argparse.ArgumentParser, *, default_dtype: str = "float64", timeout_help: str | None = None
+) -> None:
+    """``--dtype``, ``--device``, ``--timeout``: how and where a model is evaluated, for every subcommand that
+    evaluates one (``timeout_help`` replaces the default wording of ``--timeout``'s help)."""
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=default_dtype,
         help=f"evaluation dtype (default: {default_dtype}). float64 costs more on convolutional networks (CPU time, "
@@ -95,11 +103,35 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         help="where to evaluate: cpu (default), cuda, cuda:1, mps ...; the model moves there, the data are moved "
         "chunk by chunk; under torchrun, cuda is each process's own GPU (cuda:LOCAL_RANK)",
     )  # fmt: skip
+    timeout_help = timeout_help or (
+        "how long a process waits for the others at each exchange before the run stops with an error"
+    )
     parser.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-        help="under torchrun: how long a process waits for the others at each exchange before the run stops with "
-        f"an error (default: {DEFAULT_TIMEOUT_S:.0f})",
+        help=f"under torchrun: {timeout_help} (default: {DEFAULT_TIMEOUT_S:.0f})",
     )  # fmt: skip
+
+
+def add_solver_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--k``, ``--tol``, ``--method``, ``--memory-mib``: the eigen-solver's options (compute and study)."""
+    parser.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
+    parser.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
+    parser.add_argument(
+        "--method", choices=SOLVERS, default="lanczos",
+        help="eigen-solver: lanczos (default; keeps its Krylov basis, one parameter vector per iteration), "
+        "low-memory-lanczos (three parameter vectors, about twice the Hessian-vector products) or power",
+    )  # fmt: skip
+    parser.add_argument(
+        "--memory-mib", type=float, default=None,
+        help="memory budget for activations in MiB, per process: above it, Hessian-vector products stream the data "
+        "in chunks instead of keeping their state for the whole data set (default: 2048 on the CPU, half the free "
+        "memory of a GPU)",
+    )  # fmt: skip
+
+
+def add_quiet_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bars and no phase lines."""
+    parser.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
 
 
 def parse_device(text: str) -> torch.device:
@@ -660,7 +692,6 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help=f"repeatable; one of {', '.join(MEASURES)}, or all (default: {', '.join(DEFAULT_COMPUTE)})",
     )
-    compute.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
     compute.add_argument("--epsilon", type=float, help="also report epsilon-sharpness for this radius")
     compute.add_argument(
         "--adaptive", type=float, metavar="RHO",
@@ -672,20 +703,9 @@ def _parser() -> argparse.ArgumentParser:
         help="also report geodesic sharpness (node metric, second- and first-order geodesics) for this radius, "
         "e.g. 0.05",
     )  # fmt: skip
-    compute.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
-    compute.add_argument(
-        "--method", choices=SOLVERS, default="lanczos",
-        help="eigen-solver: lanczos (default; keeps its Krylov basis, one parameter vector per iteration), "
-        "low-memory-lanczos (three parameter vectors, about twice the Hessian-vector products) or power",
-    )  # fmt: skip
-    compute.add_argument(
-        "--memory-mib", type=float, default=None,
-        help="memory budget for activations in MiB, per process: above it, Hessian-vector products stream the data "
-        "in chunks instead of keeping their state for the whole data set (default: 2048 on the CPU, half the free "
-        "memory of a GPU)",
-    )  # fmt: skip
+    add_solver_arguments(compute)
     compute.add_argument("--json", help="write the results to this JSON file")
-    compute.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
+    add_quiet_argument(compute)
 
     verify = sub.add_parser(
         "verify",
@@ -719,7 +739,7 @@ def _parser() -> argparse.ArgumentParser:
         "radius on every copy",
     )  # fmt: skip
     verify.add_argument("--json", help="write the report to this JSON file")
-    verify.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
+    add_quiet_argument(verify)
 
     density = sub.add_parser(
         "density",
@@ -735,7 +755,7 @@ def _parser() -> argparse.ArgumentParser:
     density.add_argument("--sigma", type=float, help="Gaussian width of the plotted density (default: 1%% of range)")
     density.add_argument("--json", help="write the quadratures and moments to this JSON file")
     density.add_argument("--plot", help="write the density figure here (.png, .pdf or .svg)")
-    density.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
+    add_quiet_argument(density)
 
     study = sub.add_parser(
         "study",
@@ -768,19 +788,9 @@ def _parser() -> argparse.ArgumentParser:
     study.add_argument("--color-by", metavar="COLUMN", help="the manifest column colouring the scatter plots "
                        "(default: the first hyperparameter with 2 to 10 values)")  # fmt: skip
     study.add_argument("--jobs", type=int, default=1, help="worker processes measuring rows at once (default: 1)")
-    study.add_argument("--k", type=int, default=1, help="eigenvalues per measure (default: 1)")
-    study.add_argument("--tol", type=float, default=1e-6, help="relative residual tolerance (default: 1e-6)")
-    study.add_argument("--method", choices=SOLVERS, default="lanczos", help="eigen-solver (default: lanczos)")
-    study.add_argument("--dtype", choices=sorted(DTYPES), default="float64", help="evaluation dtype (default: float64)")
-    study.add_argument("--device", default="cpu", help="where to evaluate: cpu (default), cuda, cuda:1, mps ...")
-    study.add_argument("--memory-mib", type=float, default=None, help="memory budget for activations in MiB, per "
-                       "process (default: 2048 on the CPU, half the free memory of a GPU)")  # fmt: skip
-    study.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-        help="under torchrun: how long a process waits for the others, their rows included (default: "
-        f"{DEFAULT_TIMEOUT_S:.0f})",
-    )  # fmt: skip
-    study.add_argument("--quiet", action="store_true", help="no progress (bars, or lines without a terminal)")
+    add_solver_arguments(study)
+    add_evaluation_arguments(study, timeout_help="how long a process waits for the others, their rows included")
+    add_quiet_argument(study)
 
     return parser
 

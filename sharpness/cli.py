@@ -5,7 +5,10 @@ their built-in examples (``landscape demo``, ``sharpness study --builtin``)."""
 from sharpness._cli import DTYPES as DTYPES
 from sharpness._cli import USER_ERRORS as USER_ERRORS
 from sharpness._cli import OneLineParser as OneLineParser
+from sharpness._cli import add_evaluation_arguments as add_evaluation_arguments
 from sharpness._cli import add_model_arguments as add_model_arguments
+from sharpness._cli import add_quiet_argument as add_quiet_argument
+from sharpness._cli import add_solver_arguments as add_solver_arguments
 from sharpness._cli import check_outputs as check_outputs
 from sharpness._cli import command_inputs as command_inputs
 from sharpness._cli import load_problem as load_problem
@@ -29,7 +32,10 @@ __all__ = [
     "OneLineParser",
     "SpecError",
     "TrainingRun",
+    "add_evaluation_arguments",
     "add_model_arguments",
+    "add_quiet_argument",
+    "add_solver_arguments",
     "build_model",
     "check_outputs",
     "command_inputs",
