@@ -403,6 +403,16 @@ def measure_entry(
     return {**res.to_dict(), "measure": measure.to_dict()}, res
 
 
+def _geodesic_metric(choice: str, objective: Objective) -> str:
+    """``--geodesic-metric``: ``auto`` is the symmetry metric where the network's group has attention or
+    normalization factors (the node metric would leave them in the ball) and the node metric otherwise."""
+    if choice != "auto":
+        return choice
+    structure = objective.structure
+    symmetry = structure.symmetry if structure.group is not None else None
+    return "symmetry" if symmetry is not None and symmetry.factors else "node"
+
+
 def _compute(args: argparse.Namespace) -> int:
     names = _measures(args.metric) or list(DEFAULT_COMPUTE)
     if args.k < 1:
@@ -422,7 +432,7 @@ def _compute(args: argparse.Namespace) -> int:
     progress = False if args.quiet else None
     # One objective for every measure and epsilon ball: the data are prepared and the product state kept once.
     objective = start_objective(args, model, loss_fn, data, memory_budget=budget)
-    measures, node_results = {}, {}
+    measures, eigen_results = {}, {}
     # Measures asked for by name must apply; by default or with `all`, one that does not is recorded with its reason.
     skip_unsupported = not args.metric or "all" in args.metric
     for name in names:
@@ -431,8 +441,7 @@ def _compute(args: argparse.Namespace) -> int:
         if res is None:
             measures[name] = entry
             continue
-        if name == "node":
-            node_results["node"] = res
+        eigen_results[name] = res
         if args.epsilon is not None:
             if measure.has_ball:
                 eps = epsilon_sharpness(None, None, None, args.epsilon, measure, eigen=res, objective=objective,
@@ -444,7 +453,7 @@ def _compute(args: argparse.Namespace) -> int:
         measures[name] = entry
     adaptive = None
     if args.adaptive is not None:
-        eigen = node_results.get("node")
+        eigen = eigen_results.get("node")
         adaptive = {
             kind: adaptive_sharpness(None, None, None, args.adaptive, kind, eigen=eigen, objective=objective,
                                      progress=progress).to_dict()  # fmt: skip
@@ -452,10 +461,11 @@ def _compute(args: argparse.Namespace) -> int:
         }
     groups = [m["group"] for m in measures.values() if "group" in m]
     geodesic = None
-    if args.geodesic is not None:  # node metric; both orders, so the Christoffel term's effect is visible
+    if args.geodesic is not None:  # both orders, so the Christoffel term's effect is visible
+        metric = _geodesic_metric(args.geodesic_metric, objective)
         geodesic = {
-            f"order{order}": geodesic_sharpness(None, None, None, args.geodesic, order=order,
-                                                eigen=node_results.get("node"), objective=objective,
+            f"order{order}": geodesic_sharpness(None, None, None, args.geodesic, metric=metric, order=order,
+                                                eigen=eigen_results.get(metric), objective=objective,
                                                 progress=progress).to_dict()  # fmt: skip
             for order in (2, 1)
         }
@@ -523,8 +533,8 @@ def _table(report: dict, json_path: str | None = None) -> str:
     if report.get("geodesic"):
         second = report["geodesic"]["order2"]
         under = ", ".join(second["invariant_under"]) or "nothing here"
-        lines += ["", f"geodesic sharpness, rho = {second['rho']:g} (node metric, horizontal geodesic ball; "
-                      f"invariant under {under}):"]  # fmt: skip
+        lines += ["", f"geodesic sharpness, rho = {second['rho']:g} ({second['metric']} metric, horizontal geodesic "
+                      f"ball; invariant under {under}):"]  # fmt: skip
         lines += [f"  order {g['order']}  {g['value']:.6g}" for g in report["geodesic"].values()]
     lines += ["", *(f"warning: {w}" for w in report["warnings"])] if report.get("warnings") else []
     return "\n".join(lines)
@@ -700,8 +710,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     compute.add_argument(
         "--geodesic", type=float, metavar="RHO",
-        help="also report geodesic sharpness (node metric, second- and first-order geodesics) for this radius, "
-        "e.g. 0.05",
+        help="also report geodesic sharpness (second- and first-order geodesics) for this radius, e.g. 0.05",
+    )  # fmt: skip
+    compute.add_argument(
+        "--geodesic-metric", choices=("auto", "node", "layer", "symmetry"), default="auto",
+        help="the metric of --geodesic's ball: auto (default) is symmetry where the network has attention or "
+        "normalization symmetries (the whole group, as da Silva et al. define it) and node otherwise",
     )  # fmt: skip
     add_solver_arguments(compute)
     compute.add_argument("--json", help="write the results to this JSON file")

@@ -160,7 +160,8 @@ def test_compute_writes_the_documented_json(files, tmp_path):
     geodesic = report["geodesic"]
     assert [g["order"] for g in geodesic.values()] == [2, 1] and geodesic["order2"]["value"] > 0
     assert geodesic["order2"]["eigenvalue"] == report["measures"]["node"]["value"]  # the node solve is reused
-    assert "geodesic sharpness, rho = 0.05" in r.stdout
+    assert geodesic["order2"]["metric"] == "node"  # auto: a ReLU network's group has no matrix factors
+    assert "geodesic sharpness, rho = 0.05 (node metric" in r.stdout
     assert report["n_params"] == 8 * 6 + 6 + 6 * 3 + 3 and report["loss"] > 0
     assert report["model"] == MODEL and report["data"] == DATA and "torch" in report["versions"]
     for name in ("euclidean", "layer", "node"):
@@ -677,3 +678,19 @@ def test_an_all_zero_checkpoint_keeps_the_euclidean_value(files, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: every parameter is exactly zero"), r.stderr
     r = run_cli("verify", *base, "--trials", "1")
     assert r.returncode == 3 and "nothing to verify" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_geodesic_metric_auto_is_the_symmetry_metric_exactly_where_the_group_has_matrix_factors():
+    from torch import nn
+
+    from sharpness import Objective
+    from sharpness._cli import _geodesic_metric
+    from sharpness._specs import build_model
+
+    torch.manual_seed(0)
+    x, y = torch.rand(6, 64), torch.randint(0, 10, (6,))
+    vit = Objective(build_model("vit:dim=8,heads=2,depth=1").eval(), nn.CrossEntropyLoss(), (x, y))
+    relu = Objective(build_model("mlp:64-5-10").eval(), nn.CrossEntropyLoss(), (x, y))
+    assert _geodesic_metric("auto", vit) == "symmetry"  # attention heads' GL(h) factors: node would leave them in
+    assert _geodesic_metric("auto", relu) == "node"
+    assert _geodesic_metric("layer", vit) == "layer"  # an explicit choice is kept
