@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -11,8 +12,14 @@ from torch import nn  # noqa: E402
 
 from sharpness import Objective  # noqa: E402
 
-# The test problems are tiny: thread hand-offs cost more than they save (and CI has 2 cores).
+# The test problems are tiny: thread hand-offs cost more than they save (and CI has 2 cores). The cores go to
+# pytest-xdist's workers instead (pyproject.toml: -n auto).
 torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (each holds its own torch, about 0.5 GB)."""
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 @pytest.fixture(params=CASE_NAMES)
