@@ -23,21 +23,21 @@ from sharpness.products._boundary import _math_attention
 def test_rk4_geodesics_equal_the_node_metrics_closed_form_and_bound_their_error():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(30, generator=g, dtype=torch.float64)
-    directions = torch.randn(2, 30, generator=g, dtype=torch.float64) * w.abs() * 0.3
+    directions = torch.randn(2, 30, generator=g, dtype=torch.float64) * w.abs() * 0.2
     c = torch.tensor([[1.0, -1.0], [0.3, 0.7], [-0.5, 0.0], [0.0, 0.0]], dtype=torch.float64)
     exact = w * torch.exp((c @ directions) / w)  # Exp_w(xi) = w exp(xi / w) entry-wise
     batched = MetricQuotient(node_metric(), w).geodesic_map(directions, radius=1.0)
-    assert batched.steps >= 4 and 0 < batched.error <= 1e-7
+    assert batched.steps >= 16 and 0 < batched.error <= 1e-6
     assert f"RK4 on the geodesic equation with {batched.steps} steps" in batched.detail
     gap = float(torch.sqrt((((batched(c) - exact) / w) ** 2).sum(-1)).max())  # in the metric at w
-    assert gap < 1e-9 and gap <= batched.error  # the estimate bounds the error (by about 15x)
+    assert gap < 1e-8 and gap <= batched.error  # the estimate bounds the error (by about 15x)
     # the same metric point by point (vmap, no batched points): the same path
     plain = Metric(lambda p, xi: xi / (p * p), lambda p, v: v * p * p, name="node")
     looped = GeodesicMap(plain, w, directions, radius=1.0)
     assert looped.steps == batched.steps
     torch.testing.assert_close(looped(c), batched(c), rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match="do not converge with up to 4 RK4 steps"):
-        GeodesicMap(node_metric(), w, directions, radius=1.0, max_steps=4)
+    with pytest.raises(ValueError, match="do not converge with up to 8 RK4 steps"):
+        GeodesicMap(node_metric(), w, directions, radius=1.0, max_steps=8)
 
 
 def _transformer(seed=0):
@@ -51,10 +51,11 @@ def test_rk4_geodesic_of_the_symmetry_metric_agrees_with_the_second_order_geodes
     xi = quotient.proj_horizontal(torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1),
                                               dtype=torch.float64) * quotient.point.abs())  # fmt: skip
     xi = xi / quotient.norm(xi)
-    gaps = [float(quotient.norm(quotient.expmap(t * xi) - quotient.second_order_geodesic(xi, t)))
-            for t in (0.2, 0.1, 0.05)]  # fmt: skip
+    ts = (0.2, 0.1, 0.05)
+    ends = quotient.geodesic_map(xi[None], radius=ts[0])(torch.tensor(ts, dtype=torch.float64)[:, None])
+    gaps = [float(quotient.norm(end - quotient.second_order_geodesic(xi, t))) for t, end in zip(ts, ends)]
     assert gaps[0] / gaps[1] == pytest.approx(8, rel=0.15) and gaps[1] / gaps[2] == pytest.approx(8, rel=0.1)
-    straight = float(quotient.norm(quotient.expmap(0.05 * xi) - quotient.point - 0.05 * xi))
+    straight = float(quotient.norm(ends[2] - quotient.point - 0.05 * xi))
     assert gaps[2] < 0.1 * straight  # the Christoffel term is there: the second-order path is much closer
 
 
@@ -98,14 +99,14 @@ def test_cli_plane_of_the_vit_along_symmetry_geodesics(tmp_path, capsys):
 
     torch.manual_seed(0)
     ckpt, out = tmp_path / "vit.pt", tmp_path / "out"
-    torch.save(build_model("vit:dim=4,heads=2,mlp=4").state_dict(), ckpt)
-    common = ["--model", "vit:dim=4,heads=2,mlp=4", "--checkpoint", str(ckpt), "--data",
+    torch.save(build_model("vit:dim=2,heads=1,mlp=2").state_dict(), ckpt)
+    common = ["--model", "vit:dim=2,heads=1,mlp=2", "--checkpoint", str(ckpt), "--data",
               "synthetic:n=12,dim=64,classes=10", "--dtype", "float64", "--quiet", "--directions", "invariant-eigen",
               "--path", "geodesic", "--steps", "3", "--span", "0.5"]  # fmt: skip
     code, stdout, err = _cli(["plane", *common, "--metric", "symmetry", "--out", str(out)], capsys)
     assert code == 0, err
     meta = json.loads((out / "plane.json").read_text())["metadata"]
-    assert meta["path_metric"] == "symmetry" and meta["geodesic_steps"] >= 4 and meta["geodesic_error"] <= 1e-7
+    assert meta["path_metric"] == "symmetry" and meta["geodesic_steps"] >= 4 and meta["geodesic_error"] <= 1e-6
     assert "geodesics of the symmetry metric: RK4" in meta["path_detail"]
     for name in ("plane.npz", "plane.png", "plane.html"):
         assert (out / name).stat().st_size > 0, name
