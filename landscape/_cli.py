@@ -124,10 +124,11 @@ def _model_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "'crossed' counts the crossings)")  # fmt: skip
     metrics = [name for name, m in MEASURES.items() if m.tangent_eigenvectors and m.invariant_under]
     parser.add_argument("--metric", default="node", choices=metrics,
-                        help="quotient metric of invariant-eigen directions (default: node): node and layer for "
-                             "ReLU networks (chains, residual, BatchNorm; layer: no normalization layers), symmetry "
-                             "for any network whose symmetry group is found, transformers included (attention "
-                             "heads' GL factors, normalization scales, ReLU units)")  # fmt: skip
+                        help="quotient metric of invariant-eigen directions (default: node): node and layer are "
+                             "invariant under positive rescalings only (ReLU units, layer scales: ReLU, residual and "
+                             "BatchNorm networks), symmetry for any network whose symmetry group is found, under all "
+                             "of it (transformers: attention heads' GL factors, normalization scales, ReLU units); "
+                             "the output records what the directions are invariant under on the network")  # fmt: skip
     parser.add_argument("--path", default="straight", choices=PATHS,
                         help="how invariant-eigen directions are followed: straight lines theta + a ξ1 + b ξ2 "
                              "(default; the first-order retraction) or geodesics Exp_theta(a ξ1 + b ξ2) of the "

@@ -208,8 +208,10 @@ def eigen_directions(
 
     Returns:
         `Directions` of kind ``"eigen"`` (a measure without invariance) or ``"invariant-eigen"``;
-            ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged``, ``n_hvp``, ``orientation`` and
-            ``slopes`` (``grad L . v`` of each direction).
+            ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged``, ``n_hvp``, ``orientation``,
+            ``slopes`` (``grad L . v`` of each direction), ``invariant_under`` (the rescalings of this network the
+            directions are invariant under) and, where the measure claims more than the network has,
+            ``invariance_note``.
     """
     measure = get_measure(metric)
     if not measure.tangent_eigenvectors:
@@ -241,6 +243,8 @@ def eigen_directions(
             "normalization": f"unit norm in the {measure.name} metric",
             "orientation": "the loss rises along each direction to first order (grad L . v >= 0)",
             "slopes": (vectors @ grad).tolist(),
+            # what the plane is invariant under on this network (the measure's claim cut to the group it has)
+            **{key: result.info[key] for key in ("invariant_under", "invariance_note") if key in result.info},
         },
     )
 

@@ -112,9 +112,10 @@ def test_cli_plane_of_the_vit_along_symmetry_geodesics(tmp_path, capsys):
         assert (out / name).stat().st_size > 0, name
     s = landscape.Surface.load(out / "plane")
     assert s.loss[s.center_index()] == pytest.approx(meta["center_loss"], rel=1e-12)
-    # a metric whose group the transformer lacks: one sentence, exit 2, nothing written
+    assert set(meta["directions"]["invariant_under"]) >= {"attention", "normalization"}
+    # the layer metric is undefined at the fresh checkpoint's zero biases: one sentence, exit 2, nothing written
     code, stdout, err = _cli(["plane", *common, "--metric", "layer", "--out", str(tmp_path / "no")], capsys)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "zero norm" in err and "Traceback" not in err
     assert not (tmp_path / "no" / "plane.npz").exists()
     code, stdout, _ = _cli(["plane", "--help"], capsys)
     assert code == 0 and "symmetry for any network" in " ".join(stdout.split())
