@@ -123,14 +123,19 @@ def _model_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                              "values (fixed, default: no chain value changes, no singular line at any span), or "
                              "move them too (free: the loss spikes where a chain value crosses 0; the array "
                              "'crossed' counts the crossings)")  # fmt: skip
-    metrics = [name for name, m in MEASURES.items() if m.has_ball and m.invariant_under]
+    metrics = [name for name, m in MEASURES.items() if m.tangent_eigenvectors and m.invariant_under]
     parser.add_argument("--metric", default="node", choices=metrics,
-                        help="quotient metric of invariant-eigen directions (default: node)")  # fmt: skip
+                        help="quotient metric of invariant-eigen directions (default: node): node and layer are "
+                             "invariant under positive rescalings only (ReLU units, layer scales: ReLU, residual and "
+                             "BatchNorm networks), symmetry for any network whose symmetry group is found, under all "
+                             "of it (transformers: attention heads' GL factors, normalization scales, ReLU units); "
+                             "the output records what the directions are invariant under on the network")  # fmt: skip
     parser.add_argument("--path", default="straight", choices=PATHS,
                         help="how invariant-eigen directions are followed: straight lines theta + a ξ1 + b ξ2 "
                              "(default; the first-order retraction) or geodesics Exp_theta(a ξ1 + b ξ2) of the "
-                             "quotient metric (exact exponential map: the surface of a rescaled copy of the network "
-                             "is the same)")  # fmt: skip
+                             "quotient metric (node, layer: exact exponential map; symmetry: the geodesic equation "
+                             "integrated by RK4, steps and error estimate in the caption; either way the surface of "
+                             "a transformed copy of the network is the same)")  # fmt: skip
     with_to = ", or 41 with --to" if command == "line" else ""
     parser.add_argument("--steps", type=_positive_int,
                         help=f"grid points per axis (default 51{with_to}; the grid always contains the "
@@ -334,6 +339,8 @@ def _reproduces(spec: DirectionSpec, line: bool, segment: bool) -> str:
         return "random plane in G-space (basis-path) coordinates (Meng et al. 2019, G-SGD)"
     if spec.kind_name == "invariant-eigen":
         metric = ("layer-wise quotient metric of Rangamani et al. 2021" if spec.metric == "layer" else
+                  "symmetry metric: quotient by the whole symmetry group (da Silva et al. 2025's transformer "
+                  "symmetries)" if spec.metric == "symmetry" else
                   f"{spec.metric}-wise quotient metric (generalizing Rangamani et al. 2021)")  # fmt: skip
         return f"{'line' if line else 'plane'} of the top Riemannian Hessian eigenvectors, {metric}"
     if spec.kind_name == "eigen":
@@ -500,6 +507,8 @@ def _real(args: argparse.Namespace) -> int:
     source = _provenance(args, loss_fn)
     title = surface.title[0].upper() + surface.title[1:]
     caption = f"{source}; {_reproduces(spec, surface.is_line, target is not None)}"
+    if surface.metadata.get("path") == "geodesic":
+        caption += f"; path: {surface.metadata['path_detail']}"
     log = _log_mode(args, [surface])
     if surface.is_line:
         marks = [] if target is None else [(0.0, Path(args.checkpoint).name), (1.0, Path(args.to).name)]

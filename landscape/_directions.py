@@ -190,32 +190,47 @@ def eigen_directions(
     """The top ``k`` Hessian eigenvectors of a measure at the objective's parameters.
 
     ``metric="euclidean"``: eigenvectors of the Euclidean Hessian (unit Euclidean norm).
-    ``metric="node"`` / ``"layer"``: eigenvectors of the Riemannian Hessian on the node-wise /
-    layer-wise quotient (`sharpness.invariant_sharpness`): horizontal tangent vectors of unit
-    ``g``-norm, so a coordinate step of 1 is a unit step in the invariant metric (for ``"node"``,
+    ``metric="node"`` / ``"layer"`` / ``"symmetry"``: eigenvectors of the Riemannian Hessian on the node-wise /
+    layer-wise quotient (`sharpness.invariant_sharpness`) or on the quotient by the network's whole symmetry group
+    (attention heads' GL factors, normalization scales, ReLU units: `sharpness.Symmetry`): horizontal tangent
+    vectors of unit ``g``-norm, so a coordinate step of 1 is a unit step in the invariant metric (for ``"node"``,
     ``sum_k (xi_k / w_k)^2 = 1``: relative changes of the weights). Planes along them are drawn as
     straight lines ``theta + a xi_1 + b xi_2`` (the first-order retraction), or with
-    ``path="geodesic"`` ([`landscape.loss_plane`][landscape.loss_plane]) along the metric's exact exponential map.
-    Any measure with a metric ball (`sharpness.Measure.has_ball`) works, by name or object; the
-    others return vectors at another point (a canonical representative) or in other coordinates.
+    ``path="geodesic"`` ([`landscape.loss_plane`][landscape.loss_plane]) along the metric's geodesics.
+    Any measure whose eigenvectors are tangent vectors at the point (`sharpness.Measure.tangent_eigenvectors`)
+    works, by name or object; the others return vectors at another point (a canonical representative) or in other
+    coordinates.
+
+    Each eigenvector is oriented so that the loss rises along it to first order (``grad L . v >= 0``): a sign
+    that every symmetry of the loss preserves (the solver's own convention, the sign of the largest whitened
+    entry, is not preserved by attention's GL factors), so a transformed network gets the transformed plane, not
+    a mirrored one. Where ``|grad L . v|`` is at rounding level (an exact critical point) the solver's sign stays.
 
     Returns:
         `Directions` of kind ``"eigen"`` (a measure without invariance) or ``"invariant-eigen"``;
-            ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged`` and ``n_hvp``.
+            ``info`` holds ``metric``, ``eigenvalues``, ``residuals``, ``converged``, ``n_hvp``, ``orientation``,
+            ``slopes`` (``grad L . v`` of each direction), ``invariant_under`` (the rescalings of this network the
+            directions are invariant under) and, where the measure claims more than the network has,
+            ``invariance_note``.
     """
     measure = get_measure(metric)
-    if not measure.has_ball:
-        eligible = ", ".join(name for name, m in MEASURES.items() if m.has_ball)
+    if not measure.tangent_eigenvectors:
+        eligible = ", ".join(name for name, m in MEASURES.items() if m.tangent_eigenvectors)
         raise ValueError(
-            f"eigenvector directions need tangent vectors at the point with a metric; the {measure.name!r} measure "
-            f"has none (choose one of {eligible})"
+            f"eigenvector directions need tangent vectors at the point; the {measure.name!r} measure returns vectors "
+            f"at another point or in other coordinates (choose one of {eligible})"
         )
     result = measure.sharpness(objective, k, Solver(tol=tol, seed=seed), progress)
     values = result.eigenvalues.tolist()
+    vectors = result.eigenvectors.to(objective.dtype)
+    grad = objective.gradient()
+    slopes = vectors @ grad
+    rounding = (vectors.abs() @ grad.abs()) * vectors.shape[1] * torch.finfo(vectors.dtype).eps
+    vectors = torch.where(((slopes < 0) & (slopes.abs() > rounding))[:, None], -vectors, vectors)
     invariant = bool(measure.invariant_under)
     prefix = "ξ" if invariant else "v"
     return Directions(
-        vectors=result.eigenvectors.to(objective.dtype),
+        vectors=vectors,
         kind="invariant-eigen" if invariant else "eigen",
         labels=tuple(f"{prefix}{i + 1} (λ{i + 1} = {v:.3g})" for i, v in enumerate(values)),
         info={
@@ -226,6 +241,10 @@ def eigen_directions(
             "n_hvp": int(result.n_matvec),
             "seed": seed,
             "normalization": f"unit norm in the {measure.name} metric",
+            "orientation": "the loss rises along each direction to first order (grad L . v >= 0)",
+            "slopes": (vectors @ grad).tolist(),
+            # what the plane is invariant under on this network (the measure's claim cut to the group it has)
+            **{key: result.info[key] for key in ("invariant_under", "invariance_note") if key in result.info},
         },
     )
 

@@ -7,8 +7,11 @@ Three kinds of chart map grid coordinates ``c = (a, b)`` to parameters:
 * ``"geodesic"`` (invariant-eigen directions): ``Exp_theta(a xi1 + b xi2)``, the exact exponential
   map of the quotient metric the eigenvectors belong to (node-wise: ``theta * exp((a xi1 + b xi2) /
   theta)`` entry-wise, the straight line in log-coordinates; layer-wise: the per-block cylinder
-  geodesic). The eigenvectors are horizontal, and the total-space geodesic of a horizontal vector
-  stays horizontal and projects to the quotient geodesic, so the plane is the quotient's. Every
+  geodesic), or, for a metric without a closed form (the symmetry metric of transformers), the geodesic
+  equation integrated by RK4 ([`manifolds.GeodesicMap`][manifolds.GeodesicMap]: steps chosen at the grid's
+  corners, error estimate in the metadata). The eigenvectors are horizontal, and the total-space geodesic
+  of a horizontal vector stays horizontal and projects to the quotient geodesic, so the plane is the
+  quotient's. Every
   rescaling the metric is invariant under is an isometry mapping geodesics to geodesics: the plane
   of a rescaled twin is the rescaled plane, the same function of ``(a, b)``;
 * ``"gspace"``: ``w(v + a d1 + b d2)`` with ``v`` the G-space coordinates of ``theta``, ``d_i``
@@ -58,6 +61,8 @@ from sharpness import (
 )
 
 SEGMENT_RANGE = (-0.5, 1.5)
+# how figures name a metric whose name does not read as "<name>-wise"
+METRIC_NAMES = {"symmetry": "symmetry metric: quotient by the whole symmetry group"}
 
 
 def make_directions(
@@ -175,27 +180,33 @@ def _gspace_chart(objective: Objective, spec: DirectionSpec, k: int) -> Chart:
     return Chart(d, "gspace", point_fn, info, crossed, first_layer=(ends[0], ends[1:] - ends[0]))
 
 
-def _geodesic_chart(objective: Objective, d: Directions, measure: Measure) -> Chart:
-    """``Exp_theta(sum c_i xi_i)`` with the exact exponential map of the eigenvectors' quotient metric."""
+def _geodesic_chart(objective: Objective, d: Directions, measure: Measure, radius: float) -> Chart:
+    """``Exp_theta(sum c_i xi_i)`` along the geodesics of the eigenvectors' quotient metric: its exact exponential
+    map, or (a metric without one, e.g. the symmetry metric) the geodesic equation integrated up to ``radius``."""
     if d.info.get("metric") != measure.name or not isinstance(measure, QuotientMeasure):
         raise ValueError(
             f"geodesic planes need invariant-eigen directions of a quotient metric, got {d.info.get('metric')!r} "
             f"directions under the {measure.name!r} measure"
         )
     quotient = measure.quotient(objective)
-    point_fn = quotient.geodesic_map(d.vectors.to(objective.device, objective.dtype))
-    detail = f"theta(a, b) = Exp_theta(a ξ1 + b ξ2): {quotient.geodesic}"
-    return Chart(d, "geodesic", point_fn, {"path": "geodesic", "path_detail": detail, "path_metric": measure.name})
+    point_fn = quotient.geodesic_map(d.vectors.to(objective.device, objective.dtype), radius)
+    info = {"path": "geodesic", "path_metric": measure.name,
+            "path_detail": f"theta(a, b) = Exp_theta(a ξ1 + b ξ2): {getattr(point_fn, 'detail', quotient.geodesic)}"}
+    if hasattr(point_fn, "steps"):  # integrated numerically: how, and how well
+        info |= {"geodesic_steps": point_fn.steps, "geodesic_error": point_fn.error, "geodesic_method": "rk4"}
+    return Chart(d, "geodesic", point_fn, info)
 
 
-def make_chart(objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None) -> Chart:
-    """The directions and the map from grid coordinates to parameters (see the module docstring)."""
+def make_chart(objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None,
+               radius: float = 1.0) -> Chart:  # fmt: skip
+    """The directions and the map from grid coordinates to parameters (see the module docstring); ``radius`` is
+    the largest ``|c_i|`` the chart will be asked for (geodesics integrated numerically choose their steps there)."""
     if spec.kind_name == "gspace":
         return _gspace_chart(objective, spec, k)
     d = make_directions(objective, spec, k, progress)
     if spec.path == "geodesic":
         given = isinstance(spec.kind, Directions)
-        return _geodesic_chart(objective, d, get_measure(d.info.get("metric") if given else spec.metric))
+        return _geodesic_chart(objective, d, get_measure(d.info.get("metric") if given else spec.metric), radius)
     return Chart(d, "straight", None, {"path": "straight", "path_detail": "theta + sum_i c_i d_i"})
 
 
@@ -212,7 +223,8 @@ def _describe(d: Directions) -> str:
     if d.kind == "eigen":
         return f"the top Euclidean Hessian eigenvector{s}"
     if d.kind == "invariant-eigen":
-        metric = f"{info['metric']}-wise quotient metric" if "metric" in info else "a quotient metric"
+        metric = METRIC_NAMES.get(info.get("metric"), f"{info.get('metric')}-wise quotient metric")
+        metric = metric if "metric" in info else "a quotient metric"
         return f"the top Riemannian Hessian eigenvector{s} ({metric})"
     if d.kind == "gspace":
         norm = info.get("normalization")
@@ -316,7 +328,7 @@ def loss_plane(
     obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
     check_compile(grid.compile, grid.strategy, obj.device)  # before the directions are computed
     start = time.perf_counter()
-    chart = make_chart(obj, spec, 2, progress)
+    chart = make_chart(obj, spec, 2, progress, radius=grid.span)
     build = time.perf_counter() - start
     axis = grid_axis(-grid.span, grid.span, grid.steps)
     yy, xx = np.meshgrid(axis, axis, indexing="ij")
@@ -389,8 +401,8 @@ def loss_line(
         lo, hi = SEGMENT_RANGE if lim is None else lim
         axis = grid_axis(lo, hi, grid.steps, anchors=(0.0, 1.0))
     else:
-        chart = make_chart(obj, spec, 1, progress)
         lo, hi = (-grid.span, grid.span) if lim is None else lim
+        chart = make_chart(obj, spec, 1, progress, radius=max(abs(lo), abs(hi)))
         axis = grid_axis(lo, hi, grid.steps)
     build = time.perf_counter() - start
     coords = axis[:, None]

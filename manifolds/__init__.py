@@ -15,6 +15,7 @@ from manifolds._fixed_model import FixModel as FixModel
 from manifolds._gauge import GaugeHistory as GaugeHistory
 from manifolds._gauge import min_norm_gauge as min_norm_gauge
 from manifolds._gauge import min_norm_gauge_parameters as min_norm_gauge_parameters
+from manifolds._geodesic_ode import GeodesicMap as GeodesicMap
 from manifolds._graph import FirstLayerSplit as FirstLayerSplit
 from manifolds._graph import TracedNetwork as TracedNetwork
 from manifolds._graph import module_chain as module_chain
@@ -59,6 +60,7 @@ from manifolds._symmetry_quotient import SymmetryQuotient as SymmetryQuotient
 __all__ = [
     "Metric",
     "MetricQuotient",
+    "GeodesicMap",
     "layer_metric",
     "node_metric",
     "Block",

@@ -58,12 +58,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from manifolds._layout import ParamLayout
 from manifolds._quotient import _orthonormal_rows
+
+if TYPE_CHECKING:
+    from manifolds._geodesic_ode import GeodesicMap
 
 PointMap = Callable[[Tensor, Tensor], Tensor]  # (w (n,), v (n,)) -> (n,)
 
@@ -80,6 +84,9 @@ class Metric:
             ``unwhiten``, or both ``None`` (then ``W = G^{1/2}`` from the dense factorisation).
         unwhiten: ``(w, zeta) -> W(w)^-1 zeta``, the inverse of ``whiten``.
         name: a short label for messages and results.
+        batched: whether ``apply`` and ``solve`` also take a batch of points ``w (..., n)`` with vectors of the same
+            batch shape, each vector under the metric at its own point (geodesics are then integrated for a whole
+            grid at once; otherwise point by point under ``torch.func.vmap``).
     """
 
     apply: PointMap
@@ -87,6 +94,7 @@ class Metric:
     whiten: PointMap | None = None
     unwhiten: PointMap | None = None
     name: str = "metric"
+    batched: bool = False
 
     def __post_init__(self):
         if (self.whiten is None) != (self.unwhiten is None):
@@ -138,6 +146,7 @@ def node_metric() -> Metric:
         whiten=lambda w, xi: xi / w.abs(),
         unwhiten=lambda w, zeta: zeta * w.abs(),
         name="node",
+        batched=True,
     )
 
 
@@ -336,6 +345,32 @@ class MetricQuotient:
             return self.whitened_projection(self.whiten(self.connection_hessian(egrad, hvp(xi), xi, rgrad)))
 
         return apply
+
+    # -- geodesics --------------------------------------------------------------------------------------------
+
+    geodesic = ("geodesics of the metric: RK4 on the geodesic equation x'' = -Gamma_x(x', x') (no closed-form "
+                "exponential map)")
+
+    def geodesic_map(self, directions: Tensor, radius: float = 1.0) -> GeodesicMap:
+        """``c (B, k) -> Exp_w(c @ directions)`` ``(B, n)``: the geodesic equation integrated by RK4.
+
+        Args:
+            directions: horizontal tangent vectors at the point, ``(k, n)``.
+            radius: the largest ``|c_i|`` asked for (a grid's half-width): the step count is chosen there.
+
+        Returns:
+            A [`manifolds.GeodesicMap`][manifolds.GeodesicMap]; its ``steps``, ``error`` and ``detail`` say how the
+                geodesics were computed. A horizontal initial velocity keeps the geodesic horizontal (the metric
+                is invariant), so it projects to the quotient's geodesic.
+        """
+        from manifolds._geodesic_ode import GeodesicMap  # the integrator builds on Metric, defined here
+
+        return GeodesicMap(self.metric, self.point, directions, radius)
+
+    def expmap(self, xi: Tensor) -> Tensor:
+        """``Exp_w(xi)``, ``(n,)``: the geodesic equation integrated by RK4 to the error estimate's default tolerance
+        (see [`geodesic_map`][manifolds.MetricQuotient.geodesic_map])."""
+        return self.geodesic_map(xi[None])(xi.new_ones(1, 1))[0]
 
     def second_order_geodesic(self, xi: Tensor, t: float = 1.0) -> Tensor:
         """``w + t xi - t^2/2 Gamma(xi, xi)``, ``(n,)``: agrees with the geodesic ``Exp(t xi)`` to ``O(t^3)``."""

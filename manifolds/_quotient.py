@@ -74,8 +74,9 @@ class _Quotient(ABC):
     def geoopt_manifold(cls):
         """The per-tensor ``geoopt`` manifold with this metric (for `manifolds.quotient_parameters`)."""
 
-    def geodesic_map(self, directions: Tensor) -> Callable[[Tensor], Tensor]:
-        """``c (B, k) -> (B, n)``: the points ``Exp(sum_i c_i directions_i)`` for tangent ``directions (k, n)``."""
+    def geodesic_map(self, directions: Tensor, radius: float = 1.0) -> Callable[[Tensor], Tensor]:
+        """``c (B, k) -> (B, n)``: the points ``Exp(sum_i c_i directions_i)`` for tangent ``directions (k, n)``
+        (``radius``, the largest ``|c_i|`` asked for, matters only to quotients without a closed-form map)."""
 
         def points(c: Tensor) -> Tensor:
             return torch.stack([self.expmap(xi) for xi in c @ directions])
@@ -334,7 +335,7 @@ class NodeScaleQuotient(_Quotient):
     def expmap(self, xi: Tensor) -> Tensor:
         return self.point * torch.exp(self.whiten(xi) * self._sign)  # w exp(xi / w); zeros stay 0
 
-    def geodesic_map(self, directions: Tensor) -> Callable[[Tensor], Tensor]:
+    def geodesic_map(self, directions: Tensor, radius: float = 1.0) -> Callable[[Tensor], Tensor]:
         # Exp(xi) = w * exp(sign(w) G^{1/2} xi) is entry-wise with an exponent linear in xi: precompute the
         # exponent's directions, so a batch costs one product, one exp and one multiplication (equal to expmap
         # to rounding, zero weights included: their rows of G^{1/2} are 0).

@@ -211,30 +211,32 @@ class _Plan:
 
 
 class _Point:
-    """The metric's factors at one point ``w``: Gram matrices of every block and the column weights."""
+    """The metric's factors at one point ``w`` ``(n,)``, or at a batch of points ``(..., n)`` (each its own
+    metric, e.g. along a batch of geodesics): Gram matrices of every block and the column weights."""
 
     def __init__(self, plan: _Plan, w: Tensor):
-        self.plan = plan
-        table = w.new_ones(1 + 2 * plan.n_refs)
+        self.plan, self.batch = plan, w.shape[:-1]
+        table = w.new_ones(*w.shape[:-1], 1 + 2 * plan.n_refs)
         for fi, r in plan.references:  # upstream first: a reference reads the weights of earlier ones
-            x = w[r.index]  # (k, 1, m)
-            p = table[r.weight][:, None, :]
+            x = w[..., r.index]  # (..., k, 1, m)
+            p = table[..., r.weight][..., None, :]
             ref = (x * x * p).sum((-2, -1))
             start = 1 + plan.ref_offsets[fi]
-            table = torch.cat([table[:start], ref, table[start + ref.numel():]])
+            size = ref.shape[-1]
+            table = torch.cat([table[..., :start], ref, table[..., start + size:]], dim=-1)
             start += plan.n_refs
-            table = torch.cat([table[:start], 1.0 / ref, table[start + ref.numel():]])
-        self.row_p = [table[r.weight][..., None, :] for r in plan.rows]  # (B, 1, m)
-        self.row_s = [(w[r.index] * p) @ w[r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
-        self.col_s = [w[c].transpose(-1, -2) @ w[c] for c in plan.gl_columns]  # (1, k, k)
+            table = torch.cat([table[..., :start], 1.0 / ref, table[..., start + size:]], dim=-1)
+        self.row_p = [table[..., r.weight][..., None, :] for r in plan.rows]  # (..., B, 1, m)
+        self.row_s = [(w[..., r.index] * p) @ w[..., r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
+        self.col_s = [w[..., c].transpose(-1, -2) @ w[..., c] for c in plan.gl_columns]  # (..., 1, k, k)
         node = plan.entry_node.to(w.device)  # the plan is built once on the CPU; the point may be on a GPU
-        we = torch.where(node, w[plan.entries], 1.0)  # no 1/0 in the branch not taken: its derivative would be nan
-        self.entry_p = torch.where(node, 1.0 / (we * we), table[plan.entry_weight])
+        we = torch.where(node, w[..., plan.entries], 1.0)  # no 1/0 in the branch not taken: its derivative would be nan
+        self.entry_p = torch.where(node, 1.0 / (we * we), table[..., plan.entry_weight])
 
     def map(self, v: Tensor, row, col, entry) -> Tensor:
         """Apply per-block maps to ``v`` (``(..., n)``) and put the pieces back in the flat order."""
         plan = self.plan
-        batch = v.shape[:-1]
+        batch = torch.broadcast_shapes(v.shape[:-1], self.batch)
         pieces = [row(v[..., r.index], s, p).reshape(*batch, -1) for r, s, p in zip(plan.rows, self.row_s, self.row_p)]
         pieces += [col(v[..., c], s).reshape(*batch, -1) for c, s in zip(plan.gl_columns, self.col_s)]
         pieces.append(entry(v[..., plan.entries], self.entry_p))
@@ -259,7 +261,8 @@ def symmetry_metric(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> M
     ``apply`` is differentiable in the point by ``torch.func`` (for the Levi-Civita connection of
     `manifolds.MetricQuotient`); ``solve``, ``whiten`` and ``unwhiten`` (``W = G^{1/2}``, symmetric) work
     block by block on ``k x k`` Gram matrices, so nothing is dense in the number of parameters. Every map
-    accepts ``(..., n)`` vectors.
+    accepts ``(..., n)`` vectors, and a batch of points ``(..., n)`` of the same batch shape (each vector
+    under the metric at its own point: geodesics integrated in batches).
 
     Args:
         symmetry: the group ([`manifolds.transformer_symmetry`][manifolds.transformer_symmetry]).
@@ -303,4 +306,4 @@ def _metric(plan: _Plan) -> Metric:
             lambda x, p: x / p.sqrt(),
         )
 
-    return Metric(apply, solve, whiten, unwhiten, name="symmetry")
+    return Metric(apply, solve, whiten, unwhiten, name="symmetry", batched=True)

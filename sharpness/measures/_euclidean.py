@@ -38,6 +38,7 @@ class Euclidean(Measure):
     data_span: bool | None = None
 
     name = "euclidean"
+    tangent_eigenvectors = True
     description = "top eigenvalue of the Euclidean Hessian (not rescaling-invariant)"
     invariant_under = ()
     needs_symmetry = False

@@ -86,12 +86,18 @@ class Measure(ABC):
         invariant_under: the rescaling kinds (``"node"``, ``"layer"``) that leave it unchanged.
         needs_symmetry: whether the measure is defined only for models whose hidden units can be
             rescaled (every measure but the Euclidean one).
+        tangent_eigenvectors: whether the eigenvectors come back as tangent vectors at the objective's own
+            point, in its own parameter coordinates (``"euclidean"`` or ``"tangent"``), so lines and planes
+            through the point can follow them (the landscape's eigen planes); not so for a measure that moves to
+            a canonical representative or to other coordinates. Independent of [`has_ball`][sharpness.Measure.has_ball]
+            (whether epsilon-sharpness is defined).
     """
 
     name: ClassVar[str]
     description: ClassVar[str]
     invariant_under: ClassVar[tuple[str, ...]]
     needs_symmetry: ClassVar[bool] = True
+    tangent_eigenvectors: ClassVar[bool] = False
 
     @abstractmethod
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:

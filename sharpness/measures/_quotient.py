@@ -28,6 +28,7 @@ class QuotientMeasure(Measure):
     """
 
     drops: ClassVar[str]  # which parameters the metric leaves out, e.g. "exactly zero"
+    tangent_eigenvectors = True  # horizontal tangent vectors at the point, unit in the metric
 
     @abstractmethod
     def quotient(self, objective: Objective) -> LayerScaleQuotient | NodeScaleQuotient:
