@@ -292,7 +292,12 @@ def diagonal(record: dict) -> tuple[list[str], list[str]]:
         f"{min(second):.1%} to {max(second):.1%} (the geodesic's second-order term), and the first-order geodesic "
         f"(horizontal ball, straight lines) equals adaptive sharpness to {_e(order1)} (relative) in both "
         "populations: the best point adaptive sharpness finds is horizontal, so here the two measures differ only "
-        f"by the second-order term. Test losses range from {min(n['test_loss'] for n in nets):.3g} to "
+        "by the second-order term. That term is small by construction: along a horizontal velocity b (node-metric "
+        "norm sqrt(2) ||b|| <= rho) the predictor moves from beta to beta (1 + b)^2 at first order and to "
+        "beta (1 + b + b^2/2)^2 at second order, which differ by beta b^2; at a minimum the loss increase is "
+        "quadratic in the displacement 2 beta b, so the second-order term changes it by a relative O(rho), and "
+        "geodesic sharpness is nearly a monotone function of adaptive sharpness across networks: their taus "
+        f"cannot differ much. Test losses range from {min(n['test_loss'] for n in nets):.3g} to "
         f"{max(n['test_loss'] for n in nets):.3g}.",
         "",
         "| check | value | bound | |",
