@@ -1,5 +1,6 @@
 """Each reproduction's own checks catch a wrong Hessian: under each mutant of the geometry (connection terms
-dropped, the layer-wise metric scaled by a constant, a basis path's sign flipped in G-space) at least one check of
+dropped, the layer-wise metric scaled by a constant, a basis path's sign flipped in G-space, the geodesic's
+second-order term dropped, which turns geodesic sharpness into its first-order limit) at least one check of
 ``examples/reproduction_table.py --check --reference-only`` fails, and without a mutant all pass."""
 
 import contextlib
@@ -9,7 +10,7 @@ import pytest
 import torch
 from test_examples import load_example
 
-from manifolds import GSpace, LayerScaleQuotient, NodeScaleQuotient
+from manifolds import GSpace, LayerScaleQuotient, MetricQuotient, NodeScaleQuotient
 
 METRIC_SCALE = 4.0  # the layer-wise metric multiplied by this: every eigenvalue divided by it, still invariant
 
@@ -41,11 +42,16 @@ def _flipped_path(weight_coordinates):
     return flipped
 
 
+def _first_order_geodesic(self, xi, t=1.0):
+    return self.point + t * xi  # the Christoffel term dropped: straight lines, adaptive sharpness's ball
+
+
 MUTANTS = {
     "layer connection terms dropped": (LayerScaleQuotient, "connection_hessian", lambda _: _layer_without_connection),
     "node connection terms dropped": (NodeScaleQuotient, "connection_hessian", lambda _: _node_without_connection),
     f"layer metric x{METRIC_SCALE:g}": (LayerScaleQuotient, "__init__", _scaled_layer_metric),
     "basis-path sign flipped in G-space": (GSpace, "_weight_coordinates", _flipped_path),
+    "geodesic second-order term dropped": (MetricQuotient, "second_order_geodesic", lambda _: _first_order_geodesic),
 }
 
 
@@ -55,6 +61,7 @@ BREAKS = {
     "node connection terms dropped": ("node",),
     f"layer metric x{METRIC_SCALE:g}": ("layer",),
     "basis-path sign flipped in G-space": ("gspace", "G-space"),
+    "geodesic second-order term dropped": ("geodesic",),
 }
 
 
@@ -64,9 +71,9 @@ def test_every_reference_check_passes_without_a_mutant():
     with contextlib.redirect_stdout(printed):
         status = table.main(["--check", "--reference-only"])
     lines = printed.getvalue().splitlines()
-    assert status == 0 and lines[-1] == "20/20 checks pass" and "FAIL" not in printed.getvalue()
+    assert status == 0 and lines[-1] == "23/23 checks pass" and "FAIL" not in printed.getvalue()
     assert {line.split(": ")[0].split(" (")[0] for line in lines[:-1]} == {
-        "PASS  Tables 2-3", "PASS  gauge Fig. 2", "PASS  thesis Fig. 4.1"}  # fmt: skip
+        "PASS  Tables 2-3", "PASS  gauge Fig. 2", "PASS  thesis Fig. 4.1", "PASS  Hide & Seek Fig. 3"}  # fmt: skip
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
