@@ -3,10 +3,13 @@
 The reference loop below follows the thesis's G-space formulas (Table 2.1, skeleton weights 1) and its
 ``GOptimizer``, which builds a new optimizer at every step, so G-Adam's every step is Adam's first."""
 
+import copy
+import json
+import math
 
 import pytest
 import torch
-from test_examples import load_example
+from test_examples import EXAMPLES, load_example
 from torch import nn
 
 
@@ -130,3 +133,43 @@ def test_claims_follow_the_numbers(example):
     assert [c["verdict"] for c in flipped][:2] == ["does not agree", "does not agree"]
     assert "G-SGD - SGD = -0.050 (beyond 2 standard errors)" in flipped[0]["outcome"]
     assert [c["verdict"] for c in flipped][5:7] == ["does not agree", "does not agree"]
+
+
+def test_the_page_states_the_recorded_claims(example, tmp_path):
+    """docs/reproductions.md's Fig. 4.1 claims table is the claims of the committed record; a changed record
+    changes the page."""
+    table = load_example("reproduction_table")
+    record = json.loads((table.DATA / "gspace_training.json").read_text())
+    page = table.OUT.read_text()
+    claims = example.claims(record["results"], record["settings"])
+    for c in claims:
+        assert f"| {c['claim']} | {c['measure']} | {c['outcome']} | {c['verdict']} |" in page
+    moved = copy.deepcopy(record)
+    for v in moved["results"]["G-Adam"].values():
+        v["best"] = 1e-3
+        v["mean"] = [1e-3] * len(v["mean"])
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in table.DATA.glob("*.json"):
+        (data / path.name).write_text(path.read_text())
+    (data / "gspace_training.json").write_text(json.dumps(moved))
+    assert "G-Adam 0.001 ±" in table.render(data) and "G-Adam 0.001 ±" not in page
+    assert math.isfinite(record["results"]["SGD"][f"{record['settings']['learning_rates'][0]:g}"]["best"])
+    assert (EXAMPLES.parent / "docs" / "reproductions" / "gspace_training.png").is_file()
+
+
+def test_the_quick_rerun_fails_when_a_score_moves_beyond_its_tolerance(example):
+    """reproduction_table.py --check compares a fresh quick run with the record's quick scores: equal passes, a
+    score moved by twice the tolerance (or missing) fails, naming the optimizer."""
+    table = load_example("reproduction_table")
+    recorded = json.loads((table.DATA / "gspace_training.json").read_text())["quick"]
+    assert list(recorded) == list(example.OPTIMIZERS) and all(len(v) == 2 for v in recorded.values())
+    assert all(c["passed"] for c in table.gspace_quick_verdicts(recorded, recorded, example.QUICK_TOL))
+    moved = copy.deepcopy(recorded)
+    moved["G-SGD"]["0.01"]["best"] *= 1 + 2 * example.QUICK_TOL
+    half = copy.deepcopy(recorded)
+    half["G-SGD"]["0.01"]["best"] *= 1 + example.QUICK_TOL / 2
+    del moved["Adam"]["0.1"]
+    failed = [c["check"] for c in table.gspace_quick_verdicts(moved, recorded, example.QUICK_TOL) if not c["passed"]]
+    assert [f.split(":")[0] for f in failed] == ["quick G-SGD", "quick Adam"]
+    assert all(c["passed"] for c in table.gspace_quick_verdicts(half, recorded, example.QUICK_TOL))
