@@ -173,3 +173,18 @@ def test_the_quick_rerun_fails_when_a_score_moves_beyond_its_tolerance(example):
     failed = [c["check"] for c in table.gspace_quick_verdicts(moved, recorded, example.QUICK_TOL) if not c["passed"]]
     assert [f.split(":")[0] for f in failed] == ["quick G-SGD", "quick Adam"]
     assert all(c["passed"] for c in table.gspace_quick_verdicts(half, recorded, example.QUICK_TOL))
+
+
+def test_the_convergence_claim_compares_how_far_each_falls_at_small_rates(example):
+    results = _results(example)
+    for label in results:  # a third, small rate: G-SGD falls from 2.5 to 0.9 in two epochs, the others by 0.01
+        mean = [2.5, 1.0, 0.9] if label == "G-SGD" else [2.3, 2.295, 2.29]
+        results[label]["0.001"] = {"mean": mean, "best": min(mean), "best_epoch": 2, "at_best": [min(mean)] * 3,
+                                   "std": 0.0, "diverged": [None] * 3}  # fmt: skip
+    settings = {"seeds": 3, "epochs": 2, "init": "thesis"}
+    (claim,) = [c for c in example.claims(results, settings) if "converges much faster" in c["claim"]]
+    assert claim["verdict"] == "agrees"
+    assert claim["outcome"] == "lr 0.001: G-SGD falls 1.600 (reached at epoch 1), SGD 0.010 (not reached)"
+    results["G-SGD"]["0.001"]["mean"] = [2.5, 2.5, 2.495]
+    (claim,) = [c for c in example.claims(results, settings) if "converges much faster" in c["claim"]]
+    assert claim["verdict"] == "does not agree"
