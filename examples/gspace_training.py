@@ -455,6 +455,9 @@ def plot(results: dict, settings: dict, out: Path) -> list[Path]:
             bx.plot(range(len(mean)), mean, line, color=color, lw=1.6, label=f"{label}, lr {lr}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    low = [v["best"] - v["std"] for per_lr in results.values() for v in per_lr.values() if v["best"] - v["std"] > 0]
+    if low:  # room below the lowest bar for the legend
+        ax.set_ylim(bottom=min(low) / 4)
     ax.set_xlabel("learning rate")
     ax.set_ylabel("best validation loss over the epochs (cross-entropy)")
     stars = f"; stars: {epochs} epochs" if grid != epochs else ""
@@ -463,9 +466,9 @@ def plot(results: dict, settings: dict, out: Path) -> list[Path]:
     bx.set_xlabel("epoch (0: before training)")
     bx.set_ylabel("validation loss, mean over seeds")
     bx.set_title("(b) each optimizer at its best learning rate", fontsize=9)
-    for a in (ax, bx):
+    for a, where in ((ax, "lower left"), (bx, "upper right")):  # (a): below the small rates' scores
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=8, loc=where)
     start = ("PyTorch default (SGD, Adam); skeleton and chain-start weights 1 (G-methods)"
              if settings["init"] == "thesis" else "skeleton and chain-start weights 1 (all)")  # fmt: skip
     fig.suptitle(
