@@ -177,11 +177,15 @@ def test_gspace_training_example_figure(tmp_path, checked):
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example
     spec.loader.exec_module(example)
-    rates = example.LEARNING_RATES
-    labels = list(example.OPTIMIZERS)
-    summary = {label: [2.3 / (k + 1) + 0.01 * i for i in range(len(rates))] for k, label in enumerate(labels)}
-    counts = {label: [3, 3, 2, 3] for label in example.OPTIMIZERS}  # one seed diverged: annotated "2/3"
-    example.plot(summary, counts, 3, "one", tmp_path, rates)
+    rates = [f"{lr:g}" for lr in example.LEARNING_RATES]
+    results = {
+        label: {lr: {"mean": [2.3, 1.0 / (k + 1), 0.5 / (k + 1) + 0.01 * i], "best": 0.5 / (k + 1) + 0.01 * i,
+                     "best_epoch": 2, "at_best": [0.5 / (k + 1) + 0.01 * i] * 3, "std": 0.01,
+                     "diverged": [None, 2, None] if i == 2 else [None] * 3}  # one seed diverged: annotated
+                for i, lr in enumerate(rates)}
+        for k, label in enumerate(example.OPTIMIZERS)
+    }  # fmt: skip
+    example.plot(results, {"seeds": 3, "epochs": 2, "init": "thesis"}, tmp_path)
     assert len(checked) == 2
     meta = _png_meta(tmp_path / "gspace_training.png")
     assert "thesis Fig. 4.1" in meta["Title"] and "Fig. 4.1 of C. Jestaedt" in meta["Description"]
