@@ -634,7 +634,9 @@ class Objective:
         if strategy == "rop" and (autograd or self._rop is None):
             raise ValueError(
                 "the 'rop' HVP strategy needs a model built from Linear/ConvNd layers, eval-mode BatchNorm, ReLU, "
-                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation "
+                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, "
+                "LayerNorm, exact GELU, tanh, self-attention by nn.MultiheadAttention and parameters added outside "
+                "modules "
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )
@@ -760,8 +762,10 @@ class Objective:
 
         ``strategy``: ``"rop"`` (models of Linear/ConvNd layers, eval-mode BatchNorm, ReLU, LeakyReLU,
         max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or
-        graphs) is the R-operator written out by hand (`sharpness.products._rop`,
-        `sharpness.products._rop_graph`), with each chunk's forward state
+        graphs, and transformers: LayerNorm, exact GELU, tanh, batch-first self-attention by
+        ``nn.MultiheadAttention``, parameters added outside modules) is the R-operator written out by hand
+        (`sharpness.products._rop`, `sharpness.products._rop_graph`, `sharpness.products._rop_smooth`), with each
+        chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``
