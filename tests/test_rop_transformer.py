@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sharpness import Objective
 from sharpness._vit import ViT
+from sharpness.products._boundary import PRECISION_TOLERANCE, float32_hessian_error
 from sharpness.products._rop_graph import RopGraph
 
 CE = nn.CrossEntropyLoss()
@@ -114,3 +115,23 @@ def test_unsupported_attention_falls_back_to_autograd(name):
     x, y = _data((6,) if name != "hand-written attention" else (64,), classes=3)
     obj = Objective(model, CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+@pytest.mark.parametrize("margin", [1.0, 100.0])
+def test_the_float32_check_of_a_transformer_runs_on_the_r_operator_and_keeps_its_verdict(margin):
+    """The objective's float32 check (float32 against float64 products on the first samples) reads the R-operator
+    where the products do, and says what the autograd check says: nothing at an ordinary point, the warning where
+    every sample is fitted with logit gaps above 30 (logits scaled by ``margin``, labels the predictions) and
+    float32 loses the Hessian (both errors near 0.5 there, below 1e-6 at the ordinary point)."""
+    model = _perturbed(ViT(dim=4, heads=2, mlp=4)).float()
+    with torch.no_grad():
+        model.head.weight.mul_(margin)
+        x, _ = _data((64,), n=8, classes=10)
+        y = model(x.float()).argmax(1)
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop" and obj._rop_reader() is not None
+    args = (obj.model, obj.chunk_loss_fn, obj.params, obj.buffers, obj.data.first_batch(), obj.device)
+    with sdpa_kernel(SDPBackend.MATH):
+        errors = [float32_hessian_error(*args, rop) for rop in (obj._rop_reader(), None)]
+    assert [e > PRECISION_TOLERANCE for e in errors] == [margin > 1.0] * 2
+    assert (obj.precision_warning is not None) == (margin > 1.0)

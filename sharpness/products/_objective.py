@@ -372,7 +372,7 @@ class Objective:
         if not hasattr(self, "_precision_warning"):
             with eval_mode(self.model):
                 error = float32_hessian_error(self.model, self.chunk_loss_fn, self.params, self.buffers,
-                                              self.data.first_batch(), self.device)  # fmt: skip
+                                              self.data.first_batch(), self.device, self._rop_reader())  # fmt: skip
             self._precision_warning = precision_warning(error)
         return self._precision_warning
 
@@ -397,6 +397,16 @@ class Objective:
                 rop = rop_graph(self.model, self.params, self.buffers, graph)
             self._cuts = (cut, rop)
         return self._cuts
+
+    def _rop_reader(self) -> Callable | None:
+        """Where the R-operator products apply, ``(params, buffers) -> `` this model's chain or graph reader for
+        them (its BatchNorm statistics in their dtype), else ``None``."""
+        if self._rop is None or (self._rop_bytes_per_sample is None and not self._rop_applies()):
+            return None
+        graph = self.structure.traced.graph
+        if isinstance(self._rop, RopChain):
+            return lambda params, buffers: rop_chain(self.model, params, graph)
+        return lambda params, buffers: rop_graph(self.model, params, buffers, graph)
 
     @property
     def _data_conv(self) -> DataConvolution | None:
