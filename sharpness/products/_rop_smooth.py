@@ -87,14 +87,15 @@ def _norm_jacobian(xhat: Tensor, rstd: Tensor, t: Tensor) -> Tensor:
     return (t - t.mean(-1, keepdim=True) - xhat * (xhat * t).mean(-1, keepdim=True)).mul_(rstd)
 
 
-def _norm_second(xhat: Tensor, rstd: Tensor, xdot: Tensor, xhat_dot: Tensor, e: Tensor) -> Tensor:
-    """``(d/dt J(x + t xdot)) e`` of the same normalization, ``xhat_dot = J xdot``:
-    ``-(a J e + xhat' b + xhat mean(xhat' e)) / s``."""
-    a = (xhat * xdot).mean(-1, keepdim=True)
+def _norm_backward(xhat: Tensor, rstd: Tensor, xhat_dot: Tensor, a: Tensor, e_dot: Tensor, e: Tensor) -> Tensor:
+    """``J e_dot + (d/dt J(x + t xdot)) e`` of the same normalization, with ``xhat_dot = J xdot`` and
+    ``a = mean(xhat xdot)``: the second-order term ``-(a J e + xhat_dot b + xhat mean(xhat_dot e)) / s``
+    (``b = mean(xhat e)``) merged with the first, ``J (e_dot - a e / s) - (xhat mean(xhat_dot e) + xhat_dot b) / s``."""
+    f = torch.addcmul(e_dot, e, a * rstd, value=-1.0)
     b = (xhat * e).mean(-1, keepdim=True)
-    out = _norm_jacobian(xhat, rstd, e).mul_(a)
-    out.addcmul_(xhat_dot, b).addcmul_(xhat, (xhat_dot * e).mean(-1, keepdim=True))
-    return out.mul_(-rstd)
+    c = (xhat_dot * e).mean(-1, keepdim=True)
+    out = f.sub_(f.mean(-1, keepdim=True)).sub_(xhat * (xhat * f).mean(-1, keepdim=True).add_(c))
+    return out.sub_(xhat_dot * b).mul_(rstd)
 
 
 @dataclass(frozen=True)
@@ -129,13 +130,14 @@ class _LayerNorm:
         xhat, rstd = saved
         return g, (_norm_jacobian(xhat, rstd, self._error_at_xhat(g, params)) if need else None)
 
-    def tangent(self, saved, hdot: Tensor | None, params, v) -> tuple[Tensor, Tensor | None]:
-        """The output's tangent, and the normalized input's (``J hdot``), which the products read."""
+    def tangent(self, saved, hdot: Tensor | None, params, v) -> tuple[Tensor, tuple | None]:
+        """The output's tangent, and what the products read of the normalized input's: ``J hdot`` and
+        ``mean(xhat hdot)``."""
         xhat, _ = saved
         out = inner = None
         if hdot is not None:
-            inner = _norm_jacobian(*saved, hdot)
-            out = self._error_at_xhat(inner, params)
+            inner = (_norm_jacobian(*saved, hdot), (xhat * hdot).mean(-1, keepdim=True))
+            out = self._error_at_xhat(inner[0], params)
         if self.weight:
             out = xhat * v[self.weight] if out is None else out.addcmul_(xhat, v[self.weight])
         if self.bias:
@@ -148,7 +150,7 @@ class _LayerNorm:
         if self.weight:
             total = g_dot * xhat
             if hdot is not None:
-                total.addcmul_(delta, inner)
+                total.addcmul_(delta, inner[0])
             into[self.weight].add_(self._sum(total))
         if self.bias:
             into[self.bias].add_(self._sum(g_dot))
@@ -157,8 +159,7 @@ class _LayerNorm:
         e_dot = self._error_at_xhat(g_dot, params)
         if self.weight:
             e_dot = e_dot.addcmul_(delta, v[self.weight])
-        second = _norm_second(xhat, rstd, hdot, inner, self._error_at_xhat(delta, params))
-        return _norm_jacobian(xhat, rstd, e_dot).add_(second)
+        return _norm_backward(xhat, rstd, *inner, e_dot, self._error_at_xhat(delta, params))
 
 
 # ------------------------------------------------------------------------------------------------
