@@ -135,3 +135,16 @@ def test_the_float32_check_of_a_transformer_runs_on_the_r_operator_and_keeps_its
         errors = [float32_hessian_error(*args, rop) for rop in (obj._rop_reader(), None)]
     assert [e > PRECISION_TOLERANCE for e in errors] == [margin > 1.0] * 2
     assert (obj.precision_warning is not None) == (margin > 1.0)
+
+
+def test_the_state_bytes_of_a_transformer_count_every_kept_tensor():
+    """The memory accounting of the kept state covers the attention's blocks of heads and its kept errors: it is
+    what the samples' states hold (a budget one byte short of it streams)."""
+    model = _perturbed(ViT(dim=4, heads=2, mlp=4))
+    x, y = _data((64,), n=5, classes=10)
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop" and obj._rop_fits()
+    _, states = obj.rop_states()
+    entries = [e for state in states for e in [*state.saved, *state.deltas.values(), state.probs]]
+    kept = {id(t): t for e in entries for t in (e if isinstance(e, tuple) else (e,)) if isinstance(t, torch.Tensor)}
+    assert sum(t.numel() * t.element_size() for t in kept.values()) == obj._rop_bytes_per_sample * x.shape[0]

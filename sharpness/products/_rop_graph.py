@@ -247,7 +247,7 @@ class RopGraph:
         deltas = [d[0] if isinstance(self.steps[i].op, _Layer) and isinstance(d, tuple) else d
                   for i, d in errors.items()]  # fmt: skip
         tensors = {id(t): t for s in [*saved, *deltas] for t in (s if isinstance(s, tuple) else (s,))
-                   if isinstance(t, Tensor) and t.shape[:1] == out.shape[:1]}  # fmt: skip
+                   if isinstance(t, Tensor)}  # fmt: skip
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         return out.numel() * out.element_size() + sum(sizes), max(sizes, default=0)
 
