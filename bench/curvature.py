@@ -307,7 +307,7 @@ def section_hvp(w, peers: dict[str, Any], budget_s: float, min_rounds: int, max_
     auto = obj.hvp_strategy("auto")
     ours = ["graph", "double_backward", "jvp"]
     try:
-        ours.insert(0, obj.hvp_strategy("rop"))  # MLP chains only
+        ours.insert(0, obj.hvp_strategy("rop"))  # where the R-operator reads the model
     except ValueError:
         pass
     for s in ours:

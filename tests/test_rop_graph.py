@@ -337,7 +337,7 @@ class Gelu(nn.Module):
 
     def forward(self, x):
         h = F.relu(self.a(x))
-        return self.c(h + F.gelu(self.b(h)))
+        return self.c(h + F.gelu(self.b(h), approximate="tanh"))
 
 
 class Norms(nn.Module):
@@ -381,8 +381,8 @@ def _hooked():
 
 
 UNSUPPORTED = {
-    "gelu": Gelu,
-    "layernorm": lambda: Norms(nn.LayerNorm(5)),
+    "gelu, tanh approximation": Gelu,
+    "rmsnorm": lambda: Norms(nn.RMSNorm(5)),
     "frozen batchnorm weight": _frozen_bn,
     "hook": _hooked,
     "product of two tensors": Product,

@@ -366,25 +366,37 @@ def as_vector(v: object, size: int, dtype: torch.dtype, device: torch.device, ba
 
 def float32_hessian_error(
     model: nn.Module, loss_fn: Callable, params: Mapping[str, Tensor], others: Mapping[str, Tensor],
-    batch: tuple[Tensor, Tensor], device: torch.device,
+    batch: tuple[Tensor, Tensor], device: torch.device, rop: Callable | None = None,
 ) -> float:  # fmt: skip
     """Relative distance between one Hessian-vector product in float32 and the same in float64, on the first
     `PRECISION_SAMPLES` samples of ``batch`` at the same weights (a fixed random direction): how much of the
     Hessian float32 keeps here. At a well-fitted point the loss's curvature lies below float32's resolution (a
     softmax's ``p (1 - p)`` with ``1 - p`` near 1e-7) and the distance is of order one. The caller sets eval mode.
+
+    ``rop(params, buffers)``: where given, the model's R-operator reader (`sharpness.products._rop`,
+    `sharpness.products._rop_graph`) for parameters and buffers in a dtype; both products are then the R-operator's,
+    the products a float32 solve of this objective uses (and no autograd graph is built), else autograd's.
     """
     x, y = batch[0][:PRECISION_SAMPLES], batch[1][:PRECISION_SAMPLES]
     generator = torch.Generator().manual_seed(0)
     direction = [torch.randn(t.shape, generator=generator, dtype=torch.float64) for t in params.values()]
     products = []
     for dtype in (torch.float32, torch.float64):
-        p = {k: t.detach().to(device, dtype).requires_grad_(True) for k, t in params.items()}
+        p = {k: t.detach().to(device, dtype) for k, t in params.items()}
         b = {k: t.to(device, dtype) if t.is_floating_point() else t for k, t in others.items()}
         xs, ys = cast_batch(x, y, dtype, device)
-        with torch.enable_grad():
-            loss = loss_fn(functional_call(model, (p, b), (xs,)), ys)
-            leaves = list(p.values())
-            hv = gradient_products(gradient_with_graph(loss, leaves), leaves, [d.to(device, dtype) for d in direction])
+        tangent = [d.to(device, dtype) for d in direction]
+        reader = rop(p, b) if rop is not None else None
+        if reader is not None:
+            hv = [torch.zeros_like(t) for t in p.values()]
+            with torch.no_grad():
+                state = reader.forward_state(p, xs, ys, loss_fn, 1.0)
+                reader.add_products(p, state, dict(zip(p, tangent)), dict(zip(p, hv)))
+        else:
+            with torch.enable_grad():
+                leaves = [t.requires_grad_(True) for t in p.values()]
+                loss = loss_fn(functional_call(model, (p, b), (xs,)), ys)
+                hv = gradient_products(gradient_with_graph(loss, leaves), leaves, tangent)
         products.append(torch.cat([h.double().flatten() for h in hv]))
     scale = float(products[1].norm())
     return float((products[0] - products[1]).norm()) / scale if scale > 0 else 0.0

@@ -372,7 +372,7 @@ class Objective:
         if not hasattr(self, "_precision_warning"):
             with eval_mode(self.model):
                 error = float32_hessian_error(self.model, self.chunk_loss_fn, self.params, self.buffers,
-                                              self.data.first_batch(), self.device)  # fmt: skip
+                                              self.data.first_batch(), self.device, self._rop_reader())  # fmt: skip
             self._precision_warning = precision_warning(error)
         return self._precision_warning
 
@@ -397,6 +397,16 @@ class Objective:
                 rop = rop_graph(self.model, self.params, self.buffers, graph)
             self._cuts = (cut, rop)
         return self._cuts
+
+    def _rop_reader(self) -> Callable | None:
+        """Where the R-operator products apply, ``(params, buffers) -> `` this model's chain or graph reader for
+        them (its BatchNorm statistics in their dtype), else ``None``."""
+        if self._rop is None or (self._rop_bytes_per_sample is None and not self._rop_applies()):
+            return None
+        graph = self.structure.traced.graph
+        if isinstance(self._rop, RopChain):
+            return lambda params, buffers: rop_chain(self.model, params, graph)
+        return lambda params, buffers: rop_graph(self.model, params, buffers, graph)
 
     @property
     def _data_conv(self) -> DataConvolution | None:
@@ -634,7 +644,9 @@ class Objective:
         if strategy == "rop" and (autograd or self._rop is None):
             raise ValueError(
                 "the 'rop' HVP strategy needs a model built from Linear/ConvNd layers, eval-mode BatchNorm, ReLU, "
-                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation "
+                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, "
+                "LayerNorm, exact GELU, tanh, self-attention by nn.MultiheadAttention and parameters added outside "
+                "modules "
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )
@@ -760,8 +772,10 @@ class Objective:
 
         ``strategy``: ``"rop"`` (models of Linear/ConvNd layers, eval-mode BatchNorm, ReLU, LeakyReLU,
         max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or
-        graphs) is the R-operator written out by hand (`sharpness.products._rop`,
-        `sharpness.products._rop_graph`), with each chunk's forward state
+        graphs, and transformers: LayerNorm, exact GELU, tanh, batch-first self-attention by
+        ``nn.MultiheadAttention``, parameters added outside modules) is the R-operator written out by hand
+        (`sharpness.products._rop`, `sharpness.products._rop_graph`, `sharpness.products._rop_smooth`), with each
+        chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``

@@ -57,8 +57,11 @@ class _Affine:
     padding: tuple[int, ...] = ()
     dilation: tuple[int, ...] = ()
     groups: int = 1
+    tokens: bool = False  # a Linear layer of (samples, ..., features) inputs (the graph products only)
 
     def apply(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if self.tokens:
+            return F.linear(h, weight, bias)
         if not self.dims:
             if h.dim() != 2:
                 raise ValueError(
@@ -91,18 +94,24 @@ class _Affine:
 
     def weight_adjoint(self, h: Tensor, g: Tensor, weight: Tensor) -> Tensor:
         """``A_W^T(h, g)``, the weight gradient of ``<g, A(h; W)>``, as a fresh tensor."""
+        if self.tokens:
+            return g.reshape(-1, g.shape[-1]).T @ h.reshape(-1, h.shape[-1])
         if not self.dims:
             return g.T @ h
         return self._conv_backward(g, h, weight, [False, True, False])[1]
 
     def add_weight_adjoint(self, into: Tensor, h: Tensor, g: Tensor, weight: Tensor) -> None:
         """``into += A_W^T(h, g)`` (for a Linear layer without a temporary)."""
-        if not self.dims:
+        if self.tokens:
+            into.addmm_(g.reshape(-1, g.shape[-1]).T, h.reshape(-1, h.shape[-1]))
+        elif not self.dims:
             into.addmm_(g.T, h)
         else:
             into.add_(self.weight_adjoint(h, g, weight))
 
     def bias_adjoint(self, g: Tensor) -> Tensor:
+        if self.tokens:
+            return g.reshape(-1, g.shape[-1]).sum(0)
         return g.sum(0) if g.dim() == 2 else g.sum(dim=[0, *range(2, g.dim())])
 
 

@@ -13,7 +13,12 @@ operation is, at the current point, either
 - a fixed linear map ``P`` of its tensor inputs: ``ReLU``/``LeakyReLU`` (a mask or slope), ``MaxPool`` (a
   selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape,
   identity and dropout (eval mode), multiplication by a number, addition of a number, residual sums and
-  differences, and concatenation. Its second derivative vanishes (almost everywhere).
+  differences, and concatenation. Its second derivative vanishes (almost everywhere), or
+- a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
+  batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
+  table added to every sample).
+
+Other calls are read only where no parameter moves their inputs (the data cut into patches, say).
 
 Each operation's tangent and adjoint are in `sharpness.products._rop_ops`.
 
@@ -28,6 +33,7 @@ about one gradient where the layer that sees the data dominates the work, about 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -51,6 +57,11 @@ from sharpness.products._rop import (
     loss_state,
 )
 from sharpness.products._rop_ops import _Layer, _Map, _Norm
+from sharpness.products._rop_smooth import _Attention, _LayerNorm, _Param, _Pointwise, _Smooth
+
+_LAYERS = (_Layer, _LayerNorm, _Attention)  # operations with parameters and one tensor input
+_MAPS = (_Map, _Smooth)  # parameter-free operations of their tensor inputs
+_SECOND = (_LayerNorm, _Attention)  # layers whose backward reads inner tangents of their forward
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
@@ -98,9 +109,11 @@ class RopGraph:
             step = steps[i]
             xs = [values[j] for j in step.inputs]
             op = step.op
-            if isinstance(op, _Layer):
+            if isinstance(op, _LAYERS):
                 values[i], saved[i] = op.forward(xs[0], params)
-            elif isinstance(op, _Map):
+            elif isinstance(op, _Param):
+                values[i] = params[op.name]
+            elif isinstance(op, _MAPS):
                 values[i], s = op.forward(xs, [values[j] for j in step.meta])
                 if step.moving:
                     saved[i] = s
@@ -130,13 +143,15 @@ class RopGraph:
             g = grads.pop(i)
             step = self.steps[i]
             need = [j in self.errors for j in step.inputs]
-            if isinstance(step.op, _Layer):
+            if isinstance(step.op, _LAYERS):
                 kept, error = step.op.errors(g, saved[i], params, need[0])
                 if i in self._kept_errors:
                     deltas[i] = kept
                 errs = [error]
             else:
                 errs = step.op.adjoint(g, saved[i], need)
+                if isinstance(step.op, _Smooth):
+                    deltas[i] = g
             _accumulate(grads, step.inputs, errs, need)
         return deltas
 
@@ -152,7 +167,7 @@ class RopGraph:
     @cached_property
     def _kept_errors(self) -> frozenset[int]:
         """The layers whose first-order errors the products read (read off the graph once)."""
-        return frozenset(i for i in self.errors if isinstance(self.steps[i].op, _Layer)
+        return frozenset(i for i in self.errors if isinstance(self.steps[i].op, _LAYERS)
                          and self.steps[i].op.needs_error(self.steps[self.steps[i].inputs[0]].moving))  # fmt: skip
 
     @cached_property
@@ -160,7 +175,8 @@ class RopGraph:
         """The step of `first_linear`'s layer (found once)."""
         layers = [(i, s.op) for i, s in enumerate(self.steps) if isinstance(s.op, _Layer)]
         for i, op in layers:
-            if op.affine is not None and op.affine.dims == 0 and not self.steps[self.steps[i].inputs[0]].moving:
+            if op.affine is not None and op.affine.dims == 0 and not op.affine.tokens \
+                    and not self.steps[self.steps[i].inputs[0]].moving:  # fmt: skip
                 shared = any(j != i and other.affine is not None and other.affine.weight == op.affine.weight
                              for j, other in layers)  # fmt: skip
                 return None if shared else i
@@ -178,6 +194,7 @@ class RopGraph:
         steps, saved, deltas = self.steps, state.saved, state.deltas
         first = self._first_linear if first_layer is not None else None
         dots: list = [None] * len(steps)
+        inner: dict[int, object] = {}  # the inner tangents of LayerNorms and attentions, for their backward
         for i in range(1, len(steps)):
             step = steps[i]
             if not step.moving:
@@ -186,8 +203,12 @@ class RopGraph:
             xdots = [dots[j] for j in step.inputs]
             if i == first:
                 dots[i] = op.span_tangent(saved[i], params, v, first_layer[0])
-            elif isinstance(op, _Layer):
+            elif isinstance(op, _SECOND):
+                dots[i], inner[i] = op.tangent(saved[i], xdots[0], params, v)
+            elif isinstance(op, _LAYERS):
                 dots[i] = op.tangent(saved[i], xdots[0], params, v)
+            elif isinstance(op, _Param):
+                dots[i] = v[op.name]
             else:
                 dots[i] = op.tangent(xdots, saved[i])
         grads: dict[int, Tensor] = {self.output: state.loss_hvp(dots[self.output])}
@@ -201,8 +222,16 @@ class RopGraph:
             if i == first:
                 op.span_backward(g_dot, deltas.get(i), saved[i], params, v, into, *first_layer)
                 errs = [None]
-            elif isinstance(op, _Layer):
+            elif isinstance(op, _SECOND):
+                errs = [op.backward(g_dot, deltas.get(i), dots[step.inputs[0]], saved[i], params, v, into, need[0],
+                                    inner.pop(i))]  # fmt: skip
+            elif isinstance(op, _LAYERS):
                 errs = [op.backward(g_dot, deltas.get(i), dots[step.inputs[0]], saved[i], params, v, into, need[0])]
+            elif isinstance(op, _Param):
+                into[op.name].add_(g_dot.sum_to_size(into[op.name].shape))
+                errs = []
+            elif isinstance(op, _Smooth):
+                errs = op.backward(g_dot, deltas[i], [dots[j] for j in step.inputs], saved[i], need)
             else:
                 errs = op.adjoint(g_dot, saved[i], need)
             _accumulate(grads, step.inputs, errs, need)
@@ -213,8 +242,10 @@ class RopGraph:
         backward pass of ``x[:1]``. Not counted: what a chunk keeps whatever its size, at most one parameter
         vector (the errors' weight adjoints of merged BatchNorm layers)."""
         out, saved = self._forward(params, x[:1])
-        errors = self._errors(params, saved, torch.ones_like(out)).values()
-        deltas = [d[0] if isinstance(d, tuple) else d for d in errors]
+        errors = self._errors(params, saved, torch.ones_like(out))
+        # a merged BatchNorm's errors hold parameter-sized sums besides the error itself; the others, activations
+        deltas = [d[0] if isinstance(self.steps[i].op, _Layer) and isinstance(d, tuple) else d
+                  for i, d in errors.items()]  # fmt: skip
         tensors = {id(t): t for s in [*saved, *deltas] for t in (s if isinstance(s, tuple) else (s,))
                    if isinstance(t, Tensor)}  # fmt: skip
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
@@ -262,10 +293,16 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
     """A module call as a `_Layer` or `_Map`, or ``None`` where it is not supported."""
     name, kind, shape = str(node.target), type(module), node.args[0].meta["shape"]
     if kind is nn.Linear or kind in _CONVS:
-        if kind is nn.Linear and len(shape) != 2:
-            return None
         affine = _affine(name, module, params)
+        if affine is not None and kind is nn.Linear and len(shape) != 2:
+            affine = dataclasses.replace(affine, tokens=True) if len(shape) > 2 else None
         return None if affine is None else _Layer(affine=affine)
+    if kind is nn.LayerNorm:
+        return _layer_norm(name, module, params)
+    if kind is nn.GELU and module.approximate == "none":
+        return _Pointwise("gelu")
+    if kind is nn.Tanh:
+        return _Pointwise("tanh")
     if kind in _BATCH_NORMS:
         return _batch_norm(name, module, params, buffers, len(shape))
     if kind in _AVG_POOLS:
@@ -280,6 +317,33 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
     if isinstance(piece, _Identity):
         return _Map("scale")
     return None
+
+
+def _layer_norm(name: str, module: nn.LayerNorm, params: Mapping[str, Tensor]) -> _LayerNorm | None:
+    """LayerNorm over the last axis, its affine parameters trainable (or absent)."""
+    weight = f"{name}.weight" if module.weight is not None else None
+    bias = f"{name}.bias" if module.bias is not None else None
+    if len(module.normalized_shape) != 1 or any(n is not None and n not in params for n in (weight, bias)):
+        return None
+    return _LayerNorm(weight, bias, float(module.eps))
+
+
+def _attention(name: str, node: fx.Node, module: nn.MultiheadAttention, params: Mapping[str, Tensor]):
+    """``nn.MultiheadAttention`` called as self-attention (one input node as query, key and value; no masks), batch
+    first, with packed projections, no added key/value biases or zero attention, every parameter trainable; else
+    ``None``."""
+    x = node.args[0] if node.args else None
+    if len(node.args) != 3 or any(a is not x for a in node.args) or not isinstance(x, fx.Node):
+        return None
+    if set(node.kwargs) - {"need_weights"} or not module.batch_first or not module._qkv_same_embed_dim:
+        return None
+    if module.bias_k is not None or module.add_zero_attn or len(x.meta.get("shape", ())) != 3:
+        return None
+    names = (f"{name}.in_proj_weight", f"{name}.in_proj_bias" if module.in_proj_bias is not None else None,
+             f"{name}.out_proj.weight", f"{name}.out_proj.bias" if module.out_proj.bias is not None else None)
+    if any(n is not None and n not in params for n in names):
+        return None
+    return _Attention(*names, heads=module.num_heads)
 
 
 def _batch_norm(name, module, params, buffers, dims: int) -> _Layer | None:
@@ -310,6 +374,12 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         return _Map("slope", _Slope(slope)), [first]
     if name in _IDENTITY_FUNCTIONS and first is not None and len(tensors) == 1:
         return _Map("scale"), [first]
+    if first is not None and len(tensors) == 1 and len(args) == 1:
+        approximate = node.kwargs.get("approximate", "none")
+        if name == "gelu" and set(node.kwargs) <= {"approximate"} and approximate == "none":
+            return _Pointwise("gelu"), [first]
+        if name == "tanh" and not node.kwargs:
+            return _Pointwise("tanh"), [first]
     if name in _AVG_POOL_FUNCTIONS | {"mean"} and first is not None and len(tensors) == 1:
         if any(isinstance(a, fx.Node) for a in (*args[1:], *node.kwargs.values())):
             return None
@@ -339,8 +409,9 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         if not _number(alpha):
             return None
         if all(isinstance(a, fx.Node) and a in shapes for a in args):
-            if shapes[args[0]] != shapes[args[1]]:
-                return None  # broadcasting
+            out = shapes[node]
+            if any(shapes[a] != out and shapes[a] != out[len(out) - len(shapes[a]):] for a in args):
+                return None  # broadcasting other than of a tensor without the samples' axis (a parameter)
             return _Map("sum", factors=(1.0, sign * float(alpha))), [args[0], args[1]]
         if len(tensors) == 1 and "alpha" not in node.kwargs:
             # a tensor plus or minus a number (or a shape entry): the map is the identity, or minus it
@@ -365,6 +436,28 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     return None
 
 
+def _attention_outputs(model: nn.Module, nodes: list[fx.Node], shapes: dict,
+                       params: Mapping[str, Tensor]) -> dict[fx.Node, tuple]:  # fmt: skip
+    """Each ``nn.MultiheadAttention`` call (a tuple, which fx records without a shape) as ``(_Attention, [input])``
+    and the one ``getitem`` taking its output as the identity of it (``(None, [])`` where either is not read). The
+    call gets its output's shape."""
+    found: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        if node.op != "call_module" or type(model.get_submodule(str(node.target))) is not nn.MultiheadAttention:
+            continue
+        module = model.get_submodule(str(node.target))
+        users = list(node.users)
+        op = None if _has_hooks(module) else _attention(str(node.target), node, module, params)
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0 \
+                or users[0] not in shapes or op is None:  # fmt: skip
+            found[node] = (None, [])
+            continue
+        shapes[node] = shapes[users[0]]
+        found[node] = (op, [node.args[0]])
+        found[users[0]] = (_Map("scale"), [node])
+    return found
+
+
 def _fuse_batch_norms(read: dict[fx.Node, tuple], output: fx.Node) -> None:
     """Merge each BatchNorm whose input is an affine layer's output used by nothing else into that layer."""
     for node, (op, tensors, _) in list(read.items()):
@@ -386,10 +479,17 @@ def rop_graph(
         return None
     nodes = list(graph.nodes)
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
+    attention = _attention_outputs(model, nodes, shapes, params)
     read: dict[fx.Node, tuple] = {}  # node -> (op, tensor input nodes, call input nodes)
+    fixed: set[fx.Node] = set()  # calls read only where no parameter moves their inputs
     output = None
     for node in nodes:
-        if node.op == "placeholder":
+        if node in attention:  # nn.MultiheadAttention's call, or the output taken from it
+            op, tensors = attention[node]
+            if op is None:
+                return None
+            read[node] = (op, tensors, [])
+        elif node.op == "placeholder":
             if read or node not in shapes:
                 return None
             read[node] = (None, [], [])
@@ -411,11 +511,15 @@ def rop_graph(
             read[node] = (op, [node.args[0]], [node.args[0]] if getattr(op, "call", None) else [])
         elif node.op in ("call_function", "call_method"):
             found = _function_op(node, shapes)
-            if found is None:
-                return None
+            if found is None:  # any call of the data alone (reshaping it into patches, say): checked below
+                read[node] = (_caller(node), [], node.all_input_nodes)
+                fixed.add(node)
+                continue
             op, tensors = found
             read[node] = (op, tensors, node.all_input_nodes if op.call is not None else [])
-        else:  # get_attr: a parameter or buffer used outside a module
+        elif str(node.target) in params:  # get_attr of a trainable parameter
+            read[node] = (_Param(str(node.target)), [], [])
+        else:  # get_attr of a buffer or frozen parameter
             return None
     if output is None:
         return None
@@ -433,7 +537,9 @@ def rop_graph(
     steps, moving = [], []
     for node in order:
         op, tensors, meta = read[node]
-        moves = isinstance(op, _Layer) and bool(op.names) or any(moving[slot[t]] for t in tensors)
+        moves = bool(getattr(op, "names", ())) or any(moving[slot[t]] for t in tensors)
+        if node in fixed and any(moving[slot[m]] for m in meta):
+            return None  # an unsupported operation of something the parameters move
         moving.append(moves)
         steps.append(_Step(op, tuple(slot[t] for t in tensors), moves, tuple(slot[m] for m in meta)))
     if not any(moving):  # no parameter moves anything
@@ -444,9 +550,10 @@ def rop_graph(
             users[j].append(i)
     errors: set[int] = set()
     for i, s in enumerate(steps):  # downstream of every layer whose products read its error
-        if i in errors or (isinstance(s.op, _Layer) and s.op.needs_error(moving[s.inputs[0]])):
+        if i in errors or (isinstance(s.op, _LAYERS) and s.op.needs_error(moving[s.inputs[0]])) \
+                or (isinstance(s.op, _Smooth) and moving[i]):  # fmt: skip
             errors.add(i)
-            errors.update(u for u in users[i] if isinstance(steps[u].op, (_Layer, _Map)))
+            errors.update(u for u in users[i] if isinstance(steps[u].op, (*_LAYERS, *_MAPS)))
     return RopGraph(tuple(steps), slot[output], frozenset(errors), tuple(tuple(u) for u in users))
 
 

@@ -310,7 +310,8 @@ class _Map:
             out = xs[0] if self.factors[0] == 1.0 else xs[0] * self.factors[0]
             for x, f in zip(xs[1:], self.factors[1:]):
                 out = out.add(x, alpha=f)
-            return out, None
+            # a parameter broadcast over the samples (fewer axes): each input's shape, for its error's sum
+            return out, (None if all(x.shape == out.shape for x in xs) else (out.shape, *(x.shape for x in xs)))
         return torch.cat(xs, dim=self.dim), [x.shape[self.dim] for x in xs]
 
     def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
@@ -319,6 +320,8 @@ class _Map:
         if kind == "sum":
             terms = [(t, f) for t, f in zip(xdots, self.factors) if t is not None]
             (t, f), rest = terms[0], terms[1:]
+            if saved is not None and t.shape != saved[0] and not rest:
+                return t.mul(f).expand(saved[0]).contiguous()
             if not rest:
                 return t if f == 1.0 else t * f
             out = torch.add(t, rest[0][0], alpha=rest[0][1]) if f == 1.0 else torch.add(t * f, rest[0][0],
@@ -347,7 +350,9 @@ class _Map:
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         kind = self.kind
         if kind == "sum":
-            return [(g if f == 1.0 else g * f) if n else None for n, f in zip(need, self.factors)]
+            shapes = saved[1:] if saved is not None else (g.shape,) * len(need)
+            return [(g if f == 1.0 else g * f).sum_to_size(shape) if n else None
+                    for n, f, shape in zip(need, self.factors, shapes)]  # fmt: skip
         if kind == "cat":
             parts = torch.split(g, saved, dim=self.dim)
             return [p if n else None for p, n in zip(parts, need)]

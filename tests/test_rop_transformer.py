@@ -1,0 +1,150 @@
+"""R-operator products of transformer pieces (sharpness.products._rop_smooth): GELU, tanh, LayerNorm, parameters
+used outside a module, nn.MultiheadAttention, and the built-in ViT as a whole.
+
+Each product is checked in float64 against torch.func's forward-over-reverse product (``jvp`` of ``grad``, through
+attention's math kernel: the fused ones have no forward derivative) to 1e-12 relative, with the data in one chunk
+whose state is kept and streamed in chunks of 3 whose state is recomputed per product.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rop_graph import Fn, _data, _mlp, _perturbed
+from torch import nn
+from torch.func import functional_call, grad, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sharpness import Objective
+from sharpness._vit import ViT
+from sharpness.products._boundary import PRECISION_TOLERANCE, float32_hessian_error
+from sharpness.products._rop_graph import RopGraph
+
+CE = nn.CrossEntropyLoss()
+
+
+def _exact(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``auto`` picks the R-operator, and its products (kept and streamed state) equal ``jvp(grad)`` to 1e-12."""
+    for obj in (Objective(model, CE, (x, y)), Objective(model, CE, (x, y), chunk_size=3, memory_budget=1)):
+        assert obj.hvp_strategy() == "rop" and isinstance(obj._rop, RopGraph)
+        v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        params = {k: t.detach() for k, t in obj.params.items()}
+        gradient = grad(lambda p: CE(functional_call(model, p, (x,)), y))
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = obj.layout.flatten(jvp(gradient, (params,), (obj.layout.unflatten(v),))[1])
+        torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+class Tokens(nn.Module):
+    """``(N, T * F)`` inputs as ``T`` tokens of ``F`` features, embedded by a Linear, plus a learned position
+    table (a parameter outside any module, broadcast over the samples), then ``body``, the token mean, a Linear."""
+
+    def __init__(self, body: nn.Module, tokens: int = 3, features: int = 2, dim: int = 4):
+        super().__init__()
+        self.tokens, self.embed, self.body = tokens, nn.Linear(features, dim), body
+        self.pos = nn.Parameter(torch.randn(tokens, dim))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        h = self.embed(x.unflatten(1, (self.tokens, -1))) + self.pos
+        return self.head(self.body(h).mean(dim=1))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int = 4, heads: int = 2, bias: bool = True, **call):
+        super().__init__()
+        self.attn, self.call = nn.MultiheadAttention(dim, heads, bias=bias, batch_first=True), call
+
+    def forward(self, h):
+        return self.attn(h, h, h, **self.call)[0]
+
+
+class CrossAttention(SelfAttention):
+    def forward(self, h):
+        return self.attn(h, F.relu(h), F.relu(h))[0]
+
+
+class WithWeights(SelfAttention):
+    def forward(self, h):
+        out, weights = self.attn(h, h, h)
+        return out + weights.sum(-1, keepdim=True)
+
+
+PIECES = {
+    "GELU module": (lambda: _mlp(nn.GELU()), (4,)),
+    "F.gelu": (lambda: _mlp(Fn(F.gelu)), (4,)),
+    "Tanh module": (lambda: _mlp(nn.Tanh()), (4,)),
+    "torch.tanh": (lambda: _mlp(Fn(torch.tanh)), (4,)),
+    "LayerNorm": (lambda: _mlp(nn.LayerNorm(6)), (4,)),
+    "LayerNorm without bias": (lambda: _mlp(nn.LayerNorm(6, bias=False)), (4,)),
+    "LayerNorm without affine": (lambda: _mlp(nn.LayerNorm(6, elementwise_affine=False)), (4,)),
+    "LayerNorm of the data": (lambda: nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)),
+                              (4,)),  # fmt: skip
+    "Linear of tokens, a parameter outside a module": (lambda: Tokens(nn.ReLU()), (6,)),
+    "LayerNorm of tokens": (lambda: Tokens(nn.LayerNorm(4)), (6,)),
+    "MultiheadAttention": (lambda: Tokens(SelfAttention()), (6,)),
+    "MultiheadAttention without biases": (lambda: Tokens(SelfAttention(bias=False)), (6,)),
+    "MultiheadAttention, weights not needed": (lambda: Tokens(SelfAttention(need_weights=False)), (6,)),
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_each_transformer_piece_equals_forward_over_reverse(name):
+    builder, shape = PIECES[name]
+    x, y = _data(shape)
+    _exact(_perturbed(builder()), x, y)
+
+
+@pytest.mark.parametrize("options", [dict(depth=2), dict(norm="post", act="gelu")])
+def test_the_built_in_vit_products_equal_forward_over_reverse(options):
+    model = _perturbed(ViT(dim=4, heads=2, mlp=4, **options))
+    x, y = _data((64,), n=5, classes=10)
+    _exact(model, x, y)
+
+
+UNSUPPORTED = {
+    "cross attention": lambda: Tokens(CrossAttention()),
+    "attention with a mask": lambda: Tokens(SelfAttention(attn_mask=torch.zeros(3, 3, dtype=torch.bool))),
+    "attention weights used": lambda: Tokens(WithWeights()),
+    "hand-written attention": lambda: ViT(dim=4, heads=2, mlp=4, attn="hand"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_attention_falls_back_to_autograd(name):
+    model = _perturbed(UNSUPPORTED[name]())
+    x, y = _data((6,) if name != "hand-written attention" else (64,), classes=3)
+    obj = Objective(model, CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+@pytest.mark.parametrize("margin", [1.0, 100.0])
+def test_the_float32_check_of_a_transformer_runs_on_the_r_operator_and_keeps_its_verdict(margin):
+    """The objective's float32 check (float32 against float64 products on the first samples) reads the R-operator
+    where the products do, and says what the autograd check says: nothing at an ordinary point, the warning where
+    every sample is fitted with logit gaps above 30 (logits scaled by ``margin``, labels the predictions) and
+    float32 loses the Hessian (both errors near 0.5 there, below 1e-6 at the ordinary point)."""
+    model = _perturbed(ViT(dim=4, heads=2, mlp=4)).float()
+    with torch.no_grad():
+        model.head.weight.mul_(margin)
+        x, _ = _data((64,), n=8, classes=10)
+        y = model(x.float()).argmax(1)
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop" and obj._rop_reader() is not None
+    args = (obj.model, obj.chunk_loss_fn, obj.params, obj.buffers, obj.data.first_batch(), obj.device)
+    with sdpa_kernel(SDPBackend.MATH):
+        errors = [float32_hessian_error(*args, rop) for rop in (obj._rop_reader(), None)]
+    assert [e > PRECISION_TOLERANCE for e in errors] == [margin > 1.0] * 2
+    assert (obj.precision_warning is not None) == (margin > 1.0)
+
+
+def test_the_state_bytes_of_a_transformer_count_every_kept_tensor():
+    """The memory accounting of the kept state covers the attention's blocks of heads and its kept errors: it is
+    what the samples' states hold (a budget one byte short of it streams)."""
+    model = _perturbed(ViT(dim=4, heads=2, mlp=4))
+    x, y = _data((64,), n=5, classes=10)
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop" and obj._rop_fits()
+    _, states = obj.rop_states()
+    entries = [e for state in states for e in [*state.saved, *state.deltas.values(), state.probs]]
+    kept = {id(t): t for e in entries for t in (e if isinstance(e, tuple) else (e,)) if isinstance(t, torch.Tensor)}
+    assert sum(t.numel() * t.element_size() for t in kept.values()) == obj._rop_bytes_per_sample * x.shape[0]
