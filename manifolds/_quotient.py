@@ -270,7 +270,7 @@ class NodeScaleQuotient(_Quotient):
     channel-wise and layer-wise rescaling at every point, eigenvectors included.
 
     Exactly-zero weights have no log coordinate: they are dropped from the tangent space (zero row and
-    column). The horizontal projection is exact when no weight is zero.
+    column), and from the rows of ``J``, so the horizontal projection is the orthogonal one on the entries kept.
 
     Args:
         point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
@@ -302,7 +302,8 @@ class NodeScaleQuotient(_Quotient):
     ):
         self.point, self.layout = _flat_point(point, layout)
         self.structure = structure
-        self.symmetry = NodeSymmetry(structure.group, self.layout) if structure.group is not None else None
+        kept = self.point != 0  # zero weights have no log coordinate: J loses their rows too
+        self.symmetry = NodeSymmetry(structure.group, self.layout, kept) if structure.group is not None else None
         self.projected = self.symmetry is not None
         self.projection_note = (
             None
