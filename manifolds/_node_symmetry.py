@@ -45,7 +45,7 @@ class _Block:
     shape: tuple[int, ...]
     plus: Tensor | None  # class indices broadcastable to shape; dim = "no term"
     minus: Tensor | None
-    kept: Tensor | None  # bool, shape; None when every entry is kept
+    dropped: Tensor | None  # flat indices (within the tensor) of the left-out entries; None when there are none
 
 
 def _reduce_to(x: Tensor, index: Tensor, batch: int) -> Tensor:
@@ -80,13 +80,17 @@ class NodeSymmetry:
         kept: bool ``(n,)``, the entries of the tangent space (default: all); the others get zero rows of ``J``
             (e.g. exactly-zero weights, which the node metric leaves out), so that
             [`project_out`][manifolds.NodeSymmetry.project_out] is the orthogonal projection on the kept entries.
+        signs: ``(n,)`` entries ``+-1`` (default: all ``+1``) multiplying the rows of ``J``: the same group in
+            coordinates flipped entry-wise (the node metric's whitened coordinates are ``sign(w) log|w|``). Kept
+            by reference, on its own device and dtype; entries outside ``kept`` are ignored.
 
     Attributes:
         dim: number of columns of ``J`` (the group's dimension).
         size: ``n``, the length of the flat parameter vector.
     """
 
-    def __init__(self, group: RescalingGroup, layout: ParamLayout, kept: Tensor | None = None):
+    def __init__(self, group: RescalingGroup, layout: ParamLayout, kept: Tensor | None = None,
+                 signs: Tensor | None = None):  # fmt: skip
         group = group.restricted(layout.names)  # parameters outside the layout (frozen ones) must stay fixed
         actions = group.parameter_actions
         self.dim = group.dim
@@ -95,23 +99,60 @@ class NodeSymmetry:
             if kept.shape != (layout.size,):
                 raise ValueError(f"kept must have shape ({layout.size},), got {tuple(kept.shape)}")
             kept = kept.detach().to("cpu", torch.bool)
+        dropped_all = None if kept is None else (~kept).nonzero().reshape(-1)  # sorted; usually few
         blocks = []
         for a in actions:
             where = layout.slice(a.name)
-            mask = None if kept is None else kept[where].reshape(a.shape)
-            blocks.append(_Block(where, a.shape, a.plus, a.minus, None if mask is None or bool(mask.all()) else mask))
+            dropped = None
+            if dropped_all is not None:
+                lo, hi = torch.searchsorted(dropped_all, torch.tensor([where.start, where.stop])).tolist()
+                dropped = dropped_all[lo:hi] - where.start if hi > lo else None
+            blocks.append(_Block(where, a.shape, a.plus, a.minus, dropped))
         self._blocks = tuple(blocks)
         self._parts: _GramParts | None = None
         self._factor: dict[torch.device, object] = {}
-        self._on_device: dict[torch.device, list[tuple[Tensor | None, Tensor | None, Tensor | None]]] = {}
+        self._on_device: dict[torch.device, list[tuple[Tensor | None, ...]]] = {}
+        # the slices of the flat vector that no block covers (projecting copies them)
+        starts = sorted((b.where.start, b.where.stop) for b in self._blocks)
+        gaps, position = [], 0
+        for start, stop in starts:
+            if start > position:
+                gaps.append(slice(position, start))
+            position = max(position, stop)
+        if position < self.size:
+            gaps.append(slice(position, self.size))
+        self._gaps = tuple(gaps)
+        self._dropped = None if dropped_all is None or not dropped_all.numel() else dropped_all
+        self._dropped_on: dict[torch.device, Tensor] = {}
+        if signs is not None and signs.shape != (layout.size,):
+            raise ValueError(f"signs must have shape ({layout.size},), got {tuple(signs.shape)}")
+        self._signs = None if signs is None else signs.detach()
+        self._signs_on: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
-    def _indices(self, device: torch.device) -> list[tuple[Tensor | None, Tensor | None, Tensor | None]]:
-        """Every block's ``(plus, minus, kept)`` on ``device``, copied once (a copy per product would wait for the
-        device each time)."""
+    def _signs_for(self, like: Tensor) -> Tensor | None:
+        """``signs`` on ``like``'s device and dtype (copied once), or ``None``."""
+        if self._signs is None:
+            return None
+        key = (like.device, like.dtype)
+        if key not in self._signs_on:
+            self._signs_on[key] = self._signs.to(like.device, like.dtype)
+        return self._signs_on[key]
+
+    def _indices(self, device: torch.device) -> list[tuple[Tensor | None, ...]]:
+        """Every block's ``(plus, minus, dropped, dropped_plus, dropped_minus)`` on ``device``, copied once (a copy per
+        product would wait for the device each time): ``dropped`` are flat indices into the whole vector, and the
+        classes of those entries (``dim`` for none)."""
         if device not in self._on_device:
-            self._on_device[device] = [
-                tuple(None if t is None else t.to(device) for t in (b.plus, b.minus, b.kept)) for b in self._blocks
-            ]
+            table = []
+            for b in self._blocks:
+                plus, minus = (None if t is None else t.to(device) for t in (b.plus, b.minus))
+                if b.dropped is None:
+                    table.append((plus, minus, None, None, None))
+                    continue
+                ndim = len(b.shape)
+                p, m = (_classes_at(_full_index(t, ndim, self.dim), b.shape, b.dropped) for t in (b.plus, b.minus))
+                table.append((plus, minus, (b.dropped + b.where.start).to(device), p.to(device), m.to(device)))
+            self._on_device[device] = table
         return self._on_device[device]
 
     def apply(self, c: Tensor) -> Tensor:
@@ -128,17 +169,17 @@ class NodeSymmetry:
         batch = c.shape[:-1]
         ext = torch.cat([c, c.new_zeros(*batch, 1)], dim=-1)
         out = c.new_zeros(*batch, self.size)
-        for b, (plus, minus, kept) in zip(self._blocks, self._indices(c.device)):
+        for b, (plus, minus, dropped, _, _) in zip(self._blocks, self._indices(c.device)):
             value = ext.new_zeros(*batch, *[1] * len(b.shape))
             if plus is not None:
                 value = value + ext[..., plus]
             if minus is not None:
                 value = value - ext[..., minus]
-            value = value.expand(*batch, *b.shape)
-            if kept is not None:
-                value = value * kept
-            out[..., b.where] = value.reshape(*batch, b.where.stop - b.where.start)
-        return out
+            out[..., b.where] = value.expand(*batch, *b.shape).reshape(*batch, b.where.stop - b.where.start)
+            if dropped is not None:
+                out[..., dropped] = 0
+        signs = self._signs_for(out)
+        return out if signs is None else out * signs
 
     def apply_transpose(self, v: Tensor) -> Tensor:
         """``J^T v``, the exact adjoint of [`apply`][manifolds.NodeSymmetry.apply].
@@ -152,17 +193,20 @@ class NodeSymmetry:
         if v.shape[-1] != self.size:
             raise ValueError(f"expected a last dimension of {self.size}, got shape {tuple(v.shape)}")
         batch = v.shape[:-1]
-        flat = v.reshape(-1, self.size)
+        signs = self._signs_for(v)
+        flat = (v if signs is None else v * signs).reshape(-1, self.size)
         out = flat.new_zeros(flat.shape[0], self.dim + 1)
-        for b, (plus, minus, kept) in zip(self._blocks, self._indices(v.device)):
+        for b, (plus, minus, dropped, dropped_plus, dropped_minus) in zip(self._blocks, self._indices(v.device)):
             block = flat[:, b.where].reshape(flat.shape[0], *b.shape)
-            if kept is not None:
-                block = block * kept
             for index, sign in ((plus, 1.0), (minus, -1.0)):
                 if index is not None:
                     idx = index.expand(*index.shape)
                     reduced = _reduce_to(block, idx, 1)
                     out.index_add_(1, idx.reshape(-1), reduced if sign > 0 else -reduced)
+            if dropped is not None:  # take the left-out entries back out of the sums (they are few)
+                values = flat[:, dropped]
+                out.index_add_(1, dropped_plus, -values)
+                out.index_add_(1, dropped_minus, values)
         return out[:, : self.dim].reshape(*batch, self.dim)
 
     # -- the Gram matrix -----------------------------------------------------------------------------------
@@ -208,7 +252,8 @@ class NodeSymmetry:
         return out
 
     def project_out(self, v: Tensor) -> Tensor:
-        """``v - J (J^T J)^+ J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)``.
+        """``v - J (J^T J)^+ J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)`` within the
+        kept entries (the others are set to 0).
 
         Args:
             v: ``(n,)`` or ``(k, n)``.
@@ -219,8 +264,42 @@ class NodeSymmetry:
         if self.dim == 0:
             return v.clone()
         rhs = self.apply_transpose(v).to(torch.float64)
-        coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape)
-        return v - self.apply(coef.to(v.dtype))
+        coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape).to(v.dtype)
+        # v - J coef block by block, without forming J coef (two passes over each tensor)
+        batch = v.shape[:-1]
+        ext = torch.cat([coef, coef.new_zeros(*batch, 1)], dim=-1)
+        out = torch.empty_like(v)
+        for gap in self._gaps:
+            out[..., gap] = v[..., gap]
+        signs = self._signs_for(v)
+        for b, (plus, minus, *_) in zip(self._blocks, self._indices(v.device)):
+            target = out[..., b.where].view(*batch, *b.shape)
+            source = v[..., b.where].view(*batch, *b.shape)
+            sign = None if signs is None else signs[b.where].view(b.shape)
+            if plus is None:
+                target.copy_(source)
+            elif sign is None:
+                torch.sub(source, ext[..., plus], out=target)
+            else:
+                torch.addcmul(source, sign, ext[..., plus], value=-1, out=target)
+            if minus is not None:
+                if sign is None:
+                    target.add_(ext[..., minus])
+                else:
+                    target.addcmul_(sign, ext[..., minus])
+        if self._dropped is not None:
+            if v.device not in self._dropped_on:
+                self._dropped_on[v.device] = self._dropped.to(v.device)
+            out[..., self._dropped_on[v.device]] = 0  # not in the tangent space
+        return out
+
+
+def _classes_at(index: Tensor, shape: tuple[int, ...], flat: Tensor) -> Tensor:
+    """The classes ``index`` (broadcastable to ``shape``) gives the entries at the flat positions ``flat``."""
+    coords = np.unravel_index(flat.numpy(), shape)
+    picked = tuple(torch.from_numpy(np.asarray(c)) if size > 1 else torch.zeros(len(flat), dtype=torch.long)
+                   for c, size in zip(coords, index.shape))  # fmt: skip
+    return index[picked]
 
 
 def _full_index(index: Tensor | None, ndim: int, none: int) -> Tensor:
@@ -254,11 +333,14 @@ def _build_parts(blocks: tuple[_Block, ...], dim: int) -> _GramParts:
         if shared:  # classes of both sides vary along one axis: no rank-one block, count the pairs
             joint = torch.broadcast_shapes(plus.shape, minus.shape)
             p, m = plus.expand(joint), minus.expand(joint)
-            if b.kept is None:
+            if b.dropped is None:
                 key, count = _unique_pairs(p.reshape(-1), m.reshape(-1), none)
                 count = count * (int(np.prod(b.shape)) // int(np.prod(joint)))
             else:
-                key, count = _unique_pairs(p.expand(b.shape)[b.kept], m.expand(b.shape)[b.kept], none)
+                kept = torch.ones(int(np.prod(b.shape)), dtype=torch.bool)
+                kept[b.dropped] = False
+                kept = kept.reshape(b.shape)
+                key, count = _unique_pairs(p.expand(b.shape)[kept], m.expand(b.shape)[kept], none)
             keys.append(key)
             weights.append(count)
             continue
@@ -275,18 +357,16 @@ def _build_parts(blocks: tuple[_Block, ...], dim: int) -> _GramParts:
             pp, mm = np.meshgrid(sa, sc, indexing="ij")
             keys.append(torch.from_numpy((pp * (none + 1) + mm).reshape(-1)))
             weights.append(torch.from_numpy((mult * np.outer(a[sa], c[sc])).reshape(-1)).round().long())
-        if b.kept is None:
+        if b.dropped is None:
             if big:  # a star spans the complete bipartite graph of the block
                 edges.append((np.full(len(sc), sa[0]), sc))
                 edges.append((sa, np.full(len(sa), sc[0])))
             continue
-        dropped = ~b.kept
-        key, count = _unique_pairs(plus.expand(b.shape)[dropped], minus.expand(b.shape)[dropped], none)
+        dropped_plus, dropped_minus = _classes_at(plus, b.shape, b.dropped), _classes_at(minus, b.shape, b.dropped)
+        key, count = _unique_pairs(dropped_plus, dropped_minus, none)
         if big:
             corrections.append((key, count))
-            # the graph needs the pairs that are left; exact, and only paid where a big block has dropped entries
-            kept_keys = torch.unique(plus.expand(b.shape)[b.kept] * (none + 1) + minus.expand(b.shape)[b.kept])
-            edges.append(((kept_keys // (none + 1)).numpy(), (kept_keys % (none + 1)).numpy()))
+            edges.append(_kept_edges(plus, minus, b.shape, b.dropped, mult))
         else:
             keys.append(key)
             weights.append(-count)
@@ -319,6 +399,46 @@ def _build_parts(blocks: tuple[_Block, ...], dim: int) -> _GramParts:
         if label[cls] != ground:
             active[cls] = False
     return _GramParts(diagonal[:none], pairs[:none, :none].tocsr(), low_rank, active)
+
+
+def _kept_edges(plus: Tensor, minus: Tensor, shape: tuple[int, ...], dropped: Tensor, mult: int):
+    """Edges ``(classes, classes)`` with the connected components of the pairs a separable block keeps.
+
+    Position ``r`` along the plus axes and ``q`` along the minus axes are joined unless all ``mult`` entries between
+    them are left out. Where some position is joined to every position on the other side, a star through it and one
+    edge per other position span the same components; otherwise (a block mostly left out) the kept pairs are listed.
+    """
+    coords = np.unravel_index(dropped.numpy(), shape)
+    rows = np.ravel_multi_index(tuple(c if s > 1 else 0 * c for c, s in zip(coords, plus.shape)), tuple(plus.shape))
+    cols = np.ravel_multi_index(tuple(c if s > 1 else 0 * c for c, s in zip(coords, minus.shape)), tuple(minus.shape))
+    n_rows, n_cols = plus.numel(), minus.numel()
+    pair, count = np.unique(rows * n_cols + cols, return_counts=True)
+    cut = pair[count == mult]  # position pairs with nothing left
+    cut_rows, cut_cols = cut // n_cols, cut % n_cols
+    plus_of, minus_of = plus.reshape(-1).numpy(), minus.reshape(-1).numpy()
+    for side, (n_side, n_other, cut_side, cut_other) in enumerate(
+        ((n_rows, n_cols, cut_rows, cut_cols), (n_cols, n_rows, cut_cols, cut_rows))
+    ):
+        full = np.setdiff1d(np.arange(n_side), cut_side)
+        if not len(full):
+            continue
+        hub = full[0]  # joined to every position on the other side
+        partner = np.full(n_side, -1)
+        partner[full] = 0  # any position on the other side: the hub reaches it
+        for position in np.unique(cut_side):
+            free = np.setdiff1d(np.arange(n_other), cut_other[cut_side == position])
+            if len(free):
+                partner[position] = free[0]
+        joined = np.flatnonzero(partner >= 0)
+        side_of, other_of = (plus_of, minus_of) if side == 0 else (minus_of, plus_of)
+        star = (np.full(n_other, side_of[hub]), other_of)
+        each = (side_of[joined], other_of[partner[joined]])
+        return np.concatenate([star[0], each[0]]), np.concatenate([star[1], each[1]])
+    kept = np.ones(int(np.prod(shape)), dtype=bool)
+    kept[dropped.numpy()] = False
+    kept = torch.from_numpy(kept.reshape(shape))
+    keys = torch.unique(plus.expand(shape)[kept] * (2**31) + minus.expand(shape)[kept])
+    return (keys // (2**31)).numpy(), (keys % (2**31)).numpy()
 
 
 def _sparse_part(parts: _GramParts, active: np.ndarray):

@@ -143,10 +143,11 @@ def test_structured_gram_solve_equals_the_dense_one(name, low_rank_min, monkeypa
     kept = layout.flatten(params) != 0
     group = analyze(model, example_input=example).group
     v = torch.randn(3, layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * kept
-    dense = NodeSymmetry(group, layout, kept)
+    signs = torch.sign(layout.flatten(params))  # J's rows signed: the node quotient's whitened coordinates
+    dense = NodeSymmetry(group, layout, kept, signs)
     monkeypatch.setattr(node_symmetry, "_DENSE_LIMIT", 0)
     monkeypatch.setattr(node_symmetry, "_LOW_RANK_MIN", low_rank_min)
-    structured = NodeSymmetry(group, layout, kept)
+    structured = NodeSymmetry(group, layout, kept, signs)
     parts = structured._gram_parts()
     # rank-one terms, and whether S has pairs between classes (the sparse LU) or is diagonal (solved on the device);
     # with BatchNorm the convolutions feeding it are pinned, so no dense block is left at all
@@ -159,8 +160,32 @@ def test_structured_gram_solve_equals_the_dense_one(name, low_rank_min, monkeypa
     torch.testing.assert_close(structured.gram(), dense.gram(), rtol=0, atol=0)
     expected = dense.project_out(v)
     torch.testing.assert_close(structured.project_out(v), expected, rtol=0, atol=1e-12 * float(v.norm()))
-    sign = torch.sign(layout.flatten(params))  # the reference is in whitened coordinates sign(w) log|w|
-    reference = sign * ((sign * v) @ _reference_projector(model, example))
+    reference = v @ _reference_projector(model, example)
     torch.testing.assert_close(expected, reference, rtol=0, atol=1e-12 * float(v.norm()))
     if name.endswith("zeros"):
         assert not (structured.apply(torch.ones(group.dim, dtype=torch.float64)) * ~kept).any()
+
+
+@pytest.mark.parametrize("density", [0.02, 0.3, 0.9])
+def test_kept_pairs_graph_has_the_components_of_the_kept_entries(density):
+    """The graph of a rank-one block with left-out entries (a star through a position joined to everything, else
+    the pairs listed) joins the same classes as the pairs of the kept entries themselves."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    g = torch.Generator().manual_seed(int(density * 100))
+    shape, none = (7, 6, 2), 9
+    for _ in range(20):
+        plus = torch.randint(0, none + 1, (7, 1, 1), generator=g)
+        minus = torch.randint(0, none + 1, (1, 6, 1), generator=g)
+        dropped = (torch.rand(shape, generator=g) < density).reshape(-1).nonzero().reshape(-1)
+        rows, cols = node_symmetry._kept_edges(plus, minus, shape, dropped, 2)
+        kept = torch.ones(84, dtype=torch.bool)
+        kept[dropped] = False
+        exact = (plus.expand(shape).reshape(-1)[kept].numpy(), minus.expand(shape).reshape(-1)[kept].numpy())
+        labels = []
+        for r, c in ((rows, cols), exact):
+            graph = coo_matrix((torch.ones(len(r)).numpy(), (r, c)), shape=(none + 1, none + 1))
+            labels.append(connected_components(graph, directed=False)[1])
+        same = [[labels[i][a] == labels[i][b] for a in range(none + 1) for b in range(none + 1)] for i in (0, 1)]
+        assert same[0] == same[1]
