@@ -189,3 +189,40 @@ def test_kept_pairs_graph_has_the_components_of_the_kept_entries(density):
             labels.append(connected_components(graph, directed=False)[1])
         same = [[labels[i][a] == labels[i][b] for a in range(none + 1) for b in range(none + 1)] for i in (0, 1)]
         assert same[0] == same[1]
+
+
+def _symmetry_cases():
+    from test_transformer_quotient import make
+
+    def transformer():
+        model, _, (x, _) = make("two_blocks")
+        return model, x
+
+    def mlp_plain():
+        return mlp([5, 7, 6, 3]).double().eval(), torch.randn(2, 5, dtype=torch.float64)
+
+    return {"two_block_transformer": transformer, "mlp": mlp_plain}
+
+
+@pytest.mark.parametrize("name", ["two_block_transformer", "mlp"])
+def test_symmetry_projection_by_blocks_equals_the_dense_one(name):
+    """The symmetry quotient's projection from the node part (diagonal group) and the sparse per-factor columns
+    equals the orthogonal projection off the whitened dense vertical basis ``W V`` (``MatrixSymmetry.vertical_basis``,
+    one orbit tangent per coordinate), and the vertical dimension is its rank."""
+    from manifolds import SymmetryQuotient, transformer_symmetry
+
+    model, x = _symmetry_cases()[name]()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    symmetry = transformer_symmetry(model, x)
+    fast = SymmetryQuotient(symmetry, params)
+    assert (fast._node is not None) == (symmetry.diagonal_dim > 0) and fast._columns is not None
+    assert (name == "mlp") == (not symmetry.factors)  # the MLP is all node part, the transformer mostly factors
+    wv = torch.stack([fast.whiten(v) for v in symmetry.vertical_basis(params).T], dim=1)  # (n, d)
+    u, sigma, _ = torch.linalg.svd(wv, full_matrices=False)
+    basis = u[:, sigma > 1e-10 * sigma.max()]
+    assert fast.vertical_dim == basis.shape[1]
+    zeta = torch.randn(3, fast.layout.size, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    scale = float(zeta.norm())
+    expected = zeta - (zeta @ basis) @ basis.T
+    torch.testing.assert_close(fast.whitened_projection(zeta), expected, rtol=0, atol=1e-11 * scale)
+    torch.testing.assert_close(fast.whitened_projection(zeta[0]), expected[0], rtol=0, atol=1e-11 * scale)
