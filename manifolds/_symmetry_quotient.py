@@ -24,6 +24,7 @@ two passes of the group's action through automatic differentiation.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -84,7 +85,9 @@ class SymmetryQuotient(MetricQuotient):
             if diagonal is not None:  # the node metric on the tensors it moves: W V = sign(w) J there
                 self._node = NodeSymmetry(diagonal, self.layout, signs=torch.sign(w))
             gram, self.gram_probes = self._sparse_columns(plan.block_of)
-            self._gram_factor, rank = _factor(gram)
+            (kind, f), rank = _factor(gram)
+            # its inverse, once: applying a d x d matrix beats two triangular solves per projection by far
+            self._gram_factor = ("pinv", torch.cholesky_inverse(f) if kind == "cholesky" else f)
             self.vertical_dim = rank + (0 if self._node is None else int(self._node._gram_parts().active.sum()))
         else:
             gram, self.gram_probes = self._gram(None if dense_gram else plan.block_of)
@@ -158,7 +161,9 @@ class SymmetryQuotient(MetricQuotient):
         else:
             index, value = torch.zeros(2, 0, dtype=torch.long, device=w.device), w.new_zeros(0)
         wv = torch.sparse_coo_tensor(index, value, (n, d), check_invariants=True).coalesce()
-        self._columns = (wv, wv.t().coalesce())
+        with warnings.catch_warnings():  # CSR (MKL's products on the CPU, cuSPARSE's on a GPU) is "beta" in torch
+            warnings.simplefilter("ignore", UserWarning)
+            self._columns = (wv.to_sparse_csr(), wv.t().coalesce().to_sparse_csr())
         host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
         gram = torch.from_numpy((host.T @ host).toarray()).to(w.device, w.dtype)
         return (gram + gram.T) / 2, probes
@@ -180,7 +185,7 @@ class SymmetryQuotient(MetricQuotient):
             out = flat if self._node is None else self._node.project_out(flat)  # leaves the factors' tensors alone
             wv, wv_t = self._columns
             if wv.shape[1]:
-                out = out - torch.sparse.mm(wv, self._solve_gram(torch.sparse.mm(wv_t, flat.T))).T
+                out = out - (wv @ self._solve_gram(wv_t @ flat.T)).T
             return out.reshape(zeta.shape)
         if zeta.dim() > 1:
             return torch.stack([self.whitened_projection(z) for z in zeta.reshape(-1, zeta.shape[-1])]).reshape(
