@@ -17,6 +17,7 @@ Section "solve": ``measure_sharpness`` with the Euclidean and the node-wise meas
 ``--tol``, ``--max-iter``: by default an iteration budget the tolerance does not reach first, so both do the same
 number of products) and the same float32 objective; the median of ``--rounds`` solves, node-wise / Euclidean (target
 <= 1.5x). The node-wise solve includes everything it adds: the gradient, the quotient, the factor, the projections.
+Each measure first runs one untimed solve of one iteration (what a process pays once: imports, kernels, tracing).
 
 ``--symmetry``: the symmetry quotient (`manifolds.SymmetryQuotient`) on T1 (per-head GL factors, LayerNorm scales,
 ReLU units): seconds to build its Gram matrix (probes) and factor it, and per projection; and the symmetry measure's
@@ -87,15 +88,16 @@ def projection_section(model, X, y, device, rounds: int) -> dict[str, float]:
 
 
 def solve_section(model, X, y, solver: Solver, rounds: int, device, measures=("euclidean", "node")) -> dict:
+    def run(measure, solver=solver):
+        objective = Objective(model, nn.CrossEntropyLoss(), (X, y), dtype=torch.float32)
+        return measure_sharpness(model, nn.CrossEntropyLoss(), (X, y), measure, solver=solver, objective=objective,
+                                 progress=False)  # fmt: skip
+
+    for measure in measures:  # warm-up: what the first solve of a process pays once (imports, kernels, tracing)
+        run(measure, Solver(solver.method, solver.tol, 1, seed=0))
     results = {}
     for measure in measures:
-
-        def run(measure=measure):
-            objective = Objective(model, nn.CrossEntropyLoss(), (X, y), dtype=torch.float32)
-            return measure_sharpness(model, nn.CrossEntropyLoss(), (X, y), measure, solver=solver, objective=objective,
-                                     progress=False)  # fmt: skip
-
-        seconds, result = median_time(run, rounds, device)
+        seconds, result = median_time(lambda measure=measure: run(measure), rounds, device)
         results[measure] = seconds
         print(f"  {measure:<10} {seconds:8.2f} s, {result.n_matvec} products, top eigenvalue {float(result.value):.6g}")
     base = results[measures[0]]
