@@ -5,6 +5,11 @@ F1: MLP 784-300-100-10 with biases (``nn.Sequential`` of ``Linear``/``ReLU``), 2
 C1: the small CNN of the scale-invariant flatness paper on 1x28x28 inputs: conv 5x5 (1->10) - relu -
     maxpool 2 - conv 5x5 (10->20) - relu - maxpool 2 - flatten - FC 320-120 - relu - 120-84 - relu -
     84-10, 54,814 parameters.
+V1: VGG11 with BatchNorm exactly as torchvision's ``vgg11_bn`` builds it (no torchvision needed): 3x3 convolutions
+    64, M, 128, M, 256, 256, M, 512, 512, M, 512, 512, M (each with BatchNorm and ReLU), AdaptiveAvgPool(7, 7),
+    classifier Linear(25088, 4096) - ReLU - Dropout - Linear(4096, 4096) - ReLU - Dropout - Linear(4096, 1000) (dropout
+    off in eval), torchvision's initialisation (conv: Kaiming normal fan-out, biases 0; BatchNorm 1 and 0; linear:
+    N(0, 0.01), biases 0); 132,868,840 parameters; not trained (see `vgg_workload`).
 T1: the built-in vision transformer (``sharpness._vit.ViT``: 2x2 patches of an 8x8 image, 16 tokens) with width
     32, 4 heads of size 8, 2 pre-LayerNorm blocks, ReLU MLPs of width 64, ``nn.MultiheadAttention``; 18,154 parameters.
 
@@ -55,6 +60,58 @@ def vit_t1() -> nn.Module:
     from sharpness._vit import ViT
 
     return ViT(dim=32, heads=4, depth=2)
+
+
+class VGG(nn.Module):
+    """torchvision's ``VGG`` layout: ``features``, ``avgpool``, ``classifier`` (the same parameter names)."""
+
+    def __init__(self, layers: list[int | str], classes: int = 1000):
+        super().__init__()
+        modules: list[nn.Module] = []
+        channels = 3
+        for item in layers:
+            if item == "M":
+                modules.append(nn.MaxPool2d(2, 2))
+            else:
+                modules += [nn.Conv2d(channels, int(item), 3, padding=1), nn.BatchNorm2d(int(item)), nn.ReLU()]
+                channels = int(item)
+        self.features = nn.Sequential(*modules)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(nn.Linear(channels * 49, 4096), nn.ReLU(), nn.Dropout(), nn.Linear(4096, 4096),
+                                        nn.ReLU(), nn.Dropout(), nn.Linear(4096, classes))  # fmt: skip
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def vgg11_bn(classes: int = 1000) -> VGG:
+    """V1: torchvision's ``vgg11_bn`` (configuration "A" with BatchNorm), built by hand."""
+    return VGG([64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"], classes)
+
+
+def vgg_workload(samples: int = 2, size: int = 32, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """V1 at its initialisation (zero biases and BatchNorm shifts included: 14,709 exact zeros), BatchNorm running
+    statistics from the data, eval mode; ``samples`` Gaussian ``3 x size x size`` images with labels in 1000
+    classes. Too large to train here: the point is the projection's cost, which does not depend on training."""
+    torch.manual_seed(seed)
+    model = vgg11_bn()
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(samples, 3, size, size, generator=g)
+    y = torch.randint(0, 1000, (samples,), generator=g)
+    model.train()
+    with torch.no_grad():
+        model(X)
+    return model.eval(), X, y
 
 
 # name: (builder, input shape, description, (Adam learning rate, steps) of the brief training)

@@ -5,6 +5,21 @@ The group element ``exp(t c)`` adds ``t (c[plus] - c[minus])`` to ``u`` entry-wi
 with a constant ``(n, dim)`` matrix ``J`` whose rows hold at most one ``+1`` and one ``-1``.
 [`NodeSymmetry`][manifolds.NodeSymmetry] applies ``J``, its transpose, its Gram matrix and the projection onto
 ``range(J)^perp`` without forming ``J``: each tensor's class indices broadcast against it.
+
+Entries left out of the tangent space (exactly-zero weights under the node metric) get zero rows of ``J``, so the
+projection is the orthogonal one on the space actually used. The Gram matrix ``J^T J = D - C - C^T`` (``D`` the
+number of entries per class, ``C[p, m]`` the number of entries with plus class ``p`` and minus class ``m``) is
+graph-like, and between two fully connected layers ``C`` holds a dense block: every weight couples every output unit
+with every input unit. Such a block is ``mult a b^T`` (``a``, ``b`` the class counts along the output and input
+axes, ``mult`` the kernel size), rank one, so large ones are kept as rank-one terms and the Gram matrix is solved
+as ``S + U W U^T`` (``S`` sparse, nearly diagonal) by the Woodbury identity with one small dense system, instead
+of a sparse LU that fills in the dense blocks. Left-out entries inside a rank-one block enter ``S`` as a sparse
+correction.
+
+``J`` is the incidence matrix of a graph on the classes (and one extra "no class" node, the ground), so its kernel
+is spanned by the indicators of the connected components that do not reach the ground (a class whose entries are
+all left out is one). Dropping one class of each such component leaves ``range(J)`` unchanged and makes the Gram
+matrix positive definite: those classes get coefficient 0.
 """
 
 from __future__ import annotations
@@ -18,8 +33,10 @@ from torch import Tensor
 from manifolds._group import RescalingGroup
 from manifolds._layout import ParamLayout
 
-# Above this many classes the Gram matrix is factored as a sparse matrix on the CPU.
+# Above this many classes the Gram matrix is solved by its structure (sparse + rank-one terms) on the CPU.
 _DENSE_LIMIT = 4096
+# A dense count block with more (plus class, minus class) pairs than this is kept as one rank-one term.
+_LOW_RANK_MIN = 4096
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,7 @@ class _Block:
     shape: tuple[int, ...]
     plus: Tensor | None  # class indices broadcastable to shape; dim = "no term"
     minus: Tensor | None
+    dropped: Tensor | None  # flat indices (within the tensor) of the left-out entries; None when there are none
 
 
 def _reduce_to(x: Tensor, index: Tensor, batch: int) -> Tensor:
@@ -38,6 +56,20 @@ def _reduce_to(x: Tensor, index: Tensor, batch: int) -> Tensor:
     return x.reshape(x.shape[0], index.numel())
 
 
+@dataclass
+class _GramParts:
+    """``J^T J = diag(diagonal) - C - C^T - sum_t mult_t (a_t b_t^T + b_t a_t^T)`` over the first ``dim`` classes.
+
+    ``pairs`` (``(dim + 1, dim + 1)`` scipy COO, signed counts) holds ``C`` outside the rank-one terms, including the
+    corrections for left-out entries inside them; ``active`` (bool ``(dim,)``) the classes that keep a coefficient.
+    """
+
+    diagonal: np.ndarray
+    pairs: object
+    low_rank: list[tuple[float, np.ndarray, np.ndarray]]
+    active: np.ndarray
+
+
 class NodeSymmetry:
     """The infinitesimal action ``J`` (``(n, dim)``) of a rescaling group in log coordinates.
 
@@ -45,32 +77,86 @@ class NodeSymmetry:
         group: the group ([`manifolds.NetworkStructure.group`][manifolds.NetworkStructure] or ``.layer_group``).
         layout: flat layout of the parameters. Parameters the group does not act on get zero rows of ``J``;
             scales acting on a tensor outside the layout (a frozen parameter) are left out, as it must not move.
+        kept: bool ``(n,)``, the entries of the tangent space (default: all); the others get zero rows of ``J``
+            (e.g. exactly-zero weights, which the node metric leaves out), so that
+            [`project_out`][manifolds.NodeSymmetry.project_out] is the orthogonal projection on the kept entries.
+        signs: ``(n,)`` entries ``+-1`` (default: all ``+1``) multiplying the rows of ``J``: the same group in
+            coordinates flipped entry-wise (the node metric's whitened coordinates are ``sign(w) log|w|``). Kept
+            by reference, on its own device and dtype; entries outside ``kept`` are ignored.
 
     Attributes:
         dim: number of columns of ``J`` (the group's dimension).
         size: ``n``, the length of the flat parameter vector.
     """
 
-    def __init__(self, group: RescalingGroup, layout: ParamLayout):
+    def __init__(self, group: RescalingGroup, layout: ParamLayout, kept: Tensor | None = None,
+                 signs: Tensor | None = None):  # fmt: skip
         group = group.restricted(layout.names)  # parameters outside the layout (frozen ones) must stay fixed
         actions = group.parameter_actions
         self.dim = group.dim
         self.size = layout.size
-        self._blocks = tuple(_Block(layout.slice(a.name), a.shape, a.plus, a.minus) for a in actions)
+        if kept is not None:
+            if kept.shape != (layout.size,):
+                raise ValueError(f"kept must have shape ({layout.size},), got {tuple(kept.shape)}")
+            kept = kept.detach().to("cpu", torch.bool)
+        dropped_all = None if kept is None else (~kept).nonzero().reshape(-1)  # sorted; usually few
+        blocks = []
+        for a in actions:
+            where = layout.slice(a.name)
+            dropped = None
+            if dropped_all is not None:
+                lo, hi = torch.searchsorted(dropped_all, torch.tensor([where.start, where.stop])).tolist()
+                dropped = dropped_all[lo:hi] - where.start if hi > lo else None
+            blocks.append(_Block(where, a.shape, a.plus, a.minus, dropped))
+        self._blocks = tuple(blocks)
+        self._parts: _GramParts | None = None
         self._factor: dict[torch.device, object] = {}
-        self._on_device: dict[torch.device, list[tuple[Tensor | None, Tensor | None]]] = {}
+        self._on_device: dict[torch.device, list[tuple[Tensor | None, ...]]] = {}
+        # the slices of the flat vector that no block covers (projecting copies them)
+        starts = sorted((b.where.start, b.where.stop) for b in self._blocks)
+        gaps, position = [], 0
+        for start, stop in starts:
+            if start > position:
+                gaps.append(slice(position, start))
+            position = max(position, stop)
+        if position < self.size:
+            gaps.append(slice(position, self.size))
+        self._gaps = tuple(gaps)
+        self._dropped = None if dropped_all is None or not dropped_all.numel() else dropped_all
+        self._dropped_on: dict[torch.device, Tensor] = {}
+        if signs is not None and signs.shape != (layout.size,):
+            raise ValueError(f"signs must have shape ({layout.size},), got {tuple(signs.shape)}")
+        self._signs = None if signs is None else signs.detach()
+        self._signs_on: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
-    def _indices(self, device: torch.device) -> list[tuple[Tensor | None, Tensor | None]]:
-        """Every block's ``(plus, minus)`` class indices on ``device``, copied once (a copy per product would wait
-        for the device each time)."""
+    def _signs_for(self, like: Tensor) -> Tensor | None:
+        """``signs`` on ``like``'s device and dtype (copied once), or ``None``."""
+        if self._signs is None:
+            return None
+        key = (like.device, like.dtype)
+        if key not in self._signs_on:
+            self._signs_on[key] = self._signs.to(like.device, like.dtype)
+        return self._signs_on[key]
+
+    def _indices(self, device: torch.device) -> list[tuple[Tensor | None, ...]]:
+        """Every block's ``(plus, minus, dropped, dropped_plus, dropped_minus)`` on ``device``, copied once (a copy per
+        product would wait for the device each time): ``dropped`` are flat indices into the whole vector, and the
+        classes of those entries (``dim`` for none)."""
         if device not in self._on_device:
-            self._on_device[device] = [
-                tuple(None if index is None else index.to(device) for index in (b.plus, b.minus)) for b in self._blocks
-            ]
+            table = []
+            for b in self._blocks:
+                plus, minus = (None if t is None else t.to(device) for t in (b.plus, b.minus))
+                if b.dropped is None:
+                    table.append((plus, minus, None, None, None))
+                    continue
+                ndim = len(b.shape)
+                p, m = (_classes_at(_full_index(t, ndim, self.dim), b.shape, b.dropped) for t in (b.plus, b.minus))
+                table.append((plus, minus, (b.dropped + b.where.start).to(device), p.to(device), m.to(device)))
+            self._on_device[device] = table
         return self._on_device[device]
 
     def apply(self, c: Tensor) -> Tensor:
-        """``J c``: the derivative of ``log|w|`` along the rescaling ``exp(t c)`` at ``t = 0``.
+        """``J c``: the derivative of ``log|w|`` along the rescaling ``exp(t c)`` at ``t = 0`` (0 off ``kept``).
 
         Args:
             c: ``(dim,)`` or ``(k, dim)``.
@@ -83,14 +169,17 @@ class NodeSymmetry:
         batch = c.shape[:-1]
         ext = torch.cat([c, c.new_zeros(*batch, 1)], dim=-1)
         out = c.new_zeros(*batch, self.size)
-        for b, (plus, minus) in zip(self._blocks, self._indices(c.device)):
+        for b, (plus, minus, dropped, _, _) in zip(self._blocks, self._indices(c.device)):
             value = ext.new_zeros(*batch, *[1] * len(b.shape))
             if plus is not None:
                 value = value + ext[..., plus]
             if minus is not None:
                 value = value - ext[..., minus]
             out[..., b.where] = value.expand(*batch, *b.shape).reshape(*batch, b.where.stop - b.where.start)
-        return out
+            if dropped is not None:
+                out[..., dropped] = 0
+        signs = self._signs_for(out)
+        return out if signs is None else out * signs
 
     def apply_transpose(self, v: Tensor) -> Tensor:
         """``J^T v``, the exact adjoint of [`apply`][manifolds.NodeSymmetry.apply].
@@ -104,76 +193,67 @@ class NodeSymmetry:
         if v.shape[-1] != self.size:
             raise ValueError(f"expected a last dimension of {self.size}, got shape {tuple(v.shape)}")
         batch = v.shape[:-1]
-        flat = v.reshape(-1, self.size)
+        signs = self._signs_for(v)
+        flat = (v if signs is None else v * signs).reshape(-1, self.size)
         out = flat.new_zeros(flat.shape[0], self.dim + 1)
-        for b, (plus, minus) in zip(self._blocks, self._indices(v.device)):
+        for b, (plus, minus, dropped, dropped_plus, dropped_minus) in zip(self._blocks, self._indices(v.device)):
             block = flat[:, b.where].reshape(flat.shape[0], *b.shape)
             for index, sign in ((plus, 1.0), (minus, -1.0)):
                 if index is not None:
                     idx = index.expand(*index.shape)
                     reduced = _reduce_to(block, idx, 1)
                     out.index_add_(1, idx.reshape(-1), reduced if sign > 0 else -reduced)
+            if dropped is not None:  # take the left-out entries back out of the sums (they are few)
+                values = flat[:, dropped]
+                out.index_add_(1, dropped_plus, -values)
+                out.index_add_(1, dropped_minus, values)
         return out[:, : self.dim].reshape(*batch, self.dim)
 
-    def _counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pairs ``(plus, minus)`` of class indices over all entries, with multiplicities."""
-        keys, weights = [], []
-        none = self.dim
-        for b in self._blocks:
-            plus = b.plus if b.plus is not None else torch.full((1,) * len(b.shape), none)
-            minus = b.minus if b.minus is not None else torch.full((1,) * len(b.shape), none)
-            joint = torch.broadcast_shapes(plus.shape, minus.shape)
-            multiplicity = int(np.prod(b.shape)) // int(np.prod(joint))
-            pair = plus.expand(joint).reshape(-1) * (none + 1) + minus.expand(joint).reshape(-1)
-            unique, count = torch.unique(pair, return_counts=True)
-            keys.append(unique)
-            weights.append(count * multiplicity)
-        if not keys:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, np.zeros(0)
-        key, weight = torch.cat(keys), torch.cat(weights).to(torch.float64)
-        return (key // (none + 1)).numpy(), (key % (none + 1)).numpy(), weight.numpy()
+    # -- the Gram matrix -----------------------------------------------------------------------------------
+    def _gram_parts(self) -> _GramParts:
+        """The Gram matrix by its structure (built once): see `_GramParts`."""
+        if self._parts is None:
+            self._parts = _build_parts(self._blocks, self.dim)
+        return self._parts
 
     def gram(self) -> Tensor:
-        """``J^T J``, ``(dim, dim)`` float64 (dense).
+        """``J^T J``, ``(dim, dim)`` float64 (dense), with the rows of left-out entries zero.
 
         Row ``e_p - e_m`` of an entry contributes ``+1`` to both diagonals and ``-1`` off the diagonal.
         """
-        return torch.from_numpy(self._sparse_gram().toarray())
-
-    def _sparse_gram(self):
-        from scipy import sparse
-
-        p, m, w = self._counts()
-        n = self.dim + 1
-        counts = sparse.coo_matrix((w, (p, m)), shape=(n, n)).tocsr()
-        gram = sparse.diags(np.asarray(counts.sum(axis=1)).ravel() + np.asarray(counts.sum(axis=0)).ravel())
-        gram = (gram - counts - counts.T).tocsc()
-        return gram[: self.dim, : self.dim]
+        return torch.from_numpy(_dense(self._gram_parts(), np.ones(self.dim, dtype=bool)))
 
     def _solve(self, rhs: Tensor) -> Tensor:
-        """``(J^T J)^{-1} rhs`` for ``rhs`` ``(k, dim)`` float64, factored once per device."""
+        """``(J^T J)^+ rhs`` for ``rhs`` ``(k, dim)`` float64 in ``range(J^T)``, factored once per device.
+
+        Classes dropped by the grounding get 0, which is a solution whenever ``rhs = J^T v``.
+        """
         factor = self._factor.get(rhs.device)
         if factor is None:
-            if self.dim <= _DENSE_LIMIT:
-                gram = torch.from_numpy(self._sparse_gram().toarray())
-                factor, info = torch.linalg.cholesky_ex(gram)
-                if int(info):  # dependent scales (a degenerate graph): the pseudo-inverse, as a (1, dim, dim) stack
-                    factor = torch.linalg.pinv(gram, hermitian=True)[None]
-                factor = factor.to(rhs.device)
+            parts = self._gram_parts()
+            active = parts.active
+            if not active.any():
+                factor = None
+            elif int(active.sum()) <= _DENSE_LIMIT:
+                gram = torch.from_numpy(_dense(parts, active))
+                factor = torch.linalg.cholesky(gram).to(rhs.device)  # positive definite once grounded
             else:
-                from scipy.sparse.linalg import splu
-
-                factor = splu(self._sparse_gram().tocsc())
+                factor = _Structured(parts, rhs.device)
             self._factor[rhs.device] = factor
+        active = torch.from_numpy(self._gram_parts().active).to(rhs.device)
+        out = torch.zeros_like(rhs)
+        if not bool(active.any()):
+            return out
+        sub = rhs[:, active]
         if isinstance(factor, Tensor):
-            if factor.dim() == 3:
-                return rhs @ factor[0]
-            return torch.cholesky_solve(rhs.T, factor).T
-        return torch.from_numpy(factor.solve(rhs.T.cpu().numpy())).T.to(rhs.device)
+            out[:, active] = torch.cholesky_solve(sub.T, factor).T
+        else:
+            out[:, active] = factor.solve(sub)
+        return out
 
     def project_out(self, v: Tensor) -> Tensor:
-        """``v - J (J^T J)^{-1} J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)``.
+        """``v - J (J^T J)^+ J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)`` within the
+        kept entries (the others are set to 0).
 
         Args:
             v: ``(n,)`` or ``(k, n)``.
@@ -184,5 +264,269 @@ class NodeSymmetry:
         if self.dim == 0:
             return v.clone()
         rhs = self.apply_transpose(v).to(torch.float64)
-        coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape)
-        return v - self.apply(coef.to(v.dtype))
+        coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape).to(v.dtype)
+        # v - J coef block by block, without forming J coef (two passes over each tensor)
+        batch = v.shape[:-1]
+        ext = torch.cat([coef, coef.new_zeros(*batch, 1)], dim=-1)
+        out = torch.empty_like(v)
+        for gap in self._gaps:
+            out[..., gap] = v[..., gap]
+        signs = self._signs_for(v)
+        for b, (plus, minus, *_) in zip(self._blocks, self._indices(v.device)):
+            target = out[..., b.where].view(*batch, *b.shape)
+            source = v[..., b.where].view(*batch, *b.shape)
+            sign = None if signs is None else signs[b.where].view(b.shape)
+            if plus is None:
+                target.copy_(source)
+            elif sign is None:
+                torch.sub(source, ext[..., plus], out=target)
+            else:
+                torch.addcmul(source, sign, ext[..., plus], value=-1, out=target)
+            if minus is not None:
+                if sign is None:
+                    target.add_(ext[..., minus])
+                else:
+                    target.addcmul_(sign, ext[..., minus])
+        if self._dropped is not None:
+            if v.device not in self._dropped_on:
+                self._dropped_on[v.device] = self._dropped.to(v.device)
+            out[..., self._dropped_on[v.device]] = 0  # not in the tangent space
+        return out
+
+
+def _classes_at(index: Tensor, shape: tuple[int, ...], flat: Tensor) -> Tensor:
+    """The classes ``index`` (broadcastable to ``shape``) gives the entries at the flat positions ``flat``."""
+    coords = np.unravel_index(flat.numpy(), shape)
+    picked = tuple(torch.from_numpy(np.asarray(c)) if size > 1 else torch.zeros(len(flat), dtype=torch.long)
+                   for c, size in zip(coords, index.shape))  # fmt: skip
+    return index[picked]
+
+
+def _full_index(index: Tensor | None, ndim: int, none: int) -> Tensor:
+    """The class indices with ``ndim`` axes on the CPU; ``None`` (no term) as the index ``none``."""
+    if index is None:
+        return torch.full((1,) * ndim, none, dtype=torch.long)
+    index = index.cpu()
+    return index.reshape((1,) * (ndim - index.dim()) + tuple(index.shape))
+
+
+def _unique_pairs(plus: Tensor, minus: Tensor, none: int) -> tuple[Tensor, Tensor]:
+    """``(keys, counts)`` of the pairs ``plus * (none + 1) + minus`` (1-D tensors of equal length)."""
+    return torch.unique(plus * (none + 1) + minus, return_counts=True)
+
+
+def _build_parts(blocks: tuple[_Block, ...], dim: int) -> _GramParts:
+    from scipy import sparse
+    from scipy.sparse.csgraph import connected_components
+
+    none = dim
+    keys: list[Tensor] = []  # exact counts of kept pairs outside the rank-one terms (also the graph's edges)
+    weights: list[Tensor] = []
+    corrections: list[tuple[Tensor, Tensor]] = []  # left-out entries inside rank-one terms (negative counts)
+    edges: list[tuple[np.ndarray, np.ndarray]] = []  # graph edges of the rank-one terms
+    low_rank: list[tuple[float, np.ndarray, np.ndarray]] = []
+    diagonal = np.zeros(dim + 1)
+    for b in blocks:
+        ndim = len(b.shape)
+        plus, minus = _full_index(b.plus, ndim, none), _full_index(b.minus, ndim, none)
+        shared = [i for i in range(ndim) if plus.shape[i] > 1 and minus.shape[i] > 1]
+        if shared:  # classes of both sides vary along one axis: no rank-one block, count the pairs
+            joint = torch.broadcast_shapes(plus.shape, minus.shape)
+            p, m = plus.expand(joint), minus.expand(joint)
+            if b.dropped is None:
+                key, count = _unique_pairs(p.reshape(-1), m.reshape(-1), none)
+                count = count * (int(np.prod(b.shape)) // int(np.prod(joint)))
+            else:
+                kept = torch.ones(int(np.prod(b.shape)), dtype=torch.bool)
+                kept[b.dropped] = False
+                kept = kept.reshape(b.shape)
+                key, count = _unique_pairs(p.expand(b.shape)[kept], m.expand(b.shape)[kept], none)
+            keys.append(key)
+            weights.append(count)
+            continue
+        # separable: the count matrix of the block is mult * a b^T
+        mult = int(np.prod(b.shape)) // (plus.numel() * minus.numel())
+        a = np.bincount(plus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
+        c = np.bincount(minus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
+        sa, sc = np.flatnonzero(a), np.flatnonzero(c)
+        big = np.count_nonzero(a[:none]) * np.count_nonzero(c[:none]) > _LOW_RANK_MIN
+        if big:
+            low_rank.append((float(mult), a[:none], c[:none]))
+            diagonal += mult * (a * c.sum() + c * a.sum())
+        else:
+            pp, mm = np.meshgrid(sa, sc, indexing="ij")
+            keys.append(torch.from_numpy((pp * (none + 1) + mm).reshape(-1)))
+            weights.append(torch.from_numpy((mult * np.outer(a[sa], c[sc])).reshape(-1)).round().long())
+        if b.dropped is None:
+            if big:  # a star spans the complete bipartite graph of the block
+                edges.append((np.full(len(sc), sa[0]), sc))
+                edges.append((sa, np.full(len(sa), sc[0])))
+            continue
+        dropped_plus, dropped_minus = _classes_at(plus, b.shape, b.dropped), _classes_at(minus, b.shape, b.dropped)
+        key, count = _unique_pairs(dropped_plus, dropped_minus, none)
+        if big:
+            corrections.append((key, count))
+            edges.append(_kept_edges(plus, minus, b.shape, b.dropped, mult))
+        else:
+            keys.append(key)
+            weights.append(-count)
+
+    n = none + 1
+    if keys:
+        key, weight = torch.cat(keys), torch.cat(weights).to(torch.float64)
+        exact = sparse.coo_matrix((weight.numpy(), ((key // n).numpy(), (key % n).numpy())), shape=(n, n)).tocsr()
+        exact.eliminate_zeros()
+    else:
+        exact = sparse.csr_matrix((n, n))
+    pairs = exact
+    if corrections:
+        key = torch.cat([k for k, _ in corrections])
+        weight = -torch.cat([c for _, c in corrections]).to(torch.float64)
+        pairs = pairs + sparse.coo_matrix((weight.numpy(), ((key // n).numpy(), (key % n).numpy())), shape=(n, n))
+    pairs = sparse.csr_matrix(pairs)
+    diagonal = diagonal + np.asarray(pairs.sum(axis=1)).ravel() + np.asarray(pairs.sum(axis=0)).ravel()
+
+    # grounding: one class dropped per connected component that does not reach the "no class" node
+    rows = [exact.tocoo().row] + [e[0] for e in edges]
+    cols = [exact.tocoo().col] + [e[1] for e in edges]
+    graph = sparse.coo_matrix((np.ones(sum(len(r) for r in rows)), (np.concatenate(rows), np.concatenate(cols))),
+                              shape=(n, n))  # fmt: skip
+    _, label = connected_components(graph, directed=False)
+    active = np.ones(dim, dtype=bool)
+    ground = label[none]
+    _, first = np.unique(label[:none], return_index=True)
+    for cls in first:
+        if label[cls] != ground:
+            active[cls] = False
+    return _GramParts(diagonal[:none], pairs[:none, :none].tocsr(), low_rank, active)
+
+
+def _kept_edges(plus: Tensor, minus: Tensor, shape: tuple[int, ...], dropped: Tensor, mult: int):
+    """Edges ``(classes, classes)`` with the connected components of the pairs a separable block keeps.
+
+    Position ``r`` along the plus axes and ``q`` along the minus axes are joined unless all ``mult`` entries between
+    them are left out. Where some position is joined to every position on the other side, a star through it and one
+    edge per other position span the same components; otherwise (a block mostly left out) the kept pairs are listed.
+    """
+    coords = np.unravel_index(dropped.numpy(), shape)
+    rows = np.ravel_multi_index(tuple(c if s > 1 else 0 * c for c, s in zip(coords, plus.shape)), tuple(plus.shape))
+    cols = np.ravel_multi_index(tuple(c if s > 1 else 0 * c for c, s in zip(coords, minus.shape)), tuple(minus.shape))
+    n_rows, n_cols = plus.numel(), minus.numel()
+    pair, count = np.unique(rows * n_cols + cols, return_counts=True)
+    cut = pair[count == mult]  # position pairs with nothing left
+    cut_rows, cut_cols = cut // n_cols, cut % n_cols
+    plus_of, minus_of = plus.reshape(-1).numpy(), minus.reshape(-1).numpy()
+    for side, (n_side, n_other, cut_side, cut_other) in enumerate(
+        ((n_rows, n_cols, cut_rows, cut_cols), (n_cols, n_rows, cut_cols, cut_rows))
+    ):
+        full = np.setdiff1d(np.arange(n_side), cut_side)
+        if not len(full):
+            continue
+        hub = full[0]  # joined to every position on the other side
+        partner = np.full(n_side, -1)
+        partner[full] = 0  # any position on the other side: the hub reaches it
+        for position in np.unique(cut_side):
+            free = np.setdiff1d(np.arange(n_other), cut_other[cut_side == position])
+            if len(free):
+                partner[position] = free[0]
+        joined = np.flatnonzero(partner >= 0)
+        side_of, other_of = (plus_of, minus_of) if side == 0 else (minus_of, plus_of)
+        star = (np.full(n_other, side_of[hub]), other_of)
+        each = (side_of[joined], other_of[partner[joined]])
+        return np.concatenate([star[0], each[0]]), np.concatenate([star[1], each[1]])
+    kept = np.ones(int(np.prod(shape)), dtype=bool)
+    kept[dropped.numpy()] = False
+    kept = torch.from_numpy(kept.reshape(shape))
+    keys = torch.unique(plus.expand(shape)[kept] * (2**31) + minus.expand(shape)[kept])
+    return (keys // (2**31)).numpy(), (keys % (2**31)).numpy()
+
+
+def _sparse_part(parts: _GramParts, active: np.ndarray):
+    """``S = diag(diagonal) - C - C^T`` on the ``active`` classes (scipy CSC)."""
+    from scipy import sparse
+
+    s = sparse.diags(parts.diagonal) - parts.pairs - parts.pairs.T
+    return sparse.csc_matrix(s)[active][:, active]
+
+
+def _dense(parts: _GramParts, active: np.ndarray) -> np.ndarray:
+    """The Gram matrix on the ``active`` classes as a dense ``float64`` array."""
+    gram = _sparse_part(parts, active).toarray()
+    for mult, a, c in parts.low_rank:
+        outer = np.outer(a[active], c[active])
+        gram -= mult * (outer + outer.T)
+    return gram
+
+
+class _Structured:
+    """``(S + U W U^T)^{-1}`` by the Woodbury identity, with one step of iterative refinement.
+
+    ``U = [A, B]`` holds the rank-one terms' count vectors and ``W = [[0, -M], [-M, 0]]`` (``M`` their
+    multiplicities); the capacitance ``K = W^{-1} + U^T S^{-1} U`` is ``2r x 2r`` and invertible exactly when the
+    Gram matrix is. ``S`` diagonal (no sparse pairs between classes) is solved on ``device``; otherwise it is
+    factored by a sparse LU on the CPU (it has no dense blocks left, so that is cheap).
+    """
+
+    def __init__(self, parts: _GramParts, device: torch.device):
+        from scipy.sparse.linalg import splu
+
+        active = parts.active
+        s = _sparse_part(parts, active)
+        self.device = device
+        off = s - _diag_matrix(s.diagonal())
+        off.eliminate_zeros()
+        self._lu = None if off.nnz == 0 else splu(s)
+        self._s = s
+        cols = [a[active] for _, a, _ in parts.low_rank] + [c[active] for _, _, c in parts.low_rank]
+        mult = np.array([m for m, _, _ in parts.low_rank])
+        r = len(mult)
+        u = np.stack(cols, axis=1) if cols else np.zeros((int(active.sum()), 0))
+        w = np.zeros((2 * r, 2 * r))
+        w[:r, r:] = w[r:, :r] = -np.diag(mult)
+        w_inv = np.zeros((2 * r, 2 * r))
+        if r:
+            w_inv[:r, r:] = w_inv[r:, :r] = -np.diag(1.0 / mult)
+        self._on_device = self._lu is None
+        where = device if self._on_device else torch.device("cpu")
+        self._diag = torch.from_numpy(s.diagonal().copy()).to(where)
+        self._u = torch.from_numpy(u).to(where)
+        self._w = torch.from_numpy(w).to(where)
+        z = self._s_solve(self._u.T).T  # S^-1 U
+        capacitance = torch.from_numpy(w_inv).to(where) + self._u.T @ z
+        self._z = z
+        self._k = torch.linalg.lu_factor(capacitance) if r else None
+
+    def _s_solve(self, rhs: Tensor) -> Tensor:
+        """``S^{-1}`` applied to the rows of ``rhs`` ``(k, d)``."""
+        if self._lu is None:
+            return rhs / self._diag
+        return torch.from_numpy(self._lu.solve(rhs.T.numpy())).T
+
+    def _matvec(self, x: Tensor) -> Tensor:
+        """The Gram matrix applied to the rows of ``x`` ``(k, d)``."""
+        if self._lu is None:
+            out = x * self._diag
+        else:
+            out = torch.from_numpy(np.asarray(self._s @ x.T.numpy())).T
+        return out + ((x @ self._u) @ self._w) @ self._u.T
+
+    def _woodbury(self, rhs: Tensor) -> Tensor:
+        y = self._s_solve(rhs)
+        if self._k is None:
+            return y
+        return y - torch.linalg.lu_solve(*self._k, (y @ self._u).T).T @ self._z.T
+
+    def solve(self, rhs: Tensor) -> Tensor:
+        """The Gram matrix's inverse applied to the rows of ``rhs`` ``(k, d)`` float64 (on ``rhs``'s device)."""
+        device = rhs.device
+        if not self._on_device:
+            rhs = rhs.cpu()
+        x = self._woodbury(rhs)
+        x = x + self._woodbury(rhs - self._matvec(x))  # refinement: the Woodbury sum cancels a few digits
+        return x.to(device)
+
+
+def _diag_matrix(values: np.ndarray):
+    from scipy import sparse
+
+    return sparse.diags(values, format="csc")

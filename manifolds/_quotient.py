@@ -271,7 +271,7 @@ class NodeScaleQuotient(_Quotient):
     channel-wise and layer-wise rescaling at every point, eigenvectors included.
 
     Exactly-zero weights have no log coordinate: they are dropped from the tangent space (zero row and
-    column). The horizontal projection is exact when no weight is zero.
+    column), and from the rows of ``J``, so the horizontal projection is the orthogonal one on the entries kept.
 
     Args:
         point: parameters ``{name: tensor}`` or a flat ``(n,)`` vector (then ``layout`` is needed).
@@ -303,7 +303,10 @@ class NodeScaleQuotient(_Quotient):
     ):
         self.point, self.layout = _flat_point(point, layout)
         self.structure = structure
-        self.symmetry = NodeSymmetry(structure.group, self.layout) if structure.group is not None else None
+        self._sign = torch.sign(self.point)
+        # Zero weights have no log coordinate: J loses their rows too. In whitened coordinates J's rows are signed.
+        self.symmetry = (NodeSymmetry(structure.group, self.layout, self.point != 0, self._sign)
+                         if structure.group is not None else None)  # fmt: skip
         self.projected = self.symmetry is not None
         self.projection_note = (
             None
@@ -314,23 +317,32 @@ class NodeScaleQuotient(_Quotient):
         )
         absw = self.point.abs()
         self.sqrt_metric = torch.where(absw > 0, 1.0 / torch.where(absw > 0, absw, 1.0), 0.0)
-        self._sign = torch.sign(self.point)
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
-        # whitened = sign(w) * (log coordinates), where the projection is Euclidean onto range(J)^perp
+        # whitened = sign(w) * (log coordinates): the projection of J with its rows signed (sign 0 drops an entry)
         if self.symmetry is None:
             return zeta
-        return self._sign * self.symmetry.project_out(self._sign * zeta)
+        return self.symmetry.project_out(zeta)
 
     def whitened_vertical_basis(self) -> Tensor:
         if self.symmetry is None:
             return self.point.new_zeros(0, self.layout.size)
         eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
-        return self._sign * self.symmetry.apply(eye)
+        return self.symmetry.apply(eye)
+
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        # the base class's map with fewer passes over the parameters: P (|w| H |w| + diag(w g)) P, w g formed once
+        absw, weighted = self.point.abs(), self.point * egrad
+
+        def apply(zeta: Tensor) -> Tensor:
+            zeta = self.whitened_projection(zeta)
+            return self.whitened_projection(torch.addcmul(absw * hvp(absw * zeta), weighted, zeta))
+
+        return apply
 
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
-        w = self.point
-        return torch.where(self.sqrt_metric > 0, w * w * ehvp + w * egrad * xi, 0.0)
+        # w = 0 makes both terms 0: the dropped entries stay out
+        return torch.addcmul(self.point * self.point * ehvp, self.point * egrad, xi)
 
     def expmap(self, xi: Tensor) -> Tensor:
         return self.point * torch.exp(self.whiten(xi) * self._sign)  # w exp(xi / w); zeros stay 0

@@ -11,18 +11,29 @@ metric block are ``G``-orthogonal (``M`` is zero between them); factors are colo
 share a metric block or a neighbour (a distance-2 colouring of the graph "touch a common block"), and one probe
 per colour and coordinate reads the columns of all of its factors. ``M`` is then factored once (Cholesky). The
 connection terms (Christoffel symbols by automatic differentiation) are `manifolds.MetricQuotient`'s.
+
+With the default metric the projection exploits the group's block structure further. The diagonal rescaling group
+moves tensors no factor moves, under the node metric (entry-wise ``1 / w^2``), so its whitened orbit tangents are
+``sign(w) J`` on their own entries: that part is [`NodeSymmetry`][manifolds.NodeSymmetry]'s projection (its Gram
+matrix ``J^T J`` solved by its structure, no probe at all), orthogonal to the factors' part. Each factor's whitened
+tangents live on the metric blocks of its own rows and columns (a head's ``W_Q`` rows and ``W_K`` rows, say), so
+the probes are read into a sparse ``(n, d)`` matrix ``W V`` (one probe per colour and coordinate, as above), ``M =
+(W V)^T W V`` follows from it exactly, and a projection is two sparse products and one ``d x d`` solve instead of
+two passes of the group's action through automatic differentiation.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from manifolds._connection import Metric, MetricQuotient
+from manifolds._connection import Metric, MetricQuotient, _orthonormal_rows
 from manifolds._layout import ParamLayout
 from manifolds._matrix_group import MatrixSymmetry
+from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import UnsupportedModelError, name_list
 from manifolds._symmetry_metric import _metric, _Plan
 
@@ -55,6 +66,7 @@ class SymmetryQuotient(MetricQuotient):
         self.params = {n: p.detach() for n, p in params.items()}
         self.layout = ParamLayout.from_tensors(self.params)
         plan = _Plan(symmetry, self.params)
+        default_metric = metric is None
         metric = metric or _metric(plan)
         w = self.layout.flatten(self.params)
         bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
@@ -66,8 +78,20 @@ class SymmetryQuotient(MetricQuotient):
                 "move the point (e.g. perturb those weights) or use a measure defined there"
             )
         super().__init__(metric, w, vertical=None)
-        gram, self.gram_probes = self._gram(None if dense_gram else plan.block_of)
-        self._gram_factor, self.vertical_dim = _factor(gram)
+        self._node: NodeSymmetry | None = None
+        self._columns: tuple[Tensor, Tensor] | None = None  # W V and its transpose (sparse), factor coordinates
+        if default_metric and not dense_gram:
+            diagonal = symmetry.diagonal if symmetry.diagonal_dim else None
+            if diagonal is not None:  # the node metric on the tensors it moves: W V = sign(w) J there
+                self._node = NodeSymmetry(diagonal, self.layout, signs=torch.sign(w))
+            gram, self.gram_probes = self._sparse_columns(plan.block_of)
+            (kind, f), rank = _factor(gram)
+            # its inverse, once: applying a d x d matrix beats two triangular solves per projection by far
+            self._gram_factor = ("pinv", torch.cholesky_inverse(f) if kind == "cholesky" else f)
+            self.vertical_dim = rank + (0 if self._node is None else int(self._node._gram_parts().active.sum()))
+        else:
+            gram, self.gram_probes = self._gram(None if dense_gram else plan.block_of)
+            self._gram_factor, self.vertical_dim = _factor(gram)
         self._q = None  # built on request only (O(n d))
 
     # -- V, V^T on flat vectors -----------------------------------------------------------------------------
@@ -103,17 +127,66 @@ class SymmetryQuotient(MetricQuotient):
                     gram[starts[g]: starts[g + 1], starts[owner] + t] = u[starts[g]: starts[g + 1]]
         return (gram + gram.T) / 2, probes
 
+    def _sparse_columns(self, block_of: Tensor) -> tuple[Tensor, int]:
+        """``W V`` over the factors' coordinates as sparse matrices (kept in ``_columns``), and ``M`` from it."""
+        from scipy import sparse
+
+        sym, w = self.symmetry, self.point
+        sizes = [sym.diagonal_dim, *(f.dim for f in sym.factors)]
+        starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        d = starts[-1] - sizes[0]
+        groups = [i for i, s in enumerate(sizes) if s and i > 0]
+        colours = _colouring(self, groups, starts, block_of)
+        entries = {g: torch.isin(block_of, torch.tensor(sorted(colours.support[g]))).nonzero().reshape(-1).to(w.device)
+                   for g in groups}  # fmt: skip
+        rows, cols, values, probes = [], [], [], 0
+        for colour in colours:
+            for t in range(max(sizes[g] for g in colour)):
+                y = w.new_zeros(sym.dim)
+                members = [g for g in colour if t < sizes[g]]
+                for g in members:
+                    y[starts[g] + t] = 1.0
+                z = self.whiten(self.vertical(y))  # the metric is block-diagonal: each member keeps to its blocks
+                probes += 1
+                for g in members:
+                    value = z[entries[g]]
+                    nonzero = value != 0
+                    rows.append(entries[g][nonzero])
+                    cols.append(torch.full((int(nonzero.sum()),), starts[g] + t - sizes[0], device=w.device))
+                    values.append(value[nonzero])
+        n = w.numel()
+        if rows:
+            index = torch.stack([torch.cat(rows), torch.cat(cols)])
+            value = torch.cat(values)
+        else:
+            index, value = torch.zeros(2, 0, dtype=torch.long, device=w.device), w.new_zeros(0)
+        wv = torch.sparse_coo_tensor(index, value, (n, d), check_invariants=True).coalesce()
+        with warnings.catch_warnings():  # CSR (MKL's products on the CPU, cuSPARSE's on a GPU) is "beta" in torch
+            warnings.simplefilter("ignore", UserWarning)
+            self._columns = (wv.to_sparse_csr(), wv.t().coalesce().to_sparse_csr())
+        host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
+        gram = torch.from_numpy((host.T @ host).toarray()).to(w.device, w.dtype)
+        return (gram + gram.T) / 2, probes
+
     # -- the projection --------------------------------------------------------------------------------------
     def _solve_gram(self, a: Tensor) -> Tensor:
+        """``M^-1 a`` (pseudo-inverse where ``M`` is singular) for ``a`` ``(d,)`` or ``(d, k)``."""
         kind, f = self._gram_factor
         if kind == "cholesky":
-            return torch.cholesky_solve(a[:, None], f)[:, 0]
+            return torch.cholesky_solve(a[:, None], f)[:, 0] if a.dim() == 1 else torch.cholesky_solve(a, f)
         return f @ a
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
         """Orthogonal projection of whitened vectors ``(..., n)`` onto the whitened horizontal space."""
         if not self.vertical_dim:
             return zeta
+        if self._columns is not None:
+            flat = zeta.reshape(-1, zeta.shape[-1])
+            out = flat if self._node is None else self._node.project_out(flat)  # leaves the factors' tensors alone
+            wv, wv_t = self._columns
+            if wv.shape[1]:
+                out = out - (wv @ self._solve_gram(wv_t @ flat.T)).T
+            return out.reshape(zeta.shape)
         if zeta.dim() > 1:
             return torch.stack([self.whitened_projection(z) for z in zeta.reshape(-1, zeta.shape[-1])]).reshape(
                 zeta.shape)
@@ -122,6 +195,12 @@ class SymmetryQuotient(MetricQuotient):
 
     def whitened_vertical_basis(self) -> Tensor:
         """``(d', n)``: an orthonormal basis (rows) of the whitened vertical space ``range(W V)`` (``O(n d)``)."""
+        if self._q is None and self._columns is not None:
+            node = self._node
+            parts = [] if node is None else [node.apply(torch.eye(node.dim, dtype=self.point.dtype,
+                                                                   device=self.point.device))]  # fmt: skip
+            parts.append(self._columns[0].to_dense().T)
+            self._q = _orthonormal_rows(torch.cat(parts))
         if self._q is None:
             eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
             wv = torch.stack([self.whiten(self.vertical(e)) for e in eye]) if self.symmetry.dim else eye
@@ -156,11 +235,13 @@ def _psd_root(pinv: Tensor) -> Tensor:
 
 
 class _Colours(list):
-    """Colour classes of coordinate groups, and for each group the groups it touches."""
+    """Colour classes of coordinate groups, for each group the groups it touches, and (where the metric blocks are
+    known) the metric blocks each group's orbit tangents touch."""
 
-    def __init__(self, classes: list[list[int]], touches: dict[int, set[int]]):
+    def __init__(self, classes: list[list[int]], touches: dict[int, set[int]], support: dict[int, set[int]]):
         super().__init__(classes)
         self.touches = touches
+        self.support = support
 
     def reach(self, members: list[int]) -> list[tuple[int, int]]:
         """``(group, member)`` for every group that touches (or is) a member of one colour: at most one each."""
@@ -174,10 +255,10 @@ class _Colours(list):
 
 def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int], block_of: Tensor | None) -> _Colours:
     """A distance-2 greedy colouring of the groups (0: the diagonal group, ``i``: factor ``i - 1``)."""
+    support: dict[int, set[int]] = {}
     if block_of is None:  # no structure known: every group touches every other
         touches = {g: set(groups) - {g} for g in groups}
     else:
-        support = {}
         generator = torch.Generator().manual_seed(0)  # generic coefficients: no entry of a tangent cancels by chance
         for g in groups:
             y = quotient.point.new_zeros(quotient.symmetry.dim)
@@ -192,4 +273,4 @@ def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int],
         taken = {colour[h] for h in near if h in colour}
         colour[g] = next(c for c in range(len(groups) + 1) if c not in taken)
     classes = [[g for g in groups if colour[g] == c] for c in range(max(colour.values(), default=-1) + 1)]
-    return _Colours(classes, touches)
+    return _Colours(classes, touches, support)
