@@ -332,7 +332,7 @@ class NodeScaleQuotient(_Quotient):
 
     def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         # the base class's map with fewer passes over the parameters: P (|w| H |w| + diag(w g)) P, w g formed once
-        absw, weighted = self.point.abs(), self.point * egrad
+        absw, weighted = self.point.abs(), self.connection_diagonal(egrad)
 
         def apply(zeta: Tensor) -> Tensor:
             zeta = self.whitened_projection(zeta)
@@ -340,9 +340,14 @@ class NodeScaleQuotient(_Quotient):
 
         return apply
 
+    def connection_diagonal(self, egrad: Tensor) -> Tensor:
+        """``w * g``: the Levi-Civita connection's term ``(w g) xi`` of the Hessian, as the diagonal it multiplies
+        (the one place both `connection_hessian` and the fused `whitened_hessian` take it from)."""
+        return self.point * egrad
+
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
         # w = 0 makes both terms 0: the dropped entries stay out
-        return torch.addcmul(self.point * self.point * ehvp, self.point * egrad, xi)
+        return torch.addcmul(self.point * self.point * ehvp, self.connection_diagonal(egrad), xi)
 
     def expmap(self, xi: Tensor) -> Tensor:
         return self.point * torch.exp(self.whiten(xi) * self._sign)  # w exp(xi / w); zeros stay 0
