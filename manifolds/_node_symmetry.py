@@ -262,7 +262,7 @@ class NodeSymmetry:
             Same shape and dtype as ``v``; solved in float64 with a factor computed once.
         """
         if self.dim == 0:
-            return v.clone()
+            return self._without_dropped(v.clone())
         rhs = self.apply_transpose(v).to(torch.float64)
         coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape).to(v.dtype)
         # v - J coef block by block, without forming J coef (two passes over each tensor)
@@ -287,10 +287,14 @@ class NodeSymmetry:
                     target.add_(ext[..., minus])
                 else:
                     target.addcmul_(sign, ext[..., minus])
+        return self._without_dropped(out)
+
+    def _without_dropped(self, out: Tensor) -> Tensor:
+        """``out`` with the dropped entries set to 0 in place (they are not in the tangent space)."""
         if self._dropped is not None:
-            if v.device not in self._dropped_on:
-                self._dropped_on[v.device] = self._dropped.to(v.device)
-            out[..., self._dropped_on[v.device]] = 0  # not in the tangent space
+            if out.device not in self._dropped_on:
+                self._dropped_on[out.device] = self._dropped.to(out.device)
+            out[..., self._dropped_on[out.device]] = 0
         return out
 
 

@@ -115,6 +115,20 @@ def test_node_projection_is_orthogonal_on_the_kept_entries():
     torch.testing.assert_close(ours, _reference_projector(model, example), rtol=0, atol=1e-12)
 
 
+def test_node_projection_of_a_group_of_dimension_zero_drops_the_zero_weights():
+    """Regression: with no free scale the projection returned its input, zero-weight entries included."""
+    model = nn.Linear(3, 2).double()
+    with torch.no_grad():
+        model.weight[0, 0] = 0.0
+    structure = analyze(model, example_input=torch.randn(2, 3, dtype=torch.float64))
+    assert structure.group.dim == 0
+    quotient = NodeScaleQuotient(dict(model.named_parameters()), structure)
+    out = quotient.whitened_projection(torch.ones(quotient.layout.size, dtype=torch.float64))
+    expected = torch.ones(quotient.layout.size, dtype=torch.float64)
+    expected[0] = 0.0  # weight[0, 0]: not in the tangent space
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_node_measure_with_zero_weights_equals_the_dense_reference():
     model = _zeroed_mlp()
     g = torch.Generator().manual_seed(4)
