@@ -23,6 +23,7 @@ queued on a GPU (:func:`sync`, :func:`clock`).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -248,6 +249,17 @@ def clock(device: torch.device | str | None = None) -> float:
     """``time.perf_counter()`` once the queued GPU work is done (see :func:`sync`)."""
     sync(device)
     return time.perf_counter()
+
+
+def median_time(fn, rounds: int, device: torch.device | str | None = None) -> tuple[float, object]:
+    """Median wall seconds of ``rounds`` calls of ``fn`` (timed with `clock`, synchronized on ``device``) and the
+    last call's result."""
+    times, out = [], None
+    for _ in range(rounds):
+        start = clock(device)
+        out = fn()
+        times.append(clock(device) - start)
+    return statistics.median(times), out
 
 
 def to_device(device: torch.device, model: nn.Module, *tensors: Tensor) -> tuple[Tensor, ...]:

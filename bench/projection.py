@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,7 +38,16 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))
 
-from _workloads import add_device_argument, clock, device_label, make_workload, to_device, use_device, vgg_workload  # noqa: E402
+from _workloads import (  # noqa: E402
+    add_device_argument,
+    clock,
+    device_label,
+    make_workload,
+    median_time,
+    to_device,
+    use_device,
+    vgg_workload,
+)
 
 from manifolds import NodeScaleQuotient, SymmetryQuotient, transformer_symmetry  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
@@ -54,15 +62,6 @@ def build(name: str, samples: int, size: int) -> tuple[nn.Module, torch.Tensor, 
     from resnet import workload  # noqa: PLC0415 (bench/resnet.py: ResNet-20 off its initialisation)
 
     return workload(samples)
-
-
-def median_time(fn, rounds: int, device: torch.device) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(rounds):
-        start = clock(device)
-        out = fn()
-        times.append(clock(device) - start)
-    return statistics.median(times), out
 
 
 def projection_section(model, X, y, device, rounds: int) -> dict[str, float]:

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # after the packages: bench/landscape.py loads this file
 
 from _memory import budget_of, measure, module_gradient, run_probe  # noqa: E402
-from _workloads import add_device_argument, clock, device_label, to_device, use_device  # noqa: E402
+from _workloads import add_device_argument, clock, device_label, median_time, to_device, use_device  # noqa: E402
 
 from manifolds import analyze  # noqa: E402
 from sharpness import Objective, Solver, measure_sharpness  # noqa: E402
@@ -72,15 +71,6 @@ def workload(samples: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torc
     with torch.no_grad():
         model(X[:256])  # running statistics from the data, then evaluated in eval mode
     return model.eval(), X, y
-
-
-def median_time(fn, rounds: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(rounds):
-        start = clock()
-        out = fn()
-        times.append(clock() - start)
-    return statistics.median(times), out
 
 
 def _best_of(cases: dict, rounds: int) -> tuple[dict[str, float], dict[str, float], dict, float]:

@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'PASS' if c['passed'] else 'FAIL'} {c['check']}: {c['value']:.2e} <= {c['bound']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "diagonal_networks.json"
-    path.write_text(json.dumps(record, indent=1))
+    from sharpness.io import write_atomic
+
+    write_atomic(path, json.dumps(record, indent=1))
     print(f"wrote {path} in {record['wall_seconds']:.0f} s")
     return 0 if record["passed"] else 1
 

@@ -57,6 +57,7 @@ from tqdm import tqdm
 
 from landscape import save_figure
 from manifolds import GModel, gsgd_init_
+from sharpness.io import write_atomic
 
 LEARNING_RATES = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5)  # the thesis's grid 10^-a, a = 1..5
 EPOCHS, SEEDS, BATCH = 150, 10, 64  # the thesis's protocol
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                "wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}  # fmt: skip
     paths = plot(results, settings, args.out)
     json_path = args.out / "gspace_training.json"
-    json_path.write_text(json.dumps(record, indent=1))
+    write_atomic(json_path, json.dumps(record, indent=1))
     for c in record["claims"]:
         print(f"[{c['verdict']}] {c['claim']}: {c['outcome']}")
     for c in verdicts:

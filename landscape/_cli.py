@@ -15,6 +15,7 @@ from pathlib import Path
 
 from landscape._directions import NORMALIZATIONS
 from landscape._settings import PATHS, DirectionSpec, Grid
+from landscape._surfaces import METRIC_NAMES
 from sharpness import MEASURES
 from sharpness.cli import (
     OneLineParser,
@@ -339,8 +340,8 @@ def _reproduces(spec: DirectionSpec, line: bool, segment: bool) -> str:
         return "random plane in G-space (basis-path) coordinates (Meng et al. 2019, G-SGD)"
     if spec.kind_name == "invariant-eigen":
         metric = ("layer-wise quotient metric of Rangamani et al. 2021" if spec.metric == "layer" else
-                  "symmetry metric: quotient by the whole symmetry group (da Silva et al. 2025's transformer "
-                  "symmetries)" if spec.metric == "symmetry" else
+                  f"{METRIC_NAMES['symmetry']} (da Silva et al. 2025's transformer symmetries)"
+                  if spec.metric == "symmetry" else
                   f"{spec.metric}-wise quotient metric (generalizing Rangamani et al. 2021)")  # fmt: skip
         return f"{'line' if line else 'plane'} of the top Riemannian Hessian eigenvectors, {metric}"
     if spec.kind_name == "eigen":

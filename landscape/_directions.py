@@ -226,7 +226,9 @@ def eigen_directions(
     grad = objective.gradient()
     slopes = vectors @ grad
     rounding = (vectors.abs() @ grad.abs()) * vectors.shape[1] * torch.finfo(vectors.dtype).eps
-    vectors = torch.where(((slopes < 0) & (slopes.abs() > rounding))[:, None], -vectors, vectors)
+    flip = (slopes < 0) & (slopes.abs() > rounding)
+    vectors = torch.where(flip[:, None], -vectors, vectors)
+    slopes = torch.where(flip, -slopes, slopes)  # negating a dot product is exact: no second pass
     invariant = bool(measure.invariant_under)
     prefix = "ξ" if invariant else "v"
     return Directions(
@@ -242,7 +244,7 @@ def eigen_directions(
             "seed": seed,
             "normalization": f"unit norm in the {measure.name} metric",
             "orientation": "the loss rises along each direction to first order (grad L . v >= 0)",
-            "slopes": (vectors @ grad).tolist(),
+            "slopes": slopes.tolist(),
             # what the plane is invariant under on this network (the measure's claim cut to the group it has)
             **{key: result.info[key] for key in ("invariant_under", "invariance_note") if key in result.info},
         },

@@ -228,28 +228,25 @@ class NodeSymmetry:
 
         Classes dropped by the grounding get 0, which is a solution whenever ``rhs = J^T v``.
         """
-        factor = self._factor.get(rhs.device)
-        if factor is None:
+        if rhs.device not in self._factor:  # the factor and the active classes' index, once per device
             parts = self._gram_parts()
             active = parts.active
-            if not active.any():
-                factor = None
-            elif int(active.sum()) <= _DENSE_LIMIT:
-                gram = torch.from_numpy(_dense(parts, active))
-                factor = torch.linalg.cholesky(gram).to(rhs.device)  # positive definite once grounded
-            else:
-                factor = _Structured(parts, rhs.device)
-            self._factor[rhs.device] = factor
-        active = torch.from_numpy(self._gram_parts().active).to(rhs.device)
+            factor = index = None
+            if active.any():
+                if int(active.sum()) <= _DENSE_LIMIT:
+                    gram = torch.from_numpy(_dense(parts, active))
+                    factor = torch.linalg.cholesky(gram).to(rhs.device)  # positive definite once grounded
+                else:
+                    factor = _Structured(parts, rhs.device)
+                index = torch.from_numpy(np.flatnonzero(active)).to(rhs.device)
+            self._factor[rhs.device] = (factor, index)
+        factor, index = self._factor[rhs.device]
         out = torch.zeros_like(rhs)
-        if not bool(active.any()):
+        if factor is None:
             return out
-        sub = rhs[:, active]
-        if isinstance(factor, Tensor):
-            out[:, active] = torch.cholesky_solve(sub.T, factor).T
-        else:
-            out[:, active] = factor.solve(sub)
-        return out
+        sub = rhs.index_select(1, index)
+        solved = torch.cholesky_solve(sub.T, factor).T if isinstance(factor, Tensor) else factor.solve(sub)
+        return out.index_copy_(1, index, solved)
 
     def project_out(self, v: Tensor) -> Tensor:
         """``v - J (J^T J)^+ J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)`` within the
@@ -476,10 +473,8 @@ class _Structured:
 
         active = parts.active
         s = _sparse_part(parts, active)
-        self.device = device
-        off = s - _diag_matrix(s.diagonal())
-        off.eliminate_zeros()
-        self._lu = None if off.nnz == 0 else splu(s)
+        diagonal_only = s.count_nonzero() == np.count_nonzero(s.diagonal())
+        self._lu = None if diagonal_only else splu(s)
         self._s = s
         cols = [a[active] for _, a, _ in parts.low_rank] + [c[active] for _, _, c in parts.low_rank]
         mult = np.array([m for m, _, _ in parts.low_rank])
@@ -490,8 +485,7 @@ class _Structured:
         w_inv = np.zeros((2 * r, 2 * r))
         if r:
             w_inv[:r, r:] = w_inv[r:, :r] = -np.diag(1.0 / mult)
-        self._on_device = self._lu is None
-        where = device if self._on_device else torch.device("cpu")
+        where = device if self._lu is None else torch.device("cpu")
         self._diag = torch.from_numpy(s.diagonal().copy()).to(where)
         self._u = torch.from_numpy(u).to(where)
         self._w = torch.from_numpy(w).to(where)
@@ -523,14 +517,9 @@ class _Structured:
     def solve(self, rhs: Tensor) -> Tensor:
         """The Gram matrix's inverse applied to the rows of ``rhs`` ``(k, d)`` float64 (on ``rhs``'s device)."""
         device = rhs.device
-        if not self._on_device:
+        if self._lu is not None:  # the sparse LU is on the CPU
             rhs = rhs.cpu()
         x = self._woodbury(rhs)
         x = x + self._woodbury(rhs - self._matvec(x))  # refinement: the Woodbury sum cancels a few digits
         return x.to(device)
 
-
-def _diag_matrix(values: np.ndarray):
-    from scipy import sparse
-
-    return sparse.diags(values, format="csc")

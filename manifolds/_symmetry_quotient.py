@@ -170,10 +170,11 @@ class SymmetryQuotient(MetricQuotient):
 
     # -- the projection --------------------------------------------------------------------------------------
     def _solve_gram(self, a: Tensor) -> Tensor:
-        """``M^-1 a`` (pseudo-inverse where ``M`` is singular) for ``a`` ``(d,)`` or ``(d, k)``."""
+        """``M^-1 a`` (pseudo-inverse where ``M`` is singular) for ``a`` ``(d,)``, or ``(d, k)`` with the sparse
+        columns (whose factor is always the pseudo-inverse matrix)."""
         kind, f = self._gram_factor
         if kind == "cholesky":
-            return torch.cholesky_solve(a[:, None], f)[:, 0] if a.dim() == 1 else torch.cholesky_solve(a, f)
+            return torch.cholesky_solve(a[:, None], f)[:, 0]  # the dense path: one vector at a time
         return f @ a
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:

@@ -408,8 +408,7 @@ def _geodesic_metric(choice: str, objective: Objective) -> str:
     normalization factors (the node metric would leave them in the ball) and the node metric otherwise."""
     if choice != "auto":
         return choice
-    structure = objective.structure
-    symmetry = structure.symmetry if structure.group is not None else None
+    symmetry = objective.structure.symmetry  # None where the group is unknown
     return "symmetry" if symmetry is not None and symmetry.factors else "node"
 
 
