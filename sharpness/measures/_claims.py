@@ -16,10 +16,24 @@ from sharpness.products._objective import Objective
 
 KINDS = ("node", "layer")
 # Invariances under the transformer symmetry's factors: claim kind -> (factor kind, what the factor is of).
+# claim kind of a transformer factor -> why a network without such a factor cannot test it
 FACTOR_KINDS = {
-    "attention": ("GL", "no attention head whose query/key or value/output basis can move was found"),
-    "normalization": ("diagonal", "no normalization layer whose affine scale can be traded was found"),
+    "attention": "no attention head whose query/key or value/output basis can move was found",
+    "normalization": "no normalization layer whose affine scale can be traded was found",
 }
+
+
+def factor_claim(factor) -> str | None:
+    """The claim kind a factor of `manifolds.transformer_symmetry` belongs to: ``"attention"`` (a head's GL
+    factor), ``"normalization"`` (a normalization's affine scale trade) or ``None`` (token-wise units only)."""
+    if factor.kind == "GL":
+        return "attention"
+    return "normalization" if factor.label.startswith("affine scale") else None
+
+
+def symmetry_unknown(failure: str) -> str:
+    """The reason a transformer kind cannot be tested when the factors could not be read."""
+    return f"the transformer symmetry is unknown, because {failure}"
 
 
 def rescaling_groups(objective: Objective) -> dict[str, RescalingGroup] | None:
@@ -87,9 +101,9 @@ def untestable_factor_kinds(claimed: Iterable[str], objective: Objective) -> dic
     try:
         factors = transformer_symmetry(objective.model, objective.data.first_batch()[0]).factors
     except UnsupportedModelError as err:
-        return dict.fromkeys(wanted, f"the transformer symmetry is unknown, because {first_line(err)}")
-    found = {f.kind for f in factors if f.kind == "GL"} | {"diagonal" for f in factors if f.label.startswith("affine")}
-    return {kind: FACTOR_KINDS[kind][1] for kind in wanted if FACTOR_KINDS[kind][0] not in found}
+        return dict.fromkeys(wanted, symmetry_unknown(first_line(err)))
+    found = {factor_claim(f) for f in factors}
+    return {kind: FACTOR_KINDS[kind] for kind in wanted if kind not in found}
 
 
 def supported_claims(claimed: Iterable[str], untestable: Mapping[str, str]) -> tuple[tuple[str, ...], str | None]:

@@ -28,20 +28,13 @@ import torch
 from torch import Tensor
 
 from manifolds import MatrixSymmetry, NetworkStructure, RescalingGroup, SymmetryElement, UnsupportedModelError
-from sharpness.measures._claims import FACTOR_KINDS, first_line, untestable_kinds
+from sharpness.measures._claims import FACTOR_KINDS, factor_claim, first_line, symmetry_unknown, untestable_kinds
 
 DIAGONAL_KINDS = ("node", "layer")
 MATRIX_KINDS = ("attention", "normalization", "group")
 ALL_KINDS = DIAGONAL_KINDS + MATRIX_KINDS
 # what a measure must claim in general to claim the whole group
 WHOLE = ("node", "layer", "attention", "normalization")
-
-
-def _factor_kind(label: str, kind: str) -> str | None:
-    """The claim kind a factor of `manifolds.transformer_symmetry` belongs to (``None``: units only)."""
-    if kind == "GL":
-        return "attention"
-    return "normalization" if label.startswith("affine scale") else None
 
 
 def general_claim(invariant_under: Iterable[str]) -> tuple[str, ...]:
@@ -77,6 +70,8 @@ class Draws:
         if whole is not None:
             factors = tuple(f for f in whole.factors if all(b.name in params for b in f.blocks))
             self.symmetry = MatrixSymmetry(factors, self.groups["node"], whole.pins)
+        # each factor's claim kind, in the order of the factors (read once: drawing and the summary use it)
+        self._factor_claims = () if self.symmetry is None else tuple(map(factor_claim, self.symmetry.factors))
         found = {} if self.symmetry is None else self._found()
         if kinds is None:
             kinds = DIAGONAL_KINDS + tuple(k for k in MATRIX_KINDS if found.get(k))
@@ -84,7 +79,7 @@ class Draws:
         self.untestable = self._untestable(found, failure)
 
     def _found(self) -> dict[str, bool]:
-        kinds = {_factor_kind(f.label, f.kind) for f in self.symmetry.factors}
+        kinds = set(self._factor_claims)
         return {"attention": "attention" in kinds, "normalization": "normalization" in kinds,
                 "group": bool(self.symmetry.factors)}  # fmt: skip  # without factors it is node's group
 
@@ -92,11 +87,11 @@ class Draws:
         out = dict(untestable_kinds(self.groups))
         for kind in ("attention", "normalization"):
             if failure is not None:
-                out[kind] = f"the transformer symmetry is unknown, because {failure}"
+                out[kind] = symmetry_unknown(failure)
             elif not found.get(kind):
-                out[kind] = FACTOR_KINDS[kind][1]
+                out[kind] = FACTOR_KINDS[kind]
         if failure is not None:
-            out["group"] = f"the transformer symmetry is unknown, because {failure}"
+            out["group"] = symmetry_unknown(failure)
         elif self.symmetry.dim == 0:
             out["group"] = "this network's symmetry group has dimension 0 (every scale and basis is pinned)"
         return out
@@ -112,7 +107,7 @@ class Draws:
             return self.groups[kind].act(params, log_scales)
         element = self.symmetry.random_element(scale, generator, dtype)
         if kind != "group":  # only the factors of this kind move
-            keep = [_factor_kind(f.label, f.kind) == kind for f in self.symmetry.factors]
+            keep = [claim == kind for claim in self._factor_claims]
             element = SymmetryElement(
                 torch.zeros_like(element.log_scales),
                 tuple(m if k else _identity(m) for m, k in zip(element.matrices, keep)),
@@ -125,7 +120,7 @@ class Draws:
         """JSON-ready counts of the factors the copies were drawn from (added to the report's ``group``)."""
         if self.symmetry is None:
             return {}
-        kinds = [_factor_kind(f.label, f.kind) for f in self.symmetry.factors]
+        kinds = self._factor_claims
         return {"symmetry_dim": self.symmetry.dim, "attention_factors": kinds.count("attention"),
                 "normalization_factors": kinds.count("normalization")}  # fmt: skip
 
