@@ -210,8 +210,7 @@ def run_study(
     if lost:  # replaced after it was stored: another study with other options writes to the same folder
         raise SpecError(f"the stored result of manifest {lost[0].where()} was replaced while this study ran; "
                         f"give each study its own output folder ({out_dir} is shared)")  # fmt: skip
-    result = _tabulate(parsed, records, options)
-    result.hyper_columns = hyper
+    result = _tabulate(parsed, records, options, hyper)
     result.out_dir, result.computed = out_dir, [row.id for row in parsed.rows if row.id in computed]
     if world == 1 or launch_rank() == 0:
         _write_outputs(result, report, color_by)
@@ -369,8 +368,10 @@ def _measure_rows(todo: list[Row], options: StudyOptions, keys: dict[str, str], 
         bar.close()
 
 
-def _tabulate(manifest: Manifest, records: dict[str, dict], options: StudyOptions) -> StudyResult:
-    """The tidy table and the skipped measures from the stored records."""
+def _tabulate(
+    manifest: Manifest, records: dict[str, dict], options: StudyOptions, hyper_columns: list[str]
+) -> StudyResult:
+    """The tidy table and the skipped measures from the stored records; ``hyper_columns`` are the statistics'."""
     import pandas as pd
 
     lines, skipped = [], {}
@@ -391,7 +392,7 @@ def _tabulate(manifest: Manifest, records: dict[str, dict], options: StudyOption
     columns = ["id", *manifest.hyper_columns, *MEASURED, *options.measures]
     table = pd.DataFrame(lines, columns=columns)
     return StudyResult(table=table, skipped=skipped, measures=list(options.measures),
-                       hyper_columns=list(manifest.hyper_columns))  # fmt: skip
+                       hyper_columns=list(hyper_columns))  # fmt: skip
 
 
 def _write_outputs(result: StudyResult, report: bool, color_by: str | None = None) -> None:
