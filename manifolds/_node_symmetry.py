@@ -112,16 +112,9 @@ class NodeSymmetry:
         self._parts: _GramParts | None = None
         self._factor: dict[torch.device, object] = {}
         self._on_device: dict[torch.device, list[tuple[Tensor | None, ...]]] = {}
-        # the slices of the flat vector that no block covers (projecting copies them)
-        starts = sorted((b.where.start, b.where.stop) for b in self._blocks)
-        gaps, position = [], 0
-        for start, stop in starts:
-            if start > position:
-                gaps.append(slice(position, start))
-            position = max(position, stop)
-        if position < self.size:
-            gaps.append(slice(position, self.size))
-        self._gaps = tuple(gaps)
+        # the tensors no block covers (projecting copies them); every block is a whole tensor
+        acted = {a.name for a in actions}
+        self._gaps = tuple(layout.slice(name) for name in layout.names if name not in acted)
         self._dropped = None if dropped_all is None or not dropped_all.numel() else dropped_all
         self._dropped_on: dict[torch.device, Tensor] = {}
         if signs is not None and signs.shape != (layout.size,):

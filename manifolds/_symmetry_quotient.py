@@ -115,16 +115,11 @@ class SymmetryQuotient(MetricQuotient):
         groups = [i for i, s in enumerate(sizes) if s]
         colours = _colouring(self, groups, starts, block_of)
         probes = 0
-        for colour in colours:
-            for t in range(max(sizes[g] for g in colour)):
-                y = w.new_zeros(d)
-                members = [g for g in colour if t < sizes[g]]
-                for g in members:
-                    y[starts[g] + t] = 1.0
-                u = self.vertical_adjoint(self.metric.apply(w, self.vertical(y)))
-                probes += 1
-                for g, owner in colours.reach(members):  # rows of g belong to the one member g can see
-                    gram[starts[g]: starts[g + 1], starts[owner] + t] = u[starts[g]: starts[g + 1]]
+        for t, members, y in _probes(colours, sizes, starts, w.new_zeros(d)):
+            u = self.vertical_adjoint(self.metric.apply(w, self.vertical(y)))
+            probes += 1
+            for g, owner in colours.reach(members):  # rows of g belong to the one member g can see
+                gram[starts[g]: starts[g + 1], starts[owner] + t] = u[starts[g]: starts[g + 1]]
         return (gram + gram.T) / 2, probes
 
     def _sparse_columns(self, block_of: Tensor) -> tuple[Tensor, int]:
@@ -140,20 +135,15 @@ class SymmetryQuotient(MetricQuotient):
         entries = {g: torch.isin(block_of, torch.tensor(sorted(colours.support[g]))).nonzero().reshape(-1).to(w.device)
                    for g in groups}  # fmt: skip
         rows, cols, values, probes = [], [], [], 0
-        for colour in colours:
-            for t in range(max(sizes[g] for g in colour)):
-                y = w.new_zeros(sym.dim)
-                members = [g for g in colour if t < sizes[g]]
-                for g in members:
-                    y[starts[g] + t] = 1.0
-                z = self.whiten(self.vertical(y))  # the metric is block-diagonal: each member keeps to its blocks
-                probes += 1
-                for g in members:
-                    value = z[entries[g]]
-                    nonzero = value != 0
-                    rows.append(entries[g][nonzero])
-                    cols.append(torch.full((int(nonzero.sum()),), starts[g] + t - sizes[0], device=w.device))
-                    values.append(value[nonzero])
+        for t, members, y in _probes(colours, sizes, starts, w.new_zeros(sym.dim)):
+            z = self.whiten(self.vertical(y))  # the metric is block-diagonal: each member keeps to its blocks
+            probes += 1
+            for g in members:
+                value = z[entries[g]]
+                nonzero = value != 0
+                rows.append(entries[g][nonzero])
+                cols.append(torch.full((int(nonzero.sum()),), starts[g] + t - sizes[0], device=w.device))
+                values.append(value[nonzero])
         n = w.numel()
         if rows:
             index = torch.stack([torch.cat(rows), torch.cat(cols)])
@@ -252,6 +242,18 @@ class _Colours(list):
             if seen:
                 out.append((g, seen[0]))
         return out
+
+
+def _probes(colours, sizes: list[int], starts: list[int], zeros: Tensor):
+    """The probe vectors of a colouring: for each colour and coordinate ``t``, the colour's ``members`` that have a
+    ``t``-th coordinate and ``y``, a copy of ``zeros`` with a 1 at each of them; yields ``(t, members, y)``."""
+    for colour in colours:
+        for t in range(max(sizes[g] for g in colour)):
+            members = [g for g in colour if t < sizes[g]]
+            y = zeros.clone()
+            for g in members:
+                y[starts[g] + t] = 1.0
+            yield t, members, y
 
 
 def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int], block_of: Tensor | None) -> _Colours:
