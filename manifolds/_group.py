@@ -4,6 +4,8 @@ A group element is a vector ``s`` of log-scales, one per free class of channels 
 `manifolds._group_discovery` for the rules that form the classes); it maps every parameter tensor
 ``t`` to ``t * exp(power * (s[plus] - s[minus]))`` entry-wise, with ``plus`` / ``minus`` the classes of
 the output / input channel the entry connects (for example ``W[o, i] -> W[o, i] e^{s(o) - s(i)}``).
+An elementwise product of two parameters ``p * q`` gives each entry of ``p`` a ``plus`` class and the matching
+entry of ``q`` the same class as ``minus`` (``p -> p e^s``, ``q -> q e^-s``).
 Every entry has at most one ``plus`` and one ``minus`` class, which is what makes the min-norm gauge's
 updates exact and the symmetry's generator a sparse ``+1 / -1`` matrix.
 """

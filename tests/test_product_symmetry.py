@@ -38,6 +38,8 @@ class Product(nn.Module):
                 return (x @ torch.mul(u, v)).unsqueeze(1)
             case "method":
                 return x @ u.mul(v)[:, None]
+            case "left":  # the product on the left of a matmul
+                return ((u * v)[None, :] @ x.T).T
             case "linear":  # a Linear's weight written as a product (u, v of shape (3, D))
                 return F.linear(x, u * v)
             case "broadcast":  # u (3, 1), v (3, D): one scale per row
@@ -72,6 +74,7 @@ FOUND = {  # form: (shapes of u and v, dimension of the node group, of the layer
     "matmul": (((D,), (D,)), D, 1),
     "torch.mul": (((D,), (D,)), D, 1),
     "method": (((D,), (D,)), D, 1),
+    "left": (((D,), (D,)), D, 1),
     "linear": (((3, D), (3, D)), 3 * D, 1),
     "broadcast": (((3, 1), (3, D)), 3, 1),
     "scalar": (((1,), (D,)), 1, 1),
