@@ -33,8 +33,8 @@ sharpness with the node metric (= the paper's ``inv`` metric; `sharpness.geodesi
 second-order geodesics), the same with first-order geodesics (the paper's App. G ablation "second-order weight
 corrections turned off"), and the top eigenvalues of the Euclidean Hessian and of the node quotient Hessian. Every
 value is in mean-squared-error units; the paper's sum of squares multiplies each measure and the gap of every
-network by ``n``, which changes no rank. The network is written as a depthwise 1x1 ``Conv2d`` (``u``) and a
-``Linear`` (``v``), so that the group discovery finds the ``d`` scalings ``(u_i, v_i) -> (a u_i, v_i / a)``.
+network by ``n``, which changes no rank. The network is written as the paper writes it, ``x @ (u * v)``; the group
+discovery finds the ``d`` scalings ``(u_i, v_i) -> (a u_i, v_i / a)`` of the product.
 
 Run:  python examples/diagonal_networks.py [--out DIR]       # 2 x 50 networks, minutes on one core
       python examples/diagonal_networks.py --quick          # the first 2 networks, compared with the record
@@ -91,25 +91,24 @@ REFERENCE_SEARCH_TOL = 1e-4  # the default ascent (steps shrinking as 1/sqrt(t))
 
 
 class DiagonalNetwork(nn.Module):
-    """``x (batch, d) -> x^T (u * v)`` as ``(batch, 1)``: ``u`` is a depthwise 1x1 convolution's weight, ``v`` a
-    bias-free linear layer's, so each ``u_i`` is a channel the rescaling group can trade against ``v_i``."""
+    """``x (batch, d) -> x^T (u * v)`` as ``(batch, 1)``, with parameters ``u`` and ``v`` ``(d,)``: the group discovery
+    trades each ``u_i`` against ``v_i`` (the product is their only use)."""
 
     def __init__(self, dim: int):
         super().__init__()
-        self.dim = dim
-        self.u = nn.Conv2d(dim, dim, 1, groups=dim, bias=False)
-        self.v = nn.Linear(dim, 1, bias=False)
+        self.u = nn.Parameter(torch.zeros(dim))
+        self.v = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.v(self.u(x.reshape(-1, self.dim, 1, 1)).flatten(1))
+        return x @ (self.u * self.v)[:, None]
 
     @classmethod
     def of(cls, u: np.ndarray, v: np.ndarray) -> DiagonalNetwork:
         """The float64 network with weights ``u`` and ``v`` (``(d,)`` each), in eval mode."""
         model = cls(len(u)).double().eval()
         with torch.no_grad():
-            model.u.weight.copy_(torch.as_tensor(u).view(-1, 1, 1, 1))
-            model.v.weight.copy_(torch.as_tensor(v).view(1, -1))
+            model.u.copy_(torch.as_tensor(u))
+            model.v.copy_(torch.as_tensor(v))
         return model
 
 

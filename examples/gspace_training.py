@@ -90,13 +90,14 @@ def digits(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return X[order[:cut]], y[order[:cut]], X[order[cut:]], y[order[cut:]]
 
 
-def network(seed: int) -> nn.Sequential:
-    """64-64-64-64-64-10 bias-free ReLU MLP in float32 with PyTorch's default initialization."""
+def network(seed: int, widths: tuple[int, ...] = (64, 64, 64, 64, 64, 10)) -> nn.Sequential:
+    """The thesis network: a bias-free ReLU MLP of these layer widths (default 64-64-64-64-64-10) in float32 with
+    PyTorch's default initialization, drawn after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for fan_in in (64, 64, 64, 64):
-        layers += [nn.Linear(fan_in, 64, bias=False, dtype=torch.float32), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(64, 10, bias=False, dtype=torch.float32))
+    for fan_in, fan_out in zip(widths[:-2], widths[1:-1]):
+        layers += [nn.Linear(fan_in, fan_out, bias=False, dtype=torch.float32), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-2], widths[-1], bias=False, dtype=torch.float32))
 
 
 def _start(label: str, seeds: list[int], init: str) -> tuple[list[Tensor], object]:
@@ -264,9 +265,7 @@ def reference_checks(seed: int = 0) -> list[dict]:
     loss_fn, out = nn.CrossEntropyLoss(), []
     name = "-".join(map(str, REFERENCE_WIDTHS))
     for init in ("one", "default"):
-        torch.manual_seed(seed)
-        model = nn.Sequential(*[m for a, b in zip(REFERENCE_WIDTHS[:-1], REFERENCE_WIDTHS[1:])
-                                for m in (nn.Linear(a, b, bias=False), nn.ReLU())][:-1]).double().eval()  # fmt: skip
+        model = network(seed, REFERENCE_WIDTHS).double().eval()
         gmodel = GModel(model, init="gsgd" if init == "one" else "model")
         if init == "one":
             gsgd_init_(model)  # the same weights as GModel's: the reference is taken there

@@ -161,7 +161,7 @@ def reference_checks(seed: int = 0) -> list[dict]:
         reference_measure = "euclidean" if measure == "minnorm" else measure
         reference = dense_spectrum(Objective(reference_at, loss, (x, y)), reference_measure)[:REFERENCE_K]
         values[(measure, where)] = ours.eigenvalues
-        error = float((ours.eigenvalues - reference).abs().max() / reference[0].abs())
+        error = float(relative(ours.eigenvalues, reference))
         out.append({"check": f"{name} tiny, {where}: {measure} top {REFERENCE_K} eigenvalues against the dense float64 "
                     f"{'Euclidean Hessian at the gauge' if measure == 'minnorm' else 'Riemannian Hessian'} (relative)",
                     "value": error, "bound": REFERENCE_TOL, "passed": bool(error <= REFERENCE_TOL)})  # fmt: skip

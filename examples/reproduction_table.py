@@ -278,7 +278,7 @@ def gspace_training(record: dict) -> tuple[list[str], list[str]]:
         "",
     ]
     if "control" in record:
-        lines += _gspace_control(record)
+        lines += _gspace_control(record, best)
     return [row], lines
 
 
@@ -298,8 +298,9 @@ def _early_best(summary: dict, epochs: int) -> float:
     return min(values) if values else float("nan")
 
 
-def _gspace_control(record: dict) -> list[str]:
-    """The control run: SGD and Adam from the G-methods' start, beside every optimizer over the same epochs."""
+def _gspace_control(record: dict, best: dict[str, float]) -> list[str]:
+    """The control run: SGD and Adam from the G-methods' start, beside every optimizer over the same epochs
+    (``best``: each optimizer's best score over the rates in the main run, NaN where every rate diverged)."""
     control = record["control"]
     epochs, rates = control["settings"]["epochs"], [f"{lr:g}" for lr in control["settings"]["learning_rates"]]
     rows = {
@@ -327,9 +328,6 @@ def _gspace_control(record: dict) -> list[str]:
     same = max(abs(a - b) / b for a, b in zip(score["SGD, skeleton weights 1 (the G-methods' start)"],
                                                score["G-SGD"]))  # fmt: skip
     stuck = [lr for lr, v in zip(rates, score["SGD, PyTorch's init (as the thesis)"]) if v > 0.9 * math.log(10)]
-    results = record["results"]
-    best = {k: min(v["best"] for v in results[k].values() if v["best"] == v["best"])
-            for k in ("Adam", "G-Adam", "G-Adam (moments kept)")}  # fmt: skip
     stateless, kept = best["G-Adam"] - best["Adam"], best["G-Adam (moments kept)"] - best["Adam"]
     early = {k: min(score[k]) for k in ("Adam, skeleton weights 1 (the G-methods' start)", "G-Adam (moments kept)",
                                         "G-Adam")}  # fmt: skip

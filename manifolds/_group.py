@@ -4,6 +4,8 @@ A group element is a vector ``s`` of log-scales, one per free class of channels 
 `manifolds._group_discovery` for the rules that form the classes); it maps every parameter tensor
 ``t`` to ``t * exp(power * (s[plus] - s[minus]))`` entry-wise, with ``plus`` / ``minus`` the classes of
 the output / input channel the entry connects (for example ``W[o, i] -> W[o, i] e^{s(o) - s(i)}``).
+An elementwise product of two parameters ``p * q`` gives each entry of ``p`` a ``plus`` class and the matching
+entry of ``q`` the same class as ``minus`` (``p -> p e^s``, ``q -> q e^-s``).
 Every entry has at most one ``plus`` and one ``minus`` class, which is what makes the min-norm gauge's
 updates exact and the symmetry's generator a sparse ``+1 / -1`` matrix.
 """
@@ -102,6 +104,8 @@ class RescalingGroup:
             with ``buffers=True``).
         pins: every set of channels whose scale is fixed, with the reason.
         unknown: operations the rules do not know (their inputs and outputs are pinned).
+        products: ``(p, q, where)`` for each elementwise product of two parameters ``p * q`` whose factors trade
+            scales entry by entry (``p -> p e^s``, ``q -> q e^-s``).
     """
 
     def __init__(self, discovery: Discovery, level: str = "node"):
@@ -124,6 +128,7 @@ class RescalingGroup:
         self._labels = d.labels
         self.pins: tuple[Pin, ...] = tuple(d.pins)
         self.unknown: tuple[str, ...] = tuple(dict.fromkeys(d.unknown))
+        self.products: tuple[tuple[str, str, str], ...] = tuple(d.products)
         self.actions: tuple[Action, ...] = tuple(_relabelled(r, cls) for r in d.records)
 
     def restricted(self, names: Iterable[str]) -> RescalingGroup:
@@ -153,6 +158,7 @@ class RescalingGroup:
         if banned:
             twin.pins = (*self.pins, Pin("parameters outside the given ones", len(banned), "they must stay unchanged"))
         twin.unknown = self.unknown
+        twin.products = self.products
         twin.actions = tuple(
             _relabelled(a, new_index) for a in self.actions if a.name in kept or a.role == "buffer"
         )
@@ -188,6 +194,11 @@ class RescalingGroup:
         sizes = sorted((len(c) for c in self.classes), reverse=True)
         if sizes:
             lines.append(f"channels per free scale: largest {sizes[0]}, smallest {sizes[-1]}")
+        for p, q, where in self.products:
+            plus = next((a.plus for a in self.actions if a.name == p), None)
+            free = 0 if plus is None else int((plus.unique() < self.dim).sum())
+            trade = f"'{p}' <- '{p}' e^s, '{q}' <- '{q}' e^-s"
+            lines.append(f"{where}: {free} free scale(s) traded entry by entry, {trade}")
         if self.pins:
             lines.append("pinned:")
             lines.extend(f"  {pin}" for pin in self.pins)

@@ -27,6 +27,9 @@ GELU, SiLU, Sigmoid, Tanh, Softmax, ...     not positively homogeneous: inputs a
 a module called twice                       one set of variables: the inputs of its calls are tied
 a tensor held by several modules            its uses' variables are tied entry by entry (outputs with outputs,
                                             inputs with inputs), or pinned where the uses scale it differently
+``p * q`` of two parameters (elementwise)    one new variable per entry of the product's free shape (below):
+                                            ``p -> p e^{s}``, ``q -> q e^{-s}``, so ``p * q`` is unchanged; only
+                                            where the product is the only use of ``p`` and of ``q``
 a tensor read directly (``get_attr``)       every channel its records touch is pinned
 network input, network output               pinned
 anything else                               inputs and outputs pinned, and listed as unknown
@@ -39,6 +42,15 @@ its statistics fixed the input must keep its scale). Chaining identities through
 pinned input to the pinned output gives ``f(g . w) = f(w)``. Pinning is always allowed (it only shrinks
 the group), which is why unknown operations are pinned rather than refused.
 
+An elementwise product ``P = p * q`` of two parameters (``p * q``, ``torch.mul``, ``p.mul(q)``) is unchanged by
+``p -> p * c``, ``q -> q / c`` for any positive ``c`` of ``P``'s shape, so whatever reads ``P`` sees the same tensor;
+this is a symmetry exactly when ``p`` and ``q`` reach the output only through ``P``. With broadcasting, ``c`` must
+be expressible on both sides: it may vary along an axis only where ``p``, ``q`` and ``P`` all have that axis's full
+size, and is constant along the others (``p (d, 1) * q (d, k)``: one scale per row ``i``, ``q[i, :] / c_i``). The
+rule is refused, with a pin saying why, when either factor is a buffer, both are one tensor (``p * p``), or either
+is used anywhere else: by another operation (``p * q * p``, ``p + ...``), a module holding it, or the output; a
+0-dim factor is refused too (shape ``(1,)`` broadcasts the same and is accepted).
+
 Constraints are solved by union-find over the variables; a class containing a pinned variable is fixed.
 Tensors are identified by identity and named by their first name (as in ``model.named_parameters()``), so a
 module used twice or a tied weight gives one record per tensor.
@@ -46,6 +58,8 @@ module used twice or a tied weight gives one record per tensor.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -114,6 +128,7 @@ _REDUCTIONS = {"mean", "sum", "amax", "amin"}
 _SCALINGS = {"mul", "truediv", "div", "imul", "itruediv"}
 _ADDITIONS = {"add", "sub", "iadd", "isub", "add_", "sub_"}
 _CONCATENATIONS = {"cat", "concat", "concatenate"}
+_PRODUCTS = {"mul", "multiply"}  # elementwise products (``p * q``, ``torch.mul``, ``p.mul(q)``); not in place
 
 _NON_HOMOGENEOUS = {
     "GELU", "SiLU", "Sigmoid", "Tanh", "Softplus", "ELU", "CELU", "SELU", "Mish", "Hardswish", "Hardsigmoid",
@@ -169,6 +184,7 @@ class Discovery:
     module_outputs: dict[str, Tensor] = field(default_factory=dict)  # affine module -> its output variables
     pins: list[Pin] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
+    products: list[tuple[str, str, str]] = field(default_factory=list)  # (p, q, where) of each product rule
 
     def new(self, count: int, label: str) -> Tensor:
         start = len(self.parent)
@@ -218,6 +234,7 @@ class Discovery:
             self.module_outputs,
             self.pins,
             self.unknown,
+            self.products,
         )
 
 
@@ -245,6 +262,7 @@ class _Walker:
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self.buffer_names = {id(b): n for n, b in model.named_buffers()}
         self.understood: set[tuple[int, int]] = set()  # (module id, tensor id) described by a record
+        self.in_products: set[int] = set()  # tensors (by id) whose one use is a product the rules describe
 
     # -- labels ------------------------------------------------------------------------------------------
     def label(self, node: fx.Node) -> str:
@@ -609,7 +627,78 @@ class _Walker:
         self.ids[node] = self.ids[parts[0]]
         return True
 
+    # -- products of parameters -------------------------------------------------------------------------
+    def attribute(self, node: fx.Node) -> object:
+        """The object a ``get_attr`` node reads."""
+        owner, _, attr = str(node.target).rpartition(".")
+        return getattr(self.model.get_submodule(owner), attr, None)
+
+    def uses(self) -> Counter[int]:
+        """How often each tensor (by identity) is read for its values: once per argument slot of a node reading it
+        directly (``p * p`` reads ``p`` twice, the output node counts), once per call of a module holding it."""
+        count: Counter[int] = Counter()
+        for node in self.graph.nodes:
+            if node.op == "get_attr":
+                tensor = self.attribute(node)
+                if isinstance(tensor, Tensor):
+                    for user in node.users:
+                        if not is_metadata(user):
+                            count[id(tensor)] += _reads(user, node)
+            elif node.op == "call_module":
+                module = self.model.get_submodule(str(node.target))
+                count.update({id(t) for t in (*module.parameters(), *module.buffers())})
+        return count
+
+    def products(self) -> None:
+        """The product rule (module docstring): ``p -> p e^s``, ``q -> q e^-s`` for each ``p * q`` of two parameters
+        used nowhere else, one variable per entry of the free shape; a refused product of two tensors gets a pin
+        saying why."""
+        uses = None
+        for node in self.graph.nodes:
+            if node.op not in ("call_function", "call_method") or target_name(node) not in _PRODUCTS:
+                continue
+            if (
+                node.kwargs
+                or len(node.args) != 2
+                or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args)
+            ):
+                continue
+            uses = self.uses() if uses is None else uses
+            tensors = [self.attribute(a) for a in node.args]
+            if not all(isinstance(t, Tensor) for t in tensors):
+                continue
+            where = f"product {self.label(node)}"
+            names = [self.param_name(t) for t in tensors]
+            reason = None
+            if tensors[0] is tensors[1]:
+                reason = f"'{node.args[0].target}' times itself changes under any rescaling of it"
+            elif any(n is None for n in names):
+                buffer = next(str(a.target) for a, n in zip(node.args, names) if n is None)
+                reason = f"'{buffer}' is not a parameter (a buffer keeps its value)"
+            elif not all(t.is_floating_point() for t in tensors):
+                reason = "a factor is not a floating-point tensor"
+            elif any(t.dim() == 0 for t in tensors):  # the group's tensors have axes; (1,) broadcasts the same
+                scalar = next(n for n, t in zip(names, tensors) if t.dim() == 0)
+                reason = f"'{scalar}' has no axis (0-dim); give it shape (1,) to let it trade its scale"
+            else:
+                shared = [n for n, t in zip(names, tensors) if uses[id(t)] != 1]
+                if shared:
+                    reason = f"'{shared[0]}' is also used elsewhere, where rescaling it would change the function"
+            if reason is not None:
+                self.d.pins.append(Pin(where, 0, f"no rescaling of its factors: {reason}"))
+                continue
+            free = _free_shape(*(tuple(t.shape) for t in tensors))
+            ids = self.d.new(math.prod(free), where).reshape(free)
+            for name, tensor, side in zip(names, tensors, ("plus", "minus")):
+                index = ids.reshape(free[len(free) - tensor.dim() :])
+                plus, minus = (index, None) if side == "plus" else (None, index)
+                module = name.rpartition(".")[0]
+                self.d.records.append(Record(name, tuple(tensor.shape), plus, minus, 1, "weight", module))
+                self.in_products.add(id(tensor))
+            self.d.products.append((names[0], names[1], where))
+
     def run(self) -> Discovery:
+        self.products()
         data: set[fx.Node] = set()
         for node in self.graph.nodes:
             if node.op == "placeholder":
@@ -645,9 +734,8 @@ class _Walker:
         opaque: dict[int, str] = {}
         for node in self.graph.nodes:
             if node.op == "get_attr" and any(not is_metadata(u) for u in node.users):
-                owner, _, attr = str(node.target).rpartition(".")
-                tensor = getattr(self.model.get_submodule(owner), attr, None)
-                if isinstance(tensor, Tensor):
+                tensor = self.attribute(node)
+                if isinstance(tensor, Tensor) and id(tensor) not in self.in_products:
                     opaque.setdefault(id(tensor), f"'{node.target}' read directly by the forward")
             elif node.op == "call_module":
                 module = self.model.get_submodule(str(node.target))
@@ -699,6 +787,22 @@ class _Walker:
                 kept.add(record.name)
                 records.append(record)
         self.d.records[:] = records
+
+
+def _reads(user: fx.Node, node: fx.Node) -> int:
+    """How many argument slots of ``user`` hold ``node`` (``p * p`` reads ``p`` twice)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((user.args, user.kwargs), found.append)
+    return sum(n is node for n in found)
+
+
+def _free_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the scales ``c`` of a product ``p * q`` (shapes ``a``, ``b``; ``p -> p c``, ``q -> q / c``):
+    the broadcast shape, with size 1 along every axis where ``p`` or ``q`` is broadcast (``c`` must be constant
+    there, or the entries of the other factor along it would need several scales at once)."""
+    out = torch.broadcast_shapes(a, b)
+    a, b = (1,) * (len(out) - len(a)) + a, (1,) * (len(out) - len(b)) + b
+    return tuple(n if x == y == n else 1 for x, y, n in zip(a, b, out))
 
 
 def _plain_affine(module: nn.Module) -> type[nn.Module] | None:
