@@ -17,8 +17,9 @@ moves tensors no factor moves, under the node metric (entry-wise ``1 / w^2``), s
 ``sign(w) J`` on their own entries: that part is [`NodeSymmetry`][manifolds.NodeSymmetry]'s projection (its Gram
 matrix ``J^T J`` solved by its structure, no probe at all), orthogonal to the factors' part. Each factor's whitened
 tangents live on the metric blocks of its own rows and columns (a head's ``W_Q`` rows and ``W_K`` rows, say), so
-the probes are read into a sparse ``(n, d)`` matrix ``W V`` (one probe per colour and coordinate, as above), ``M =
-(W V)^T W V`` follows from it exactly, and a projection is two sparse products and one ``d x d`` solve instead of
+the probes are read into a sparse ``(n, d)`` matrix ``W V`` (one probe per colour and coordinate, as above, run
+in batches: ``V`` is linear in ``y``, so one vmapped pass of the action takes many probes), ``M = (W V)^T W V``
+follows from it exactly, and a projection is two sparse products and one ``d x d`` solve instead of
 two passes of the group's action through automatic differentiation.
 """
 
@@ -35,7 +36,9 @@ from manifolds._layout import ParamLayout
 from manifolds._matrix_group import MatrixSymmetry
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import UnsupportedModelError, name_list
-from manifolds._symmetry_metric import _metric, _Plan
+from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener
+
+_PROBE_ENTRIES = 1 << 22  # probes per batch of the Gram build: about this many numbers (32 MiB in float64) at once
 
 
 class SymmetryQuotient(MetricQuotient):
@@ -67,6 +70,7 @@ class SymmetryQuotient(MetricQuotient):
         self.layout = ParamLayout.from_tensors(self.params)
         plan = _Plan(symmetry, self.params)
         default_metric = metric is None
+        self._plan = plan if default_metric else None  # the default metric's maps are frozen at the point (_factors)
         metric = metric or _metric(plan)
         w = self.layout.flatten(self.params)
         bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
@@ -94,11 +98,24 @@ class SymmetryQuotient(MetricQuotient):
             self._gram_factor, self.vertical_dim = _factor(gram)
         self._q = None  # built on request only (O(n d))
 
+    def _factors(self, dense_limit: int):
+        if self._plan is None:
+            return super()._factors(dense_limit)
+        point = _Point(self._plan, self.point)  # one set of block factors and matrix roots for every product
+        return _solver(point), _whitener(point, -0.5), _whitener(point, 0.5)
+
     # -- V, V^T on flat vectors -----------------------------------------------------------------------------
     def vertical(self, y: Tensor) -> Tensor:
         """``V y``: the orbit tangent of Lie-algebra coordinates ``y`` ``(d,)``, flat ``(n,)``."""
         v = self.symmetry.vertical(self.params, y)
         return self.layout.flatten({n: v[n] if n in v else torch.zeros_like(t) for n, t in self.params.items()})
+
+    def _verticals(self, ys: Tensor):
+        """``V y`` for the rows of ``ys`` ``(p, d)``, a batch of about `_PROBE_ENTRIES` numbers at a time (``V`` is
+        linear in ``y``: one vmapped pass per batch is exact); yields ``(first row, (rows, n) tangents)``."""
+        chunk = max(1, _PROBE_ENTRIES // max(self.point.numel(), 1))
+        for lo in range(0, ys.shape[0], chunk):
+            yield lo, torch.func.vmap(self.vertical)(ys[lo: lo + chunk])
 
     def vertical_adjoint(self, eta: Tensor) -> Tensor:
         """``V^T eta`` for a flat ``eta`` ``(n,)``: ``(d,)``."""
@@ -134,17 +151,25 @@ class SymmetryQuotient(MetricQuotient):
         colours = _colouring(self, groups, starts, block_of)
         entries = {g: torch.isin(block_of, torch.tensor(sorted(colours.support[g]))).nonzero().reshape(-1).to(w.device)
                    for g in groups}  # fmt: skip
-        rows, cols, values, probes = [], [], [], 0
-        for t, members, y in _probes(colours, sizes, starts, w.new_zeros(sym.dim)):
-            z = self.whiten(self.vertical(y))  # the metric is block-diagonal: each member keeps to its blocks
-            probes += 1
-            for g in members:
-                value = z[entries[g]]
-                nonzero = value != 0
-                rows.append(entries[g][nonzero])
-                cols.append(torch.full((int(nonzero.sum()),), starts[g] + t - sizes[0], device=w.device))
-                values.append(value[nonzero])
+        rows, cols, values = [], [], []
+        probes = list(_probes(colours, sizes, starts, w.new_zeros(sym.dim)))
         n = w.numel()
+        ys = torch.stack([y for _, _, y in probes]) if probes else w.new_zeros(0, sym.dim)
+        for lo, tangents in self._verticals(ys):
+            part = probes[lo: lo + tangents.shape[0]]
+            z = self.whiten(tangents)  # the metric is block-diagonal: each member keeps to its blocks
+            seen: dict[int, tuple[list[int], list[int]]] = {}  # group -> (rows of z, coordinates t) it owns
+            for i, (t, members, _) in enumerate(part):
+                for g in members:
+                    at, ts = seen.setdefault(g, ([], []))
+                    at.append(i)
+                    ts.append(t)
+            for g, (at, ts) in seen.items():
+                value = z[at][:, entries[g]]  # (probes of g here, entries g's tangents can reach)
+                probe, entry = (value != 0).nonzero(as_tuple=True)
+                rows.append(entries[g][entry])
+                cols.append(torch.tensor(ts, device=w.device)[probe] + (starts[g] - sizes[0]))
+                values.append(value[probe, entry])
         if rows:
             index = torch.stack([torch.cat(rows), torch.cat(cols)])
             value = torch.cat(values)
@@ -156,7 +181,7 @@ class SymmetryQuotient(MetricQuotient):
             self._columns = (wv.to_sparse_csr(), wv.t().coalesce().to_sparse_csr())
         host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
         gram = torch.from_numpy((host.T @ host).toarray()).to(w.device, w.dtype)
-        return (gram + gram.T) / 2, probes
+        return (gram + gram.T) / 2, len(probes)
 
     # -- the projection --------------------------------------------------------------------------------------
     def _solve_gram(self, a: Tensor) -> Tensor:
@@ -263,12 +288,14 @@ def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int],
         touches = {g: set(groups) - {g} for g in groups}
     else:
         generator = torch.Generator().manual_seed(0)  # generic coefficients: no entry of a tangent cancels by chance
-        for g in groups:
-            y = quotient.point.new_zeros(quotient.symmetry.dim)
-            coefficients = 0.5 + torch.rand(starts[g + 1] - starts[g], generator=generator, dtype=y.dtype)
-            y[starts[g]: starts[g + 1]] = coefficients.to(y.device)
-            moved = torch.nonzero(quotient.vertical(y)).reshape(-1).cpu()  # block_of is a host table
-            support[g] = set(block_of[moved].tolist())
+        ys = quotient.point.new_zeros(len(groups), quotient.symmetry.dim)
+        for i, g in enumerate(groups):
+            coefficients = 0.5 + torch.rand(starts[g + 1] - starts[g], generator=generator, dtype=ys.dtype)
+            ys[i, starts[g]: starts[g + 1]] = coefficients.to(ys.device)
+        for lo, tangents in quotient._verticals(ys):
+            for g, tangent in zip(groups[lo:], tangents):
+                moved = torch.nonzero(tangent).reshape(-1).cpu()  # block_of is a host table
+                support[g] = set(torch.unique(block_of[moved]).tolist())
         touches = {g: {h for h in groups if h != g and support[g] & support[h]} for g in groups}
     colour: dict[int, int] = {}
     for g in groups:
