@@ -33,7 +33,7 @@ from torch import Tensor
 
 from manifolds._connection import Metric, MetricQuotient, _orthonormal_rows
 from manifolds._layout import ParamLayout
-from manifolds._matrix_group import MatrixSymmetry
+from manifolds._matrix_group import MatrixSymmetry, _grid
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import UnsupportedModelError, name_list
 from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener
@@ -112,10 +112,40 @@ class SymmetryQuotient(MetricQuotient):
 
     def _verticals(self, ys: Tensor):
         """``V y`` for the rows of ``ys`` ``(p, d)``, a batch of about `_PROBE_ENTRIES` numbers at a time (``V`` is
-        linear in ``y``: one vmapped pass per batch is exact); yields ``(first row, (rows, n) tangents)``."""
+        linear in ``y``: one pass per batch is exact); yields ``(first row, (rows, n) tangents)``. Rows with no
+        diagonal-group coordinates take `_factor_tangents` (the factors' blocks in place), others a vmapped
+        `vertical`."""
         chunk = max(1, _PROBE_ENTRIES // max(self.point.numel(), 1))
+        factors_only = not bool(ys[:, : self.symmetry.diagonal_dim].any())
         for lo in range(0, ys.shape[0], chunk):
-            yield lo, torch.func.vmap(self.vertical)(ys[lo: lo + chunk])
+            part = ys[lo: lo + chunk]
+            yield lo, self._factor_tangents(part) if factors_only else torch.func.vmap(self.vertical)(part)
+
+    def _factor_tangents(self, ys: Tensor) -> Tensor:
+        """``V y`` ``(p, n)`` for rows ``ys`` ``(p, d)`` that move the factors only: what `vertical` computes
+        (`manifolds.MatrixSymmetry.vertical`), block by block for the whole batch, added into one flat buffer."""
+        sym, w, layout = self.symmetry, self.point, self.layout
+        out = ys.new_zeros(ys.shape[0], w.numel())
+        parts = torch.split(ys, [sym.diagonal_dim, *[f.dim for f in sym.factors]], dim=1)
+        for f, p in zip(sym.factors, parts[1:]):
+            diagonal = f.kind == "diagonal"
+            omega = p if diagonal else p.reshape(-1, f.size, f.size)
+            for b in f.blocks:
+                where = layout.slice(b.name)
+                shape = layout.shapes[layout.names.index(b.name)]
+                flat = torch.arange(where.start, where.stop, device=w.device).reshape(shape)
+                index = flat[_grid(b, tuple(shape), w.device)]  # (k, m) rows, (m, k) columns, (k,) a vector
+                x = w[index]
+                d = omega if b.how == "T" else -omega
+                if diagonal:  # d (p, k): scales the block's rows (or entries) or its columns
+                    value = d[:, :, None] * x if b.axis == 0 and x.dim() == 2 else (d * x if x.dim() == 1
+                                                                                      else x * d[:, None, :])
+                else:
+                    d = d.transpose(-1, -2) if b.how in ("T", "invT") else d
+                    value = d @ x if b.axis == 0 and x.dim() == 2 else ((d @ x[:, None])[..., 0] if x.dim() == 1
+                                                                        else x @ d)
+                out.index_add_(1, index.reshape(-1), value.reshape(ys.shape[0], -1))
+        return out
 
     def vertical_adjoint(self, eta: Tensor) -> Tensor:
         """``V^T eta`` for a flat ``eta`` ``(n,)``: ``(d,)``."""
@@ -165,7 +195,8 @@ class SymmetryQuotient(MetricQuotient):
                     at.append(i)
                     ts.append(t)
             for g, (at, ts) in seen.items():
-                value = z[at][:, entries[g]]  # (probes of g here, entries g's tangents can reach)
+                # (probes of g here, entries g's tangents can reach), read in one gather
+                value = z[torch.tensor(at, device=w.device)[:, None], entries[g][None, :]]
                 probe, entry = (value != 0).nonzero(as_tuple=True)
                 rows.append(entries[g][entry])
                 cols.append(torch.tensor(ts, device=w.device)[probe] + (starts[g] - sizes[0]))
@@ -175,12 +206,13 @@ class SymmetryQuotient(MetricQuotient):
             value = torch.cat(values)
         else:
             index, value = torch.zeros(2, 0, dtype=torch.long, device=w.device), w.new_zeros(0)
-        wv = torch.sparse_coo_tensor(index, value, (n, d), check_invariants=True).coalesce()
+        # assembled on the host by scipy (repeated positions summed, as coalescing would), both ways round
+        host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
+        host_t = host.T.tocsr()
         with warnings.catch_warnings():  # CSR (MKL's products on the CPU, cuSPARSE's on a GPU) is "beta" in torch
             warnings.simplefilter("ignore", UserWarning)
-            self._columns = (wv.to_sparse_csr(), wv.t().coalesce().to_sparse_csr())
-        host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
-        gram = torch.from_numpy((host.T @ host).toarray()).to(w.device, w.dtype)
+            self._columns = (_torch_csr(host, w), _torch_csr(host_t, w))
+        gram = torch.from_numpy((host_t @ host).toarray()).to(w.device, w.dtype)
         return (gram + gram.T) / 2, len(probes)
 
     # -- the projection --------------------------------------------------------------------------------------
@@ -196,6 +228,9 @@ class SymmetryQuotient(MetricQuotient):
         """Orthogonal projection of whitened vectors ``(..., n)`` onto the whitened horizontal space."""
         if not self.vertical_dim:
             return zeta
+        if self._columns is not None and self._node is None and zeta.dim() == 1 and self._columns[0].shape[1]:
+            wv, wv_t = self._columns  # one vector: sparse matrix-vector products (twice as fast as on (n, 1) columns)
+            return zeta - wv @ self._solve_gram(wv_t @ zeta)
         if self._columns is not None:
             flat = zeta.reshape(-1, zeta.shape[-1])
             out = flat if self._node is None else self._node.project_out(flat)  # leaves the factors' tensors alone
@@ -231,6 +266,16 @@ class SymmetryQuotient(MetricQuotient):
         """``(d', n)``: a ``G``-orthonormal basis (rows) of the vertical space."""
         q = self.whitened_vertical_basis()
         return self.unwhiten(q) if q.shape[0] else q
+
+
+def _torch_csr(matrix, like: Tensor) -> Tensor:
+    """A scipy CSR matrix as a torch one on ``like``'s device and dtype (column indices sorted in each row)."""
+    matrix.sort_indices()
+    index = {"dtype": torch.int32 if max(matrix.shape) < 2**31 and matrix.nnz < 2**31 else torch.long,
+             "device": like.device}  # 32-bit indices where they fit: less to read per product
+    return torch.sparse_csr_tensor(torch.as_tensor(matrix.indptr, **index), torch.as_tensor(matrix.indices, **index),
+                                   torch.as_tensor(matrix.data, dtype=like.dtype, device=like.device),
+                                   matrix.shape)  # fmt: skip
 
 
 def _factor(gram: Tensor) -> tuple[tuple[str, Tensor], int]:

@@ -95,6 +95,11 @@ def test_batched_gram_columns_equal_the_dense_vertical_basis(name, monkeypatch):
     small = SymmetryQuotient(symmetry, params)
     assert small.gram_probes == q.gram_probes and small.gram_probes > 3
     _close(small._columns[0].to_dense(), columns, 0.0)  # batching changes nothing
+    ys = torch.randn(5, symmetry.dim, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ys[:, : symmetry.diagonal_dim] = 0  # the factors' coordinates only: the blockwise tangents, not vmap
+    _close(q._factor_tangents(ys), torch.func.vmap(q.vertical)(ys), 0.0)
+    zeta = torch.randn(3, q.point.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    _close(q.whitened_projection(zeta[0]), q.whitened_projection(zeta)[0])  # one vector: matrix-vector products
     if symmetry.diagonal_dim == 0:  # the same M as the coordinate-by-coordinate build
         dense = SymmetryQuotient(symmetry, params, dense_gram=True)
         kind, chol = dense._gram_factor
