@@ -17,7 +17,9 @@ the process CPU time (one thread by default, so a machine shared with other jobs
 - ``closed``: ``H xi`` plus the closed-form Levi-Civita terms of ``LayerScaleQuotient`` / ``NodeScaleQuotient``;
 - ``metric``: ``H xi`` plus ``MetricQuotient.connection_hessian`` (two JVPs and one VJP of the metric);
 - ``metric whitened``: one application of ``MetricQuotient.whitened_hessian`` (what Lanczos applies:
-  whitening, horizontal projection in and out, solve).
+  whitening, horizontal projection in and out, solve; the connection as the point's fixed linear map,
+  ``MetricQuotient.connection_operator``: two backward passes through graphs recorded once, and the metric's
+  derivative along the gradient).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Run by hand, never from the tests::
     python bench/projection.py --models resnet20 --device cuda
     python bench/projection.py --section projection     # factor + projections only, no solves
     python bench/projection.py --symmetry               # also the symmetry quotient on the built-in ViT (T1)
+    python bench/projection.py --models --symmetry --threads 1 --rounds 3   # T1 only, CPU time of one thread
 
 Section "projection", per model (float32, eval mode): the node-wise quotient at the point (exact zeros, e.g. V1's
 zero-initialised biases, are left out of its tangent space and of ``J``), with the seconds of: building the Gram
@@ -18,6 +19,8 @@ Section "solve": ``measure_sharpness`` with the Euclidean and the node-wise meas
 number of products) and the same float32 objective; the median of ``--rounds`` solves, node-wise / Euclidean (target
 <= 1.5x). The node-wise solve includes everything it adds: the gradient, the quotient, the factor, the projections.
 Each measure first runs one untimed solve of one iteration (what a process pays once: imports, kernels, tracing).
+On the CPU the process CPU time of each solve is reported too (median of the rounds), and the ratio is taken of it:
+on a machine shared with other jobs it is far steadier than the wall time (``--threads 1`` makes it the work done).
 
 ``--symmetry``: the symmetry quotient (`manifolds.SymmetryQuotient`) on T1 (per-head GL factors, LayerNorm scales,
 ReLU units): seconds to build its Gram matrix (probes) and factor it, and per projection; and the symmetry measure's
@@ -29,7 +32,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,10 +100,18 @@ def solve_section(model, X, y, solver: Solver, rounds: int, device, measures=("e
     for measure in measures:  # warm-up: what the first solve of a process pays once (imports, kernels, tracing)
         run(measure, Solver(solver.method, solver.tol, 1, seed=0))
     results = {}
+    cpu = torch.device(device).type == "cpu"
     for measure in measures:
-        seconds, result = median_time(lambda measure=measure: run(measure), rounds, device)
+        walls, cpus = [], []
+        for _ in range(rounds):
+            started = time.process_time()
+            seconds, result = median_time(lambda measure=measure: run(measure), 1, device)
+            walls.append(seconds)
+            cpus.append(time.process_time() - started)
+        seconds = statistics.median(cpus if cpu else walls)
         results[measure] = seconds
-        print(f"  {measure:<10} {seconds:8.2f} s, {result.n_matvec} products, top eigenvalue {float(result.value):.6g}")
+        spent = f"CPU {seconds:8.2f} s (wall {statistics.median(walls):.2f} s)" if cpu else f"{seconds:8.2f} s"
+        print(f"  {measure:<10} {spent}, {result.n_matvec} products, top eigenvalue {float(result.value):.6g}")
     base = results[measures[0]]
     for measure in measures[1:]:
         ratio = results[measure] / base
@@ -125,7 +138,9 @@ def symmetry_section(device, rounds: int, solver: Solver) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS),
+                        help="workloads (default: all; none with --symmetry: T1 only)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--section", choices=("all", "projection", "solve"), default="all")
     parser.add_argument("--samples", type=int, default=2, help="images (default: %(default)s)")
     parser.add_argument("--size", type=int, default=32, help="V1's image side (default: %(default)s)")
@@ -138,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     add_device_argument(parser)
     args = parser.parse_args(argv)
     use_device(parser, args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{device_label(args.device)}, {torch.get_num_threads()} threads, {os.cpu_count()} cores "
           f"({platform.processor() or platform.machine()}), load average {load}")  # fmt: skip

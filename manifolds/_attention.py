@@ -540,7 +540,16 @@ def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymme
     Raises:
         UnsupportedModelError: fx cannot trace ``model`` or the forward fails on ``example_input``.
     """
-    structure = analyze(model, example_input)
+    return required_symmetry(analyze(model, example_input))
+
+
+def required_symmetry(structure) -> MatrixSymmetry:
+    """The whole group of an `manifolds.analyze` result (its ``symmetry``, built once per structure and shared by
+    everything holding it, e.g. an objective and its copies at transformed parameters: the graph is theirs alike).
+
+    Raises:
+        UnsupportedModelError: the structure's diagonal group is unknown (the sentence names why).
+    """
     if structure.group is None:
         raise UnsupportedModelError(f"Cannot find the symmetry group: {structure.group_failure}.")
     return structure.symmetry

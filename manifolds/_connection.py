@@ -38,8 +38,12 @@ into one product that ``torch.func`` gives:
   along ``u``.
 
 Hence ``B(xi) = 1/2 ( DG[xi] u + grad_w(u^T G(w) xi) - DG[u] xi )``: two JVPs and one VJP of the metric
-function, on top of the Euclidean product ``H xi``. For the metrics of this package (elementwise or
-per-tensor) these cost a few passes over ``n`` numbers, so the product costs about one Euclidean HVP.
+function, on top of the Euclidean product ``H xi``. At one point and one gradient ``B`` is a fixed symmetric
+linear map, ``1/2 (A + A^T - DG[u])`` with ``A`` the Jacobian of ``w -> G(w) u``, so the Hessian operator
+(`MetricQuotient.connection_operator`) records the graph of ``G(w) u`` and of its backward pass once and applies
+``A^T`` and ``A`` as backward passes through them, and ``DG[u]`` by the metric's own `Metric.derivative` where it
+has one (the symmetry metric's is a few batched products per block shape). For the metrics of this package
+(elementwise, per-tensor or per-block) these cost a few passes over ``n`` numbers.
 
 **Quotient.** With a vertical space (the tangents of the group orbit, ``V`` of shape ``(n, d)``) the
 quotient's Hessian at the class of ``w`` lifts to ``P Hess f[xi]`` for horizontal ``xi``, where ``P`` is
@@ -87,6 +91,8 @@ class Metric:
         batched: whether ``apply`` and ``solve`` also take a batch of points ``w (..., n)`` with vectors of the same
             batch shape, each vector under the metric at its own point (geodesics are then integrated for a whole
             grid at once; otherwise point by point under ``torch.func.vmap``).
+        derivative: ``(w, a) -> (xi -> DG(w)[a] xi)``, the derivative of ``G`` along ``a`` as a map of ``xi``, with
+            its per-point work done once; ``None``: a JVP of ``apply`` per vector (what it must equal).
     """
 
     apply: PointMap
@@ -95,6 +101,7 @@ class Metric:
     unwhiten: PointMap | None = None
     name: str = "metric"
     batched: bool = False
+    derivative: Callable[[Tensor, Tensor], Callable[[Tensor], Tensor]] | None = None
 
     def __post_init__(self):
         if (self.whiten is None) != (self.unwhiten is None):
@@ -280,6 +287,44 @@ class MetricQuotient:
         """
         return 0.5 * (self._dmetric(rgrad, xi) + self._dmetric_transpose(xi, rgrad) - self._dmetric(xi, rgrad))
 
+    def connection_operator(self, rgrad: Tensor) -> Callable[[Tensor], Tensor]:
+        """``xi -> B(xi)`` for one Riemannian gradient: `connection_covector` with its per-point work done once.
+
+        ``B(xi) = 1/2 (A xi + A^T xi - DG[u] xi)`` with ``A`` the Jacobian of ``w -> G(w) u`` (``u = rgrad``): the
+        terms of `connection_covector`, as ``DG[xi] u = A xi`` and ``grad_w(u^T G(w) xi) = A^T xi`` (``G`` is
+        symmetric). The graph of ``G(w) u`` and of its backward pass are recorded once, so ``A^T xi`` is one
+        backward pass and ``A xi`` one backward pass through that backward (linear in its cotangent); ``DG[u] xi``
+        is the metric's `derivative` where it gives one, else one JVP per vector.
+
+        Args:
+            rgrad: the Riemannian gradient ``u = G^-1 g``, ``(n,)``.
+
+        Returns:
+            A function of a tangent vector ``(n,)``, equal to ``connection_covector(rgrad, xi)``.
+        """
+        with torch.enable_grad():  # the recorded graphs are what makes each product cheap, whatever the caller's mode
+            w = self.point.clone().requires_grad_(True)
+            gu = self.metric.apply(w, rgrad)
+            cotangent = torch.zeros_like(gu, requires_grad=True)
+            # A^T c, recorded as a graph in c (zero, and no graph, where G does not depend on w)
+            pullback = (torch.autograd.grad(gu, w, cotangent, create_graph=True, allow_unused=True,
+                                            materialize_grads=True)[0] if gu.requires_grad else torch.zeros_like(w))
+        if self.metric.derivative is not None:
+            along_u = self.metric.derivative(self.point, rgrad)
+        else:
+            def along_u(xi: Tensor) -> Tensor:
+                return self._dmetric(xi, rgrad)
+
+        def linear(output: Tensor, wrt: Tensor, xi: Tensor) -> Tensor:
+            if not output.requires_grad:
+                return torch.zeros_like(xi)
+            return torch.autograd.grad(output, wrt, xi, retain_graph=True, allow_unused=True, materialize_grads=True)[0]
+
+        def apply(xi: Tensor) -> Tensor:
+            return 0.5 * (linear(pullback, cotangent, xi) + linear(gu, w, xi) - along_u(xi))
+
+        return apply
+
     def hessian_form(self, egrad: Tensor, xi: Tensor, eta: Tensor, ehvp_eta: Tensor) -> Tensor:
         """The Riemannian Hessian as a bilinear form: ``xi^T H eta - g^T Gamma(xi, eta)`` (0-dim).
 
@@ -338,11 +383,11 @@ class MetricQuotient:
             egrad: Euclidean gradient at the point, ``(n,)``.
             hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``.
         """
-        rgrad = self._solve(egrad)
+        connection = self.connection_operator(self._solve(egrad))
 
         def apply(zeta: Tensor) -> Tensor:
             xi = self.unwhiten(self.whitened_projection(zeta))
-            return self.whitened_projection(self.whiten(self.connection_hessian(egrad, hvp(xi), xi, rgrad)))
+            return self.whitened_projection(self.whiten(self._solve(hvp(xi) - connection(xi))))
 
         return apply
 

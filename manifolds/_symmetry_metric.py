@@ -181,8 +181,10 @@ class _Plan:
             visit(fi)
         by_factor = {r.factor: r for r in rows if r.factor is not None}
         self.references = [(fi, by_factor[fi]) for fi in order]
-        self.rows = [r for r in rows if r.factor is None] + [r for _, r in self.references]
-        self.gl_columns = [c[None] for c in gl_columns]
+        # blocks of one shape are stacked into one batch (the heads of a model alike): a few batched products per
+        # shape instead of a few small ones per block, for the metric and for its derivatives
+        self.rows = _stacked([r for r in rows if r.factor is None]) + [r for _, r in self.references]
+        self.gl_columns = [torch.stack(same) for same in _by_shape(gl_columns)]
 
         # -- everything else, entry-wise ------------------------------------------------------------------
         taken = torch.zeros(n, dtype=torch.bool)
@@ -210,6 +212,23 @@ class _Plan:
         self.block_of[self.entries] = next_id + torch.arange(self.entries.numel())
 
 
+def _by_shape(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` grouped by shape, in order of first appearance."""
+    groups: dict[tuple[int, ...], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(tuple(t.shape), []).append(t)
+    return list(groups.values())
+
+
+def _stacked(rows: list[_Rows]) -> list[_Rows]:
+    """Row groups of one block shape (and no reference role) concatenated into one batch of blocks."""
+    by_shape: dict[tuple[int, ...], list[_Rows]] = {}
+    for r in rows:
+        by_shape.setdefault(tuple(r.index.shape[1:]), []).append(r)
+    return [_Rows(torch.cat([r.index for r in same]), torch.cat([r.weight for r in same]), None)
+            for same in by_shape.values()]  # fmt: skip
+
+
 class _Point:
     """The metric's factors at one point ``w`` ``(n,)``, or at a batch of points ``(..., n)`` (each its own
     metric, e.g. along a batch of geodesics): Gram matrices of every block and the column weights."""
@@ -228,18 +247,27 @@ class _Point:
             table = torch.cat([table[..., :start], 1.0 / ref, table[..., start + size:]], dim=-1)
         self.row_p = [table[..., r.weight][..., None, :] for r in plan.rows]  # (..., B, 1, m)
         self.row_s = [(w[..., r.index] * p) @ w[..., r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
-        self.col_s = [w[..., c].transpose(-1, -2) @ w[..., c] for c in plan.gl_columns]  # (..., 1, k, k)
+        self.col_s = [w[..., c].transpose(-1, -2) @ w[..., c] for c in plan.gl_columns]  # (..., B, k, k)
         node = plan.entry_node.to(w.device)  # the plan is built once on the CPU; the point may be on a GPU
         we = torch.where(node, w[..., plan.entries], 1.0)  # no 1/0 in the branch not taken: its derivative would be nan
         self.entry_p = torch.where(node, 1.0 / (we * we), table[..., plan.entry_weight])
 
+    def fields(self) -> tuple[Tensor, ...]:
+        """Every factor as one flat tuple: ``row_s``, ``row_p``, ``col_s`` (one per block batch), ``entry_p``."""
+        return (*self.row_s, *self.row_p, *self.col_s, self.entry_p)
+
     def map(self, v: Tensor, row, col, entry) -> Tensor:
         """Apply per-block maps to ``v`` (``(..., n)``) and put the pieces back in the flat order."""
+        return self.blockwise(v, row, col, entry, zip(self.row_s, self.row_p), self.col_s, self.entry_p)
+
+    def blockwise(self, v: Tensor, row, col, entry, row_args, col_args, entry_args) -> Tensor:
+        """`map` with other per-block arguments: ``row(x, *row_args[i])``, ``col(x, col_args[i])``,
+        ``entry(x, entry_args)``."""
         plan = self.plan
         batch = torch.broadcast_shapes(v.shape[:-1], self.batch)
-        pieces = [row(v[..., r.index], s, p).reshape(*batch, -1) for r, s, p in zip(plan.rows, self.row_s, self.row_p)]
-        pieces += [col(v[..., c], s).reshape(*batch, -1) for c, s in zip(plan.gl_columns, self.col_s)]
-        pieces.append(entry(v[..., plan.entries], self.entry_p))
+        pieces = [row(v[..., r.index], *a).reshape(*batch, -1) for r, a in zip(plan.rows, row_args)]
+        pieces += [col(v[..., c], a).reshape(*batch, -1) for c, a in zip(plan.gl_columns, col_args)]
+        pieces.append(entry(v[..., plan.entries], entry_args))
         return torch.cat(pieces, dim=-1)[..., plan.inverse]
 
 
@@ -288,22 +316,57 @@ def _metric(plan: _Plan) -> Metric:
         )
 
     def solve(w: Tensor, v: Tensor) -> Tensor:
-        return _Point(plan, w).map(v, lambda x, s, p: s @ (x / p), lambda x, s: x @ s, lambda x, p: x / p)
+        return _solver(_Point(plan, w))(v)
 
     def whiten(w: Tensor, xi: Tensor) -> Tensor:
-        return _Point(plan, w).map(
-            xi,
-            lambda x, s, p: _sym_power(s, -0.5) @ (x * p.sqrt()),
-            lambda x, s: x @ _sym_power(s, -0.5),
-            lambda x, p: x * p.sqrt(),
-        )
+        return _whitener(_Point(plan, w), -0.5)(xi)
 
     def unwhiten(w: Tensor, zeta: Tensor) -> Tensor:
-        return _Point(plan, w).map(
-            zeta,
-            lambda x, s, p: _sym_power(s, 0.5) @ (x / p.sqrt()),
-            lambda x, s: x @ _sym_power(s, 0.5),
-            lambda x, p: x / p.sqrt(),
+        return _whitener(_Point(plan, w), 0.5)(zeta)
+
+    return Metric(apply, solve, whiten, unwhiten, name="symmetry", batched=True,
+                  derivative=lambda w, a: _derivative(plan, w, a))  # fmt: skip
+
+
+def _solver(point: _Point):
+    """``v -> G^-1 v`` at ``point``."""
+    return lambda v: point.map(v, lambda x, s, p: s @ (x / p), lambda x, s: x @ s, lambda x, p: x / p)
+
+
+def _whitener(point: _Point, power: float):
+    """``xi -> W xi`` (``power = -0.5``, ``W = G^{1/2}``) or ``zeta -> W^-1 zeta`` (``power = 0.5``) at ``point``, with
+    the blocks' matrix roots taken once (a fixed point's maps are applied many times)."""
+    rows = [(_sym_power(s, power), p.pow(-power)) for s, p in zip(point.row_s, point.row_p)]
+    cols = [_sym_power(s, power) for s in point.col_s]
+    entry = point.entry_p.pow(-power)
+    return lambda v: point.blockwise(v, lambda x, r, q: r @ (x * q), lambda x, r: x @ r, lambda x, q: x * q, rows,
+                                     cols, entry)  # fmt: skip
+
+
+def _derivative(plan: _Plan, w: Tensor, a: Tensor):
+    """``xi -> DG(w)[a] xi`` for one point ``w`` and direction ``a`` (both ``(n,)``), with what does not depend on
+    ``xi`` computed once: the factors' derivatives along ``a`` (one JVP), the blocks' inverses.
+
+    ``G`` is ``s^-1 (x p)`` on a row block, ``x s^-1`` on a column block and ``x p`` on an entry, so along ``a``
+    (``ds``, ``dp`` the factors' derivatives) its derivative is ``-s^-1 ds s^-1 (x p) + s^-1 (x dp)``, ``-x s^-1 ds
+    s^-1`` and ``x dp``.
+    """
+    point = _Point(plan, w)
+    _, tangent = torch.func.jvp(lambda p: _Point(plan, p).fields(), (w,), (a,))
+    rows, cols = len(plan.rows), len(plan.gl_columns)
+    d_row_s, d_row_p, d_col_s = tangent[:rows], tangent[rows: 2 * rows], tangent[2 * rows: 2 * rows + cols]
+    row_inv = [torch.linalg.inv(s) for s in point.row_s]
+    col_inv = [torch.linalg.inv(s) for s in point.col_s]
+    row_args = [(inv, inv @ ds @ inv, p, dp) for inv, ds, p, dp in zip(row_inv, d_row_s, point.row_p, d_row_p)]
+    col_args = [inv @ ds @ inv for inv, ds in zip(col_inv, d_col_s)]
+
+    def apply(xi: Tensor) -> Tensor:
+        return point.blockwise(
+            xi,
+            lambda x, inv, t, p, dp: inv @ (x * dp) - t @ (x * p),
+            lambda x, t: -(x @ t),
+            lambda x, dp: x * dp,
+            row_args, col_args, tangent[-1],
         )
 
-    return Metric(apply, solve, whiten, unwhiten, name="symmetry", batched=True)
+    return apply

@@ -17,8 +17,9 @@ moves tensors no factor moves, under the node metric (entry-wise ``1 / w^2``), s
 ``sign(w) J`` on their own entries: that part is [`NodeSymmetry`][manifolds.NodeSymmetry]'s projection (its Gram
 matrix ``J^T J`` solved by its structure, no probe at all), orthogonal to the factors' part. Each factor's whitened
 tangents live on the metric blocks of its own rows and columns (a head's ``W_Q`` rows and ``W_K`` rows, say), so
-the probes are read into a sparse ``(n, d)`` matrix ``W V`` (one probe per colour and coordinate, as above), ``M =
-(W V)^T W V`` follows from it exactly, and a projection is two sparse products and one ``d x d`` solve instead of
+the probes are read into a sparse ``(n, d)`` matrix ``W V`` (one probe per colour and coordinate, as above, run
+in batches: ``V`` is linear in ``y``, so one vmapped pass of the action takes many probes), ``M = (W V)^T W V``
+follows from it exactly, and a projection is two sparse products and one ``d x d`` solve instead of
 two passes of the group's action through automatic differentiation.
 """
 
@@ -32,10 +33,12 @@ from torch import Tensor
 
 from manifolds._connection import Metric, MetricQuotient, _orthonormal_rows
 from manifolds._layout import ParamLayout
-from manifolds._matrix_group import MatrixSymmetry
+from manifolds._matrix_group import MatrixSymmetry, _grid
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import UnsupportedModelError, name_list
-from manifolds._symmetry_metric import _metric, _Plan
+from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener
+
+_PROBE_ENTRIES = 1 << 22  # probes per batch of the Gram build: about this many numbers (32 MiB in float64) at once
 
 
 class SymmetryQuotient(MetricQuotient):
@@ -67,6 +70,7 @@ class SymmetryQuotient(MetricQuotient):
         self.layout = ParamLayout.from_tensors(self.params)
         plan = _Plan(symmetry, self.params)
         default_metric = metric is None
+        self._plan = plan if default_metric else None  # the default metric's maps are frozen at the point (_factors)
         metric = metric or _metric(plan)
         w = self.layout.flatten(self.params)
         bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
@@ -94,11 +98,54 @@ class SymmetryQuotient(MetricQuotient):
             self._gram_factor, self.vertical_dim = _factor(gram)
         self._q = None  # built on request only (O(n d))
 
+    def _factors(self, dense_limit: int):
+        if self._plan is None:
+            return super()._factors(dense_limit)
+        point = _Point(self._plan, self.point)  # one set of block factors and matrix roots for every product
+        return _solver(point), _whitener(point, -0.5), _whitener(point, 0.5)
+
     # -- V, V^T on flat vectors -----------------------------------------------------------------------------
     def vertical(self, y: Tensor) -> Tensor:
         """``V y``: the orbit tangent of Lie-algebra coordinates ``y`` ``(d,)``, flat ``(n,)``."""
         v = self.symmetry.vertical(self.params, y)
         return self.layout.flatten({n: v[n] if n in v else torch.zeros_like(t) for n, t in self.params.items()})
+
+    def _verticals(self, ys: Tensor):
+        """``V y`` for the rows of ``ys`` ``(p, d)``, a batch of about `_PROBE_ENTRIES` numbers at a time (``V`` is
+        linear in ``y``: one pass per batch is exact); yields ``(first row, (rows, n) tangents)``. Rows with no
+        diagonal-group coordinates take `_factor_tangents` (the factors' blocks in place), others a vmapped
+        `vertical`."""
+        chunk = max(1, _PROBE_ENTRIES // max(self.point.numel(), 1))
+        factors_only = not bool(ys[:, : self.symmetry.diagonal_dim].any())
+        for lo in range(0, ys.shape[0], chunk):
+            part = ys[lo: lo + chunk]
+            yield lo, self._factor_tangents(part) if factors_only else torch.func.vmap(self.vertical)(part)
+
+    def _factor_tangents(self, ys: Tensor) -> Tensor:
+        """``V y`` ``(p, n)`` for rows ``ys`` ``(p, d)`` that move the factors only: what `vertical` computes
+        (`manifolds.MatrixSymmetry.vertical`), block by block for the whole batch, added into one flat buffer."""
+        sym, w, layout = self.symmetry, self.point, self.layout
+        out = ys.new_zeros(ys.shape[0], w.numel())
+        parts = torch.split(ys, [sym.diagonal_dim, *[f.dim for f in sym.factors]], dim=1)
+        for f, p in zip(sym.factors, parts[1:]):
+            diagonal = f.kind == "diagonal"
+            omega = p if diagonal else p.reshape(-1, f.size, f.size)
+            for b in f.blocks:
+                where = layout.slice(b.name)
+                shape = layout.shapes[layout.names.index(b.name)]
+                flat = torch.arange(where.start, where.stop, device=w.device).reshape(shape)
+                index = flat[_grid(b, tuple(shape), w.device)]  # (k, m) rows, (m, k) columns, (k,) a vector
+                x = w[index]
+                d = omega if b.how == "T" else -omega
+                if diagonal:  # d (p, k): scales the block's rows (or entries) or its columns
+                    value = d[:, :, None] * x if b.axis == 0 and x.dim() == 2 else (d * x if x.dim() == 1
+                                                                                      else x * d[:, None, :])
+                else:
+                    d = d.transpose(-1, -2) if b.how in ("T", "invT") else d
+                    value = d @ x if b.axis == 0 and x.dim() == 2 else ((d @ x[:, None])[..., 0] if x.dim() == 1
+                                                                        else x @ d)
+                out.index_add_(1, index.reshape(-1), value.reshape(ys.shape[0], -1))
+        return out
 
     def vertical_adjoint(self, eta: Tensor) -> Tensor:
         """``V^T eta`` for a flat ``eta`` ``(n,)``: ``(d,)``."""
@@ -134,29 +181,39 @@ class SymmetryQuotient(MetricQuotient):
         colours = _colouring(self, groups, starts, block_of)
         entries = {g: torch.isin(block_of, torch.tensor(sorted(colours.support[g]))).nonzero().reshape(-1).to(w.device)
                    for g in groups}  # fmt: skip
-        rows, cols, values, probes = [], [], [], 0
-        for t, members, y in _probes(colours, sizes, starts, w.new_zeros(sym.dim)):
-            z = self.whiten(self.vertical(y))  # the metric is block-diagonal: each member keeps to its blocks
-            probes += 1
-            for g in members:
-                value = z[entries[g]]
-                nonzero = value != 0
-                rows.append(entries[g][nonzero])
-                cols.append(torch.full((int(nonzero.sum()),), starts[g] + t - sizes[0], device=w.device))
-                values.append(value[nonzero])
+        rows, cols, values = [], [], []
+        probes = list(_probes(colours, sizes, starts, w.new_zeros(sym.dim)))
         n = w.numel()
+        ys = torch.stack([y for _, _, y in probes]) if probes else w.new_zeros(0, sym.dim)
+        for lo, tangents in self._verticals(ys):
+            part = probes[lo: lo + tangents.shape[0]]
+            z = self.whiten(tangents)  # the metric is block-diagonal: each member keeps to its blocks
+            seen: dict[int, tuple[list[int], list[int]]] = {}  # group -> (rows of z, coordinates t) it owns
+            for i, (t, members, _) in enumerate(part):
+                for g in members:
+                    at, ts = seen.setdefault(g, ([], []))
+                    at.append(i)
+                    ts.append(t)
+            for g, (at, ts) in seen.items():
+                # (probes of g here, entries g's tangents can reach), read in one gather
+                value = z[torch.tensor(at, device=w.device)[:, None], entries[g][None, :]]
+                probe, entry = (value != 0).nonzero(as_tuple=True)
+                rows.append(entries[g][entry])
+                cols.append(torch.tensor(ts, device=w.device)[probe] + (starts[g] - sizes[0]))
+                values.append(value[probe, entry])
         if rows:
             index = torch.stack([torch.cat(rows), torch.cat(cols)])
             value = torch.cat(values)
         else:
             index, value = torch.zeros(2, 0, dtype=torch.long, device=w.device), w.new_zeros(0)
-        wv = torch.sparse_coo_tensor(index, value, (n, d), check_invariants=True).coalesce()
+        # assembled on the host by scipy (repeated positions summed, as coalescing would), both ways round
+        host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
+        host_t = host.T.tocsr()
         with warnings.catch_warnings():  # CSR (MKL's products on the CPU, cuSPARSE's on a GPU) is "beta" in torch
             warnings.simplefilter("ignore", UserWarning)
-            self._columns = (wv.to_sparse_csr(), wv.t().coalesce().to_sparse_csr())
-        host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
-        gram = torch.from_numpy((host.T @ host).toarray()).to(w.device, w.dtype)
-        return (gram + gram.T) / 2, probes
+            self._columns = (_torch_csr(host, w), _torch_csr(host_t, w))
+        gram = torch.from_numpy((host_t @ host).toarray()).to(w.device, w.dtype)
+        return (gram + gram.T) / 2, len(probes)
 
     # -- the projection --------------------------------------------------------------------------------------
     def _solve_gram(self, a: Tensor) -> Tensor:
@@ -171,6 +228,9 @@ class SymmetryQuotient(MetricQuotient):
         """Orthogonal projection of whitened vectors ``(..., n)`` onto the whitened horizontal space."""
         if not self.vertical_dim:
             return zeta
+        if self._columns is not None and self._node is None and zeta.dim() == 1 and self._columns[0].shape[1]:
+            wv, wv_t = self._columns  # one vector: sparse matrix-vector products (twice as fast as on (n, 1) columns)
+            return zeta - wv @ self._solve_gram(wv_t @ zeta)
         if self._columns is not None:
             flat = zeta.reshape(-1, zeta.shape[-1])
             out = flat if self._node is None else self._node.project_out(flat)  # leaves the factors' tensors alone
@@ -206,6 +266,16 @@ class SymmetryQuotient(MetricQuotient):
         """``(d', n)``: a ``G``-orthonormal basis (rows) of the vertical space."""
         q = self.whitened_vertical_basis()
         return self.unwhiten(q) if q.shape[0] else q
+
+
+def _torch_csr(matrix, like: Tensor) -> Tensor:
+    """A scipy CSR matrix as a torch one on ``like``'s device and dtype (column indices sorted in each row)."""
+    matrix.sort_indices()
+    index = {"dtype": torch.int32 if max(matrix.shape) < 2**31 and matrix.nnz < 2**31 else torch.long,
+             "device": like.device}  # 32-bit indices where they fit: less to read per product
+    return torch.sparse_csr_tensor(torch.as_tensor(matrix.indptr, **index), torch.as_tensor(matrix.indices, **index),
+                                   torch.as_tensor(matrix.data, dtype=like.dtype, device=like.device),
+                                   matrix.shape)  # fmt: skip
 
 
 def _factor(gram: Tensor) -> tuple[tuple[str, Tensor], int]:
@@ -263,12 +333,14 @@ def _colouring(quotient: SymmetryQuotient, groups: list[int], starts: list[int],
         touches = {g: set(groups) - {g} for g in groups}
     else:
         generator = torch.Generator().manual_seed(0)  # generic coefficients: no entry of a tangent cancels by chance
-        for g in groups:
-            y = quotient.point.new_zeros(quotient.symmetry.dim)
-            coefficients = 0.5 + torch.rand(starts[g + 1] - starts[g], generator=generator, dtype=y.dtype)
-            y[starts[g]: starts[g + 1]] = coefficients.to(y.device)
-            moved = torch.nonzero(quotient.vertical(y)).reshape(-1).cpu()  # block_of is a host table
-            support[g] = set(block_of[moved].tolist())
+        ys = quotient.point.new_zeros(len(groups), quotient.symmetry.dim)
+        for i, g in enumerate(groups):
+            coefficients = 0.5 + torch.rand(starts[g + 1] - starts[g], generator=generator, dtype=ys.dtype)
+            ys[i, starts[g]: starts[g + 1]] = coefficients.to(ys.device)
+        for lo, tangents in quotient._verticals(ys):
+            for g, tangent in zip(groups[lo:], tangents):
+                moved = torch.nonzero(tangent).reshape(-1).cpu()  # block_of is a host table
+                support[g] = set(torch.unique(block_of[moved]).tolist())
         touches = {g: {h for h in groups if h != g and support[g] & support[h]} for g in groups}
     colour: dict[int, int] = {}
     for g in groups:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from manifolds import Pin, RescalingGroup, UnsupportedModelError, transformer_symmetry
+from manifolds import Pin, RescalingGroup, UnsupportedModelError
+from manifolds._attention import required_symmetry
 from sharpness.products._objective import Objective
 
 KINDS = ("node", "layer")
@@ -99,7 +100,7 @@ def untestable_factor_kinds(claimed: Iterable[str], objective: Objective) -> dic
     if not wanted:
         return {}
     try:
-        factors = transformer_symmetry(objective.model, objective.data.first_batch()[0]).factors
+        factors = required_symmetry(objective.structure).factors  # the structure's own, shared by its copies
     except UnsupportedModelError as err:
         return dict.fromkeys(wanted, symmetry_unknown(first_line(err)))
     found = {factor_claim(f) for f in factors}

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from manifolds import SymmetryQuotient, transformer_symmetry
+from manifolds import SymmetryQuotient
+from manifolds._attention import required_symmetry  # the objective's structure holds the group
 from sharpness.measures._measure import CurvatureOperator, Measure
 from sharpness.measures._quotient import QuotientMeasure
 from sharpness.products._boundary import _math_attention  # the one kernel with second derivatives
@@ -41,8 +42,8 @@ class Symmetry(QuotientMeasure):
     ball = Measure.ball  # geodesic balls on this quotient are another measure's job (no ball: no epsilon-sharpness)
 
     def quotient(self, objective: Objective) -> SymmetryQuotient:
-        symmetry = transformer_symmetry(objective.model, objective.data.first_batch()[0])
-        return SymmetryQuotient(symmetry, objective.params)
+        # traced once per structure: an objective's copies at transformed parameters (verify's) share its graph
+        return SymmetryQuotient(required_symmetry(objective.structure), objective.params)
 
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
         with _math_attention():
