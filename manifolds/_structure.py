@@ -551,7 +551,12 @@ def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStr
         UnsupportedModelError: fx tracing fails, the model is no ``nn.Sequential`` and no
             ``example_input`` is given.
     """
-    traced = trace_network(model, example_input)
+    return analyze_traced(model, trace_network(model, example_input), example_input)
+
+
+def analyze_traced(model: nn.Module, traced: TracedNetwork, example_input: Tensor | None = None) -> NetworkStructure:
+    """`analyze` of a model already traced (``traced = trace_network(model, example_input)``), so that a caller
+    which first needed only the graph does not trace it again."""
     if isinstance(model, _LAYER_TYPES):
         chain = _trace_modules(model, [("", model)])
     elif traced.sequential:

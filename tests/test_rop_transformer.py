@@ -148,3 +148,14 @@ def test_the_state_bytes_of_a_transformer_count_every_kept_tensor():
     entries = [e for state in states for e in [*state.saved, *state.deltas.values(), state.probs]]
     kept = {id(t): t for e in entries for t in (e if isinstance(e, tuple) else (e,)) if isinstance(t, torch.Tensor)}
     assert sum(t.numel() * t.element_size() for t in kept.values()) == obj._rop_bytes_per_sample * x.shape[0]
+
+
+def test_the_products_read_the_trace_alone_and_the_structure_reuses_it():
+    """A product needs the traced graph, not the symmetry analysis: none is run for it, and a structure asked for
+    afterwards is analysed from the same trace."""
+    model = _perturbed(ViT(dim=4, heads=2, mlp=4))
+    x, y = _data((64,), n=5, classes=10)
+    obj = Objective(model, CE, (x, y))
+    obj.hvp(torch.ones(obj.layout.size, dtype=torch.float64))
+    assert obj.hvp_strategy() == "rop" and not obj._structure
+    assert obj.structure.traced is obj._traced[0] and obj.structure.group is not None

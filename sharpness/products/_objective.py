@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import grad, jvp, vmap
 
-from manifolds import NetworkStructure, ParamLayout, UnsupportedModelError, analyze
+from manifolds import NetworkStructure, ParamLayout, TracedNetwork, UnsupportedModelError, trace_network
 from manifolds import eval_mode as eval_mode  # every submodule's mode restored; re-exported here
+from manifolds._structure import analyze_traced
 from sharpness.products._boundary import (
     as_vector,
     check_device,
@@ -302,6 +303,7 @@ class Objective:
         self.gradient_seconds: float | None = None
         # filled once, shared by the with_params copies
         self._structure: list[NetworkStructure] = [] if structure is None else [structure]
+        self._traced: list[TracedNetwork] = []  # the traced graph alone, where no structure was needed yet
         # Read off the traced graph (self.structure) on first use:
         # where the model starts with a convolution of the data, second derivatives skip its input gradient;
         # where the model is made of affine layers, eval-mode BatchNorm and piecewise-linear operations (a chain,
@@ -381,16 +383,22 @@ class Objective:
         """`manifolds.analyze` of the model: its layers and which rescalings it admits (computed once,
         shared with the [`with_params`][sharpness.Objective.with_params] copies)."""
         if not self._structure:
-            self._structure.append(analyze(self.model, example_input=self.data.first_batch()[0]))
+            self._structure.append(analyze_traced(self.model, self._traced_network(), self.data.first_batch()[0]))
         return self._structure[0]
+
+    def _traced_network(self) -> TracedNetwork:
+        """The model's traced graph with shapes (`manifolds.trace_network`, traced once and shared like `structure`):
+        all the products read, without the symmetry analysis `structure` adds."""
+        if self._structure and self._structure[0].traced is not None:
+            return self._structure[0].traced
+        if not self._traced:
+            self._traced.append(trace_network(self.model, self.data.first_batch()[0]))
+        return self._traced[0]
 
     def _graph_cuts(self) -> tuple[DataConvolution | None, RopChain | RopGraph | None]:
         if self._cuts is None:
-            try:
-                traced = self.structure.traced
-            except UnsupportedModelError:  # no graph: the generic autograd products apply
-                traced = None
-            graph = traced.graph if traced is not None else None
+            traced = self._traced_network()
+            graph = traced.graph  # None where fx cannot trace the model: the generic autograd products apply
             cut = split_data_convolution(self.model, self.params, graph)
             rop = rop_chain(self.model, self.params, graph)
             if rop is None and traced is not None and traced.has_shapes:
@@ -403,7 +411,7 @@ class Objective:
         them (its BatchNorm statistics in their dtype), else ``None``."""
         if self._rop is None or (self._rop_bytes_per_sample is None and not self._rop_applies()):
             return None
-        graph = self.structure.traced.graph
+        graph = self._traced_network().graph
         if isinstance(self._rop, RopChain):
             return lambda params, buffers: rop_chain(self.model, params, graph)
         return lambda params, buffers: rop_graph(self.model, params, buffers, graph)
@@ -430,7 +438,7 @@ class Objective:
             params=params,
             distributed=self.comm,
         )
-        twin._structure = self._structure
+        twin._structure, twin._traced = self._structure, self._traced
         return twin
 
     def activation_bytes_per_sample(self) -> float:

@@ -46,6 +46,18 @@ def _has_hooks(module: nn.Module) -> bool:
 
 # ------------------------------------------------------------------------------------------------
 # affine layers
+def _flat_rows(t: Tensor) -> Tensor:
+    """``t`` ``(..., F)`` as rows ``(m, F)`` of its last axis (samples, or samples times tokens): a view of a
+    contiguous ``t``."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def add_outer(into: Tensor, g: Tensor, h: Tensor, alpha: float = 1.0) -> None:
+    """``into += alpha g^T h`` over the rows of ``g`` ``(..., P)`` and ``h`` ``(..., Q)`` (every axis but the last
+    summed): the weight gradient ``(P, Q)`` of ``<g, h W^T>``, accumulated without a temporary."""
+    into.addmm_(_flat_rows(g).T, _flat_rows(h), alpha=alpha)
+
+
 @dataclass(frozen=True)
 class _Affine:
     """``Linear`` or a zero-padded ``ConvNd``: ``z = A(h; W) + b``, linear in ``h`` and in ``(W, b)``."""
@@ -72,6 +84,13 @@ class _Affine:
         conv = _CONV_FUNCTIONS[self.dims]
         return conv(h, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
+    def add_apply(self, out: Tensor, h: Tensor, weight: Tensor) -> Tensor:
+        """``out += A(h; W)`` in place (a Linear layer without a temporary); returns ``out``."""
+        if self.dims or not out.is_contiguous():
+            return out.add_(self.apply(h, weight, None))
+        _flat_rows(out).addmm_(_flat_rows(h), weight.T)
+        return out
+
     def _conv_backward(self, g: Tensor, h: Tensor, weight: Tensor, mask: list[bool]) -> tuple:
         return torch.ops.aten.convolution_backward(
             g, h, weight, None, self.stride, self.padding, self.dilation, False, [0] * self.dims, self.groups, mask
@@ -88,31 +107,31 @@ class _Affine:
         takes both in one call, the errors stacked along its output channels (one pass over the input
         instead of two). Not on channels-last errors: stacking their channels interleaves every pixel, which costs
         more than the second pass."""
-        if self.dims and self.groups == 1 and layout(g) is not torch.channels_last:
+        if not self.dims:
+            out = g @ weight
+            _flat_rows(out).addmm_(_flat_rows(delta), tangent)
+            return out
+        if self.groups == 1 and layout(g) is not torch.channels_last:
             return self.input_adjoint(torch.cat([g, delta], dim=1), h, torch.cat([weight, tangent]))
         return self.input_adjoint(g, h, weight).add_(self.input_adjoint(delta, h, tangent))
 
     def weight_adjoint(self, h: Tensor, g: Tensor, weight: Tensor) -> Tensor:
         """``A_W^T(h, g)``, the weight gradient of ``<g, A(h; W)>``, as a fresh tensor."""
-        if self.tokens:
-            return g.reshape(-1, g.shape[-1]).T @ h.reshape(-1, h.shape[-1])
         if not self.dims:
-            return g.T @ h
+            return _flat_rows(g).T @ _flat_rows(h)
         return self._conv_backward(g, h, weight, [False, True, False])[1]
 
     def add_weight_adjoint(self, into: Tensor, h: Tensor, g: Tensor, weight: Tensor) -> None:
         """``into += A_W^T(h, g)`` (for a Linear layer without a temporary)."""
-        if self.tokens:
-            into.addmm_(g.reshape(-1, g.shape[-1]).T, h.reshape(-1, h.shape[-1]))
-        elif not self.dims:
-            into.addmm_(g.T, h)
+        if not self.dims:
+            add_outer(into, g, h)
         else:
             into.add_(self.weight_adjoint(h, g, weight))
 
     def bias_adjoint(self, g: Tensor) -> Tensor:
-        if self.tokens:
-            return g.reshape(-1, g.shape[-1]).sum(0)
-        return g.sum(0) if g.dim() == 2 else g.sum(dim=[0, *range(2, g.dim())])
+        if not self.dims:
+            return _flat_rows(g).sum(0)
+        return g.sum(dim=[0, *range(2, g.dim())])
 
 
 def _affine(name: str, module: nn.Module, params: Mapping[str, Tensor]) -> _Affine | None:
@@ -472,7 +491,7 @@ def add_products(
             else:
                 z_dot = op.apply(saved[i], v[op.weight], v[op.bias] if op.bias else None)
             if h_dot is not None:
-                z_dot.add_(op.apply(h_dot, params[op.weight], None))
+                op.add_apply(z_dot, h_dot, params[op.weight])
             h_dot = z_dot
         else:
             h_dot = op.tangent(h_dot, saved[i])
@@ -497,4 +516,4 @@ def add_products(
         g_dot = op.input_adjoints(g_dot, saved[i], weight, deltas[i], v[op.weight])
 
 
-__all__ = ["ChunkState", "RopChain", "add_products", "forward_state", "loss_state", "rop_chain"]
+__all__ = ["ChunkState", "RopChain", "add_outer", "add_products", "forward_state", "loss_state", "rop_chain"]

@@ -104,13 +104,13 @@ class _Layer:
         a, n = self.affine, self.norm
         if n is None:
             z = a.apply(saved, v[a.weight], v[a.bias] if a.bias else None)
-            return z if hdot is None else z.add_(a.apply(hdot, params[a.weight], None))
+            return z if hdot is None else a.add_apply(z, hdot, params[a.weight])
         if a is None:
             return n.tangent(hdot, saved, params, v)
         gain = n.gain(params).reshape(-1)
         weight, bias = self._tangent_weights(params, v, gain)
         z = a.apply(saved[0], weight, bias)
-        return z if hdot is None else z.add_(a.apply(hdot, _rows(params[a.weight], gain), None))
+        return z if hdot is None else a.add_apply(z, hdot, _rows(params[a.weight], gain))
 
     def _tangent_weights(self, params, v, gain: Tensor) -> tuple[Tensor, Tensor | None]:
         """The fused layer's weight ``g V + m W`` and bias ``g c + B + m (b - mu)`` that map its input to its

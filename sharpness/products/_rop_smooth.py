@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sharpness.products._rop import _flat_rows, add_outer
+
 
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -82,25 +84,32 @@ class _Pointwise(_Smooth):
 
 
 # ------------------------------------------------------------------------------------------------
-def _norm_jacobian(xhat: Tensor, rstd: Tensor, t: Tensor) -> Tensor:
-    """``J t`` (= ``J^T t``) of the normalization ``xhat`` over the last axis, ``rstd = 1 / s`` per row."""
-    return (t - t.mean(-1, keepdim=True) - xhat * (xhat * t).mean(-1, keepdim=True)).mul_(rstd)
+def _norm_jacobian(xhat: Tensor, rstd: Tensor, t: Tensor, inner: Tensor | None = None) -> Tensor:
+    """``J t`` (= ``J^T t``) of the normalization ``xhat`` over the last axis, ``rstd = 1 / s`` per row; ``inner`` is
+    ``mean(xhat t)`` where already known."""
+    inner = (xhat * t).mean(-1, keepdim=True) if inner is None else inner
+    return torch.sub(t, t.mean(-1, keepdim=True)).addcmul_(xhat, inner, value=-1.0).mul_(rstd)
 
 
-def _norm_backward(xhat: Tensor, rstd: Tensor, xhat_dot: Tensor, a: Tensor, e_dot: Tensor, e: Tensor) -> Tensor:
-    """``J e_dot + (d/dt J(x + t xdot)) e`` of the same normalization, with ``xhat_dot = J xdot`` and
-    ``a = mean(xhat xdot)``: the second-order term ``-(a J e + xhat_dot b + xhat mean(xhat_dot e)) / s``
-    (``b = mean(xhat e)``) merged with the first, ``J (e_dot - a e / s) - (xhat mean(xhat_dot e) + xhat_dot b) / s``."""
-    f = torch.addcmul(e_dot, e, a * rstd, value=-1.0)
-    b = (xhat * e).mean(-1, keepdim=True)
+def _norm_backward(xhat: Tensor, rstd: Tensor, xhat_dot: Tensor, a: Tensor, e_dot: Tensor, e: Tensor,
+                   b: Tensor) -> Tensor:  # fmt: skip
+    """``J e_dot + (d/dt J(x + t xdot)) e`` of the same normalization, with ``xhat_dot = J xdot``,
+    ``a = mean(xhat xdot)`` and ``b = mean(xhat e)``: the second-order term
+    ``-(a J e + xhat_dot b + xhat mean(xhat_dot e)) / s`` merged with the first,
+    ``J (e_dot - a e / s) - (xhat mean(xhat_dot e) + xhat_dot b) / s``. Writes into ``e_dot``."""
+    f = e_dot.addcmul_(e, a * rstd, value=-1.0)
     c = (xhat_dot * e).mean(-1, keepdim=True)
-    out = f.sub_(f.mean(-1, keepdim=True)).sub_(xhat * (xhat * f).mean(-1, keepdim=True).add_(c))
-    return out.sub_(xhat_dot * b).mul_(rstd)
+    inner = (xhat * f).mean(-1, keepdim=True).add_(c)
+    out = f.sub_(f.mean(-1, keepdim=True)).addcmul_(xhat, inner, value=-1.0)
+    return out.addcmul_(xhat_dot, b, value=-1.0).mul_(rstd)
 
 
 @dataclass(frozen=True)
 class _LayerNorm:
-    """``nn.LayerNorm`` over the last axis: ``z = gamma xhat + beta`` (either parameter may be absent)."""
+    """``nn.LayerNorm`` over the last axis: ``z = gamma xhat + beta`` (either parameter may be absent).
+
+    Keeps ``xhat`` and ``1 / s`` and, where its input moves, the error ``delta`` at its output, the error
+    ``e = gamma delta`` at ``xhat`` and ``mean(xhat e)`` per row: the products' primal factors, formed once."""
 
     weight: str | None
     bias: str | None
@@ -113,9 +122,6 @@ class _LayerNorm:
     def needs_error(self, input_moves: bool) -> bool:
         return input_moves
 
-    def _sum(self, t: Tensor) -> Tensor:
-        return t.reshape(-1, t.shape[-1]).sum(0)
-
     def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         var, mean = torch.var_mean(h, dim=-1, keepdim=True, correction=0)
         rstd = torch.rsqrt(var + self.eps)
@@ -126,46 +132,69 @@ class _LayerNorm:
     def _error_at_xhat(self, g: Tensor, params) -> Tensor:
         return g * params[self.weight] if self.weight else g
 
-    def errors(self, g: Tensor, saved, params, need: bool) -> tuple[Tensor, Tensor | None]:
+    def errors(self, g: Tensor, saved, params, need: bool) -> tuple[tuple, Tensor | None]:
         xhat, rstd = saved
-        return g, (_norm_jacobian(xhat, rstd, self._error_at_xhat(g, params)) if need else None)
+        e = self._error_at_xhat(g, params)
+        b = (xhat * e).mean(-1, keepdim=True)
+        return (g, e, b), (_norm_jacobian(xhat, rstd, e, b) if need else None)
 
     def tangent(self, saved, hdot: Tensor | None, params, v) -> tuple[Tensor, tuple | None]:
         """The output's tangent, and what the products read of the normalized input's: ``J hdot`` and
         ``mean(xhat hdot)``."""
-        xhat, _ = saved
+        xhat, rstd = saved
         out = inner = None
         if hdot is not None:
-            inner = (_norm_jacobian(*saved, hdot), (xhat * hdot).mean(-1, keepdim=True))
-            out = self._error_at_xhat(inner[0], params)
+            a = (xhat * hdot).mean(-1, keepdim=True)
+            inner = (_norm_jacobian(xhat, rstd, hdot, a), a)
+            if self.weight:
+                out = torch.addcmul(v[self.bias], inner[0], params[self.weight]) if self.bias \
+                    else inner[0] * params[self.weight]  # fmt: skip
+                return out.addcmul_(xhat, v[self.weight]), inner
+            out = inner[0] + v[self.bias] if self.bias else inner[0].clone()
+            return out, inner
         if self.weight:
-            out = xhat * v[self.weight] if out is None else out.addcmul_(xhat, v[self.weight])
-        if self.bias:
-            out = v[self.bias].expand_as(xhat).clone() if out is None else out.add_(v[self.bias])
+            out = torch.addcmul(v[self.bias], xhat, v[self.weight]) if self.bias else xhat * v[self.weight]
+        elif self.bias:
+            out = v[self.bias].expand_as(xhat).clone()
         return out, inner
 
-    def backward(self, g_dot: Tensor, delta, hdot: Tensor | None, saved, params, v, into, need: bool,
-                 inner: Tensor | None) -> Tensor | None:  # fmt: skip
+    def backward(self, g_dot: Tensor, kept, hdot: Tensor | None, saved, params, v, into, need: bool,
+                 inner: tuple | None) -> Tensor | None:  # fmt: skip
         xhat, rstd = saved
         if self.weight:
             total = g_dot * xhat
             if hdot is not None:
-                total.addcmul_(delta, inner[0])
-            into[self.weight].add_(self._sum(total))
+                total.addcmul_(kept[0], inner[0])
+            into[self.weight].add_(_flat_rows(total).sum(0))
         if self.bias:
-            into[self.bias].add_(self._sum(g_dot))
+            into[self.bias].add_(_flat_rows(g_dot).sum(0))
         if not need:
             return None
-        e_dot = self._error_at_xhat(g_dot, params)
+        delta, e, b = kept
+        e_dot = g_dot * params[self.weight] if self.weight else g_dot.clone()
         if self.weight:
-            e_dot = e_dot.addcmul_(delta, v[self.weight])
-        return _norm_backward(xhat, rstd, *inner, e_dot, self._error_at_xhat(delta, params))
+            e_dot.addcmul_(delta, v[self.weight])
+        return _norm_backward(xhat, rstd, *inner, e_dot, e, b)
 
 
 # ------------------------------------------------------------------------------------------------
 def _softmax_jacobian(a: Tensor, t: Tensor) -> Tensor:
-    """``J t`` (= ``J^T t``) of the softmax over the last axis, probabilities ``a``."""
-    return a * (t - (a * t).sum(-1, keepdim=True))
+    """``J t`` (= ``J^T t``) of the softmax over the last axis, probabilities ``a``: ``a t - a <a, t>``."""
+    at = a * t
+    return at.addcmul_(a, at.sum(-1, keepdim=True), value=-1.0)
+
+
+def _batched(t: Tensor) -> Tensor:
+    """``(..., m, k)`` as ``(batch, m, k)`` for ``bmm`` (a view of blocks of heads and their transposes)."""
+    return t.flatten(0, -3)
+
+
+def _products(a: Tensor, b: Tensor, c: Tensor, d: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a @ b + c @ d`` batched over the leading axes, the second product accumulated in place; written into the
+    contiguous ``out`` where given."""
+    shape = (*a.shape[:-1], b.shape[-1])
+    result = torch.bmm(_batched(a), _batched(b), out=None if out is None else out.view(-1, *shape[-2:]))
+    return result.baddbmm_(_batched(c), _batched(d)).view(shape)
 
 
 @dataclass(frozen=True)
@@ -173,8 +202,11 @@ class _Attention:
     """``nn.MultiheadAttention`` as self-attention on ``(N, T, D)`` inputs (``batch_first``), packed input
     projection ``W`` ``(3D, D)``, ``heads`` heads; see the module docstring. Biases may be absent.
 
-    Heads are kept as ``(3, N, heads, T, hd)`` contiguous blocks (queries, keys, values), so that the batched
-    products of the ``T x T`` attention matrices read them without copies."""
+    The passes run in scaled projections ``p' = x W'^T + b'``, ``W'`` and ``b'`` the packed weight and bias with their
+    query and key rows times ``r = c^(1/2)``, so that ``S = q' k'^T`` and every product of two factors of the scores
+    (their tangents, errors) carries its ``c`` without another pass over the heads; only the parameter-sized blocks
+    ``(Hv)_W`` and ``(Hv)_b`` are scaled back. Heads are kept as ``(3, N, heads, T, hd)`` contiguous blocks (queries,
+    keys, values), so that the batched products of the ``T x T`` attention matrices read them without copies."""
 
     weight: str
     bias: str | None
@@ -189,53 +221,68 @@ class _Attention:
     def needs_error(self, input_moves: bool) -> bool:
         return True  # q k^T is bilinear in the query and key weights: their products read the errors
 
+    def _scaled(self, t: Tensor | None, inplace: bool = False) -> Tensor | None:
+        """``t`` (``(3D, ...)``: the packed weight or bias, a tangent of one, or a block of ``H v``) with its query and
+        key rows times ``r = hd^(-1/4)``; a copy unless ``inplace``."""
+        if t is None:
+            return None
+        out = t if inplace else t.clone()
+        width = t.shape[0] // 3
+        out[: 2 * width].mul_((width // self.heads) ** -0.25)
+        return out
+
+    def _packed(self, params: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+        """``W'`` and ``b'`` (``None`` without a bias) of the parameters, or of a tangent."""
+        return self._scaled(params[self.weight]), self._scaled(params[self.bias] if self.bias else None)
+
     def _split(self, t: Tensor, parts: int) -> Tensor:
         """``(N, T, parts * D)`` -> ``(parts, N, heads, T, hd)``, contiguous."""
         n, tokens, width = t.shape
         return t.view(n, tokens, parts, self.heads, width // (parts * self.heads)).permute(2, 0, 3, 1, 4).contiguous()
 
     @staticmethod
-    def _join(*parts: Tensor) -> Tensor:
-        """Heads ``(N, heads, T, hd)`` back to ``(N, T, len(parts) * heads * hd)``, the parts side by side."""
-        n, heads, tokens, size = parts[0].shape
-        out = parts[0].new_empty(n, tokens, len(parts), heads, size)
-        for i, p in enumerate(parts):
-            out[:, :, i].copy_(p.transpose(1, 2))
-        return out.view(n, tokens, -1)
+    def _join(parts: Tensor) -> Tensor:
+        """Blocks of heads ``(parts, N, heads, T, hd)`` back to ``(N, T, parts * heads * hd)``, the parts side by
+        side (one copy)."""
+        _, n, _, tokens, _ = parts.shape
+        return parts.permute(1, 3, 0, 2, 4).reshape(n, tokens, -1)
 
     def forward(self, x: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple]:
-        qkv = self._split(F.linear(x, params[self.weight], params[self.bias] if self.bias else None), 3)
+        qkv = self._split(F.linear(x, *self._packed(params)), 3)
         q, k, v = qkv
-        a = torch.softmax((q @ k.transpose(-2, -1)).mul_(1.0 / math.sqrt(q.shape[-1])), dim=-1)
-        o = self._join(a @ v)
+        a = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        o = self._join((a @ v).unsqueeze(0))
         out = F.linear(o, params[self.out_weight], params[self.out_bias] if self.out_bias else None)
         return out, (x, qkv, a, o)
 
     def errors(self, g: Tensor, saved, params, need: bool) -> tuple[tuple, Tensor | None]:
         """Keeps the first-order errors at the output, at ``A v`` (heads), at ``A`` (less its mean under ``A``), at
-        ``S`` and at ``x W^T``."""
+        ``S`` and at ``p'``."""
         _, (q, k, v), a, _ = saved
-        c = 1.0 / math.sqrt(q.shape[-1])
         d_o = self._split(g @ params[self.out_weight], 1)[0]
         e_a = d_o @ v.transpose(-2, -1)
         e_a.sub_((a * e_a).sum(-1, keepdim=True))  # the error at A less its mean under A: d_s = A e_a
         d_s = a * e_a
-        d_p = self._join((d_s @ k).mul_(c), (d_s.transpose(-2, -1) @ q).mul_(c), a.transpose(-2, -1) @ d_o)
-        return (g, d_o, e_a, d_s, d_p), (d_p @ params[self.weight] if need else None)
+        parts = q.new_empty(3, *q.shape)
+        torch.matmul(d_s, k, out=parts[0])
+        torch.matmul(d_s.transpose(-2, -1), q, out=parts[1])
+        torch.matmul(a.transpose(-2, -1), d_o, out=parts[2])
+        d_p = self._join(parts)
+        return (g, d_o, e_a, d_s, d_p), (d_p @ self._scaled(params[self.weight]) if need else None)
 
     def tangent(self, saved, hdot: Tensor | None, params, v) -> tuple[Tensor, tuple]:
-        """The output's tangent, and the inner tangents the products read (those of q, k, v, of ``A``, of ``A v``)."""
+        """The output's tangent, and the inner tangents the products read (those of q', k', v, of ``A``, of
+        ``A v``)."""
         x, (q, k, vv), a, o = saved
-        p_dot = F.linear(x, v[self.weight], v[self.bias] if self.bias else None)
+        p_dot = F.linear(x, *self._packed(v))
         if hdot is not None:
-            p_dot.add_(F.linear(hdot, params[self.weight]))
+            _flat_rows(p_dot).addmm_(_flat_rows(hdot), self._scaled(params[self.weight]).T)
         dots = self._split(p_dot, 3)
         qd, kd, vd = dots
-        s_dot = (qd @ k.transpose(-2, -1)).add_(q @ kd.transpose(-2, -1)).mul_(1.0 / math.sqrt(q.shape[-1]))
-        a_dot = _softmax_jacobian(a, s_dot)
-        o_dot = self._join((a_dot @ vv).add_(a @ vd))
-        out = F.linear(o_dot, params[self.out_weight])
-        out.add_(F.linear(o, v[self.out_weight], v[self.out_bias] if self.out_bias else None))
+        a_dot = _softmax_jacobian(a, _products(qd, k.transpose(-2, -1), q, kd.transpose(-2, -1)))
+        o_dot = self._join(_products(a_dot, vv, a, vd).unsqueeze(0))
+        out = F.linear(o, v[self.out_weight], v[self.out_bias] if self.out_bias else None)
+        _flat_rows(out).addmm_(_flat_rows(o_dot), params[self.out_weight].T)
         return out, (dots, a_dot, o_dot)
 
     def backward(self, g_dot: Tensor, kept, hdot: Tensor | None, saved, params, v, into, need: bool,
@@ -243,30 +290,34 @@ class _Attention:
         x, (q, k, vv), a, o = saved
         g, d_o, e_a, d_s, d_p = kept
         (qd, kd, vd), a_dot, o_dot = inner
-        c = 1.0 / math.sqrt(q.shape[-1])
-        rows, width = g_dot.shape[-1], o.shape[-1]
-        into[self.out_weight].addmm_(g_dot.reshape(-1, rows).T, o.reshape(-1, width))
-        into[self.out_weight].addmm_(g.reshape(-1, rows).T, o_dot.reshape(-1, width))
+        add_outer(into[self.out_weight], g_dot, o)
+        add_outer(into[self.out_weight], g, o_dot)
         if self.out_bias:
-            into[self.out_bias].add_(g_dot.reshape(-1, rows).sum(0))
-        gd_o = self._split((g_dot @ params[self.out_weight]).add_(g @ v[self.out_weight]), 1)[0]
-        gd_a = (gd_o @ vv.transpose(-2, -1)).add_(d_o @ vd.transpose(-2, -1))
-        gd_v = (a.transpose(-2, -1) @ gd_o).add_(a_dot.transpose(-2, -1) @ d_o)
-        # J gd_a + Adot e_a - A <Adot, e_a> (the second-order term; <Adot, 1> = 0 lets e_a stand for the error)
-        second = a_dot * e_a
-        gd_s = gd_a.sub_((a * gd_a).sum(-1, keepdim=True).add_(second.sum(-1, keepdim=True))).mul_(a).add_(second)
-        gd_q = (gd_s @ k).add_(d_s @ kd).mul_(c)
-        gd_k = (gd_s.transpose(-2, -1) @ q).add_(d_s.transpose(-2, -1) @ qd).mul_(c)
-        gd_p = self._join(gd_q, gd_k, gd_v)
-        width, rows = x.shape[-1], gd_p.shape[-1]
-        into[self.weight].addmm_(gd_p.reshape(-1, rows).T, x.reshape(-1, width))
+            into[self.out_bias].add_(_flat_rows(g_dot).sum(0))
+        gd_o = g_dot @ params[self.out_weight]
+        _flat_rows(gd_o).addmm_(_flat_rows(g), v[self.out_weight])
+        gd_o = self._split(gd_o, 1)[0]
+        parts = q.new_empty(3, *q.shape)  # the tangent errors at q', k', v, joined once
+        gd_a = _products(gd_o, vv.transpose(-2, -1), d_o, vd.transpose(-2, -1))
+        _products(a.transpose(-2, -1), gd_o, a_dot.transpose(-2, -1), d_o, out=parts[2])
+        # J gd_a + Adot e_a - A <Adot, e_a> (the second-order term; <Adot, 1> = 0 lets e_a stand for the error):
+        # with t = A gd_a + Adot e_a, that is t - A <t, 1>
+        t = gd_a.mul_(a).addcmul_(a_dot, e_a)
+        gd_s = t.addcmul_(a, t.sum(-1, keepdim=True), value=-1.0)
+        _products(gd_s, k, d_s, kd, out=parts[0])
+        _products(gd_s.transpose(-2, -1), q, d_s.transpose(-2, -1), qd, out=parts[1])
+        gd_p = self._join(parts)
+        block = _flat_rows(gd_p).T @ _flat_rows(x)  # (Hv)_W' , then scaled back to W's rows
         if hdot is not None:
-            into[self.weight].addmm_(d_p.reshape(-1, rows).T, hdot.reshape(-1, width))
+            add_outer(block, d_p, hdot)
+        into[self.weight].add_(self._scaled(block, inplace=True))
         if self.bias:
-            into[self.bias].add_(gd_p.reshape(-1, rows).sum(0))
+            into[self.bias].add_(self._scaled(_flat_rows(gd_p).sum(0), inplace=True))
         if not need:
             return None
-        return (gd_p @ params[self.weight]).add_(d_p @ v[self.weight])
+        out = gd_p @ self._scaled(params[self.weight])
+        _flat_rows(out).addmm_(_flat_rows(d_p), self._scaled(v[self.weight]))
+        return out
 
 
 __all__: list[str] = []
