@@ -37,6 +37,9 @@ from manifolds._layout import ParamLayout
 _DENSE_LIMIT = 4096
 # A dense count block with more (plus class, minus class) pairs than this is kept as one rank-one term.
 _LOW_RANK_MIN = 4096
+# Large tensors are projected in slices of about this many entries along their first axis, so the second read of a
+# slice (the other class sum, the signs, the update) comes from the cache instead of memory.
+_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,28 @@ def _reduce_to(x: Tensor, index: Tensor, batch: int) -> Tensor:
     if dims:
         x = x.sum(dim=dims, keepdim=True)
     return x.reshape(x.shape[0], index.numel())
+
+
+def _row_slices(shape: tuple[int, ...]) -> list[slice]:
+    """Slices along the first axis of a tensor of ``shape`` holding about `_CHUNK` entries each (one for small
+    tensors; the same whatever the batch, so a batch row is summed in the same order as a single vector)."""
+    if not shape:
+        return [slice(None)]
+    per_row = max(1, int(np.prod(shape[1:])))
+    rows = max(1, _CHUNK // per_row)
+    return [slice(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
+
+
+def _narrow(x: Tensor, axis: int, rows: slice) -> Tensor:
+    """``rows`` (a slice of `_row_slices`) of ``x`` along ``axis`` (all of ``x`` for a 0-dim tensor's slice)."""
+    return x if rows.start is None else x.narrow(axis, rows.start, rows.stop - rows.start)
+
+
+def _rows_of(index: Tensor | None, rows: slice) -> Tensor | None:
+    """The class indices of the entries in ``rows`` (first axis) of a tensor ``index`` broadcasts against."""
+    if index is None or not index.dim() or index.shape[0] == 1:
+        return index
+    return _narrow(index, 0, rows)
 
 
 @dataclass
@@ -138,7 +163,8 @@ class NodeSymmetry:
         if device not in self._on_device:
             table = []
             for b in self._blocks:
-                plus, minus = (None if t is None else t.to(device) for t in (b.plus, b.minus))
+                plus, minus = (None if t is None else _full_index(t, len(b.shape), self.dim).to(device)
+                               for t in (b.plus, b.minus))  # fmt: skip
                 if b.dropped is None:
                     table.append((plus, minus, None, None, None))
                     continue
@@ -187,17 +213,31 @@ class NodeSymmetry:
             raise ValueError(f"expected a last dimension of {self.size}, got shape {tuple(v.shape)}")
         batch = v.shape[:-1]
         signs = self._signs_for(v)
-        flat = (v if signs is None else v * signs).reshape(-1, self.size)
-        out = flat.new_zeros(flat.shape[0], self.dim + 1)
+        flat = v.reshape(-1, self.size)
+        k = flat.shape[0]
+        out = flat.new_zeros(k, self.dim + 1)
         for b, (plus, minus, dropped, dropped_plus, dropped_minus) in zip(self._blocks, self._indices(v.device)):
-            block = flat[:, b.where].reshape(flat.shape[0], *b.shape)
-            for index, sign in ((plus, 1.0), (minus, -1.0)):
-                if index is not None:
-                    idx = index.expand(*index.shape)
-                    reduced = _reduce_to(block, idx, 1)
-                    out.index_add_(1, idx.reshape(-1), reduced if sign > 0 else -reduced)
+            block = flat[:, b.where].view(k, *b.shape)
+            sign = None if signs is None else signs[b.where].view(b.shape)
+            # Both class sums of a slice (signs applied in a slice-sized temporary) while it is in the cache; a sum
+            # over classes that do not vary along the first axis is gathered over the slices and added once.
+            held: dict[int, Tensor] = {}
+            for rows in _row_slices(b.shape):
+                part = _narrow(block, 1, rows) if sign is None else _narrow(block, 1, rows) * _narrow(sign, 0, rows)
+                for which, index in enumerate((plus, minus)):
+                    if index is None:
+                        continue
+                    idx = _rows_of(index, rows)
+                    reduced = _reduce_to(part, idx, 1)
+                    if idx is index:
+                        held[which] = reduced if which not in held else held[which].add_(reduced)
+                    else:
+                        out.index_add_(1, idx.reshape(-1), reduced if which == 0 else -reduced)
+            for which, reduced in held.items():
+                index = plus if which == 0 else minus
+                out.index_add_(1, index.reshape(-1), reduced if which == 0 else -reduced)
             if dropped is not None:  # take the left-out entries back out of the sums (they are few)
-                values = flat[:, dropped]
+                values = flat[:, dropped] if signs is None else flat[:, dropped] * signs[dropped]
                 out.index_add_(1, dropped_plus, -values)
                 out.index_add_(1, dropped_minus, values)
         return out[:, : self.dim].reshape(*batch, self.dim)
@@ -241,42 +281,62 @@ class NodeSymmetry:
         solved = torch.cholesky_solve(sub.T, factor).T if isinstance(factor, Tensor) else factor.solve(sub)
         return out.index_copy_(1, index, solved)
 
-    def project_out(self, v: Tensor) -> Tensor:
+    def project_out(self, v: Tensor, out: Tensor | None = None) -> Tensor:
         """``v - J (J^T J)^+ J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)`` within the
         kept entries (the others are set to 0).
 
         Args:
             v: ``(n,)`` or ``(k, n)``.
+            out: a contiguous tensor of ``v``'s shape, dtype and device to write the result to; ``v`` itself
+                projects it in place (no vector-sized temporary). Default: a new tensor.
 
         Returns:
-            Same shape and dtype as ``v``; solved in float64 with a factor computed once.
+            ``out``: same shape and dtype as ``v``; solved in float64 with a factor computed once.
         """
+        if out is None:
+            out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        elif out.shape != v.shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor of shape {tuple(v.shape)}, got {tuple(out.shape)}")
+        in_place = out.data_ptr() == v.data_ptr()
         if self.dim == 0:
-            return self._without_dropped(v.clone())
+            return self._without_dropped(out if in_place else out.copy_(v))
         rhs = self.apply_transpose(v).to(torch.float64)
         coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape).to(v.dtype)
-        # v - J coef block by block, without forming J coef (two passes over each tensor)
+        # v - J coef block by block and slice by slice (see _CHUNK), without forming J coef: one read of each
+        # entry (and its sign) and one write
         batch = v.shape[:-1]
         ext = torch.cat([coef, coef.new_zeros(*batch, 1)], dim=-1)
-        out = torch.empty_like(v)
-        for gap in self._gaps:
-            out[..., gap] = v[..., gap]
+        if not in_place:
+            for gap in self._gaps:
+                out[..., gap] = v[..., gap]
         signs = self._signs_for(v)
         for b, (plus, minus, *_) in zip(self._blocks, self._indices(v.device)):
             target = out[..., b.where].view(*batch, *b.shape)
             source = v[..., b.where].view(*batch, *b.shape)
             sign = None if signs is None else signs[b.where].view(b.shape)
-            if plus is None:
-                target.copy_(source)
-            elif sign is None:
-                torch.sub(source, ext[..., plus], out=target)
-            else:
-                torch.addcmul(source, sign, ext[..., plus], value=-1, out=target)
-            if minus is not None:
-                if sign is None:
-                    target.add_(ext[..., minus])
+            if plus is None and minus is None:
+                if not in_place:
+                    target.copy_(source)
+                continue
+            for rows in _row_slices(b.shape):
+                p, m = _rows_of(plus, rows), _rows_of(minus, rows)
+                # J coef on the slice: classes along the first axis times classes along the others (slice-sized)
+                if p is None:
+                    shift = -ext[..., m]
+                elif m is None:
+                    shift = ext[..., p]
                 else:
-                    target.addcmul_(sign, ext[..., minus])
+                    shift = ext[..., p] - ext[..., m]
+                into, src = _narrow(target, len(batch), rows), _narrow(source, len(batch), rows)
+                if sign is None:
+                    if in_place:
+                        into.sub_(shift)
+                    else:
+                        torch.sub(src, shift, out=into)
+                elif in_place:
+                    into.addcmul_(_narrow(sign, 0, rows), shift, value=-1)
+                else:
+                    torch.addcmul(src, _narrow(sign, 0, rows), shift, value=-1, out=into)
         return self._without_dropped(out)
 
     def _without_dropped(self, out: Tensor) -> Tensor:
@@ -324,44 +384,37 @@ def _build_parts(blocks: tuple[_Block, ...], dim: int) -> _GramParts:
         ndim = len(b.shape)
         plus, minus = _full_index(b.plus, ndim, none), _full_index(b.minus, ndim, none)
         shared = [i for i in range(ndim) if plus.shape[i] > 1 and minus.shape[i] > 1]
+        # every entry's pair first; the left-out entries' pairs are taken back out below, whatever the block
+        big = False
         if shared:  # classes of both sides vary along one axis: no rank-one block, count the pairs
             joint = torch.broadcast_shapes(plus.shape, minus.shape)
-            p, m = plus.expand(joint), minus.expand(joint)
-            if b.dropped is None:
-                key, count = _unique_pairs(p.reshape(-1), m.reshape(-1), none)
-                count = count * (int(np.prod(b.shape)) // int(np.prod(joint)))
-            else:
-                kept = torch.ones(int(np.prod(b.shape)), dtype=torch.bool)
-                kept[b.dropped] = False
-                kept = kept.reshape(b.shape)
-                key, count = _unique_pairs(p.expand(b.shape)[kept], m.expand(b.shape)[kept], none)
+            key, count = _unique_pairs(plus.expand(joint).reshape(-1), minus.expand(joint).reshape(-1), none)
             keys.append(key)
-            weights.append(count)
-            continue
-        # separable: the count matrix of the block is mult * a b^T
-        mult = int(np.prod(b.shape)) // (plus.numel() * minus.numel())
-        a = np.bincount(plus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
-        c = np.bincount(minus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
-        sa, sc = np.flatnonzero(a), np.flatnonzero(c)
-        big = np.count_nonzero(a[:none]) * np.count_nonzero(c[:none]) > _LOW_RANK_MIN
-        if big:
-            low_rank.append((float(mult), a[:none], c[:none]))
-            diagonal += mult * (a * c.sum() + c * a.sum())
-        else:
-            pp, mm = np.meshgrid(sa, sc, indexing="ij")
-            keys.append(torch.from_numpy((pp * (none + 1) + mm).reshape(-1)))
-            weights.append(torch.from_numpy((mult * np.outer(a[sa], c[sc])).reshape(-1)).round().long())
+            weights.append(count * (int(np.prod(b.shape)) // int(np.prod(joint))))
+        else:  # separable: the count matrix of the block is mult * a b^T
+            mult = int(np.prod(b.shape)) // (plus.numel() * minus.numel())
+            a = np.bincount(plus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
+            c = np.bincount(minus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
+            sa, sc = np.flatnonzero(a), np.flatnonzero(c)
+            big = np.count_nonzero(a[:none]) * np.count_nonzero(c[:none]) > _LOW_RANK_MIN
+            if big:
+                low_rank.append((float(mult), a[:none], c[:none]))
+                diagonal += mult * (a * c.sum() + c * a.sum())
+                if b.dropped is None:  # a star spans the complete bipartite graph of the block
+                    edges.append((np.full(len(sc), sa[0]), sc))
+                    edges.append((sa, np.full(len(sa), sc[0])))
+            else:
+                pp, mm = np.meshgrid(sa, sc, indexing="ij")
+                keys.append(torch.from_numpy((pp * (none + 1) + mm).reshape(-1)))
+                weights.append(torch.from_numpy((mult * np.outer(a[sa], c[sc])).reshape(-1)).round().long())
         if b.dropped is None:
-            if big:  # a star spans the complete bipartite graph of the block
-                edges.append((np.full(len(sc), sa[0]), sc))
-                edges.append((sa, np.full(len(sa), sc[0])))
             continue
         dropped_plus, dropped_minus = _classes_at(plus, b.shape, b.dropped), _classes_at(minus, b.shape, b.dropped)
         key, count = _unique_pairs(dropped_plus, dropped_minus, none)
-        if big:
+        if big:  # the rank-one term counts them: a correction, and the graph of the pairs actually kept
             corrections.append((key, count))
             edges.append(_kept_edges(plus, minus, b.shape, b.dropped, mult))
-        else:
+        else:  # exact counts: a pair whose entries are all left out sums to 0 and is no edge
             keys.append(key)
             weights.append(-count)
 

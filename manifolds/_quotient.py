@@ -122,20 +122,29 @@ class _Quotient(ABC):
         """
         return self.proj_horizontal(self.connection_hessian(egrad, ehvp, xi))
 
-    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
         """``zeta -> P G^{1/2} Hess f[G^{-1/2} P zeta]``: the Riemannian Hessian as a symmetric map.
 
         Its eigenvalues on the range of `whitened_projection` are those of the Riemannian
         Hessian on the quotient; eigenvectors map back to tangent vectors with `unwhiten`.
 
+        The map also takes ``horizontal=True``, the caller's promise that ``zeta`` is already horizontal (to
+        rounding), which spares its projection (``P M P zeta = P M zeta`` then), and ``out``, a horizontal ``(n,)``
+        vector the product is added to in place and returned (projected with it). Eigen-solvers use both on their
+        own, already projected, vectors (see [`SymmetricOperator.matvec`][sharpness.SymmetricOperator.matvec]).
+
         Args:
             egrad: Euclidean gradient at the point, ``(n,)``.
-            hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``.
+            hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``, returning a new tensor (the
+                node-wise map overwrites it).
         """
 
-        def apply(zeta: Tensor) -> Tensor:
-            xi = self.unwhiten(self.whitened_projection(zeta))
-            return self.whitened_projection(self.whiten(self.connection_hessian(egrad, hvp(xi), xi)))
+        def apply(zeta: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
+            xi = self.unwhiten(zeta if horizontal else self.whitened_projection(zeta))
+            product = self.whiten(self.connection_hessian(egrad, hvp(xi), xi))
+            if out is None:
+                return self.whitened_projection(product)
+            return out.copy_(self.whitened_projection(out.add_(product)))
 
         return apply
 
@@ -330,15 +339,26 @@ class NodeScaleQuotient(_Quotient):
         eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
         return self.symmetry.apply(eye)
 
-    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-        # the base class's map with fewer passes over the parameters: P (|w| H |w| + diag(w g)) P, w g formed once
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+        # the base class's map with fewer passes over the parameters and no vector-sized temporaries beyond |w| zeta
+        # and the product: P (|w| H |w| + diag(w g)) P, w g formed once, the last projection in place
         absw, weighted = self.point.abs(), self.connection_diagonal(egrad)
 
-        def apply(zeta: Tensor) -> Tensor:
-            zeta = self.whitened_projection(zeta)
-            return self.whitened_projection(torch.addcmul(absw * hvp(absw * zeta), weighted, zeta))
+        def apply(zeta: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
+            if not horizontal:
+                zeta = self.whitened_projection(zeta)
+            product = hvp(absw * zeta)
+            if out is None:
+                product.mul_(absw).addcmul_(weighted, zeta)
+            else:
+                product = out.addcmul_(absw, product).addcmul_(weighted, zeta)
+            return self._project_in_place(product)
 
         return apply
+
+    def _project_in_place(self, zeta: Tensor) -> Tensor:
+        """`whitened_projection` of a contiguous ``zeta`` written over it."""
+        return zeta if self.symmetry is None else self.symmetry.project_out(zeta, out=zeta)
 
     def connection_diagonal(self, egrad: Tensor) -> Tensor:
         """``w * g``: the Levi-Civita connection's term ``(w g) xi`` of the Hessian, as the diagonal it multiplies

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from manifolds import DegeneratePointError, LayerScaleQuotient, NodeScaleQuotient
@@ -70,13 +71,17 @@ class QuotientMeasure(Measure):
         quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
         egrad = objective.gradient()
+        apply = quotient.whitened_hessian(egrad, hessian.matvec)
+        # Its products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
         op = CallableOperator(
-            quotient.whitened_hessian(egrad, hessian.matvec),
+            apply,
             objective.layout.size,
             objective.dtype,
             objective.device,
             project=quotient.whitened_projection,
             comm=objective.comm,
+            matvec_in_subspace=partial(apply, horizontal=True),
+            products_in_subspace=True,
         )
         return CurvatureOperator(
             op,
