@@ -37,9 +37,6 @@ from manifolds._layout import ParamLayout
 _DENSE_LIMIT = 4096
 # A dense count block with more (plus class, minus class) pairs than this is kept as one rank-one term.
 _LOW_RANK_MIN = 4096
-# Large tensors are projected in slices of about this many entries along their first axis, so the second read of a
-# slice (the other class sum, the signs, the update) comes from the cache instead of memory.
-_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -57,28 +54,6 @@ def _reduce_to(x: Tensor, index: Tensor, batch: int) -> Tensor:
     if dims:
         x = x.sum(dim=dims, keepdim=True)
     return x.reshape(x.shape[0], index.numel())
-
-
-def _row_slices(shape: tuple[int, ...]) -> list[slice]:
-    """Slices along the first axis of a tensor of ``shape`` holding about `_CHUNK` entries each (one for small
-    tensors; the same whatever the batch, so a batch row is summed in the same order as a single vector)."""
-    if not shape:
-        return [slice(None)]
-    per_row = max(1, int(np.prod(shape[1:])))
-    rows = max(1, _CHUNK // per_row)
-    return [slice(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
-
-
-def _narrow(x: Tensor, axis: int, rows: slice) -> Tensor:
-    """``rows`` (a slice of `_row_slices`) of ``x`` along ``axis`` (all of ``x`` for a 0-dim tensor's slice)."""
-    return x if rows.start is None else x.narrow(axis, rows.start, rows.stop - rows.start)
-
-
-def _rows_of(index: Tensor | None, rows: slice) -> Tensor | None:
-    """The class indices of the entries in ``rows`` (first axis) of a tensor ``index`` broadcasts against."""
-    if index is None or not index.dim() or index.shape[0] == 1:
-        return index
-    return _narrow(index, 0, rows)
 
 
 @dataclass
@@ -213,31 +188,17 @@ class NodeSymmetry:
             raise ValueError(f"expected a last dimension of {self.size}, got shape {tuple(v.shape)}")
         batch = v.shape[:-1]
         signs = self._signs_for(v)
-        flat = v.reshape(-1, self.size)
+        flat = (v if signs is None else v * signs).reshape(-1, self.size)
         k = flat.shape[0]
         out = flat.new_zeros(k, self.dim + 1)
         for b, (plus, minus, dropped, dropped_plus, dropped_minus) in zip(self._blocks, self._indices(v.device)):
             block = flat[:, b.where].view(k, *b.shape)
-            sign = None if signs is None else signs[b.where].view(b.shape)
-            # Both class sums of a slice (signs applied in a slice-sized temporary) while it is in the cache; a sum
-            # over classes that do not vary along the first axis is gathered over the slices and added once.
-            held: dict[int, Tensor] = {}
-            for rows in _row_slices(b.shape):
-                part = _narrow(block, 1, rows) if sign is None else _narrow(block, 1, rows) * _narrow(sign, 0, rows)
-                for which, index in enumerate((plus, minus)):
-                    if index is None:
-                        continue
-                    idx = _rows_of(index, rows)
-                    reduced = _reduce_to(part, idx, 1)
-                    if idx is index:
-                        held[which] = reduced if which not in held else held[which].add_(reduced)
-                    else:
-                        out.index_add_(1, idx.reshape(-1), reduced if which == 0 else -reduced)
-            for which, reduced in held.items():
-                index = plus if which == 0 else minus
-                out.index_add_(1, index.reshape(-1), reduced if which == 0 else -reduced)
+            for index, sign in ((plus, 1.0), (minus, -1.0)):
+                if index is not None:
+                    reduced = _reduce_to(block, index, 1)
+                    out.index_add_(1, index.reshape(-1), reduced if sign > 0 else -reduced)
             if dropped is not None:  # take the left-out entries back out of the sums (they are few)
-                values = flat[:, dropped] if signs is None else flat[:, dropped] * signs[dropped]
+                values = flat[:, dropped]
                 out.index_add_(1, dropped_plus, -values)
                 out.index_add_(1, dropped_minus, values)
         return out[:, : self.dim].reshape(*batch, self.dim)
@@ -302,8 +263,7 @@ class NodeSymmetry:
             return self._without_dropped(out if in_place else out.copy_(v))
         rhs = self.apply_transpose(v).to(torch.float64)
         coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape).to(v.dtype)
-        # v - J coef block by block and slice by slice (see _CHUNK), without forming J coef: one read of each
-        # entry (and its sign) and one write
+        # v - J coef block by block, without forming J coef (two passes over each tensor, in place when asked)
         batch = v.shape[:-1]
         ext = torch.cat([coef, coef.new_zeros(*batch, 1)], dim=-1)
         if not in_place:
@@ -314,29 +274,18 @@ class NodeSymmetry:
             target = out[..., b.where].view(*batch, *b.shape)
             source = v[..., b.where].view(*batch, *b.shape)
             sign = None if signs is None else signs[b.where].view(b.shape)
-            if plus is None and minus is None:
+            if plus is None:
                 if not in_place:
                     target.copy_(source)
-                continue
-            for rows in _row_slices(b.shape):
-                p, m = _rows_of(plus, rows), _rows_of(minus, rows)
-                # J coef on the slice: classes along the first axis times classes along the others (slice-sized)
-                if p is None:
-                    shift = -ext[..., m]
-                elif m is None:
-                    shift = ext[..., p]
-                else:
-                    shift = ext[..., p] - ext[..., m]
-                into, src = _narrow(target, len(batch), rows), _narrow(source, len(batch), rows)
+            elif sign is None:
+                torch.sub(source, ext[..., plus], out=target)
+            else:
+                torch.addcmul(source, sign, ext[..., plus], value=-1, out=target)
+            if minus is not None:
                 if sign is None:
-                    if in_place:
-                        into.sub_(shift)
-                    else:
-                        torch.sub(src, shift, out=into)
-                elif in_place:
-                    into.addcmul_(_narrow(sign, 0, rows), shift, value=-1)
+                    target.add_(ext[..., minus])
                 else:
-                    torch.addcmul(src, _narrow(sign, 0, rows), shift, value=-1, out=into)
+                    target.addcmul_(sign, ext[..., minus])
         return self._without_dropped(out)
 
     def _without_dropped(self, out: Tensor) -> Tensor:

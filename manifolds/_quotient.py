@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,6 +34,22 @@ from torch import Tensor
 from manifolds._layout import ParamLayout
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import DegeneratePointError, NetworkStructure, UnsupportedModelError, name_list
+
+
+class SolverHessian(NamedTuple):
+    """The Riemannian Hessian as a symmetric map in the coordinates an eigen-solver runs it in (orthogonal ones: the
+    whitened coordinates up to a fixed orthogonal change, so the spectrum is the same).
+
+    Attributes:
+        apply: ``(v, horizontal=False, out=None) -> P M P v`` on ``(n,)`` vectors (``horizontal`` and ``out`` as in
+            [`whitened_hessian`][manifolds.NodeScaleQuotient.whitened_hessian]).
+        project: the orthogonal projection onto the horizontal space in these coordinates, ``(..., n)``.
+        to_whitened: ``(..., n)`` vectors of these coordinates -> whitened coordinates.
+    """
+
+    apply: Callable[..., Tensor]
+    project: Callable[[Tensor], Tensor]
+    to_whitened: Callable[[Tensor], Tensor]
 
 
 def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
@@ -147,6 +163,11 @@ class _Quotient(ABC):
             return out.copy_(self.whitened_projection(out.add_(product)))
 
         return apply
+
+    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> SolverHessian:
+        """The Riemannian Hessian as eigen-solvers run it: `whitened_hessian` in coordinates of the quotient's choice,
+        with the projection there and the map back to whitened coordinates (here: the whitened ones themselves)."""
+        return SolverHessian(self.whitened_hessian(egrad, hvp), self.whitened_projection, lambda zeta: zeta)
 
     @abstractmethod
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
@@ -313,8 +334,9 @@ class NodeScaleQuotient(_Quotient):
         self.point, self.layout = _flat_point(point, layout)
         self.structure = structure
         self._sign = torch.sign(self.point)
-        # Zero weights have no log coordinate: J loses their rows too. In whitened coordinates J's rows are signed.
-        self.symmetry = (NodeSymmetry(structure.group, self.layout, self.point != 0, self._sign)
+        # Zero weights have no log coordinate: J loses their rows too. J acts on log coordinates d = xi / w; the
+        # whitened ones are zeta = sign(w) d, where the projection is sign(w) P sign(w).
+        self.symmetry = (NodeSymmetry(structure.group, self.layout, self.point != 0)
                          if structure.group is not None else None)  # fmt: skip
         self.projected = self.symmetry is not None
         self.projection_note = (
@@ -328,37 +350,59 @@ class NodeScaleQuotient(_Quotient):
         self.sqrt_metric = torch.where(absw > 0, 1.0 / torch.where(absw > 0, absw, 1.0), 0.0)
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
-        # whitened = sign(w) * (log coordinates): the projection of J with its rows signed (sign 0 drops an entry)
+        # whitened = sign(w) * (log coordinates): sign(w) P sign(w) (sign 0 drops an entry)
         if self.symmetry is None:
             return zeta
-        return self.symmetry.project_out(zeta)
+        return self._project_in_place(zeta * self._sign).mul_(self._sign)
 
     def whitened_vertical_basis(self) -> Tensor:
         if self.symmetry is None:
             return self.point.new_zeros(0, self.layout.size)
         eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
-        return self.symmetry.apply(eye)
+        return self.symmetry.apply(eye) * self._sign
 
     def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
-        # the base class's map with fewer passes over the parameters and no vector-sized temporaries beyond |w| zeta
-        # and the product: P (|w| H |w| + diag(w g)) P, w g formed once, the last projection in place
-        absw, weighted = self.point.abs(), self.connection_diagonal(egrad)
+        # the log-coordinate map of `solver_hessian` conjugated by sign(w): whitened = sign(w) * log coordinates
+        apply_log = self._log_hessian(egrad, hvp)
+        sign = self._sign
 
         def apply(zeta: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
+            product = apply_log(zeta * sign, horizontal, None if out is None else out.mul_(sign))
+            return product.mul_(sign)
+
+        return apply
+
+    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> SolverHessian:
+        """The Riemannian Hessian in log coordinates ``d = xi / w`` (``sign(w)`` times the whitened ones), where the
+        projection has no signs to apply: ``P (diag(w) H diag(w) + diag(w g)) P``, the same spectrum as
+        `whitened_hessian`, at fewer passes over the parameters per product."""
+        return SolverHessian(self._log_hessian(egrad, hvp), self._project_log, lambda d: d * self._sign)
+
+    def _log_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+        """``d -> P (diag(w) H diag(w) + diag(w g)) P d`` in log coordinates (``horizontal`` and ``out`` as in
+        `whitened_hessian`); ``w g`` formed once, no vector-sized temporaries beyond ``w d`` and the product, the last
+        projection in place."""
+        w, weighted = self.point, self.connection_diagonal(egrad)
+
+        def apply(d: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
             if not horizontal:
-                zeta = self.whitened_projection(zeta)
-            product = hvp(absw * zeta)
+                d = self._project_log(d)
+            product = hvp(w * d)
             if out is None:
-                product.mul_(absw).addcmul_(weighted, zeta)
+                product.mul_(w).addcmul_(weighted, d)
             else:
-                product = out.addcmul_(absw, product).addcmul_(weighted, zeta)
+                product = out.addcmul_(w, product).addcmul_(weighted, d)
             return self._project_in_place(product)
 
         return apply
 
-    def _project_in_place(self, zeta: Tensor) -> Tensor:
-        """`whitened_projection` of a contiguous ``zeta`` written over it."""
-        return zeta if self.symmetry is None else self.symmetry.project_out(zeta, out=zeta)
+    def _project_log(self, d: Tensor) -> Tensor:
+        """The horizontal projection in log coordinates (a new tensor)."""
+        return d.clone() if self.symmetry is None else self.symmetry.project_out(d)
+
+    def _project_in_place(self, d: Tensor) -> Tensor:
+        """The horizontal projection of a contiguous log-coordinate ``d``, written over it."""
+        return d if self.symmetry is None else self.symmetry.project_out(d, out=d)
 
     def connection_diagonal(self, egrad: Tensor) -> Tensor:
         """``w * g``: the Levi-Civita connection's term ``(w g) xi`` of the Hessian, as the diagonal it multiplies

@@ -8,10 +8,17 @@ import torch
 from test_node_projection import _INPUTS, _models, _reference_projector
 from torch import nn
 
-from manifolds import NodeScaleQuotient, analyze
-from manifolds import _node_symmetry as node_symmetry
-from sharpness import MEASURES, CallableOperator, Objective, dense_hessian, dense_spectrum, lanczos
-from sharpness import low_memory_lanczos, power_iteration
+from manifolds import NodeScaleQuotient, NodeSymmetry
+from sharpness import (
+    MEASURES,
+    CallableOperator,
+    Objective,
+    dense_hessian,
+    dense_spectrum,
+    lanczos,
+    low_memory_lanczos,
+    power_iteration,
+)
 from sharpness.solvers import _vectors
 
 SOLVERS = {"lanczos": lanczos, "low-memory-lanczos": low_memory_lanczos, "power": power_iteration}
@@ -43,37 +50,35 @@ def _node_objective(name: str) -> Objective:
     return Objective(model, nn.CrossEntropyLoss(), (x, y))
 
 
-@pytest.mark.parametrize("name", ["mlp_zeros", "cnn_bn_zeros", "residual_zeros", "depthwise"])
-def test_projection_by_slices_and_in_place_equals_the_whole_one(name, monkeypatch):
+@pytest.mark.parametrize("name", ["mlp_zeros", "residual_zeros", "depthwise"])
+def test_projection_in_place_equals_the_new_one_and_the_reference(name):
     obj = _node_objective(name)
+    w = obj.layout.flatten(obj.params)
     quotient = NodeScaleQuotient(obj.params, obj.structure, obj.layout)
-    sym = quotient.symmetry
     v = torch.randn(3, obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    whole, sums = sym.project_out(v), sym.apply_transpose(v)
-    monkeypatch.setattr(node_symmetry, "_CHUNK", 5)  # every tensor in slices of a row or a few
-    scale = float(v.norm())
-    torch.testing.assert_close(sym.apply_transpose(v), sums, rtol=0, atol=1e-13 * scale)
-    sliced = sym.project_out(v)
-    torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-13 * scale)
-    in_place = v.clone()
-    assert sym.project_out(in_place, out=in_place) is in_place
-    torch.testing.assert_close(in_place, sliced, rtol=0, atol=0)
-    if name == "depthwise":  # the Gram counts of a tensor with pairs along one axis and left-out entries
-        n = obj.layout.size
-        reference = _reference_projector(obj.model, _example(name))
-        ours = quotient.whitened_projection(torch.eye(n, dtype=torch.float64))
-        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+    for sym in (quotient.symmetry, NodeSymmetry(obj.structure.group, obj.layout, w != 0, torch.sign(w))):
+        new = sym.project_out(v)
+        in_place = v.clone()
+        assert sym.project_out(in_place, out=in_place) is in_place
+        torch.testing.assert_close(in_place, new, rtol=0, atol=0)
+    reference = _reference_projector(obj.model, _example(name))  # whitened coordinates: sign(w) P sign(w)
+    n = obj.layout.size
+    torch.testing.assert_close(quotient.whitened_projection(torch.eye(n, dtype=torch.float64)), reference, rtol=0,
+                               atol=1e-12)  # fmt: skip
 
 
 def test_node_operator_is_p_a_p_on_any_vector_and_skips_only_on_horizontal_ones():
-    """The public product is ``P M P v`` for an arbitrary ``v``; the in-subspace product (input not projected) and the
-    in-place one (added to a horizontal ``out``) agree with it on horizontal vectors."""
+    """The public product is ``P M P v`` for an arbitrary ``v`` (in log coordinates ``d = xi / w``, the whitened ones
+    times ``sign(w)``); the in-subspace product (input not projected) and the in-place one (added to a horizontal
+    ``out``) agree with it on horizontal vectors."""
     obj = _node_objective("cnn_bn_zeros")
     op = MEASURES["node"].operator(obj).operator
     assert op.products_in_subspace
     w, grad, hessian = obj.layout.flatten(obj.params), obj.gradient(), dense_hessian(obj)
     projector = _reference_projector(obj.model, _example("cnn_bn_zeros"))
     reference = projector @ (w.abs()[:, None] * hessian * w.abs()[None, :] + torch.diag(w * grad)) @ projector
+    sign = torch.sign(w)
+    projector, reference = (sign[:, None] * m * sign[None, :] for m in (projector, reference))
     tol = 1e-12 * float(reference.abs().max())
     v = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     assert float((projector @ v[0] - v[0]).norm()) > 0.1  # far from horizontal

@@ -16,6 +16,7 @@ from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import CallableOperator
+from sharpness.solvers._vectors import _canonical_signs
 
 
 class QuotientMeasure(Measure):
@@ -71,21 +72,23 @@ class QuotientMeasure(Measure):
         quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
         egrad = objective.gradient()
-        apply = quotient.whitened_hessian(egrad, hessian.matvec)
-        # Its products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
+        # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
+        # products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
+        hess = quotient.solver_hessian(egrad, hessian.matvec)
         op = CallableOperator(
-            apply,
+            hess.apply,
             objective.layout.size,
             objective.dtype,
             objective.device,
-            project=quotient.whitened_projection,
+            project=hess.project,
             comm=objective.comm,
-            matvec_in_subspace=partial(apply, horizontal=True),
+            matvec_in_subspace=partial(hess.apply, horizontal=True),
             products_in_subspace=True,
         )
         return CurvatureOperator(
             op,
-            to_parameters=quotient.unwhiten,
+            # back in whitened coordinates, signed there as the solvers sign their vectors (largest entry positive)
+            to_parameters=lambda vectors: quotient.unwhiten(_canonical_signs(hess.to_whitened(vectors))),
             coordinates="tangent",
             info={
                 "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
