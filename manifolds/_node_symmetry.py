@@ -193,10 +193,15 @@ class NodeSymmetry:
         out = flat.new_zeros(k, self.dim + 1)
         for b, (plus, minus, dropped, dropped_plus, dropped_minus) in zip(self._blocks, self._indices(v.device)):
             block = flat[:, b.where].view(k, *b.shape)
-            for index, sign in ((plus, 1.0), (minus, -1.0)):
-                if index is not None:
+            matrix = _matrix_form(b.shape, plus, minus)
+            for which, (index, sign) in enumerate(((plus, 1.0), (minus, -1.0))):
+                if index is None:
+                    continue
+                if matrix is None:
                     reduced = _reduce_to(block, index, 1)
-                    out.index_add_(1, index.reshape(-1), reduced if sign > 0 else -reduced)
+                else:  # row or column sums by matrix-vector products, a vector at a time (the same sums for each)
+                    reduced = torch.stack([_matrix_sums(row.view(matrix), which, index.numel()) for row in block])
+                out.index_add_(1, index.reshape(-1), reduced if sign > 0 else -reduced)
             if dropped is not None:  # take the left-out entries back out of the sums (they are few)
                 values = flat[:, dropped]
                 out.index_add_(1, dropped_plus, -values)
@@ -274,6 +279,16 @@ class NodeSymmetry:
             target = out[..., b.where].view(*batch, *b.shape)
             source = v[..., b.where].view(*batch, *b.shape)
             sign = None if signs is None else signs[b.where].view(b.shape)
+            matrix = None if sign is not None else _matrix_form(b.shape, plus, minus)
+            if matrix is not None:  # one rank-two update of the matrix per vector: one pass
+                for src, dst, c in zip(source.reshape(-1, *b.shape), target.reshape(-1, *b.shape),
+                                       ext.reshape(-1, self.dim + 1)):  # fmt: skip
+                    left, right = _rank_two(matrix, c, plus, minus)
+                    if in_place:
+                        dst.view(matrix).addmm_(left, right)
+                    else:
+                        torch.addmm(src.view(matrix), left, right, out=dst.view(matrix))
+                continue
             if plus is None:
                 if not in_place:
                     target.copy_(source)
@@ -295,6 +310,49 @@ class NodeSymmetry:
                 self._dropped_on[out.device] = self._dropped.to(out.device)
             out[..., self._dropped_on[out.device]] = 0
         return out
+
+
+def _matrix_form(shape: tuple[int, ...], plus: Tensor | None, minus: Tensor | None) -> tuple[int, int] | None:
+    """``(rows, columns)`` when the tensor, as a matrix of its first axis by the others, has plus classes varying
+    along its rows only and minus classes along its second axis only (a layer's output units by its inputs, kernel
+    entries alike): then ``J^T`` is row and column sums, and ``J c`` a rank-two matrix. ``None`` otherwise."""
+    if len(shape) < 2 or (plus is None and minus is None):
+        return None
+    if plus is not None and any(size != 1 for size in plus.shape[1:]):
+        return None
+    if minus is not None and (minus.shape[0] != 1 or any(size != 1 for size in minus.shape[2:])):
+        return None
+    return shape[0], int(np.prod(shape[1:]))
+
+
+def _matrix_sums(matrix: Tensor, which: int, classes: int) -> Tensor:
+    """Row sums (``which == 0``, plus classes) or column sums over the second axis (minus classes) of ``matrix``
+    (`_matrix_form`), reduced to the ``classes`` entries of the index, by matrix-vector products (one pass, where a
+    reduction over the leading axis takes two)."""
+    rows, columns = matrix.shape
+    if which == 0:
+        sums = torch.mv(matrix, matrix.new_ones(columns))
+    else:
+        sums = torch.mv(matrix.t(), matrix.new_ones(rows))
+        sums = sums.view(classes, -1).sum(1) if classes > 1 else sums.sum().reshape(1)
+        return sums
+    return sums if classes > 1 else sums.sum().reshape(1)
+
+
+def _rank_two(matrix: tuple[int, int], ext: Tensor, plus: Tensor | None, minus: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``left @ right`` the matrix of ``-(J c)`` on a tensor of `_matrix_form`: ``-c[plus]``
+    along the rows, ``+c[minus]`` along the second axis (``ext``: the coefficients with a trailing 0)."""
+    rows, columns = matrix
+    left, right = [], []
+    if plus is not None:
+        left.append(-ext[plus.reshape(-1)].expand(rows))
+        right.append(ext.new_ones(columns))
+    if minus is not None:
+        values = ext[minus.reshape(-1)]
+        left.append(ext.new_ones(rows))
+        right.append(values.repeat_interleave(columns // values.numel()) if values.numel() > 1
+                     else values.expand(columns))  # fmt: skip
+    return torch.stack(left, 1), torch.stack(right, 0)
 
 
 def _classes_at(index: Tensor, shape: tuple[int, ...], flat: Tensor) -> Tensor:

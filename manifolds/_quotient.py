@@ -164,9 +164,18 @@ class _Quotient(ABC):
 
         return apply
 
-    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> SolverHessian:
+    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
+                       hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> SolverHessian:  # fmt: skip
         """The Riemannian Hessian as eigen-solvers run it: `whitened_hessian` in coordinates of the quotient's choice,
-        with the projection there and the map back to whitened coordinates (here: the whitened ones themselves)."""
+        with the projection there and the map back to whitened coordinates (here: the whitened ones themselves).
+
+        Args:
+            egrad: Euclidean gradient at the point, ``(n,)``.
+            hvp: Euclidean Hessian-vector product, ``(n,) -> (n,)``.
+            hvp_into: optionally the same product added in place to its second argument and returned (e.g.
+                [`SymmetricOperator.matvec_add`][sharpness.SymmetricOperator.matvec_add]), which a quotient may use to
+                spare a vector-sized allocation per product.
+        """
         return SolverHessian(self.whitened_hessian(egrad, hvp), self.whitened_projection, lambda zeta: zeta)
 
     @abstractmethod
@@ -346,8 +355,8 @@ class NodeScaleQuotient(_Quotient):
             f"({structure.group_failure}); the rescaling directions lie in the Hessian's kernel, so only zero "
             "eigenvalues can differ"
         )
-        absw = self.point.abs()
-        self.sqrt_metric = torch.where(absw > 0, 1.0 / torch.where(absw > 0, absw, 1.0), 0.0)
+        # 1 / |w|, and 0 where w = 0 (1/0 = inf) or is not a number: two passes, no temporaries
+        self.sqrt_metric = self.point.abs().reciprocal_().nan_to_num_(nan=0.0, posinf=0.0)
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
         # whitened = sign(w) * (log coordinates): sign(w) P sign(w) (sign 0 drops an entry)
@@ -372,27 +381,35 @@ class NodeScaleQuotient(_Quotient):
 
         return apply
 
-    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> SolverHessian:
+    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
+                       hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> SolverHessian:  # fmt: skip
         """The Riemannian Hessian in log coordinates ``d = xi / w`` (``sign(w)`` times the whitened ones), where the
         projection has no signs to apply: ``P (diag(w) H diag(w) + diag(w g)) P``, the same spectrum as
-        `whitened_hessian`, at fewer passes over the parameters per product."""
-        return SolverHessian(self._log_hessian(egrad, hvp), self._project_log, lambda d: d * self._sign)
+        `whitened_hessian`, at fewer passes over the parameters per product (``hvp_into``: see the base class)."""
+        return SolverHessian(self._log_hessian(egrad, hvp, hvp_into), self._project_log, lambda d: d * self._sign)
 
-    def _log_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
-        """``d -> P (diag(w) H diag(w) + diag(w g)) P d`` in log coordinates (``horizontal`` and ``out`` as in
-        `whitened_hessian`); ``w g`` formed once, no vector-sized temporaries beyond ``w d`` and the product, the last
-        projection in place."""
-        w, weighted = self.point, self.connection_diagonal(egrad)
+    def _log_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
+                     hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:  # fmt: skip
+        """``d -> P (diag(w) H diag(w) + diag(w g)) P d = P (w (H (w d) + g d))`` in log coordinates (``horizontal`` and
+        ``out`` as in `whitened_hessian`): two vectors kept for every product (``w d`` and ``H (w d) + g d``, into
+        which ``hvp_into`` adds), so a product on the solvers' path allocates nothing; the last projection in
+        place."""
+        w, g = self.point, self.connection_factor(egrad)
+        scratch: list[Tensor] = []
 
         def apply(d: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
             if not horizontal:
                 d = self._project_log(d)
-            product = hvp(w * d)
-            if out is None:
-                product.mul_(w).addcmul_(weighted, d)
+            if not scratch:
+                scratch.extend((torch.empty_like(d), torch.empty_like(d)))
+            x, inner = scratch
+            torch.mul(w, d, out=x)
+            torch.mul(g, d, out=inner)
+            if hvp_into is None:
+                inner.add_(hvp(x))
             else:
-                product = out.addcmul_(w, product).addcmul_(weighted, d)
-            return self._project_in_place(product)
+                hvp_into(x, inner)
+            return self._project_in_place(torch.mul(w, inner) if out is None else out.addcmul_(w, inner))
 
         return apply
 
@@ -406,8 +423,13 @@ class NodeScaleQuotient(_Quotient):
 
     def connection_diagonal(self, egrad: Tensor) -> Tensor:
         """``w * g``: the Levi-Civita connection's term ``(w g) xi`` of the Hessian, as the diagonal it multiplies
-        (the one place both `connection_hessian` and the fused `whitened_hessian` take it from)."""
-        return self.point * egrad
+        (``w`` times `connection_factor`)."""
+        return self.point * self.connection_factor(egrad)
+
+    def connection_factor(self, egrad: Tensor) -> Tensor:
+        """``g``: the connection term's diagonal divided by ``w`` (the one place `connection_hessian`, the fused
+        `whitened_hessian` and `solver_hessian` take it from)."""
+        return egrad
 
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
         # w = 0 makes both terms 0: the dropped entries stay out

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
 
+import torch
+
 from manifolds import DegeneratePointError, LayerScaleQuotient, NodeScaleQuotient
 from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
 from sharpness.products._hessian import HessianOperator
@@ -50,8 +52,7 @@ class QuotientMeasure(Measure):
         sqrt_metric = getattr(quotient, "sqrt_metric", None)
         if sqrt_metric is None:
             return quotient, {"n_measured": layout.size, "n_dropped": 0}
-        kept = sqrt_metric > 0
-        n_measured = int(kept.sum())
+        n_measured = int(torch.count_nonzero(sqrt_metric))  # entries with sqrt_metric > 0 (it is never negative)
         facts = {"n_measured": n_measured, "n_dropped": layout.size - n_measured}
         if n_measured == 0:
             raise DegeneratePointError(
@@ -60,7 +61,7 @@ class QuotientMeasure(Measure):
                 short="all parameters dropped",
             )
         if n_measured < layout.size:
-            names = [name for name in layout.names if not bool(kept[layout.slice(name)].all())]
+            names = [name for name in layout.names if not bool(sqrt_metric[layout.slice(name)].all())]
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             facts["dropped"] = (
                 f"{facts['n_dropped']} of {layout.size} parameters left out ({shown}): they are {self.drops}, where "
@@ -74,7 +75,7 @@ class QuotientMeasure(Measure):
         egrad = objective.gradient()
         # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
         # products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
-        hess = quotient.solver_hessian(egrad, hessian.matvec)
+        hess = quotient.solver_hessian(egrad, hessian.matvec, hessian.matvec_add)
         op = CallableOperator(
             hess.apply,
             objective.layout.size,
@@ -91,7 +92,8 @@ class QuotientMeasure(Measure):
             to_parameters=lambda vectors: quotient.unwhiten(_canonical_signs(hess.to_whitened(vectors))),
             coordinates="tangent",
             info={
-                "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
+                # ||G^-1 g||_g = ||G^-1/2 g||: one unwhitening instead of two and a whitening
+                "riemannian_grad_norm": float(torch.linalg.vector_norm(quotient.unwhiten(egrad))),
                 "hvp_strategy": hessian.strategy,
                 **measured,
             }
