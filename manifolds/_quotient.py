@@ -41,8 +41,8 @@ class SolverHessian(NamedTuple):
     whitened coordinates up to a fixed orthogonal change, so the spectrum is the same).
 
     Attributes:
-        apply: ``(v, horizontal=False, out=None) -> P M P v`` on ``(n,)`` vectors (``horizontal`` and ``out`` as in
-            [`whitened_hessian`][manifolds.NodeScaleQuotient.whitened_hessian]).
+        apply: ``(v, horizontal=False, out=None) -> P M P v`` on ``(n,)`` vectors (``horizontal``: ``v`` is known to be
+            horizontal, so it is not projected again; ``out``: a horizontal vector the product is added to in place).
         project: the orthogonal projection onto the horizontal space in these coordinates, ``(..., n)``.
         to_whitened: ``(..., n)`` vectors of these coordinates -> whitened coordinates.
     """
