@@ -37,6 +37,9 @@ from manifolds._layout import ParamLayout
 _DENSE_LIMIT = 4096
 # A dense count block with more (plus class, minus class) pairs than this is kept as one rank-one term.
 _LOW_RANK_MIN = 4096
+# Tensors of at least this many entries are projected as matrices (matrix-vector sums, a rank-two update: fewer passes
+# over memory); smaller ones by broadcasting (fewer operations).
+_MATRIX_MIN = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -316,7 +319,7 @@ def _matrix_form(shape: tuple[int, ...], plus: Tensor | None, minus: Tensor | No
     """``(rows, columns)`` when the tensor, as a matrix of its first axis by the others, has plus classes varying
     along its rows only and minus classes along its second axis only (a layer's output units by its inputs, kernel
     entries alike): then ``J^T`` is row and column sums, and ``J c`` a rank-two matrix. ``None`` otherwise."""
-    if len(shape) < 2 or (plus is None and minus is None):
+    if len(shape) < 2 or (plus is None and minus is None) or int(np.prod(shape)) < _MATRIX_MIN:
         return None
     if plus is not None and any(size != 1 for size in plus.shape[1:]):
         return None

@@ -9,6 +9,7 @@ from test_node_projection import _INPUTS, _models, _reference_projector
 from torch import nn
 
 from manifolds import NodeScaleQuotient, NodeSymmetry
+from manifolds import _node_symmetry as node_symmetry
 from sharpness import (
     MEASURES,
     CallableOperator,
@@ -50,8 +51,10 @@ def _node_objective(name: str) -> Objective:
     return Objective(model, nn.CrossEntropyLoss(), (x, y))
 
 
+@pytest.mark.parametrize("matrix_min", [0, 10**9])  # every weight projected as a matrix, or by broadcasting
 @pytest.mark.parametrize("name", ["mlp_zeros", "residual_zeros", "depthwise"])
-def test_projection_in_place_equals_the_new_one_and_the_reference(name):
+def test_projection_in_place_equals_the_new_one_and_the_reference(name, matrix_min, monkeypatch):
+    monkeypatch.setattr(node_symmetry, "_MATRIX_MIN", matrix_min)
     obj = _node_objective(name)
     w = obj.layout.flatten(obj.params)
     quotient = NodeScaleQuotient(obj.params, obj.structure, obj.layout)

@@ -12,6 +12,7 @@ from functools import partial
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from manifolds import DegeneratePointError, LayerScaleQuotient, NodeScaleQuotient
 from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
@@ -73,27 +74,35 @@ class QuotientMeasure(Measure):
         quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
         egrad = objective.gradient()
-        # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
-        # products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
-        hess = quotient.solver_hessian(egrad, hessian.matvec, hessian.matvec_add)
-        op = CallableOperator(
-            hess.apply,
-            objective.layout.size,
-            objective.dtype,
-            objective.device,
-            project=hess.project,
-            comm=objective.comm,
-            matvec_in_subspace=partial(hess.apply, horizontal=True),
-            products_in_subspace=True,
-        )
+        solver_hessian = getattr(quotient, "solver_hessian", None)
+        if solver_hessian is None:  # a quotient with only the whitened map (the symmetry quotient): as it is
+            op = CallableOperator(quotient.whitened_hessian(egrad, hessian.matvec), objective.layout.size,
+                                  objective.dtype, objective.device, project=quotient.whitened_projection,
+                                  comm=objective.comm)  # fmt: skip
+            to_parameters = quotient.unwhiten
+        else:
+            # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
+            # products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
+            hess = solver_hessian(egrad, hessian.matvec, hessian.matvec_add)
+            op = CallableOperator(hess.apply, objective.layout.size, objective.dtype, objective.device,
+                                  project=hess.project, comm=objective.comm,
+                                  matvec_in_subspace=partial(hess.apply, horizontal=True),
+                                  products_in_subspace=True)  # fmt: skip
+
+            def to_parameters(vectors: Tensor) -> Tensor:
+                # back in whitened coordinates, signed there as the solvers sign their vectors (largest entry positive)
+                return quotient.unwhiten(_canonical_signs(hess.to_whitened(vectors)))
+
+        # ||G^-1 g||_g = ||G^-1/2 g|| for a diagonal metric: one unwhitening instead of two and a whitening
+        diagonal = getattr(quotient, "sqrt_metric", None) is not None
+        grad_norm = (torch.linalg.vector_norm(quotient.unwhiten(egrad)) if diagonal
+                     else quotient.norm(quotient.egrad2rgrad(egrad)))  # fmt: skip
         return CurvatureOperator(
             op,
-            # back in whitened coordinates, signed there as the solvers sign their vectors (largest entry positive)
-            to_parameters=lambda vectors: quotient.unwhiten(_canonical_signs(hess.to_whitened(vectors))),
+            to_parameters=to_parameters,
             coordinates="tangent",
             info={
-                # ||G^-1 g||_g = ||G^-1/2 g||: one unwhitening instead of two and a whitening
-                "riemannian_grad_norm": float(torch.linalg.vector_norm(quotient.unwhiten(egrad))),
+                "riemannian_grad_norm": float(grad_norm),
                 "hvp_strategy": hessian.strategy,
                 **measured,
             }
