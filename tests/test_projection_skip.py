@@ -130,6 +130,10 @@ def _operators(a, project, honest: bool = True):
 def test_solves_with_and_without_the_skip_agree_and_a_false_claim_is_caught(method):
     a, project, top = _dense_projected()
     plain, skipping = _operators(a, project)
+    v = torch.randn(a.shape[0], generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    reference = project(a @ project(v))  # the public product of any vector, which the skip must leave alone
+    torch.testing.assert_close(skipping.matvec(v), reference, rtol=0, atol=1e-12 * float(reference.norm()))
+    assert float((project(a @ v) - reference).norm()) > 0.1 * float(reference.norm())  # skipping P there would show
     kwargs = {"k": 2, "tol": 1e-13, "max_iter": 2000 if method == "power" else 40, "progress": False}
     with_skip = SOLVERS[method](skipping, generator=torch.Generator().manual_seed(0), **kwargs)
     without = SOLVERS[method](plain, generator=torch.Generator().manual_seed(0), **kwargs)
