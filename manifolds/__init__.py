@@ -43,6 +43,7 @@ from manifolds._node_symmetry import NodeSymmetry as NodeSymmetry
 from manifolds._quotient import QUOTIENTS as QUOTIENTS
 from manifolds._quotient import LayerScaleQuotient as LayerScaleQuotient
 from manifolds._quotient import NodeScaleQuotient as NodeScaleQuotient
+from manifolds._quotient import SolverHessian as SolverHessian
 from manifolds._structure import DegeneratePointError as DegeneratePointError
 from manifolds._structure import Layer as Layer
 from manifolds._structure import NetworkStructure as NetworkStructure
@@ -105,6 +106,7 @@ __all__ = [
     "buffer_group",
     "LayerScaleQuotient",
     "NodeScaleQuotient",
+    "SolverHessian",
     "QUOTIENTS",
     "Layer",
     "NetworkStructure",

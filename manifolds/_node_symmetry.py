@@ -37,6 +37,9 @@ from manifolds._layout import ParamLayout
 _DENSE_LIMIT = 4096
 # A dense count block with more (plus class, minus class) pairs than this is kept as one rank-one term.
 _LOW_RANK_MIN = 4096
+# Tensors of at least this many entries are projected as matrices (matrix-vector sums, a rank-two update: fewer passes
+# over memory); smaller ones by broadcasting (fewer operations).
+_MATRIX_MIN = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,8 @@ class NodeSymmetry:
         if device not in self._on_device:
             table = []
             for b in self._blocks:
-                plus, minus = (None if t is None else t.to(device) for t in (b.plus, b.minus))
+                plus, minus = (None if t is None else _full_index(t, len(b.shape), self.dim).to(device)
+                               for t in (b.plus, b.minus))  # fmt: skip
                 if b.dropped is None:
                     table.append((plus, minus, None, None, None))
                     continue
@@ -188,14 +192,19 @@ class NodeSymmetry:
         batch = v.shape[:-1]
         signs = self._signs_for(v)
         flat = (v if signs is None else v * signs).reshape(-1, self.size)
-        out = flat.new_zeros(flat.shape[0], self.dim + 1)
+        k = flat.shape[0]
+        out = flat.new_zeros(k, self.dim + 1)
         for b, (plus, minus, dropped, dropped_plus, dropped_minus) in zip(self._blocks, self._indices(v.device)):
-            block = flat[:, b.where].reshape(flat.shape[0], *b.shape)
-            for index, sign in ((plus, 1.0), (minus, -1.0)):
-                if index is not None:
-                    idx = index.expand(*index.shape)
-                    reduced = _reduce_to(block, idx, 1)
-                    out.index_add_(1, idx.reshape(-1), reduced if sign > 0 else -reduced)
+            block = flat[:, b.where].view(k, *b.shape)
+            matrix = _matrix_form(b.shape, plus, minus)
+            for which, (index, sign) in enumerate(((plus, 1.0), (minus, -1.0))):
+                if index is None:
+                    continue
+                if matrix is None:
+                    reduced = _reduce_to(block, index, 1)
+                else:  # row or column sums by matrix-vector products, a vector at a time (the same sums for each)
+                    reduced = torch.stack([_matrix_sums(row.view(matrix), which, index.numel()) for row in block])
+                out.index_add_(1, index.reshape(-1), reduced if sign > 0 else -reduced)
             if dropped is not None:  # take the left-out entries back out of the sums (they are few)
                 values = flat[:, dropped]
                 out.index_add_(1, dropped_plus, -values)
@@ -241,33 +250,51 @@ class NodeSymmetry:
         solved = torch.cholesky_solve(sub.T, factor).T if isinstance(factor, Tensor) else factor.solve(sub)
         return out.index_copy_(1, index, solved)
 
-    def project_out(self, v: Tensor) -> Tensor:
+    def project_out(self, v: Tensor, out: Tensor | None = None) -> Tensor:
         """``v - J (J^T J)^+ J^T v``: Euclidean projection onto the orthogonal complement of ``range(J)`` within the
         kept entries (the others are set to 0).
 
         Args:
             v: ``(n,)`` or ``(k, n)``.
+            out: a contiguous tensor of ``v``'s shape, dtype and device to write the result to; ``v`` itself
+                projects it in place (no vector-sized temporary). Default: a new tensor.
 
         Returns:
-            Same shape and dtype as ``v``; solved in float64 with a factor computed once.
+            ``out``: same shape and dtype as ``v``; solved in float64 with a factor computed once.
         """
+        if out is None:
+            out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        elif out.shape != v.shape or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor of shape {tuple(v.shape)}, got {tuple(out.shape)}")
+        in_place = out.data_ptr() == v.data_ptr()
         if self.dim == 0:
-            return self._without_dropped(v.clone())
+            return self._without_dropped(out if in_place else out.copy_(v))
         rhs = self.apply_transpose(v).to(torch.float64)
         coef = self._solve(rhs.reshape(-1, self.dim)).reshape(rhs.shape).to(v.dtype)
-        # v - J coef block by block, without forming J coef (two passes over each tensor)
+        # v - J coef block by block, without forming J coef (two passes over each tensor, in place when asked)
         batch = v.shape[:-1]
         ext = torch.cat([coef, coef.new_zeros(*batch, 1)], dim=-1)
-        out = torch.empty_like(v)
-        for gap in self._gaps:
-            out[..., gap] = v[..., gap]
+        if not in_place:
+            for gap in self._gaps:
+                out[..., gap] = v[..., gap]
         signs = self._signs_for(v)
         for b, (plus, minus, *_) in zip(self._blocks, self._indices(v.device)):
             target = out[..., b.where].view(*batch, *b.shape)
             source = v[..., b.where].view(*batch, *b.shape)
             sign = None if signs is None else signs[b.where].view(b.shape)
+            matrix = None if sign is not None else _matrix_form(b.shape, plus, minus)
+            if matrix is not None:  # one rank-two update of the matrix per vector: one pass
+                for src, dst, c in zip(source.reshape(-1, *b.shape), target.reshape(-1, *b.shape),
+                                       ext.reshape(-1, self.dim + 1)):  # fmt: skip
+                    left, right = _rank_two(matrix, c, plus, minus)
+                    if in_place:
+                        dst.view(matrix).addmm_(left, right)
+                    else:
+                        torch.addmm(src.view(matrix), left, right, out=dst.view(matrix))
+                continue
             if plus is None:
-                target.copy_(source)
+                if not in_place:
+                    target.copy_(source)
             elif sign is None:
                 torch.sub(source, ext[..., plus], out=target)
             else:
@@ -286,6 +313,49 @@ class NodeSymmetry:
                 self._dropped_on[out.device] = self._dropped.to(out.device)
             out[..., self._dropped_on[out.device]] = 0
         return out
+
+
+def _matrix_form(shape: tuple[int, ...], plus: Tensor | None, minus: Tensor | None) -> tuple[int, int] | None:
+    """``(rows, columns)`` when the tensor, as a matrix of its first axis by the others, has plus classes varying
+    along its rows only and minus classes along its second axis only (a layer's output units by its inputs, kernel
+    entries alike): then ``J^T`` is row and column sums, and ``J c`` a rank-two matrix. ``None`` otherwise."""
+    if len(shape) < 2 or (plus is None and minus is None) or int(np.prod(shape)) < _MATRIX_MIN:
+        return None
+    if plus is not None and any(size != 1 for size in plus.shape[1:]):
+        return None
+    if minus is not None and (minus.shape[0] != 1 or any(size != 1 for size in minus.shape[2:])):
+        return None
+    return shape[0], int(np.prod(shape[1:]))
+
+
+def _matrix_sums(matrix: Tensor, which: int, classes: int) -> Tensor:
+    """Row sums (``which == 0``, plus classes) or column sums over the second axis (minus classes) of ``matrix``
+    (`_matrix_form`), reduced to the ``classes`` entries of the index, by matrix-vector products (one pass, where a
+    reduction over the leading axis takes two)."""
+    rows, columns = matrix.shape
+    if which == 0:
+        sums = torch.mv(matrix, matrix.new_ones(columns))
+    else:
+        sums = torch.mv(matrix.t(), matrix.new_ones(rows))
+        sums = sums.view(classes, -1).sum(1) if classes > 1 else sums.sum().reshape(1)
+        return sums
+    return sums if classes > 1 else sums.sum().reshape(1)
+
+
+def _rank_two(matrix: tuple[int, int], ext: Tensor, plus: Tensor | None, minus: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(left, right)`` with ``left @ right`` the matrix of ``-(J c)`` on a tensor of `_matrix_form`: ``-c[plus]``
+    along the rows, ``+c[minus]`` along the second axis (``ext``: the coefficients with a trailing 0)."""
+    rows, columns = matrix
+    left, right = [], []
+    if plus is not None:
+        left.append(-ext[plus.reshape(-1)].expand(rows))
+        right.append(ext.new_ones(columns))
+    if minus is not None:
+        values = ext[minus.reshape(-1)]
+        left.append(ext.new_ones(rows))
+        right.append(values.repeat_interleave(columns // values.numel()) if values.numel() > 1
+                     else values.expand(columns))  # fmt: skip
+    return torch.stack(left, 1), torch.stack(right, 0)
 
 
 def _classes_at(index: Tensor, shape: tuple[int, ...], flat: Tensor) -> Tensor:
@@ -324,44 +394,37 @@ def _build_parts(blocks: tuple[_Block, ...], dim: int) -> _GramParts:
         ndim = len(b.shape)
         plus, minus = _full_index(b.plus, ndim, none), _full_index(b.minus, ndim, none)
         shared = [i for i in range(ndim) if plus.shape[i] > 1 and minus.shape[i] > 1]
+        # every entry's pair first; the left-out entries' pairs are taken back out below, whatever the block
+        big = False
         if shared:  # classes of both sides vary along one axis: no rank-one block, count the pairs
             joint = torch.broadcast_shapes(plus.shape, minus.shape)
-            p, m = plus.expand(joint), minus.expand(joint)
-            if b.dropped is None:
-                key, count = _unique_pairs(p.reshape(-1), m.reshape(-1), none)
-                count = count * (int(np.prod(b.shape)) // int(np.prod(joint)))
-            else:
-                kept = torch.ones(int(np.prod(b.shape)), dtype=torch.bool)
-                kept[b.dropped] = False
-                kept = kept.reshape(b.shape)
-                key, count = _unique_pairs(p.expand(b.shape)[kept], m.expand(b.shape)[kept], none)
+            key, count = _unique_pairs(plus.expand(joint).reshape(-1), minus.expand(joint).reshape(-1), none)
             keys.append(key)
-            weights.append(count)
-            continue
-        # separable: the count matrix of the block is mult * a b^T
-        mult = int(np.prod(b.shape)) // (plus.numel() * minus.numel())
-        a = np.bincount(plus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
-        c = np.bincount(minus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
-        sa, sc = np.flatnonzero(a), np.flatnonzero(c)
-        big = np.count_nonzero(a[:none]) * np.count_nonzero(c[:none]) > _LOW_RANK_MIN
-        if big:
-            low_rank.append((float(mult), a[:none], c[:none]))
-            diagonal += mult * (a * c.sum() + c * a.sum())
-        else:
-            pp, mm = np.meshgrid(sa, sc, indexing="ij")
-            keys.append(torch.from_numpy((pp * (none + 1) + mm).reshape(-1)))
-            weights.append(torch.from_numpy((mult * np.outer(a[sa], c[sc])).reshape(-1)).round().long())
+            weights.append(count * (int(np.prod(b.shape)) // int(np.prod(joint))))
+        else:  # separable: the count matrix of the block is mult * a b^T
+            mult = int(np.prod(b.shape)) // (plus.numel() * minus.numel())
+            a = np.bincount(plus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
+            c = np.bincount(minus.reshape(-1).numpy(), minlength=none + 1).astype(np.float64)
+            sa, sc = np.flatnonzero(a), np.flatnonzero(c)
+            big = np.count_nonzero(a[:none]) * np.count_nonzero(c[:none]) > _LOW_RANK_MIN
+            if big:
+                low_rank.append((float(mult), a[:none], c[:none]))
+                diagonal += mult * (a * c.sum() + c * a.sum())
+                if b.dropped is None:  # a star spans the complete bipartite graph of the block
+                    edges.append((np.full(len(sc), sa[0]), sc))
+                    edges.append((sa, np.full(len(sa), sc[0])))
+            else:
+                pp, mm = np.meshgrid(sa, sc, indexing="ij")
+                keys.append(torch.from_numpy((pp * (none + 1) + mm).reshape(-1)))
+                weights.append(torch.from_numpy((mult * np.outer(a[sa], c[sc])).reshape(-1)).round().long())
         if b.dropped is None:
-            if big:  # a star spans the complete bipartite graph of the block
-                edges.append((np.full(len(sc), sa[0]), sc))
-                edges.append((sa, np.full(len(sa), sc[0])))
             continue
         dropped_plus, dropped_minus = _classes_at(plus, b.shape, b.dropped), _classes_at(minus, b.shape, b.dropped)
         key, count = _unique_pairs(dropped_plus, dropped_minus, none)
-        if big:
+        if big:  # the rank-one term counts them: a correction, and the graph of the pairs actually kept
             corrections.append((key, count))
             edges.append(_kept_edges(plus, minus, b.shape, b.dropped, mult))
-        else:
+        else:  # exact counts: a pair whose entries are all left out sums to 0 and is no edge
             keys.append(key)
             weights.append(-count)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,6 +34,22 @@ from torch import Tensor
 from manifolds._layout import ParamLayout
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import DegeneratePointError, NetworkStructure, UnsupportedModelError, name_list
+
+
+class SolverHessian(NamedTuple):
+    """The Riemannian Hessian as a symmetric map in the coordinates an eigen-solver runs it in (orthogonal ones: the
+    whitened coordinates up to a fixed orthogonal change, so the spectrum is the same).
+
+    Attributes:
+        apply: ``(v, horizontal=False, out=None) -> P M P v`` on ``(n,)`` vectors (``horizontal``: ``v`` is known to be
+            horizontal, so it is not projected again; ``out``: a horizontal vector the product is added to in place).
+        project: the orthogonal projection onto the horizontal space in these coordinates, ``(..., n)``.
+        to_whitened: ``(..., n)`` vectors of these coordinates -> whitened coordinates.
+    """
+
+    apply: Callable[..., Tensor]
+    project: Callable[[Tensor], Tensor]
+    to_whitened: Callable[[Tensor], Tensor]
 
 
 def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
@@ -122,22 +138,45 @@ class _Quotient(ABC):
         """
         return self.proj_horizontal(self.connection_hessian(egrad, ehvp, xi))
 
-    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
         """``zeta -> P G^{1/2} Hess f[G^{-1/2} P zeta]``: the Riemannian Hessian as a symmetric map.
 
         Its eigenvalues on the range of `whitened_projection` are those of the Riemannian
         Hessian on the quotient; eigenvectors map back to tangent vectors with `unwhiten`.
 
+        The map also takes ``horizontal=True``, the caller's promise that ``zeta`` is already horizontal (to
+        rounding), which spares its projection (``P M P zeta = P M zeta`` then), and ``out``, a horizontal ``(n,)``
+        vector the product is added to in place and returned (projected with it). Eigen-solvers use both on their
+        own, already projected, vectors (see [`SymmetricOperator.matvec`][sharpness.SymmetricOperator.matvec]).
+
         Args:
             egrad: Euclidean gradient at the point, ``(n,)``.
-            hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``.
+            hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``, returning a new tensor (the
+                node-wise map overwrites it).
         """
 
-        def apply(zeta: Tensor) -> Tensor:
-            xi = self.unwhiten(self.whitened_projection(zeta))
-            return self.whitened_projection(self.whiten(self.connection_hessian(egrad, hvp(xi), xi)))
+        def apply(zeta: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
+            xi = self.unwhiten(zeta if horizontal else self.whitened_projection(zeta))
+            product = self.whiten(self.connection_hessian(egrad, hvp(xi), xi))
+            if out is None:
+                return self.whitened_projection(product)
+            return out.copy_(self.whitened_projection(out.add_(product)))
 
         return apply
+
+    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
+                       hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> SolverHessian:  # fmt: skip
+        """The Riemannian Hessian as eigen-solvers run it: `whitened_hessian` in coordinates of the quotient's choice,
+        with the projection there and the map back to whitened coordinates (here: the whitened ones themselves).
+
+        Args:
+            egrad: Euclidean gradient at the point, ``(n,)``.
+            hvp: Euclidean Hessian-vector product, ``(n,) -> (n,)``.
+            hvp_into: optionally the same product added in place to its second argument and returned (e.g.
+                [`SymmetricOperator.matvec_add`][sharpness.SymmetricOperator.matvec_add]), which a quotient may use to
+                spare a vector-sized allocation per product.
+        """
+        return SolverHessian(self.whitened_hessian(egrad, hvp), self.whitened_projection, lambda zeta: zeta)
 
     @abstractmethod
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
@@ -304,8 +343,9 @@ class NodeScaleQuotient(_Quotient):
         self.point, self.layout = _flat_point(point, layout)
         self.structure = structure
         self._sign = torch.sign(self.point)
-        # Zero weights have no log coordinate: J loses their rows too. In whitened coordinates J's rows are signed.
-        self.symmetry = (NodeSymmetry(structure.group, self.layout, self.point != 0, self._sign)
+        # Zero weights have no log coordinate: J loses their rows too. J acts on log coordinates d = xi / w; the
+        # whitened ones are zeta = sign(w) d, where the projection is sign(w) P sign(w).
+        self.symmetry = (NodeSymmetry(structure.group, self.layout, self.point != 0)
                          if structure.group is not None else None)  # fmt: skip
         self.projected = self.symmetry is not None
         self.projection_note = (
@@ -315,35 +355,81 @@ class NodeScaleQuotient(_Quotient):
             f"({structure.group_failure}); the rescaling directions lie in the Hessian's kernel, so only zero "
             "eigenvalues can differ"
         )
-        absw = self.point.abs()
-        self.sqrt_metric = torch.where(absw > 0, 1.0 / torch.where(absw > 0, absw, 1.0), 0.0)
+        # 1 / |w|, and 0 where w = 0 (1/0 = inf) or is not a number: two passes, no temporaries
+        self.sqrt_metric = self.point.abs().reciprocal_().nan_to_num_(nan=0.0, posinf=0.0)
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
-        # whitened = sign(w) * (log coordinates): the projection of J with its rows signed (sign 0 drops an entry)
+        # whitened = sign(w) * (log coordinates): sign(w) P sign(w) (sign 0 drops an entry)
         if self.symmetry is None:
             return zeta
-        return self.symmetry.project_out(zeta)
+        return self._project_in_place(zeta * self._sign).mul_(self._sign)
 
     def whitened_vertical_basis(self) -> Tensor:
         if self.symmetry is None:
             return self.point.new_zeros(0, self.layout.size)
         eye = torch.eye(self.symmetry.dim, dtype=self.point.dtype, device=self.point.device)
-        return self.symmetry.apply(eye)
+        return self.symmetry.apply(eye) * self._sign
 
-    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-        # the base class's map with fewer passes over the parameters: P (|w| H |w| + diag(w g)) P, w g formed once
-        absw, weighted = self.point.abs(), self.connection_diagonal(egrad)
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
+        # the log-coordinate map of `solver_hessian` conjugated by sign(w): whitened = sign(w) * log coordinates
+        apply_log = self._log_hessian(egrad, hvp)
+        sign = self._sign
 
-        def apply(zeta: Tensor) -> Tensor:
-            zeta = self.whitened_projection(zeta)
-            return self.whitened_projection(torch.addcmul(absw * hvp(absw * zeta), weighted, zeta))
+        def apply(zeta: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
+            product = apply_log(zeta * sign, horizontal, None if out is None else out.mul_(sign))
+            return product.mul_(sign)
 
         return apply
 
+    def solver_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
+                       hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> SolverHessian:  # fmt: skip
+        """The Riemannian Hessian in log coordinates ``d = xi / w`` (``sign(w)`` times the whitened ones), where the
+        projection has no signs to apply: ``P (diag(w) H diag(w) + diag(w g)) P``, the same spectrum as
+        `whitened_hessian`, at fewer passes over the parameters per product (``hvp_into``: see the base class)."""
+        return SolverHessian(self._log_hessian(egrad, hvp, hvp_into), self._project_log, lambda d: d * self._sign)
+
+    def _log_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
+                     hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:  # fmt: skip
+        """``d -> P (diag(w) H diag(w) + diag(w g)) P d = P (w (H (w d) + g d))`` in log coordinates (``horizontal`` and
+        ``out`` as in `whitened_hessian`): two vectors kept for every product (``w d`` and ``H (w d) + g d``, into
+        which ``hvp_into`` adds), so a product on the solvers' path allocates nothing; the last projection in
+        place."""
+        w, g = self.point, self.connection_factor(egrad)
+        scratch: list[Tensor] = []
+
+        def apply(d: Tensor, horizontal: bool = False, out: Tensor | None = None) -> Tensor:
+            if not horizontal:
+                d = self._project_log(d)
+            if not scratch:
+                scratch.extend((torch.empty_like(d), torch.empty_like(d)))
+            x, inner = scratch
+            torch.mul(w, d, out=x)
+            torch.mul(g, d, out=inner)
+            if hvp_into is None:
+                inner.add_(hvp(x))
+            else:
+                hvp_into(x, inner)
+            return self._project_in_place(torch.mul(w, inner) if out is None else out.addcmul_(w, inner))
+
+        return apply
+
+    def _project_log(self, d: Tensor) -> Tensor:
+        """The horizontal projection in log coordinates (a new tensor)."""
+        return d.clone() if self.symmetry is None else self.symmetry.project_out(d)
+
+    def _project_in_place(self, d: Tensor) -> Tensor:
+        """The horizontal projection of a contiguous log-coordinate ``d``, written over it."""
+        return d if self.symmetry is None else self.symmetry.project_out(d, out=d)
+
     def connection_diagonal(self, egrad: Tensor) -> Tensor:
         """``w * g``: the Levi-Civita connection's term ``(w g) xi`` of the Hessian, as the diagonal it multiplies
-        (the one place both `connection_hessian` and the fused `whitened_hessian` take it from)."""
-        return self.point * egrad
+        (``w`` times `connection_factor`)."""
+        return self.point * self.connection_factor(egrad)
+
+    def connection_factor(self, egrad: Tensor) -> Tensor:
+        """``g``: the connection term's diagonal divided by ``w`` (the one place `connection_hessian`, the fused
+        `whitened_hessian` and `solver_hessian` take it from)."""
+        return egrad
 
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
         # w = 0 makes both terms 0: the dropped entries stay out

@@ -20,7 +20,7 @@ def _layer_without_connection(self, egrad, ehvp, xi):
 
 
 def _node_without_connection(self, egrad):
-    return torch.zeros_like(egrad)  # the (w g) xi term gone from connection_hessian and whitened_hessian alike
+    return torch.zeros_like(egrad)  # the (w g) xi term gone from every Hessian of the node quotient alike
 
 
 def _scaled_layer_metric(init):
@@ -48,7 +48,7 @@ def _first_order_geodesic(self, xi, t=1.0):
 
 MUTANTS = {
     "layer connection terms dropped": (LayerScaleQuotient, "connection_hessian", lambda _: _layer_without_connection),
-    "node connection terms dropped": (NodeScaleQuotient, "connection_diagonal", lambda _: _node_without_connection),
+    "node connection terms dropped": (NodeScaleQuotient, "connection_factor", lambda _: _node_without_connection),
     f"layer metric x{METRIC_SCALE:g}": (LayerScaleQuotient, "__init__", _scaled_layer_metric),
     "basis-path sign flipped in G-space": (GSpace, "_weight_coordinates", _flipped_path),
     "geodesic second-order term dropped": (MetricQuotient, "second_order_geodesic", lambda _: _first_order_geodesic),

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
+
+import torch
+from torch import Tensor
 
 from manifolds import DegeneratePointError, LayerScaleQuotient, NodeScaleQuotient
 from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import CallableOperator
+from sharpness.solvers._vectors import _canonical_signs
 
 
 class QuotientMeasure(Measure):
@@ -48,8 +53,7 @@ class QuotientMeasure(Measure):
         sqrt_metric = getattr(quotient, "sqrt_metric", None)
         if sqrt_metric is None:
             return quotient, {"n_measured": layout.size, "n_dropped": 0}
-        kept = sqrt_metric > 0
-        n_measured = int(kept.sum())
+        n_measured = int(torch.count_nonzero(sqrt_metric))  # entries with sqrt_metric > 0 (it is never negative)
         facts = {"n_measured": n_measured, "n_dropped": layout.size - n_measured}
         if n_measured == 0:
             raise DegeneratePointError(
@@ -58,7 +62,7 @@ class QuotientMeasure(Measure):
                 short="all parameters dropped",
             )
         if n_measured < layout.size:
-            names = [name for name in layout.names if not bool(kept[layout.slice(name)].all())]
+            names = [name for name in layout.names if not bool(sqrt_metric[layout.slice(name)].all())]
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             facts["dropped"] = (
                 f"{facts['n_dropped']} of {layout.size} parameters left out ({shown}): they are {self.drops}, where "
@@ -70,20 +74,35 @@ class QuotientMeasure(Measure):
         quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
         egrad = objective.gradient()
-        op = CallableOperator(
-            quotient.whitened_hessian(egrad, hessian.matvec),
-            objective.layout.size,
-            objective.dtype,
-            objective.device,
-            project=quotient.whitened_projection,
-            comm=objective.comm,
-        )
+        solver_hessian = getattr(quotient, "solver_hessian", None)
+        if solver_hessian is None:  # a quotient with only the whitened map (the symmetry quotient): as it is
+            op = CallableOperator(quotient.whitened_hessian(egrad, hessian.matvec), objective.layout.size,
+                                  objective.dtype, objective.device, project=quotient.whitened_projection,
+                                  comm=objective.comm)  # fmt: skip
+            to_parameters = quotient.unwhiten
+        else:
+            # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
+            # products end with the projection, and on the solvers' own (horizontal) vectors it skips the first one.
+            hess = solver_hessian(egrad, hessian.matvec, hessian.matvec_add)
+            op = CallableOperator(hess.apply, objective.layout.size, objective.dtype, objective.device,
+                                  project=hess.project, comm=objective.comm,
+                                  matvec_in_subspace=partial(hess.apply, horizontal=True),
+                                  products_in_subspace=True)  # fmt: skip
+
+            def to_parameters(vectors: Tensor) -> Tensor:
+                # back in whitened coordinates, signed there as the solvers sign their vectors (largest entry positive)
+                return quotient.unwhiten(_canonical_signs(hess.to_whitened(vectors)))
+
+        # ||G^-1 g||_g = ||G^-1/2 g|| for a diagonal metric: one unwhitening instead of two and a whitening
+        diagonal = getattr(quotient, "sqrt_metric", None) is not None
+        grad_norm = (torch.linalg.vector_norm(quotient.unwhiten(egrad)) if diagonal
+                     else quotient.norm(quotient.egrad2rgrad(egrad)))  # fmt: skip
         return CurvatureOperator(
             op,
-            to_parameters=quotient.unwhiten,
+            to_parameters=to_parameters,
             coordinates="tangent",
             info={
-                "riemannian_grad_norm": float(quotient.norm(quotient.egrad2rgrad(egrad))),
+                "riemannian_grad_norm": float(grad_norm),
                 "hvp_strategy": hessian.strategy,
                 **measured,
             }

@@ -3,7 +3,10 @@
 An operator maps ``(n,)`` vectors to ``(n,)`` vectors (``matvec``) and ``(k, n)`` blocks to
 ``(k, n)`` blocks (``matmat``). It may restrict itself to a subspace (e.g. the horizontal space of
 a quotient) through ``project``: solvers project their start vectors and every product, so vectors
-outside the subspace never enter the spectrum.
+outside the subspace never enter the spectrum. An operator whose products are projected already says so
+(``products_in_subspace``), and then solvers re-project only every few products, against rounding; a solver
+that applies it to its own (projected) vectors says so (``in_subspace=True``), so the operator may skip
+projecting them again.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ class SymmetricOperator(ABC):
         comm: the processes that apply it together (products of a data set shared among processes): solvers
             draw their random vectors and take their stopping decisions through it, so every process does
             the same.
+        products_in_subspace: whether every product (`matvec`, `matvec_add` onto a vector of the subspace,
+            `matmat`) already lies in the subspace of `project`, to rounding (``False`` by default). Solvers
+            then skip re-projecting the products, except every few steps against the drift of rounding.
     """
+
+    products_in_subspace: bool = False
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  comm: Communicator = SINGLE_PROCESS):  # fmt: skip
@@ -47,22 +55,36 @@ class SymmetricOperator(ABC):
     def _matmat(self, vs: Tensor) -> Tensor:
         return torch.stack([self._matvec(v) for v in vs])
 
-    def matvec(self, v: Tensor) -> Tensor:
-        """``A @ v`` for ``v`` of shape ``(n,)``."""
-        self.n_matvec += 1
-        return self._matvec(v)
+    def matvec(self, v: Tensor, in_subspace: bool = False) -> Tensor:
+        """``A @ v`` for ``v`` of shape ``(n,)``.
 
-    def matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
+        ``in_subspace=True`` is the caller's promise that ``v`` lies in the subspace of `project` (to rounding):
+        an operator ``A = P B P`` may then skip projecting ``v``. The result is ``A v`` either way (up to
+        rounding); without the promise every ``v`` is taken as it is.
+        """
+        self.n_matvec += 1
+        return self._matvec_in_subspace(v) if in_subspace else self._matvec(v)
+
+    def matvec_add(self, v: Tensor, out: Tensor, in_subspace: bool = False) -> Tensor:
         """``out += A @ v`` in place and return ``out`` (both ``(n,)``, not sharing storage).
 
         Operators that can add their product straight into ``out`` (`HessianOperator`) spare a
-        product-sized temporary: low-memory solvers keep one vector fewer that way.
+        product-sized temporary: low-memory solvers keep one vector fewer that way. ``in_subspace=True``:
+        both ``v`` and ``out`` lie in the subspace of `project` (to rounding); see `matvec`.
         """
         self.n_matvec += 1
-        return self._matvec_add(v, out)
+        return self._matvec_add_in_subspace(v, out) if in_subspace else self._matvec_add(v, out)
 
     def _matvec_add(self, v: Tensor, out: Tensor) -> Tensor:
         return out.add_(self._matvec(v))
+
+    def _matvec_in_subspace(self, v: Tensor) -> Tensor:
+        """``A @ v`` for ``v`` in the subspace (default: as any ``v``)."""
+        return self._matvec(v)
+
+    def _matvec_add_in_subspace(self, v: Tensor, out: Tensor) -> Tensor:
+        """``out += A @ v`` for ``v`` and ``out`` in the subspace (default: as any)."""
+        return self._matvec_add(v, out)
 
     def matmat(self, vs: Tensor) -> Tensor:
         """``(A @ vs.T).T`` for a block ``vs`` of shape ``(k, n)``."""
@@ -107,7 +129,22 @@ class DenseOperator(SymmetricOperator):
 
 
 class CallableOperator(SymmetricOperator):
-    """Wraps ``matvec`` (and optionally a batched ``matmat``) functions on flat vectors."""
+    """Wraps ``matvec`` (and optionally a batched ``matmat``) functions on flat vectors.
+
+    Args:
+        matvec: ``(n,) -> (n,)``, the product of any vector.
+        size: ``n``.
+        dtype: of the vectors.
+        device: of the vectors.
+        matmat: ``(k, n) -> (k, n)``, a batched product (default: ``matvec`` row by row).
+        project: the orthogonal projection onto the operator's subspace (default: none).
+        comm: the processes that apply it together.
+        matvec_in_subspace: ``(v, out=None) -> A v`` for ``v`` in the subspace of ``project``, added to ``out`` in
+            place when given (``out`` in the subspace too) and returned: the product without projecting ``v``
+            again (default: ``matvec``).
+        products_in_subspace: whether every product of ``matvec``, ``matmat`` and ``matvec_in_subspace`` is
+            already projected (see [`SymmetricOperator`][sharpness.SymmetricOperator]).
+    """
 
     def __init__(
         self,
@@ -118,14 +155,24 @@ class CallableOperator(SymmetricOperator):
         matmat: Callable[[Tensor], Tensor] | None = None,
         project: Callable[[Tensor], Tensor] | None = None,
         comm: Communicator = SINGLE_PROCESS,
+        matvec_in_subspace: Callable[..., Tensor] | None = None,
+        products_in_subspace: bool = False,
     ):
         super().__init__(size, dtype, device, comm)
         self._mv = matvec
         self._mm = matmat
         self._project = project
+        self._mv_in_subspace = matvec_in_subspace
+        self.products_in_subspace = bool(products_in_subspace)
 
     def _matvec(self, v: Tensor) -> Tensor:
         return self._mv(v)
+
+    def _matvec_in_subspace(self, v: Tensor) -> Tensor:
+        return self._mv(v) if self._mv_in_subspace is None else self._mv_in_subspace(v)
+
+    def _matvec_add_in_subspace(self, v: Tensor, out: Tensor) -> Tensor:
+        return self._matvec_add(v, out) if self._mv_in_subspace is None else self._mv_in_subspace(v, out=out)
 
     def _matmat(self, vs: Tensor) -> Tensor:
         return self._mm(vs) if self._mm is not None else super()._matmat(vs)

@@ -23,6 +23,7 @@ from sharpness.solvers._vectors import (
     _check_k,
     _fresh_direction,
     _gram_schmidt,
+    _reprojected,
     _residual_scale,
     _subtract_combination,
     _true_residuals,
@@ -66,7 +67,8 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
     """One fully reorthogonalized Lanczos step from the last row ``q_m`` of ``basis``.
 
     Args:
-        op: the operator (its ``project`` is applied to the new vector).
+        op: the operator (its ``project`` is applied to the new vector, every few steps only when its products are
+            projected already: see `_reprojected`).
         basis: the orthonormal Lanczos vectors so far, ``m >= 1`` rows.
         beta_prev: the coefficient coupling rows ``m - 1`` and ``m`` (ignored when ``m == 1``).
 
@@ -86,14 +88,14 @@ def lanczos_step(op: SymmetricOperator, basis: KrylovBasis, beta_prev: float) ->
         torch.mul(basis[m - 2], -beta_prev, out=row)
     else:
         row.zero_()
-    product = op.matvec_add(q, row)
-    w = op.project(product)
+    product = op.matvec_add(q, row, in_subspace=True)  # q and row are combinations of projected vectors
+    w = _reprojected(op, product, m)
     # The three-term recurrence first removes the large components (alpha q_m, beta q_{m-1}); one
     # Gram-Schmidt pass against the whole basis then removes the rest, which is small, so its
     # second pass (DGKS) is rarely needed: about one pass over the basis per step instead of two.
     alpha = float(torch.dot(q, w))
     w.sub_(q, alpha=alpha)
-    if w is product:  # nothing projected out (project returns v itself then): two passes over the basis
+    if w is product:  # nothing projected (project returns v itself then): two passes over the basis
         w, coeffs, beta, before = _orthonormalize(w, basis)
     else:
         w, coeffs, _, before = _gram_schmidt(w, basis, overwrite=True)

@@ -19,6 +19,7 @@ from sharpness.solvers._vectors import (
     _canonical_signs,
     _check_k,
     _orthogonalize,
+    _reprojected,
     _residual_scale,
     _start_vector,
 )
@@ -35,17 +36,19 @@ class _Recurrence:
     def __init__(self, op: SymmetricOperator, found: KrylovBasis):
         self.op, self.found = op, found
 
-    def step(self, q: Tensor, previous: Tensor | None, beta_prev: float, alpha: float | None) -> tuple[Tensor, float]:
+    def step(self, q: Tensor, previous: Tensor | None, beta_prev: float, alpha: float | None,
+             index: int) -> tuple[Tensor, float]:  # fmt: skip
         """``w = B q - alpha q - beta_prev previous``, unnormalized, consuming ``previous``.
 
         ``alpha=None`` computes it (``q^T B q``, with one local re-orthogonalization against ``q``);
-        a given ``alpha`` replays a step of the first pass.
+        a given ``alpha`` replays a step of the first pass. ``index``: the step's position in its pass (the replay
+        re-projects where the first pass did).
 
         Returns:
             ``(w, alpha)``.
         """
         start = torch.zeros_like(q) if previous is None else previous.mul_(-beta_prev)
-        w = self.op.matvec_add(q, start)
+        w = self.op.matvec_add(q, start, in_subspace=True)  # q and previous are combinations of projected vectors
         if alpha is None:
             alpha = float(torch.dot(q, w))
             w.sub_(q, alpha=alpha)
@@ -57,7 +60,7 @@ class _Recurrence:
             w.sub_(q, alpha=alpha)
         # Project and deflate last, so the rounding the subtractions leave along excluded and found
         # directions is removed every step instead of growing with the recurrence.
-        w = self.op.project(w)
+        w = _reprojected(self.op, w, index)
         if self.found.size:
             w, _ = _orthogonalize(w, self.found, overwrite=True)
         return w, alpha
@@ -87,7 +90,7 @@ def _first_pass(
     alphas: list[float] = []
     betas: list[float] = []
     while True:
-        w, alpha = rec.step(q, previous, beta, None)
+        w, alpha = rec.step(q, previous, beta, None, len(alphas))
         alphas.append(alpha)
         beta = float(torch.linalg.vector_norm(w))
         theta, s, anorm = _top_ritz(alphas, betas, 1)
@@ -111,7 +114,7 @@ def _first_pass(
 
 def _true_residual(op: SymmetricOperator, y: Tensor, theta: float, norm: float) -> float:
     """``||P (A y - theta y)|| / max(|theta|, eps norm)`` for a unit ``y``, with one product (two vectors)."""
-    r = op.project(op.matvec_add(y, y * -theta))
+    r = _reprojected(op, op.matvec_add(y, y * -theta, in_subspace=True))  # y is projected
     return float(torch.linalg.vector_norm(r)) / float(_residual_scale(np.array([theta]), norm, op.dtype)[0])
 
 
@@ -121,7 +124,7 @@ def _ritz_vector(rec: _Recurrence, q0: Tensor, alphas: list[float], betas: list[
     q, previous = q0, None
     y = q0 * float(s[0])
     for j in range(len(alphas) - 1):
-        w, _ = rec.step(q, previous, betas[j - 1] if j else 0.0, alphas[j])
+        w, _ = rec.step(q, previous, betas[j - 1] if j else 0.0, alphas[j], j)
         previous, q = q, w.mul_(1.0 / betas[j])
         y.add_(q, alpha=float(s[j + 1]))
     del q, previous  # before y is scaled: the peak is three vectors

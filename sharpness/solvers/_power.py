@@ -8,6 +8,7 @@ is negative the run is repeated on ``A - theta I``, whose dominant eigenvalue is
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from sharpness.solvers._vectors import (
     _canonical_signs,
     _check_k,
     _orthogonalize,
+    _reprojected,
     _start_vector,
     _true_residuals,
 )
@@ -155,13 +157,15 @@ def power_iteration(
     converged = True
     shift = 0.0
 
+    steps = itertools.count()
+
     def apply(x: Tensor, shift: float) -> Tensor:
-        y = op.matvec(x)
+        y = op.matvec(x, in_subspace=True)  # x is a projected start vector or a projected product
         if shift != 0.0:
             y = y - shift * x
         # Project and deflate after shifting: excluded and found directions have eigenvalue -shift in
         # A - shift I, which would otherwise amplify any rounding that leaks into them.
-        y, _ = _orthogonalize(op.project(y), found)
+        y, _ = _orthogonalize(_reprojected(op, y, next(steps)), found)
         return y
 
     with progress_bar(None, "power", progress) as bar:

@@ -1,0 +1,176 @@
+"""Solves that skip redundant projections (issue 33, speed): an operator whose products are projected already
+(`products_in_subspace`) is re-projected by the solvers only every few steps, and on the solvers' own projected
+vectors (`in_subspace=True`) it skips projecting its input; the node projection works slice by slice and in place.
+Same eigenvalues as without the skip, the public `matvec` still ``P A P v`` for any ``v``, rounding drift bounded."""
+
+import pytest
+import torch
+from test_node_projection import _INPUTS, _models, _reference_projector
+from torch import nn
+
+from manifolds import NodeScaleQuotient, NodeSymmetry
+from manifolds import _node_symmetry as node_symmetry
+from sharpness import (
+    MEASURES,
+    CallableOperator,
+    Objective,
+    dense_hessian,
+    dense_spectrum,
+    lanczos,
+    low_memory_lanczos,
+    power_iteration,
+)
+from sharpness.solvers import _vectors
+
+SOLVERS = {"lanczos": lanczos, "low-memory-lanczos": low_memory_lanczos, "power": power_iteration}
+
+
+def _depthwise() -> nn.Sequential:
+    """A depthwise convolution (its output and input scales vary along the same axis: pairs counted one by one) with
+    exact zeros in it, so the Gram matrix's counts of left-out pairs are exercised on such a tensor too."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16, 3)).double().eval()  # fmt: skip
+    with torch.no_grad():
+        model[2].weight[1, 0, 0, 0] = 0.0
+        model[2].weight[2] = 0.0
+        model[0].bias[0] = 0.0
+    return model
+
+
+def _example(name: str, samples: int = 2) -> torch.Tensor:
+    shape = _INPUTS.get(name, (1, 6, 6))
+    return torch.randn(samples, *shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def _node_objective(name: str) -> Objective:
+    model = _depthwise() if name == "depthwise" else _models()[name]()
+    x = _example(name, 24)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (24,), generator=g)
+    return Objective(model, nn.CrossEntropyLoss(), (x, y))
+
+
+@pytest.mark.parametrize("matrix_min", [0, 10**9])  # every weight projected as a matrix, or by broadcasting
+@pytest.mark.parametrize("name", ["mlp_zeros", "residual_zeros", "depthwise"])
+def test_projection_in_place_equals_the_new_one_and_the_reference(name, matrix_min, monkeypatch):
+    monkeypatch.setattr(node_symmetry, "_MATRIX_MIN", matrix_min)
+    obj = _node_objective(name)
+    w = obj.layout.flatten(obj.params)
+    quotient = NodeScaleQuotient(obj.params, obj.structure, obj.layout)
+    v = torch.randn(3, obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for sym in (quotient.symmetry, NodeSymmetry(obj.structure.group, obj.layout, w != 0, torch.sign(w))):
+        new = sym.project_out(v)
+        in_place = v.clone()
+        assert sym.project_out(in_place, out=in_place) is in_place
+        torch.testing.assert_close(in_place, new, rtol=0, atol=0)
+    reference = _reference_projector(obj.model, _example(name))  # whitened coordinates: sign(w) P sign(w)
+    n = obj.layout.size
+    torch.testing.assert_close(quotient.whitened_projection(torch.eye(n, dtype=torch.float64)), reference, rtol=0,
+                               atol=1e-12)  # fmt: skip
+
+
+def test_node_operator_is_p_a_p_on_any_vector_and_skips_only_on_horizontal_ones():
+    """The public product is ``P M P v`` for an arbitrary ``v`` (in log coordinates ``d = xi / w``, the whitened ones
+    times ``sign(w)``); the in-subspace product (input not projected) and the in-place one (added to a horizontal
+    ``out``) agree with it on horizontal vectors."""
+    obj = _node_objective("cnn_bn_zeros")
+    op = MEASURES["node"].operator(obj).operator
+    assert op.products_in_subspace
+    w, grad, hessian = obj.layout.flatten(obj.params), obj.gradient(), dense_hessian(obj)
+    projector = _reference_projector(obj.model, _example("cnn_bn_zeros"))
+    reference = projector @ (w.abs()[:, None] * hessian * w.abs()[None, :] + torch.diag(w * grad)) @ projector
+    sign = torch.sign(w)
+    projector, reference = (sign[:, None] * m * sign[None, :] for m in (projector, reference))
+    tol = 1e-12 * float(reference.abs().max())
+    v = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert float((projector @ v[0] - v[0]).norm()) > 0.1  # far from horizontal
+    torch.testing.assert_close(op.matvec(v[0]), reference @ v[0], rtol=0, atol=tol)
+    h, out = projector @ v[0], projector @ v[1]
+    torch.testing.assert_close(op.matvec(h, in_subspace=True), reference @ h, rtol=0, atol=tol)
+    added = op.matvec_add(h, out.clone(), in_subspace=True)
+    torch.testing.assert_close(added, out + reference @ h, rtol=0, atol=tol)
+
+
+def _dense_projected(n: int = 40, removed: int = 6):
+    """A symmetric ``A`` that does NOT vanish on the removed directions (so a missed projection changes the answer),
+    the projection ``P`` off ``removed`` random directions, and the top eigenvalue of ``P A P`` on ``range(P)``."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    a = a + a.T
+    q, _ = torch.linalg.qr(torch.randn(n, removed, generator=g, dtype=torch.float64))
+    a = a + 40.0 * q @ q.T  # the removed directions carry the largest eigenvalues of A itself
+
+    def project(v):
+        return v - q @ (q.T @ v)
+
+    p = torch.eye(n, dtype=torch.float64) - q @ q.T
+    basis = torch.linalg.svd(p)[0][:, : n - removed]
+    top = torch.linalg.eigvalsh(basis.T @ a @ basis)[-2:].flip(0)
+    return a, project, top
+
+
+def _operators(a, project, honest: bool = True):
+    """The projected operator ``P A P`` plainly (the solvers project everything), and with the skip: its
+    in-subspace product ``P A v`` (``v`` taken as horizontal) and the claim that its products are projected. A
+    dishonest one claims so while returning ``A P v``."""
+    n = a.shape[0]
+
+    def in_subspace(v, out=None):
+        product = project(a @ v) if honest else a @ v
+        return product if out is None else out.add_(product)
+
+    plain = CallableOperator(lambda v: project(a @ project(v)), n, torch.float64, project=project)
+    skipping = CallableOperator(lambda v: project(a @ project(v)) if honest else a @ project(v), n, torch.float64,
+                                project=project, matvec_in_subspace=in_subspace, products_in_subspace=True)  # fmt: skip
+    return plain, skipping
+
+
+@pytest.mark.parametrize("method", list(SOLVERS))
+def test_solves_with_and_without_the_skip_agree_and_a_false_claim_is_caught(method):
+    a, project, top = _dense_projected()
+    plain, skipping = _operators(a, project)
+    v = torch.randn(a.shape[0], generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    reference = project(a @ project(v))  # the public product of any vector, which the skip must leave alone
+    torch.testing.assert_close(skipping.matvec(v), reference, rtol=0, atol=1e-12 * float(reference.norm()))
+    assert float((project(a @ v) - reference).norm()) > 0.1 * float(reference.norm())  # skipping P there would show
+    kwargs = {"k": 2, "tol": 1e-13, "max_iter": 2000 if method == "power" else 40, "progress": False}
+    with_skip = SOLVERS[method](skipping, generator=torch.Generator().manual_seed(0), **kwargs)
+    without = SOLVERS[method](plain, generator=torch.Generator().manual_seed(0), **kwargs)
+    rtol = 1e-7 if method == "power" else 1e-10  # power iteration: the Rayleigh-quotient change stops it
+    torch.testing.assert_close(with_skip.eigenvalues, top, rtol=rtol, atol=0)
+    torch.testing.assert_close(with_skip.eigenvalues, without.eigenvalues, rtol=rtol, atol=0)
+    # The solvers do trust the claim: an operator claiming projected products it does not project leaks the
+    # removed directions (eigenvalues near 40) into the spectrum, so the comparison above can fail.
+    _, liar = _operators(a, project, honest=False)
+    lied = SOLVERS[method](liar, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert float((lied.eigenvalues - top).abs().max()) > 1e-3 * float(top.abs().max())
+
+
+@pytest.mark.parametrize("method", list(SOLVERS))
+def test_node_solve_with_and_without_the_skip_and_its_drift(method):
+    """Float64 node measure: the eigenvalues with the skip equal those of the operator that projects everything and
+    the dense reference to 1e-10; the vertical part the solver's vectors gather by rounding between re-projections
+    stays below 1e-12 of their norm."""
+    obj = _node_objective("cnn_bn_zeros")
+    op = MEASURES["node"].operator(obj).operator
+    drift: list[float] = []
+    fast = op._mv_in_subspace
+
+    def recorded(v, out=None):
+        for x in (v,) if out is None else (v, out):
+            drift.append(float((x - op.project(x)).norm() / x.norm()))
+        return fast(v, out=out)
+
+    skipping = CallableOperator(op._mv, op.size, op.dtype, project=op.project, matvec_in_subspace=recorded,
+                                products_in_subspace=True)  # fmt: skip
+    plain = CallableOperator(op._mv, op.size, op.dtype, project=op.project)
+    k = 1 if method == "power" else 2
+    kwargs = {"k": k, "tol": 1e-12, "max_iter": 300 if method == "power" else 60, "progress": False}
+    with_skip = SOLVERS[method](skipping, generator=torch.Generator().manual_seed(0), **kwargs)
+    without = SOLVERS[method](plain, generator=torch.Generator().manual_seed(0), **kwargs)
+    rtol = 1e-6 if method == "power" else 1e-10  # power iteration: the Rayleigh-quotient change stops it
+    torch.testing.assert_close(with_skip.eigenvalues, without.eigenvalues, rtol=rtol, atol=0)
+    torch.testing.assert_close(with_skip.eigenvalues, dense_spectrum(obj, "node")[:k], rtol=rtol, atol=0)
+    assert len(drift) > 2 * _vectors._REPROJECT_EVERY  # products between re-projections were recorded
+    assert max(drift) < 1e-12
