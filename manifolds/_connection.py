@@ -373,7 +373,7 @@ class MetricQuotient:
         [`connection_hessian`][manifolds.MetricQuotient.connection_hessian])."""
         return self.proj_horizontal(self.connection_hessian(egrad, ehvp, xi))
 
-    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def whitened_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
         """``zeta -> P_w W Hess f[W^-1 P_w zeta]``: the quotient Hessian as a symmetric map on ``(n,)``.
 
         Its eigenvalues on the range of `whitened_projection` are those of the quotient Hessian relative
@@ -382,11 +382,15 @@ class MetricQuotient:
         Args:
             egrad: Euclidean gradient at the point, ``(n,)``.
             hvp: Euclidean Hessian-vector product on flat vectors, ``(n,) -> (n,)``.
+
+        The map also takes ``horizontal=True``, the caller's promise that ``zeta`` is already horizontal (to
+        rounding), which spares its first projection (``P M P zeta = P M zeta`` then); eigen-solvers use it on their
+        own, already projected, vectors.
         """
         connection = self.connection_operator(self._solve(egrad))
 
-        def apply(zeta: Tensor) -> Tensor:
-            xi = self.unwhiten(self.whitened_projection(zeta))
+        def apply(zeta: Tensor, horizontal: bool = False) -> Tensor:
+            xi = self.unwhiten(zeta if horizontal else self.whitened_projection(zeta))
             return self.whitened_projection(self.whiten(self._solve(hvp(xi) - connection(xi))))
 
         return apply

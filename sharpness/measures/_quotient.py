@@ -76,9 +76,16 @@ class QuotientMeasure(Measure):
         egrad = objective.gradient()
         solver_hessian = getattr(quotient, "solver_hessian", None)
         if solver_hessian is None:  # a quotient with only the whitened map (the symmetry quotient): as it is
-            op = CallableOperator(quotient.whitened_hessian(egrad, hessian.matvec), objective.layout.size,
-                                  objective.dtype, objective.device, project=quotient.whitened_projection,
-                                  comm=objective.comm)  # fmt: skip
+            apply = quotient.whitened_hessian(egrad, hessian.matvec)
+
+            def apply_horizontal(zeta: Tensor, out: Tensor | None = None) -> Tensor:
+                # the solvers' own vectors are horizontal; the product is projected, and so is its sum with `out`
+                product = apply(zeta, horizontal=True)
+                return product if out is None else out.add_(product)
+
+            op = CallableOperator(apply, objective.layout.size, objective.dtype, objective.device,
+                                  project=quotient.whitened_projection, comm=objective.comm,
+                                  matvec_in_subspace=apply_horizontal, products_in_subspace=True)  # fmt: skip
             to_parameters = quotient.unwhiten
         else:
             # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
