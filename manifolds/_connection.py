@@ -93,6 +93,9 @@ class Metric:
             grid at once; otherwise point by point under ``torch.func.vmap``).
         derivative: ``(w, a) -> (xi -> DG(w)[a] xi)``, the derivative of ``G`` along ``a`` as a map of ``xi``, with
             its per-point work done once; ``None``: a JVP of ``apply`` per vector (what it must equal).
+        jacobian: ``(w, u) -> (xi -> A xi, eta -> A^T eta)`` with ``A`` the Jacobian of ``w -> G(w) u`` (``A xi =
+            DG(w)[xi] u``, ``A^T eta = grad_w <eta, G(w) u>``), per-point work done once; ``None``: backward passes
+            through a recorded graph of ``G(w) u`` (what it must equal).
     """
 
     apply: PointMap
@@ -102,6 +105,7 @@ class Metric:
     name: str = "metric"
     batched: bool = False
     derivative: Callable[[Tensor, Tensor], Callable[[Tensor], Tensor]] | None = None
+    jacobian: Callable[[Tensor, Tensor], tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] | None = None
 
     def __post_init__(self):
         if (self.whiten is None) != (self.unwhiten is None):
@@ -292,9 +296,10 @@ class MetricQuotient:
 
         ``B(xi) = 1/2 (A xi + A^T xi - DG[u] xi)`` with ``A`` the Jacobian of ``w -> G(w) u`` (``u = rgrad``): the
         terms of `connection_covector`, as ``DG[xi] u = A xi`` and ``grad_w(u^T G(w) xi) = A^T xi`` (``G`` is
-        symmetric). The graph of ``G(w) u`` and of its backward pass are recorded once, so ``A^T xi`` is one
-        backward pass and ``A xi`` one backward pass through that backward (linear in its cotangent); ``DG[u] xi``
-        is the metric's `derivative` where it gives one, else one JVP per vector.
+        symmetric). ``A xi`` and ``A^T xi`` are the metric's closed forms (`Metric.jacobian`) where it gives them;
+        otherwise the graph of ``G(w) u`` and of its backward pass are recorded once, so ``A^T xi`` is one backward
+        pass and ``A xi`` one backward pass through that backward (linear in its cotangent). ``DG[u] xi`` is the
+        metric's `derivative` where it gives one, else one JVP per vector.
 
         Args:
             rgrad: the Riemannian gradient ``u = G^-1 g``, ``(n,)``.
@@ -302,6 +307,20 @@ class MetricQuotient:
         Returns:
             A function of a tangent vector ``(n,)``, equal to ``connection_covector(rgrad, xi)``.
         """
+        if self.metric.derivative is not None:
+            along_u = self.metric.derivative(self.point, rgrad)
+        else:
+            def along_u(xi: Tensor) -> Tensor:
+                return self._dmetric(xi, rgrad)
+
+        if self.metric.jacobian is not None:  # closed forms of A and A^T: no graph to record or to run backwards
+            forward, backward = self.metric.jacobian(self.point, rgrad)
+
+            def closed(xi: Tensor) -> Tensor:
+                return 0.5 * (forward(xi) + backward(xi) - along_u(xi))
+
+            return closed
+
         with torch.enable_grad():  # the recorded graphs are what makes each product cheap, whatever the caller's mode
             w = self.point.clone().requires_grad_(True)
             gu = self.metric.apply(w, rgrad)
@@ -309,11 +328,6 @@ class MetricQuotient:
             # A^T c, recorded as a graph in c (zero, and no graph, where G does not depend on w)
             pullback = (torch.autograd.grad(gu, w, cotangent, create_graph=True, allow_unused=True,
                                             materialize_grads=True)[0] if gu.requires_grad else torch.zeros_like(w))
-        if self.metric.derivative is not None:
-            along_u = self.metric.derivative(self.point, rgrad)
-        else:
-            def along_u(xi: Tensor) -> Tensor:
-                return self._dmetric(xi, rgrad)
 
         def linear(output: Tensor, wrt: Tensor, xi: Tensor) -> Tensor:
             if not output.requires_grad:

@@ -245,6 +245,7 @@ class _Point:
             table = torch.cat([table[..., :start], ref, table[..., start + size:]], dim=-1)
             start += plan.n_refs
             table = torch.cat([table[..., :start], 1.0 / ref, table[..., start + size:]], dim=-1)
+        self.table = table  # [1, references, their inverses]: what the column weights are read from
         self.row_p = [table[..., r.weight][..., None, :] for r in plan.rows]  # (..., B, 1, m)
         self.row_s = [(w[..., r.index] * p) @ w[..., r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
         self.col_s = [w[..., c].transpose(-1, -2) @ w[..., c] for c in plan.gl_columns]  # (..., B, k, k)
@@ -325,7 +326,8 @@ def _metric(plan: _Plan) -> Metric:
         return _whitener(_Point(plan, w), 0.5)(zeta)
 
     return Metric(apply, solve, whiten, unwhiten, name="symmetry", batched=True,
-                  derivative=lambda w, a: _derivative(plan, w, a))  # fmt: skip
+                  derivative=lambda w, a: _derivative(plan, w, a),
+                  jacobian=lambda w, u: _jacobian(plan, w, u))  # fmt: skip
 
 
 def _solver(point: _Point):
@@ -370,3 +372,81 @@ def _derivative(plan: _Plan, w: Tensor, a: Tensor):
         )
 
     return apply
+
+
+def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
+    """``(xi -> A xi, eta -> A^T eta)`` for ``A`` the Jacobian of ``w -> G(w) u`` at one point (``w``, ``u``,
+    ``xi``, ``eta`` all ``(n,)``), in closed form, with what does not depend on the vector computed once.
+
+    On a row block ``G u = Y = Z (U p)`` with ``Z = s^-1``, ``s = X diag(p) X^T``; along ``xi`` (block ``Xi``) and the
+    column weights' change ``dp``, ``ds = Xi P X^T + X P Xi^T + X dP X^T`` and ``d(G u) = Z (U dp) - Z ds Y``. On a
+    column block ``G u = Y = U Z`` (``Z = (X^T X)^-1``): ``d(G u) = -Y (Xi^T X + X^T Xi) Z``. On an entry ``u p``:
+    ``u dp``, with ``dp = -2 xi / w^3`` under the node metric. The weights ``p`` are read from the table of
+    references ``r = sum x^2 p`` (and ``1 / r``), whose change ``dr = sum (2 x xi p + x^2 dp)`` is carried
+    upstream first; ``A^T`` is the same chain read backwards (references downstream first), with the cotangent of
+    ``ds`` ``-Z H Y^T`` on a row block and ``-Y^T H Z`` on a column block.
+    """
+    point = _Point(plan, w)
+    table, refs = point.table, plan.n_refs
+    rows = []
+    for r, s, p in zip(plan.rows, point.row_s, point.row_p):
+        z = torch.linalg.inv(s)
+        rows.append((r, w[r.index], u[r.index], z, z @ (u[r.index] * p), p))
+    cols = []
+    for c, s in zip(plan.gl_columns, point.col_s):
+        z = torch.linalg.inv(s)
+        cols.append((c, w[c], z, u[c] @ z))
+    node = plan.entry_node.to(w.device)
+    ue = u[plan.entries]
+    we = torch.where(node, w[plan.entries], 1.0)
+    node_scale = torch.where(node, -2.0 * ue / (we * we * we), 0.0)  # d(u / w^2) = -2 u xi / w^3
+    entry_u = torch.where(node, 0.0, ue)
+    weight = plan.entry_weight.to(w.device)
+    references = []  # (reference block, x, p, slot of r, r)
+    for fi, r in plan.references:
+        x = w[r.index]
+        start = 1 + plan.ref_offsets[fi]
+        ref = table[start: start + x.shape[0]]
+        references.append((r, x, table[r.weight][:, None, :], start, ref))
+
+    def forward(xi: Tensor) -> Tensor:
+        dt = xi.new_zeros(table.shape)
+        for r, x, p, start, ref in references:  # upstream first
+            dref = (x * (2.0 * xi[r.index] * p + x * dt[r.weight][:, None, :])).sum((-2, -1))
+            dt[start: start + ref.shape[0]] = dref
+            dt[start + refs: start + refs + ref.shape[0]] = -dref / (ref * ref)
+        pieces = []
+        for r, x, ur, z, y, p in rows:
+            dx, dp = xi[r.index], dt[r.weight][:, None, :]
+            ds = (dx * p) @ x.transpose(-1, -2)
+            ds = ds + ds.transpose(-1, -2) + (x * dp) @ x.transpose(-1, -2)
+            pieces.append((z @ (ur * dp - ds @ y)).reshape(-1))
+        for c, x, z, y in cols:
+            ds = xi[c].transpose(-1, -2) @ x
+            pieces.append(-((y @ (ds + ds.transpose(-1, -2))) @ z).reshape(-1))
+        pieces.append(node_scale * xi[plan.entries] + entry_u * dt[weight])
+        return torch.cat(pieces)[plan.inverse]
+
+    def backward(eta: Tensor) -> Tensor:
+        gt = eta.new_zeros(table.shape)  # the cotangent of the table
+        pieces = []
+        for r, x, ur, z, y, p in rows:
+            zh = z @ eta[r.index]
+            sym = zh @ y.transpose(-1, -2)  # Z H Y^T: minus the cotangent of ds
+            pieces.append((-((sym + sym.transpose(-1, -2)) @ x) * p).reshape(-1))
+            gt.index_add_(0, r.weight.reshape(-1), ((zh * ur) - x * (sym @ x)).sum(-2).reshape(-1))
+        for c, x, z, y in cols:
+            sym = y.transpose(-1, -2) @ eta[c] @ z
+            pieces.append(-(x @ (sym + sym.transpose(-1, -2))).reshape(-1))
+        he = eta[plan.entries]
+        pieces.append(node_scale * he)
+        gt.index_add_(0, weight, entry_u * he)
+        out = torch.cat(pieces)[plan.inverse]
+        for r, x, p, start, ref in reversed(references):  # downstream first: their weights read upstream references
+            g = gt[start: start + ref.shape[0]] - gt[start + refs: start + refs + ref.shape[0]] / (ref * ref)
+            g = g[:, None, None]
+            out.index_add_(0, r.index.reshape(-1), (2.0 * x * p * g).reshape(-1))
+            gt.index_add_(0, r.weight.reshape(-1), (x * x * g).reshape(-1))
+        return out
+
+    return forward, backward

@@ -1,8 +1,10 @@
 """The symmetry quotient's fast paths against the general ones they replace (float64, tiny transformers).
 
-* the connection operator (`MetricQuotient.connection_operator`: recorded graphs of ``G(w) u`` and the metric's
-  closed-form derivative along ``u``) against `MetricQuotient.connection_covector` (three autodiff products per
-  vector), for the symmetry metric and for metrics without a closed-form derivative;
+* the symmetry metric's closed-form Jacobian of ``w -> G(w) u`` (``A xi``, ``A^T eta``) against a JVP and a VJP of
+  the metric, on models with node entries and references that read other references;
+* the connection operator (`MetricQuotient.connection_operator`: the closed forms, or recorded graphs of ``G(w) u``,
+  and the metric's closed-form derivative along ``u``) against `MetricQuotient.connection_covector` (three autodiff
+  products per vector), for the symmetry metric and for metrics without a closed-form derivative;
 * the per-point whitening and solve against the metric's own functions of the point;
 * the Gram columns ``W V`` built from batches of probes against the dense whitened vertical basis, and ``M``
   against the coordinate-by-coordinate build (``dense_gram=True``);
@@ -10,6 +12,8 @@
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -34,6 +38,16 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-12) -> None:
     assert float((a - b).abs().max()) <= rtol * float(b.abs().max()), (float((a - b).abs().max()), float(b.abs().max()))
 
 
+@pytest.mark.parametrize("name", ["mha_post", "two_blocks"])
+def test_symmetry_jacobian_equals_autodiff(name):
+    q = _quotient(name)
+    g = torch.Generator().manual_seed(3)
+    u, xi, eta = torch.randn(3, q.point.numel(), generator=g, dtype=torch.float64)
+    forward, backward = q.metric.jacobian(q.point, u)
+    _close(forward(xi), q._dmetric(u, xi))  # A xi = DG[xi] u
+    _close(backward(eta), q._dmetric_transpose(u, eta))  # A^T eta = grad_w <eta, G(w) u>
+
+
 @pytest.mark.parametrize("name", ["mha_pre", "two_blocks"])
 def test_symmetry_connection_operator_equals_the_autodiff_covector(name):
     q = _quotient(name)
@@ -47,6 +61,9 @@ def test_symmetry_connection_operator_equals_the_autodiff_covector(name):
     with torch.no_grad():  # a caller without gradients (a solver's loop) gets the same products
         operator = q.connection_operator(u)
     _close(operator(xi), q.connection_covector(u, xi))
+    # the recorded-graph path the closed forms replace (any metric without them) still gives the same products
+    recorded = MetricQuotient(dataclasses.replace(q.metric, jacobian=None), q.point).connection_operator(u)
+    _close(recorded(xi), operator(xi))
 
 
 def test_generic_connection_operator_equals_the_covector():
