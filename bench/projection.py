@@ -131,7 +131,7 @@ def symmetry_section(device, rounds: int, solver: Solver) -> None:
     v = v.to(device)
     project, _ = median_time(lambda: quotient.whitened_projection(v), rounds, device)
     print(f"T1 symmetry quotient: {quotient.layout.size:,} parameters, group of dimension {symmetry.dim} "
-          f"({len(symmetry.factors)} factors), Gram matrix from {quotient.gram_probes} probes and factored in "
+          f"({len(symmetry.factors)} factors), Gram matrix ({quotient.gram_probes} probes) built and factored in "
           f"{built:.3f} s, one projection {project * 1e3:.2f} ms")  # fmt: skip
     solve_section(w.model, w.X, w.y, solver, rounds, device, ("euclidean", "symmetry"))
 

@@ -338,11 +338,39 @@ def _solver(point: _Point):
 def _whitener(point: _Point, power: float):
     """``xi -> W xi`` (``power = -0.5``, ``W = G^{1/2}``) or ``zeta -> W^-1 zeta`` (``power = 0.5``) at ``point``, with
     the blocks' matrix roots taken once (a fixed point's maps are applied many times)."""
-    rows = [(_sym_power(s, power), p.pow(-power)) for s, p in zip(point.row_s, point.row_p)]
-    cols = [_sym_power(s, power) for s in point.col_s]
-    entry = point.entry_p.pow(-power)
+    rows, cols, entry = _roots(point, power)
     return lambda v: point.blockwise(v, lambda x, r, q: r @ (x * q), lambda x, r: x @ r, lambda x, q: x * q, rows,
                                      cols, entry)  # fmt: skip
+
+
+def _roots(point: _Point, power: float) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], Tensor]:
+    """The blocks' factors of ``G^-power``: ``(s^power, p^-power)`` per row batch, ``s^power`` per column batch and
+    ``p^-power`` on the entries (``power = -0.5``: ``W``, ``0.5``: ``W^-1``)."""
+    rows = [(_sym_power(s, power), p.pow(-power)) for s, p in zip(point.row_s, point.row_p)]
+    return rows, [_sym_power(s, power) for s in point.col_s], point.entry_p.pow(-power)
+
+
+def _whitening_entries(point: _Point) -> tuple[Tensor, Tensor, Tensor]:
+    """``W = G^{1/2}`` at one point ``(n,)`` as ``(row, column, value)`` triplets of a sparse ``n x n`` matrix (each
+    ``1-D``): ``k^2 m`` numbers per ``k x m`` row block, ``k^2 m`` per ``m x k`` column block, one per entry."""
+    plan = point.plan
+    rows, cols, entry = _roots(point, -0.5)
+    out = []
+    for r, (root, q) in zip(plan.rows, rows):  # (W x)[b, a, j] = sum_c root[b, a, c] q[b, j] x[b, c, j]
+        idx = r.index.to(root.device)
+        big, k, m = idx.shape
+        shape = (big, k, k, m)  # (block, a, c, j)
+        out.append((idx[:, :, None, :].expand(shape), idx[:, None, :, :].expand(shape),
+                    root[..., None] * q[:, None, :, :]))  # fmt: skip
+    for c, root in zip(plan.gl_columns, cols):  # (W x)[b, i, a] = sum_c x[b, i, c] root[b, c, a]
+        idx = c.to(root.device)
+        big, m, k = idx.shape
+        shape = (big, m, k, k)  # (block, i, a, c)
+        out.append((idx[..., None].expand(shape), idx[:, :, None, :].expand(shape),
+                    root.transpose(-1, -2)[:, None].expand(shape)))  # fmt: skip
+    entries = plan.entries.to(entry.device)
+    out.append((entries, entries, entry))
+    return tuple(torch.cat([part[i].reshape(-1) for part in out]) for i in range(3))
 
 
 def _derivative(plan: _Plan, w: Tensor, a: Tensor):

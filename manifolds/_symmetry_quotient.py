@@ -36,7 +36,7 @@ from manifolds._layout import ParamLayout
 from manifolds._matrix_group import MatrixSymmetry, _grid
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import UnsupportedModelError, name_list
-from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener
+from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener, _whitening_entries
 
 _PROBE_ENTRIES = 1 << 22  # probes per batch of the Gram build: about this many numbers (32 MiB in float64) at once
 
@@ -55,7 +55,8 @@ class SymmetryQuotient(MetricQuotient):
 
     Attributes:
         vertical_dim: rank of the vertical space (``symmetry.dim`` unless the orbit is degenerate at ``w``).
-        gram_probes: the number of products ``V^T G V y`` that built ``M``.
+        gram_probes: the number of products ``V^T G V y`` that built ``M`` (0 with the default metric: ``M`` is read
+            from ``W V``, built block by block).
 
     Raises:
         UnsupportedModelError: the metric cannot be built for this group (see `manifolds._symmetry_metric`),
@@ -88,7 +89,7 @@ class SymmetryQuotient(MetricQuotient):
             diagonal = symmetry.diagonal if symmetry.diagonal_dim else None
             if diagonal is not None:  # the node metric on the tensors it moves: W V = sign(w) J there
                 self._node = NodeSymmetry(diagonal, self.layout, signs=torch.sign(w))
-            gram, self.gram_probes = self._sparse_columns(plan.block_of)
+            gram, self.gram_probes = self._sparse_columns()
             (kind, f), rank = _factor(gram)
             # its inverse, once: applying a d x d matrix beats two triangular solves per projection by far
             self._gram_factor = ("pinv", torch.cholesky_inverse(f) if kind == "cholesky" else f)
@@ -147,6 +148,39 @@ class SymmetryQuotient(MetricQuotient):
                 out.index_add_(1, index.reshape(-1), value.reshape(ys.shape[0], -1))
         return out
 
+    def _vertical_entries(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``V`` over the factors' coordinates as ``(row, column, value)`` triplets of a sparse ``(n, d)`` matrix
+        (columns: the factors' coordinates in order, the diagonal group's left out), read block by block: the
+        coordinate ``(a, b)`` of a GL factor is ``d = +-E_ab`` (transposed for ``"T"`` and ``"invT"``), which moves
+        row ``a`` of a row block by ``+-`` its row ``b`` (``d x``), and column ``b`` of a column block by ``+-`` its
+        column ``a`` (``x d``); the ``j``-th coordinate of a diagonal factor is ``a = b = j``. What
+        `_factor_tangents` computes for unit coordinates, without a dense ``(d, n)`` buffer."""
+        sym, w, layout = self.symmetry, self.point, self.layout
+        rows, cols, values = [], [], []
+        offset = 0
+        for f in sym.factors:
+            t = torch.arange(f.dim, device=w.device)
+            a, b = (t, t) if f.kind == "diagonal" else (t // f.size, t % f.size)
+            for blk in f.blocks:
+                where = layout.slice(blk.name)
+                shape = layout.shapes[layout.names.index(blk.name)]
+                flat = torch.arange(where.start, where.stop, device=w.device).reshape(shape)
+                index = flat[_grid(blk, tuple(shape), w.device)]  # (k, m) rows, (m, k) columns, (k,) a vector
+                x = w[index]
+                sign = 1.0 if blk.how == "T" else -1.0
+                r, c = (b, a) if f.kind != "diagonal" and blk.how in ("T", "invT") else (a, b)
+                if blk.axis == 0 or x.dim() == 1:  # row (or entry) r takes +- row c
+                    entry, value = index[r], sign * x[c]
+                else:  # column c takes +- column r
+                    entry, value = index[:, c].T, sign * x[:, r].T
+                rows.append(entry.reshape(-1))
+                cols.append((offset + t)[:, None].expand(entry.reshape(f.dim, -1).shape).reshape(-1))
+                values.append(value.reshape(-1))
+            offset += f.dim
+        if not rows:
+            return w.new_zeros(0, dtype=torch.long), w.new_zeros(0, dtype=torch.long), w.new_zeros(0)
+        return torch.cat(rows), torch.cat(cols), torch.cat(values)
+
     def vertical_adjoint(self, eta: Tensor) -> Tensor:
         """``V^T eta`` for a flat ``eta`` ``(n,)``: ``(d,)``."""
         return self.symmetry.vertical_adjoint(self.params, self.layout.unflatten(eta))
@@ -169,51 +203,29 @@ class SymmetryQuotient(MetricQuotient):
                 gram[starts[g]: starts[g + 1], starts[owner] + t] = u[starts[g]: starts[g + 1]]
         return (gram + gram.T) / 2, probes
 
-    def _sparse_columns(self, block_of: Tensor) -> tuple[Tensor, int]:
-        """``W V`` over the factors' coordinates as sparse matrices (kept in ``_columns``), and ``M`` from it."""
+    def _sparse_columns(self) -> tuple[Tensor, int]:
+        """``W V`` over the factors' coordinates as sparse matrices (kept in ``_columns``), and ``M`` from it: ``V``
+        read block by block (`_vertical_entries`), ``W`` as its blocks' roots (block-diagonal, so ``W V`` keeps to
+        the blocks each factor's tangents touch), multiplied as sparse matrices; no probe. Returns ``(M, 0)``."""
         from scipy import sparse
 
-        sym, w = self.symmetry, self.point
-        sizes = [sym.diagonal_dim, *(f.dim for f in sym.factors)]
-        starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
-        d = starts[-1] - sizes[0]
-        groups = [i for i, s in enumerate(sizes) if s and i > 0]
-        colours = _colouring(self, groups, starts, block_of)
-        entries = {g: torch.isin(block_of, torch.tensor(sorted(colours.support[g]))).nonzero().reshape(-1).to(w.device)
-                   for g in groups}  # fmt: skip
-        rows, cols, values = [], [], []
-        probes = list(_probes(colours, sizes, starts, w.new_zeros(sym.dim)))
-        n = w.numel()
-        ys = torch.stack([y for _, _, y in probes]) if probes else w.new_zeros(0, sym.dim)
-        for lo, tangents in self._verticals(ys):
-            part = probes[lo: lo + tangents.shape[0]]
-            z = self.whiten(tangents)  # the metric is block-diagonal: each member keeps to its blocks
-            seen: dict[int, tuple[list[int], list[int]]] = {}  # group -> (rows of z, coordinates t) it owns
-            for i, (t, members, _) in enumerate(part):
-                for g in members:
-                    at, ts = seen.setdefault(g, ([], []))
-                    at.append(i)
-                    ts.append(t)
-            for g, (at, ts) in seen.items():
-                # (probes of g here, entries g's tangents can reach), read in one gather
-                value = z[torch.tensor(at, device=w.device)[:, None], entries[g][None, :]]
-                probe, entry = (value != 0).nonzero(as_tuple=True)
-                rows.append(entries[g][entry])
-                cols.append(torch.tensor(ts, device=w.device)[probe] + (starts[g] - sizes[0]))
-                values.append(value[probe, entry])
-        if rows:
-            index = torch.stack([torch.cat(rows), torch.cat(cols)])
-            value = torch.cat(values)
-        else:
-            index, value = torch.zeros(2, 0, dtype=torch.long, device=w.device), w.new_zeros(0)
-        # assembled on the host by scipy (repeated positions summed, as coalescing would), both ways round
-        host = sparse.csr_matrix((value.cpu().numpy(), (index[0].cpu().numpy(), index[1].cpu().numpy())), shape=(n, d))
+        w = self.point
+        n, d = w.numel(), self.symmetry.dim - self.symmetry.diagonal_dim
+        to_host = lambda t: t.cpu().numpy()  # noqa: E731
+        # assembled on the host by scipy (repeated positions summed: a tensor both a row and a column block of one
+        # factor moves), both ways round
+        v_rows, v_cols, v_values = self._vertical_entries()
+        vertical = sparse.csr_matrix((to_host(v_values), (to_host(v_rows), to_host(v_cols))), shape=(n, d))
+        w_rows, w_cols, w_values = _whitening_entries(_Point(self._plan, w))
+        whiten = sparse.csr_matrix((to_host(w_values), (to_host(w_rows), to_host(w_cols))), shape=(n, n))
+        host = (whiten @ vertical).tocsr()
+        host.eliminate_zeros()  # entries of W V that cancel exactly (as the probes' reading dropped them)
         host_t = host.T.tocsr()
         with warnings.catch_warnings():  # CSR (MKL's products on the CPU, cuSPARSE's on a GPU) is "beta" in torch
             warnings.simplefilter("ignore", UserWarning)
             self._columns = (_torch_csr(host, w), _torch_csr(host_t, w))
         gram = torch.from_numpy((host_t @ host).toarray()).to(w.device, w.dtype)
-        return (gram + gram.T) / 2, len(probes)
+        return (gram + gram.T) / 2, 0
 
     # -- the projection --------------------------------------------------------------------------------------
     def _solve_gram(self, a: Tensor) -> Tensor:

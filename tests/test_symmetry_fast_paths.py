@@ -108,13 +108,22 @@ def test_batched_gram_columns_equal_the_dense_vertical_basis(name, monkeypatch):
     wv = torch.stack([q.whiten(v) for v in symmetry.vertical_basis(params).T], dim=1)[:, symmetry.diagonal_dim:]
     columns = q._columns[0].to_dense()
     _close(columns, wv)
-    monkeypatch.setattr(symmetry_quotient, "_PROBE_ENTRIES", 3 * q.point.numel())  # three probes per batch
-    small = SymmetryQuotient(symmetry, params)
-    assert small.gram_probes == q.gram_probes and small.gram_probes > 3
-    _close(small._columns[0].to_dense(), columns, 0.0)  # batching changes nothing
+    assert q.gram_probes == 0  # read block by block, no probe
     ys = torch.randn(5, symmetry.dim, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     ys[:, : symmetry.diagonal_dim] = 0  # the factors' coordinates only: the blockwise tangents, not vmap
     _close(q._factor_tangents(ys), torch.func.vmap(q.vertical)(ys), 0.0)
+    rows, cols, values = q._vertical_entries()  # V's nonzeros: the tangents of unit coordinates, exactly
+    vertical = torch.zeros(q.point.numel(), columns.shape[1], dtype=torch.float64)
+    unit = torch.eye(symmetry.dim, dtype=torch.float64)[symmetry.diagonal_dim:]
+    _close(vertical.index_put_((rows, cols), values, accumulate=True), q._factor_tangents(unit).T, 0.0)
+    if name == "mha_pre":  # a metric given: M from coloured probes, in batches of any size alike
+        given = manifolds.symmetry_metric(symmetry, params)
+        whole = SymmetryQuotient(symmetry, params, metric=given)
+        monkeypatch.setattr(symmetry_quotient, "_PROBE_ENTRIES", 3 * q.point.numel())  # three probes per batch
+        small = SymmetryQuotient(symmetry, params, metric=given)
+        assert small.gram_probes == whole.gram_probes > 3
+        _close(small._gram_factor[1], whole._gram_factor[1], 0.0)
+        _close(whole._gram_factor[1] @ whole._gram_factor[1].T, columns.T @ columns)
     zeta = torch.randn(3, q.point.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     _close(q.whitened_projection(zeta[0]), q.whitened_projection(zeta)[0])  # one vector: matrix-vector products
     if symmetry.diagonal_dim == 0:  # the same M as the coordinate-by-coordinate build
