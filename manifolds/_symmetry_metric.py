@@ -142,10 +142,13 @@ class _Plan:
             total += factors[fi].size
         self.n_refs = total
 
+        offsets = torch.zeros(len(factors) + 1, dtype=torch.long)  # by factor; the last for "no factor" (-1)
+        for fi, offset in self.ref_offsets.items():
+            offsets[fi] = offset
+
         def weight_index(entries: Tensor) -> Tensor:
             fi, j, power = col_factor[entries], col_j[entries], col_power[entries]
-            offset = torch.tensor([self.ref_offsets.get(int(i), 0) for i in fi.reshape(-1)], dtype=torch.long)
-            slot = 1 + offset.reshape(fi.shape) + j + torch.where(power < 0, total, 0)
+            slot = 1 + offsets[fi] + j + torch.where(power < 0, total, 0)
             return torch.where(fi >= 0, slot, 0)
 
         # -- row blocks, their references, and the order references are computed in -------------------------
@@ -275,6 +278,11 @@ class _Point:
 def _solve(s: Tensor, x: Tensor) -> Tensor:
     """``s^-1 x`` for a batch of small SPD ``s``; ``1 x 1`` blocks (units) by division, not LAPACK."""
     return x / s if s.shape[-1] == 1 else torch.linalg.solve(s, x)
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for batches of small matrices; an inner dimension of 1 (units' ``1 x 1`` blocks) by broadcasting."""
+    return a * b if a.shape[-1] == 1 else a @ b
 
 
 def _sym_power(s: Tensor, power: float) -> Tensor:
@@ -416,10 +424,17 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
     """
     point = _Point(plan, w)
     table, refs = point.table, plan.n_refs
-    rows = []
+    by_shape: dict[tuple[int, ...], list[tuple[Tensor, ...]]] = {}  # references too: fewer, larger batches
     for r, s, p in zip(plan.rows, point.row_s, point.row_p):
-        z = torch.linalg.inv(s)
-        rows.append((r, w[r.index], u[r.index], z, z @ (u[r.index] * p), p))
+        by_shape.setdefault(tuple(r.index.shape[1:]), []).append((r.index, r.weight, s, p))
+    rows = []
+    for same in by_shape.values():
+        index, weight, s, p = (torch.cat(parts) for parts in zip(*same))
+        z = _solve(s, torch.eye(s.shape[-1], dtype=s.dtype, device=s.device))
+        rows.append((index, weight, w[index], u[index], z, _mm(z, u[index] * p), p))
+    perm = torch.cat([index.reshape(-1) for index, *_ in rows] + [c.reshape(-1) for c in plan.gl_columns]
+                     + [plan.entries])
+    inverse = torch.argsort(perm)  # the flat order of the pieces, in the batches above
     cols = []
     for c, s in zip(plan.gl_columns, point.col_s):
         z = torch.linalg.inv(s)
@@ -429,7 +444,7 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
     we = torch.where(node, w[plan.entries], 1.0)
     node_scale = torch.where(node, -2.0 * ue / (we * we * we), 0.0)  # d(u / w^2) = -2 u xi / w^3
     entry_u = torch.where(node, 0.0, ue)
-    weight = plan.entry_weight.to(w.device)
+    entry_weight = plan.entry_weight.to(w.device)
     references = []  # (reference block, x, p, slot of r, r)
     for fi, r in plan.references:
         x = w[r.index]
@@ -444,32 +459,32 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
             dt[start: start + ref.shape[0]] = dref
             dt[start + refs: start + refs + ref.shape[0]] = -dref / (ref * ref)
         pieces = []
-        for r, x, ur, z, y, p in rows:
-            dx, dp = xi[r.index], dt[r.weight][:, None, :]
+        for index, weight, x, ur, z, y, p in rows:
+            dx, dp = xi[index], dt[weight][:, None, :]
             ds = (dx * p) @ x.transpose(-1, -2)
             ds = ds + ds.transpose(-1, -2) + (x * dp) @ x.transpose(-1, -2)
-            pieces.append((z @ (ur * dp - ds @ y)).reshape(-1))
+            pieces.append(_mm(z, ur * dp - _mm(ds, y)).reshape(-1))
         for c, x, z, y in cols:
             ds = xi[c].transpose(-1, -2) @ x
             pieces.append(-((y @ (ds + ds.transpose(-1, -2))) @ z).reshape(-1))
-        pieces.append(node_scale * xi[plan.entries] + entry_u * dt[weight])
-        return torch.cat(pieces)[plan.inverse]
+        pieces.append(node_scale * xi[plan.entries] + entry_u * dt[entry_weight])
+        return torch.cat(pieces)[inverse]
 
     def backward(eta: Tensor) -> Tensor:
         gt = eta.new_zeros(table.shape)  # the cotangent of the table
         pieces = []
-        for r, x, ur, z, y, p in rows:
-            zh = z @ eta[r.index]
+        for index, weight, x, ur, z, y, p in rows:
+            zh = _mm(z, eta[index])
             sym = zh @ y.transpose(-1, -2)  # Z H Y^T: minus the cotangent of ds
-            pieces.append((-((sym + sym.transpose(-1, -2)) @ x) * p).reshape(-1))
-            gt.index_add_(0, r.weight.reshape(-1), ((zh * ur) - x * (sym @ x)).sum(-2).reshape(-1))
+            pieces.append((-_mm(sym + sym.transpose(-1, -2), x) * p).reshape(-1))
+            gt.index_add_(0, weight.reshape(-1), ((zh * ur) - x * _mm(sym, x)).sum(-2).reshape(-1))
         for c, x, z, y in cols:
             sym = y.transpose(-1, -2) @ eta[c] @ z
             pieces.append(-(x @ (sym + sym.transpose(-1, -2))).reshape(-1))
         he = eta[plan.entries]
         pieces.append(node_scale * he)
-        gt.index_add_(0, weight, entry_u * he)
-        out = torch.cat(pieces)[plan.inverse]
+        gt.index_add_(0, entry_weight, entry_u * he)
+        out = torch.cat(pieces)[inverse]
         for r, x, p, start, ref in reversed(references):  # downstream first: their weights read upstream references
             g = gt[start: start + ref.shape[0]] - gt[start + refs: start + refs + ref.shape[0]] / (ref * ref)
             g = g[:, None, None]
