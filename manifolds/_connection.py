@@ -40,9 +40,10 @@ into one product that ``torch.func`` gives:
 Hence ``B(xi) = 1/2 ( DG[xi] u + grad_w(u^T G(w) xi) - DG[u] xi )``: two JVPs and one VJP of the metric
 function, on top of the Euclidean product ``H xi``. At one point and one gradient ``B`` is a fixed symmetric
 linear map, ``1/2 (A + A^T - DG[u])`` with ``A`` the Jacobian of ``w -> G(w) u``, so the Hessian operator
-(`MetricQuotient.connection_operator`) records the graph of ``G(w) u`` and of its backward pass once and applies
-``A^T`` and ``A`` as backward passes through them, and ``DG[u]`` by the metric's own `Metric.derivative` where it
-has one (the symmetry metric's is a few batched products per block shape). For the metrics of this package
+(`MetricQuotient.connection_operator`) applies ``A`` and ``A^T`` by the metric's closed forms (`Metric.jacobian`)
+where it has them, else records the graph of ``G(w) u`` and of its backward pass once and applies ``A^T`` and ``A``
+as backward passes through them, and ``DG[u]`` by the metric's own `Metric.derivative` where it has one (the
+symmetry metric's closed forms are a few batched products per block shape). For the metrics of this package
 (elementwise, per-tensor or per-block) these cost a few passes over ``n`` numbers.
 
 **Quotient.** With a vertical space (the tangents of the group orbit, ``V`` of shape ``(n, d)``) the

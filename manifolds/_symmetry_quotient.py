@@ -16,11 +16,12 @@ With the default metric the projection exploits the group's block structure furt
 moves tensors no factor moves, under the node metric (entry-wise ``1 / w^2``), so its whitened orbit tangents are
 ``sign(w) J`` on their own entries: that part is [`NodeSymmetry`][manifolds.NodeSymmetry]'s projection (its Gram
 matrix ``J^T J`` solved by its structure, no probe at all), orthogonal to the factors' part. Each factor's whitened
-tangents live on the metric blocks of its own rows and columns (a head's ``W_Q`` rows and ``W_K`` rows, say), so
-the probes are read into a sparse ``(n, d)`` matrix ``W V`` (one probe per colour and coordinate, as above, run
-in batches: ``V`` is linear in ``y``, so one vmapped pass of the action takes many probes), ``M = (W V)^T W V``
-follows from it exactly, and a projection is two sparse products and one ``d x d`` solve instead of
-two passes of the group's action through automatic differentiation.
+tangents live on the metric blocks of its own rows and columns (a head's ``W_Q`` rows and ``W_K`` rows, say), and
+a coordinate moves one row or column of a block by another (``+-E_ab``), so ``V`` is read block by block as a
+sparse ``(n, d)`` matrix with no probe, ``W`` (block-diagonal) as a sparse matrix of its blocks' roots, and ``W V``
+is one sparse product; ``M = (W V)^T W V`` follows from it exactly, and a projection is two sparse products and one
+``d x d`` solve instead of two passes of the group's action through automatic differentiation. (A metric given by
+the caller still gets ``M`` from the coloured probes above.)
 """
 
 from __future__ import annotations
