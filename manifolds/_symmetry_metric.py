@@ -424,29 +424,33 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
     """
     point = _Point(plan, w)
     table, refs = point.table, plan.n_refs
+    dev = w.device  # the plan's index tables live on the host; every index is used where the point is
     by_shape: dict[tuple[int, ...], list[tuple[Tensor, ...]]] = {}  # references too: fewer, larger batches
     for r, s, p in zip(plan.rows, point.row_s, point.row_p):
-        by_shape.setdefault(tuple(r.index.shape[1:]), []).append((r.index, r.weight, s, p))
+        by_shape.setdefault(tuple(r.index.shape[1:]), []).append((r.index.to(dev), r.weight.to(dev), s, p))
     rows = []
     for same in by_shape.values():
         index, weight, s, p = (torch.cat(parts) for parts in zip(*same))
         z = _solve(s, torch.eye(s.shape[-1], dtype=s.dtype, device=s.device))
         rows.append((index, weight, w[index], u[index], z, _mm(z, u[index] * p), p))
-    perm = torch.cat([index.reshape(-1) for index, *_ in rows] + [c.reshape(-1) for c in plan.gl_columns]
+    perm = torch.cat([index.reshape(-1).cpu() for index, *_ in rows] + [c.reshape(-1) for c in plan.gl_columns]
                      + [plan.entries])
-    inverse = torch.argsort(perm)  # the flat order of the pieces, in the batches above
+    inverse = torch.argsort(perm.to(dev))  # the flat order of the pieces, in the batches above
     cols = []
     for c, s in zip(plan.gl_columns, point.col_s):
         z = torch.linalg.inv(s)
+        c = c.to(dev)
         cols.append((c, w[c], z, u[c] @ z))
     node = plan.entry_node.to(w.device)
-    ue = u[plan.entries]
-    we = torch.where(node, w[plan.entries], 1.0)
+    entries = plan.entries.to(dev)
+    ue = u[entries]
+    we = torch.where(node, w[entries], 1.0)
     node_scale = torch.where(node, -2.0 * ue / (we * we * we), 0.0)  # d(u / w^2) = -2 u xi / w^3
     entry_u = torch.where(node, 0.0, ue)
     entry_weight = plan.entry_weight.to(w.device)
     references = []  # (reference block, x, p, slot of r, r)
     for fi, r in plan.references:
+        r = _Rows(r.index.to(dev), r.weight.to(dev), fi)
         x = w[r.index]
         start = 1 + plan.ref_offsets[fi]
         ref = table[start: start + x.shape[0]]
@@ -467,7 +471,7 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
         for c, x, z, y in cols:
             ds = xi[c].transpose(-1, -2) @ x
             pieces.append(-((y @ (ds + ds.transpose(-1, -2))) @ z).reshape(-1))
-        pieces.append(node_scale * xi[plan.entries] + entry_u * dt[entry_weight])
+        pieces.append(node_scale * xi[entries] + entry_u * dt[entry_weight])
         return torch.cat(pieces)[inverse]
 
     def backward(eta: Tensor) -> Tensor:
@@ -481,7 +485,7 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
         for c, x, z, y in cols:
             sym = y.transpose(-1, -2) @ eta[c] @ z
             pieces.append(-(x @ (sym + sym.transpose(-1, -2))).reshape(-1))
-        he = eta[plan.entries]
+        he = eta[entries]
         pieces.append(node_scale * he)
         gt.index_add_(0, entry_weight, entry_u * he)
         out = torch.cat(pieces)[inverse]
