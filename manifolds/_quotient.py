@@ -24,6 +24,7 @@ every node-wise rescaling is a translation; invariant under all positive rescali
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import ClassVar, NamedTuple
@@ -357,6 +358,22 @@ class NodeScaleQuotient(_Quotient):
         )
         # 1 / |w|, and 0 where w = 0 (1/0 = inf) or is not a number: two passes, no temporaries
         self.sqrt_metric = self.point.abs().reciprocal_().nan_to_num_(nan=0.0, posinf=0.0)
+
+    def unwhiten(self, zeta: Tensor) -> Tensor:
+        """``G^{-1/2} zeta = |w| zeta``, ``(..., n)`` (dropped entries map to 0)."""
+        if not self._finite:  # a non-finite weight is dropped (sqrt_metric 0) where |w| zeta would not be 0
+            return super().unwhiten(zeta)
+        # two passes (w zeta, times sign(w)) where the division by sqrt_metric takes four and three temporaries;
+        # w = 0 gives 0, and |w| is exact where 1 / (1 / |w|) is rounded twice
+        return torch.mul(zeta, self.point).mul_(self._sign)
+
+    @functools.cached_property
+    def _finite(self) -> bool:
+        # one read-only pass, no temporary: a nan or an infinity shows in the extremes (max and min propagate nan)
+        if not self.point.numel():
+            return True
+        low, high = torch.aminmax(self.point)
+        return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
     def whitened_projection(self, zeta: Tensor) -> Tensor:
         # whitened = sign(w) * (log coordinates): sign(w) P sign(w) (sign 0 drops an entry)

@@ -10,6 +10,7 @@ from torch import nn
 
 from manifolds import NodeScaleQuotient, NodeSymmetry
 from manifolds import _node_symmetry as node_symmetry
+from manifolds._quotient import _Quotient
 from sharpness import (
     MEASURES,
     CallableOperator,
@@ -174,3 +175,24 @@ def test_node_solve_with_and_without_the_skip_and_its_drift(method):
     torch.testing.assert_close(with_skip.eigenvalues, dense_spectrum(obj, "node")[:k], rtol=rtol, atol=0)
     assert len(drift) > 2 * _vectors._REPROJECT_EVERY  # products between re-projections were recorded
     assert max(drift) < 1e-12
+
+
+def test_node_unwhiten_is_the_metric_division_at_two_passes_and_drops_non_finite_weights():
+    """The node quotient's unwhitening ``|w| zeta`` (sign times ``w zeta``) equals the generic division by
+    ``sqrt_metric`` to rounding, exactly 0 on zero weights; a point with a nan or an infinity falls back to the
+    division, which drops those entries (0) where ``|w| zeta`` would not be 0."""
+    obj = _node_objective("mlp_zeros")
+    quotient = NodeScaleQuotient(obj.params, obj.structure, obj.layout)
+    zeta = torch.randn(3, obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    divided = _Quotient.unwhiten(quotient, zeta)
+    assert bool((quotient.point == 0).any())
+    assert quotient._finite
+    torch.testing.assert_close(quotient.unwhiten(zeta), divided, rtol=4e-16, atol=0)
+    assert bool((quotient.unwhiten(zeta)[:, quotient.point == 0] == 0).all())
+    point = quotient.point.clone()
+    point[1], point[2] = float("nan"), float("inf")
+    odd = NodeScaleQuotient(point, obj.structure, obj.layout)
+    assert not odd._finite
+    unwhitened = odd.unwhiten(zeta)
+    torch.testing.assert_close(unwhitened, _Quotient.unwhiten(odd, zeta), rtol=0, atol=0)
+    assert bool((unwhitened[:, 1:3] == 0).all())
