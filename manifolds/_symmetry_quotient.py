@@ -123,20 +123,25 @@ class SymmetryQuotient(MetricQuotient):
             part = ys[lo: lo + chunk]
             yield lo, self._factor_tangents(part) if factors_only else torch.func.vmap(self.vertical)(part)
 
+    def _block_index(self, block) -> Tensor:
+        """The flat positions of a factor block's entries in the point: ``(k, m)`` for a row block, ``(m, k)`` for a
+        column block, ``(k,)`` for a vector."""
+        where = self.layout.slice(block.name)
+        shape = self.layout.shapes[self.layout.names.index(block.name)]
+        flat = torch.arange(where.start, where.stop, device=self.point.device).reshape(shape)
+        return flat[_grid(block, tuple(shape), self.point.device)]
+
     def _factor_tangents(self, ys: Tensor) -> Tensor:
         """``V y`` ``(p, n)`` for rows ``ys`` ``(p, d)`` that move the factors only: what `vertical` computes
         (`manifolds.MatrixSymmetry.vertical`), block by block for the whole batch, added into one flat buffer."""
-        sym, w, layout = self.symmetry, self.point, self.layout
+        sym, w = self.symmetry, self.point
         out = ys.new_zeros(ys.shape[0], w.numel())
         parts = torch.split(ys, [sym.diagonal_dim, *[f.dim for f in sym.factors]], dim=1)
         for f, p in zip(sym.factors, parts[1:]):
             diagonal = f.kind == "diagonal"
             omega = p if diagonal else p.reshape(-1, f.size, f.size)
             for b in f.blocks:
-                where = layout.slice(b.name)
-                shape = layout.shapes[layout.names.index(b.name)]
-                flat = torch.arange(where.start, where.stop, device=w.device).reshape(shape)
-                index = flat[_grid(b, tuple(shape), w.device)]  # (k, m) rows, (m, k) columns, (k,) a vector
+                index = self._block_index(b)
                 x = w[index]
                 d = omega if b.how == "T" else -omega
                 if diagonal:  # d (p, k): scales the block's rows (or entries) or its columns
@@ -156,17 +161,14 @@ class SymmetryQuotient(MetricQuotient):
         row ``a`` of a row block by ``+-`` its row ``b`` (``d x``), and column ``b`` of a column block by ``+-`` its
         column ``a`` (``x d``); the ``j``-th coordinate of a diagonal factor is ``a = b = j``. What
         `_factor_tangents` computes for unit coordinates, without a dense ``(d, n)`` buffer."""
-        sym, w, layout = self.symmetry, self.point, self.layout
+        sym, w = self.symmetry, self.point
         rows, cols, values = [], [], []
         offset = 0
         for f in sym.factors:
             t = torch.arange(f.dim, device=w.device)
             a, b = (t, t) if f.kind == "diagonal" else (t // f.size, t % f.size)
             for blk in f.blocks:
-                where = layout.slice(blk.name)
-                shape = layout.shapes[layout.names.index(blk.name)]
-                flat = torch.arange(where.start, where.stop, device=w.device).reshape(shape)
-                index = flat[_grid(blk, tuple(shape), w.device)]  # (k, m) rows, (m, k) columns, (k,) a vector
+                index = self._block_index(blk)
                 x = w[index]
                 sign = 1.0 if blk.how == "T" else -1.0
                 r, c = (b, a) if f.kind != "diagonal" and blk.how in ("T", "invT") else (a, b)
