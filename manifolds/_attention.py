@@ -106,6 +106,7 @@ class _Finder:
         self.shared = {n for n, p in named if count[id(p)] > 1}
         self.found = _Found()
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
+        self._input_fed: dict[fx.Node, bool] = {}
 
     # -- graph helpers ---------------------------------------------------------------------------------------
     def users(self, node: fx.Node) -> list[fx.Node]:
@@ -118,6 +119,26 @@ class _Finder:
         if node.op == "call_module":
             return f"module '{node.target}' ({type(self.module(node)).__name__})"
         return f"'{target_name(node)}' (graph node '{node.name}')"
+
+    def input_fed(self, node: fx.Node) -> bool:
+        """Whether ``node`` depends on the network's input (a placeholder among its ancestors)."""
+        todo = [node]
+        while todo:
+            n = todo[-1]
+            if n in self._input_fed:
+                todo.pop()
+                continue
+            if n.op == "placeholder":
+                self._input_fed[n] = True
+                todo.pop()
+                continue
+            unknown = [a for a in n.all_input_nodes if a not in self._input_fed]
+            if unknown:
+                todo.extend(unknown)
+                continue
+            self._input_fed[n] = any(self._input_fed[a] for a in n.all_input_nodes)
+            todo.pop()
+        return self._input_fed[node]
 
     def plain_linear(self, node: fx.Node) -> bool:
         m = self.module(node)
@@ -310,6 +331,8 @@ class _Finder:
         if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
             return
         a, b = node.args
+        if not (self.input_fed(a) and self.input_fed(b)):  # a weight product (e.g. `x @ (u * v)`), not attention
+            return
         where = self.label(node)
         try:
             self.query_key(where, a, b, k_features_last=False)

@@ -106,6 +106,15 @@ def test_product_scales_are_found_and_preserve_the_outputs(form):
             torch.testing.assert_close(twin.u * twin.v, model.u * model.v, rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize("form", ["matmul", "left", "with_layer"])
+def test_a_weight_product_is_not_examined_as_attention(form):
+    """A product of the input with weights is no attention candidate (attention multiplies two activations), so
+    the description carries no attention-finder entry for it; the rotary model of the attention tests keeps its."""
+    model, x = build(form)
+    text = analyze(model, x).describe()
+    assert "no attention factor" not in text and "0 GL factor(s)" in text, text
+
+
 @pytest.mark.parametrize("form", REFUSED)
 def test_no_product_scale_where_the_symmetry_does_not_exist(form):
     model, x = build(form)
