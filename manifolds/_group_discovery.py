@@ -14,6 +14,10 @@ operation                                   rule
 ==========================================  =====================================================================
 Linear / Conv (any stride, groups)          outputs are new variables; ``W[o, i] -> W[o, i] e^{s_out(o) - s_in(i)}``,
                                             ``b[o] -> b[o] e^{s_out(o)}``
+``F.linear(x, W, b)``, ``x @ W``,          the Linear rule on ``x``'s last axis, ``W`` and ``b`` parameters read
+``torch.matmul(x, W)``                      directly (``x @ W`` holds ``W`` as ``(in, out)``)
+``x + b``, ``x - b`` (``b`` a parameter)    ``b`` of shape ``(channels,)`` on ``x``'s last (channel) axis:
+                                            ``b -> b e^{s(x)}``, the result shares ``x``'s variables
 ReLU, LeakyReLU, PReLU, pooling, dropout,   pass through (``f(e^s x) = e^s f(x)`` channel-wise)
 identity, constant factor, spatial mean
 flatten / view / reshape keeping channels   a feature inherits the variable of its channel
@@ -30,7 +34,7 @@ a tensor held by several modules            its uses' variables are tied entry b
 ``p * q`` of two parameters (elementwise)    one new variable per entry of the product's free shape (below):
                                             ``p -> p e^{s}``, ``q -> q e^{-s}``, so ``p * q`` is unchanged; only
                                             where the product is the only use of ``p`` and of ``q``
-a tensor read directly (``get_attr``)       every channel its records touch is pinned
+a tensor read directly otherwise           every channel its records touch is pinned
 network input, network output               pinned
 anything else                               inputs and outputs pinned, and listed as unknown
 ==========================================  =====================================================================
@@ -128,6 +132,8 @@ _REDUCTIONS = {"mean", "sum", "amax", "amin"}
 _SCALINGS = {"mul", "truediv", "div", "imul", "itruediv"}
 _ADDITIONS = {"add", "sub", "iadd", "isub", "add_", "sub_"}
 _CONCATENATIONS = {"cat", "concat", "concatenate"}
+_FUNCTIONAL_AFFINE = {"linear", "matmul"}  # ``F.linear(x, W, b)``, ``x @ W`` with parameters read directly
+_OFFSETS = {"add", "sub", "iadd", "isub"}  # ``x + b``, ``x - b`` with ``b`` a parameter read directly
 _PRODUCTS = {"mul", "multiply"}  # elementwise products (``p * q``, ``torch.mul``, ``p.mul(q)``); not in place
 
 _NON_HOMOGENEOUS = {
@@ -263,6 +269,8 @@ class _Walker:
         self.buffer_names = {id(b): n for n, b in model.named_buffers()}
         self.understood: set[tuple[int, int]] = set()  # (module id, tensor id) described by a record
         self.in_products: set[int] = set()  # tensors (by id) whose one use is a product the rules describe
+        # (reading node, get_attr node) pairs a record describes: a functional layer's weight or its bias
+        self.described_reads: set[tuple[fx.Node, fx.Node]] = set()
 
     # -- labels ------------------------------------------------------------------------------------------
     def label(self, node: fx.Node) -> str:
@@ -483,6 +491,10 @@ class _Walker:
 
     def function(self, node: fx.Node, data: list[fx.Node]) -> None:
         name = target_name(node)
+        if len(data) == 1 and name in _FUNCTIONAL_AFFINE and self.functional_affine(node, data[0]):
+            return None
+        if len(data) == 1 and name in _OFFSETS and self.parameter_offset(node, data[0]):
+            return None
         if any(
             isinstance(a, fx.Node) and a.op == "get_attr" for a in node.all_input_nodes
         ):  # parameters or buffers used directly by a function: no rule describes them
@@ -509,6 +521,70 @@ class _Walker:
         if name in _NON_HOMOGENEOUS:
             return self.pin_around(node, data, f"'{name}' is not positively homogeneous (f(c x) != c f(x))")
         return self.unknown(node, data)
+
+    def parameter(self, arg: object) -> tuple[fx.Node, str, Tensor] | None:
+        """``arg`` as a ``get_attr`` node reading a floating-point parameter: (node, name, tensor), else ``None``."""
+        if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
+            return None
+        tensor = self.attribute(arg)
+        name = self.param_name(tensor)
+        return (arg, name, tensor) if name is not None and tensor.is_floating_point() else None
+
+    def functional_affine(self, node: fx.Node, source: fx.Node) -> bool:
+        """``F.linear(x, W, b)`` (``W`` of shape ``(out, in)``) or ``x @ W`` / ``torch.matmul(x, W)`` (``W`` of shape
+        ``(in, out)``) with parameters read directly: the rule of a Linear on ``x``'s last axis, one set of output
+        variables per call (a weight read by several calls has its records tied by `shared_tensors`)."""
+        name, src = target_name(node), self.shape(source)
+        if name == "linear":
+            bound = dict(zip(("input", "weight", "bias"), node.args)) | dict(node.kwargs)
+            transposed = False
+        else:
+            bound = dict(zip(("input", "weight"), node.args)) if not node.kwargs and len(node.args) == 2 else {}
+            transposed = True
+        if bound.get("input") is not source or set(bound) - {"input", "weight", "bias"} or src is None or len(src) < 2:
+            return False
+        weight = self.parameter(bound.get("weight"))
+        bias = self.parameter(bound["bias"]) if bound.get("bias") is not None else None
+        if weight is None or weight[2].dim() != 2 or (bound.get("bias") is not None and bias is None):
+            return False
+        in_axis = len(src) - 1
+        in_ids = self.along(source, in_axis)
+        shape = tuple(weight[2].shape)
+        n_out, n_in = (shape[1], shape[0]) if transposed else shape
+        if in_ids is None or n_in != src[-1] or (bias is not None and tuple(bias[2].shape) != (n_out,)):
+            return False
+        label = self.label(node)
+        out_ids = self.d.new(n_out, f"output of {label}")
+        rows, cols = out_ids.reshape(-1, 1), in_ids.reshape(1, -1)
+        plus, minus = (rows.T, cols.T) if transposed else (rows, cols)
+        self.d.records.append(Record(weight[1], shape, plus, minus, 1, "weight", label))
+        if bias is not None:
+            self.d.records.append(Record(bias[1], (n_out,), out_ids, None, 1, "bias", label))
+        self.described_reads.update((node, p[0]) for p in (weight, bias) if p is not None)
+        self.d.module_outputs[label] = out_ids
+        self.ids[node] = out_ids
+        if in_axis != 1:
+            self.axes[node] = in_axis
+        return True
+
+    def parameter_offset(self, node: fx.Node, source: fx.Node) -> bool:
+        """``x + b``, ``b + x``, ``x - b`` or ``b - x`` with ``b`` a parameter of shape ``(channels,)`` broadcast
+        along ``x``'s last axis, its channel axis (the bias of ``x @ W + b``): ``b`` scales with ``x``'s channels."""
+        if node.kwargs or len(node.args) != 2 or source not in self.ids:
+            return False
+        other = node.args[1] if node.args[0] is source else node.args[0]
+        bias, src = self.parameter(other), self.shape(source)
+        if bias is None or src is None or len(src) < 2 or self.axis(source) != len(src) - 1:
+            return False
+        if tuple(bias[2].shape) != (src[-1],) or self.shape(node) != src:
+            return False
+        layer = self.label(source) if source.op != "placeholder" else self.label(node)
+        self.d.records.append(Record(bias[1], (src[-1],), self.ids[source], None, 1, "bias", layer))
+        self.described_reads.add((node, bias[0]))
+        self.ids[node] = self.ids[source]
+        if self.axis(source) != 1:
+            self.axes[node] = self.axis(source)
+        return True
 
     def reduction(self, node: fx.Node, source: fx.Node) -> bool:
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -733,7 +809,9 @@ class _Walker:
         (a ``get_attr`` node) or held by a module the rules did not describe."""
         opaque: dict[int, str] = {}
         for node in self.graph.nodes:
-            if node.op == "get_attr" and any(not is_metadata(u) for u in node.users):
+            if node.op == "get_attr" and any(
+                not is_metadata(u) and (u, node) not in self.described_reads for u in node.users
+            ):
                 tensor = self.attribute(node)
                 if isinstance(tensor, Tensor) and id(tensor) not in self.in_products:
                     opaque.setdefault(id(tensor), f"'{node.target}' read directly by the forward")

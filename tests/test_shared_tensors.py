@@ -60,10 +60,12 @@ EXPECTED = {
     # changed by 170%.) The exact group has one more direction, a common offset s2 = s0 - c, s4 = s0 - 2c, which
     # no rule of the form "one output class minus one input class per entry" can express.
     "tied": (_tied, 6),
-    # the forward reads fc.weight directly in F.linear, which no rule describes: its input (fc's output) and
-    # output are pinned, and fc.weight, used there, pins every channel it touches (its rows: fc's output; its
-    # columns: a's output): nothing is free. (Before: 6, a's output free, the function changed by 7%.)
-    "direct": (_Direct, 0),
+    # the forward reads fc.weight directly in F.linear, a Linear's rule with its own output variables: fc.weight
+    # must scale the same way in both uses, so fc's rows are tied to the F.linear's rows and fc's columns (a's
+    # output) to its columns (fc's output): one scale per channel across a, fc and the F.linear, 6. (Before any
+    # rule for F.linear: 0, every channel the tensor touches pinned; before identity tracking: 6 with a's output
+    # alone free, and the function changed by 7%.)
+    "direct": (_Direct, 6),
     # i's output (6) and a's output (6); a's second call ties its input (a's output) to its first call's input
     # (i's output): 6. (Unchanged: the graph names the module once.)
     "shared-module": (_shared_module, 6),
