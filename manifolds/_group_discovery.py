@@ -14,8 +14,9 @@ operation                                   rule
 ==========================================  =====================================================================
 Linear / Conv (any stride, groups)          outputs are new variables; ``W[o, i] -> W[o, i] e^{s_out(o) - s_in(i)}``,
                                             ``b[o] -> b[o] e^{s_out(o)}``
-``F.linear(x, W, b)``, ``x @ W``,          the Linear rule on ``x``'s last axis, ``W`` and ``b`` parameters read
-``torch.matmul(x, W)``                      directly (``x @ W`` holds ``W`` as ``(in, out)``)
+``F.linear(x, W, b)``, ``x @ W``,           the Linear rule on ``x``'s last axis, ``W`` and ``b`` parameters read
+``torch.matmul(x, W)``, ``F.conv2d(...)``   directly (``x @ W`` holds ``W`` as ``(in, out)``); the Conv rule for
+                                            ``F.conv1d/2d/3d``
 ``x + b``, ``x - b`` (``b`` a parameter)    ``b`` of shape ``(channels,)`` on ``x``'s last (channel) axis:
                                             ``b -> b e^{s(x)}``, the result shares ``x``'s variables
 ReLU, LeakyReLU, PReLU, pooling, dropout,   pass through (``f(e^s x) = e^s f(x)`` channel-wise)
@@ -132,7 +133,8 @@ _REDUCTIONS = {"mean", "sum", "amax", "amin"}
 _SCALINGS = {"mul", "truediv", "div", "imul", "itruediv"}
 _ADDITIONS = {"add", "sub", "iadd", "isub", "add_", "sub_"}
 _CONCATENATIONS = {"cat", "concat", "concatenate"}
-_FUNCTIONAL_AFFINE = {"linear", "matmul"}  # ``F.linear(x, W, b)``, ``x @ W`` with parameters read directly
+# ``F.linear(x, W, b)``, ``x @ W``, ``F.conv2d(x, W, b, ...)`` with parameters read directly -> convolution dims
+_FUNCTIONAL_AFFINE = {"linear": 0, "matmul": 0, "conv1d": 1, "conv2d": 2, "conv3d": 3}
 _OFFSETS = {"add", "sub", "iadd", "isub"}  # ``x + b``, ``x - b`` with ``b`` a parameter read directly
 _PRODUCTS = {"mul", "multiply"}  # elementwise products (``p * q``, ``torch.mul``, ``p.mul(q)``); not in place
 
@@ -387,26 +389,36 @@ class _Walker:
             self.axes[node] = in_axis
         if self.reuse(node, module, in_ids):
             return True
-        out_ids = self.d.new(self.shape(node)[in_axis], f"output of {self.label(node)}")
-        shape = tuple(module.weight.shape)
-        rest = (1,) * (len(shape) - 2)
         groups = getattr(module, "groups", 1)
-        per_out, per_in = shape[0] // groups, shape[1]
-        # Input channel of weight entry (o, j): the j-th channel of o's group.
-        if groups == 1:  # every output sees every input channel: broadcast over the outputs
-            cols = in_ids.reshape(1, per_in)
-        else:
-            cols = in_ids.reshape(groups, per_in).repeat_interleave(per_out, dim=0)
-        self.d.records.append(
-            Record(weight, shape, out_ids.reshape(-1, 1, *rest), cols.reshape(-1, per_in, *rest), 1, "weight", name)
-        )
-        if bias is not None:
-            self.d.records.append(Record(bias, (shape[0],), out_ids, None, 1, "bias", name))
+        out_ids = self.layer(node, name, (weight, tuple(module.weight.shape)), bias, in_ids, groups)
         self.understood.update((id(module), id(t)) for t in (module.weight, module.bias) if t is not None)
-        self.d.module_outputs[name] = out_ids
         self.calls[id(module)] = (in_ids, out_ids)
-        self.ids[node] = out_ids
         return True
+
+    def layer(self, node: fx.Node, name: str, weight: tuple[str, tuple[int, ...]], bias: str | None, in_ids: Tensor,
+              groups: int = 1, transposed: bool = False) -> Tensor:  # fmt: skip
+        """The records of one affine layer (the Linear / Conv rule): its output variables, new, along the axis its
+        input's channels were read on. ``weight``: (name, shape), ``(out, in / groups, *kernel)``, or ``(in, out)``
+        where ``transposed`` (``x @ W``)."""
+        shape = weight[1]
+        out_ids = self.d.new(shape[-1] if transposed else shape[0], f"output of {self.label(node)}")
+        if transposed:
+            plus, minus = out_ids.reshape(1, -1), in_ids.reshape(-1, 1)
+        else:
+            rest = (1,) * (len(shape) - 2)
+            per_out, per_in = shape[0] // groups, shape[1]
+            # Input channel of weight entry (o, j): the j-th channel of o's group.
+            if groups == 1:  # every output sees every input channel: broadcast over the outputs
+                cols = in_ids.reshape(1, per_in)
+            else:
+                cols = in_ids.reshape(groups, per_in).repeat_interleave(per_out, dim=0)
+            plus, minus = out_ids.reshape(-1, 1, *rest), cols.reshape(-1, per_in, *rest)
+        self.d.records.append(Record(weight[0], shape, plus, minus, 1, "weight", name))
+        if bias is not None:
+            self.d.records.append(Record(bias, (len(out_ids),), out_ids, None, 1, "bias", name))
+        self.d.module_outputs[name] = out_ids
+        self.ids[node] = out_ids
+        return out_ids
 
     def norm(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
         src, shape = self.shape(source), self.shape(node)
@@ -531,38 +543,37 @@ class _Walker:
         return (arg, name, tensor) if name is not None and tensor.is_floating_point() else None
 
     def functional_affine(self, node: fx.Node, source: fx.Node) -> bool:
-        """``F.linear(x, W, b)`` (``W`` of shape ``(out, in)``) or ``x @ W`` / ``torch.matmul(x, W)`` (``W`` of shape
-        ``(in, out)``) with parameters read directly: the rule of a Linear on ``x``'s last axis, one set of output
-        variables per call (a weight read by several calls has its records tied by `shared_tensors`)."""
+        """``F.linear(x, W, b)`` (``W`` of shape ``(out, in)``), ``x @ W`` / ``torch.matmul(x, W)`` (``W`` of shape
+        ``(in, out)``) or ``F.conv1d/2d/3d(x, W, b, ..., groups)`` with parameters read directly: the rule of the
+        Linear (on ``x``'s last axis) or Conv module, one set of output variables per call (a weight read by several
+        calls has its records tied by `shared_tensors`)."""
         name, src = target_name(node), self.shape(source)
+        dims = _FUNCTIONAL_AFFINE[name]
+        slots = ("input", "weight", "bias", "stride", "padding", "dilation", "groups") if dims else ("input", "weight")
         if name == "linear":
-            bound = dict(zip(("input", "weight", "bias"), node.args)) | dict(node.kwargs)
-            transposed = False
-        else:
-            bound = dict(zip(("input", "weight"), node.args)) if not node.kwargs and len(node.args) == 2 else {}
-            transposed = True
-        if bound.get("input") is not source or set(bound) - {"input", "weight", "bias"} or src is None or len(src) < 2:
+            slots = ("input", "weight", "bias")
+        if len(node.args) > len(slots) or (name == "matmul" and node.kwargs):
             return False
+        bound = dict(zip(slots, node.args)) | dict(node.kwargs)
+        if bound.get("input") is not source or set(bound) - set(slots) or src is None:
+            return False
+        groups = bound.get("groups", 1)
         weight = self.parameter(bound.get("weight"))
         bias = self.parameter(bound["bias"]) if bound.get("bias") is not None else None
-        if weight is None or weight[2].dim() != 2 or (bound.get("bias") is not None and bias is None):
+        if weight is None or (bound.get("bias") is not None and bias is None) or not isinstance(groups, int):
             return False
-        in_axis = len(src) - 1
+        shape, transposed = tuple(weight[2].shape), name == "matmul"
+        in_axis = len(src) - 1 if dims == 0 else 1
+        n_in = shape[0] if transposed else shape[1] * groups
+        if len(shape) != dims + 2 or (len(src) != dims + 2 if dims else len(src) < 2) or src[in_axis] != n_in:
+            return False
+        n_out = shape[1] if transposed else shape[0]
         in_ids = self.along(source, in_axis)
-        shape = tuple(weight[2].shape)
-        n_out, n_in = (shape[1], shape[0]) if transposed else shape
-        if in_ids is None or n_in != src[-1] or (bias is not None and tuple(bias[2].shape) != (n_out,)):
+        if in_ids is None or n_out % groups or (bias is not None and tuple(bias[2].shape) != (n_out,)):
             return False
         label = self.label(node)
-        out_ids = self.d.new(n_out, f"output of {label}")
-        rows, cols = out_ids.reshape(-1, 1), in_ids.reshape(1, -1)
-        plus, minus = (rows.T, cols.T) if transposed else (rows, cols)
-        self.d.records.append(Record(weight[1], shape, plus, minus, 1, "weight", label))
-        if bias is not None:
-            self.d.records.append(Record(bias[1], (n_out,), out_ids, None, 1, "bias", label))
+        self.layer(node, label, (weight[1], shape), bias[1] if bias else None, in_ids, groups, transposed)
         self.described_reads.update((node, p[0]) for p in (weight, bias) if p is not None)
-        self.d.module_outputs[label] = out_ids
-        self.ids[node] = out_ids
         if in_axis != 1:
             self.axes[node] = in_axis
         return True

@@ -67,6 +67,58 @@ class Modules(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+class Convolutions(nn.Module):
+    """Conv -> ReLU -> grouped Conv -> ReLU -> spatial mean -> linear, written with ``F.conv2d`` / ``F.linear`` on
+    parameters (``functional``) or with modules."""
+
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.functional = functional
+        convs = nn.Conv2d(2, 4, 3, padding=1).double(), nn.Conv2d(4, 6, 3, stride=2, groups=2).double()
+        fc = nn.Linear(6, K).double()
+        if functional:
+            self.W1, self.b1 = convs[0].weight, convs[0].bias
+            self.W2, self.b2 = convs[1].weight, convs[1].bias
+            self.W3, self.b3 = fc.weight, fc.bias
+        else:
+            self.c1, self.c2, self.fc = *convs, fc
+
+    def forward(self, x):
+        if self.functional:
+            h = F.relu(F.conv2d(x, self.W1, self.b1, padding=1))
+            h = F.relu(F.conv2d(h, self.W2, self.b2, 2, 0, 1, 2))
+            return F.linear(h.mean((2, 3)), self.W3, self.b3)
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)))
+
+
+class OwnLinear(nn.Module):
+    """A user's own Linear: torch.fx traces into it, so the graph reads its parameters directly."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(n_out, dtype=torch.float64))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def test_functional_convolutions_and_own_linear_modules_have_the_groups_of_their_module_twins():
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 7, 7, dtype=torch.float64)
+    model, twin = Convolutions(True).eval(), Convolutions(False).eval()
+    found, expected = analyze(model, x), analyze(twin, x)
+    assert (found.group.dim, found.layer_group.dim) == (expected.group.dim, expected.layer_group.dim) == (4 + 6, 2)
+    own = nn.Sequential(OwnLinear(D, H), nn.ReLU(), OwnLinear(H, H), nn.ReLU(), OwnLinear(H, K))
+    found = analyze(own, torch.randn(6, D, dtype=torch.float64))
+    assert (found.group.dim, found.layer_group.dim) == (2 * H, 2), found.describe()
+    for net, z in ((model, x), (own, torch.randn(6, D, dtype=torch.float64))):
+        moved = random_rescale(net, "node", 1.0, torch.Generator().manual_seed(1), example_input=z)
+        with torch.no_grad():
+            torch.testing.assert_close(moved(z), net(z), rtol=0, atol=1e-10)
+            assert max(float((p - q).abs().max()) for p, q in zip(moved.parameters(), net.parameters())) > 0.1
+
+
 COVERED = ["linear", "keywords", "matmul", "torch.matmul", "sub", "tokens", "tied"]
 PINNED = ["transposed", "read_elsewhere", "wide_bias"]
 
