@@ -47,7 +47,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
-from manifolds._group_discovery import Pin, _plain_affine
+from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._structure import UnsupportedModelError, analyze
 
@@ -103,7 +103,10 @@ class _Finder:
         named = list(model.named_parameters(remove_duplicate=False))
         count = Counter(id(p) for _, p in named)
         self.param_name = {id(p): n for n, p in named}
-        self.shared = {n for n, p in named if count[id(p)] > 1}
+        # a parameter under several names, or also read directly by the forward (a get_attr node), moves with
+        # whatever else reads it: no factor may claim it alone
+        direct = {id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr"}
+        self.shared = {n for n, p in named if count[id(p)] > 1 or id(p) in direct}
         self.found = _Found()
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
         self._input_fed: dict[fx.Node, bool] = {}
@@ -156,7 +159,7 @@ class _Finder:
         if name is None:
             raise _Fail(f"'{module_name}.{attr}' is not a plain parameter")
         if name in self.shared:
-            raise _Fail(f"the parameter '{name}' is shared with another module")
+            raise _Fail(f"the parameter '{name}' is also read outside its module")
         return name
 
     def data_arg(self, node: fx.Node) -> fx.Node | None:

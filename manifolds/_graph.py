@@ -191,11 +191,20 @@ _METADATA_METHODS = {"size", "dim", "numel"}
 _METADATA_ATTRIBUTES = {"shape", "ndim", "dtype", "device"}
 
 
+_LIBRARIES = {"torch", "operator", "_operator", "builtins", "math"}
+
+
 def target_name(node: fx.Node) -> str:
-    """The name of what a graph node calls: a method's name, or a function's without leading underscores."""
+    """The name of what a graph node calls: a method's name, or a function's without leading underscores; a function
+    from outside torch and Python's own modules (e.g. one the user wrapped with ``torch.fx.wrap``) keeps its module
+    as a prefix (``mymodule.relu``), so no rule meant for torch's function of the same name reads it."""
     if node.op == "call_method":
         return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+    name = getattr(node.target, "__name__", str(node.target)).lstrip("_")
+    module = getattr(node.target, "__module__", None)
+    if node.op == "call_function" and module and module.split(".")[0] not in _LIBRARIES:
+        return f"{module}.{name}"
+    return name
 
 
 def is_metadata(node: fx.Node) -> bool:

@@ -64,6 +64,8 @@ module used twice or a tied weight gives one record per tensor.
 from __future__ import annotations
 
 import math
+import operator
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -133,9 +135,11 @@ _REDUCTIONS = {"mean", "sum", "amax", "amin"}
 _SCALINGS = {"mul", "truediv", "div", "imul", "itruediv"}
 _ADDITIONS = {"add", "sub", "iadd", "isub", "add_", "sub_"}
 _CONCATENATIONS = {"cat", "concat", "concatenate"}
-# ``F.linear(x, W, b)``, ``x @ W``, ``F.conv2d(x, W, b, ...)`` with parameters read directly -> convolution dims
-_FUNCTIONAL_AFFINE = {"linear": 0, "matmul": 0, "conv1d": 1, "conv2d": 2, "conv3d": 3}
-_OFFSETS = {"add", "sub", "iadd", "isub"}  # ``x + b``, ``x - b`` with ``b`` a parameter read directly
+# ``F.linear(x, W, b)``, ``x @ W``, ``F.conv2d(x, W, b, ...)`` with parameters read directly -> convolution dims;
+# matched by identity, so a user's own function of the same name is not taken for them
+_FUNCTIONAL_AFFINE = {torch.nn.functional.linear: 0, torch.matmul: 0, operator.matmul: 0, torch.conv1d: 1,
+                      torch.conv2d: 2, torch.conv3d: 3}  # fmt: skip
+_OFFSETS = {"add", "sub", "iadd", "isub", "add_", "sub_"}  # ``x + b``, ``x - b`` with ``b`` a parameter read directly
 _PRODUCTS = {"mul", "multiply"}  # elementwise products (``p * q``, ``torch.mul``, ``p.mul(q)``); not in place
 
 _NON_HOMOGENEOUS = {
@@ -328,11 +332,15 @@ class _Walker:
             self.d.pinned[a] = True  # already fixed: no new reason to record
         return ids
 
-    def passthrough(self, node: fx.Node, source: fx.Node) -> bool:
+    def passthrough(self, node: fx.Node, source: fx.Node, pooled: int = 0) -> bool:
+        """An operation acting on each channel alone; ``pooled``: a pooling over the last ``pooled`` axes, which must
+        then be a batched input's spatial axes (channels on axis 1), not a token-wise tensor's channel axis."""
         shape, src = self.shape(node), self.shape(source)
         if shape is None or src is None or source not in self.ids:
             return False
         axis = self.axis(source)
+        if pooled and (axis != 1 or len(src) != pooled + 2):
+            return False
         if axis == 1:
             same = len(shape) >= 2 and len(src) >= 2 and shape[0] == src[0] and shape[1] == src[1]
         else:  # token-wise channels on the last axis: an element-wise operation keeps the shape
@@ -493,7 +501,7 @@ class _Walker:
             if self.norm(node, module, source):
                 return None
             return self.unknown(node, data)
-        if kind in _HOMOGENEOUS_MODULES and self.passthrough(node, source):
+        if kind in _HOMOGENEOUS_MODULES and self.passthrough(node, source, _pooled_axes(kind.__name__)):
             return None
         if kind is nn.Flatten and self.reshape(node, source):
             return None
@@ -503,7 +511,7 @@ class _Walker:
 
     def function(self, node: fx.Node, data: list[fx.Node]) -> None:
         name = target_name(node)
-        if len(data) == 1 and name in _FUNCTIONAL_AFFINE and self.functional_affine(node, data[0]):
+        if len(data) == 1 and _functional_affine_dims(node) is not None and self.functional_affine(node, data[0]):
             return None
         if len(data) == 1 and name in _OFFSETS and self.parameter_offset(node, data[0]):
             return None
@@ -514,7 +522,7 @@ class _Walker:
         single = len(data) == 1
         source = data[0]
         if single and name in _HOMOGENEOUS_FUNCTIONS | {"to", "float", "double", "type_as", "detach"}:
-            if self.passthrough(node, source):
+            if self.passthrough(node, source, _pooled_axes(name)):
                 return None
         if single and name in _RESHAPES and self.reshape(node, source):
             return None
@@ -548,7 +556,7 @@ class _Walker:
         Linear (on ``x``'s last axis) or Conv module, one set of output variables per call (a weight read by several
         calls has its records tied by `shared_tensors`)."""
         name, src = target_name(node), self.shape(source)
-        dims = _FUNCTIONAL_AFFINE[name]
+        dims = _functional_affine_dims(node)
         slots = ("input", "weight", "bias", "stride", "padding", "dilation", "groups") if dims else ("input", "weight")
         if name == "linear":
             slots = ("input", "weight", "bias")
@@ -563,9 +571,11 @@ class _Walker:
         if weight is None or (bound.get("bias") is not None and bias is None) or not isinstance(groups, int):
             return False
         shape, transposed = tuple(weight[2].shape), name == "matmul"
+        if len(shape) != dims + 2:
+            return False
         in_axis = len(src) - 1 if dims == 0 else 1
         n_in = shape[0] if transposed else shape[1] * groups
-        if len(shape) != dims + 2 or (len(src) != dims + 2 if dims else len(src) < 2) or src[in_axis] != n_in:
+        if (len(src) != dims + 2 if dims else len(src) < 2) or src[in_axis] != n_in:
             return False
         n_out = shape[1] if transposed else shape[0]
         in_ids = self.along(source, in_axis)
@@ -582,6 +592,8 @@ class _Walker:
         """``x + b``, ``b + x``, ``x - b`` or ``b - x`` with ``b`` a parameter of shape ``(channels,)`` broadcast
         along ``x``'s last axis, its channel axis (the bias of ``x @ W + b``): ``b`` scales with ``x``'s channels."""
         if node.kwargs or len(node.args) != 2 or source not in self.ids:
+            return False
+        if node.args[0] is not source and target_name(node) not in ("add", "sub"):  # in place: on the data only
             return False
         other = node.args[1] if node.args[0] is source else node.args[0]
         bias, src = self.parameter(other), self.shape(source)
@@ -716,9 +728,7 @@ class _Walker:
 
     # -- products of parameters -------------------------------------------------------------------------
     def attribute(self, node: fx.Node) -> object:
-        """The object a ``get_attr`` node reads."""
-        owner, _, attr = str(node.target).rpartition(".")
-        return getattr(self.model.get_submodule(owner), attr, None)
+        return attribute(self.model, node)
 
     def uses(self) -> Counter[int]:
         """How often each tensor (by identity) is read for its values: once per argument slot of a node reading it
@@ -876,6 +886,30 @@ class _Walker:
                 kept.add(record.name)
                 records.append(record)
         self.d.records[:] = records
+
+
+def attribute(model: nn.Module, node: fx.Node) -> object:
+    """The object a ``get_attr`` node of ``model``'s graph reads."""
+    owner, _, attr = str(node.target).rpartition(".")
+    return getattr(model.get_submodule(owner), attr, None)
+
+
+def _functional_affine_dims(node: fx.Node) -> int | None:
+    """The convolution dims of a functional affine layer (0 for ``F.linear`` and ``matmul``), else ``None``."""
+    if node.op == "call_method":
+        return 0 if node.target == "matmul" else None
+    if node.op != "call_function":
+        return None
+    try:
+        return _FUNCTIONAL_AFFINE.get(node.target)
+    except TypeError:  # an unhashable target
+        return None
+
+
+def _pooled_axes(name: str) -> int:
+    """How many trailing axes a pooling called ``name`` pools over (``max_pool2d``, ``AdaptiveAvgPool2d``: 2), or 0."""
+    match = re.fullmatch(r"(adaptive_?)?(max|avg)_?pool([123])d", name.lower())
+    return int(match.group(3)) if match else 0
 
 
 def _reads(user: fx.Node, node: fx.Node) -> int:

@@ -24,12 +24,13 @@ class Functional(nn.Module):
 
     def __init__(self, form: str):
         super().__init__()
-        right = form in ("matmul", "torch.matmul", "tokens", "sub", "tied")
+        right = form in ("matmul", "torch.matmul", "tokens", "sub", "tied", "pooled_channels")
         self.form = form
         self.W1 = nn.Parameter(torch.randn((D, H) if right else (H, D), dtype=torch.float64))
         self.b1 = nn.Parameter(torch.randn(H, dtype=torch.float64))
         self.W2 = nn.Parameter(torch.randn((H, K) if right else (K, H), dtype=torch.float64))
         self.b2 = nn.Parameter(torch.randn(K, dtype=torch.float64))
+        self.v = nn.Parameter(torch.randn(H, dtype=torch.float64))  # read by "vector_weight" only
 
     def forward(self, x):
         W1, b1, W2, b2 = self.W1, self.b1, self.W2, self.b2
@@ -53,9 +54,25 @@ class Functional(nn.Module):
                 return F.relu(x @ W1.T + b1) @ W2.T + b2
             case "read_elsewhere":
                 return F.linear(F.relu(F.linear(x, W1, b1)), W2, b2) + W1.sum()
+            case "user_function":  # `relu` here is the tanh above: not positively homogeneous
+                return F.linear(relu(F.linear(x, W1, b1)), W2, b2)
+            case "pooled_channels":  # (batch, tokens, hidden): max_pool1d pools over the hidden units themselves
+                return (F.max_pool1d(F.relu(x @ W1 + b1), 3, 1, 1) @ W2 + b2).sum(1)
+            case "unbatched_pool":  # a 2-D input to max_pool1d is one unbatched (channels, length) signal
+                return F.linear(F.max_pool1d(F.relu(F.linear(x, W1, b1)), 3, 1, 1), W2, b2)
+            case "vector_weight":  # F.linear with a 1-D weight: a dot product, no rule
+                return F.linear(F.relu(F.linear(x, W1, b1)), self.v).unsqueeze(1)
             case "wide_bias":  # b1 of shape (H,) added to a (batch, H, 1) tensor: broadcast over another axis
                 return F.linear(F.relu(F.linear(x, W1)[:, :, None] + b1[:, None]).squeeze(2), W2, b2)
         raise ValueError(self.form)
+
+
+def relu(x):
+    """A user's own function that only shares a name with torch's (wrapped below, so tracing keeps it whole)."""
+    return torch.tanh(x)
+
+
+torch.fx.wrap("relu")
 
 
 class Modules(nn.Module):
@@ -120,13 +137,14 @@ def test_functional_convolutions_and_own_linear_modules_have_the_groups_of_their
 
 
 COVERED = ["linear", "keywords", "matmul", "torch.matmul", "sub", "tokens", "tied"]
-PINNED = ["transposed", "read_elsewhere", "wide_bias"]
+PINNED = ["transposed", "read_elsewhere", "wide_bias", "user_function", "pooled_channels", "unbatched_pool",
+          "vector_weight"]
 
 
 def build(form: str, seed: int = 0):
     torch.manual_seed(seed)
     model = Functional(form).eval()
-    shape = (6, 2, D) if form == "tokens" else (6, D)
+    shape = (6, 2, D) if form in ("tokens", "pooled_channels") else (6, D)
     return model, torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
@@ -152,6 +170,25 @@ def test_forms_the_rule_does_not_cover_pin_the_hidden_units(form):
     structure = analyze(model, x)
     assert structure.group.dim == 0, structure.describe()
     assert structure.group.pins
+
+
+def test_a_weight_also_read_directly_gets_no_unit_factor_of_its_module():
+    """The whole symmetry's unit scalings of a Linear move its rows alone: not where the forward also reads the
+    weight directly (here through F.linear), which would change with them."""
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(D, H).double(), nn.Linear(H, K).double()
+
+        def forward(self, x):
+            return self.fc2(F.relu(self.fc1(x))) + F.linear(x, self.fc1.weight)[:, :K]
+
+    torch.manual_seed(0)
+    model, x = Both().eval(), torch.randn(6, D, dtype=torch.float64)
+    symmetry = analyze(model, x).symmetry
+    assert symmetry.dim == 0, symmetry.describe()
+    assert "'fc1.weight' is also read outside its module" in symmetry.describe()
 
 
 def test_node_measure_on_a_functional_network_equals_the_dense_reference_and_is_invariant():
