@@ -24,7 +24,7 @@ class Functional(nn.Module):
 
     def __init__(self, form: str):
         super().__init__()
-        right = form in ("matmul", "torch.matmul", "tokens", "sub", "tied", "pooled_channels")
+        right = form in ("matmul", "torch.matmul", "tokens", "sub", "tied", "pooled_channels", "inplace")
         self.form = form
         self.W1 = nn.Parameter(torch.randn((D, H) if right else (H, D), dtype=torch.float64))
         self.b1 = nn.Parameter(torch.randn(H, dtype=torch.float64))
@@ -45,6 +45,10 @@ class Functional(nn.Module):
                 return torch.matmul(F.relu(b1 + torch.matmul(x, W1)), W2) + b2
             case "sub":
                 return F.relu(x @ W1 - b1) @ W2 - b2
+            case "inplace":  # the bias added in place: the graph's later reads see the matmul's node
+                h = x @ W1
+                h.add_(b1)
+                return F.relu(h) @ W2 + b2
             case "tokens":  # (batch, tokens, features): token-wise, as a Linear on the last axis
                 return (F.relu(x @ W1 + b1) @ W2 + b2).sum(1)
             case "tied":  # W1 read by two calls: its records are tied, one scale per hidden unit still
@@ -136,7 +140,7 @@ def test_functional_convolutions_and_own_linear_modules_have_the_groups_of_their
             assert max(float((p - q).abs().max()) for p, q in zip(moved.parameters(), net.parameters())) > 0.1
 
 
-COVERED = ["linear", "keywords", "matmul", "torch.matmul", "sub", "tokens", "tied"]
+COVERED = ["linear", "keywords", "matmul", "torch.matmul", "sub", "inplace", "tokens", "tied"]
 PINNED = ["transposed", "read_elsewhere", "wide_bias", "user_function", "pooled_channels", "unbatched_pool",
           "vector_weight"]
 
