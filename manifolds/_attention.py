@@ -22,14 +22,17 @@ Where it is found: every ``nn.MultiheadAttention`` call (packed ``in_proj_weight
 ``q/k/v_proj_weight``, with or without bias, ``batch_first`` either way; ``add_bias_kv`` appends unprojected
 key/value rows, which pins those factors), and attention written by hand: a ``matmul`` (or ``bmm``) of a
 query and a transposed key, a ``matmul`` of any weights with a value, or ``F.scaled_dot_product_attention``,
-where each of query, key and value is the output of its own ``nn.Linear`` reshaped into heads by
+where each of query, key and value is the output of an ``nn.Linear`` reshaped into heads by
 view/reshape/transpose/permute/flatten/contiguous and constant factors only, nothing else reads those
-tensors, and the value side's result reaches the output Linear through such reshapes only. The head
+tensors, and the value side's result reaches the output Linear through such reshapes only. One Linear may
+project all three (a fused qkv projection) where its output is cut into pieces each read once: ``unbind``,
+``chunk``, ``split`` or ``tensor_split`` and ``getitem``, or integer indexing (``qkv[0]``, ``qkv[1]``) with distinct
+indices; the rows each factor moves must then be disjoint (checked on the rows themselves). The head
 layout is not assumed but read: the reshapes are replayed on a tensor holding each feature's index, and the
 factor exists only when every head uses a fixed, disjoint set of features for every token.
 
 What pins (no factor, with the reason recorded): anything else between a projection and the product
-(rotary embeddings, per-head norms, a split of a fused qkv projection, grouped-query repeats), a projection
+(rotary embeddings, per-head norms, one piece of a fused projection read twice, grouped-query repeats), a projection
 or normalized output read by anything else (a residual addition), a Linear or module called more than once
 for a diagonal trade, shared parameters, GELU / SiLU / tanh / softmax after a Linear (not positively
 homogeneous), and ``enable_gqa``. Pinning only shrinks the group, so it is always safe.
@@ -53,6 +56,7 @@ from manifolds._structure import UnsupportedModelError, analyze
 
 _RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
 _SCALINGS = {"mul", "truediv", "div"}
+_SPLITS = {"unbind", "chunk", "split", "tensor_split"}  # a tensor cut into disjoint pieces, read by getitem
 _MATMULS = {"matmul", "bmm"}
 _SDPA = "scaled_dot_product_attention"
 _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"}
@@ -109,6 +113,7 @@ class _Finder:
         self.shared = {n for n, p in named if count[id(p)] > 1 or id(p) in direct}
         self.found = _Found()
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
+        self.claimed: dict[tuple[str, int], set[int]] = {}  # (parameter, axis) -> rows/columns a GL factor moves
         self._input_fed: dict[fx.Node, bool] = {}
 
     # -- graph helpers ---------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ class _Finder:
         if len(tensors) != 1 or not node.args or node.args[0] is not tensors[0]:
             return None
         name = target_name(node)
-        if name in _RESHAPES:
+        if name in _RESHAPES or name in _SPLITS or (name == "getitem" and self.piece_index(node) is not None):
             return tensors[0]
         if name in _SCALINGS and len(node.args) == 2 and not node.kwargs:
             factor = node.args[1]
@@ -179,12 +184,41 @@ class _Finder:
                 return tensors[0]
         return None
 
+    def piece_index(self, node: fx.Node) -> int | None:
+        """The index of a ``getitem`` taking one piece by a constant integer ``>= 0`` (``qkv[0]``, the first output
+        of ``unbind``), else ``None``."""
+        if node.op != "call_function" or target_name(node) != "getitem" or node.kwargs or len(node.args) != 2:
+            return None
+        index = node.args[1]
+        return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
+
+    def cut_into_pieces(self, node: fx.Node) -> bool:
+        """Whether every reader of ``node`` takes its own piece of it: ``getitem`` nodes of distinct integer indices
+        (pieces of a split, or slices along the first axis), so what one piece carries reaches no other reader (a
+        fused qkv projection cut into query, key and value)."""
+        users = self.users(node)
+        indices = [self.piece_index(u) for u in users]
+        return all(i is not None for i in indices) and len(set(indices)) == len(indices)
+
+    def claim(self, factors: Sequence[Factor]) -> None:
+        """Record the rows and columns the GL ``factors`` move; fails where one is already moved by another factor
+        (the query, key and value cut from one fused projection must be disjoint rows of it)."""
+        taken: dict[tuple[str, int], set[int]] = {}
+        for factor in factors:
+            for block in factor.blocks:
+                key, index = (block.name, block.axis), set(block.index)
+                if index & (self.claimed.get(key, set()) | taken.get(key, set())):
+                    raise _Fail(f"rows or columns of '{block.name}' would be moved by two factors")
+                taken.setdefault(key, set()).update(index)
+        for key, index in taken.items():
+            self.claimed.setdefault(key, set()).update(index)
+
     def back(self, node: fx.Node, role: str) -> tuple[fx.Node, list[fx.Node]]:
         """The Linear call whose output reaches ``node`` through reshapes only, and those reshapes in order."""
         chain: list[fx.Node] = []
         current = node
         while True:
-            if len(self.users(current)) != 1:
+            if len(self.users(current)) != 1 and not (chain and self.cut_into_pieces(current)):
                 raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
             if self.plain_linear(current):
                 if self.calls[str(current.target)] != 1:
@@ -276,8 +310,6 @@ class _Finder:
     def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool) -> None:
         lq, chain_q = self.back(q, "query")
         lk, chain_k = self.back(k, "key")
-        if lq is lk:
-            raise _Fail("the query and the key come from the same Linear")
         pq = self.replay(chain_q, self.feature_probe(lq))
         pk = self.replay(chain_k, self.feature_probe(lk))
         if pq.shape[:-2] != pk.shape[:-2]:
@@ -293,6 +325,7 @@ class _Finder:
             )
             for h, (gq, gk) in enumerate(heads)
         ]
+        self.claim(factors)
         self.found.factors.extend(factors)  # only once every head's blocks are known
         self.claimed_rows |= {str(lq.target), str(lk.target)}
 
@@ -323,6 +356,7 @@ class _Finder:
             cols = tuple(column[h * hd + j] for j in range(hd))
             blocks = self.linear_blocks(lv, gv, "T", True) + self.linear_blocks(lo, cols, "invT", False)
             factors.append(Factor("GL", hd, tuple(blocks), f"attention at {where}, head {h}: value/output", "B"))
+        self.claim(factors)
         self.found.factors.extend(factors)
         self.claimed_rows.add(str(lv.target))
 

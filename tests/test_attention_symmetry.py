@@ -79,6 +79,38 @@ class HandBlock(nn.Module):
         return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
 
 
+class FusedBlock(nn.Module):
+    """A pre-LN block whose attention projects query, key and value with one Linear and cuts its output (as timm's
+    and many ViTs do): ``unbind`` of a ``(3, b, heads, t, hd)`` permutation, integer indexing of it, or ``chunk``
+    along the features; ``shared_piece`` reads the query's piece twice (as query and as key): no query/key factor."""
+
+    def __init__(self, split="unbind"):
+        super().__init__()
+        self.split = split
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        y = self.ln1(x)
+        if self.split == "chunk":
+            q, k, v = self.qkv(y).chunk(3, dim=-1)  # unpacked at once: torch.fx can count the pieces
+            q, k, v = (z.view(b, t, H, HD).transpose(1, 2) for z in (q, k, v))
+        else:
+            qkv = self.qkv(y).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4)
+            if self.split == "unbind":
+                q, k, v = qkv.unbind(0)
+            else:
+                q, k, v = qkv[0], qkv[0 if self.split == "shared_piece" else 1], qkv[2]
+        if self.split == "chunk":
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            a = (q @ k.transpose(-2, -1) * HD**-0.5).softmax(dim=-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+
 # -- hand-written group elements (state dict in, state dict out) -------------------------------------------------
 def _rows(sd, name, rows, m):
     w = sd[name].clone()
@@ -172,6 +204,28 @@ def hand_hand_block(sd, cfg, g, wrong_key=False):
     return sd
 
 
+def hand_fused_heads(sd, a, b, wrong_key=False):
+    """The heads' GL factors of a FusedBlock: its fused projection's rows are laid out as nn.MultiheadAttention's
+    packed ones."""
+    renamed = {"attn.in_proj_weight": "qkv.weight", "attn.in_proj_bias": "qkv.bias",
+               "attn.out_proj.weight": "proj.weight"}
+    packed = {k: sd[v] for k, v in renamed.items()}
+    hand_mha(packed, "attn.", a, b, wrong_key)
+    sd.update({v: packed[k] for k, v in renamed.items()})
+
+
+def hand_fused_block(sd, cfg, g, wrong_key=False):
+    """The group of a FusedBlock, by hand (no GL factors where the block reads one piece twice)."""
+    if not cfg.get("pinned"):
+        hand_fused_heads(sd, [_random_gl(g) for _ in range(H)], [_random_gl(g) for _ in range(H)], wrong_key)
+    if wrong_key:
+        return sd
+    hand_trade(sd, ["ln1.weight", "ln1.bias"], [("qkv.weight", slice(None))], _random_scales(g, D))
+    hand_trade(sd, ["ln2.weight", "ln2.bias"], [("fc1.weight", slice(None))], _random_scales(g, D))
+    hand_trade(sd, ["fc1.weight", "fc1.bias"], [("fc2.weight", slice(None))], _random_scales(g, FF))
+    return sd
+
+
 def hand_two_blocks(sd, cfg, g, wrong_key=False):
     """The group of each of two MHABlocks in an nn.Sequential, by hand."""
     for prefix in ("0.", "1."):
@@ -212,6 +266,9 @@ HAND_CASES = {
 }
 
 
+FUSED_CASES = {"unbind": {}, "index": {}, "chunk": {}, "shared_piece": {"pinned": True}}
+
+
 def make(kind: str, name: str, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "mha":
@@ -222,6 +279,11 @@ def make(kind: str, name: str, seed: int = 0):
         cfg = {}
         model = nn.Sequential(MHABlock(), MHABlock())
         hand, dim = hand_two_blocks, 2 * mha_dim(cfg)
+    elif kind == "fused":
+        cfg = FUSED_CASES[name]
+        model = FusedBlock(name)
+        # two GL(HD) factors per head, ln1 and ln2 (D each), FF ReLU units; the shared piece pins both GL factors
+        hand, dim = hand_fused_block, (0 if cfg.get("pinned") else 2 * H * HD * HD) + 2 * D + FF
     else:
         cfg = HAND_CASES[name]
         model = HandBlock(**cfg)
@@ -237,6 +299,7 @@ def make(kind: str, name: str, seed: int = 0):
 
 
 ALL = [("mha", n) for n in MHA_CASES] + [("hand", n) for n in HAND_CASES] + [("two", "pre_ln")]
+ALL += [("fused", n) for n in FUSED_CASES]
 
 
 def _with(model, sd):
@@ -269,11 +332,13 @@ def test_hand_built_elements_keep_the_function_and_wrong_ones_do_not(kind, name)
         ref = model(x)
         moved = _with(model, hand(dict(model.state_dict()), cfg, g))
         assert (moved(x) - ref).abs().max() < 1e-10
-        if cfg.get("add_bias_kv") or cfg.get("rotary"):  # the pinned factor really is no symmetry here
+        if cfg.get("add_bias_kv") or cfg.get("rotary") or cfg.get("pinned"):  # the pinned factor is no symmetry
             sd = dict(model.state_dict())
             a, b = [_random_gl(g) for _ in range(H)], [_random_gl(g) for _ in range(H)]
             if cfg.get("add_bias_kv"):
                 hand_mha(sd, "attn.", a, b)
+            elif cfg.get("pinned"):
+                hand_fused_heads(sd, a, b)
             else:
                 hand_linear_heads(sd, "", a, b)
             assert (_with(model, sd)(x) - ref).abs().max() > 1e-3

@@ -67,6 +67,25 @@ class HandBlock(nn.Module):
         return self.ln2(x + self.fc2(torch.relu(self.fc1(x))))
 
 
+class FusedBlock(nn.Module):
+    """One Linear projects query, key and value; its output is cut into heads and pieces by ``unbind``."""
+
+    def __init__(self, pre_ln: bool):
+        super().__init__()
+        self.pre_ln = pre_ln
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def attend(self, y):
+        b, t, _ = y.shape
+        q, k, v = self.qkv(y).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+        a = (q @ k.transpose(-2, -1) * HD**-0.5).softmax(dim=-1) @ v
+        return self.proj(a.transpose(1, 2).reshape(b, t, D))
+
+    forward = HandBlock.forward
+
+
 class Net(nn.Module):
     """Blocks, mean pooling over the tokens, a linear head (regression or classification)."""
 
@@ -85,13 +104,15 @@ CASES = {  # name: (blocks, task)
     "hand_pre": ([("hand", True)], "classification"),
     "hand_post": ([("hand", False)], "regression"),
     "two_blocks": ([("mha", True), ("hand", False)], "classification"),
+    "fused_pre": ([("fused", True)], "regression"),
 }
+BLOCKS = {"mha": MHABlock, "hand": HandBlock, "fused": FusedBlock}
 
 
 def make(name: str, seed: int = 0):
     spec, task = CASES[name]
     torch.manual_seed(seed)
-    blocks = [(MHABlock if kind == "mha" else HandBlock)(pre) for kind, pre in spec]
+    blocks = [BLOCKS[kind](pre) for kind, pre in spec]
     model = Net(blocks, 2 if task == "regression" else 3).double().eval()
     with torch.no_grad():  # away from the default initialization (unit LayerNorm scales, zero biases)
         for p in model.parameters():
@@ -135,12 +156,13 @@ def hand_element(model, g) -> dict:
         for h in range(H):
             a, b = _gl(g), _gl(g)
             head = slice(h * HD, (h + 1) * HD)
-            if isinstance(block, MHABlock):
+            if isinstance(block, (MHABlock, FusedBlock)):  # packed: query, key and value rows one after another
+                packed = "attn.in_proj_" if isinstance(block, MHABlock) else "qkv."
                 for role, m in enumerate((a.T, torch.linalg.inv(a), b.T)):
                     rows = slice(role * D + h * HD, role * D + (h + 1) * HD)
-                    _rows(sd, p + "attn.in_proj_weight", rows, m)
-                    _rows(sd, p + "attn.in_proj_bias", rows, m)
-                out = p + "attn.out_proj.weight"
+                    _rows(sd, p + packed + "weight", rows, m)
+                    _rows(sd, p + packed + "bias", rows, m)
+                out = p + ("attn.out_proj.weight" if isinstance(block, MHABlock) else "proj.weight")
             else:
                 for role, m in zip("qkv", (a.T, torch.linalg.inv(a), b.T)):
                     _rows(sd, f"{p}{role}.weight", head, m)
@@ -154,8 +176,9 @@ def hand_element(model, g) -> dict:
         sd[p + "fc1.bias"] = sd[p + "fc1.bias"] * units
         sd[p + "fc2.weight"] = sd[p + "fc2.weight"] / units
         if block.pre_ln:  # the LayerNorm scales traded against every layer reading them
-            for ln, readers in (("ln1", ["attn.in_proj_weight"] if isinstance(block, MHABlock) else ["q.weight",
-                                "k.weight", "v.weight"]), ("ln2", ["fc1.weight"])):
+            first = {MHABlock: ["attn.in_proj_weight"], FusedBlock: ["qkv.weight"]}.get(type(block), ["q.weight",
+                                                                                             "k.weight", "v.weight"])
+            for ln, readers in (("ln1", first), ("ln2", ["fc1.weight"])):
                 c = _scales(g, D)
                 sd[f"{p}{ln}.weight"] = sd[f"{p}{ln}.weight"] * c
                 sd[f"{p}{ln}.bias"] = sd[f"{p}{ln}.bias"] * c
@@ -303,7 +326,7 @@ def _adaptive(model, loss, data) -> float:
                                             progress=False).value
 
 
-@pytest.mark.parametrize("name", ["mha_pre", "hand_pre", "two_blocks"])
+@pytest.mark.parametrize("name", ["mha_pre", "hand_pre", "two_blocks", "fused_pre"])
 def test_measure_is_unchanged_under_the_group_while_euclidean_and_adaptive_move(name):
     model, loss, data = make(name)
     sym = manifolds.transformer_symmetry(model, data[0])
