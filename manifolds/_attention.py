@@ -27,7 +27,8 @@ view/reshape/transpose/permute/flatten/contiguous and constant factors only, not
 tensors, and the value side's result reaches the output Linear through such reshapes only. One Linear may
 project all three (a fused qkv projection) where its output is cut into pieces each read once: ``unbind``,
 ``chunk``, ``split`` or ``tensor_split`` and ``getitem``, or integer indexing (``qkv[0]``, ``qkv[1]``) with distinct
-indices; the rows each factor moves must then be disjoint (checked on the rows themselves). The head
+indices, and the pieces hold disjoint sets of its features (replayed like the heads: a cut along the tokens, or
+overlapping pieces, pins); the rows each factor moves must then be disjoint (checked on the rows themselves). The head
 layout is not assumed but read: the reshapes are replayed on a tensor holding each feature's index, and the
 factor exists only when every head uses a fixed, disjoint set of features for every token.
 
@@ -193,12 +194,25 @@ class _Finder:
         return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
 
     def cut_into_pieces(self, node: fx.Node) -> bool:
-        """Whether every reader of ``node`` takes its own piece of it: ``getitem`` nodes of distinct integer indices
-        (pieces of a split, or slices along the first axis), so what one piece carries reaches no other reader (a
-        fused qkv projection cut into query, key and value)."""
+        """Whether every reader of ``node`` takes a piece of it: ``getitem`` nodes of distinct integer indices (the
+        pieces of a split, or entries along the first axis); that the pieces hold disjoint features of the Linear
+        they come from is checked once the Linear is known (`disjoint_pieces`)."""
         users = self.users(node)
         indices = [self.piece_index(u) for u in users]
         return all(i is not None for i in indices) and len(set(indices)) == len(indices)
+
+    def disjoint_pieces(self, linear: fx.Node, chain: Sequence[fx.Node], cut: fx.Node) -> None:
+        """Fails unless the pieces the readers of ``cut`` take hold disjoint sets of ``linear``'s features (a cut
+        along the tokens or the batch, or overlapping pieces, would carry a role's rows to another reader):
+        ``linear``'s feature indices replayed through ``chain`` (from ``linear`` to ``cut``) and each reader."""
+        whole = self.replay(chain, self.feature_probe(linear))
+        seen: set[int] = set()
+        for reader in self.users(cut):
+            piece = whole[self.piece_index(reader)]
+            features = set(torch.as_tensor(piece).unique().long().tolist())
+            if features & seen:
+                raise _Fail(f"the pieces cut from {self.label(linear)} at {self.label(cut)} share its features")
+            seen |= features
 
     def claim(self, factors: Sequence[Factor]) -> None:
         """Record the rows and columns the GL ``factors`` move; fails where one is already moved by another factor
@@ -216,14 +230,20 @@ class _Finder:
     def back(self, node: fx.Node, role: str) -> tuple[fx.Node, list[fx.Node]]:
         """The Linear call whose output reaches ``node`` through reshapes only, and those reshapes in order."""
         chain: list[fx.Node] = []
+        cuts: list[fx.Node] = []
         current = node
         while True:
-            if len(self.users(current)) != 1 and not (chain and self.cut_into_pieces(current)):
-                raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
+            if len(self.users(current)) != 1:
+                if not (chain and self.cut_into_pieces(current)):
+                    raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
+                cuts.append(current)
             if self.plain_linear(current):
                 if self.calls[str(current.target)] != 1:
                     raise _Fail(f"the {role} projection {self.label(current)} is called more than once")
-                return current, chain[::-1]
+                chain.reverse()
+                for cut in cuts:
+                    self.disjoint_pieces(current, chain[: chain.index(cut) + 1] if cut is not current else [], cut)
+                return current, chain
             source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
             if source is None:
                 between = self.label(current)

@@ -82,7 +82,8 @@ class HandBlock(nn.Module):
 class FusedBlock(nn.Module):
     """A pre-LN block whose attention projects query, key and value with one Linear and cuts its output (as timm's
     and many ViTs do): ``unbind`` of a ``(3, b, heads, t, hd)`` permutation, integer indexing of it, or ``chunk``
-    along the features; ``shared_piece`` reads the query's piece twice (as query and as key): no query/key factor."""
+    along the features; ``shared_piece`` reads the query's piece twice (as query and as key), ``overlap`` cuts a
+    last piece holding every feature and adds it to the output: neither has GL factors."""
 
     def __init__(self, split="unbind"):
         super().__init__()
@@ -94,20 +95,25 @@ class FusedBlock(nn.Module):
     def forward(self, x):
         b, t, c = x.shape
         y = self.ln1(x)
+        extra = 0
         if self.split == "chunk":
             q, k, v = self.qkv(y).chunk(3, dim=-1)  # unpacked at once: torch.fx can count the pieces
             q, k, v = (z.view(b, t, H, HD).transpose(1, 2) for z in (q, k, v))
+        elif self.split == "overlap":  # the last piece holds every feature, the query's rows included
+            q, k, v, _, whole = self.qkv(y).tensor_split([D, 2 * D, 3 * D, 0], dim=-1)
+            q, k, v = (z.view(b, t, H, HD).transpose(1, 2) for z in (q, k, v))
+            extra = whole[..., :D]
         else:
             qkv = self.qkv(y).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4)
             if self.split == "unbind":
                 q, k, v = qkv.unbind(0)
             else:
                 q, k, v = qkv[0], qkv[0 if self.split == "shared_piece" else 1], qkv[2]
-        if self.split == "chunk":
+        if self.split in ("chunk", "overlap"):
             a = F.scaled_dot_product_attention(q, k, v)
         else:
             a = (q @ k.transpose(-2, -1) * HD**-0.5).softmax(dim=-1) @ v
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c)) + extra
         return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
 
 
@@ -266,7 +272,7 @@ HAND_CASES = {
 }
 
 
-FUSED_CASES = {"unbind": {}, "index": {}, "chunk": {}, "shared_piece": {"pinned": True}}
+FUSED_CASES = {"unbind": {}, "index": {}, "chunk": {}, "shared_piece": {"pinned": True}, "overlap": {"pinned": True}}
 
 
 def make(kind: str, name: str, seed: int = 0):
