@@ -123,11 +123,13 @@ class _LayerNorm:
         return input_moves
 
     def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        var, mean = torch.var_mean(h, dim=-1, keepdim=True, correction=0)
-        rstd = torch.rsqrt(var + self.eps)
-        xhat = (h - mean).mul_(rstd)
-        z = xhat * params[self.weight] if self.weight else xhat
-        return (z + params[self.bias] if self.bias else z), (xhat, rstd)
+        # torch's fused kernel (one pass; a reduction by var_mean over a short last axis is several times slower)
+        xhat, _, rstd = torch.native_layer_norm(h, h.shape[-1:], None, None, self.eps)
+        if self.weight:
+            z = torch.addcmul(params[self.bias], xhat, params[self.weight]) if self.bias else xhat * params[self.weight]
+        else:
+            z = xhat + params[self.bias] if self.bias else xhat
+        return z, (xhat, rstd)
 
     def _error_at_xhat(self, g: Tensor, params) -> Tensor:
         return g * params[self.weight] if self.weight else g
