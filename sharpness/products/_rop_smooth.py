@@ -270,10 +270,15 @@ class _Attention:
         """``W'`` and ``b'`` (``None`` without a bias) of the parameters, or of a tangent."""
         return self._scaled(params[self.weight]), self._scaled(params[self.bias] if self.bias else None)
 
-    def _split(self, t: Tensor, parts: int) -> Tensor:
-        """``(N, T, parts * D)`` -> ``(parts, heads, N, T, hd)``, contiguous."""
+    def _split(self, t: Tensor, parts: int, bias: Tensor | None = None) -> Tensor:
+        """``(N, T, parts * D)`` -> ``(parts, heads, N, T, hd)``, contiguous, with ``bias`` ``(parts * D,)`` added on
+        the way (the copy's one pass instead of another before it)."""
         n, tokens, width = t.shape
-        return t.view(n, tokens, parts, self.heads, width // (parts * self.heads)).permute(2, 3, 0, 1, 4).contiguous()
+        shape = (parts, self.heads, width // (parts * self.heads))
+        heads = t.view(n, tokens, *shape).permute(2, 3, 0, 1, 4)
+        if bias is None:
+            return heads.contiguous()
+        return torch.add(heads, bias.view(*shape[:2], 1, 1, shape[2]), out=t.new_empty(heads.shape))
 
     @staticmethod
     def _join(parts: Tensor) -> Tensor:
@@ -283,7 +288,8 @@ class _Attention:
         return parts.permute(2, 3, 0, 1, 4).reshape(n, tokens, -1)
 
     def forward(self, x: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple]:
-        qkv = self._split(F.linear(x, *self._packed(params)), 3)
+        weight, bias = self._packed(params)
+        qkv = self._split(x @ weight.T, 3, bias)
         q, k, v = qkv
         a = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
         o = self._join((a @ v).unsqueeze(0))
@@ -309,10 +315,11 @@ class _Attention:
         """The output's tangent, and the inner tangents the products read (those of q', k', v, of ``A``, of
         ``A v``)."""
         x, (q, k, vv), a, o = saved
-        p_dot = F.linear(x, *self._packed(v))
+        weight, bias = self._packed(v)
+        p_dot = x @ weight.T
         if hdot is not None:
             _flat_rows(p_dot).addmm_(_flat_rows(hdot), self._scaled(params[self.weight]).T)
-        dots = self._split(p_dot, 3)
+        dots = self._split(p_dot, 3, bias)
         qd, kd, vd = dots
         a_dot = _softmax_jacobian(a, _products(qd, k.transpose(-2, -1), q, kd.transpose(-2, -1)))
         o_dot = self._join(_products(a_dot, vv, a, vd).unsqueeze(0))
