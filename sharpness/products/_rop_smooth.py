@@ -125,6 +125,7 @@ class _LayerNorm:
     def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         # torch's fused kernel (one pass; a reduction by var_mean over a short last axis is several times slower)
         xhat, _, rstd = torch.native_layer_norm(h, h.shape[-1:], None, None, self.eps)
+        rstd = rstd.to(xhat.dtype)  # the kernel may keep the statistics of half-precision inputs in float32
         if self.weight:
             z = torch.addcmul(params[self.bias], xhat, params[self.weight]) if self.bias else xhat * params[self.weight]
         else:
