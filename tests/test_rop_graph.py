@@ -174,6 +174,7 @@ SINGLE_OPS = {
     "adaptive avgpool": (lambda: _conv(nn.AdaptiveAvgPool2d((2, 3)), 24), (2, 5, 5)),
     "F.adaptive_avg_pool2d": (lambda: _conv(Fn(lambda h: F.adaptive_avg_pool2d(h, 1)), 4), (2, 5, 5)),
     "mean over space": (lambda: _conv(Fn(lambda h: h.mean((2, 3), keepdim=True)), 4), (2, 5, 5)),
+    "mean over the last axis": (lambda: _conv(Fn(lambda h: torch.mean(h, -1)), 20), (2, 5, 5)),
     "batchnorm2d": (lambda: _conv(nn.BatchNorm2d(4), 100), (2, 5, 5)),
     "batchnorm2d no affine": (lambda: _conv(nn.BatchNorm2d(4, affine=False), 100), (2, 5, 5)),
     "batchnorm2d beside a skip": (lambda: _conv(NormSkip(nn.BatchNorm2d(4)), 100), (2, 5, 5)),

@@ -49,6 +49,18 @@ class Tokens(nn.Module):
         return self.head(self.body(h).mean(dim=1))
 
 
+class OnData(nn.Module):
+    """``body`` applied to ``(N, T * F)`` inputs cut into ``T`` tokens of ``F`` features (the data, which no parameter
+    moves), then the token mean and a Linear."""
+
+    def __init__(self, body: nn.Module, tokens: int = 3, dim: int = 4):
+        super().__init__()
+        self.tokens, self.body, self.head = tokens, body, nn.Linear(dim, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x.unflatten(1, (self.tokens, -1))).mean(dim=1))
+
+
 class SelfAttention(nn.Module):
     def __init__(self, dim: int = 4, heads: int = 2, bias: bool = True, **call):
         super().__init__()
@@ -84,6 +96,7 @@ PIECES = {
     "MultiheadAttention": (lambda: Tokens(SelfAttention()), (6,)),
     "MultiheadAttention without biases": (lambda: Tokens(SelfAttention(bias=False)), (6,)),
     "MultiheadAttention, weights not needed": (lambda: Tokens(SelfAttention(need_weights=False)), (6,)),
+    "MultiheadAttention of the data": (lambda: OnData(SelfAttention()), (12,)),
 }
 
 

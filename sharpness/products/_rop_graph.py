@@ -390,7 +390,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
                 return None
         rest, kwargs = args[1:], dict(node.kwargs)
         fn = getattr(F, name) if name != "mean" else torch.mean
-        return _Map("linear", lambda t: fn(t, *rest, **kwargs)), [first]
+        means = tuple(sorted(d % len(shapes[first]) for d in dims)) if name == "mean" else ()
+        return _Map("linear", lambda t: fn(t, *rest, **kwargs), means=means), [first]
     if name in _VIEWS and first is not None and len(tensors) == 1:
         before, after = shapes[first], shapes[node]
         if before[:1] != after[:1] or torch.Size(before[1:]).numel() != torch.Size(after[1:]).numel():

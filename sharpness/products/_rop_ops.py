@@ -15,6 +15,7 @@ An affine layer whose only user is a BatchNorm is merged with it (`_Layer`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -290,6 +291,7 @@ class _Map:
     call: Callable | None = None  # the forward for "view" and "scale" (the original call, its other arguments bound)
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat"
+    means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, object]:
         """``xs``: the tensor inputs; ``args``: the values of every input of the original call (for ``call``)."""
@@ -358,6 +360,12 @@ class _Map:
             return [p if n else None for p, n in zip(parts, need)]
         if kind in ("slope", "maxpool"):
             return [self.impl.adjoint(g, saved)]
+        if kind == "linear" and self.means:  # the error spread evenly over the averaged axes
+            shape, fmt = saved
+            count = math.prod(shape[d] for d in self.means)
+            if g.dim() != len(shape):  # the axes were dropped (no keepdim)
+                g = g.reshape([1 if d in self.means else size for d, size in enumerate(shape)])
+            return [(g / count).expand(shape).contiguous(memory_format=fmt)]
         if kind == "linear":  # the input's error in the input's memory layout (channels-last stays so)
             with torch.enable_grad():
                 x = torch.empty(saved[0], dtype=g.dtype, device=g.device, memory_format=saved[1])

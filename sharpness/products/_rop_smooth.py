@@ -123,11 +123,14 @@ class _LayerNorm:
         return input_moves
 
     def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        var, mean = torch.var_mean(h, dim=-1, keepdim=True, correction=0)
-        rstd = torch.rsqrt(var + self.eps)
-        xhat = (h - mean).mul_(rstd)
-        z = xhat * params[self.weight] if self.weight else xhat
-        return (z + params[self.bias] if self.bias else z), (xhat, rstd)
+        # torch's fused kernel (one pass; a reduction by var_mean over a short last axis is several times slower)
+        xhat, _, rstd = torch.native_layer_norm(h, h.shape[-1:], None, None, self.eps)
+        rstd = rstd.to(xhat.dtype)  # the kernel may keep the statistics of half-precision inputs in float32
+        if self.weight:
+            z = torch.addcmul(params[self.bias], xhat, params[self.weight]) if self.bias else xhat * params[self.weight]
+        else:
+            z = xhat + params[self.bias] if self.bias else xhat
+        return z, (xhat, rstd)
 
     def _error_at_xhat(self, g: Tensor, params) -> Tensor:
         return g * params[self.weight] if self.weight else g
@@ -197,6 +200,37 @@ def _products(a: Tensor, b: Tensor, c: Tensor, d: Tensor, out: Tensor | None = N
     return result.baddbmm_(_batched(c), _batched(d)).view(shape)
 
 
+def _blocks(heads: Tensor) -> Tensor:
+    """Blocks of heads ``(parts, heads, N, T, hd)`` as ``(parts * heads, N * T, hd)``: one matrix per head of each
+    part, its rows the samples' tokens (a view)."""
+    return heads.flatten(0, 1).flatten(1, 2)
+
+
+def _merged(blocks: Tensor, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """``join(blocks) @ weight`` ``(N * T, F)`` for `_blocks` ``(B, N * T, hd)`` and ``weight`` ``(B * hd, F)`` (its
+    rows in the blocks' order), as the sum of the blocks' products with their rows of ``weight``: no copy joins the
+    heads. Added into ``out`` where given."""
+    rows = weight.view(blocks.shape[0], blocks.shape[2], -1)
+    if out is None:
+        out = torch.mm(blocks[0], rows[0])
+    else:
+        out.addmm_(blocks[0], rows[0])
+    for block, w in zip(blocks[1:], rows[1:]):
+        out.addmm_(block, w)
+    return out
+
+
+def _block_outer(blocks: Tensor, h: Tensor, out: Tensor | None = None) -> Tensor:
+    """``join(blocks)^T h`` ``(B * hd, F)`` for ``blocks`` ``(B, N * T, hd)`` and rows ``h`` ``(N * T, F)``: one batched
+    product of each block with the same rows (broadcast, not copied). Added into ``out`` (``(B * hd, F)``) where
+    given."""
+    rows = h.expand(blocks.shape[0], *h.shape)
+    if out is None:
+        return torch.bmm(blocks.transpose(1, 2), rows).view(-1, h.shape[1])
+    out.view(blocks.shape[0], blocks.shape[2], -1).baddbmm_(blocks.transpose(1, 2), rows)
+    return out
+
+
 @dataclass(frozen=True)
 class _Attention:
     """``nn.MultiheadAttention`` as self-attention on ``(N, T, D)`` inputs (``batch_first``), packed input
@@ -205,8 +239,10 @@ class _Attention:
     The passes run in scaled projections ``p' = x W'^T + b'``, ``W'`` and ``b'`` the packed weight and bias with their
     query and key rows times ``r = c^(1/2)``, so that ``S = q' k'^T`` and every product of two factors of the scores
     (their tangents, errors) carries its ``c`` without another pass over the heads; only the parameter-sized blocks
-    ``(Hv)_W`` and ``(Hv)_b`` are scaled back. Heads are kept as ``(3, N, heads, T, hd)`` contiguous blocks (queries,
-    keys, values), so that the batched products of the ``T x T`` attention matrices read them without copies."""
+    ``(Hv)_W`` and ``(Hv)_b`` are scaled back. Heads are kept as ``(3, heads, N, T, hd)`` contiguous blocks (queries,
+    keys, values), so that the batched products of the ``T x T`` attention matrices read them without copies; the
+    errors at ``p'`` stay in those blocks, their products with the packed weight summed block by block
+    (`_merged`, `_block_outer`) instead of joined by a copy first."""
 
     weight: str
     bias: str | None
@@ -235,20 +271,26 @@ class _Attention:
         """``W'`` and ``b'`` (``None`` without a bias) of the parameters, or of a tangent."""
         return self._scaled(params[self.weight]), self._scaled(params[self.bias] if self.bias else None)
 
-    def _split(self, t: Tensor, parts: int) -> Tensor:
-        """``(N, T, parts * D)`` -> ``(parts, N, heads, T, hd)``, contiguous."""
+    def _split(self, t: Tensor, parts: int, bias: Tensor | None = None) -> Tensor:
+        """``(N, T, parts * D)`` -> ``(parts, heads, N, T, hd)``, contiguous, with ``bias`` ``(parts * D,)`` added on
+        the way (the copy's one pass instead of another before it)."""
         n, tokens, width = t.shape
-        return t.view(n, tokens, parts, self.heads, width // (parts * self.heads)).permute(2, 0, 3, 1, 4).contiguous()
+        shape = (parts, self.heads, width // (parts * self.heads))
+        heads = t.view(n, tokens, *shape).permute(2, 3, 0, 1, 4)
+        if bias is None:
+            return heads.contiguous()
+        return torch.add(heads, bias.view(*shape[:2], 1, 1, shape[2]), out=t.new_empty(heads.shape))
 
     @staticmethod
     def _join(parts: Tensor) -> Tensor:
-        """Blocks of heads ``(parts, N, heads, T, hd)`` back to ``(N, T, parts * heads * hd)``, the parts side by
+        """Blocks of heads ``(parts, heads, N, T, hd)`` back to ``(N, T, parts * heads * hd)``, the parts side by
         side (one copy)."""
-        _, n, _, tokens, _ = parts.shape
-        return parts.permute(1, 3, 0, 2, 4).reshape(n, tokens, -1)
+        _, _, n, tokens, _ = parts.shape
+        return parts.permute(2, 3, 0, 1, 4).reshape(n, tokens, -1)
 
     def forward(self, x: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple]:
-        qkv = self._split(F.linear(x, *self._packed(params)), 3)
+        weight, bias = self._packed(params)
+        qkv = self._split(x @ weight.T, 3, bias)
         q, k, v = qkv
         a = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
         o = self._join((a @ v).unsqueeze(0))
@@ -257,7 +299,7 @@ class _Attention:
 
     def errors(self, g: Tensor, saved, params, need: bool) -> tuple[tuple, Tensor | None]:
         """Keeps the first-order errors at the output, at ``A v`` (heads), at ``A`` (less its mean under ``A``), at
-        ``S`` and at ``p'``."""
+        ``S`` and at ``p'`` (blocks of heads)."""
         _, (q, k, v), a, _ = saved
         d_o = self._split(g @ params[self.out_weight], 1)[0]
         e_a = d_o @ v.transpose(-2, -1)
@@ -267,17 +309,18 @@ class _Attention:
         torch.matmul(d_s, k, out=parts[0])
         torch.matmul(d_s.transpose(-2, -1), q, out=parts[1])
         torch.matmul(a.transpose(-2, -1), d_o, out=parts[2])
-        d_p = self._join(parts)
-        return (g, d_o, e_a, d_s, d_p), (d_p @ self._scaled(params[self.weight]) if need else None)
+        error = _merged(_blocks(parts), self._scaled(params[self.weight])).view_as(g) if need else None
+        return (g, d_o, e_a, d_s, parts), error
 
     def tangent(self, saved, hdot: Tensor | None, params, v) -> tuple[Tensor, tuple]:
         """The output's tangent, and the inner tangents the products read (those of q', k', v, of ``A``, of
         ``A v``)."""
         x, (q, k, vv), a, o = saved
-        p_dot = F.linear(x, *self._packed(v))
+        weight, bias = self._packed(v)
+        p_dot = x @ weight.T
         if hdot is not None:
             _flat_rows(p_dot).addmm_(_flat_rows(hdot), self._scaled(params[self.weight]).T)
-        dots = self._split(p_dot, 3)
+        dots = self._split(p_dot, 3, bias)
         qd, kd, vd = dots
         a_dot = _softmax_jacobian(a, _products(qd, k.transpose(-2, -1), q, kd.transpose(-2, -1)))
         o_dot = self._join(_products(a_dot, vv, a, vd).unsqueeze(0))
@@ -297,7 +340,7 @@ class _Attention:
         gd_o = g_dot @ params[self.out_weight]
         _flat_rows(gd_o).addmm_(_flat_rows(g), v[self.out_weight])
         gd_o = self._split(gd_o, 1)[0]
-        parts = q.new_empty(3, *q.shape)  # the tangent errors at q', k', v, joined once
+        parts = q.new_empty(3, *q.shape)  # the tangent errors at q', k', v
         gd_a = _products(gd_o, vv.transpose(-2, -1), d_o, vd.transpose(-2, -1))
         _products(a.transpose(-2, -1), gd_o, a_dot.transpose(-2, -1), d_o, out=parts[2])
         # J gd_a + Adot e_a - A <Adot, e_a> (the second-order term; <Adot, 1> = 0 lets e_a stand for the error):
@@ -306,18 +349,17 @@ class _Attention:
         gd_s = t.addcmul_(a, t.sum(-1, keepdim=True), value=-1.0)
         _products(gd_s, k, d_s, kd, out=parts[0])
         _products(gd_s.transpose(-2, -1), q, d_s.transpose(-2, -1), qd, out=parts[1])
-        gd_p = self._join(parts)
-        block = _flat_rows(gd_p).T @ _flat_rows(x)  # (Hv)_W' , then scaled back to W's rows
+        gd_p, d_p = _blocks(parts), _blocks(d_p)
+        block = _block_outer(gd_p, _flat_rows(x))  # (Hv)_W' , then scaled back to W's rows
         if hdot is not None:
-            add_outer(block, d_p, hdot)
+            _block_outer(d_p, _flat_rows(hdot), out=block)
         into[self.weight].add_(self._scaled(block, inplace=True))
         if self.bias:
-            into[self.bias].add_(self._scaled(_flat_rows(gd_p).sum(0), inplace=True))
+            into[self.bias].add_(self._scaled(gd_p.sum(1).view(-1), inplace=True))
         if not need:
             return None
-        out = gd_p @ self._scaled(params[self.weight])
-        _flat_rows(out).addmm_(_flat_rows(d_p), self._scaled(v[self.weight]))
-        return out
+        out = _merged(gd_p, self._scaled(params[self.weight]))
+        return _merged(d_p, self._scaled(v[self.weight]), out=out).view_as(x)
 
 
 __all__: list[str] = []
