@@ -19,6 +19,7 @@ from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import CallableOperator
+from sharpness.products._rop_gradient import shared_gradient
 from sharpness.solvers._vectors import _canonical_signs
 
 
@@ -73,7 +74,7 @@ class QuotientMeasure(Measure):
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
         quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
-        egrad = objective.gradient()
+        egrad = shared_gradient(objective, hessian.strategy)  # read off the products' kept state where they keep one
         solver_hessian = getattr(quotient, "solver_hessian", None)
         if solver_hessian is None:  # a quotient with only the whitened map (the symmetry quotient): as it is
             apply = quotient.whitened_hessian(egrad, hessian.matvec)
