@@ -343,7 +343,6 @@ class NodeScaleQuotient(_Quotient):
     ):
         self.point, self.layout = _flat_point(point, layout)
         self.structure = structure
-        self._sign = torch.sign(self.point)
         # Zero weights have no log coordinate: J loses their rows too. J acts on log coordinates d = xi / w; the
         # whitened ones are zeta = sign(w) d, where the projection is sign(w) P sign(w).
         self.symmetry = (NodeSymmetry(structure.group, self.layout, self.point != 0)
@@ -356,16 +355,52 @@ class NodeScaleQuotient(_Quotient):
             f"({structure.group_failure}); the rescaling directions lie in the Hessian's kernel, so only zero "
             "eigenvalues can differ"
         )
-        # 1 / |w|, and 0 where w = 0 (1/0 = inf) or is not a number: two passes, no temporaries
-        self.sqrt_metric = self.point.abs().reciprocal_().nan_to_num_(nan=0.0, posinf=0.0)
+
+    # `sqrt_metric` and `sign(w)` are formed on first use (each a pass and a parameter-sized vector): the
+    # log-coordinate solve reads neither, and the measures count the dropped entries from `dropped_entries`.
+    @functools.cached_property
+    def sqrt_metric(self) -> Tensor:  # (n,) 1 / |w|, and 0 where w = 0 (1/0 = inf) or is not a number
+        return self.point.abs().reciprocal_().nan_to_num_(nan=0.0, posinf=0.0)  # two passes, no temporaries
+
+    @functools.cached_property
+    def _sign(self) -> Tensor:
+        return torch.sign(self.point)
+
+    @functools.cached_property
+    def _zero_entries(self) -> Tensor:
+        """Sorted flat indices of the exactly-zero weights: the rows of ``J`` the symmetry left out, where it has
+        them (no pass over the point), else found by one."""
+        if self.symmetry is None:
+            return torch.nonzero(self.point == 0).reshape(-1)
+        dropped = self.symmetry._dropped  # None: nothing dropped
+        return torch.zeros(0, dtype=torch.long, device=self.point.device) if dropped is None else \
+            dropped.to(self.point.device)  # fmt: skip
+
+    def dropped_entries(self) -> Tensor:
+        """Sorted flat indices of the entries the metric leaves out (``sqrt_metric == 0``: zero weights, and weights
+        that are not finite), ``(m,)`` int64 on the point's device."""
+        if self._finite:
+            return self._zero_entries
+        return torch.nonzero(self.sqrt_metric == 0).reshape(-1)
 
     def unwhiten(self, zeta: Tensor) -> Tensor:
         """``G^{-1/2} zeta = |w| zeta``, ``(..., n)`` (dropped entries map to 0)."""
         if not self._finite:  # a non-finite weight is dropped (sqrt_metric 0) where |w| zeta would not be 0
             return super().unwhiten(zeta)
-        # two passes (w zeta, times sign(w)) where the division by sqrt_metric takes four and three temporaries;
-        # w = 0 gives 0, and |w| is exact where 1 / (1 / |w|) is rounded twice
-        return torch.mul(zeta, self.point).mul_(self._sign)
+        # two passes and no sign vector: |w zeta| = |w| |zeta| exactly, with zeta's sign; w = 0 gives 0, and |w| is
+        # exact where 1 / (1 / |w|) is rounded twice
+        out = torch.mul(zeta, self.point)
+        return torch.copysign(out, zeta, out=out)
+
+    def _to_whitened(self, d: Tensor) -> Tensor:
+        """``sign(w) d`` (log coordinates ``(..., n)`` to whitened ones) without a sign vector where the point is
+        finite: ``|d|`` with the sign of ``w d`` (whose sign bit is the product's of the signs even where it
+        underflows to 0), then 0 at the zero weights."""
+        if not self._finite:
+            return d * self._sign
+        out = torch.mul(d, self.point)
+        torch.copysign(d, out, out=out)
+        return out.index_fill_(-1, self._zero_entries, 0.0)
 
     @functools.cached_property
     def _finite(self) -> bool:
@@ -403,7 +438,7 @@ class NodeScaleQuotient(_Quotient):
         """The Riemannian Hessian in log coordinates ``d = xi / w`` (``sign(w)`` times the whitened ones), where the
         projection has no signs to apply: ``P (diag(w) H diag(w) + diag(w g)) P``, the same spectrum as
         `whitened_hessian`, at fewer passes over the parameters per product (``hvp_into``: see the base class)."""
-        return SolverHessian(self._log_hessian(egrad, hvp, hvp_into), self._project_log, lambda d: d * self._sign)
+        return SolverHessian(self._log_hessian(egrad, hvp, hvp_into), self._project_log, self._to_whitened)
 
     def _log_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
                      hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:  # fmt: skip

@@ -3,6 +3,8 @@
 vectors (`in_subspace=True`) it skips projecting its input; the node projection works slice by slice and in place.
 Same eigenvalues as without the skip, the public `matvec` still ``P A P v`` for any ``v``, rounding drift bounded."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_node_projection import _INPUTS, _models, _reference_projector
@@ -196,3 +198,36 @@ def test_node_unwhiten_is_the_metric_division_at_two_passes_and_drops_non_finite
     unwhitened = odd.unwhiten(zeta)
     torch.testing.assert_close(unwhitened, _Quotient.unwhiten(odd, zeta), rtol=0, atol=0)
     assert bool((unwhitened[:, 1:3] == 0).all())
+
+
+def test_node_whitening_of_log_coordinates_and_dropped_entries_need_no_sign_or_metric_vector():
+    """``sign(w) d`` is formed without a sign vector (``|d|`` with the sign of ``w d``, 0 on zero weights) and equals
+    ``d * sign(w)`` exactly, where ``w d`` underflows too; the dropped entries come from the
+    symmetry's left-out rows (or one pass where there is no group) and equal ``sqrt_metric == 0``; neither the sign
+    nor ``sqrt_metric`` is formed on the way. A point with a nan or an infinity falls back to both vectors."""
+    obj = _node_objective("mlp_zeros")
+    quotient = NodeScaleQuotient(obj.params, obj.structure, obj.layout)
+    d = torch.randn(2, obj.layout.size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    zero, kept = (torch.nonzero(quotient.point == 0).reshape(-1), torch.nonzero(quotient.point).reshape(-1))
+    d[:, kept[:3]] = 0.0
+    d[1, kept[3]], d[1, kept[4]] = 5e-324, -5e-324  # w d underflows to a signed 0
+    assert bool((d[1, kept[3:5]] * quotient.point[kept[3:5]] == 0).all())
+    assert zero.numel() and bool((d[:, zero] != 0).all())
+    whitened = quotient.solver_hessian(torch.zeros(obj.layout.size, dtype=torch.float64), lambda v: v).to_whitened(d)
+    dropped = quotient.dropped_entries()
+    assert "_sign" not in vars(quotient) and "sqrt_metric" not in vars(quotient)
+    expected = d * torch.sign(quotient.point)
+    assert torch.equal(whitened, expected)  # the values (a zero's sign may differ: nothing reads it)
+    assert whitened[1, kept[3]] == expected[1, kept[3]] != 0 and whitened[1, kept[4]] == expected[1, kept[4]] != 0
+    assert torch.equal(quotient._to_whitened(d[0]), expected[0])
+    assert torch.equal(dropped, torch.nonzero(quotient.sqrt_metric == 0).reshape(-1))
+    assert torch.equal(dropped, zero)
+    structure = dataclasses.replace(obj.structure, group=None, group_failure="untraceable (test)")
+    ungrouped = NodeScaleQuotient(obj.params, structure, obj.layout)
+    assert torch.equal(ungrouped.dropped_entries(), zero) and torch.equal(ungrouped._to_whitened(d), expected)
+    point = quotient.point.clone()
+    point[kept[0]], point[kept[1]] = float("nan"), float("inf")
+    odd = NodeScaleQuotient(point, obj.structure, obj.layout)
+    assert torch.equal(odd.dropped_entries(), torch.nonzero(odd.sqrt_metric == 0).reshape(-1))
+    assert odd.dropped_entries().numel() == zero.numel() + 2
+    torch.testing.assert_close(odd._to_whitened(d), d * torch.sign(point), rtol=0, atol=0, equal_nan=True)

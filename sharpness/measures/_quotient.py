@@ -19,6 +19,7 @@ from sharpness.measures._measure import BallGeometry, CurvatureOperator, Measure
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import CallableOperator
+from sharpness.products._rop_gradient import shared_gradient
 from sharpness.solvers._vectors import _canonical_signs
 
 
@@ -50,10 +51,14 @@ class QuotientMeasure(Measure):
         layout = objective.layout
         # A quotient without a diagonal G^{1/2} (the symmetry quotient) keeps every entry: it refuses points where
         # its metric is undefined instead of dropping entries.
-        sqrt_metric = getattr(quotient, "sqrt_metric", None)
-        if sqrt_metric is None:
+        if not isinstance(quotient, (LayerScaleQuotient, NodeScaleQuotient)):
             return quotient, {"n_measured": layout.size, "n_dropped": 0}
-        n_measured = int(torch.count_nonzero(sqrt_metric))  # entries with sqrt_metric > 0 (it is never negative)
+        if isinstance(quotient, NodeScaleQuotient):  # the dropped entries' indices, usually few: no pass over G^{1/2}
+            dropped = quotient.dropped_entries()
+            n_measured = layout.size - dropped.numel()
+        else:
+            sqrt_metric = quotient.sqrt_metric
+            n_measured = int(torch.count_nonzero(sqrt_metric))  # entries with sqrt_metric > 0 (never negative)
         facts = {"n_measured": n_measured, "n_dropped": layout.size - n_measured}
         if n_measured == 0:
             raise DegeneratePointError(
@@ -62,7 +67,12 @@ class QuotientMeasure(Measure):
                 short="all parameters dropped",
             )
         if n_measured < layout.size:
-            names = [name for name in layout.names if not bool(sqrt_metric[layout.slice(name)].all())]
+            if isinstance(quotient, NodeScaleQuotient):
+                bounds = torch.tensor([[layout.slice(n).start, layout.slice(n).stop] for n in layout.names])
+                ends = torch.searchsorted(dropped.cpu(), bounds)  # a tensor holds a dropped entry where they differ
+                names = [name for name, (lo, hi) in zip(layout.names, ends.tolist()) if hi > lo]
+            else:
+                names = [name for name in layout.names if not bool(sqrt_metric[layout.slice(name)].all())]
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             facts["dropped"] = (
                 f"{facts['n_dropped']} of {layout.size} parameters left out ({shown}): they are {self.drops}, where "
@@ -73,7 +83,7 @@ class QuotientMeasure(Measure):
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
         quotient, measured = self.measured(objective)
         hessian = HessianOperator(objective, hvp)
-        egrad = objective.gradient()
+        egrad = shared_gradient(objective, hessian.strategy)  # read off the products' kept state where they keep one
         solver_hessian = getattr(quotient, "solver_hessian", None)
         if solver_hessian is None:  # a quotient with only the whitened map (the symmetry quotient): as it is
             apply = quotient.whitened_hessian(egrad, hessian.matvec)
@@ -101,7 +111,7 @@ class QuotientMeasure(Measure):
                 return quotient.unwhiten(_canonical_signs(hess.to_whitened(vectors)))
 
         # ||G^-1 g||_g = ||G^-1/2 g|| for a diagonal metric: one unwhitening instead of two and a whitening
-        diagonal = getattr(quotient, "sqrt_metric", None) is not None
+        diagonal = isinstance(quotient, (LayerScaleQuotient, NodeScaleQuotient))
         grad_norm = (torch.linalg.vector_norm(quotient.unwhiten(egrad)) if diagonal
                      else quotient.norm(quotient.egrad2rgrad(egrad)))  # fmt: skip
         return CurvatureOperator(
