@@ -196,6 +196,11 @@ class _Quotient(ABC):
         """Exact exponential map of the total-space metric at the point: a flat point ``(n,)``."""
 
 
+def _differentiated(t: Tensor) -> bool:
+    """Whether ``t`` takes part in automatic differentiation (autograd, or a ``torch.func`` transform)."""
+    return t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 class LayerScaleQuotient(_Quotient):
     """Quotient by layer-wise rescaling with the metric of Rangamani et al. (Prop. 2.3 / 2.5).
 
@@ -385,7 +390,10 @@ class NodeScaleQuotient(_Quotient):
 
     def unwhiten(self, zeta: Tensor) -> Tensor:
         """``G^{-1/2} zeta = |w| zeta``, ``(..., n)`` (dropped entries map to 0)."""
-        if not self._finite:  # a non-finite weight is dropped (sqrt_metric 0) where |w| zeta would not be 0
+        if not self._finite or _differentiated(zeta):
+            # a non-finite weight is dropped (sqrt_metric 0) where |w| zeta would not be 0; under automatic
+            # differentiation (epsilon-sharpness retracts through this) the out= form is refused, and copysign's
+            # derivative is 0 where zeta is, where |w| zeta's is |w|
             return super().unwhiten(zeta)
         # two passes and no sign vector: |w zeta| = |w| |zeta| exactly, with zeta's sign; w = 0 gives 0, and |w| is
         # exact where 1 / (1 / |w|) is rounded twice
@@ -396,7 +404,7 @@ class NodeScaleQuotient(_Quotient):
         """``sign(w) d`` (log coordinates ``(..., n)`` to whitened ones) without a sign vector where the point is
         finite: ``|d|`` with the sign of ``w d`` (whose sign bit is the product's of the signs even where it
         underflows to 0), then 0 at the zero weights."""
-        if not self._finite:
+        if not self._finite or _differentiated(d):
             return d * self._sign
         out = torch.mul(d, self.point)
         torch.copysign(d, out, out=out)

@@ -231,3 +231,19 @@ def test_node_whitening_of_log_coordinates_and_dropped_entries_need_no_sign_or_m
     assert torch.equal(odd.dropped_entries(), torch.nonzero(odd.sqrt_metric == 0).reshape(-1))
     assert odd.dropped_entries().numel() == zero.numel() + 2
     torch.testing.assert_close(odd._to_whitened(d), d * torch.sign(point), rtol=0, atol=0, equal_nan=True)
+
+
+def test_node_unwhitening_is_differentiable_with_the_metric_as_its_derivative():
+    """Differentiated (epsilon-sharpness retracts through it, by autograd and by ``torch.func``), unwhitening keeps
+    the derivative ``|w|`` (0 on zero weights), also where ``zeta`` is 0, where copysign's derivative would be 0."""
+    obj = _node_objective("mlp_zeros")
+    quotient = NodeScaleQuotient(obj.params, obj.structure, obj.layout)
+    zeta = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    zeta[:5] = 0.0
+    cotangent = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    value, pullback = torch.func.vjp(quotient.unwhiten, zeta)
+    torch.testing.assert_close(value, quotient.unwhiten(zeta), rtol=1e-15, atol=0)  # 1 / (1 / |w|) rounds
+    torch.testing.assert_close(pullback(cotangent)[0], quotient.point.abs() * cotangent, rtol=1e-15, atol=0)
+    leaf = zeta.clone().requires_grad_(True)
+    (quotient.unwhiten(leaf) @ cotangent).backward()
+    torch.testing.assert_close(leaf.grad, quotient.point.abs() * cotangent, rtol=1e-15, atol=0)
