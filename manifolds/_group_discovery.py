@@ -139,7 +139,6 @@ _CONCATENATIONS = {"cat", "concat", "concatenate"}
 # matched by identity, so a user's own function of the same name is not taken for them
 _FUNCTIONAL_AFFINE = {torch.nn.functional.linear: 0, torch.matmul: 0, operator.matmul: 0, torch.conv1d: 1,
                       torch.conv2d: 2, torch.conv3d: 3}  # fmt: skip
-_OFFSETS = {"add", "sub", "iadd", "isub", "add_", "sub_"}  # ``x + b``, ``x - b`` with ``b`` a parameter read directly
 _PRODUCTS = {"mul", "multiply"}  # elementwise products (``p * q``, ``torch.mul``, ``p.mul(q)``); not in place
 
 _NON_HOMOGENEOUS = {
@@ -513,7 +512,7 @@ class _Walker:
         name = target_name(node)
         if len(data) == 1 and _functional_affine_dims(node) is not None and self.functional_affine(node, data[0]):
             return None
-        if len(data) == 1 and name in _OFFSETS and self.parameter_offset(node, data[0]):
+        if len(data) == 1 and name in _ADDITIONS and self.parameter_offset(node, data[0]):  # ``x + b``, b a parameter
             return None
         if any(
             isinstance(a, fx.Node) and a.op == "get_attr" for a in node.all_input_nodes
@@ -557,10 +556,9 @@ class _Walker:
         calls has its records tied by `shared_tensors`)."""
         name, src = target_name(node), self.shape(source)
         dims = _functional_affine_dims(node)
-        slots = ("input", "weight", "bias", "stride", "padding", "dilation", "groups") if dims else ("input", "weight")
-        if name == "linear":
-            slots = ("input", "weight", "bias")
-        if len(node.args) > len(slots) or (name == "matmul" and node.kwargs):
+        slots = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+        slots = slots if dims else slots[:3] if name == "linear" else slots[:2]  # matmul: (input, other) by position
+        if len(node.args) > len(slots):
             return False
         bound = dict(zip(slots, node.args)) | dict(node.kwargs)
         if bound.get("input") is not source or set(bound) - set(slots) or src is None:

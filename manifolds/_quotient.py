@@ -112,6 +112,11 @@ class _Quotient(ABC):
         """``G^{1/2} xi``, ``(..., n)``: coordinates in which the metric is Euclidean."""
         return xi * self.sqrt_metric
 
+    def dropped_entries(self) -> Tensor:
+        """Sorted flat indices of the entries the metric leaves out (``sqrt_metric == 0``), ``(m,)`` int64 on the
+        point's device."""
+        return torch.nonzero(self.sqrt_metric == 0).reshape(-1)
+
     def unwhiten(self, zeta: Tensor) -> Tensor:
         """``G^{-1/2} zeta``, ``(..., n)`` (dropped entries map to 0)."""
         kept = self.sqrt_metric > 0
@@ -384,9 +389,7 @@ class NodeScaleQuotient(_Quotient):
     def dropped_entries(self) -> Tensor:
         """Sorted flat indices of the entries the metric leaves out (``sqrt_metric == 0``: zero weights, and weights
         that are not finite), ``(m,)`` int64 on the point's device."""
-        if self._finite:
-            return self._zero_entries
-        return torch.nonzero(self.sqrt_metric == 0).reshape(-1)
+        return self._zero_entries if self._finite else super().dropped_entries()
 
     def unwhiten(self, zeta: Tensor) -> Tensor:
         """``G^{-1/2} zeta = |w| zeta``, ``(..., n)`` (dropped entries map to 0)."""

@@ -53,12 +53,8 @@ class QuotientMeasure(Measure):
         # its metric is undefined instead of dropping entries.
         if not isinstance(quotient, (LayerScaleQuotient, NodeScaleQuotient)):
             return quotient, {"n_measured": layout.size, "n_dropped": 0}
-        if isinstance(quotient, NodeScaleQuotient):  # the dropped entries' indices, usually few: no pass over G^{1/2}
-            dropped = quotient.dropped_entries()
-            n_measured = layout.size - dropped.numel()
-        else:
-            sqrt_metric = quotient.sqrt_metric
-            n_measured = int(torch.count_nonzero(sqrt_metric))  # entries with sqrt_metric > 0 (never negative)
+        dropped = quotient.dropped_entries()  # the node quotient's come from its group: no pass over G^{1/2}
+        n_measured = layout.size - dropped.numel()
         facts = {"n_measured": n_measured, "n_dropped": layout.size - n_measured}
         if n_measured == 0:
             raise DegeneratePointError(
@@ -67,12 +63,9 @@ class QuotientMeasure(Measure):
                 short="all parameters dropped",
             )
         if n_measured < layout.size:
-            if isinstance(quotient, NodeScaleQuotient):
-                bounds = torch.tensor([[layout.slice(n).start, layout.slice(n).stop] for n in layout.names])
-                ends = torch.searchsorted(dropped.cpu(), bounds)  # a tensor holds a dropped entry where they differ
-                names = [name for name, (lo, hi) in zip(layout.names, ends.tolist()) if hi > lo]
-            else:
-                names = [name for name in layout.names if not bool(sqrt_metric[layout.slice(name)].all())]
+            bounds = torch.tensor([[layout.slice(n).start, layout.slice(n).stop] for n in layout.names])
+            ends = torch.searchsorted(dropped.cpu(), bounds)  # a tensor holds a dropped entry where they differ
+            names = [name for name, (lo, hi) in zip(layout.names, ends.tolist()) if hi > lo]
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             facts["dropped"] = (
                 f"{facts['n_dropped']} of {layout.size} parameters left out ({shown}): they are {self.drops}, where "
