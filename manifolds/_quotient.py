@@ -455,8 +455,9 @@ class NodeScaleQuotient(_Quotient):
                      hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:  # fmt: skip
         """``d -> P (diag(w) H diag(w) + diag(w g)) P d = P (w (H (w d) + g d))`` in log coordinates (``horizontal`` and
         ``out`` as in `whitened_hessian`): two vectors kept for every product (``w d`` and ``H (w d) + g d``, into
-        which ``hvp_into`` adds), so a product on the solvers' path allocates nothing; the last projection in
-        place."""
+        which ``hvp_into`` adds), so a product on the solvers' path allocates nothing. ``P M P = M P = P M`` here
+        (the rescaling directions are in ``M``'s kernel), so a horizontal ``d`` is not projected at all; any other
+        is projected before the product and after it, in place (against rounding)."""
         w, g = self.point, self.connection_factor(egrad)
         scratch: list[Tensor] = []
 
@@ -472,7 +473,11 @@ class NodeScaleQuotient(_Quotient):
                 inner.add_(hvp(x))
             else:
                 hvp_into(x, inner)
-            return self._project_in_place(torch.mul(w, inner) if out is None else out.addcmul_(w, inner))
+            product = torch.mul(w, inner) if out is None else out.addcmul_(w, inner)
+            # The Hessian of l(d) = L(w e^d) maps every rescaling direction J c to 0 (l(d + J c) = l(d)), so, being
+            # symmetric, its range is horizontal: the product of a horizontal vector is horizontal up to rounding,
+            # which the solvers' periodic re-projection removes. Any other vector is projected in and out.
+            return product if horizontal else self._project_in_place(product)
 
         return apply
 

@@ -247,3 +247,43 @@ def test_node_unwhitening_is_differentiable_with_the_metric_as_its_derivative():
     leaf = zeta.clone().requires_grad_(True)
     (quotient.unwhiten(leaf) @ cotangent).backward()
     torch.testing.assert_close(leaf.grad, quotient.point.abs() * cotangent, rtol=1e-15, atol=0)
+
+
+def test_node_product_of_a_horizontal_vector_is_horizontal_unprojected_away_from_critical_points(monkeypatch):
+    """``l(d) = L(w e^d)`` is constant along every rescaling direction ``J c``, so its Hessian has them in its kernel
+    and, symmetric, a horizontal range: the solvers' products are not projected at all (no call of the projection),
+    and are horizontal to rounding at a point with a large gradient, where the connection term ``diag(w g)`` is
+    not small."""
+    obj = _node_objective("cnn_bn_zeros")
+    op = MEASURES["node"].operator(obj).operator
+    w, grad = obj.layout.flatten(obj.params), obj.gradient()
+    assert float((w * grad).norm()) > 1e-2  # not a critical point
+    v = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    h, out = op.project(v[0]), op.project(v[1])
+    calls = []
+    project_out = NodeSymmetry.project_out
+    monkeypatch.setattr(NodeSymmetry, "project_out", lambda *a, **k: calls.append(1) or project_out(*a, **k))
+    products = [op.matvec(h, in_subspace=True), op.matvec_add(h, out.clone(), in_subspace=True) - out]
+    assert not calls
+    for product in products:
+        assert float(product.norm()) > 1e-3
+        assert float((product - op.project(product)).norm()) < 1e-12 * float(product.norm())
+    torch.testing.assert_close(products[0], products[1], rtol=0, atol=1e-12 * float(products[0].norm()))
+    torch.testing.assert_close(op.matvec(h), products[0], rtol=0, atol=1e-12 * float(products[0].norm()))
+
+
+def test_symmetry_operator_keeps_the_skip_of_its_quotient():
+    """The symmetry measure wraps its operator in the math attention kernel; the wrapper keeps the in-subspace
+    product (no projection of the solvers' own vectors) and the claim that products are projected."""
+    from test_transformer_quotient import make
+
+    model, loss, data = make("mha_pre")
+    obj = Objective(model, loss, data, dtype=torch.float64)
+    op = MEASURES["symmetry"].operator(obj).operator
+    assert op.products_in_subspace
+    v = torch.randn(2, op.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    h, out = op.project(v[0]), op.project(v[1])
+    reference = op.matvec(h)
+    tol = 1e-10 * float(reference.norm())
+    torch.testing.assert_close(op.matvec(h, in_subspace=True), reference, rtol=0, atol=tol)
+    torch.testing.assert_close(op.matvec_add(h, out.clone(), in_subspace=True), out + reference, rtol=0, atol=tol)

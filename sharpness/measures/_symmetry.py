@@ -54,6 +54,12 @@ class Symmetry(QuotientMeasure):
             with _math_attention():
                 return inner.matvec(v)
 
+        def matvec_in_subspace(v: Tensor, out: Tensor | None = None) -> Tensor:
+            # the solvers' own (horizontal) vectors: no projection of the input, and the products stay projected
+            with _math_attention():
+                return inner.matvec(v, in_subspace=True) if out is None else inner.matvec_add(v, out, in_subspace=True)
+
         bound.operator = CallableOperator(matvec, inner.size, inner.dtype, inner.device, project=inner.project,
-                                          comm=inner.comm)
+                                          comm=inner.comm, matvec_in_subspace=matvec_in_subspace,
+                                          products_in_subspace=inner.products_in_subspace)  # fmt: skip
         return bound
