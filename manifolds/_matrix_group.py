@@ -28,7 +28,7 @@ pinned. The whole group's Lie algebra has coordinates ``xi = (log-scales of the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,8 @@ from manifolds._layout import ParamLayout
 _HOWS = ("T", "inv", "invT")
 # the reason recorded for a factor left out because the diagonal rescaling group moves the same features
 COVERED = "the diagonal rescaling group already moves these features"
+# the reason recorded for a factor left out of a restriction (`MatrixSymmetry.restricted`): it moves a fixed tensor
+FIXED = "it moves a parameter that must stay unchanged (frozen)"
 _SYMBOL = {"T": "^T", "inv": "^-1", "invT": "^-T"}
 
 
@@ -203,6 +205,25 @@ class MatrixSymmetry:
             lines.append("pinned:")
             lines.extend(f"  {pin}" for pin in pinned)
         return "\n".join(lines)
+
+    def restricted(self, names: Iterable[str]) -> MatrixSymmetry:
+        """The subgroup that leaves every parameter outside ``names`` unchanged (e.g. frozen parameters).
+
+        A factor moving any tensor outside ``names`` is left out whole, with the reason in ``pins``: at a generic
+        point no element of it but the identity leaves that tensor as it is (``W_Q A = W_Q`` forces ``A = I`` where
+        ``W_Q`` has full column rank, ``gamma c = gamma`` forces ``c = 1`` where no scale is zero). The diagonal group
+        is restricted likewise (`manifolds.RescalingGroup.restricted`). Returns ``self`` when nothing changes.
+
+        Args:
+            names: the parameters that may move (e.g. the trainable ones, or a ``{name: tensor}`` mapping of them).
+        """
+        kept = set(names)
+        factors = tuple(f for f in self.factors if all(b.name in kept for b in f.blocks))
+        diagonal = None if self.diagonal is None else self.diagonal.restricted(kept)
+        if len(factors) == len(self.factors) and diagonal is self.diagonal:
+            return self
+        pins = self.pins + tuple(Pin(f.label, f.size, FIXED) for f in self.factors if f not in factors)
+        return MatrixSymmetry(factors, diagonal, pins)
 
     # -- elements ------------------------------------------------------------------------------------------
     def identity(self, dtype: torch.dtype = torch.float64) -> SymmetryElement:

@@ -82,7 +82,8 @@ class _Plan:
         missing = [name for name in symmetry.names if name not in flat]
         if missing:
             raise _refuse(f"the group moves {', '.join(missing)}, which the parameters do not hold (a frozen "
-                          "tensor?); make them trainable or leave them out of the model's symmetry")
+                          "tensor?); make them trainable or pass the subgroup that leaves them alone "
+                          "(`symmetry.restricted(params)`)")
         factors = symmetry.factors
         shapes = dict(zip(layout.names, layout.shapes))
         factor_names = {b.name for f in factors for b in f.blocks}

@@ -409,7 +409,7 @@ def _geodesic_metric(choice: str, objective: Objective) -> str:
     if choice != "auto":
         return choice
     symmetry = objective.structure.symmetry  # None where the group is unknown
-    return "symmetry" if symmetry is not None and symmetry.factors else "node"
+    return "symmetry" if symmetry is not None and symmetry.restricted(objective.params).factors else "node"
 
 
 def _compute(args: argparse.Namespace) -> int:

@@ -124,7 +124,7 @@ def make(name: str, seed: int = 0):
 
 
 def _params(model):
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}  # frozen ones stay as they are
 
 
 def _with(model, params):
@@ -342,3 +342,66 @@ def test_measure_is_unchanged_under_the_group_while_euclidean_and_adaptive_move(
         e, a = _euclidean(twin, loss, data), _adaptive(twin, loss, data)
         assert max(e, euclidean) / min(e, euclidean) > 1.5, (euclidean, e)
         assert max(a, adaptive) / min(a, adaptive) > 1.5, (adaptive, a)
+
+
+# -- (d) frozen parameters: the subgroup leaving them unchanged ------------------------------------------------------
+def _frozen_hand_element(model, g) -> dict:
+    """Per head ``B`` on value/output and the ReLU units: what is left of the group of ``hand_pre`` with the query
+    weight and the second LayerNorm's scale frozen (the query/key factors and both LayerNorm trades move them)."""
+    sd = _params(model)
+    for h in range(H):
+        b, head = _gl(g), slice(h * HD, (h + 1) * HD)
+        _rows(sd, "blocks.0.v.weight", head, b.T)
+        _rows(sd, "blocks.0.v.bias", head, b.T)
+        w = sd["blocks.0.o.weight"].clone()
+        w[:, head] = w[:, head] @ torch.linalg.inv(b).T
+        sd["blocks.0.o.weight"] = w
+    units = _scales(g, FF)
+    sd["blocks.0.fc1.weight"] = sd["blocks.0.fc1.weight"] * units[:, None]
+    sd["blocks.0.fc1.bias"] = sd["blocks.0.fc1.bias"] * units
+    sd["blocks.0.fc2.weight"] = sd["blocks.0.fc2.weight"] / units
+    return sd
+
+
+def test_frozen_parameters_leave_the_subgroup_that_keeps_them():
+    """With the query weight and a LayerNorm scale frozen, the symmetry measure quotients the subgroup that leaves
+    them unchanged (before, it refused the model): equal to the dense float64 reference of that subgroup, unchanged
+    under its elements (random ones and ones built by hand), and its dimension counted by hand."""
+    model, loss, data = make("hand_pre")
+    whole = manifolds.transformer_symmetry(model, data[0])
+    model.blocks[0].q.weight.requires_grad_(False)
+    model.blocks[0].ln2.weight.requires_grad_(False)
+    params = _params(model)
+    sym = whole.restricted(params)
+    # left: per head GL(4) on value/output (2 x 16) and the 12 ReLU units; gone: query/key (2 x 16, they move
+    # q.weight), the ln1 trade (8: it moves q.weight's columns) and the ln2 trade (8)
+    assert (whole.dim, sym.dim, sym.diagonal_dim) == (2 * 16 + 2 * 16 + 8 + 8 + 12, 2 * 16 + 12, 0), sym.describe()
+    gone = sym.pins[len(whole.pins):]
+    assert [pin.reason for pin in gone] == [manifolds._matrix_group.FIXED] * 4, sym.describe()
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, params), sym)
+    obj = Objective(model, loss, data, dtype=torch.float64)
+    result = MEASURES["symmetry"].sharpness(obj, k=2, solver=Solver(tol=1e-12), progress=False)
+    assert result.info["symmetry_group_dim"] == sym.dim
+    assert np.allclose(result.eigenvalues, reference[::-1][:2], rtol=1e-8, atol=0), (result.eigenvalues, reference)
+    moved = [sym.transformed(model, sym.random_element(1.5, torch.Generator().manual_seed(5))),
+             _with(model, _frozen_hand_element(model, torch.Generator().manual_seed(6)))]
+    for twin in moved:
+        for name in ("blocks.0.q.weight", "blocks.0.ln2.weight"):
+            assert torch.equal(twin.get_parameter(name), model.get_parameter(name))
+            assert not twin.get_parameter(name).requires_grad
+        with torch.no_grad():
+            assert (twin(data[0]) - model(data[0])).abs().max() < 1e-10
+        after = measure_value(twin, loss, data)[0]
+        assert abs(after - result.eigenvalues[0]) <= 1e-8 * abs(result.eigenvalues[0]), (result.eigenvalues, after)
+
+
+def test_frozen_attention_projections_cut_the_attention_claim():
+    """Every attention projection frozen: no attention factor is left, so the measure no longer claims invariance
+    under attention's GL factors (the ReLU units and LayerNorm trades it keeps)."""
+    model, loss, data = make("hand_pre")
+    for name in ("q", "k", "v", "o"):
+        getattr(model.blocks[0], name).weight.requires_grad_(False)
+    obj = Objective(model, loss, data, dtype=torch.float64)
+    result = MEASURES["symmetry"].sharpness(obj, k=1, solver=Solver(tol=1e-10), progress=False)
+    assert "attention" not in result.info["invariant_under"]
+    assert "normalization" in result.info["invariant_under"]

@@ -100,7 +100,8 @@ def untestable_factor_kinds(claimed: Iterable[str], objective: Objective) -> dic
     if not wanted:
         return {}
     try:
-        factors = required_symmetry(objective.structure).factors  # the structure's own, shared by its copies
+        # the structure's own, shared by its copies; a factor moving a frozen parameter is not the measure's
+        factors = required_symmetry(objective.structure).restricted(objective.params).factors
     except UnsupportedModelError as err:
         return dict.fromkeys(wanted, symmetry_unknown(first_line(err)))
     found = {factor_claim(f) for f in factors}

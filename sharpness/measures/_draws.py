@@ -68,8 +68,7 @@ class Draws:
         except UnsupportedModelError as err:  # the factors could not be read: only the diagonal kinds are drawn
             whole, failure = None, first_line(err)
         if whole is not None:
-            factors = tuple(f for f in whole.factors if all(b.name in params for b in f.blocks))
-            self.symmetry = MatrixSymmetry(factors, self.groups["node"], whole.pins)
+            self.symmetry = MatrixSymmetry(whole.restricted(params).factors, self.groups["node"], whole.pins)
         # each factor's claim kind, in the order of the factors (read once: drawing and the summary use it)
         self._factor_claims = () if self.symmetry is None else tuple(map(factor_claim, self.symmetry.factors))
         found = {} if self.symmetry is None else self._found()

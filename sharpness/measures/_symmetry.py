@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from manifolds import SymmetryQuotient
+from manifolds import MatrixSymmetry, SymmetryQuotient
 from manifolds._attention import required_symmetry  # the objective's structure holds the group
 from sharpness.measures._measure import CurvatureOperator, Measure
 from sharpness.measures._quotient import QuotientMeasure
@@ -28,8 +28,10 @@ class Symmetry(QuotientMeasure):
     Invariant under every element of the group `manifolds.transformer_symmetry` finds: per-head
     ``GL(hd)`` on query/key and on value/output, the affine scales of LayerNorm/RMSNorm traded against the layers
     reading them, token-wise ReLU unit scalings, and the node- and layer-wise rescalings of ReLU/BatchNorm
-    networks. Where that group has dimension 0 the value is the top eigenvalue of the Riemannian Hessian of the
-    metric alone and is invariant under nothing: ``info["symmetry_group_dim"]`` says which case holds.
+    networks. Frozen parameters stay as they are: the group is the subgroup that leaves them unchanged (every
+    factor moving one is left out, see `manifolds.MatrixSymmetry.restricted`). Where that group has dimension 0
+    the value is the top eigenvalue of the Riemannian Hessian of the metric alone and is invariant under nothing:
+    ``info["symmetry_group_dim"]`` (the dimension of the group quotiented) says which case holds.
     Every product of the measure runs attention with the math kernel of ``scaled_dot_product_attention``
     (PyTorch's default CPU kernel has no second derivative). It has no metric ball yet (no epsilon-sharpness).
     Units: dimensionless, as the node measure.
@@ -41,13 +43,20 @@ class Symmetry(QuotientMeasure):
     invariant_under = ("node", "layer", "attention", "normalization")
     ball = Measure.ball  # geodesic balls on this quotient are another measure's job (no ball: no epsilon-sharpness)
 
-    def quotient(self, objective: Objective) -> SymmetryQuotient:
+    @staticmethod
+    def group(objective: Objective) -> MatrixSymmetry:
+        """The group quotiented: the model's whole symmetry group restricted to the objective's (trainable)
+        parameters, frozen ones staying as they are (`manifolds.MatrixSymmetry.restricted`)."""
         # traced once per structure: an objective's copies at transformed parameters (verify's) share its graph
-        return SymmetryQuotient(required_symmetry(objective.structure), objective.params)
+        return required_symmetry(objective.structure).restricted(objective.params)
+
+    def quotient(self, objective: Objective) -> SymmetryQuotient:
+        return SymmetryQuotient(self.group(objective), objective.params)
 
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
         with _math_attention():
             bound = super().operator(objective, hvp)
+        bound.info["symmetry_group_dim"] = self.group(objective).dim
         inner = bound.operator
 
         def matvec(v: Tensor) -> Tensor:
