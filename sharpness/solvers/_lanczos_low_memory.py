@@ -18,6 +18,7 @@ from sharpness.solvers._vectors import (
     _breakdown_threshold,
     _canonical_signs,
     _check_k,
+    _near_zero,
     _orthogonalize,
     _reprojected,
     _residual_scale,
@@ -37,12 +38,13 @@ class _Recurrence:
         self.op, self.found = op, found
 
     def step(self, q: Tensor, previous: Tensor | None, beta_prev: float, alpha: float | None,
-             index: int) -> tuple[Tensor, float]:  # fmt: skip
+             index: int, project: bool = False) -> tuple[Tensor, float]:  # fmt: skip
         """``w = B q - alpha q - beta_prev previous``, unnormalized, consuming ``previous``.
 
         ``alpha=None`` computes it (``q^T B q``, with one local re-orthogonalization against ``q``);
-        a given ``alpha`` replays a step of the first pass. ``index``: the step's position in its pass (the replay
-        re-projects where the first pass did).
+        a given ``alpha`` replays a step of the first pass. ``index``: the step's position in its pass, and
+        ``project``: re-project this product whatever the operator claims (the replay re-projects where the first
+        pass did).
 
         Returns:
             ``(w, alpha)``.
@@ -60,7 +62,7 @@ class _Recurrence:
             w.sub_(q, alpha=alpha)
         # Project and deflate last, so the rounding the subtractions leave along excluded and found
         # directions is removed every step instead of growing with the recurrence.
-        w = _reprojected(self.op, w, index)
+        w = _reprojected(self.op, w, index, always=project)
         if self.found.size:
             w, _ = _orthogonalize(w, self.found, overwrite=True)
         return w, alpha
@@ -75,11 +77,14 @@ def _first_pass(
     history: list[dict],
     found_values: list[float],
     bar,
+    projected: list[bool],
 ) -> tuple[list[float], list[float], float, np.ndarray, bool, float]:
     """Lanczos coefficients until the top Ritz pair of ``B`` meets ``tol``; the vectors are dropped.
 
     ``norm_floor``: a known lower bound on ``||A||`` (from earlier pairs), so that the residual scale
-    ``eps ||A||`` does not collapse once deflation has removed every nonzero eigenvalue.
+    ``eps ||A||`` does not collapse once deflation has removed every nonzero eigenvalue. ``projected`` (empty)
+    receives, per step, whether its product was re-projected because the top Ritz value was near or below 0
+    (`_near_zero`), for the replay.
 
     Returns:
         ``alphas`` ``(m,)``, ``betas`` ``(m-1,)``, the top Ritz value, its ``T``-eigenvector ``(m,)``,
@@ -89,12 +94,15 @@ def _first_pass(
     q, previous, beta = q0.clone(), None, 0.0
     alphas: list[float] = []
     betas: list[float] = []
+    theta_now, norm_now = None, norm_floor
     while True:
-        w, alpha = rec.step(q, previous, beta, None, len(alphas))
+        projected.append(op.products_in_subspace and _near_zero(theta_now, norm_now))
+        w, alpha = rec.step(q, previous, beta, None, len(alphas), projected[-1])
         alphas.append(alpha)
         beta = float(torch.linalg.vector_norm(w))
         theta, s, anorm = _top_ritz(alphas, betas, 1)
         scale_norm = max(anorm, norm_floor)
+        theta_now, norm_now = float(theta[0]), scale_norm
         # Breakdown is judged on this Krylov space's own scale: a large eigenvalue deflated earlier must not
         # make a residual of the current pair look like rounding; unless the whole space is rounding next
         # to ||A|| (deflation removed every nonzero eigenvalue).
@@ -118,13 +126,15 @@ def _true_residual(op: SymmetricOperator, y: Tensor, theta: float, norm: float) 
     return float(torch.linalg.vector_norm(r)) / float(_residual_scale(np.array([theta]), norm, op.dtype)[0])
 
 
-def _ritz_vector(rec: _Recurrence, q0: Tensor, alphas: list[float], betas: list[float], s: np.ndarray) -> Tensor:
+def _ritz_vector(rec: _Recurrence, q0: Tensor, alphas: list[float], betas: list[float], s: np.ndarray,
+                 projected: list[bool]) -> Tensor:  # fmt: skip
     """``sum_j s_j q_j`` over the Lanczos vectors of the first pass, regenerated with its coefficients
-    (``len(alphas) - 1`` more products); returned with unit norm. Consumes ``q0``'s storage."""
+    (``len(alphas) - 1`` more products, re-projected where the first pass did: ``projected``); returned with unit
+    norm. Consumes ``q0``'s storage."""
     q, previous = q0, None
     y = q0 * float(s[0])
     for j in range(len(alphas) - 1):
-        w, _ = rec.step(q, previous, betas[j - 1] if j else 0.0, alphas[j], j)
+        w, _ = rec.step(q, previous, betas[j - 1] if j else 0.0, alphas[j], j, projected[j])
         previous, q = q, w.mul_(1.0 / betas[j])
         y.add_(q, alpha=float(s[j + 1]))
     del q, previous  # before y is scaled: the peak is three vectors
@@ -155,7 +165,11 @@ def low_memory_lanczos(
        runs until the top Ritz value of the tridiagonal ``T`` meets the stopping rule of
        [`lanczos`][sharpness.lanczos]: ``|beta_m s_m| <= tol * max(|theta|, eps ||T||)``. The vectors are not kept.
        Without full reorthogonalization they lose orthogonality once ``theta`` converges and ``T`` then
-       gains copies of it ("ghosts", Paige 1976), which leave the top Ritz value itself unchanged;
+       gains copies of it ("ghosts", Paige 1976), which leave the top Ritz value itself unchanged. Products an
+       operator says are projected already (``products_in_subspace``) are re-projected every 4th step, and every
+       step while ``theta`` is not clearly above 0 (at most ``1e-3 ||T||``): directions the projection excludes may
+       lie in the operator's kernel (the node measure's do), and their rounding would then surface as a false
+       eigenvalue 0 above a negative wanted one;
     2. the same recurrence is replayed from the same start vector with the stored coefficients, to
        sum the Ritz vector ``sum_j s_j q_j`` (``m - 1`` products);
     3. one more product gives the true residual ``||A y - theta y||`` of that vector. When a large
@@ -204,11 +218,12 @@ def low_memory_lanczos(
             rec = _Recurrence(op, found)
             start = _start_vector(op, found, v0 if i == 0 else None, generator)
             for attempt in range(_MAX_RESTARTS + 1):
+                projected: list[bool] = []
                 alphas, betas, theta, s, ok, anorm = _first_pass(
-                    rec, start, tol, max_iter, norm_floor, history, values, bar
+                    rec, start, tol, max_iter, norm_floor, history, values, bar, projected
                 )
                 norm_floor = max(norm_floor, anorm, abs(theta))
-                y = _ritz_vector(rec, start, alphas, betas, s)
+                y = _ritz_vector(rec, start, alphas, betas, s, projected)
                 start = None  # its storage was consumed by the replay
                 # Exactly orthogonal to the pairs found so far before it deflates the next runs.
                 y, _ = _orthogonalize(op.project(y), found, overwrite=True)

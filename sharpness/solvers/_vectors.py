@@ -225,13 +225,25 @@ def _project_rows(op: SymmetricOperator, block: Tensor) -> Tensor:
     return torch.stack([op.project(row) for row in block])
 
 
-def _reprojected(op: SymmetricOperator, w: Tensor, step: int | None = None) -> Tensor:
+def _reprojected(op: SymmetricOperator, w: Tensor, step: int | None = None, always: bool = False) -> Tensor:
     """``op.project(w)`` for a vector built from a product, unless the operator's products are projected already
     (``products_in_subspace``): then ``w`` itself, except at every `_REPROJECT_EVERY`-th ``step`` (``None``: a
-    one-off product of a projected vector, never re-projected)."""
-    if op.products_in_subspace and (step is None or (step + 1) % _REPROJECT_EVERY):
+    one-off product of a projected vector, never re-projected) and where the caller says ``always``."""
+    if op.products_in_subspace and not always and (step is None or (step + 1) % _REPROJECT_EVERY):
         return w
     return op.project(w)
+
+
+# Where the wanted eigenvalue is not clearly above 0, a solver without a stored basis re-projects every product:
+# the excluded directions are in the kernel of an operator whose products are projected only to rounding (the node
+# measure's), so the rounding they gather behaves as an eigenvalue of 0, which would then be the top one.
+_NEAR_ZERO = 1e-3
+
+
+def _near_zero(theta: float | None, norm: float) -> bool:
+    """Whether a Ritz value ``theta`` (``None``: none yet) is at most `_NEAR_ZERO` times ``norm`` (``||A||`` so
+    far) above 0."""
+    return theta is None or theta <= _NEAR_ZERO * norm
 
 
 def _residual_scale(values: np.ndarray, anorm: float, dtype: torch.dtype) -> np.ndarray:
