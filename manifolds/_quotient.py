@@ -151,9 +151,10 @@ class _Quotient(ABC):
         Hessian on the quotient; eigenvectors map back to tangent vectors with `unwhiten`.
 
         The map also takes ``horizontal=True``, the caller's promise that ``zeta`` is already horizontal (to
-        rounding), which spares its projection (``P M P zeta = P M zeta`` then), and ``out``, a horizontal ``(n,)``
-        vector the product is added to in place and returned (projected with it). Eigen-solvers use both on their
-        own, already projected, vectors (see [`SymmetricOperator.matvec`][sharpness.SymmetricOperator.matvec]).
+        rounding), which spares its projection (``P M P zeta = P M zeta`` then; the node quotient's ``M`` maps every
+        vector into the horizontal space, so it skips the product's projection too), and ``out``, a horizontal
+        ``(n,)`` vector the product is added to in place and returned (projected with it). Eigen-solvers use both on
+        their own, already projected, vectors (see [`SymmetricOperator.matvec`][sharpness.SymmetricOperator.matvec]).
 
         Args:
             egrad: Euclidean gradient at the point, ``(n,)``.
