@@ -56,6 +56,7 @@ from sharpness.products._rop import (
     _Slope,
     loss_state,
 )
+from sharpness.products._rop_attention import _Attend, _MatMul, _Softmax
 from sharpness.products._rop_ops import _Layer, _Map, _Norm
 from sharpness.products._rop_smooth import _Attention, _LayerNorm, _Param, _Pointwise, _Smooth
 
@@ -69,7 +70,7 @@ _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn
 _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                        "adaptive_avg_pool3d"}  # fmt: skip
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
-_VIEWS = {"view", "reshape", "flatten"}
+_VIEWS = {"view", "reshape", "flatten", "unflatten"}
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
@@ -148,10 +149,10 @@ class RopGraph:
                 if i in self._kept_errors:
                     deltas[i] = kept
                 errs = [error]
+            elif isinstance(step.op, _Smooth):
+                deltas[i], errs = step.op.errors(g, saved[i], need)
             else:
                 errs = step.op.adjoint(g, saved[i], need)
-                if isinstance(step.op, _Smooth):
-                    deltas[i] = g
             _accumulate(grads, step.inputs, errs, need)
         return deltas
 
@@ -194,7 +195,7 @@ class RopGraph:
         steps, saved, deltas = self.steps, state.saved, state.deltas
         first = self._first_linear if first_layer is not None else None
         dots: list = [None] * len(steps)
-        inner: dict[int, object] = {}  # the inner tangents of LayerNorms and attentions, for their backward
+        inner: dict[int, object] = {}  # the inner tangents of LayerNorms, softmaxes and attentions, for their backward
         for i in range(1, len(steps)):
             step = steps[i]
             if not step.moving:
@@ -209,6 +210,8 @@ class RopGraph:
                 dots[i] = op.tangent(saved[i], xdots[0], params, v)
             elif isinstance(op, _Param):
                 dots[i] = v[op.name]
+            elif isinstance(op, _Smooth) and op.inner:
+                dots[i], inner[i] = op.tangent(xdots, saved[i])
             else:
                 dots[i] = op.tangent(xdots, saved[i])
         grads: dict[int, Tensor] = {self.output: state.loss_hvp(dots[self.output])}
@@ -231,7 +234,7 @@ class RopGraph:
                 into[op.name].add_(g_dot.sum_to_size(into[op.name].shape))
                 errs = []
             elif isinstance(op, _Smooth):
-                errs = op.backward(g_dot, deltas[i], [dots[j] for j in step.inputs], saved[i], need)
+                errs = op.backward(g_dot, deltas[i], [dots[j] for j in step.inputs], saved[i], need, inner.pop(i, None))
             else:
                 errs = op.adjoint(g_dot, saved[i], need)
             _accumulate(grads, step.inputs, errs, need)
@@ -366,6 +369,9 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     args = node.args
     tensors = [a for a in node.all_input_nodes if a in shapes]
     first = args[0] if args and isinstance(args[0], fx.Node) and args[0] in shapes else None
+    found = _attention_op(node, name, shapes)
+    if found is not None:
+        return found
     if name in ("relu", "relu_", "leaky_relu", "leaky_relu_") and first is not None and len(tensors) == 1:
         inplace = name.endswith("_") or bool(_argument(node, 2 if name.startswith("leaky") else 1, "inplace", False))
         if inplace and not _single_user(node):
@@ -373,7 +379,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         slope = float(_argument(node, 1, "negative_slope", 0.01)) if name.startswith("leaky") else 0.0
         return _Map("slope", _Slope(slope)), [first]
     if name in _IDENTITY_FUNCTIONS and first is not None and len(tensors) == 1:
-        return _Map("scale"), [first]
+        # contiguous is called, so a view after it sees the strides it sees in the model (its tangents reshape)
+        return _Map("scale", call=_caller(node) if name == "contiguous" else None), [first]
     if first is not None and len(tensors) == 1 and len(args) == 1:
         approximate = node.kwargs.get("approximate", "none")
         if name == "gelu" and set(node.kwargs) <= {"approximate"} and approximate == "none":
@@ -437,6 +444,89 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     return None
 
 
+def _axis(d: object, ndim: int) -> int | None:
+    """An axis argument made non-negative, or ``None`` where it is not an axis of a tensor of ``ndim`` axes."""
+    return d % ndim if isinstance(d, int) and not isinstance(d, bool) and -ndim <= d < ndim else None
+
+
+def _basic_index(index: object) -> bool:
+    """Whether ``index`` selects by basic indexing alone (ints, slices of ints, ``None``, ``...``, tuples of those): a
+    view, each entry of the tensor taken at most once."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or (isinstance(p, int) and not isinstance(p, bool))
+               or (isinstance(p, slice) and all(e is None or (isinstance(e, int) and not isinstance(e, bool))
+                                                for e in (p.start, p.stop, p.step))) for p in parts)  # fmt: skip
+
+
+def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
+    """The operations of attention written by hand (`sharpness.products._rop_attention`) and the reshapes around it
+    (axis permutations, basic indexing) as an operation and its tensor inputs; ``None`` where ``node`` is none of
+    them or is called in a way not supported (a dtype, a mask, dropout, operands broadcast by ``matmul`` with fewer
+    than two axes)."""
+    args, kwargs = node.args, node.kwargs
+    first = args[0] if args and isinstance(args[0], fx.Node) and args[0] in shapes else None
+    if first is None or any(isinstance(a, fx.Node) and a not in shapes for a in (*args, *kwargs.values())):
+        return None
+    ndim = len(shapes[first])
+    if name in ("transpose", "swapaxes") and len(args) == 3 and not kwargs:
+        a, b = _axis(args[1], ndim), _axis(args[2], ndim)
+        if a is None or b is None:
+            return None
+        dims = list(range(ndim))
+        dims[a], dims[b] = b, a
+        return _Map("permute", tuple(dims)), [first]
+    if name == "permute" and not kwargs:
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        dims = tuple(_axis(d, ndim) for d in dims)
+        return (_Map("permute", dims), [first]) if None not in dims and sorted(dims) == list(range(ndim)) else None
+    if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
+        return _Map("index", args[1]), [first]
+    if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
+        return (_MatMul(), [first, args[1]]) if min(ndim, len(shapes[args[1]])) >= 2 else None
+    if name == "softmax":
+        dim = _argument(node, 1, "dim", None)
+        if len(args) > 2 or set(kwargs) - {"dim", "_stacklevel", "dtype"} or kwargs.get("dtype") is not None:
+            return None
+        return (_Softmax(), [first]) if _axis(dim, ndim) == ndim - 1 else None
+    if name == "scaled_dot_product_attention":
+        tensors = args[:3]
+        options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
+        if len(tensors) != 3 or not all(t in shapes for t in tensors) or len(args) > 8 or \
+                set(options) - {"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"}:  # fmt: skip
+            return None
+        q, k, v = (shapes[t] for t in tensors)
+        scale, causal = options.get("scale"), options.get("is_causal", False)
+        if options.get("attn_mask") is not None or options.get("dropout_p", 0.0) != 0 or options.get("enable_gqa") \
+                or not isinstance(causal, bool) or not (scale is None or _number(scale)) or len(q) < 2 \
+                or not q[:-2] == k[:-2] == v[:-2] or k[-2] != v[-2] or q[-1] != k[-1]:  # fmt: skip
+            return None
+        return _Attend(None if scale is None else float(scale), causal), list(tensors)
+    return None
+
+
+def _pieces(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node, tuple]:
+    """Each ``unbind``, ``chunk`` or ``split`` of a tensor (a tuple, which fx records without a shape) along a fixed
+    axis whose every user takes one piece by an integer ``getitem``: the call as ``(None, [], [])`` (read by nothing)
+    and each ``getitem`` as ``(_Map("piece"), [the tensor], [the call's inputs])``, the cut replayed."""
+    found: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        name = target_name(node)
+        if node.op not in ("call_function", "call_method") or name not in ("unbind", "chunk", "split") \
+                or node in shapes or not node.args or node.args[0] not in shapes:  # fmt: skip
+            continue
+        dim = _argument(node, 1 if name == "unbind" else 2, "dim", 0)
+        users = list(node.users)
+        if _axis(dim, len(shapes[node.args[0]])) is None or not users or any(
+                u.target is not operator.getitem or not isinstance(u.args[1], int) or u not in shapes
+                for u in users):  # fmt: skip
+            continue
+        found[node] = (None, [], [])
+        for u in users:
+            piece = _Map("piece", (name, u.args[1]), call=_caller(node), dim=_axis(dim, len(shapes[node.args[0]])))
+            found[u] = (piece, [node.args[0]], node.all_input_nodes)
+    return found
+
+
 def _attention_outputs(model: nn.Module, nodes: list[fx.Node], shapes: dict,
                        params: Mapping[str, Tensor]) -> dict[fx.Node, tuple]:  # fmt: skip
     """Each ``nn.MultiheadAttention`` call (a tuple, which fx records without a shape) as ``(_Attention, [input])``
@@ -481,6 +571,7 @@ def rop_graph(
     nodes = list(graph.nodes)
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
     attention = _attention_outputs(model, nodes, shapes, params)
+    pieces = _pieces(nodes, shapes)
     read: dict[fx.Node, tuple] = {}  # node -> (op, tensor input nodes, call input nodes)
     fixed: set[fx.Node] = set()  # calls read only where no parameter moves their inputs
     output = None
@@ -490,6 +581,9 @@ def rop_graph(
             if op is None:
                 return None
             read[node] = (op, tensors, [])
+        elif node in pieces:  # a piece of a tensor cut by unbind, chunk or split; the cut itself is read by none
+            if pieces[node][0] is not None:
+                read[node] = pieces[node]
         elif node.op == "placeholder":
             if read or node not in shapes:
                 return None

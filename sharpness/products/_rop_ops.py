@@ -286,9 +286,12 @@ class _Norm:
 class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
-    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat"
-    impl: object = None  # _Slope / _MaxPool, or the linear function (pools, means)
-    call: Callable | None = None  # the forward for "view" and "scale" (the original call, its other arguments bound)
+    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "permute", "piece", "index"
+    # _Slope / _MaxPool, the linear function (pools, means), the axes' order ("permute"), (unbind/chunk/split, the
+    # piece taken) of a cut along axis ``dim`` ("piece"), or a basic index (ints, slices, None, ...; "index")
+    impl: object = None
+    # the forward for "view" and "scale", the cut for "piece" (the original call, its other arguments bound)
+    call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat"
     means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
@@ -308,6 +311,14 @@ class _Map:
             return out, (x.shape, out.shape, fmt)
         if kind == "scale":
             return (xs[0] if self.call is None else self.call(args)), None
+        if kind == "permute":
+            return xs[0].permute(self.impl), None
+        if kind == "index":
+            return xs[0][self.impl], xs[0].shape
+        if kind == "piece":  # the original cut replayed, one piece taken
+            pieces, (name, index) = self.call(args), self.impl
+            start = index if name == "unbind" else sum(p.shape[self.dim] for p in pieces[:index])
+            return pieces[index], (xs[0].shape, start, None if name == "unbind" else pieces[index].shape[self.dim])
         if kind == "sum":
             out = xs[0] if self.factors[0] == 1.0 else xs[0] * self.factors[0]
             for x, f in zip(xs[1:], self.factors[1:]):
@@ -347,6 +358,12 @@ class _Map:
             return self.impl(h)
         if kind == "view":
             return h.reshape(saved[1])
+        if kind == "permute":
+            return h.permute(self.impl)
+        if kind == "index":
+            return h[self.impl]
+        if kind == "piece":
+            return _narrow(h, self.dim, *saved[1:])
         return h * self.factors[0] if self.factors[0] != 1.0 else h
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
@@ -373,4 +390,17 @@ class _Map:
                 return [torch.autograd.grad(self.impl(x), x, g)[0]]
         if kind == "view":
             return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
+        if kind == "permute":  # the inverse permutation
+            return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]
+        if kind in ("index", "piece"):  # the error of a piece: zero outside it
+            shape = saved if kind == "index" else saved[0]
+            out = g.new_zeros(shape)
+            (out[self.impl] if kind == "index" else _narrow(out, self.dim, *saved[1:])).copy_(g)
+            return [out]
         return [g * self.factors[0] if self.factors[0] != 1.0 else g]
+
+
+def _narrow(t: Tensor, dim: int, start: int, length: int | None) -> Tensor:
+    """The view of a piece ``"piece"`` keeps in ``t``: at ``start`` along ``dim``, of ``length`` (``None``: the single
+    index ``start`` of ``unbind``)."""
+    return t.select(dim, start) if length is None else t.narrow(dim, start, length)

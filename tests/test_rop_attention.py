@@ -1,0 +1,177 @@
+"""R-operator products of attention written by hand (sharpness.products._rop_attention and the reshapes of
+sharpness.products._rop_ops): products of two activations, the row softmax, ``F.scaled_dot_product_attention``,
+axis permutations, the pieces of a fused projection, and whole transformers built from them.
+
+Every product is checked in float64 against torch.func's ``jvp`` of ``grad`` (attention's math kernel) to 1e-12
+relative, with the state kept and streamed in chunks of 3 (`test_rop_transformer._exact`).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rop_graph import _data, _perturbed
+from test_rop_transformer import CE, OnData, Tokens, _exact
+from test_transformer_quotient import FusedBlock, HandBlock
+from torch import nn
+
+from sharpness import Objective
+from sharpness._vit import ViT
+
+D, H = 4, 2  # width and heads of the pieces
+
+
+class Heads(nn.Module):
+    """Attention by hand on ``(N, T, D)``: separate, fused (``unbind``, ``chunk`` or ``split``, or integer indexing)
+    projections, and the scores by ``@``/``matmul``/``bmm`` or SDPA."""
+
+    def __init__(self, form: str, dim: int = D, heads: int = H, act=F.gelu):
+        super().__init__()
+        self.form, self.heads, self.hd, self.act = form, heads, dim // heads, act
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def _split(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        form = self.form
+        if form in ("unbind", "sdpa", "causal", "scale"):
+            q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        elif form == "index":  # older timm: qkv[0], qkv[1], qkv[2]
+            qkv = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        elif form == "chunk":
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k, v = self._split(q), self._split(k), self._split(v)
+        else:  # nanoGPT / BERT: split, view, permute
+            q, k, v = self.qkv(x).split(d, dim=2)
+            q, k, v = (p.view(b, t, self.heads, self.hd).permute(0, 2, 1, 3) for p in (q, k, v))
+        if form == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v)
+        elif form == "causal":
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        elif form == "scale":
+            a = F.scaled_dot_product_attention(q, k, v, scale=0.7)
+        elif form == "chunk":
+            scores = q.matmul(torch.transpose(k, 2, 3)) / math.sqrt(self.hd)
+            a = torch.permute(F.softmax(scores, dim=-1) @ v, (0, 1, 2, 3))
+        else:
+            a = torch.matmul(torch.softmax(q @ k.transpose(-1, -2) * self.hd**-0.5, -1), v)
+        return self.o(self.act(a.permute(0, 2, 1, 3).contiguous().view(b, t, d)))
+
+
+class Mixer(nn.Module):
+    """A product of an activation with a parameter (broadcast over the samples: its errors summed back) and of an
+    activation with itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w)
+        return torch.bmm(h, h.transpose(1, 2)).softmax(dim=-1) @ x
+
+
+PIECES = {
+    "q k^T, softmax, A v; separate projections": lambda: Tokens(Heads("separate")),
+    "unbind of a fused projection": lambda: Tokens(Heads("unbind")),
+    "integer indexing of a fused projection": lambda: Tokens(Heads("index")),
+    "chunk, F.softmax": lambda: Tokens(Heads("chunk")),
+    "SDPA": lambda: Tokens(Heads("sdpa")),
+    "SDPA, causal": lambda: Tokens(Heads("causal")),
+    "SDPA, a scale": lambda: Tokens(Heads("scale")),
+    "SDPA of the data": lambda: OnData(Heads("sdpa", act=torch.tanh)),
+    "bmm: a parameter and an activation with itself": lambda: Tokens(Mixer()),
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_each_attention_rule_equals_forward_over_reverse(name):
+    x, y = _data((6 if "data" not in name else 12,))
+    _exact(_perturbed(PIECES[name]()), x, y)
+
+
+class Blocks(nn.Module):
+    """``blocks`` on ``(N, T, 8)`` token inputs, then the token mean and a Linear."""
+
+    def __init__(self, *blocks):
+        super().__init__()
+        self.blocks, self.head = nn.Sequential(*blocks), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x.unflatten(1, (4, 8))).mean(dim=1))
+
+
+class GeluHand(HandBlock):
+    """The quotient tests' HandBlock with a GELU MLP."""
+
+    def forward(self, x):
+        if self.pre_ln:
+            x = x + self.attend(self.ln1(x))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = self.ln1(x + self.attend(x))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class GeluFused(FusedBlock):
+    forward = GeluHand.forward
+
+
+MODELS = {
+    "hand, pre-LN, ReLU": lambda: Blocks(HandBlock(True)),
+    "hand, post-LN, GELU": lambda: Blocks(GeluHand(False)),
+    "fused unbind, pre-LN, GELU; hand, post-LN, ReLU": lambda: Blocks(GeluFused(True), HandBlock(False)),
+    "fused unbind, post-LN, ReLU": lambda: Blocks(FusedBlock(False)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hand_written_transformers_equal_forward_over_reverse(name):
+    x, y = _data((32,), n=5)
+    _exact(_perturbed(MODELS[name]()), x, y)
+
+
+@pytest.mark.parametrize("options", [dict(depth=2), dict(norm="post", act="gelu")])
+def test_the_built_in_vit_with_sdpa_equals_forward_over_reverse(options):
+    x, y = _data((64,), n=5, classes=10)
+    _exact(_perturbed(ViT(dim=4, heads=2, mlp=4, attn="hand", **options)), x, y)
+
+
+class Masked(HandBlock):
+    """Scores with a mask added (a buffer) or filled in: the R-operator does not read either."""
+
+    def __init__(self, fill: bool):
+        super().__init__(True)
+        self.fill = fill
+        self.register_buffer("mask", torch.zeros(4, 4).triu_(1))
+
+    def attend(self, y):
+        b, t, _ = y.shape
+        q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-2, -1)
+        scores = scores.masked_fill(self.mask.bool(), float("-inf")) if self.fill else scores + self.mask
+        return self.o((scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, 8))
+
+
+class Softmax32(HandBlock):
+    def attend(self, y):
+        b, t, _ = y.shape
+        q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        return self.o((F.softmax(q @ k.transpose(-2, -1), dim=1) @ v).transpose(1, 2).reshape(b, t, 8))
+
+
+UNSUPPORTED = {
+    "a mask added to the scores": lambda: Blocks(Masked(fill=False)),
+    "a mask filled into the scores": lambda: Blocks(Masked(fill=True)),
+    "a softmax over another axis": lambda: Blocks(Softmax32(True)),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_attention_operations_fall_back_to_autograd(name):
+    x, y = _data((32,), n=5)
+    obj = Objective(_perturbed(UNSUPPORTED[name]()), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
