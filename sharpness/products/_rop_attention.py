@@ -32,6 +32,13 @@ from torch import Tensor
 from sharpness.products._rop_smooth import _Smooth, _softmax_jacobian
 
 
+def _ready(t: Tensor | None) -> Tensor | None:
+    """``t`` as batched matrix products read it without a copy: itself where it or its transpose (the last two axes) is
+    contiguous, else a contiguous copy (a head cut from a fused projection by ``permute``/``unbind``, whose leading
+    axes do not merge). Factors read several times per product are made so once."""
+    return t if t is None or t.is_contiguous() or t.mT.is_contiguous() else t.contiguous()
+
+
 def _to(t: Tensor, shape: torch.Size) -> Tensor:
     """``t`` summed over the axes along which an operand of shape ``shape`` was broadcast (``t`` where none was)."""
     return t if t.shape == shape else t.sum_to_size(shape)
@@ -59,15 +66,18 @@ def _softmax_backward(a: Tensor, a_dot: Tensor | None, t: Tensor, e: Tensor) -> 
 
 @dataclass(frozen=True)
 class _MatMul(_Smooth):
-    """``a @ b`` of two tensors of at least two axes each, batched over the leading ones; keeps both factors."""
+    """``a @ b`` of two tensors of at least two axes each, batched over the leading ones; keeps both factors (and
+    passes their tangents to ``backward``), `_ready` for the products."""
+
+    inner = True  # the factors' tangents, made ready once
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        return torch.matmul(xs[0], xs[1]), (xs[0], xs[1])
+        return torch.matmul(xs[0], xs[1]), (_ready(xs[0]), _ready(xs[1]))
 
-    def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
-        (a, b), (a_dot, b_dot) = saved, xdots
+    def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
+        (a, b), (a_dot, b_dot) = saved, [_ready(t) for t in xdots]
         out = None if a_dot is None else torch.matmul(a_dot, b)
-        return _add(out, None if b_dot is None else torch.matmul(a, b_dot))
+        return _add(out, None if b_dot is None else torch.matmul(a, b_dot)), (a_dot, b_dot)
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         a, b = saved
@@ -75,8 +85,8 @@ class _MatMul(_Smooth):
                 _to(torch.matmul(a.mT, g), b.shape) if need[1] else None]  # fmt: skip
 
     def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
-                 inner: None = None) -> list[Tensor | None]:  # fmt: skip
-        (a, b), (a_dot, b_dot) = saved, xdots
+                 inner: tuple) -> list[Tensor | None]:  # fmt: skip
+        (a, b), (a_dot, b_dot) = saved, inner
         errs: list[Tensor | None] = [None, None]
         if need[0]:
             out = torch.matmul(g_dot, b.mT)
@@ -122,10 +132,11 @@ class _Attend(_Smooth):
     scale: float | None
     causal: bool
 
-    inner = True  # Adot
+    inner = True  # Adot and the inputs' tangents, made ready once
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple]:
         q, k, v = xs
+        q, k, v = _ready(q), _ready(k), _ready(v)
         c = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         s = torch.matmul(q, k.mT).mul_(c)
         if self.causal:  # torch's causal mask: query i sees keys 0..i
@@ -134,13 +145,13 @@ class _Attend(_Smooth):
         a = torch.softmax(s, dim=-1)
         return torch.matmul(a, v), (q, k, v, a, c)
 
-    def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, Tensor | None]:
-        (q, k, v, a, c), (q_dot, k_dot, v_dot) = saved, xdots
+    def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
+        (q, k, v, a, c), (q_dot, k_dot, v_dot) = saved, [_ready(t) for t in xdots]
         s_dot = None if q_dot is None else torch.matmul(q_dot, k.mT)
         s_dot = _add(s_dot, None if k_dot is None else torch.matmul(q, k_dot.mT))
         a_dot = None if s_dot is None else _softmax_jacobian(a, s_dot.mul_(c))
         out = None if a_dot is None else torch.matmul(a_dot, v)
-        return _add(out, None if v_dot is None else torch.matmul(a, v_dot)), a_dot
+        return _add(out, None if v_dot is None else torch.matmul(a, v_dot)), (a_dot, q_dot, k_dot, v_dot)
 
     def errors(self, g: Tensor, saved, need: list[bool]) -> tuple[tuple, list[Tensor | None]]:
         q, k, v, a, c = saved
@@ -155,17 +166,17 @@ class _Attend(_Smooth):
         return self.errors(g, saved, need)[1]
 
     def backward(self, g_dot: Tensor, kept: tuple, xdots: list[Tensor | None], saved, need: list[bool],
-                 inner: Tensor | None) -> list[Tensor | None]:  # fmt: skip
-        (q, k, v, a, c), (q_dot, k_dot, v_dot), (delta, e_a, d_s) = saved, xdots, kept
+                 inner: tuple) -> list[Tensor | None]:  # fmt: skip
+        (q, k, v, a, c), (a_dot, q_dot, k_dot, v_dot), (delta, e_a, d_s) = saved, inner, kept
         errs: list[Tensor | None] = [None, None, None]
         if need[2]:
             out = torch.matmul(a.mT, g_dot)
-            errs[2] = _add(out, None if inner is None else torch.matmul(inner.mT, delta))
+            errs[2] = _add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta))
         if not (need[0] or need[1]):
             return errs
         gd_a = torch.matmul(g_dot, v.mT)
         gd_a = _add(gd_a, None if v_dot is None else torch.matmul(delta, v_dot.mT))
-        gd_s = _softmax_backward(a, inner, gd_a.mul_(a), e_a)
+        gd_s = _softmax_backward(a, a_dot, gd_a.mul_(a), e_a)
         if need[0]:
             out = torch.matmul(gd_s, k)
             errs[0] = _add(out, None if k_dot is None else torch.matmul(d_s, k_dot)).mul_(c)
