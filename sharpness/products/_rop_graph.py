@@ -57,7 +57,7 @@ from sharpness.products._rop import (
     loss_state,
 )
 from sharpness.products._rop_attention import _Attend, _MatMul, _Softmax
-from sharpness.products._rop_ops import _Layer, _Map, _Norm
+from sharpness.products._rop_ops import _Layer, _Map, _Norm, _Part
 from sharpness.products._rop_smooth import _Attention, _LayerNorm, _Param, _Pointwise, _Smooth
 
 _LAYERS = (_Layer, _LayerNorm, _Attention)  # operations with parameters and one tensor input
@@ -137,11 +137,11 @@ class RopGraph:
         deltas: dict[int, Tensor] = {}
         if not self.errors:
             return deltas
-        grads: dict[int, Tensor] = {self.output: out_grad}
+        grads: dict[int, object] = {self.output: out_grad}
         for i in range(len(self.steps) - 1, 0, -1):
             if i not in self.errors or i not in grads:
                 continue
-            g = grads.pop(i)
+            g = _dense(grads.pop(i))
             step = self.steps[i]
             need = [j in self.errors for j in step.inputs]
             if isinstance(step.op, _LAYERS):
@@ -214,12 +214,12 @@ class RopGraph:
                 dots[i], inner[i] = op.tangent(xdots, saved[i])
             else:
                 dots[i] = op.tangent(xdots, saved[i])
-        grads: dict[int, Tensor] = {self.output: state.loss_hvp(dots[self.output])}
+        grads: dict[int, object] = {self.output: state.loss_hvp(dots[self.output])}
         for i in range(len(steps) - 1, 0, -1):
             step = steps[i]
             if not step.moving or i not in grads:
                 continue
-            g_dot = grads.pop(i)
+            g_dot = _dense(grads.pop(i))
             need = [steps[j].moving for j in step.inputs]
             op = step.op
             if i == first:
@@ -255,11 +255,39 @@ class RopGraph:
         return out.numel() * out.element_size() + sum(sizes), max(sizes, default=0)
 
 
-def _accumulate(grads: dict[int, Tensor], inputs: tuple[int, ...], errs: list, need: list[bool]) -> None:
-    """Add each needed input's error to ``grads`` (a tensor used twice gets the sum, never written in place)."""
+def _accumulate(grads: dict[int, object], inputs: tuple[int, ...], errs: list, need: list[bool]) -> None:
+    """Add each needed input's error to ``grads`` (a tensor used twice gets the sum; a tensor an operation gave is
+    never written in place). An error may be a `_Part` (zero outside a piece): the parts of one tensor are written
+    into one buffer of its own (`_Owned`), read by `_dense`."""
     for j, e, n in zip(inputs, errs, need):
         if n and e is not None:
-            grads[j] = e if j not in grads else grads[j] + e
+            grads[j] = e if j not in grads else _sum(grads[j], e)
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """A sum of errors in a buffer the graph allocated, so written in place."""
+
+    tensor: Tensor
+
+
+def _sum(old: object, e: Tensor | _Part) -> object:
+    if isinstance(old, Tensor) and isinstance(e, Tensor):
+        return old + e
+    if isinstance(old, _Owned):
+        total = old.tensor
+    else:
+        total = old.dense() if isinstance(old, _Part) else old.clone()
+    if isinstance(e, _Part):
+        e.add_to(total)
+    else:
+        total.add_(e)
+    return _Owned(total)
+
+
+def _dense(g: object) -> Tensor:
+    """An accumulated error as a tensor."""
+    return g.tensor if isinstance(g, _Owned) else g.dense() if isinstance(g, _Part) else g
 
 
 # ------------------------------------------------------------------------------------------------

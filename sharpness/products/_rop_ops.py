@@ -392,12 +392,29 @@ class _Map:
             return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
         if kind == "permute":  # the inverse permutation
             return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]
-        if kind in ("index", "piece"):  # the error of a piece: zero outside it
-            shape = saved if kind == "index" else saved[0]
-            out = g.new_zeros(shape)
-            (out[self.impl] if kind == "index" else _narrow(out, self.dim, *saved[1:])).copy_(g)
-            return [out]
+        if kind == "index":  # the error of a piece: zero outside it
+            return [_Part(saved, g, lambda t: t[self.impl])]
+        if kind == "piece":
+            return [_Part(saved[0], g, lambda t: _narrow(t, self.dim, *saved[1:]))]
         return [g * self.factors[0] if self.factors[0] != 1.0 else g]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """An error zero outside one piece of its tensor: ``value`` at ``place(t)`` (a view of a tensor ``t`` of ``shape``).
+    The graph sums the parts of a tensor cut into pieces into one buffer instead of zero-filling each."""
+
+    shape: torch.Size
+    value: Tensor
+    place: Callable[[Tensor], Tensor]
+
+    def dense(self) -> Tensor:
+        out = self.value.new_zeros(self.shape)
+        self.place(out).copy_(self.value)
+        return out
+
+    def add_to(self, t: Tensor) -> None:
+        self.place(t).add_(self.value)
 
 
 def _narrow(t: Tensor, dim: int, start: int, length: int | None) -> Tensor:
