@@ -11,16 +11,22 @@ operation is, at the current point, either
   ``xhat = (h - mu) / sqrt(var + eps)`` per channel from the fixed running statistics (without ``affine``, a
   fixed per-channel affine map), or
 - a fixed linear map ``P`` of its tensor inputs: ``ReLU``/``LeakyReLU`` (a mask or slope), ``MaxPool`` (a
-  selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape,
-  identity and dropout (eval mode), multiplication by a number, addition of a number, residual sums and
-  differences, and concatenation. Its second derivative vanishes (almost everywhere), or
+  selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape/unflatten,
+  identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
+  and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
+  slices) and the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values).
+  Its second derivative vanishes (almost everywhere), or
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
-  table added to every sample).
+  table added to every sample); and the pieces of attention written by hand
+  (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``), the
+  softmax over the last axis, and ``F.scaled_dot_product_attention`` without mask or dropout, so any composition
+  of them (timm's, HuggingFace's or nanoGPT's attention) is covered.
 
 Other calls are read only where no parameter moves their inputs (the data cut into patches, say).
 
-Each operation's tangent and adjoint are in `sharpness.products._rop_ops`.
+Each operation's tangent and adjoint are in `sharpness.products._rop_ops`. The errors of a tensor cut into pieces are
+written into one buffer, piece by piece (`_Part`), not summed from zero-filled copies.
 
 Tensors that depend on no parameter (the data, and whatever is computed from them alone) have no tangent, and
 neither pass goes into them: first-order errors are formed only downstream of a layer whose input moves, and

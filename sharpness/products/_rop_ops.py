@@ -10,7 +10,9 @@ first-order errors ``delta = dL/dz`` and the tangent errors ``ddot``::
                input tangent error = gamma a ddot + G a delta,   a = 1 / sqrt(var + eps)
     P          zdot = P hdot                        input tangent error = P^T ddot
 
-An affine layer whose only user is a BatchNorm is merged with it (`_Layer`).
+An affine layer whose only user is a BatchNorm is merged with it (`_Layer`). Among the maps ``P`` (`_Map`), the
+reshapes of attention's heads: an axis permutation (``P^T`` the inverse permutation), and a piece of a tensor (basic
+indexing, or one piece of ``unbind``/``chunk``/``split``; ``P^T`` puts the error in place, zero elsewhere: `_Part`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ closed form:
   first-order error), and the row softmax ``A`` has the symmetric Jacobian ``J g = A (g - <A, g>)`` and the
   second-order term ``Adot (delta - <A, delta>) - A <Adot, delta>`` with ``Adot = J Sdot`` (`_Attention`).
 
+The rules for attention written by hand (products of two activations, softmax, ``F.scaled_dot_product_attention``)
+follow the same protocol (`_Smooth`) in `sharpness.products._rop_attention`.
+
 Every operation keeps what its products read (its input or normalized input, the attention's factors and
 probabilities) and, where its input moves, its first-order errors; no operation writes into a tensor it was
 given.
