@@ -141,37 +141,76 @@ def test_the_built_in_vit_with_sdpa_equals_forward_over_reverse(options):
 
 
 class Masked(HandBlock):
-    """Scores with a mask added (a buffer) or filled in: the R-operator does not read either."""
+    """Scores with a mask (a buffer) added, or filled in as nanoGPT's causal mask (``masked_fill`` of a piece of a
+    buffer, the scale computed from the keys' shape)."""
 
-    def __init__(self, fill: bool):
+    def __init__(self, fill: bool, value: float = float("-inf")):
         super().__init__(True)
-        self.fill = fill
-        self.register_buffer("mask", torch.zeros(4, 4).triu_(1))
+        self.fill, self.value = fill, value
+        mask = torch.ones(6, 6).tril_().view(1, 1, 6, 6) if fill else torch.zeros(4, 4).triu_(1)
+        self.register_buffer("mask", mask)
+
+    def attend(self, y):
+        b, t, _ = y.shape
+        q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if self.fill:
+            scores = scores.masked_fill(self.mask[:, :, :4, :4] == 0, self.value)  # fx cannot slice by t
+        else:
+            scores = scores - 3.0 * self.mask
+        return self.o((F.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(b, t, 8))
+
+
+class ClassToken(nn.Module):
+    """timm's class token: a parameter expanded over the samples and put before the tokens; the output read off it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls, self.block, self.head = nn.Parameter(torch.randn(1, 1, 8)), GeluFused(True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.cat((self.cls.expand(x.shape[0], -1, -1), x.unflatten(1, (4, 8))), dim=1)
+        return self.head(self.block(h)[:, 0])
+
+
+MORE = {
+    "a mask added": lambda: Blocks(Masked(fill=False)),
+    "nanoGPT's causal mask filled in": lambda: Blocks(Masked(fill=True)),
+    "a mask filled with a number": lambda: Blocks(Masked(fill=True, value=-2.0)),
+    "a class token": ClassToken,
+}
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_masks_and_a_class_token_equal_forward_over_reverse(name):
+    x, y = _data((32,), n=5)
+    _exact(_perturbed(MORE[name]()), x, y)
+
+
+class Unsupported(HandBlock):
+    def __init__(self, case: str):
+        super().__init__(True)
+        self.case = case
 
     def attend(self, y):
         b, t, _ = y.shape
         q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
         scores = q @ k.transpose(-2, -1)
-        scores = scores.masked_fill(self.mask.bool(), float("-inf")) if self.fill else scores + self.mask
-        return self.o((scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, 8))
+        if self.case == "a softmax over another axis":
+            a = F.softmax(scores, dim=1)
+        elif self.case == "a mask computed from the scores":
+            a = scores.masked_fill(scores < 0, 0.0).softmax(-1)
+        else:  # "an elementwise product of two activations"
+            a = (scores * scores).softmax(-1)
+        return self.o((a @ v).transpose(1, 2).reshape(b, t, 8))
 
 
-class Softmax32(HandBlock):
-    def attend(self, y):
-        b, t, _ = y.shape
-        q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
-        return self.o((F.softmax(q @ k.transpose(-2, -1), dim=1) @ v).transpose(1, 2).reshape(b, t, 8))
+UNSUPPORTED = ["a softmax over another axis", "a mask computed from the scores",
+               "an elementwise product of two activations"]  # fmt: skip
 
 
-UNSUPPORTED = {
-    "a mask added to the scores": lambda: Blocks(Masked(fill=False)),
-    "a mask filled into the scores": lambda: Blocks(Masked(fill=True)),
-    "a softmax over another axis": lambda: Blocks(Softmax32(True)),
-}
-
-
-@pytest.mark.parametrize("name", list(UNSUPPORTED))
+@pytest.mark.parametrize("name", UNSUPPORTED)
 def test_unsupported_attention_operations_fall_back_to_autograd(name):
     x, y = _data((32,), n=5)
-    obj = Objective(_perturbed(UNSUPPORTED[name]()), CE, (x, y))
+    obj = Objective(_perturbed(Blocks(Unsupported(name))), CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"

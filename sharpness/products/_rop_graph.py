@@ -14,8 +14,9 @@ operation is, at the current point, either
   selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape/unflatten,
   identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
   and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
-  slices) and the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values).
-  Its second derivative vanishes (almost everywhere), or
+  slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
+  ``expand`` (a class token), multiplication by a number computed from shapes, and ``masked_fill`` by a number
+  with a mask that no parameter moves. Its second derivative vanishes (almost everywhere), or
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
@@ -23,7 +24,8 @@ operation is, at the current point, either
   softmax over the last axis, and ``F.scaled_dot_product_attention`` without mask or dropout, so any composition
   of them (timm's, HuggingFace's or nanoGPT's attention) is covered.
 
-Other calls are read only where no parameter moves their inputs (the data cut into patches, say).
+Other calls are read only where no parameter moves their inputs (the data cut into patches, say); buffers, frozen
+parameters and the tensors fx computes from them while tracing are constants.
 
 Each operation's tangent and adjoint are in `sharpness.products._rop_ops`. The errors of a tensor cut into pieces are
 written into one buffer, piece by piece (`_Part`), not summed from zero-filled copies.
@@ -464,6 +466,11 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if target in (operator.mul, operator.imul, torch.mul, "mul", "mul_", operator.truediv, torch.div, "div",
                   operator.neg, torch.neg, "neg") and len(tensors) == 1 and not node.kwargs:  # fmt: skip
         others = [a for a in args if a is not tensors[0]]
+        if len(others) == 1 and isinstance(others[0], fx.Node) and others[0] not in shapes and \
+                target not in (operator.neg, torch.neg, "neg") and args[0] is tensors[0]:  # fmt: skip
+            # a number computed from shapes (1 / sqrt(k.size(-1))): the factor is read where the call runs
+            divide = target in (operator.truediv, torch.div, "div")
+            return _Map("scale", (node.all_input_nodes.index(others[0]), divide), call=_caller(node)), tensors
         if len(others) != len(args) - 1 or not all(_number(a) for a in others):
             return None
         if target in (operator.neg, torch.neg, "neg"):
@@ -494,13 +501,17 @@ def _basic_index(index: object) -> bool:
 
 def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
     """The operations of attention written by hand (`sharpness.products._rop_attention`) and the reshapes around it
-    (axis permutations, basic indexing) as an operation and its tensor inputs; ``None`` where ``node`` is none of
-    them or is called in a way not supported (a dtype, a mask, dropout, operands broadcast by ``matmul`` with fewer
-    than two axes)."""
+    (axis permutations, basic indexing, ``expand``, ``masked_fill`` by a number) as an operation and its tensor
+    inputs; ``None`` where ``node`` is none of them or is called in a way not supported (a dtype, a mask, dropout,
+    operands of ``matmul`` with fewer than two axes)."""
     args, kwargs = node.args, node.kwargs
     first = args[0] if args and isinstance(args[0], fx.Node) and args[0] in shapes else None
-    if first is None or any(isinstance(a, fx.Node) and a not in shapes for a in (*args, *kwargs.values())):
+    if first is None:
         return None
+    if name == "expand" and not kwargs:  # (a class token over the samples): the error summed back
+        return _Map("expand", call=_caller(node)), [first]
+    if any(isinstance(a, fx.Node) and a not in shapes for a in (*args, *kwargs.values())):
+        return None  # the rules below read no number computed from shapes
     ndim = len(shapes[first])
     if name in ("transpose", "swapaxes") and len(args) == 3 and not kwargs:
         a, b = _axis(args[1], ndim), _axis(args[2], ndim)
@@ -513,6 +524,9 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
         dims = tuple(_axis(d, ndim) for d in dims)
         return (_Map("permute", dims), [first]) if None not in dims and sorted(dims) == list(range(ndim)) else None
+    if name == "masked_fill" and len(args) == 3 and not kwargs and _number(args[2]) and args[1] in shapes:
+        # entries set to a number (-inf in the scores): the tangent and the error vanish there
+        return _Map("masked", node.all_input_nodes.index(args[1]), call=_caller(node)), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
         return _Map("index", args[1]), [first]
     if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
@@ -559,6 +573,17 @@ def _pieces(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node,
             piece = _Map("piece", (name, u.args[1]), call=_caller(node), dim=_axis(dim, len(shapes[node.args[0]])))
             found[u] = (piece, [node.args[0]], node.all_input_nodes)
     return found
+
+
+def _constant(model: nn.Module, name: str) -> Tensor | None:
+    """The tensor fx kept on ``model`` under ``name`` while tracing (``_tensor_constant0``: one computed from buffers
+    alone, ``3.0 * self.mask`` say), or ``None``."""
+    try:
+        t = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        value = getattr(t, name.rpartition(".")[2], None)
+    except AttributeError:
+        return None
+    return value if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) else None
 
 
 def _attention_outputs(model: nn.Module, nodes: list[fx.Node], shapes: dict,
@@ -648,7 +673,15 @@ def rop_graph(
             read[node] = (op, tensors, node.all_input_nodes if op.call is not None else [])
         elif str(node.target) in params:  # get_attr of a trainable parameter
             read[node] = (_Param(str(node.target)), [], [])
-        else:  # get_attr of a buffer or frozen parameter
+        elif node in shapes and (str(node.target) in buffers or _constant(model, str(node.target)) is not None):
+            # a buffer, frozen parameter or a tensor fx computed while tracing: a constant (a mask, say)
+            t = buffers.get(str(node.target))
+            if t is None:
+                like = next(iter(params.values()))
+                t = _constant(model, str(node.target))
+                t = t.to(like.device, like.dtype if t.is_floating_point() else None)
+            read[node] = (lambda values, t=t: t, [], [])
+        else:
             return None
     if output is None:
         return None

@@ -12,7 +12,9 @@ first-order errors ``delta = dL/dz`` and the tangent errors ``ddot``::
 
 An affine layer whose only user is a BatchNorm is merged with it (`_Layer`). Among the maps ``P`` (`_Map`), the
 reshapes of attention's heads: an axis permutation (``P^T`` the inverse permutation), and a piece of a tensor (basic
-indexing, or one piece of ``unbind``/``chunk``/``split``; ``P^T`` puts the error in place, zero elsewhere: `_Part`).
+indexing, or one piece of ``unbind``/``chunk``/``split``; ``P^T`` puts the error in place, zero elsewhere: `_Part`),
+``expand`` (``P^T`` sums the error back) and ``masked_fill`` by a number (``P`` and ``P^T`` zero the masked
+entries).
 """
 
 from __future__ import annotations
@@ -288,11 +290,15 @@ class _Norm:
 class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
-    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "permute", "piece", "index"
+    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "permute", "piece", "index", "expand",
+    # "masked"
     # _Slope / _MaxPool, the linear function (pools, means), the axes' order ("permute"), (unbind/chunk/split, the
-    # piece taken) of a cut along axis ``dim`` ("piece"), or a basic index (ints, slices, None, ...; "index")
+    # piece taken) of a cut along axis ``dim`` ("piece"), a basic index (ints, slices, None, ...; "index"), or the
+    # slot of the mask among the call's inputs ("masked"), or (the slot of a factor computed from shapes among the
+    # call's inputs, whether it divides) ("scale")
     impl: object = None
-    # the forward for "view" and "scale", the cut for "piece" (the original call, its other arguments bound)
+    # the forward for "view", "scale", "expand" and "masked", the cut for "piece" (the original call, its other
+    # arguments bound)
     call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat"
@@ -312,9 +318,18 @@ class _Map:
             out = self.call(args)
             return out, (x.shape, out.shape, fmt)
         if kind == "scale":
-            return (xs[0] if self.call is None else self.call(args)), None
+            out = xs[0] if self.call is None else self.call(args)
+            if self.impl is None:
+                return out, None
+            factor = float(args[self.impl[0]])  # a number computed from shapes, among the call's inputs
+            return out, (1.0 / factor if factor else math.inf) if self.impl[1] else factor
         if kind == "permute":
             return xs[0].permute(self.impl), None
+        if kind == "expand":
+            out = self.call(args)
+            return out, (xs[0].shape, out.shape)
+        if kind == "masked":  # the mask, among the call's inputs
+            return self.call(args), args[self.impl]
         if kind == "index":
             return xs[0][self.impl], xs[0].shape
         if kind == "piece":  # the original cut replayed, one piece taken
@@ -362,11 +377,16 @@ class _Map:
             return h.reshape(saved[1])
         if kind == "permute":
             return h.permute(self.impl)
+        if kind == "expand":
+            return h.expand(saved[1])
+        if kind == "masked":
+            return h.masked_fill(saved, 0.0)
         if kind == "index":
             return h[self.impl]
         if kind == "piece":
             return _narrow(h, self.dim, *saved[1:])
-        return h * self.factors[0] if self.factors[0] != 1.0 else h
+        factor = self.factors[0] if self.impl is None else saved
+        return h * factor if factor != 1.0 else h
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         kind = self.kind
@@ -392,13 +412,18 @@ class _Map:
                 return [torch.autograd.grad(self.impl(x), x, g)[0]]
         if kind == "view":
             return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
+        if kind == "expand":
+            return [g.sum_to_size(saved[0])]
+        if kind == "masked":
+            return [g.masked_fill(saved, 0.0)]
         if kind == "permute":  # the inverse permutation
             return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]
         if kind == "index":  # the error of a piece: zero outside it
             return [_Part(saved, g, lambda t: t[self.impl])]
         if kind == "piece":
             return [_Part(saved[0], g, lambda t: _narrow(t, self.dim, *saved[1:]))]
-        return [g * self.factors[0] if self.factors[0] != 1.0 else g]
+        factor = self.factors[0] if self.impl is None else saved
+        return [g * factor if factor != 1.0 else g]
 
 
 @dataclass(frozen=True)
