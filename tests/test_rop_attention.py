@@ -214,3 +214,16 @@ def test_unsupported_attention_operations_fall_back_to_autograd(name):
     x, y = _data((32,), n=5)
     obj = Objective(_perturbed(Blocks(Unsupported(name))), CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+def test_the_state_bytes_of_hand_written_attention_count_every_kept_tensor():
+    """The kept state's accounting covers what the new rules keep (SDPA's inputs made ready, probabilities and
+    errors; the products' factors; the softmax's centred error): it is what the samples' states hold."""
+    for model in (ViT(dim=4, heads=2, mlp=4, attn="hand"), Blocks(FusedBlock(True))):
+        x, y = _data((64,) if isinstance(model, ViT) else (32,), n=5, classes=3)
+        obj = Objective(_perturbed(model), CE, (x, y))
+        assert obj.hvp_strategy() == "rop" and obj._rop_fits()
+        _, states = obj.rop_states()
+        entries = [e for state in states for e in [*state.saved, *state.deltas.values(), state.probs]]
+        kept = {id(t): t for e in entries for t in (e if isinstance(e, tuple) else (e,)) if isinstance(t, torch.Tensor)}
+        assert sum(t.numel() * t.element_size() for t in kept.values()) == obj._rop_bytes_per_sample * x.shape[0]
