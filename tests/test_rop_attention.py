@@ -153,7 +153,8 @@ class Masked(HandBlock):
     def attend(self, y):
         b, t, _ = y.shape
         q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1))) if self.fill else \
+            k.size(-1) ** -0.5 * (q @ k.transpose(-2, -1))  # fmt: skip
         if self.fill:
             scores = scores.masked_fill(self.mask[:, :, :4, :4] == 0, self.value)  # fx cannot slice by t
         else:

@@ -466,10 +466,10 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if target in (operator.mul, operator.imul, torch.mul, "mul", "mul_", operator.truediv, torch.div, "div",
                   operator.neg, torch.neg, "neg") and len(tensors) == 1 and not node.kwargs:  # fmt: skip
         others = [a for a in args if a is not tensors[0]]
+        divide = target in (operator.truediv, torch.div, "div")
         if len(others) == 1 and isinstance(others[0], fx.Node) and others[0] not in shapes and \
-                target not in (operator.neg, torch.neg, "neg") and args[0] is tensors[0]:  # fmt: skip
+                target not in (operator.neg, torch.neg, "neg") and (args[0] is tensors[0] or not divide):  # fmt: skip
             # a number computed from shapes (1 / sqrt(k.size(-1))): the factor is read where the call runs
-            divide = target in (operator.truediv, torch.div, "div")
             return _Map("scale", (node.all_input_nodes.index(others[0]), divide), call=_caller(node)), tensors
         if len(others) != len(args) - 1 or not all(_number(a) for a in others):
             return None
