@@ -62,6 +62,27 @@ class Heads(nn.Module):
         return self.o(self.act(a.permute(0, 2, 1, 3).contiguous().view(b, t, d)))
 
 
+class BertSelfAttention(nn.Module):
+    """HuggingFace BERT's self-attention (eval mode, no mask): shapes built from ``x.size()``, ``view``, ``permute``,
+    ``torch.matmul``, division by a number, ``nn.functional.softmax``, dropout, ``contiguous``."""
+
+    def __init__(self, dim: int = D, heads: int = H):
+        super().__init__()
+        self.heads, self.size = heads, dim // heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(0.1)
+
+    def transpose_for_scores(self, x):
+        return x.view(x.size()[:-1] + (self.heads, self.size)).permute(0, 2, 1, 3)
+
+    def forward(self, hidden):
+        q, k, v = (self.transpose_for_scores(m(hidden)) for m in (self.query, self.key, self.value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.size)
+        context = torch.matmul(self.dropout(nn.functional.softmax(scores, dim=-1)), v)
+        context = context.permute(0, 2, 1, 3).contiguous()
+        return context.view(context.size()[:-2] + (self.heads * self.size,))
+
+
 class Mixer(nn.Module):
     """A product of an activation with a parameter (broadcast over the samples: its errors summed back) and of an
     activation with itself."""
@@ -80,6 +101,7 @@ PIECES = {
     "unbind of a fused projection": lambda: Tokens(Heads("unbind")),
     "integer indexing of a fused projection": lambda: Tokens(Heads("index")),
     "chunk, F.softmax": lambda: Tokens(Heads("chunk")),
+    "HuggingFace BERT's self-attention": lambda: Tokens(BertSelfAttention()),
     "SDPA": lambda: Tokens(Heads("sdpa")),
     "SDPA, causal": lambda: Tokens(Heads("causal")),
     "SDPA, a scale": lambda: Tokens(Heads("scale")),
