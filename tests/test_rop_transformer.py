@@ -118,14 +118,13 @@ UNSUPPORTED = {
     "cross attention": lambda: Tokens(CrossAttention()),
     "attention with a mask": lambda: Tokens(SelfAttention(attn_mask=torch.zeros(3, 3, dtype=torch.bool))),
     "attention weights used": lambda: Tokens(WithWeights()),
-    "hand-written attention": lambda: ViT(dim=4, heads=2, mlp=4, attn="hand"),
 }
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
 def test_unsupported_attention_falls_back_to_autograd(name):
     model = _perturbed(UNSUPPORTED[name]())
-    x, y = _data((6,) if name != "hand-written attention" else (64,), classes=3)
+    x, y = _data((6,), classes=3)
     obj = Objective(model, CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
 

@@ -653,8 +653,9 @@ class Objective:
             raise ValueError(
                 "the 'rop' HVP strategy needs a model built from Linear/ConvNd layers, eval-mode BatchNorm, ReLU, "
                 "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, "
-                "LayerNorm, exact GELU, tanh, self-attention by nn.MultiheadAttention and parameters added outside "
-                "modules "
+                "LayerNorm, exact GELU, tanh, self-attention by nn.MultiheadAttention or written by hand (matmul, "
+                "softmax, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, indexing) and "
+                "parameters added outside modules "
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )
@@ -781,9 +782,11 @@ class Objective:
         ``strategy``: ``"rop"`` (models of Linear/ConvNd layers, eval-mode BatchNorm, ReLU, LeakyReLU,
         max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or
         graphs, and transformers: LayerNorm, exact GELU, tanh, batch-first self-attention by
-        ``nn.MultiheadAttention``, parameters added outside modules) is the R-operator written out by hand
-        (`sharpness.products._rop`, `sharpness.products._rop_graph`, `sharpness.products._rop_smooth`), with each
-        chunk's forward state
+        ``nn.MultiheadAttention`` or written by hand (products of activations, softmax,
+        ``F.scaled_dot_product_attention`` without mask, transposes, pieces of a fused projection), parameters added
+        outside modules) is the R-operator written out by hand (`sharpness.products._rop`,
+        `sharpness.products._rop_graph`, `sharpness.products._rop_smooth`, `sharpness.products._rop_attention`), with
+        each chunk's forward state
         kept across products when it fits in ``memory_budget`` and recomputed per chunk otherwise;
         ``"graph"`` keeps the whole-data-set gradient graph and differentiates it again for each
         product (memory of one double-backward pass over all the data); ``"double_backward"``

@@ -11,8 +11,8 @@ gradient is then one weight adjoint at most (`_Layer` in `sharpness.products._ro
                g_gamma = a (<W, Hz> + (b - mu) sum delta)        (per output channel, gain = gamma a)
 
 Where a parameter's layer has no kept error (a layer of the data alone, chains, whose first layer's error is never
-formed, LayerNorm, attention, parameters used outside a module), or no state is kept (streamed chunks, the
-autograd strategies), the gradient is the objective's own pass (`Objective.gradient`).
+formed, LayerNorm, ``nn.MultiheadAttention``, parameters used outside a module), or no state is kept (streamed chunks,
+the autograd strategies), the gradient is the objective's own pass (`Objective.gradient`).
 """
 
 from __future__ import annotations

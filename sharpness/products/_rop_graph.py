@@ -11,16 +11,24 @@ operation is, at the current point, either
   ``xhat = (h - mu) / sqrt(var + eps)`` per channel from the fixed running statistics (without ``affine``, a
   fixed per-channel affine map), or
 - a fixed linear map ``P`` of its tensor inputs: ``ReLU``/``LeakyReLU`` (a mask or slope), ``MaxPool`` (a
-  selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape,
-  identity and dropout (eval mode), multiplication by a number, addition of a number, residual sums and
-  differences, and concatenation. Its second derivative vanishes (almost everywhere), or
+  selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape/unflatten,
+  identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
+  and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
+  slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
+  ``expand`` (a class token), multiplication by a number computed from shapes, and ``masked_fill`` by a number
+  with a mask that no parameter moves. Its second derivative vanishes (almost everywhere), or
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
-  table added to every sample).
+  table added to every sample); and the pieces of attention written by hand
+  (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``), the
+  softmax over the last axis, and ``F.scaled_dot_product_attention`` without mask or dropout, so any composition
+  of them (timm's, HuggingFace's or nanoGPT's attention) is covered.
 
-Other calls are read only where no parameter moves their inputs (the data cut into patches, say).
+Other calls are read only where no parameter moves their inputs (the data cut into patches, say); buffers, frozen
+parameters and the tensors fx computes from them while tracing are constants.
 
-Each operation's tangent and adjoint are in `sharpness.products._rop_ops`.
+Each operation's tangent and adjoint are in `sharpness.products._rop_ops`. The errors of a tensor cut into pieces are
+written into one buffer, piece by piece (`_Part`), not summed from zero-filled copies.
 
 Tensors that depend on no parameter (the data, and whatever is computed from them alone) have no tangent, and
 neither pass goes into them: first-order errors are formed only downstream of a layer whose input moves, and
@@ -56,7 +64,8 @@ from sharpness.products._rop import (
     _Slope,
     loss_state,
 )
-from sharpness.products._rop_ops import _Layer, _Map, _Norm
+from sharpness.products._rop_attention import _Attend, _MatMul, _Softmax
+from sharpness.products._rop_ops import _Layer, _Map, _Norm, _Part
 from sharpness.products._rop_smooth import _Attention, _LayerNorm, _Param, _Pointwise, _Smooth
 
 _LAYERS = (_Layer, _LayerNorm, _Attention)  # operations with parameters and one tensor input
@@ -69,7 +78,7 @@ _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn
 _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                        "adaptive_avg_pool3d"}  # fmt: skip
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
-_VIEWS = {"view", "reshape", "flatten"}
+_VIEWS = {"view", "reshape", "flatten", "unflatten"}
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
@@ -136,11 +145,11 @@ class RopGraph:
         deltas: dict[int, Tensor] = {}
         if not self.errors:
             return deltas
-        grads: dict[int, Tensor] = {self.output: out_grad}
+        grads: dict[int, object] = {self.output: out_grad}
         for i in range(len(self.steps) - 1, 0, -1):
             if i not in self.errors or i not in grads:
                 continue
-            g = grads.pop(i)
+            g = _dense(grads.pop(i))
             step = self.steps[i]
             need = [j in self.errors for j in step.inputs]
             if isinstance(step.op, _LAYERS):
@@ -148,10 +157,10 @@ class RopGraph:
                 if i in self._kept_errors:
                     deltas[i] = kept
                 errs = [error]
+            elif isinstance(step.op, _Smooth):
+                deltas[i], errs = step.op.errors(g, saved[i], need)
             else:
                 errs = step.op.adjoint(g, saved[i], need)
-                if isinstance(step.op, _Smooth):
-                    deltas[i] = g
             _accumulate(grads, step.inputs, errs, need)
         return deltas
 
@@ -194,7 +203,7 @@ class RopGraph:
         steps, saved, deltas = self.steps, state.saved, state.deltas
         first = self._first_linear if first_layer is not None else None
         dots: list = [None] * len(steps)
-        inner: dict[int, object] = {}  # the inner tangents of LayerNorms and attentions, for their backward
+        inner: dict[int, object] = {}  # the inner tangents of LayerNorms, softmaxes and attentions, for their backward
         for i in range(1, len(steps)):
             step = steps[i]
             if not step.moving:
@@ -209,14 +218,16 @@ class RopGraph:
                 dots[i] = op.tangent(saved[i], xdots[0], params, v)
             elif isinstance(op, _Param):
                 dots[i] = v[op.name]
+            elif isinstance(op, _Smooth) and op.inner:
+                dots[i], inner[i] = op.tangent(xdots, saved[i])
             else:
                 dots[i] = op.tangent(xdots, saved[i])
-        grads: dict[int, Tensor] = {self.output: state.loss_hvp(dots[self.output])}
+        grads: dict[int, object] = {self.output: state.loss_hvp(dots[self.output])}
         for i in range(len(steps) - 1, 0, -1):
             step = steps[i]
             if not step.moving or i not in grads:
                 continue
-            g_dot = grads.pop(i)
+            g_dot = _dense(grads.pop(i))
             need = [steps[j].moving for j in step.inputs]
             op = step.op
             if i == first:
@@ -231,7 +242,7 @@ class RopGraph:
                 into[op.name].add_(g_dot.sum_to_size(into[op.name].shape))
                 errs = []
             elif isinstance(op, _Smooth):
-                errs = op.backward(g_dot, deltas[i], [dots[j] for j in step.inputs], saved[i], need)
+                errs = op.backward(g_dot, deltas[i], [dots[j] for j in step.inputs], saved[i], need, inner.pop(i, None))
             else:
                 errs = op.adjoint(g_dot, saved[i], need)
             _accumulate(grads, step.inputs, errs, need)
@@ -252,11 +263,39 @@ class RopGraph:
         return out.numel() * out.element_size() + sum(sizes), max(sizes, default=0)
 
 
-def _accumulate(grads: dict[int, Tensor], inputs: tuple[int, ...], errs: list, need: list[bool]) -> None:
-    """Add each needed input's error to ``grads`` (a tensor used twice gets the sum, never written in place)."""
+def _accumulate(grads: dict[int, object], inputs: tuple[int, ...], errs: list, need: list[bool]) -> None:
+    """Add each needed input's error to ``grads`` (a tensor used twice gets the sum; a tensor an operation gave is
+    never written in place). An error may be a `_Part` (zero outside a piece): the parts of one tensor are written
+    into one buffer of its own (`_Owned`), read by `_dense`."""
     for j, e, n in zip(inputs, errs, need):
         if n and e is not None:
-            grads[j] = e if j not in grads else grads[j] + e
+            grads[j] = e if j not in grads else _sum(grads[j], e)
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """A sum of errors in a buffer the graph allocated, so written in place."""
+
+    tensor: Tensor
+
+
+def _sum(old: object, e: Tensor | _Part) -> object:
+    if isinstance(old, Tensor) and isinstance(e, Tensor):
+        return old + e
+    if isinstance(old, _Owned):
+        total = old.tensor
+    else:
+        total = old.dense() if isinstance(old, _Part) else old.clone()
+    if isinstance(e, _Part):
+        e.add_to(total)
+    else:
+        total.add_(e)
+    return _Owned(total)
+
+
+def _dense(g: object) -> Tensor:
+    """An accumulated error as a tensor."""
+    return g.tensor if isinstance(g, _Owned) else g.dense() if isinstance(g, _Part) else g
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,6 +405,9 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     args = node.args
     tensors = [a for a in node.all_input_nodes if a in shapes]
     first = args[0] if args and isinstance(args[0], fx.Node) and args[0] in shapes else None
+    found = _attention_op(node, name, shapes)
+    if found is not None:
+        return found
     if name in ("relu", "relu_", "leaky_relu", "leaky_relu_") and first is not None and len(tensors) == 1:
         inplace = name.endswith("_") or bool(_argument(node, 2 if name.startswith("leaky") else 1, "inplace", False))
         if inplace and not _single_user(node):
@@ -373,7 +415,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         slope = float(_argument(node, 1, "negative_slope", 0.01)) if name.startswith("leaky") else 0.0
         return _Map("slope", _Slope(slope)), [first]
     if name in _IDENTITY_FUNCTIONS and first is not None and len(tensors) == 1:
-        return _Map("scale"), [first]
+        # contiguous is called, so a view after it sees the strides it sees in the model (its tangents reshape)
+        return _Map("scale", call=_caller(node) if name == "contiguous" else None), [first]
     if first is not None and len(tensors) == 1 and len(args) == 1:
         approximate = node.kwargs.get("approximate", "none")
         if name == "gelu" and set(node.kwargs) <= {"approximate"} and approximate == "none":
@@ -423,6 +466,11 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if target in (operator.mul, operator.imul, torch.mul, "mul", "mul_", operator.truediv, torch.div, "div",
                   operator.neg, torch.neg, "neg") and len(tensors) == 1 and not node.kwargs:  # fmt: skip
         others = [a for a in args if a is not tensors[0]]
+        divide = target in (operator.truediv, torch.div, "div")
+        if len(others) == 1 and isinstance(others[0], fx.Node) and others[0] not in shapes and \
+                target not in (operator.neg, torch.neg, "neg") and (args[0] is tensors[0] or not divide):  # fmt: skip
+            # a number computed from shapes (1 / sqrt(k.size(-1))): the factor is read where the call runs
+            return _Map("scale", (node.all_input_nodes.index(others[0]), divide), call=_caller(node)), tensors
         if len(others) != len(args) - 1 or not all(_number(a) for a in others):
             return None
         if target in (operator.neg, torch.neg, "neg"):
@@ -435,6 +483,107 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
             factor = float(others[0])
         return _Map("scale", call=_caller(node), factors=(factor,)), tensors
     return None
+
+
+def _axis(d: object, ndim: int) -> int | None:
+    """An axis argument made non-negative, or ``None`` where it is not an axis of a tensor of ``ndim`` axes."""
+    return d % ndim if isinstance(d, int) and not isinstance(d, bool) and -ndim <= d < ndim else None
+
+
+def _basic_index(index: object) -> bool:
+    """Whether ``index`` selects by basic indexing alone (ints, slices of ints, ``None``, ``...``, tuples of those): a
+    view, each entry of the tensor taken at most once."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or (isinstance(p, int) and not isinstance(p, bool))
+               or (isinstance(p, slice) and all(e is None or (isinstance(e, int) and not isinstance(e, bool))
+                                                for e in (p.start, p.stop, p.step))) for p in parts)  # fmt: skip
+
+
+def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
+    """The operations of attention written by hand (`sharpness.products._rop_attention`) and the reshapes around it
+    (axis permutations, basic indexing, ``expand``, ``masked_fill`` by a number) as an operation and its tensor
+    inputs; ``None`` where ``node`` is none of them or is called in a way not supported (a dtype, a mask, dropout,
+    operands of ``matmul`` with fewer than two axes)."""
+    args, kwargs = node.args, node.kwargs
+    first = args[0] if args and isinstance(args[0], fx.Node) and args[0] in shapes else None
+    if first is None:
+        return None
+    if name == "expand" and not kwargs:  # (a class token over the samples): the error summed back
+        return _Map("expand", call=_caller(node)), [first]
+    if any(isinstance(a, fx.Node) and a not in shapes for a in (*args, *kwargs.values())):
+        return None  # the rules below read no number computed from shapes
+    ndim = len(shapes[first])
+    if name in ("transpose", "swapaxes") and len(args) == 3 and not kwargs:
+        a, b = _axis(args[1], ndim), _axis(args[2], ndim)
+        if a is None or b is None:
+            return None
+        dims = list(range(ndim))
+        dims[a], dims[b] = b, a
+        return _Map("permute", tuple(dims)), [first]
+    if name == "permute" and not kwargs:
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        dims = tuple(_axis(d, ndim) for d in dims)
+        return (_Map("permute", dims), [first]) if None not in dims and sorted(dims) == list(range(ndim)) else None
+    if name == "masked_fill" and len(args) == 3 and not kwargs and _number(args[2]) and args[1] in shapes:
+        # entries set to a number (-inf in the scores): the tangent and the error vanish there
+        return _Map("masked", node.all_input_nodes.index(args[1]), call=_caller(node)), [first]
+    if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
+        return _Map("index", args[1]), [first]
+    if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
+        return (_MatMul(), [first, args[1]]) if min(ndim, len(shapes[args[1]])) >= 2 else None
+    if name == "softmax":
+        dim = _argument(node, 1, "dim", None)
+        if len(args) > 2 or set(kwargs) - {"dim", "_stacklevel", "dtype"} or kwargs.get("dtype") is not None:
+            return None
+        return (_Softmax(), [first]) if _axis(dim, ndim) == ndim - 1 else None
+    if name == "scaled_dot_product_attention":
+        tensors = args[:3]
+        options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
+        if len(tensors) != 3 or not all(t in shapes for t in tensors) or len(args) > 8 or \
+                set(options) - {"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"}:  # fmt: skip
+            return None
+        q, k, v = (shapes[t] for t in tensors)
+        scale, causal = options.get("scale"), options.get("is_causal", False)
+        if options.get("attn_mask") is not None or options.get("dropout_p", 0.0) != 0 or options.get("enable_gqa") \
+                or not isinstance(causal, bool) or not (scale is None or _number(scale)) or len(q) < 2 \
+                or not q[:-2] == k[:-2] == v[:-2] or k[-2] != v[-2] or q[-1] != k[-1]:  # fmt: skip
+            return None
+        return _Attend(None if scale is None else float(scale), causal), list(tensors)
+    return None
+
+
+def _pieces(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node, tuple]:
+    """Each ``unbind``, ``chunk`` or ``split`` of a tensor (a tuple, which fx records without a shape) along a fixed
+    axis whose every user takes one piece by an integer ``getitem``: the call as ``(None, [], [])`` (read by nothing)
+    and each ``getitem`` as ``(_Map("piece"), [the tensor], [the call's inputs])``, the cut replayed."""
+    found: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        name = target_name(node)
+        if node.op not in ("call_function", "call_method") or name not in ("unbind", "chunk", "split") \
+                or node in shapes or not node.args or node.args[0] not in shapes:  # fmt: skip
+            continue
+        dim = _argument(node, 1 if name == "unbind" else 2, "dim", 0)
+        users = list(node.users)
+        if _axis(dim, len(shapes[node.args[0]])) is None or not users or any(
+                u.target is not operator.getitem or not isinstance(u.args[1], int) or u not in shapes
+                for u in users):  # fmt: skip
+            continue
+        found[node] = (None, [], [])
+        for u in users:
+            piece = _Map("piece", (name, u.args[1]), call=_caller(node), dim=_axis(dim, len(shapes[node.args[0]])))
+            found[u] = (piece, [node.args[0]], node.all_input_nodes)
+    return found
+
+
+def _constant(model: nn.Module, name: str) -> Tensor | None:
+    """The tensor fx kept on ``model`` under ``name`` while tracing (``_tensor_constant0``: one computed from buffers
+    alone, ``3.0 * self.mask`` say), or ``None``."""
+    try:
+        t = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        value = getattr(t, name.rpartition(".")[2], None)
+    except AttributeError:
+        return None
+    return value if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) else None
 
 
 def _attention_outputs(model: nn.Module, nodes: list[fx.Node], shapes: dict,
@@ -481,6 +630,7 @@ def rop_graph(
     nodes = list(graph.nodes)
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
     attention = _attention_outputs(model, nodes, shapes, params)
+    pieces = _pieces(nodes, shapes)
     read: dict[fx.Node, tuple] = {}  # node -> (op, tensor input nodes, call input nodes)
     fixed: set[fx.Node] = set()  # calls read only where no parameter moves their inputs
     output = None
@@ -490,6 +640,9 @@ def rop_graph(
             if op is None:
                 return None
             read[node] = (op, tensors, [])
+        elif node in pieces:  # a piece of a tensor cut by unbind, chunk or split; the cut itself is read by none
+            if pieces[node][0] is not None:
+                read[node] = pieces[node]
         elif node.op == "placeholder":
             if read or node not in shapes:
                 return None
@@ -520,7 +673,15 @@ def rop_graph(
             read[node] = (op, tensors, node.all_input_nodes if op.call is not None else [])
         elif str(node.target) in params:  # get_attr of a trainable parameter
             read[node] = (_Param(str(node.target)), [], [])
-        else:  # get_attr of a buffer or frozen parameter
+        elif node in shapes and (str(node.target) in buffers or _constant(model, str(node.target)) is not None):
+            # a buffer, frozen parameter or a tensor fx computed while tracing: a constant (a mask, say)
+            t = buffers.get(str(node.target))
+            if t is None:
+                like = next(iter(params.values()))
+                t = _constant(model, str(node.target))
+                t = t.to(like.device, like.dtype if t.is_floating_point() else None)
+            read[node] = (lambda values, t=t: t, [], [])
+        else:
             return None
     if output is None:
         return None

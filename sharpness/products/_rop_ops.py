@@ -10,7 +10,11 @@ first-order errors ``delta = dL/dz`` and the tangent errors ``ddot``::
                input tangent error = gamma a ddot + G a delta,   a = 1 / sqrt(var + eps)
     P          zdot = P hdot                        input tangent error = P^T ddot
 
-An affine layer whose only user is a BatchNorm is merged with it (`_Layer`).
+An affine layer whose only user is a BatchNorm is merged with it (`_Layer`). Among the maps ``P`` (`_Map`), the
+reshapes of attention's heads: an axis permutation (``P^T`` the inverse permutation), and a piece of a tensor (basic
+indexing, or one piece of ``unbind``/``chunk``/``split``; ``P^T`` puts the error in place, zero elsewhere: `_Part`),
+``expand`` (``P^T`` sums the error back) and ``masked_fill`` by a number (``P`` and ``P^T`` zero the masked
+entries).
 """
 
 from __future__ import annotations
@@ -286,9 +290,16 @@ class _Norm:
 class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
-    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat"
-    impl: object = None  # _Slope / _MaxPool, or the linear function (pools, means)
-    call: Callable | None = None  # the forward for "view" and "scale" (the original call, its other arguments bound)
+    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "permute", "piece", "index", "expand",
+    # "masked"
+    # _Slope / _MaxPool, the linear function (pools, means), the axes' order ("permute"), (unbind/chunk/split, the
+    # piece taken) of a cut along axis ``dim`` ("piece"), a basic index (ints, slices, None, ...; "index"), or the
+    # slot of the mask among the call's inputs ("masked"), or (the slot of a factor computed from shapes among the
+    # call's inputs, whether it divides) ("scale")
+    impl: object = None
+    # the forward for "view", "scale", "expand" and "masked", the cut for "piece" (the original call, its other
+    # arguments bound)
+    call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat"
     means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
@@ -307,7 +318,24 @@ class _Map:
             out = self.call(args)
             return out, (x.shape, out.shape, fmt)
         if kind == "scale":
-            return (xs[0] if self.call is None else self.call(args)), None
+            out = xs[0] if self.call is None else self.call(args)
+            if self.impl is None:
+                return out, None
+            factor = float(args[self.impl[0]])  # a number computed from shapes, among the call's inputs
+            return out, (1.0 / factor if factor else math.inf) if self.impl[1] else factor
+        if kind == "permute":
+            return xs[0].permute(self.impl), None
+        if kind == "expand":
+            out = self.call(args)
+            return out, (xs[0].shape, out.shape)
+        if kind == "masked":  # the mask, among the call's inputs
+            return self.call(args), args[self.impl]
+        if kind == "index":
+            return xs[0][self.impl], xs[0].shape
+        if kind == "piece":  # the original cut replayed, one piece taken
+            pieces, (name, index) = self.call(args), self.impl
+            start = index if name == "unbind" else sum(p.shape[self.dim] for p in pieces[:index])
+            return pieces[index], (xs[0].shape, start, None if name == "unbind" else pieces[index].shape[self.dim])
         if kind == "sum":
             out = xs[0] if self.factors[0] == 1.0 else xs[0] * self.factors[0]
             for x, f in zip(xs[1:], self.factors[1:]):
@@ -347,7 +375,18 @@ class _Map:
             return self.impl(h)
         if kind == "view":
             return h.reshape(saved[1])
-        return h * self.factors[0] if self.factors[0] != 1.0 else h
+        if kind == "permute":
+            return h.permute(self.impl)
+        if kind == "expand":
+            return h.expand(saved[1])
+        if kind == "masked":
+            return h.masked_fill(saved, 0.0)
+        if kind == "index":
+            return h[self.impl]
+        if kind == "piece":
+            return _narrow(h, self.dim, *saved[1:])
+        factor = self.factors[0] if self.impl is None else saved
+        return h * factor if factor != 1.0 else h
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         kind = self.kind
@@ -373,4 +412,39 @@ class _Map:
                 return [torch.autograd.grad(self.impl(x), x, g)[0]]
         if kind == "view":
             return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
-        return [g * self.factors[0] if self.factors[0] != 1.0 else g]
+        if kind == "expand":
+            return [g.sum_to_size(saved[0])]
+        if kind == "masked":
+            return [g.masked_fill(saved, 0.0)]
+        if kind == "permute":  # the inverse permutation
+            return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]
+        if kind == "index":  # the error of a piece: zero outside it
+            return [_Part(saved, g, lambda t: t[self.impl])]
+        if kind == "piece":
+            return [_Part(saved[0], g, lambda t: _narrow(t, self.dim, *saved[1:]))]
+        factor = self.factors[0] if self.impl is None else saved
+        return [g * factor if factor != 1.0 else g]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """An error zero outside one piece of its tensor: ``value`` at ``place(t)`` (a view of a tensor ``t`` of ``shape``).
+    The graph sums the parts of a tensor cut into pieces into one buffer instead of zero-filling each."""
+
+    shape: torch.Size
+    value: Tensor
+    place: Callable[[Tensor], Tensor]
+
+    def dense(self) -> Tensor:
+        out = self.value.new_zeros(self.shape)
+        self.place(out).copy_(self.value)
+        return out
+
+    def add_to(self, t: Tensor) -> None:
+        self.place(t).add_(self.value)
+
+
+def _narrow(t: Tensor, dim: int, start: int, length: int | None) -> Tensor:
+    """The view of a piece ``"piece"`` keeps in ``t``: at ``start`` along ``dim``, of ``length`` (``None``: the single
+    index ``start`` of ``unbind``)."""
+    return t.select(dim, start) if length is None else t.narrow(dim, start, length)

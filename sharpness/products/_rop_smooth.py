@@ -18,6 +18,9 @@ closed form:
   first-order error), and the row softmax ``A`` has the symmetric Jacobian ``J g = A (g - <A, g>)`` and the
   second-order term ``Adot (delta - <A, delta>) - A <Adot, delta>`` with ``Adot = J Sdot`` (`_Attention`).
 
+The rules for attention written by hand (products of two activations, softmax, ``F.scaled_dot_product_attention``)
+follow the same protocol (`_Smooth`) in `sharpness.products._rop_attention`.
+
 Every operation keeps what its products read (its input or normalized input, the attention's factors and
 probabilities) and, where its input moves, its first-order errors; no operation writes into a tensor it was
 given.
@@ -50,11 +53,17 @@ class _Param:
 
 # ------------------------------------------------------------------------------------------------
 class _Smooth:
-    """A parameter-free operation with a second derivative, of one tensor input; see the module docstring.
-    ``forward`` keeps what ``tangent``, ``adjoint`` and ``backward`` read; ``backward`` is the input's tangent
-    error from the output's tangent error ``g_dot`` and first-order error ``delta``."""
+    """A parameter-free operation with a second derivative, of one or more tensor inputs; see the module docstring.
+    ``forward`` keeps what ``tangent``, ``adjoint`` and ``backward`` read; ``errors`` is what the products keep of the
+    first-order error ``delta`` at the output (``delta`` itself unless an operation keeps more) and the inputs'
+    errors; ``backward`` is the inputs' tangent errors from the output's tangent error ``g_dot``, that kept error,
+    and, for an operation with ``inner`` set, the inner tangents its ``tangent`` returned beside the output's."""
 
     call = None  # no original call to replay (the graph reader's protocol for maps)
+    inner = False  # whether ``tangent`` returns ``(output tangent, inner tangents)`` for ``backward``
+
+    def errors(self, g: Tensor, saved, need: list[bool]) -> tuple[object, list[Tensor | None]]:
+        return g, self.adjoint(g, saved, need)
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,8 @@ class _Pointwise(_Smooth):
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor]:
         return [g * saved[0]]
 
-    def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool]) -> list:
+    def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
+                 inner: None = None) -> list:  # fmt: skip
         return [torch.addcmul(g_dot * saved[0], xdots[0] * saved[1], delta)]
 
 

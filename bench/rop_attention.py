@@ -1,0 +1,110 @@
+"""One Hessian-vector product against one gradient on a timm-like ViT block with attention written by hand (issue 33):
+the R-operator's generic rules (activation products, softmax, SDPA, reshapes) against the autograd graph.
+
+Run by hand, never from the tests (CPU time, interleaved rounds, one thread)::
+
+    flock /tmp/bench.lock python bench/rop_attention.py
+
+The model: 500 samples of 16 tokens of 4 features, a Linear embedding plus a learned position table, one pre-LayerNorm
+block as timm writes it (fused ``qkv`` Linear, ``reshape``/``permute``/``unbind`` into heads, then either
+``F.scaled_dot_product_attention`` or ``q @ k^T * scale``, ``softmax``, ``@ v``; ``transpose``/``reshape`` back, a
+projection; LayerNorm, a GELU MLP), the token mean, a LayerNorm and a Linear head; width 32, 4 heads, float32. For
+reference, the same block with ``nn.MultiheadAttention`` (the R-operator's closed-form attention).
+Prints, per attention form, the CPU time of one gradient and of one product by each strategy (minimum over the
+rounds), and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sharpness import Objective  # noqa: E402
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, form: str):
+        super().__init__()
+        self.heads, self.hd, self.fused = heads, dim // heads, form == "sdpa"
+        self.scale = self.hd**-0.5
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.fused:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            x = attn.softmax(dim=-1) @ v
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, form: str):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+        self.mha = form == "mha"
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True) if self.mha else Attention(dim, heads, form)
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        y = self.norm1(x)
+        x = x + (self.attn(y, y, y, need_weights=False)[0] if self.mha else self.attn(y))
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class TimmLike(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, tokens: int = 16, features: int = 4, form: str = "sdpa"):
+        super().__init__()
+        self.embed, self.pos = nn.Linear(features, dim), nn.Parameter(0.02 * torch.randn(tokens, dim))
+        self.block, self.norm, self.head = Block(dim, heads, form), nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, 10)
+
+    def forward(self, x):
+        return self.head(self.norm(self.block(self.embed(x) + self.pos).mean(dim=1)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y = torch.randn(args.samples, 16, 4), torch.randint(0, 10, (args.samples,))
+    forms = {"manual": "q @ k^T, softmax, @ v", "sdpa": "F.scaled_dot_product_attention",
+             "mha": "nn.MultiheadAttention (reference)"}  # fmt: skip
+    for form, label in forms.items():
+        model = TimmLike(form=form).eval()
+        obj = Objective(model, nn.CrossEntropyLoss(), (x, y))
+        v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1))
+        cases = {
+            "gradient": obj.gradient,
+            "auto": lambda o=obj, v=v: o.hvp(v),
+            "graph": lambda o=obj, v=v: o.hvp(v, "graph"),
+        }
+        for fn in cases.values():  # warm-up: builds the kept state and the gradient graph
+            fn()
+        best = dict.fromkeys(cases, float("inf"))
+        for _ in range(args.rounds):
+            for name, fn in cases.items():
+                start = time.process_time()
+                fn()
+                best[name] = min(best[name], time.process_time() - start)
+        g = best["gradient"]
+        print(f"{label}: auto = {obj.hvp_strategy()!r}; CPU ms: gradient {g * 1e3:.1f}, "
+              f"auto {best['auto'] * 1e3:.1f} ({best['auto'] / g:.2f}x), graph {best['graph'] * 1e3:.1f} "
+              f"({best['graph'] / g:.2f}x)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

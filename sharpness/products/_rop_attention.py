@@ -1,0 +1,189 @@
+"""The graph R-operator's rules for attention written by hand (`sharpness.products._rop_graph`): the product of two
+activations, the row softmax, and ``F.scaled_dot_product_attention``, each one operation of the traced graph, so any
+composition of them (with the reshapes, transposes and pieces of `sharpness.products._rop_ops`) is covered.
+
+As for every smooth operation (`sharpness.products._rop_smooth`), with ``delta`` the first-order error at the output,
+``g_dot`` its tangent error and dots the inputs' tangents:
+
+- ``z = a @ b`` (``torch.matmul``, ``@``, ``bmm``), batched over the leading axes (an operand broadcast over them
+  gets its errors summed back to its shape): bilinear, ``zdot = adot b + a bdot``; the errors are
+  ``g b^T`` and ``a^T g``, and each factor's tangent error gains the other factor's tangent times the first-order
+  error: ``g_dot b^T + delta bdot^T`` and ``a^T g_dot + adot^T delta`` (`_MatMul`);
+- ``A = softmax(S)`` over the last axis: the symmetric Jacobian ``J g = A (g - <A, g>)`` (per row), and the input's
+  tangent error ``J g_dot + Adot (delta - <A, delta>) - A <Adot, delta>`` with ``Adot = J Sdot``; with the kept
+  centred error ``e = delta - <A, delta>`` and ``t = A g_dot + Adot e`` (``<Adot, 1> = 0`` lets ``e`` stand for
+  ``delta``) that is ``t - A <t, 1>`` (`_Softmax`);
+- ``F.scaled_dot_product_attention(q, k, v)`` without mask or dropout, causal or not, as ``softmax(c q k^T) v``
+  (``c`` its scale, ``1 / sqrt(head size)`` by default; the causal mask sets the scores above the diagonal to
+  ``-inf``, so ``A`` and ``Adot`` vanish there and the same formulas hold): the three rules above composed in one
+  operation, which keeps ``A``, the error ``e_A = delta v^T`` at ``A`` centred under ``A``, and ``d_S = A e_A``
+  (`_Attend`).
+
+No operation writes into a tensor it was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sharpness.products._rop_smooth import _Smooth, _softmax_jacobian
+
+
+def _ready(t: Tensor | None) -> Tensor | None:
+    """``t`` as batched matrix products read it without a copy: itself where it or its transpose (the last two axes) is
+    contiguous, else a contiguous copy (a head cut from a fused projection by ``permute``/``unbind``, whose leading
+    axes do not merge). Factors read several times per product are made so once."""
+    return t if t is None or t.is_contiguous() or t.mT.is_contiguous() else t.contiguous()
+
+
+def _to(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t`` summed over the axes along which an operand of shape ``shape`` was broadcast (``t`` where none was)."""
+    return t if t.shape == shape else t.sum_to_size(shape)
+
+
+def _add(out: Tensor | None, t: Tensor | None) -> Tensor | None:
+    """``out + t`` (in place into ``out``, a fresh tensor of the caller's), either may be ``None``."""
+    if t is None:
+        return out
+    return t if out is None else out.add_(t)
+
+
+def _centred(a: Tensor, g: Tensor) -> Tensor:
+    """``g - <A, g>`` per row of the probabilities ``a`` (a fresh tensor)."""
+    return g - (a * g).sum(-1, keepdim=True)
+
+
+def _softmax_backward(a: Tensor, a_dot: Tensor | None, t: Tensor, e: Tensor) -> Tensor:
+    """The softmax input's tangent error ``J g_dot + Adot e - A <Adot, e>`` from ``t = A g_dot`` (``g_dot`` the output's
+    tangent error; a fresh tensor, overwritten) and the centred error ``e`` (see the module docstring)."""
+    if a_dot is not None:
+        t.addcmul_(a_dot, e)
+    return t.addcmul_(a, t.sum(-1, keepdim=True), value=-1.0)
+
+
+@dataclass(frozen=True)
+class _MatMul(_Smooth):
+    """``a @ b`` of two tensors of at least two axes each, batched over the leading ones; keeps both factors (and
+    passes their tangents to ``backward``), `_ready` for the products."""
+
+    inner = True  # the factors' tangents, made ready once
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        return torch.matmul(xs[0], xs[1]), (_ready(xs[0]), _ready(xs[1]))
+
+    def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
+        (a, b), (a_dot, b_dot) = saved, [_ready(t) for t in xdots]
+        out = None if a_dot is None else torch.matmul(a_dot, b)
+        return _add(out, None if b_dot is None else torch.matmul(a, b_dot)), (a_dot, b_dot)
+
+    def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
+        a, b = saved
+        return [_to(torch.matmul(g, b.mT), a.shape) if need[0] else None,
+                _to(torch.matmul(a.mT, g), b.shape) if need[1] else None]  # fmt: skip
+
+    def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
+                 inner: tuple) -> list[Tensor | None]:  # fmt: skip
+        (a, b), (a_dot, b_dot) = saved, inner
+        errs: list[Tensor | None] = [None, None]
+        if need[0]:
+            out = torch.matmul(g_dot, b.mT)
+            errs[0] = _to(_add(out, None if b_dot is None else torch.matmul(delta, b_dot.mT)), a.shape)
+        if need[1]:
+            out = torch.matmul(a.mT, g_dot)
+            errs[1] = _to(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)), b.shape)
+        return errs
+
+
+@dataclass(frozen=True)
+class _Softmax(_Smooth):
+    """The softmax over the last axis; keeps the probabilities ``A`` and the centred error ``delta - <A, delta>``."""
+
+    inner = True  # Adot, the output's tangent, read by backward
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, Tensor]:
+        a = torch.softmax(xs[0], dim=-1)
+        return a, a
+
+    def tangent(self, xdots: list[Tensor | None], saved: Tensor) -> tuple[Tensor, Tensor]:
+        a_dot = _softmax_jacobian(saved, xdots[0])
+        return a_dot, a_dot
+
+    def adjoint(self, g: Tensor, saved: Tensor, need: list[bool]) -> list[Tensor]:
+        return [_softmax_jacobian(saved, g)]
+
+    def errors(self, g: Tensor, saved: Tensor, need: list[bool]) -> tuple[Tensor, list[Tensor | None]]:
+        e = _centred(saved, g)
+        return e, [saved * e if need[0] else None]
+
+    def backward(self, g_dot: Tensor, e: Tensor, xdots: list[Tensor | None], saved: Tensor, need: list[bool],
+                 inner: Tensor) -> list[Tensor]:  # fmt: skip
+        return [_softmax_backward(saved, inner, g_dot * saved, e)]
+
+
+@dataclass(frozen=True)
+class _Attend(_Smooth):
+    """``F.scaled_dot_product_attention(q, k, v)`` of ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` inputs (the
+    same leading axes) without mask or dropout: ``softmax(c q k^T) v`` with ``c = scale`` (``E^(-1/2)`` where ``None``),
+    the scores above the diagonal left out where ``causal``; keeps the inputs, ``A`` and ``c``."""
+
+    scale: float | None
+    causal: bool
+
+    inner = True  # Adot and the inputs' tangents, made ready once
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple]:
+        q, k, v = xs
+        q, k, v = _ready(q), _ready(k), _ready(v)
+        c = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        s = torch.matmul(q, k.mT).mul_(c)
+        if self.causal:  # torch's causal mask: query i sees keys 0..i
+            keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
+            s.masked_fill_(~keep, float("-inf"))
+        a = torch.softmax(s, dim=-1)
+        return torch.matmul(a, v), (q, k, v, a, c)
+
+    def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
+        (q, k, v, a, c), (q_dot, k_dot, v_dot) = saved, [_ready(t) for t in xdots]
+        s_dot = None if q_dot is None else torch.matmul(q_dot, k.mT)
+        s_dot = _add(s_dot, None if k_dot is None else torch.matmul(q, k_dot.mT))
+        a_dot = None if s_dot is None else _softmax_jacobian(a, s_dot.mul_(c))
+        out = None if a_dot is None else torch.matmul(a_dot, v)
+        return _add(out, None if v_dot is None else torch.matmul(a, v_dot)), (a_dot, q_dot, k_dot, v_dot)
+
+    def errors(self, g: Tensor, saved, need: list[bool]) -> tuple[tuple, list[Tensor | None]]:
+        q, k, v, a, c = saved
+        e_a = _centred(a, torch.matmul(g, v.mT))
+        d_s = a * e_a
+        errs = [torch.matmul(d_s, k).mul_(c) if need[0] else None,
+                torch.matmul(d_s.mT, q).mul_(c) if need[1] else None,
+                torch.matmul(a.mT, g) if need[2] else None]  # fmt: skip
+        return (g, e_a, d_s), errs
+
+    def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
+        return self.errors(g, saved, need)[1]
+
+    def backward(self, g_dot: Tensor, kept: tuple, xdots: list[Tensor | None], saved, need: list[bool],
+                 inner: tuple) -> list[Tensor | None]:  # fmt: skip
+        (q, k, v, a, c), (a_dot, q_dot, k_dot, v_dot), (delta, e_a, d_s) = saved, inner, kept
+        errs: list[Tensor | None] = [None, None, None]
+        if need[2]:
+            out = torch.matmul(a.mT, g_dot)
+            errs[2] = _add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta))
+        if not (need[0] or need[1]):
+            return errs
+        gd_a = torch.matmul(g_dot, v.mT)
+        gd_a = _add(gd_a, None if v_dot is None else torch.matmul(delta, v_dot.mT))
+        gd_s = _softmax_backward(a, a_dot, gd_a.mul_(a), e_a)
+        if need[0]:
+            out = torch.matmul(gd_s, k)
+            errs[0] = _add(out, None if k_dot is None else torch.matmul(d_s, k_dot)).mul_(c)
+        if need[1]:
+            out = torch.matmul(gd_s.mT, q)
+            errs[1] = _add(out, None if q_dot is None else torch.matmul(d_s.mT, q_dot)).mul_(c)
+        return errs
+
+
+__all__: list[str] = []

@@ -1,0 +1,252 @@
+"""R-operator products of attention written by hand (sharpness.products._rop_attention and the reshapes of
+sharpness.products._rop_ops): products of two activations, the row softmax, ``F.scaled_dot_product_attention``,
+axis permutations, the pieces of a fused projection, and whole transformers built from them.
+
+Every product is checked in float64 against torch.func's ``jvp`` of ``grad`` (attention's math kernel) to 1e-12
+relative, with the state kept and streamed in chunks of 3 (`test_rop_transformer._exact`).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rop_graph import _data, _perturbed
+from test_rop_transformer import CE, OnData, Tokens, _exact
+from test_transformer_quotient import FusedBlock, HandBlock
+from torch import nn
+
+from sharpness import Objective
+from sharpness._vit import ViT
+
+D, H = 4, 2  # width and heads of the pieces
+
+
+class Heads(nn.Module):
+    """Attention by hand on ``(N, T, D)``: separate, fused (``unbind``, ``chunk`` or ``split``, or integer indexing)
+    projections, and the scores by ``@``/``matmul``/``bmm`` or SDPA."""
+
+    def __init__(self, form: str, dim: int = D, heads: int = H, act=F.gelu):
+        super().__init__()
+        self.form, self.heads, self.hd, self.act = form, heads, dim // heads, act
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def _split(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        form = self.form
+        if form in ("unbind", "sdpa", "causal", "scale"):
+            q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        elif form == "index":  # older timm: qkv[0], qkv[1], qkv[2]
+            qkv = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        elif form == "chunk":
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k, v = self._split(q), self._split(k), self._split(v)
+        else:  # nanoGPT / BERT: split, view, permute
+            q, k, v = self.qkv(x).split(d, dim=2)
+            q, k, v = (p.view(b, t, self.heads, self.hd).permute(0, 2, 1, 3) for p in (q, k, v))
+        if form == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v)
+        elif form == "causal":
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        elif form == "scale":
+            a = F.scaled_dot_product_attention(q, k, v, scale=0.7)
+        elif form == "chunk":
+            scores = q.matmul(torch.transpose(k, 2, 3)) / math.sqrt(self.hd)
+            a = torch.permute(F.softmax(scores, dim=-1) @ v, (0, 1, 2, 3))
+        else:
+            a = torch.matmul(torch.softmax(q @ k.transpose(-1, -2) * self.hd**-0.5, -1), v)
+        return self.o(self.act(a.permute(0, 2, 1, 3).contiguous().view(b, t, d)))
+
+
+class BertSelfAttention(nn.Module):
+    """HuggingFace BERT's self-attention (eval mode, no mask): shapes built from ``x.size()``, ``view``, ``permute``,
+    ``torch.matmul``, division by a number, ``nn.functional.softmax``, dropout, ``contiguous``."""
+
+    def __init__(self, dim: int = D, heads: int = H):
+        super().__init__()
+        self.heads, self.size = heads, dim // heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(0.1)
+
+    def transpose_for_scores(self, x):
+        return x.view(x.size()[:-1] + (self.heads, self.size)).permute(0, 2, 1, 3)
+
+    def forward(self, hidden):
+        q, k, v = (self.transpose_for_scores(m(hidden)) for m in (self.query, self.key, self.value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.size)
+        context = torch.matmul(self.dropout(nn.functional.softmax(scores, dim=-1)), v)
+        context = context.permute(0, 2, 1, 3).contiguous()
+        return context.view(context.size()[:-2] + (self.heads * self.size,))
+
+
+class Mixer(nn.Module):
+    """A product of an activation with a parameter (broadcast over the samples: its errors summed back) and of an
+    activation with itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w)
+        return torch.bmm(h, h.transpose(1, 2)).softmax(dim=-1) @ x
+
+
+PIECES = {
+    "q k^T, softmax, A v; separate projections": lambda: Tokens(Heads("separate")),
+    "unbind of a fused projection": lambda: Tokens(Heads("unbind")),
+    "integer indexing of a fused projection": lambda: Tokens(Heads("index")),
+    "chunk, F.softmax": lambda: Tokens(Heads("chunk")),
+    "HuggingFace BERT's self-attention": lambda: Tokens(BertSelfAttention()),
+    "SDPA": lambda: Tokens(Heads("sdpa")),
+    "SDPA, causal": lambda: Tokens(Heads("causal")),
+    "SDPA, a scale": lambda: Tokens(Heads("scale")),
+    "SDPA of the data": lambda: OnData(Heads("sdpa", act=torch.tanh)),
+    "bmm: a parameter and an activation with itself": lambda: Tokens(Mixer()),
+}
+
+
+@pytest.mark.parametrize("name", list(PIECES))
+def test_each_attention_rule_equals_forward_over_reverse(name):
+    x, y = _data((6 if "data" not in name else 12,))
+    _exact(_perturbed(PIECES[name]()), x, y)
+
+
+class Blocks(nn.Module):
+    """``blocks`` on ``(N, T, 8)`` token inputs, then the token mean and a Linear."""
+
+    def __init__(self, *blocks):
+        super().__init__()
+        self.blocks, self.head = nn.Sequential(*blocks), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x.unflatten(1, (4, 8))).mean(dim=1))
+
+
+class GeluHand(HandBlock):
+    """The quotient tests' HandBlock with a GELU MLP."""
+
+    def forward(self, x):
+        if self.pre_ln:
+            x = x + self.attend(self.ln1(x))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = self.ln1(x + self.attend(x))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class GeluFused(FusedBlock):
+    forward = GeluHand.forward
+
+
+MODELS = {
+    "hand, pre-LN, ReLU": lambda: Blocks(HandBlock(True)),
+    "hand, post-LN, GELU": lambda: Blocks(GeluHand(False)),
+    "fused unbind, pre-LN, GELU; hand, post-LN, ReLU": lambda: Blocks(GeluFused(True), HandBlock(False)),
+    "fused unbind, post-LN, ReLU": lambda: Blocks(FusedBlock(False)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hand_written_transformers_equal_forward_over_reverse(name):
+    x, y = _data((32,), n=5)
+    _exact(_perturbed(MODELS[name]()), x, y)
+
+
+@pytest.mark.parametrize("options", [dict(depth=2), dict(norm="post", act="gelu")])
+def test_the_built_in_vit_with_sdpa_equals_forward_over_reverse(options):
+    x, y = _data((64,), n=5, classes=10)
+    _exact(_perturbed(ViT(dim=4, heads=2, mlp=4, attn="hand", **options)), x, y)
+
+
+class Masked(HandBlock):
+    """Scores with a mask (a buffer) added, or filled in as nanoGPT's causal mask (``masked_fill`` of a piece of a
+    buffer, the scale computed from the keys' shape)."""
+
+    def __init__(self, fill: bool, value: float = float("-inf")):
+        super().__init__(True)
+        self.fill, self.value = fill, value
+        mask = torch.ones(6, 6).tril_().view(1, 1, 6, 6) if fill else torch.zeros(4, 4).triu_(1)
+        self.register_buffer("mask", mask)
+
+    def attend(self, y):
+        b, t, _ = y.shape
+        q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1))) if self.fill else \
+            k.size(-1) ** -0.5 * (q @ k.transpose(-2, -1))  # fmt: skip
+        if self.fill:
+            scores = scores.masked_fill(self.mask[:, :, :4, :4] == 0, self.value)  # fx cannot slice by t
+        else:
+            scores = scores - 3.0 * self.mask
+        return self.o((F.softmax(scores, dim=-1) @ v).transpose(1, 2).contiguous().view(b, t, 8))
+
+
+class ClassToken(nn.Module):
+    """timm's class token: a parameter expanded over the samples and put before the tokens; the output read off it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls, self.block, self.head = nn.Parameter(torch.randn(1, 1, 8)), GeluFused(True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.cat((self.cls.expand(x.shape[0], -1, -1), x.unflatten(1, (4, 8))), dim=1)
+        return self.head(self.block(h)[:, 0])
+
+
+MORE = {
+    "a mask added": lambda: Blocks(Masked(fill=False)),
+    "nanoGPT's causal mask filled in": lambda: Blocks(Masked(fill=True)),
+    "a mask filled with a number": lambda: Blocks(Masked(fill=True, value=-2.0)),
+    "a class token": ClassToken,
+}
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_masks_and_a_class_token_equal_forward_over_reverse(name):
+    x, y = _data((32,), n=5)
+    _exact(_perturbed(MORE[name]()), x, y)
+
+
+class Unsupported(HandBlock):
+    def __init__(self, case: str):
+        super().__init__(True)
+        self.case = case
+
+    def attend(self, y):
+        b, t, _ = y.shape
+        q, k, v = (m(y).view(b, t, 2, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-2, -1)
+        if self.case == "a softmax over another axis":
+            a = F.softmax(scores, dim=1)
+        elif self.case == "a mask computed from the scores":
+            a = scores.masked_fill(scores < 0, 0.0).softmax(-1)
+        else:  # "an elementwise product of two activations"
+            a = (scores * scores).softmax(-1)
+        return self.o((a @ v).transpose(1, 2).reshape(b, t, 8))
+
+
+UNSUPPORTED = ["a softmax over another axis", "a mask computed from the scores",
+               "an elementwise product of two activations"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_unsupported_attention_operations_fall_back_to_autograd(name):
+    x, y = _data((32,), n=5)
+    obj = Objective(_perturbed(Blocks(Unsupported(name))), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+def test_the_state_bytes_of_hand_written_attention_count_every_kept_tensor():
+    """The kept state's accounting covers what the new rules keep (SDPA's inputs made ready, probabilities and
+    errors; the products' factors; the softmax's centred error): it is what the samples' states hold."""
+    for model in (ViT(dim=4, heads=2, mlp=4, attn="hand"), Blocks(FusedBlock(True))):
+        x, y = _data((64,) if isinstance(model, ViT) else (32,), n=5, classes=3)
+        obj = Objective(_perturbed(model), CE, (x, y))
+        assert obj.hvp_strategy() == "rop" and obj._rop_fits()
+        _, states = obj.rop_states()
+        entries = [e for state in states for e in [*state.saved, *state.deltas.values(), state.probs]]
+        kept = {id(t): t for e in entries for t in (e if isinstance(e, tuple) else (e,)) if isinstance(t, torch.Tensor)}
+        assert sum(t.numel() * t.element_size() for t in kept.values()) == obj._rop_bytes_per_sample * x.shape[0]
