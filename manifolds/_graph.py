@@ -89,7 +89,10 @@ def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
     return graph
 
 
-def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> None:
+def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
+    """Record every node's shape from one pass of ``graph`` on ``x``; returns whether the graph computes what the
+    model's own forward does on ``x`` (see `_same_outputs`)."""
+
     class _Shapes(fx.Interpreter):
         def run_node(self, n: fx.Node):
             out = super().run_node(n)
@@ -101,7 +104,29 @@ def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> None:
             return model.get_submodule(str(target))(*args, **kwargs)  # "" is a bare layer itself
 
     with eval_mode(model), torch.no_grad():  # as the objectives evaluate
-        _Shapes(model, graph=graph).run(x)
+        traced = _Shapes(model, graph=graph).run(x.clone())
+        return _same_outputs(traced, model(x.clone()))
+
+
+def _same_outputs(traced: object, eager: object) -> bool:
+    """Whether the graph's outputs equal the forward's, to rounding. fx records ``x += y`` as ``x + y``, so a
+    forward that reads an alias of ``x`` after it (``r = x; x += y; r @ ...``) has a graph that computes something
+    else; such a graph must not stand for the model."""
+    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(traced)
+    eager_leaves, eager_spec = torch.utils._pytree.tree_flatten(eager)
+    if traced_spec != eager_spec:
+        return False
+    for a, b in zip(traced_leaves, eager_leaves):
+        if isinstance(a, Tensor) != isinstance(b, Tensor):
+            return False
+        if isinstance(a, Tensor) and a.is_floating_point():
+            scale = float(b.abs().max()) if b.numel() and torch.isfinite(b).all() else 1.0
+            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale, equal_nan=True):
+                return False
+        elif isinstance(a, Tensor):
+            if not torch.equal(a, b):
+                return False
+    return True
 
 
 def _first_layer(model: nn.Module, graph: fx.Graph) -> nn.Module | None:
@@ -168,10 +193,21 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     error: Exception | None = None
     for x in candidates:
         try:
-            _record_shapes(model, graph, x)
-            return TracedNetwork(model, graph, None, sequential)
+            faithful = _record_shapes(model, graph, x)
         except Exception as err:  # a wrong guess of the input shape; try the next one
             error = err
+            continue
+        if not faithful:
+            for node in graph.nodes:
+                node.meta.pop("shape", None)
+            return TracedNetwork(
+                model,
+                None,
+                f"the graph torch.fx traced from the forward of {type(model).__name__} computes something else than "
+                "the forward itself (fx records an in-place update such as `x += y` out of place, so an alias of x "
+                "read after it sees the old value); write the update out of place (`x = x + y`)",
+            )
+        return TracedNetwork(model, graph, None, sequential)
     for node in graph.nodes:  # no partial shapes from a failed pass
         node.meta.pop("shape", None)
     if example_input is not None and error is not None:

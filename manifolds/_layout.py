@@ -66,7 +66,7 @@ class ParamLayout:
         batch = flat.shape[:-1]
         out = {}
         for name, shape, start in zip(self.names, self.shapes, self.offsets):
-            out[name] = flat[..., start : start + shape.numel()].reshape(*batch, *shape)
+            out[name] = flat[..., start : start + shape.numel()].reshape((*batch, *shape))
         return out
 
     def blocks(self, flat: Tensor) -> Iterable[tuple[str, Tensor]]:

@@ -186,8 +186,10 @@ class RopGraph:
         for i, op in layers:
             if op.affine is not None and op.affine.dims == 0 and not op.affine.tokens \
                     and not self.steps[self.steps[i].inputs[0]].moving:  # fmt: skip
-                shared = any(j != i and other.affine is not None and other.affine.weight == op.affine.weight
-                             for j, other in layers)  # fmt: skip
+                # the weight read by any other step too (another layer, or a parameter read directly: a tied
+                # `x @ self.inp.weight`): its products need the whole weight, not its part in the data's span
+                shared = any(j != i and op.affine.weight in getattr(s.op, "names", ())
+                             for j, s in enumerate(self.steps))  # fmt: skip
                 return None if shared else i
         return None
 
@@ -321,6 +323,37 @@ def _number(a: object) -> bool:
 
 def _argument(node: fx.Node, index: int, name: str, default: object) -> object:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+# Python's augmented assignments (``x += y``), which fx records as calls of these
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift}  # fmt: skip
+
+
+def _mutates(node: fx.Node, model: nn.Module) -> bool:
+    """Whether ``node`` writes into its first argument: ``x += y``, a method or function named with a trailing
+    underscore (``x.mul_(2)``, ``torch.relu_``), a call with ``inplace=True``, or a module built with it."""
+    if node.op == "call_module":
+        return bool(getattr(model.get_submodule(str(node.target)), "inplace", False))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _read_after_mutation(nodes: list[fx.Node], model: nn.Module) -> bool:
+    """Whether an in-place call's first argument is read again after it (``att.masked_fill_(m, -inf)`` followed
+    by ``att.softmax(-1)``, or an alias of ``x`` read after ``x += y``). The products read every call out of place,
+    so such a reader would see the value before the write; a reader before it sees what the model sees."""
+    position = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if node.args and isinstance(node.args[0], fx.Node) and _mutates(node, model):
+            if any(position[u] > position[node] for u in node.args[0].users if u is not node):
+                return True
+    return False
 
 
 def _single_user(node: fx.Node) -> bool:
@@ -628,6 +661,8 @@ def rop_graph(
     if graph is None or _has_hooks(model):
         return None
     nodes = list(graph.nodes)
+    if _read_after_mutation(nodes, model):
+        return None
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
     attention = _attention_outputs(model, nodes, shapes, params)
     pieces = _pieces(nodes, shapes)
