@@ -196,7 +196,32 @@ class ClassToken(nn.Module):
         return self.head(self.block(h)[:, 0])
 
 
+class SdpaMask(nn.Module):
+    """SDPA with an ``attn_mask``: a boolean buffer (which keys each query sees), a floating mask computed from the
+    data (a padding bias per sample and key, as text models pass it), or one a parameter moves (not read: autograd)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.qkv, self.o, self.w = nn.Linear(8, 24), nn.Linear(8, 8), nn.Parameter(torch.randn(4))
+        self.register_buffer("keep", torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 0, 1, 0], [1, 1, 1, 1]]).bool())
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.kind == "boolean":
+            mask = self.keep
+        elif self.kind == "data":
+            mask = (x[:, :, 0] > 0).float().mul(-3.0)[:, None, None, :]  # (N, 1, 1, T)
+        else:  # "moved"
+            mask = self.w.expand(t, t)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(a.transpose(1, 2).reshape(b, t, 8))
+
+
 MORE = {
+    "SDPA with a boolean attn_mask": lambda: Blocks(SdpaMask("boolean")),
+    "SDPA with an attn_mask computed from the data": lambda: Blocks(SdpaMask("data")),
     "a mask added": lambda: Blocks(Masked(fill=False)),
     "nanoGPT's causal mask filled in": lambda: Blocks(Masked(fill=True)),
     "a mask filled with a number": lambda: Blocks(Masked(fill=True, value=-2.0)),
@@ -236,6 +261,12 @@ UNSUPPORTED = ["a softmax over another axis", "a mask computed from the scores",
 def test_unsupported_attention_operations_fall_back_to_autograd(name):
     x, y = _data((32,), n=5)
     obj = Objective(_perturbed(Blocks(Unsupported(name))), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+def test_an_sdpa_mask_the_parameters_move_falls_back_to_autograd():
+    x, y = _data((32,), n=5)
+    obj = Objective(_perturbed(Blocks(SdpaMask("moved"))), CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
 
 

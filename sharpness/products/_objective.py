@@ -783,7 +783,7 @@ class Objective:
         max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, as chains or
         graphs, and transformers: LayerNorm, exact GELU, tanh, batch-first self-attention by
         ``nn.MultiheadAttention`` or written by hand (products of activations, softmax,
-        ``F.scaled_dot_product_attention`` without mask, transposes, pieces of a fused projection), parameters added
+        ``F.scaled_dot_product_attention`` without dropout, transposes, pieces of a fused projection), parameters added
         outside modules) is the R-operator written out by hand (`sharpness.products._rop`,
         `sharpness.products._rop_graph`, `sharpness.products._rop_smooth`, `sharpness.products._rop_attention`), with
         each chunk's forward state

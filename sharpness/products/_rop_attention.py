@@ -13,7 +13,8 @@ As for every smooth operation (`sharpness.products._rop_smooth`), with ``delta``
   tangent error ``J g_dot + Adot (delta - <A, delta>) - A <Adot, delta>`` with ``Adot = J Sdot``; with the kept
   centred error ``e = delta - <A, delta>`` and ``t = A g_dot + Adot e`` (``<Adot, 1> = 0`` lets ``e`` stand for
   ``delta``) that is ``t - A <t, 1>`` (`_Softmax`);
-- ``F.scaled_dot_product_attention(q, k, v)`` without mask or dropout, causal or not, as ``softmax(c q k^T) v``
+- ``F.scaled_dot_product_attention(q, k, v)`` without dropout, causal or not, with a constant ``attn_mask`` or
+  none, as ``softmax(c q k^T) v``
   (``c`` its scale, ``1 / sqrt(head size)`` by default; the causal mask sets the scores above the diagonal to
   ``-inf``, so ``A`` and ``Adot`` vanish there and the same formulas hold): the three rules above composed in one
   operation, which keeps ``A``, the error ``e_A = delta v^T`` at ``A`` centred under ``A``, and ``d_S = A e_A``
@@ -123,16 +124,28 @@ class _Softmax(_Smooth):
         return [_softmax_backward(saved, inner, g_dot * saved, e)]
 
 
+def _mask_reader(args: list) -> None:
+    """A marker: `_Attend` reads its mask from the call's inputs itself (it replays no call)."""
+    raise AssertionError("the attention's mask is read by its forward, not by a replayed call")
+
+
 @dataclass(frozen=True)
 class _Attend(_Smooth):
     """``F.scaled_dot_product_attention(q, k, v)`` of ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` inputs (the
-    same leading axes) without mask or dropout: ``softmax(c q k^T) v`` with ``c = scale`` (``E^(-1/2)`` where ``None``),
-    the scores above the diagonal left out where ``causal``; keeps the inputs, ``A`` and ``c``."""
+    same leading axes) without dropout: ``softmax(c q k^T + M) v`` with ``c = scale`` (``E^(-1/2)`` where ``None``),
+    the scores above the diagonal left out where ``causal``, and ``M`` an ``attn_mask`` that no parameter moves
+    (boolean: ``False`` leaves a score out; floating: added), broadcast to the scores; keeps the inputs, ``A`` and
+    ``c``. A constant ``M`` only shifts the scores, so the derivatives are those of the probabilities ``A``."""
 
     scale: float | None
     causal: bool
+    mask: int | None = None  # the attn_mask's slot among the call's inputs (read as `args`), if one is given
 
     inner = True  # Adot and the inputs' tangents, made ready once
+
+    @property
+    def call(self):  # the call's inputs are passed to `forward` where there is a mask to read among them
+        return None if self.mask is None else _mask_reader
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple]:
         q, k, v = xs
@@ -142,6 +155,9 @@ class _Attend(_Smooth):
         if self.causal:  # torch's causal mask: query i sees keys 0..i
             keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
             s.masked_fill_(~keep, float("-inf"))
+        if self.mask is not None:
+            m = args[self.mask]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m.to(s.dtype))
         a = torch.softmax(s, dim=-1)
         return torch.matmul(a, v), (q, k, v, a, c)
 

@@ -21,8 +21,8 @@ operation is, at the current point, either
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
   (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``), the
-  softmax over the last axis, and ``F.scaled_dot_product_attention`` without mask or dropout, so any composition
-  of them (timm's, HuggingFace's or nanoGPT's attention) is covered.
+  softmax over the last axis, and ``F.scaled_dot_product_attention`` without dropout (a constant ``attn_mask``
+  allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered.
 
 Other calls are read only where no parameter moves their inputs (the data cut into patches, say); buffers, frozen
 parameters and the tensors fx computes from them while tracing are constants.
@@ -577,12 +577,22 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
             return None
         q, k, v = (shapes[t] for t in tensors)
         scale, causal = options.get("scale"), options.get("is_causal", False)
-        if options.get("attn_mask") is not None or options.get("dropout_p", 0.0) != 0 or options.get("enable_gqa") \
+        mask = options.get("attn_mask")
+        if options.get("dropout_p", 0.0) != 0 or options.get("enable_gqa") \
                 or not isinstance(causal, bool) or not (scale is None or _number(scale)) or len(q) < 2 \
                 or not q[:-2] == k[:-2] == v[:-2] or k[-2] != v[-2] or q[-1] != k[-1]:  # fmt: skip
             return None
-        return _Attend(None if scale is None else float(scale), causal), list(tensors)
+        if mask is not None and (causal or not isinstance(mask, fx.Node) or mask not in shapes
+                                 or not _broadcasts(shapes[mask], (*q[:-1], k[-2]))):  # fmt: skip
+            return None  # a mask and is_causal together, or a mask that does not broadcast to the scores
+        slot = None if mask is None else node.all_input_nodes.index(mask)
+        return _Attend(None if scale is None else float(scale), causal, slot), list(tensors)
     return None
+
+
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` without growing it."""
+    return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
 
 
 def _pieces(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node, tuple]:
@@ -737,6 +747,8 @@ def rop_graph(
         moves = bool(getattr(op, "names", ())) or any(moving[slot[t]] for t in tensors)
         if node in fixed and any(moving[slot[m]] for m in meta):
             return None  # an unsupported operation of something the parameters move
+        if isinstance(op, _Attend) and op.mask is not None and moving[slot[meta[op.mask]]]:
+            return None  # an attention mask the parameters move: its derivatives are not written out
         moving.append(moves)
         steps.append(_Step(op, tuple(slot[t] for t in tensors), moves, tuple(slot[m] for m in meta)))
     if not any(moving):  # no parameter moves anything
