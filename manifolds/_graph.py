@@ -161,7 +161,7 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     """Trace ``model`` once and record the shape of every tensor on a forward pass (eval mode, no gradients).
 
     Args:
-        model: the network (not modified: its modes are restored after the shape pass).
+        model: the network (not modified: its modes, and buffers a forward updates in place, are restored).
         example_input: one input batch (the first two samples are used). Without it, an input is guessed
             from the first Linear or convolution (its input features, or square spatial sizes tried in turn
             for a convolution).
@@ -170,6 +170,20 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
         The `TracedNetwork`; ``failure`` says why when the model cannot be traced (``graph is None``)
             or the shapes are unknown (no input shape fits, or the forward fails on ``example_input``).
     """
+    # fx's tracing, the shape pass and the forward it is checked against all run the forward: one that updates
+    # its buffers in place (a step counter, say) would leave them moved, so they are put back
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    try:
+        return _trace(model, example_input)
+    finally:
+        with torch.no_grad():
+            for b, before in buffers:
+                if not torch.equal(b, before):
+                    b.copy_(before)
+
+
+def _trace(model: nn.Module, example_input: Tensor | None) -> TracedNetwork:
+    """`trace_network` itself, the buffers left to the caller."""
     try:
         graph = _Tracer().trace(model)
         sequential = False

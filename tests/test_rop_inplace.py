@@ -20,7 +20,7 @@ from test_rop_transformer import CE, _exact
 from torch import nn
 from torch.func import functional_call, grad, jvp
 
-from manifolds import analyze
+from manifolds import analyze, trace_network
 from sharpness import Objective, dense_hessian, euclidean_sharpness
 
 
@@ -146,3 +146,21 @@ class Temperature(nn.Module):
 def test_a_zero_dimensional_parameter_is_flattened_like_any_other():
     x, y = _data((6,), n=5)
     _autograd_exact(_perturbed(Temperature()), x, y)
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)  # fx's tracing runs this on the real buffer, and so do the shape pass and the check
+        return self.fc(x)
+
+
+def test_tracing_leaves_buffers_a_forward_updates_as_they_were():
+    model = Counter()
+    buffer = model.calls
+    traced = trace_network(model, _data((6,), n=5)[0])
+    assert traced.graph is not None and model.calls is buffer and float(buffer) == 0.0
