@@ -171,3 +171,35 @@ def test_the_products_read_the_trace_alone_and_the_structure_reuses_it():
     obj.hvp(torch.ones(obj.layout.size, dtype=torch.float64))
     assert obj.hvp_strategy() == "rop" and not obj._structure
     assert obj.structure.traced is obj._traced[0] and obj.structure.group is not None
+
+
+def _dense_jacobian_product(f, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``J(x) t`` of a map of the last axis, row by row, from torch.func's dense Jacobian in float64."""
+    jac = torch.vmap(torch.func.jacrev(f))(x.double().reshape(-1, x.shape[-1]))
+    return torch.einsum("rij,rj->ri", jac, t.double().reshape(-1, t.shape[-1])).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_normalization_and_softmax_jacobians_equal_dense_ones_in_every_dtype(dtype):
+    """The LayerNorm and softmax Jacobian products the R-operator reads (torch's fused backward kernels in float32
+    and float64 for LayerNorm, outside float64 for the softmax; separate passes otherwise) equal the dense Jacobians
+    of the normalization and of the softmax to the dtype's rounding. Without the mean term or the ``xhat`` term of
+    either the error is of order one."""
+    from sharpness.products._rop_smooth import _norm_jacobian, _softmax_jacobian
+
+    g = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(2, 5, 7, 12, generator=g, dtype=torch.float64) + 1).to(dtype)
+    t = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
+    xhat, _, rstd = torch.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    tol = {torch.float64: 1e-13, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+
+    def normalize(row):
+        return F.layer_norm(row, row.shape, eps=1e-5)
+
+    ref = _dense_jacobian_product(normalize, x, t)
+    got = _norm_jacobian(xhat, rstd.to(dtype), t).double()
+    torch.testing.assert_close(got, ref, rtol=0, atol=tol * float(ref.abs().max()))
+    a = torch.softmax(x.double(), -1)
+    ref = _dense_jacobian_product(lambda row: torch.softmax(row, -1), x, t)
+    got = _softmax_jacobian(a.to(dtype), t).double()
+    torch.testing.assert_close(got, ref, rtol=0, atol=tol * float(ref.abs().max()))
