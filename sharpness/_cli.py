@@ -51,7 +51,7 @@ from sharpness.products._data import DataError
 from sharpness.products._distributed import Communicator, DistributedError
 from sharpness.products._objective import Objective
 from sharpness.solvers._density import hessian_spectral_density
-from sharpness.solvers._solve import SOLVERS, Solver
+from sharpness.solvers._solve import SOLVERS, STARTS, Solver
 
 # Errors that mean "bad input": one sentence on stderr, exit code 2, no traceback.
 # FloatingPointError: a radius so large that the loss overflows, said in a sentence that names the fix.
@@ -425,7 +425,7 @@ def _compute(args: argparse.Namespace) -> int:
     budget = memory_budget(args.memory_mib)
     if not (math.isfinite(args.tol) and args.tol > 0):
         raise SpecError(f"--tol must be a positive number, got {args.tol}")
-    solver = Solver(method=args.method, tol=args.tol)
+    solver = Solver(method=args.method, tol=args.tol, start=args.start)
     check_outputs([("--json", args.json)], command_inputs(args))
     model, loss_fn, data = load_problem(args)
     progress = False if args.quiet else None
@@ -717,6 +717,12 @@ def _parser() -> argparse.ArgumentParser:
         "normalization symmetries (the whole group, as da Silva et al. define it) and node otherwise",
     )  # fmt: skip
     add_solver_arguments(compute)
+    compute.add_argument(
+        "--start", choices=STARTS, default="gradient",
+        help="the eigen-solver's start vector: gradient (default; a random unit vector plus the loss's gradient at "
+        "unit length, which the top eigenvectors lean towards away from a minimum: fewer products at the same "
+        "tolerance) or random (the random vector alone)",
+    )  # fmt: skip
     compute.add_argument("--json", help="write the results to this JSON file")
     add_quiet_argument(compute)
 

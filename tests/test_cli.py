@@ -173,7 +173,8 @@ def test_compute_writes_the_documented_json(files, tmp_path):
     for name in ("fixed", "minnorm", "gspace"):  # no metric ball: the second-order estimate only
         m = report["measures"][name]
         assert m["epsilon"]["measured"] is None and m["epsilon"]["second_order"] > 0
-    assert report["solver"] == {"method": "lanczos", "tol": 1e-6, "max_iter": None, "hvp": "auto", "seed": 0}
+    assert report["solver"] == {"method": "lanczos", "tol": 1e-6, "max_iter": None, "hvp": "auto", "seed": 0,
+                                "start": "gradient"}
     assert "euclidean" in r.stdout and "node" in r.stdout
 
 

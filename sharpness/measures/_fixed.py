@@ -65,6 +65,7 @@ class Fixed(Measure):
             matmat=lambda vs: keep * hessian.matmat(keep * vs),
             project=lambda v: keep * v,
             comm=objective.comm,
+            start_hint=lambda: keep * hessian.start_hint(),  # the gradient at the representative, free weights
         )
         low, high = representative.factor_range
         info = {"n_free": space.n_free, "n_fixed": space.n_fixed, "factor_min": low, "factor_max": high,

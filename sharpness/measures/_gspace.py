@@ -16,6 +16,7 @@ with the same skeleton.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -131,7 +132,8 @@ def gspace_hessian_operator(
     def apply(t: Tensor) -> Tensor:
         return loss.hvp(t, strategy)
 
-    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device, comm=objective.comm)
+    op = CallableOperator(apply, loss.gspace.dim, objective.dtype, objective.device, comm=objective.comm,
+                          start_hint=cache(lambda: loss.value_and_gradient()[1]))  # the G-space gradient, once
     op.strategy = strategy
     return op, loss
 
@@ -157,7 +159,7 @@ class GSpaceMeasure(Measure):
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
         gspace = GSpace(objective.structure, params=objective.params)
         op, loss = gspace_hessian_operator(objective, gspace, hvp)
-        _, gradient = loss.value_and_gradient()
+        gradient = op.start_hint()  # the G-space gradient, computed once for the info and the solver's start
 
         def to_parameters(vectors: Tensor) -> Tensor:
             return torch.stack([loss.pushforward(xi) for xi in vectors])

@@ -70,5 +70,6 @@ class Symmetry(QuotientMeasure):
 
         bound.operator = CallableOperator(matvec, inner.size, inner.dtype, inner.device, project=inner.project,
                                           comm=inner.comm, matvec_in_subspace=matvec_in_subspace,
-                                          products_in_subspace=inner.products_in_subspace)  # fmt: skip
+                                          products_in_subspace=inner.products_in_subspace,
+                                          start_hint=inner.start_hint)  # fmt: skip
         return bound

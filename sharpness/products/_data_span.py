@@ -35,6 +35,7 @@ from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import SymmetricOperator
 from sharpness.products._rop import ChunkState, RopChain
+from sharpness.products._rop_gradient import shared_gradient
 from sharpness.products._rop_graph import RopGraph
 from sharpness.solvers._vectors import _canonical_signs
 
@@ -115,7 +116,7 @@ class DataSpanHessian(SymmetricOperator):
         }
         self.layout = ParamLayout.from_tensors({name: torch.empty(s, device="meta") for name, s in shapes.items()})
         super().__init__(self.layout.size, objective.dtype, objective.device)
-        self.factor = _LowerTriangular(lower)
+        self.factor, self._lower = _LowerTriangular(lower), lower
         bounds = [0]
         for x in self.inputs:
             bounds.append(bounds[-1] + x.shape[0])
@@ -145,6 +146,17 @@ class DataSpanHessian(SymmetricOperator):
         errors = self._tangent_errors(self.layout.unflatten(v), into)
         self.factor.right_add(errors.T, into[self.weight])
         return out
+
+    def start_hint(self) -> Tensor | None:
+        """The gradient in these coordinates, ``(size,)``: the first weight's block ``G_U = G_W Q = (G_W X^T) L^-T``
+        (one product with the data and a triangular solve, ``n x n``), the others as they are; ``None`` where the
+        solve is not finite (a rank-deficient ``L``)."""
+        full = self.objective.layout.unflatten(shared_gradient(self.objective, "rop"))
+        projected = torch.cat([full[self.weight] @ x.T for x in self.inputs], dim=1)  # G_W X^T, (h, n)
+        block = torch.linalg.solve_triangular(self._lower, projected.T, upper=False).T
+        if not bool(torch.isfinite(block).all()):
+            return None
+        return self.layout.flatten({**full, self.weight: block})
 
     def lift(self, vectors: Tensor) -> Tensor:
         """Parameter-space unit eigenvectors ``(k, N)`` from this operator's eigenvectors ``(k, size)`` of nonzero

@@ -6,6 +6,7 @@ from torch import Tensor
 
 from sharpness.products._objective import Objective
 from sharpness.products._operator import SymmetricOperator
+from sharpness.products._rop_gradient import shared_gradient
 
 
 class HessianOperator(SymmetricOperator):
@@ -29,3 +30,8 @@ class HessianOperator(SymmetricOperator):
 
     def _matmat(self, vs: Tensor) -> Tensor:
         return self.objective.hvp_batch(vs, self.strategy)
+
+    def start_hint(self) -> Tensor:
+        """The whole-data-set gradient, flat ``(n,)``: read off the products' kept state where they keep one (no
+        pass over the data), else one forward and backward pass."""
+        return shared_gradient(self.objective, self.strategy)

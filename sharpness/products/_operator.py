@@ -91,6 +91,14 @@ class SymmetricOperator(ABC):
         self.n_matvec += vs.shape[0]
         return self._matmat(vs)
 
+    def start_hint(self) -> Tensor | None:
+        """The loss gradient in the operator's coordinates, ``(n,)``, or ``None`` where the operator offers none (the
+        default). Eigen-solvers started with [`Solver(start="gradient")`][sharpness.Solver] add it, at unit length,
+        to their random unit start vector: the top eigenvectors of a loss's curvature lean towards its gradient
+        away from critical points, so the Krylov space holds them sooner; elsewhere it costs little (see
+        `Solver`). Computed when called (a gradient pass at most), identical on every process."""
+        return None
+
     def project(self, v: Tensor) -> Tensor:
         """Orthogonal projection onto the subspace the operator lives on (identity by default).
 
@@ -144,6 +152,8 @@ class CallableOperator(SymmetricOperator):
             again (default: ``matvec``).
         products_in_subspace: whether every product of ``matvec``, ``matmat`` and ``matvec_in_subspace`` is
             already projected (see [`SymmetricOperator`][sharpness.SymmetricOperator]).
+        start_hint: ``() -> (n,) or None``, the loss gradient in the operator's coordinates (see
+            [`SymmetricOperator.start_hint`][sharpness.SymmetricOperator.start_hint]; default: none).
     """
 
     def __init__(
@@ -157,8 +167,10 @@ class CallableOperator(SymmetricOperator):
         comm: Communicator = SINGLE_PROCESS,
         matvec_in_subspace: Callable[..., Tensor] | None = None,
         products_in_subspace: bool = False,
+        start_hint: Callable[[], Tensor | None] | None = None,
     ):
         super().__init__(size, dtype, device, comm)
+        self._hint = start_hint
         self._mv = matvec
         self._mm = matmat
         self._project = project
@@ -176,6 +188,9 @@ class CallableOperator(SymmetricOperator):
 
     def _matmat(self, vs: Tensor) -> Tensor:
         return self._mm(vs) if self._mm is not None else super()._matmat(vs)
+
+    def start_hint(self) -> Tensor | None:
+        return None if self._hint is None else self._hint()
 
     def project(self, v: Tensor) -> Tensor:
         return v if self._project is None else self._project(v)
