@@ -1,6 +1,6 @@
-"""The gradient read off the R-operator products' kept state (sharpness.products._rop_gradient.shared_gradient)
-equals the objective's own forward and backward pass in float64, and falls back to it where no state is kept or
-a layer's error is not there."""
+"""The gradient read off the R-operator products' kept state (sharpness.products._rop_gradient.shared_gradient), of
+graphs and of chains (the first layer's error carried back from the second's), equals the objective's own forward
+and backward pass in float64, and falls back to it where no state is kept or a layer's error is not there."""
 
 import pytest
 import torch
@@ -41,8 +41,19 @@ def _vgg():
                          nn.Flatten(), nn.Linear(54, 8), nn.ReLU(), nn.Dropout(), nn.Linear(8, 3))  # fmt: skip
 
 
-@pytest.mark.parametrize("build", [_vgg, _Residual, lambda: resnet(depth=8, width=2, classes=3, in_channels=2)],
-                         ids=["vgg", "residual", "resnet8"])  # fmt: skip
+def _mlp_chain():
+    return nn.Sequential(nn.Flatten(), nn.Linear(128, 6), nn.ReLU(), nn.Linear(6, 5), nn.LeakyReLU(0.1),
+                         nn.Linear(5, 3))  # fmt: skip
+
+
+def _conv_chain():  # the first layer's error carried back through a max pooling and a mask
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 3, 3), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(12, 3))  # fmt: skip
+
+
+@pytest.mark.parametrize("build", [_vgg, _Residual, lambda: resnet(depth=8, width=2, classes=3, in_channels=2),
+                                   _mlp_chain, _conv_chain],
+                         ids=["vgg", "residual", "resnet8", "mlp chain", "conv chain"])  # fmt: skip
 def test_kept_state_gradient_equals_the_objectives_pass(build, monkeypatch):
     model = _perturbed(build())
     x, y = _data((2, 8, 8))
@@ -57,8 +68,8 @@ def test_kept_state_gradient_equals_the_objectives_pass(build, monkeypatch):
 
 @pytest.mark.parametrize("case", ["chain", "data-batchnorm", "streamed", "autograd"])
 def test_shared_gradient_falls_back_to_the_objectives_pass(case):
-    if case == "chain":  # a chain's first layer keeps no error
-        model = nn.Sequential(nn.Flatten(), nn.Linear(128, 6), nn.ReLU(), nn.Linear(6, 3))
+    if case == "chain":  # a chain of one affine layer keeps no error (no second layer's to carry back)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(128, 3))
     elif case == "data-batchnorm":  # a BatchNorm of the data alone keeps no error
         model = nn.Sequential(nn.BatchNorm2d(2), nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(108, 3))
     else:

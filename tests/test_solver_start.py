@@ -113,11 +113,29 @@ def _vit_objective():
     return Objective(model, CE, (x, y))
 
 
-def test_the_euclidean_hint_is_the_gradient_and_in_data_span_coordinates_its_image():
+class _ResidualMLP(nn.Module):
+    """A first Linear layer of the data, then a residual block: a graph, not a chain."""
+
+    def __init__(self, features=9):
+        super().__init__()
+        self.first, self.inner, self.out = nn.Linear(features, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        return self.out(h + torch.relu(self.inner(h)))
+
+
+@pytest.mark.parametrize("model", ["chain", "graph"])
+def test_the_euclidean_hint_is_the_gradient_and_in_data_span_coordinates_its_image(model):
     """The Hessian's hint is the whole-data-set gradient (read off the R-operator's kept state: equal to autograd's
     to 1e-13); in data-span coordinates ``U`` (first weight ``V = U L^-1 X``) its inner product with any ``u`` is
-    the gradient's with the parameter vector ``u`` stands for."""
-    obj = _mlp_objective(samples=4, features=9)
+    the gradient's with the parameter vector ``u`` stands for (a chain's from its first layer's errors, ``E^T L``;
+    a graph's from the whole gradient, ``G_W X^T L^-T``)."""
+    if model == "chain":
+        obj = _mlp_objective(samples=4, features=9)
+    else:
+        x, y = _data((9,), n=4)
+        obj = Objective(_perturbed(_ResidualMLP()), CE, (x, y))
     op = HessianOperator(obj)
     assert op.strategy == "rop"
     egrad = obj.gradient()

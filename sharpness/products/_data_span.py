@@ -35,7 +35,7 @@ from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import SymmetricOperator
 from sharpness.products._rop import ChunkState, RopChain
-from sharpness.products._rop_gradient import shared_gradient
+from sharpness.products._rop_gradient import chain_gradient_but_first_weight, shared_gradient
 from sharpness.products._rop_graph import RopGraph
 from sharpness.solvers._vectors import _canonical_signs
 
@@ -148,9 +148,18 @@ class DataSpanHessian(SymmetricOperator):
         return out
 
     def start_hint(self) -> Tensor | None:
-        """The gradient in these coordinates, ``(size,)``: the first weight's block ``G_U = G_W Q = (G_W X^T) L^-T``
-        (one product with the data and a triangular solve, ``n x n``), the others as they are; ``None`` where the
-        solve is not finite (a rank-deficient ``L``)."""
+        """The gradient in these coordinates, ``(size,)``: the first weight's block ``G_U = G_W Q = E^T X Q = E^T L``
+        (``E`` ``(n, h)`` the errors at the first layer's output), the others as they are. Read off a chain's kept
+        state (its first error carried back from the second layer's: no pass over the data); elsewhere from the
+        whole gradient as ``(G_W X^T) L^-T`` (a triangular solve, ``n x n``), ``None`` where that solve is not finite
+        (a rank-deficient ``L``)."""
+        if isinstance(self.chain, RopChain):
+            total = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+            into = self.layout.unflatten(total)
+            errors = chain_gradient_but_first_weight(self.objective, self.chain, self.states, into)
+            if errors is not None:
+                self.factor.right_add(torch.cat(errors).T, into[self.weight])
+                return total
         full = self.objective.layout.unflatten(shared_gradient(self.objective, "rop"))
         projected = torch.cat([full[self.weight] @ x.T for x in self.inputs], dim=1)  # G_W X^T, (h, n)
         block = torch.linalg.solve_triangular(self._lower, projected.T, upper=False).T
