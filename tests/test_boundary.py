@@ -437,3 +437,39 @@ def test_complex_parameters_and_unknown_devices_and_negative_budgets_are_one_sen
         Objective(nn.Linear(4, 3).eval(), loss, (X, y), device="nonsense")
     with pytest.raises(ValueError, match="memory_budget must be a number of bytes >= 0"):
         Objective(nn.Linear(4, 3).eval(), loss, (X, y), memory_budget=-5)
+
+
+class _BatchCentred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x - x.mean(0))  # every sample's output reads the whole batch
+
+
+class _SequenceFirst(nn.Module):
+    """(N, 3 tokens, 4 features) inputs to attention built for (tokens, batch, features): it attends across samples
+    (``batch_first=True`` is the fix)."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(4, 2, batch_first=batch_first), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x.view(x.shape[0], 3, 4)
+        return self.head(self.attn(h, h, h)[0].mean(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("build", "features"), [(_BatchCentred, 4), (lambda: _SequenceFirst(False), 12)],
+                         ids=["mean over the batch", "attention across the samples"])  # fmt: skip
+def test_a_model_mixing_the_samples_of_a_batch_is_refused(build, features, dtype):
+    """Outputs that depend on the other samples of the batch would make the whole-data-set loss depend on the
+    chunks: refused when the objective is built, naming the fix; the same attention with ``batch_first=True``
+    (each sample apart) is accepted."""
+    x, y = torch.randn(10, features, generator=torch.Generator().manual_seed(0)), torch.randint(0, 3, (10,))
+    with pytest.raises(UnsupportedModelError, match=r"depends on the other samples of its batch .*batch_first=True"):
+        Objective(build().to(dtype).eval(), nn.CrossEntropyLoss(), (x.to(dtype), y))
+    if build is not _BatchCentred:
+        Objective(_SequenceFirst(True).to(dtype).eval(), nn.CrossEntropyLoss(), (x.to(dtype), y))

@@ -287,6 +287,47 @@ def check_first_batch(
         )
 
 
+# Relative distance between a sample's outputs alone and beside another above which the model mixes samples: far
+# above what another batch size's kernels change by rounding (float32 convolutions by another algorithm: about
+# 1e-5), far below what any mixing of samples does.
+_APART_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-8}
+
+
+def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: Mapping[str, Tensor], x: Tensor,
+                        dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    """The first two samples of ``x``, each alone and both together, give the same outputs (the caller sets eval
+    mode and has checked the outputs): the model treats every sample apart, so the whole-data-set loss is the sum
+    of the chunks' whatever the chunks. Skipped with fewer than two samples or outputs that are not finite.
+
+    Raises:
+        UnsupportedModelError: the outputs differ (a mean over the batch axis, attention across the samples from a
+            ``batch_first`` mix-up, an output whose shape depends on the batch).
+    """
+    x = cast_batch(x[:2], x[:2], dtype, device)[0]
+    if x.shape[0] < 2:
+        return
+    with torch.no_grad():
+        together = functional_call(model, (params, others), (x,))
+        alone = [functional_call(model, (params, others), (x[i : i + 1],)) for i in range(2)]
+    if not bool(torch.isfinite(together).all()):
+        return
+    name = type(model).__name__
+    if any(a.shape != together[i : i + 1].shape for i, a in enumerate(alone)):
+        distance = "outputs of other shapes"
+    else:
+        gap = float((torch.cat(alone) - together).abs().max())
+        scale = max(float(together.abs().max()), torch.finfo(together.dtype).tiny)
+        if gap <= _APART_TOLERANCE.get(together.dtype, 1e-3) * scale:
+            return
+        distance = f"outputs {gap / scale:.2g} apart (relative)"
+    raise UnsupportedModelError(
+        f"{name}'s output for a sample depends on the other samples of its batch (the data's first two samples give "
+        f"{distance} alone and together), so the whole-data-set loss would change with how the data are cut into "
+        "chunks; keep the samples apart in the forward (no mean or attention over the batch axis: "
+        "nn.MultiheadAttention takes (batch, tokens, features) inputs only with batch_first=True)"
+    )
+
+
 def _check_output(model: nn.Module, out: object) -> None:
     name = type(model).__name__
     if isinstance(out, Mapping):

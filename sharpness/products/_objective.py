@@ -29,6 +29,7 @@ from sharpness.products._boundary import (
     check_finite,
     check_first_batch,
     check_meta,
+    check_samples_apart,
     evaluation_dtype,
     fixed_tensors,
     float32_hessian_error,
@@ -352,6 +353,9 @@ class Objective:
                 f"the forward changes buffer(s) {', '.join(map(repr, changed[:3]))} in place even in eval mode, so "
                 "every pass would evaluate another function; keep the forward free of state updates while measuring"
             )
+        with eval_mode(self.model):
+            check_samples_apart(self.model, self.params, self.buffers, self.data.first_batch()[0], self.dtype,
+                                self.device)  # fmt: skip
 
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
