@@ -46,14 +46,14 @@ class SolverHessian(NamedTuple):
             horizontal, so it is not projected again; ``out``: a horizontal vector the product is added to in place).
         project: the orthogonal projection onto the horizontal space in these coordinates, ``(..., n)``.
         to_whitened: ``(..., n)`` vectors of these coordinates -> whitened coordinates.
-        gradient: the loss's gradient in these coordinates, ``(n,)`` (its derivative along a vector ``v`` of them
-            is ``<gradient, v>``), or ``None``: what eigen-solvers may start from besides a random vector.
+        gradient: ``() -> (n,)``, the loss's gradient in these coordinates (its derivative along a vector ``v`` of
+            them is ``<gradient(), v>``), or ``None``: what eigen-solvers may start from besides a random vector.
     """
 
     apply: Callable[..., Tensor]
     project: Callable[[Tensor], Tensor]
     to_whitened: Callable[[Tensor], Tensor]
-    gradient: Tensor | None = None
+    gradient: Callable[[], Tensor] | None = None
 
 
 def _flat_point(point: Mapping[str, Tensor] | Tensor, layout: ParamLayout | None) -> tuple[Tensor, ParamLayout]:
@@ -188,7 +188,7 @@ class _Quotient(ABC):
         """
         # the derivative along the tangent G^-1/2 zeta is <egrad, G^-1/2 zeta> = <G^-1/2 egrad, zeta>
         return SolverHessian(self.whitened_hessian(egrad, hvp), self.whitened_projection, lambda zeta: zeta,
-                             self.unwhiten(egrad))
+                             lambda: self.unwhiten(egrad))
 
     @abstractmethod
     def connection_hessian(self, egrad: Tensor, ehvp: Tensor, xi: Tensor) -> Tensor:
@@ -457,7 +457,7 @@ class NodeScaleQuotient(_Quotient):
         `whitened_hessian`, at fewer passes over the parameters per product (``hvp_into``: see the base class)."""
         # the derivative along the tangent w d is <egrad, w d> = <w egrad, d>
         return SolverHessian(self._log_hessian(egrad, hvp, hvp_into), self._project_log, self._to_whitened,
-                             self.point * egrad)
+                             lambda: self.point * egrad)
 
     def _log_hessian(self, egrad: Tensor, hvp: Callable[[Tensor], Tensor],
                      hvp_into: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:  # fmt: skip

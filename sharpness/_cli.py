@@ -718,10 +718,10 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_solver_arguments(compute)
     compute.add_argument(
-        "--start", choices=STARTS, default="gradient",
-        help="the eigen-solver's start vector: gradient (default; a random unit vector plus the loss's gradient at "
-        "unit length, which the top eigenvectors lean towards away from a minimum: fewer products at the same "
-        "tolerance) or random (the random vector alone)",
+        "--start", choices=STARTS, default="random",
+        help="the eigen-solver's start vector: random (default) or gradient (a random unit vector plus the loss's "
+        "gradient at unit length, which the top eigenvectors lean towards away from a minimum: fewer products, but "
+        "it can stop on another eigenvalue close to the top one that the gradient leans towards)",
     )  # fmt: skip
     compute.add_argument("--json", help="write the results to this JSON file")
     add_quiet_argument(compute)

@@ -174,7 +174,7 @@ def test_compute_writes_the_documented_json(files, tmp_path):
         m = report["measures"][name]
         assert m["epsilon"]["measured"] is None and m["epsilon"]["second_order"] > 0
     assert report["solver"] == {"method": "lanczos", "tol": 1e-6, "max_iter": None, "hvp": "auto", "seed": 0,
-                                "start": "gradient"}
+                                "start": "random"}
     assert "euclidean" in r.stdout and "node" in r.stdout
 
 

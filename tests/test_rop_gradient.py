@@ -84,3 +84,16 @@ def test_shared_gradient_falls_back_to_the_objectives_pass(case):
     got = shared_gradient(obj, "double_backward" if case == "autograd" else "rop")
     assert calls == [1]
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_the_autograd_graph_strategy_reads_the_gradient_its_graph_holds(monkeypatch):
+    """With the whole-data-set autograd graph the products keep (``"graph"``), the gradient is the one that graph
+    holds (summed over three chunks), not another pass."""
+    model = _perturbed(_Residual())
+    x, y = _data((2, 8, 8))
+    reference = Objective(model, CE, (x, y)).gradient()
+    obj = Objective(model, CE, (x, y), chunk_size=3)
+    monkeypatch.setattr(obj, "gradient", lambda: pytest.fail("another pass over the data"))
+    got = shared_gradient(obj, "graph")
+    assert obj._graph is not None
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12 * float(reference.abs().max()))

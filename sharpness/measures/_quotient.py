@@ -87,11 +87,10 @@ class QuotientMeasure(Measure):
                 return product if out is None else out.add_(product)
 
             # the loss's gradient in whitened coordinates zeta = W xi (W^T W = G): W G^-1 egrad = W^-T egrad
-            gradient = quotient.whiten(quotient.egrad2rgrad(egrad))
             op = CallableOperator(apply, objective.layout.size, objective.dtype, objective.device,
                                   project=quotient.whitened_projection, comm=objective.comm,
                                   matvec_in_subspace=apply_horizontal, products_in_subspace=True,
-                                  start_hint=lambda: gradient)  # fmt: skip
+                                  start_hint=lambda: quotient.whiten(quotient.egrad2rgrad(egrad)))  # fmt: skip
             to_parameters = quotient.unwhiten
         else:
             # In the quotient's own solver coordinates (log coordinates for the node metric: no signs to apply). Its
@@ -100,7 +99,7 @@ class QuotientMeasure(Measure):
             op = CallableOperator(hess.apply, objective.layout.size, objective.dtype, objective.device,
                                   project=hess.project, comm=objective.comm,
                                   matvec_in_subspace=partial(hess.apply, horizontal=True),
-                                  products_in_subspace=True, start_hint=lambda: hess.gradient)  # fmt: skip
+                                  products_in_subspace=True, start_hint=hess.gradient)  # fmt: skip
 
             def to_parameters(vectors: Tensor) -> Tensor:
                 # back in whitened coordinates, signed there as the solvers sign their vectors (largest entry positive)

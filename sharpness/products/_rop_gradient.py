@@ -32,10 +32,15 @@ from sharpness.products._rop_ops import _channel_dot, _Layer
 
 
 def shared_gradient(objective: Objective, strategy: str) -> Tensor:
-    """``objective.gradient()`` (flat ``(n,)``), read off the kept R-operator state where the products keep one
-    (``strategy == "rop"``, the state fits in the memory budget) and every parameter's layer has its error there;
-    else the objective's own forward and backward pass. Builds the kept state if the products have not yet (the
-    first product would)."""
+    """``objective.gradient()`` (flat ``(n,)``), read off what the products keep where they keep it: the R-operator
+    state (``strategy == "rop"``, the state fits in the memory budget, every parameter's layer has its error there),
+    or the whole-data-set autograd graph (``strategy == "graph"``, which holds the gradient itself); else the
+    objective's own forward and backward pass. Builds what the products keep if they have not yet (the first
+    product would)."""
+    if strategy == "graph":
+        _, gradients = objective._build_graph()
+        flat = objective.layout.flatten({name: g.detach() for name, g in zip(objective.params, gradients)})
+        return objective.comm.sum_(flat)
     if strategy == "rop":
         kept = objective.rop_states()
         add = None if kept is None else _reader(kept[0], objective.params)

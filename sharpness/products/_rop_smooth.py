@@ -124,6 +124,7 @@ def _centred(xhat: Tensor, t: Tensor) -> Tensor:
     separate passes on T1's (500, 16, 32) activations on the CPU): ``J`` is symmetric, so the backward of the
     normalization of ``xhat`` itself (mean 0 and ``1 / s = 1`` per row, no affine) is exactly this."""
     if xhat.dtype in _FUSED_NORM_DTYPES:
+        t = t.expand_as(xhat)  # the kernel reads t as xhat's shape: a smaller t would be read out of bounds
         rows = (*xhat.shape[:-1], 1)
         return torch.ops.aten.native_layer_norm_backward(
             t, xhat, xhat.shape[-1:], xhat.new_zeros(rows), xhat.new_ones(rows), None, None, [True, False, False]

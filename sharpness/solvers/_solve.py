@@ -62,18 +62,23 @@ class Solver:
         hvp: Hessian-vector product strategy (see `sharpness.Objective.hvp`): ``"auto"``, ``"rop"``,
             ``"graph"``, ``"double_backward"`` or ``"jvp"``.
         seed: seed of the random start vector.
-        start: ``"gradient"`` (default): the start vector is the random unit vector plus the loss's gradient in the
-            operator's coordinates at unit length, where the operator offers one
-            ([`SymmetricOperator.start_hint`][sharpness.SymmetricOperator.start_hint]: every measure's operator
-            does); ``"random"``: the random unit vector alone. Away from a critical point the top eigenvectors of
-            the Hessian lean towards the gradient (Gur-Ari, Roberts and Dyer, "Gradient descent happens in a tiny
-            subspace", 2018), so the Krylov space holds them sooner: on the built-in transformer and a small CNN
-            briefly trained (`bench/_workloads.py`: cosines 0.90 and 0.86 between the gradient and the top
-            eigenvector) Lanczos at ``tol=2e-3`` needed 4 products instead of 5-7. Where the gradient is not
-            aligned (cosine 0.04 on an MLP) it made no difference beyond the spread between seeds (9-10 against
-            8-11), since half of the start is still random, and the stopping rule, hence the accuracy, is the
-            same either way. The gradient costs one pass over the data where the products keep no state it can
-            be read from. Density and trace estimates never use it (their probes must stay random).
+        start: ``"random"`` (default): the start vector is a random unit vector; ``"gradient"``: the random unit
+            vector plus the loss's gradient in the operator's coordinates at unit length, where the operator offers
+            one ([`SymmetricOperator.start_hint`][sharpness.SymmetricOperator.start_hint]: every measure's operator
+            does). Away from a critical point the top eigenvectors of the Hessian lean towards the gradient
+            (Gur-Ari, Roberts and Dyer, "Gradient descent happens in a tiny subspace", 2018), so the Krylov space
+            holds them sooner: on the built-in transformer and a small CNN briefly trained
+            (`bench/_workloads.py`: cosines 0.90 and 0.86 between the gradient and the top eigenvector) Lanczos at
+            ``tol=2e-3`` needed 4 products instead of 5-7. It is not the default because it can miss the top
+            eigenvalue: the stopping rule certifies that a Ritz pair has converged, not that it is the top one, and
+            where the gradient leans towards another eigenvector whose eigenvalue is close to the top (within a few
+            percent) while it is nearly orthogonal to the top one, the start holds that other eigenvector many times
+            more than the top one (about ``sqrt(n)`` times), and the solve can stop on it, reporting it converged. A
+            random start gives every eigenvector a comparable share, so that is unlikely there. Use it for fast
+            solves away from a minimum (cross-check against a random start where the top eigenvalues cluster).
+            The gradient is read off the products' kept state where it holds every layer's error (graphs of
+            Linear, Conv and BatchNorm layers, chains) or the autograd graph the products keep, else it costs one
+            forward and backward pass (not counted in ``n_matvec``). Density and trace estimates never use it.
             ``EigenResult.info["start"]`` says which start a solve had.
 
     Raises:
@@ -86,7 +91,7 @@ class Solver:
     max_iter: int | None = None
     hvp: str = "auto"
     seed: int = 0
-    start: str = "gradient"
+    start: str = "random"
 
     def __post_init__(self) -> None:
         if self.method not in SOLVERS:
