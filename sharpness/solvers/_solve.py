@@ -78,7 +78,9 @@ class Solver:
             solves away from a minimum (cross-check against a random start where the top eigenvalues cluster).
             The gradient is read off the products' kept state where it holds every layer's error (graphs of
             Linear, Conv and BatchNorm layers, chains) or the autograd graph the products keep, else it costs one
-            forward and backward pass (not counted in ``n_matvec``). Density and trace estimates never use it.
+            forward and backward pass (not counted in ``n_matvec``); the start vector is one parameter vector more
+            held during the solve (``low-memory-lanczos``: four instead of three). Density and trace estimates never
+            use it.
             ``EigenResult.info["start"]`` says which start a solve had.
 
     Raises:
