@@ -473,3 +473,80 @@ def test_a_model_mixing_the_samples_of_a_batch_is_refused(build, features, dtype
         Objective(build().to(dtype).eval(), nn.CrossEntropyLoss(), (x.to(dtype), y))
     if build is not _BatchCentred:
         Objective(_SequenceFirst(True).to(dtype).eval(), nn.CrossEntropyLoss(), (x.to(dtype), y))
+
+
+class _Float64Out(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 3))
+
+    def forward(self, x):
+        return self.net(x).double()  # float64 outputs of a float32 computation
+
+
+class _Squeezed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(12, 1)
+
+    def forward(self, x):
+        return self.net(x).squeeze()  # (N,) for N > 1: one sample alone would give another shape
+
+
+class _TimeFirst(nn.Module):
+    """(T, N, C) outputs, the layout nn.CTCLoss reads: the batch axis is not the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.net(x.view(x.shape[0], 3, 4)).transpose(0, 1)
+
+
+class _Tiny(nn.Module):
+    """A per-sample regression network whose outputs are about 1e-6: rounding relative to them is large."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+        with torch.no_grad():
+            self.net[-1].weight.mul_(1e-5)
+            self.net[-1].bias.zero_()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize(
+    "build", [_Float64Out, _Squeezed, _TimeFirst, _Tiny],
+    ids=["float64 outputs", "squeezed outputs", "time-first outputs", "outputs near zero"],
+)
+def test_models_that_treat_samples_apart_are_accepted_whatever_their_outputs(build):
+    """No false alarm from the sample check: float64 outputs of a float32 model, outputs squeezed to (N,), outputs
+    whose batch axis is not the first, outputs near zero (each was refused by a first version of the check)."""
+    x = torch.randn(10, 12, generator=torch.Generator().manual_seed(0))
+    model = build().eval()
+    if build is _TimeFirst:
+        loss = lambda out, y: out.pow(2).mean()  # noqa: E731 - any loss reading (T, N, C)
+        S.Objective(model, loss, (x, torch.zeros(10)))
+    elif build in (_Squeezed, _Tiny):
+        target = torch.zeros(10) if build is _Squeezed else torch.zeros(10, 1)
+        S.Objective(model, nn.MSELoss(), (x, target))
+    else:
+        S.Objective(model, nn.CrossEntropyLoss(), (x, torch.randint(0, 3, (10,))))
+
+
+class _RandomInEval(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(torch.nn.functional.dropout(x, 0.5, training=True))
+
+
+def test_a_forward_random_in_eval_mode_is_refused_as_random_not_as_mixing():
+    x, y = torch.randn(10, 4, generator=torch.Generator().manual_seed(0)), torch.randint(0, 3, (10,))
+    with pytest.raises(UnsupportedModelError, match="other outputs on each call with the same inputs"):
+        Objective(_RandomInEval().eval(), nn.CrossEntropyLoss(), (x, y))

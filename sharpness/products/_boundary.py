@@ -287,45 +287,51 @@ def check_first_batch(
         )
 
 
-# Relative distance between a sample's outputs alone and beside another above which the model mixes samples: far
-# above what another batch size's kernels change by rounding (float32 convolutions by another algorithm: about
-# 1e-5), far below what any mixing of samples does.
-_APART_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-8}
+# Relative distance between sample 0's outputs beside two different samples above which the model mixes samples.
+# Both batches have the same shape, so the same kernels compute them and a model that treats every sample apart gives
+# the same numbers; far below what any mixing of samples does.
+_APART_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
 def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: Mapping[str, Tensor], x: Tensor,
                         dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-    """The first two samples of ``x``, each alone and both together, give the same outputs (the caller sets eval
-    mode and has checked the outputs): the model treats every sample apart, so the whole-data-set loss is the sum
-    of the chunks' whatever the chunks. Skipped with fewer than two samples or outputs that are not finite.
+    """The outputs of the first sample beside the second and beside itself are the same (the caller sets eval mode
+    and has checked the outputs): the model treats every sample apart, so the whole-data-set loss is the sum of the
+    chunks' whatever the chunks. Skipped where it cannot tell: fewer than two samples in ``x`` (the first batch),
+    two equal samples, outputs whose first axis is not the batch's, or outputs that are not finite.
 
     Raises:
         UnsupportedModelError: the outputs differ (a mean over the batch axis, attention across the samples from a
-            ``batch_first`` mix-up, an output whose shape depends on the batch).
+            ``batch_first`` mix-up), or two calls on the same batch differ (a forward that is random in eval mode).
     """
     x = cast_batch(x[:2], x[:2], dtype, device)[0]
-    if x.shape[0] < 2:
+    if x.shape[0] < 2 or torch.equal(x[0], x[1]):
         return
+    pair, twice = x, x[:1].expand_as(x).contiguous()  # sample 0 beside sample 1, and beside itself
     with torch.no_grad():
-        together = functional_call(model, (params, others), (x,))
-        alone = [functional_call(model, (params, others), (x[i : i + 1],)) for i in range(2)]
-    if not bool(torch.isfinite(together).all()):
+        outputs = [functional_call(model, (params, others), (batch,)) for batch in (pair, twice, pair)]
+    if any(out.dim() == 0 or out.shape[0] != 2 or not bool(torch.isfinite(out).all()) for out in outputs):
         return
-    name = type(model).__name__
-    if any(a.shape != together[i : i + 1].shape for i, a in enumerate(alone)):
-        distance = "outputs of other shapes"
-    else:
-        gap = float((torch.cat(alone) - together).abs().max())
-        scale = max(float(together.abs().max()), torch.finfo(together.dtype).tiny)
-        if gap <= _APART_TOLERANCE.get(together.dtype, 1e-3) * scale:
-            return
-        distance = f"outputs {gap / scale:.2g} apart (relative)"
-    raise UnsupportedModelError(
-        f"{name}'s output for a sample depends on the other samples of its batch (the data's first two samples give "
-        f"{distance} alone and together), so the whole-data-set loss would change with how the data are cut into "
-        "chunks; keep the samples apart in the forward (no mean or attention over the batch axis: "
-        "nn.MultiheadAttention takes (batch, tokens, features) inputs only with batch_first=True)"
-    )
+    name, tol = type(model).__name__, _APART_TOLERANCE.get(dtype, 1e-4)
+    scale = max(float(outputs[0][0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
+
+    def apart(a: Tensor, b: Tensor) -> float:
+        return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
+
+    if apart(outputs[0], outputs[2]) > tol:
+        raise UnsupportedModelError(
+            f"{name} gives other outputs on each call with the same inputs even in eval mode, so every pass would "
+            "evaluate another function; make its forward deterministic in eval mode (no dropout with training=True)"
+        )
+    gap = apart(outputs[0][0], outputs[1][0])
+    if gap > tol:
+        raise UnsupportedModelError(
+            f"{name}'s output for a sample depends on the other samples of its batch (the first sample's outputs "
+            f"beside the second and beside itself are {gap:.2g} apart, relative; rounding leaves under {tol:g}), so "
+            "the whole-data-set loss would change with how the data are cut into chunks; keep the samples apart in "
+            "the forward (no mean or attention over the batch axis: nn.MultiheadAttention takes (batch, tokens, "
+            "features) inputs only with batch_first=True)"
+        )
 
 
 def _check_output(model: nn.Module, out: object) -> None:
