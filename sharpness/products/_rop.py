@@ -372,6 +372,8 @@ class ChunkState:
             p = self.probs
             pd = p * out_dot
             return pd.sub_(p * pd.sum(dim=1, keepdim=True)).mul_(self.scale)
+        if not self.out_grad.requires_grad:  # a loss linear in the outputs (NLLLoss of log-probabilities)
+            return torch.zeros_like(out_dot)
         with torch.enable_grad():
             return torch.autograd.grad(self.out_grad, self.out, grad_outputs=out_dot, retain_graph=True)[0]
 

@@ -9,10 +9,10 @@ As for every smooth operation (`sharpness.products._rop_smooth`), with ``delta``
   gets its errors summed back to its shape): bilinear, ``zdot = adot b + a bdot``; the errors are
   ``g b^T`` and ``a^T g``, and each factor's tangent error gains the other factor's tangent times the first-order
   error: ``g_dot b^T + delta bdot^T`` and ``a^T g_dot + adot^T delta`` (`_MatMul`);
-- ``A = softmax(S)`` over the last axis: the symmetric Jacobian ``J g = A (g - <A, g>)`` (per row), and the input's
-  tangent error ``J g_dot + Adot (delta - <A, delta>) - A <Adot, delta>`` with ``Adot = J Sdot``; with the kept
-  centred error ``e = delta - <A, delta>`` and ``t = A g_dot + Adot e`` (``<Adot, 1> = 0`` lets ``e`` stand for
-  ``delta``) that is ``t - A <t, 1>`` (`_Softmax`);
+- ``A = softmax(S)`` over the last axis (or another, but the samples'): the symmetric Jacobian
+  ``J g = A (g - <A, g>)`` (per row), and the input's tangent error ``J g_dot + Adot (delta - <A, delta>) -
+  A <Adot, delta>`` with ``Adot = J Sdot``; with the kept centred error ``e = delta - <A, delta>`` and
+  ``t = A g_dot + Adot e`` (``<Adot, 1> = 0`` lets ``e`` stand for ``delta``) that is ``t - A <t, 1>`` (`_Softmax`);
 - ``F.scaled_dot_product_attention(q, k, v)`` without dropout, causal or not, with a constant ``attn_mask`` or
   none, as ``softmax(c q k^T) v``
   (``c`` its scale, ``1 / sqrt(head size)`` by default; the causal mask sets the scores above the diagonal to
@@ -52,17 +52,18 @@ def _add(out: Tensor | None, t: Tensor | None) -> Tensor | None:
     return t if out is None else out.add_(t)
 
 
-def _centred(a: Tensor, g: Tensor) -> Tensor:
-    """``g - <A, g>`` per row of the probabilities ``a`` (a fresh tensor)."""
-    return g - (a * g).sum(-1, keepdim=True)
+def _centred(a: Tensor, g: Tensor, dim: int = -1) -> Tensor:
+    """``g - <A, g>`` along ``dim`` of the probabilities ``a`` (a fresh tensor)."""
+    return g - (a * g).sum(dim, keepdim=True)
 
 
-def _softmax_backward(a: Tensor, a_dot: Tensor | None, t: Tensor, e: Tensor) -> Tensor:
+def _softmax_backward(a: Tensor, a_dot: Tensor | None, t: Tensor, e: Tensor, dim: int = -1) -> Tensor:
     """The softmax input's tangent error ``J g_dot + Adot e - A <Adot, e>`` from ``t = A g_dot`` (``g_dot`` the output's
-    tangent error; a fresh tensor, overwritten) and the centred error ``e`` (see the module docstring)."""
+    tangent error; a fresh tensor, overwritten) and the centred error ``e`` (see the module docstring), along
+    ``dim``."""
     if a_dot is not None:
         t.addcmul_(a_dot, e)
-    return t.addcmul_(a, t.sum(-1, keepdim=True), value=-1.0)
+    return t.addcmul_(a, t.sum(dim, keepdim=True), value=-1.0)
 
 
 @dataclass(frozen=True)
@@ -100,28 +101,31 @@ class _MatMul(_Smooth):
 
 @dataclass(frozen=True)
 class _Softmax(_Smooth):
-    """The softmax over the last axis; keeps the probabilities ``A`` and the centred error ``delta - <A, delta>``."""
+    """The softmax along ``dim`` (the last axis for attention's scores; the classes' axis of a classifier's
+    probabilities); keeps the probabilities ``A`` and the centred error ``delta - <A, delta>``."""
+
+    dim: int = -1
 
     inner = True  # Adot, the output's tangent, read by backward
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, Tensor]:
-        a = torch.softmax(xs[0], dim=-1)
+        a = torch.softmax(xs[0], dim=self.dim)
         return a, a
 
     def tangent(self, xdots: list[Tensor | None], saved: Tensor) -> tuple[Tensor, Tensor]:
-        a_dot = _softmax_jacobian(saved, xdots[0])
+        a_dot = _softmax_jacobian(saved, xdots[0], self.dim)
         return a_dot, a_dot
 
     def adjoint(self, g: Tensor, saved: Tensor, need: list[bool]) -> list[Tensor]:
-        return [_softmax_jacobian(saved, g)]
+        return [_softmax_jacobian(saved, g, self.dim)]
 
     def errors(self, g: Tensor, saved: Tensor, need: list[bool]) -> tuple[Tensor, list[Tensor | None]]:
-        e = _centred(saved, g)
+        e = _centred(saved, g, self.dim)
         return e, [saved * e if need[0] else None]
 
     def backward(self, g_dot: Tensor, e: Tensor, xdots: list[Tensor | None], saved: Tensor, need: list[bool],
                  inner: Tensor) -> list[Tensor]:  # fmt: skip
-        return [_softmax_backward(saved, inner, g_dot * saved, e)]
+        return [_softmax_backward(saved, inner, g_dot * saved, e, self.dim)]
 
 
 def _mask_reader(args: list) -> None:

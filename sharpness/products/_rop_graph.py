@@ -21,8 +21,10 @@ operation is, at the current point, either
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
   (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``), the
-  softmax over the last axis, and ``F.scaled_dot_product_attention`` without dropout (a constant ``attn_mask``
-  allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered.
+  softmax over any axis but the samples', and ``F.scaled_dot_product_attention`` without dropout (a constant
+  ``attn_mask`` allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered;
+  and the log-softmax over any axis but the samples' (a classifier's, read by ``NLLLoss``: a loss linear in its
+  input, whose curvature all comes through the log-softmax).
 
 Other calls are read only where no parameter moves their inputs (the data cut into patches, say); buffers, frozen
 parameters and the tensors fx computes from them while tracing are constants.
@@ -66,7 +68,7 @@ from sharpness.products._rop import (
 )
 from sharpness.products._rop_attention import _Attend, _MatMul, _Softmax
 from sharpness.products._rop_ops import _Layer, _Map, _Norm, _Part
-from sharpness.products._rop_smooth import _Attention, _LayerNorm, _Param, _Pointwise, _Smooth
+from sharpness.products._rop_smooth import _Attention, _LayerNorm, _LogSoftmax, _Param, _Pointwise, _Smooth
 
 _LAYERS = (_Layer, _LayerNorm, _Attention)  # operations with parameters and one tensor input
 _MAPS = (_Map, _Smooth)  # parameter-free operations of their tensor inputs
@@ -375,6 +377,8 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
         return _Pointwise("gelu")
     if kind is nn.Tanh:
         return _Pointwise("tanh")
+    if kind in (nn.Softmax, nn.LogSoftmax):
+        return _normalization("softmax" if kind is nn.Softmax else "log_softmax", module.dim, len(shape))
     if kind in _BATCH_NORMS:
         return _batch_norm(name, module, params, buffers, len(shape))
     if kind in _AVG_POOLS:
@@ -564,11 +568,11 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         return _Map("index", args[1]), [first]
     if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
         return (_MatMul(), [first, args[1]]) if min(ndim, len(shapes[args[1]])) >= 2 else None
-    if name == "softmax":
-        dim = _argument(node, 1, "dim", None)
+    if name in ("softmax", "log_softmax"):
         if len(args) > 2 or set(kwargs) - {"dim", "_stacklevel", "dtype"} or kwargs.get("dtype") is not None:
             return None
-        return (_Softmax(), [first]) if _axis(dim, ndim) == ndim - 1 else None
+        op = _normalization(name, _argument(node, 1, "dim", None), ndim)
+        return None if op is None else (op, [first])
     if name == "scaled_dot_product_attention":
         tensors = args[:3]
         options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
@@ -588,6 +592,17 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         slot = None if mask is None else node.all_input_nodes.index(mask)
         return _Attend(None if scale is None else float(scale), causal, slot), list(tensors)
     return None
+
+
+def _normalization(name: str, dim: object, ndim: int) -> _Softmax | _LogSoftmax | None:
+    """``softmax`` or ``log_softmax`` along the axis ``dim`` of a tensor of ``ndim`` axes, or ``None`` where ``dim`` is
+    not an axis other than the samples' (``None``, torch's implicit axis, is refused: which one it takes depends on
+    the number of axes)."""
+    axis = _axis(dim, ndim)
+    if axis is None or axis == 0:
+        return None
+    axis = -1 if axis == ndim - 1 else axis
+    return _Softmax(axis) if name == "softmax" else _LogSoftmax(axis)
 
 
 def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:

@@ -8,6 +8,8 @@ closed form:
 
 - a parameter used outside a module (``self.pos``): tangent ``v``, product ``(Hv) += ddot`` (`_Param`);
 - pointwise GELU (exact, erf form) and tanh: ``f'(x) ddot + f''(x) xdot delta`` (`_Pointwise`);
+- the log-softmax ``z = x - log sum exp(x)`` along an axis, ``p = exp(z)``: ``ddot - p (sum(ddot) + zdot sum(delta))``
+  (`_LogSoftmax`);
 - LayerNorm over the last axis, ``z = gamma xhat + beta``, ``xhat = (x - mean x) / s``, ``s = sqrt(var x + eps)``
   per row of ``D`` features. Its Jacobian ``J = (I - 1 1^T / D - xhat xhat^T / D) / s`` is symmetric; with
   ``a = mean(xhat xdot)``, ``xhat' = J xdot`` and ``b = mean(xhat e)``, the second-order term of an error ``e``
@@ -226,14 +228,53 @@ class _LayerNorm:
 
 
 # ------------------------------------------------------------------------------------------------
-def _softmax_jacobian(a: Tensor, t: Tensor) -> Tensor:
-    """``J t`` (= ``J^T t``) of the softmax over the last axis, probabilities ``a``: ``a t - a <a, t>``. Outside float64
+def _axis_sum(t: Tensor, dim: int) -> Tensor:
+    """``t.sum(dim, keepdim=True)``, by `_row_sum` where ``dim`` is the last axis (``-1`` or its index)."""
+    return _row_sum(t) if dim in (-1, t.dim() - 1) else t.sum(dim, keepdim=True)
+
+
+def _softmax_jacobian(a: Tensor, t: Tensor, dim: int = -1) -> Tensor:
+    """``J t`` (= ``J^T t``) of the softmax along ``dim``, probabilities ``a``: ``a t - a <a, t>``. Outside float64
     by torch's fused softmax backward kernel (one pass; on T1's (4, 500, 16, 16) attention matrices on the CPU about
     half the time of the three separate passes, while in float64 it takes twice their time)."""
     if a.dtype != torch.float64:
-        return torch._softmax_backward_data(t, a, -1, a.dtype)
+        return torch._softmax_backward_data(t.expand_as(a), a, dim, a.dtype)
     at = a * t
-    return at.addcmul_(a, _row_sum(at), value=-1.0)
+    return at.addcmul_(a, _axis_sum(at, dim), value=-1.0)
+
+
+@dataclass(frozen=True)
+class _LogSoftmax(_Smooth):
+    """``z = x - log sum exp(x)`` along ``dim`` (a classifier's log-probabilities, read by ``NLLLoss``): keeps the
+    probabilities ``p = exp(z)``. The Jacobian is ``J t = t - <p, t>`` (the sum along ``dim``, broadcast back), its
+    adjoint ``J^T g = g - p sum(g)``; along a tangent ``p`` moves by ``pdot = p zdot``, so the second-order term of
+    the error ``delta`` at the output is ``-pdot sum(delta)``, and the input's tangent error
+    ``g_dot - p (sum(g_dot) + zdot sum(delta))``. Keeps ``sum(delta)`` of the first-order error."""
+
+    dim: int
+
+    inner = True  # zdot, the output's tangent, read by backward
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, Tensor]:
+        z = torch.log_softmax(xs[0], dim=self.dim)
+        return z, z.exp()
+
+    def tangent(self, xdots: list[Tensor | None], saved: Tensor) -> tuple[Tensor, Tensor]:
+        x_dot = xdots[0]
+        z_dot = x_dot - _axis_sum(saved * x_dot, self.dim)
+        return z_dot, z_dot
+
+    def adjoint(self, g: Tensor, saved: Tensor, need: list[bool]) -> list[Tensor]:
+        return [torch.addcmul(g, saved, _axis_sum(g, self.dim), value=-1.0)]
+
+    def errors(self, g: Tensor, saved: Tensor, need: list[bool]) -> tuple[Tensor, list[Tensor | None]]:
+        total = _axis_sum(g, self.dim)
+        return total, [torch.addcmul(g, saved, total, value=-1.0) if need[0] else None]
+
+    def backward(self, g_dot: Tensor, total: Tensor, xdots: list[Tensor | None], saved: Tensor, need: list[bool],
+                 inner: Tensor) -> list[Tensor]:  # fmt: skip
+        moved = torch.addcmul(_axis_sum(g_dot, self.dim), inner, total)
+        return [torch.addcmul(g_dot, saved, moved, value=-1.0)]
 
 
 def _batched(t: Tensor) -> Tensor:
