@@ -163,11 +163,11 @@ def test_rop_products_of_a_model_left_in_training_mode_are_the_eval_mode_ones():
 def test_rop_is_not_used_where_it_does_not_apply():
     torch.manual_seed(0)
     y = torch.randint(0, 2, (6,))
-    sigmoid = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 2)).double()
+    mish = nn.Sequential(nn.Linear(3, 4), nn.Mish(), nn.Linear(4, 2)).double()
     sequence = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()  # on (n, 5, 3) inputs
     frozen = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     frozen[0].weight.requires_grad_(False)
-    cases = [(sigmoid, torch.randn(6, 3, dtype=torch.float64), y), (frozen, torch.randn(6, 3, dtype=torch.float64), y),
+    cases = [(mish, torch.randn(6, 3, dtype=torch.float64), y), (frozen, torch.randn(6, 3, dtype=torch.float64), y),
              (sequence, torch.randn(6, 5, 3, dtype=torch.float64), torch.randint(0, 2, (6, 5)))]  # fmt: skip
     for model, X, target in cases:
         if X.dim() == 3:
@@ -352,10 +352,10 @@ def test_float32_and_float64():
 
 def test_auto_strategy_streams_when_the_graph_does_not_fit():
     case = make_case("mlp_bias")
-    sigmoid = nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3)).double().eval()  # no R-operator products
-    obj = Objective(sigmoid, case.loss_fn, case.data, chunk_size=5, memory_budget=1000)
+    mish = nn.Sequential(nn.Linear(5, 4), nn.Mish(), nn.Linear(4, 3)).double().eval()  # no R-operator products
+    obj = Objective(mish, case.loss_fn, case.data, chunk_size=5, memory_budget=1000)
     assert obj.hvp_strategy() in ("double_backward", "jvp")
-    assert Objective(sigmoid, case.loss_fn, case.data).hvp_strategy() == "graph"
+    assert Objective(mish, case.loss_fn, case.data).hvp_strategy() == "graph"
     # MLP chains: the R-operator, with its state kept or not; autograd=True asks for the others
     mlp = make_case("mlp_bias")
     small = Objective(mlp.model, mlp.loss_fn, mlp.data, chunk_size=5, memory_budget=1000)

@@ -381,12 +381,42 @@ def _hooked():
     return model
 
 
-UNSUPPORTED = {
+class Quotient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.c(self.a(x) / (self.b(x) ** 2 + 1))
+
+
+def _frozen_rms():
+    model = Norms(nn.RMSNorm(5))
+    model.norm.weight.requires_grad_(False)
+    return model
+
+
+SMOOTH = {
     "gelu, tanh approximation": Gelu,
     "rmsnorm": lambda: Norms(nn.RMSNorm(5)),
+    "product of two tensors": Product,
+}
+
+
+@pytest.mark.parametrize("name", list(SMOOTH))
+def test_smooth_operations_of_feature_vectors_equal_the_dense_hessian(name):
+    """The tanh-approximated GELU, RMSNorm and the elementwise product of two activations, read by the R-operator on
+    ``(samples, features)`` tensors (their transformer forms: `test_rop_llama`)."""
+    x, y = _data((4,))
+    _check(_perturbed(SMOOTH[name]()), x, y)
+
+
+UNSUPPORTED = {
+    "mish": lambda: Norms(nn.Mish()),
+    "rmsnorm with a frozen weight": _frozen_rms,
     "frozen batchnorm weight": _frozen_bn,
     "hook": _hooked,
-    "product of two tensors": Product,
+    "quotient of two tensors": Quotient,
     "broadcasting sum": Broadcast,
 }
 

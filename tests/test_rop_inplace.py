@@ -144,8 +144,13 @@ class Temperature(nn.Module):
 
 
 def test_a_zero_dimensional_parameter_is_flattened_like_any_other():
+    """A temperature multiplying the scores: a product with a 0-dim parameter, its error summed to a scalar."""
     x, y = _data((6,), n=5)
-    _autograd_exact(_perturbed(Temperature()), x, y)
+    model = _perturbed(Temperature())
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop" and obj.layout.shapes[obj.layout.names.index("t")] == ()
+    v, ref = _reference(obj, model, x, y)
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
 
 
 class Counter(nn.Module):

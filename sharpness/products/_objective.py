@@ -657,9 +657,10 @@ class Objective:
             raise ValueError(
                 "the 'rop' HVP strategy needs a model built from Linear/ConvNd layers, eval-mode BatchNorm, ReLU, "
                 "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, "
-                "LayerNorm, exact GELU, tanh, self-attention by nn.MultiheadAttention or written by hand (matmul, "
-                "softmax, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, indexing) and "
-                "parameters added outside modules "
+                "LayerNorm, RMSNorm, smooth elementwise functions (GELU, tanh, sigmoid, SiLU, softplus, exp, log, "
+                "powers), elementwise products, softmax and log_softmax, self-attention by nn.MultiheadAttention or "
+                "written by hand (matmul, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, "
+                "indexing) and parameters added outside modules "
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sharpness.products._rop_smooth import _Smooth, _softmax_jacobian
+from sharpness.products._rop_smooth import _Smooth, _softmax_jacobian, _summed
 
 
 def _ready(t: Tensor | None) -> Tensor | None:
@@ -38,11 +38,6 @@ def _ready(t: Tensor | None) -> Tensor | None:
     contiguous, else a contiguous copy (a head cut from a fused projection by ``permute``/``unbind``, whose leading
     axes do not merge). Factors read several times per product are made so once."""
     return t if t is None or t.is_contiguous() or t.mT.is_contiguous() else t.contiguous()
-
-
-def _to(t: Tensor, shape: torch.Size) -> Tensor:
-    """``t`` summed over the axes along which an operand of shape ``shape`` was broadcast (``t`` where none was)."""
-    return t if t.shape == shape else t.sum_to_size(shape)
 
 
 def _add(out: Tensor | None, t: Tensor | None) -> Tensor | None:
@@ -83,8 +78,8 @@ class _MatMul(_Smooth):
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         a, b = saved
-        return [_to(torch.matmul(g, b.mT), a.shape) if need[0] else None,
-                _to(torch.matmul(a.mT, g), b.shape) if need[1] else None]  # fmt: skip
+        return [_summed(torch.matmul(g, b.mT), a.shape) if need[0] else None,
+                _summed(torch.matmul(a.mT, g), b.shape) if need[1] else None]  # fmt: skip
 
     def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
                  inner: tuple) -> list[Tensor | None]:  # fmt: skip
@@ -92,10 +87,10 @@ class _MatMul(_Smooth):
         errs: list[Tensor | None] = [None, None]
         if need[0]:
             out = torch.matmul(g_dot, b.mT)
-            errs[0] = _to(_add(out, None if b_dot is None else torch.matmul(delta, b_dot.mT)), a.shape)
+            errs[0] = _summed(_add(out, None if b_dot is None else torch.matmul(delta, b_dot.mT)), a.shape)
         if need[1]:
             out = torch.matmul(a.mT, g_dot)
-            errs[1] = _to(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)), b.shape)
+            errs[1] = _summed(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)), b.shape)
         return errs
 
 

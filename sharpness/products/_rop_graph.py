@@ -68,7 +68,16 @@ from sharpness.products._rop import (
 )
 from sharpness.products._rop_attention import _Attend, _MatMul, _Softmax
 from sharpness.products._rop_ops import _Layer, _Map, _Norm, _Part
-from sharpness.products._rop_smooth import _Attention, _LayerNorm, _LogSoftmax, _Param, _Pointwise, _Smooth
+from sharpness.products._rop_smooth import (
+    POINTWISE_FUNCTIONS,
+    _Attention,
+    _LayerNorm,
+    _LogSoftmax,
+    _Param,
+    _Pointwise,
+    _Product,
+    _Smooth,
+)
 
 _LAYERS = (_Layer, _LayerNorm, _Attention)  # operations with parameters and one tensor input
 _MAPS = (_Map, _Smooth)  # parameter-free operations of their tensor inputs
@@ -79,6 +88,8 @@ _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn
               nn.AdaptiveAvgPool3d)  # fmt: skip
 _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                        "adaptive_avg_pool3d"}  # fmt: skip
+# elementwise modules with a second derivative (`_Pointwise`), by the kind they are
+_POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu"}
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
 _VIEWS = {"view", "reshape", "flatten", "unflatten"}
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
@@ -373,10 +384,14 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
         return None if affine is None else _Layer(affine=affine)
     if kind is nn.LayerNorm:
         return _layer_norm(name, module, params)
-    if kind is nn.GELU and module.approximate == "none":
-        return _Pointwise("gelu")
-    if kind is nn.Tanh:
-        return _Pointwise("tanh")
+    if kind is nn.GELU:
+        return _Pointwise("gelu" if module.approximate == "none" else "gelu_tanh")
+    if kind in _POINTWISE_MODULES:
+        return _Pointwise(_POINTWISE_MODULES[kind])
+    if kind is nn.Softplus:
+        return _Pointwise("softplus", (float(module.beta), float(module.threshold)))
+    if kind is getattr(nn, "RMSNorm", None):
+        return _layer_norm(name, module, params, rms=True)
     if kind in (nn.Softmax, nn.LogSoftmax):
         return _normalization("softmax" if kind is nn.Softmax else "log_softmax", module.dim, len(shape))
     if kind in _BATCH_NORMS:
@@ -395,13 +410,13 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
     return None
 
 
-def _layer_norm(name: str, module: nn.LayerNorm, params: Mapping[str, Tensor]) -> _LayerNorm | None:
-    """LayerNorm over the last axis, its affine parameters trainable (or absent)."""
+def _layer_norm(name: str, module: nn.Module, params: Mapping[str, Tensor], rms: bool = False) -> _LayerNorm | None:
+    """LayerNorm (``rms``: RMSNorm) over the last axis, its affine parameters trainable (or absent)."""
     weight = f"{name}.weight" if module.weight is not None else None
-    bias = f"{name}.bias" if module.bias is not None else None
+    bias = f"{name}.bias" if getattr(module, "bias", None) is not None else None
     if len(module.normalized_shape) != 1 or any(n is not None and n not in params for n in (weight, bias)):
         return None
-    return _LayerNorm(weight, bias, float(module.eps))
+    return _LayerNorm(weight, bias, None if module.eps is None else float(module.eps), rms)
 
 
 def _attention(name: str, node: fx.Node, module: nn.MultiheadAttention, params: Mapping[str, Tensor]):
@@ -456,10 +471,21 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         return _Map("scale", call=_caller(node) if name == "contiguous" else None), [first]
     if first is not None and len(tensors) == 1 and len(args) == 1:
         approximate = node.kwargs.get("approximate", "none")
-        if name == "gelu" and set(node.kwargs) <= {"approximate"} and approximate == "none":
-            return _Pointwise("gelu"), [first]
-        if name == "tanh" and not node.kwargs:
-            return _Pointwise("tanh"), [first]
+        if name == "gelu" and set(node.kwargs) <= {"approximate"} and approximate in ("none", "tanh"):
+            return _Pointwise("gelu" if approximate == "none" else "gelu_tanh"), [first]
+        if name in POINTWISE_FUNCTIONS and (not node.kwargs or (name == "silu" and node.kwargs == {"inplace": False})):
+            return _Pointwise(POINTWISE_FUNCTIONS[name]), [first]
+    if name == "softplus" and first is not None and len(tensors) == 1 and len(args) <= 3 \
+            and set(node.kwargs) <= {"beta", "threshold"}:  # fmt: skip
+        beta, threshold = _argument(node, 1, "beta", 1.0), _argument(node, 2, "threshold", 20.0)
+        if _number(beta) and _number(threshold) and beta > 0:
+            return _Pointwise("softplus", (float(beta), float(threshold))), [first]
+    if target in (operator.pow, torch.pow, "pow") and first is not None and len(tensors) == 1 and len(args) == 2 \
+            and not node.kwargs and _number(args[1]):  # fmt: skip
+        return _Pointwise("power", float(args[1])), [first]
+    if target in (operator.mul, torch.mul, "mul") and len(args) == 2 and not node.kwargs \
+            and all(isinstance(a, fx.Node) and a in shapes for a in args):  # fmt: skip
+        return _Product(), [args[0], args[1]]
     if name in _AVG_POOL_FUNCTIONS | {"mean"} and first is not None and len(tensors) == 1:
         if any(isinstance(a, fx.Node) for a in (*args[1:], *node.kwargs.values())):
             return None
@@ -527,13 +553,31 @@ def _axis(d: object, ndim: int) -> int | None:
     return d % ndim if isinstance(d, int) and not isinstance(d, bool) and -ndim <= d < ndim else None
 
 
-def _basic_index(index: object) -> bool:
+def _basic_index(index: object, shapes: Mapping[fx.Node, tuple] | None = None) -> bool:
     """Whether ``index`` selects by basic indexing alone (ints, slices of ints, ``None``, ``...``, tuples of those): a
-    view, each entry of the tensor taken at most once."""
+    view, each entry of the tensor taken at most once. Given ``shapes``, a graph node that is no tensor (a number
+    computed from shapes, ``x.shape[-1] // 2``) stands for an int too."""
+
+    def whole(e: object) -> bool:
+        return (isinstance(e, int) and not isinstance(e, bool)) or (
+            shapes is not None and isinstance(e, fx.Node) and e not in shapes)
+
     parts = index if isinstance(index, tuple) else (index,)
-    return all(p is None or p is Ellipsis or (isinstance(p, int) and not isinstance(p, bool))
-               or (isinstance(p, slice) and all(e is None or (isinstance(e, int) and not isinstance(e, bool))
-                                                for e in (p.start, p.stop, p.step))) for p in parts)  # fmt: skip
+    return all(p is None or p is Ellipsis or whole(p)
+               or (isinstance(p, slice) and all(e is None or whole(e) for e in (p.start, p.stop, p.step)))
+               for p in parts)  # fmt: skip
+
+
+def _index_caller(node: fx.Node) -> Callable[[list], object]:
+    """The index of a ``getitem`` ``node`` with the numbers computed from shapes filled in, fed the values of
+    ``node.all_input_nodes`` in that order (its tensor first)."""
+    inputs = node.all_input_nodes
+
+    def index(values: list) -> object:
+        env = dict(zip(inputs, values))
+        return fx.node.map_arg(node.args[1], env.__getitem__)
+
+    return index
 
 
 def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
@@ -566,6 +610,9 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         return _Map("masked", node.all_input_nodes.index(args[1]), call=_caller(node)), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
         return _Map("index", args[1]), [first]
+    if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1], shapes):
+        # bounds computed from shapes (HuggingFace's rotate_half: x[..., : x.shape[-1] // 2]), read where it runs
+        return _Map("index", call=_index_caller(node)), [first]
     if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
         return (_MatMul(), [first, args[1]]) if min(ndim, len(shapes[args[1]])) >= 2 else None
     if name in ("softmax", "log_softmax"):

@@ -293,12 +293,13 @@ class _Map:
     kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "permute", "piece", "index", "expand",
     # "masked"
     # _Slope / _MaxPool, the linear function (pools, means), the axes' order ("permute"), (unbind/chunk/split, the
-    # piece taken) of a cut along axis ``dim`` ("piece"), a basic index (ints, slices, None, ...; "index"), or the
+    # piece taken) of a cut along axis ``dim`` ("piece"), a basic index (ints, slices, None, ...; "index", or with
+    # numbers computed from shapes: ``call`` fills them in), or the
     # slot of the mask among the call's inputs ("masked"), or (the slot of a factor computed from shapes among the
     # call's inputs, whether it divides) ("scale")
     impl: object = None
     # the forward for "view", "scale", "expand" and "masked", the cut for "piece" (the original call, its other
-    # arguments bound)
+    # arguments bound), the index for "index" where it has numbers computed from shapes
     call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat"
@@ -330,8 +331,9 @@ class _Map:
             return out, (xs[0].shape, out.shape)
         if kind == "masked":  # the mask, among the call's inputs
             return self.call(args), args[self.impl]
-        if kind == "index":
-            return xs[0][self.impl], xs[0].shape
+        if kind == "index":  # the index, with its numbers computed from shapes filled in where it has some
+            index = self.impl if self.call is None else self.call(args)
+            return xs[0][index], (xs[0].shape, index)
         if kind == "piece":  # the original cut replayed, one piece taken
             pieces, (name, index) = self.call(args), self.impl
             start = index if name == "unbind" else sum(p.shape[self.dim] for p in pieces[:index])
@@ -382,7 +384,7 @@ class _Map:
         if kind == "masked":
             return h.masked_fill(saved, 0.0)
         if kind == "index":
-            return h[self.impl]
+            return h[saved[1]]
         if kind == "piece":
             return _narrow(h, self.dim, *saved[1:])
         factor = self.factors[0] if self.impl is None else saved
@@ -419,7 +421,7 @@ class _Map:
         if kind == "permute":  # the inverse permutation
             return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]
         if kind == "index":  # the error of a piece: zero outside it
-            return [_Part(saved, g, lambda t: t[self.impl])]
+            return [_Part(saved[0], g, lambda t: t[saved[1]])]
         if kind == "piece":
             return [_Part(saved[0], g, lambda t: _narrow(t, self.dim, *saved[1:]))]
         factor = self.factors[0] if self.impl is None else saved

@@ -7,13 +7,16 @@ tangent error, the input's tangent error is ``J^T ddot + (d/dt J(x + t xdot)^T) 
 closed form:
 
 - a parameter used outside a module (``self.pos``): tangent ``v``, product ``(Hv) += ddot`` (`_Param`);
-- pointwise GELU (exact, erf form) and tanh: ``f'(x) ddot + f''(x) xdot delta`` (`_Pointwise`);
+- elementwise functions (GELU exact or tanh-approximated, tanh, sigmoid, SiLU, softplus, exp, log, powers):
+  ``f'(x) ddot + f''(x) xdot delta`` (`_Pointwise`); the elementwise product of two tensors, bilinear (`_Product`);
 - the log-softmax ``z = x - log sum exp(x)`` along an axis, ``p = exp(z)``: ``ddot - p (sum(ddot) + zdot sum(delta))``
   (`_LogSoftmax`);
 - LayerNorm over the last axis, ``z = gamma xhat + beta``, ``xhat = (x - mean x) / s``, ``s = sqrt(var x + eps)``
   per row of ``D`` features. Its Jacobian ``J = (I - 1 1^T / D - xhat xhat^T / D) / s`` is symmetric; with
   ``a = mean(xhat xdot)``, ``xhat' = J xdot`` and ``b = mean(xhat e)``, the second-order term of an error ``e``
-  at ``xhat`` is ``-(a J e + xhat' b + xhat mean(xhat' e)) / s`` (`_LayerNorm`);
+  at ``xhat`` is ``-(a J e + xhat' b + xhat mean(xhat' e)) / s`` (`_LayerNorm`). RMSNorm, ``xhat = x / s`` with
+  ``s = sqrt(mean(x^2) + eps)``, is the same without the centring: ``J = (I - xhat xhat^T / D) / s`` and the same
+  second-order term;
 - ``nn.MultiheadAttention`` (self-attention, packed projections), ``out = merge(softmax(c q k^T) v) W_o^T + b_o``
   with ``(q, k, v) = x W^T + b`` split into heads and ``c = 1 / sqrt(head size)``: the projections are affine
   layers, ``q k^T`` and ``A v`` bilinear (each factor's tangent error gains the other factor's tangent times the
@@ -68,21 +71,62 @@ class _Smooth:
         return g, self.adjoint(g, saved, need)
 
 
-@dataclass(frozen=True)
-class _Pointwise(_Smooth):
-    """Exact GELU (``x Phi(x)``) or tanh, elementwise: keeps ``f'(x)`` and ``f''(x)``."""
-
-    kind: str  # "gelu" or "tanh"
-
-    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        x = xs[0]
-        if self.kind == "tanh":
-            t = torch.tanh(x)
-            d1 = 1 - t * t
-            return t, (d1, -2 * t * d1)
+def _derivatives(kind: str, x: Tensor, p: object) -> tuple[Tensor, Tensor, Tensor]:
+    """``(f(x), f'(x), f''(x))`` of the elementwise function ``kind`` (``p``: its number, where it has one)."""
+    if kind == "tanh":
+        t = torch.tanh(x)
+        d1 = 1 - t * t
+        return t, d1, -2 * t * d1
+    if kind == "gelu":  # exact, x Phi(x)
         pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
         cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
-        return x * cdf, (cdf + x * pdf, pdf * (2 - x * x))
+        return x * cdf, cdf + x * pdf, pdf * (2 - x * x)
+    if kind == "gelu_tanh":  # 0.5 x (1 + tanh(u)), u = c (x + k x^3)
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        t = torch.tanh(c * (x + k * x * x * x))
+        du, ddu = c * (1 + 3 * k * x * x), 6 * c * k * x
+        sech2 = 1 - t * t
+        return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * sech2 * du, sech2 * (du + 0.5 * x * (ddu - 2 * t * du * du))
+    if kind in ("sigmoid", "silu"):
+        s = torch.sigmoid(x)
+        d = s * (1 - s)
+        if kind == "sigmoid":
+            return s, d, d * (1 - 2 * s)
+        return x * s, s + x * d, d * (2 + x * (1 - 2 * s))
+    if kind == "softplus":  # log(1 + exp(beta x)) / beta, linear where beta x > threshold (p = (beta, threshold))
+        beta, threshold = p
+        linear = beta * x > threshold
+        s = torch.sigmoid(beta * x)
+        return F.softplus(x, beta, threshold), s.masked_fill(linear, 1.0), (beta * s * (1 - s)).masked_fill(linear, 0.0)
+    if kind == "exp":
+        e = torch.exp(x)
+        return e, e, e
+    if kind == "log":
+        r = 1 / x
+        return torch.log(x), r, -r * r
+    # powers: x ** p (sqrt p = 1/2, rsqrt p = -1/2, square p = 2)
+    return x**p, p * x ** (p - 1), p * (p - 1) * x ** (p - 2)
+
+
+# Elementwise functions with a second derivative the products read (`_Pointwise`): the name of the call, and the kind
+POINTWISE_FUNCTIONS = {"tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu", "exp": "exp", "log": "log",
+                       "sqrt": "sqrt", "rsqrt": "rsqrt", "square": "square"}  # fmt: skip
+_POWERS = {"sqrt": 0.5, "rsqrt": -0.5, "square": 2.0}
+
+
+@dataclass(frozen=True)
+class _Pointwise(_Smooth):
+    """An elementwise function with a second derivative (``kind``: exact or tanh-approximated GELU, tanh, sigmoid,
+    SiLU, softplus, exp, log, or a power ``x ** p``; ``p`` is the power, or softplus's ``(beta, threshold)``):
+    keeps ``f'(x)`` and ``f''(x)``."""
+
+    kind: str
+    p: object = None
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        kind, p = ("power", _POWERS[self.kind]) if self.kind in _POWERS else (self.kind, self.p)
+        f, d1, d2 = _derivatives(kind, xs[0], p)
+        return f, (d1, d2)
 
     def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
         return xdots[0] * saved[0]
@@ -93,6 +137,43 @@ class _Pointwise(_Smooth):
     def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
                  inner: None = None) -> list:  # fmt: skip
         return [torch.addcmul(g_dot * saved[0], xdots[0] * saved[1], delta)]
+
+
+@dataclass(frozen=True)
+class _Product(_Smooth):
+    """The elementwise product ``a * b`` of two tensors, broadcast (a parameter, a ``(N, T, 1)`` scale, a constant):
+    bilinear, ``zdot = adot b + a bdot``; the errors ``g b`` and ``g a`` (summed back to each operand's shape), each
+    operand's tangent error gaining the other's tangent times the first-order error: ``g_dot b + delta bdot``."""
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        return xs[0] * xs[1], (xs[0], xs[1])
+
+    def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
+        (a, b), (a_dot, b_dot) = saved, xdots
+        if a_dot is None or b_dot is None:
+            return a_dot * b if b_dot is None else a * b_dot
+        return (a_dot * b).addcmul_(a, b_dot)  # both terms have the output's shape
+
+    def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
+        a, b = saved
+        return [_summed(g * b, a.shape) if need[0] else None, _summed(g * a, b.shape) if need[1] else None]
+
+    def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
+                 inner: None = None) -> list[Tensor | None]:  # fmt: skip
+        (a, b), (a_dot, b_dot) = saved, xdots
+        errs: list[Tensor | None] = [None, None]
+        if need[0]:
+            out = g_dot * b
+            errs[0] = _summed(out if b_dot is None else out + delta * b_dot, a.shape)
+        if need[1]:
+            out = g_dot * a
+            errs[1] = _summed(out if a_dot is None else out + delta * a_dot, b.shape)
+        return errs
+
+
+def _summed(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t`` summed over the axes along which an operand of ``shape`` was broadcast (``t`` where none was)."""
+    return t if t.shape == shape else t.sum_to_size(shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,11 +201,15 @@ def _row_dot_mean(a: Tensor, b: Tensor) -> Tensor:
 _FUSED_NORM_DTYPES = (torch.float32, torch.float64)
 
 
-def _centred(xhat: Tensor, t: Tensor) -> Tensor:
-    """``s J t = t - mean(t) - xhat mean(xhat t)`` per row of the last axis, in a new tensor. Where the dtype allows,
-    by torch's fused LayerNorm backward kernel (one pass over ``t`` and ``xhat``; about half the time of the four
-    separate passes on T1's (500, 16, 32) activations on the CPU): ``J`` is symmetric, so the backward of the
-    normalization of ``xhat`` itself (mean 0 and ``1 / s = 1`` per row, no affine) is exactly this."""
+def _centred(xhat: Tensor, t: Tensor, rms: bool = False) -> Tensor:
+    """``s J t = t - mean(t) - xhat mean(xhat t)`` per row of the last axis, in a new tensor (``t - xhat mean(xhat t)``
+    for an RMS normalization, which does not centre). Where the dtype allows, by torch's fused LayerNorm backward
+    kernel (one pass over ``t`` and ``xhat``; about half the time of the four separate passes on T1's (500, 16, 32)
+    activations on the CPU): ``J`` is symmetric, so the backward of the normalization of ``xhat`` itself (mean 0 and
+    ``1 / s = 1`` per row, no affine) is exactly this."""
+    if rms:
+        t = t.expand_as(xhat)
+        return t.addcmul(xhat, _row_dot_mean(xhat, t), value=-1.0)
     if xhat.dtype in _FUSED_NORM_DTYPES:
         t = t.expand_as(xhat)  # the kernel reads t as xhat's shape: a smaller t would be read out of bounds
         rows = (*xhat.shape[:-1], 1)
@@ -134,33 +219,37 @@ def _centred(xhat: Tensor, t: Tensor) -> Tensor:
     return torch.sub(t, _row_mean(t)).addcmul_(xhat, _row_dot_mean(xhat, t), value=-1.0)
 
 
-def _norm_jacobian(xhat: Tensor, rstd: Tensor, t: Tensor) -> Tensor:
+def _norm_jacobian(xhat: Tensor, rstd: Tensor, t: Tensor, rms: bool = False) -> Tensor:
     """``J t`` (= ``J^T t``) of the normalization ``xhat`` over the last axis, ``rstd = 1 / s`` per row."""
-    return _centred(xhat, t).mul_(rstd)
+    return _centred(xhat, t, rms).mul_(rstd)
 
 
 def _norm_backward(xhat: Tensor, rstd: Tensor, xhat_dot: Tensor, a: Tensor, e_dot: Tensor, e: Tensor,
-                   b: Tensor) -> Tensor:  # fmt: skip
+                   b: Tensor, rms: bool = False) -> Tensor:  # fmt: skip
     """``J e_dot + (d/dt J(x + t xdot)) e`` of the same normalization, with ``xhat_dot = J xdot``,
     ``a = mean(xhat xdot)`` and ``b = mean(xhat e)``: the second-order term
     ``-(a J e + xhat_dot b + xhat mean(xhat_dot e)) / s`` merged with the first,
-    ``J (e_dot - a e / s) - (xhat mean(xhat_dot e) + xhat_dot b) / s``. Writes into ``e_dot``."""
+    ``J (e_dot - a e / s) - (xhat mean(xhat_dot e) + xhat_dot b) / s`` (the same for LayerNorm and for an RMS
+    normalization: the centring is linear and moves nothing). Writes into ``e_dot``."""
     f = e_dot.addcmul_(e, a * rstd, value=-1.0)
     c = _row_dot_mean(xhat_dot, e)
-    out = _centred(xhat, f).addcmul_(xhat, c, value=-1.0)
+    out = _centred(xhat, f, rms).addcmul_(xhat, c, value=-1.0)
     return out.addcmul_(xhat_dot, b, value=-1.0).mul_(rstd)
 
 
 @dataclass(frozen=True)
 class _LayerNorm:
-    """``nn.LayerNorm`` over the last axis: ``z = gamma xhat + beta`` (either parameter may be absent).
+    """``nn.LayerNorm`` over the last axis: ``z = gamma xhat + beta`` (either parameter may be absent); with ``rms``,
+    ``nn.RMSNorm``: ``xhat = x / s``, ``s = sqrt(mean(x^2) + eps)``, not centred (``eps`` ``None``: the rounding unit
+    of the input's dtype, as torch's), and no ``beta``.
 
     Keeps ``xhat`` and ``1 / s`` and, where its input moves, the error ``delta`` at its output, the error
     ``e = gamma delta`` at ``xhat`` and ``mean(xhat e)`` per row: the products' primal factors, formed once."""
 
     weight: str | None
     bias: str | None
-    eps: float
+    eps: float | None
+    rms: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -170,9 +259,14 @@ class _LayerNorm:
         return input_moves
 
     def forward(self, h: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        # torch's fused kernel (one pass; a reduction by var_mean over a short last axis is several times slower)
-        xhat, _, rstd = torch.native_layer_norm(h, h.shape[-1:], None, None, self.eps)
-        rstd = rstd.to(xhat.dtype)  # the kernel may keep the statistics of half-precision inputs in float32
+        if self.rms:
+            eps = torch.finfo(h.dtype).eps if self.eps is None else self.eps
+            rstd = torch.rsqrt(_row_dot_mean(h, h).add_(eps))
+            xhat = h * rstd
+        else:
+            # torch's fused kernel (one pass; a reduction by var_mean over a short last axis is several times slower)
+            xhat, _, rstd = torch.native_layer_norm(h, h.shape[-1:], None, None, self.eps)
+            rstd = rstd.to(xhat.dtype)  # the kernel may keep the statistics of half-precision inputs in float32
         if self.weight:
             z = torch.addcmul(params[self.bias], xhat, params[self.weight]) if self.bias else xhat * params[self.weight]
         else:
@@ -186,7 +280,7 @@ class _LayerNorm:
         xhat, rstd = saved
         e = self._error_at_xhat(g, params)
         b = _row_dot_mean(xhat, e)
-        return (g, e, b), (_norm_jacobian(xhat, rstd, e) if need else None)
+        return (g, e, b), (_norm_jacobian(xhat, rstd, e, self.rms) if need else None)
 
     def tangent(self, saved, hdot: Tensor | None, params, v) -> tuple[Tensor, tuple | None]:
         """The output's tangent, and what the products read of the normalized input's: ``J hdot`` and
@@ -195,7 +289,7 @@ class _LayerNorm:
         out = inner = None
         if hdot is not None:
             a = _row_dot_mean(xhat, hdot)
-            inner = (_norm_jacobian(xhat, rstd, hdot), a)
+            inner = (_norm_jacobian(xhat, rstd, hdot, self.rms), a)
             if self.weight:
                 out = torch.addcmul(v[self.bias], inner[0], params[self.weight]) if self.bias \
                     else inner[0] * params[self.weight]  # fmt: skip
@@ -224,7 +318,7 @@ class _LayerNorm:
         e_dot = g_dot * params[self.weight] if self.weight else g_dot.clone()
         if self.weight:
             e_dot.addcmul_(delta, v[self.weight])
-        return _norm_backward(xhat, rstd, *inner, e_dot, e, b)
+        return _norm_backward(xhat, rstd, *inner, e_dot, e, b, self.rms)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""R-operator products of the pieces of LLaMA-style transformers and of smooth elementwise functions: RMSNorm (the
+module and the hand-written form), SiLU and SwiGLU, sigmoid, the tanh-approximated GELU, softplus, powers, exp, log,
+elementwise products of activations (broadcast ones included), and rotary position embeddings.
+
+Each product is checked in float64 against torch.func's forward-over-reverse product (``jvp`` of ``grad``, attention
+through its math kernel) to 1e-12 relative, with the data in one chunk whose state is kept and streamed in chunks of
+3 whose state is recomputed per product (`test_rop_transformer._exact`).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rop_graph import _data, _perturbed
+from test_rop_transformer import CE, Tokens, _exact
+from torch import nn
+
+from sharpness import Objective
+
+
+class Act(nn.Module):
+    """``Linear(6, 8)``, ``act``, ``Linear(8, 3)``."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(6, 8), nn.Linear(8, 3), act
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+ACTIVATIONS = {
+    "nn.SiLU": nn.SiLU(),
+    "F.silu": F.silu,
+    "nn.Sigmoid": nn.Sigmoid(),
+    "torch.sigmoid": torch.sigmoid,
+    "nn.GELU(approximate='tanh')": nn.GELU(approximate="tanh"),
+    "F.gelu(approximate='tanh')": lambda h: F.gelu(h, approximate="tanh"),
+    "nn.Softplus(beta=2, threshold=1) (linear above it)": nn.Softplus(beta=2.0, threshold=1.0),
+    "F.softplus": F.softplus,
+    "exp": lambda h: torch.exp(0.5 * h),
+    "log of a square plus one (a product of an activation with itself)": lambda h: torch.log(h * h + 1),
+    "sqrt, square": lambda h: torch.sqrt(torch.square(h) + 1),
+    "rsqrt, pow": lambda h: torch.rsqrt(h.pow(2) + 1) * h,
+    "** 3": lambda h: h**3,
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_smooth_elementwise_functions_equal_forward_over_reverse(name):
+    x, y = _data((6,), n=7)
+    _exact(_perturbed(Act(ACTIVATIONS[name])), x, y)
+
+
+def test_softplus_hits_both_of_its_branches_in_the_test():
+    model = _perturbed(Act(nn.Softplus(beta=2.0, threshold=1.0)))
+    x, _ = _data((6,), n=7)
+    pre = 2.0 * model.a(x)
+    assert bool((pre > 1.0).any()) and bool((pre <= 1.0).any())
+
+
+class SwiGLU(nn.Module):
+    """LLaMA's MLP on tokens: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int = 4, hidden: int = 6):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)  # fmt: skip
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Scaled(nn.Module):
+    """Products with broadcast operands: a parameter ``(D,)``, a constant buffer ``(T, D)``, a ``(N, T, 1)`` gate."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(dim))
+        self.register_buffer("table", torch.randn(3, dim))
+        self.gate = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return torch.mul(x * self.gain, self.table) * torch.sigmoid(self.gate(x))
+
+
+class HandRMSNorm(nn.Module):
+    """LLaMA's RMSNorm as its code writes it."""
+
+    def __init__(self, dim: int = 4, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """A pre-norm LLaMA block on ``(N, T, D)``: RMSNorm, causal attention by SDPA with rotary position embeddings
+    (constant cos/sin tables), SwiGLU MLP, residual sums."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, tokens: int = 3, hand_norm: bool = False):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        norm = (lambda: HandRMSNorm(dim)) if hand_norm else (lambda: nn.RMSNorm(dim))
+        self.n1, self.n2 = norm(), norm()
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.mlp = SwiGLU(dim, 12)
+        freq = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
+        angles = torch.outer(torch.arange(tokens, dtype=torch.float64), freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def _rope(self, t):
+        return t * self.cos + _rotate_half(t) * self.sin
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.n1(x)
+        q, k, v = (m(h).view(b, t, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.n2(x))
+
+
+BODIES = {
+    "SwiGLU": lambda: SwiGLU(),
+    "products with a parameter, a constant table and a (N, T, 1) gate": lambda: Scaled(),
+    "nn.RMSNorm": lambda: nn.RMSNorm(4),
+    "nn.RMSNorm with eps and no affine weight, then a Linear": lambda: nn.Sequential(
+        nn.RMSNorm(4, eps=1e-3, elementwise_affine=False), nn.Linear(4, 4)),
+    "RMSNorm written by hand": lambda: HandRMSNorm(),
+}
+
+
+@pytest.mark.parametrize("name", list(BODIES))
+def test_llama_pieces_equal_forward_over_reverse(name):
+    x, y = _data((6,), n=7)
+    _exact(_perturbed(Tokens(BODIES[name]())), x, y)
+
+
+@pytest.mark.parametrize("hand_norm", [False, True])
+def test_a_llama_block_with_rotary_embeddings_equals_forward_over_reverse(hand_norm):
+    x, y = _data((6,), n=5)
+    _exact(_perturbed(Tokens(nn.Sequential(LlamaBlock(hand_norm=hand_norm)), features=2, dim=8)), x, y)
+
+
+def test_rms_norm_without_eps_uses_the_rounding_unit_of_the_products_dtype():
+    """``eps=None`` is ``finfo(dtype).eps`` of the input, as in torch (here float64's, 2.2e-16). With activations
+    near 1e-6 (mean square about 1e-12) float32's 1.2e-7 would change the normalization by a factor of hundreds."""
+    model = _perturbed(Tokens(nn.RMSNorm(4)))
+    with torch.no_grad():
+        for t in (model.embed.weight, model.embed.bias, model.pos):
+            t.mul_(1e-6)
+    x, y = _data((6,), n=7)
+    _exact(model, x, y)
+    with torch.no_grad():
+        h = model.embed(x.unflatten(1, (3, -1))) + model.pos
+    assert float(h.pow(2).mean()) < 1e-3 * torch.finfo(torch.float32).eps
+
+
+class Division(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h / (h.abs() + 1))
+
+
+def test_a_division_by_an_activation_falls_back_to_autograd():
+    x, y = _data((6,), n=7)
+    obj = Objective(_perturbed(Division()), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
