@@ -12,6 +12,10 @@ V1: VGG11 with BatchNorm exactly as torchvision's ``vgg11_bn`` builds it (no tor
     N(0, 0.01), biases 0); 132,868,840 parameters; not trained (see `vgg_workload`).
 T1: the built-in vision transformer (``sharpness._vit.ViT``: 2x2 patches of an 8x8 image, 16 tokens) with width
     32, 4 heads of size 8, 2 pre-LayerNorm blocks, ReLU MLPs of width 64, ``nn.MultiheadAttention``; 18,154 parameters.
+L1: a LLaMA-style transformer on the same 16 tokens of 4 features: width 32, 4 heads of size 8, 2 pre-norm blocks
+    with ``nn.RMSNorm``, causal ``F.scaled_dot_product_attention`` on rotary-embedded queries and keys (HuggingFace's
+    ``rotate_half``), SwiGLU MLPs of width 48, no biases in the blocks, a final RMSNorm, the token mean and a Linear
+    head; 18,058 parameters. Not part of the default set (``--workloads`` names it), since no target is set on it.
 
 Data: Gaussian inputs, labels uniform in 10 classes, cross-entropy (mean over samples). Everything
 is seeded, so two calls give bit-identical models and data on the same machine.
@@ -61,6 +65,48 @@ def vit_t1() -> nn.Module:
     from sharpness._vit import ViT
 
     return ViT(dim=32, heads=4, depth=2)
+
+
+class _LlamaBlock(nn.Module):
+    """L1's block on ``(N, T, D)``: ``x + attention(RMSNorm(x))``, then ``x + SwiGLU(RMSNorm(x))``."""
+
+    def __init__(self, dim: int, heads: int, tokens: int, hidden: int):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.n1, self.n2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        freq = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
+        angles = torch.outer(torch.arange(tokens, dtype=torch.float32), freq).repeat(1, 2)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def _rope(self, t: Tensor) -> Tensor:
+        half = t.shape[-1] // 2
+        return t * self.cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * self.sin
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.n1(x)
+        q, k, v = (m(h).view(b, t, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.n2(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """L1: a LLaMA-style transformer for ``(N, 64)`` inputs read as 16 tokens of 4 features."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, depth: int = 2, hidden: int = 48, tokens: int = 16):
+        super().__init__()
+        self.tokens, self.embed = tokens, nn.Linear(4, dim)
+        self.blocks = nn.Sequential(*(_LlamaBlock(dim, heads, tokens, hidden) for _ in range(depth)))
+        self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, N_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.blocks(self.embed(x.unflatten(1, (self.tokens, -1))))).mean(dim=1))
 
 
 class VGG(nn.Module):
@@ -120,8 +166,10 @@ _BUILDERS = {
     "F1": (mlp_f1, (784,), "MLP 784-300-100-10 (biases)", (1e-4, 100)),
     "C1": (cnn_c1, (1, 28, 28), "CNN conv5x5(1-10)-pool-conv5x5(10-20)-pool-FC 320-120-84-10", (5e-4, 50)),
     "T1": (vit_t1, (64,), "ViT width 32, 4 heads, 2 pre-LN blocks, MHA, 2x2 patches of 8x8", (1e-3, 50)),
+    "L1": (Llama, (64,), "LLaMA-style, width 32, 4 heads, 2 RMSNorm blocks, rotary SDPA, SwiGLU", (1e-3, 50)),
 }
 WORKLOADS = tuple(_BUILDERS)
+DEFAULT_WORKLOADS = ("F1", "C1", "T1")  # the ones the issues set targets on
 
 
 @dataclass
