@@ -158,3 +158,46 @@ def test_a_normalization_over_the_samples_axis_is_not_read():
     assert _normalization("softmax", 0, 2) is None and _normalization("log_softmax", -2, 2) is None
     assert _normalization("softmax", None, 2) is None
     assert _normalization("log_softmax", 1, 2).dim == -1 and _normalization("softmax", 1, 4).dim == 1
+
+
+class MnistExample(nn.Module):
+    """PyTorch's MNIST example network (``pytorch/examples``, ``mnist/main.py``), narrower, on 1x10x10 images: two
+    convolutions with ``F.relu``, ``F.max_pool2d``, dropout, ``torch.flatten``, two Linears, ``F.log_softmax``, read by
+    ``F.nll_loss``."""
+
+    def __init__(self, pool=lambda h: F.max_pool2d(h, 2)):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 3, 3, 1), nn.Conv2d(3, 4, 3, 1)
+        self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
+        self.pool = pool
+        self.fc1, self.fc2 = nn.LazyLinear(6), nn.Linear(6, 4)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = torch.flatten(self.dropout1(self.pool(x)), 1)
+        return F.log_softmax(self.fc2(self.dropout2(F.relu(self.fc1(x)))), dim=1)
+
+
+POOLS = {
+    "F.max_pool2d(h, 2)": lambda h: F.max_pool2d(h, 2),
+    "F.max_pool2d(h, 3, stride=2, padding=1, ceil_mode=True)": lambda h: F.max_pool2d(h, 3, stride=2, padding=1,
+                                                                                       ceil_mode=True),
+    "F.max_pool1d over the flattened rows": lambda h: F.max_pool1d(h.flatten(2), kernel_size=4),
+}
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_pytorch_mnist_example_network_equals_forward_over_reverse(pool):
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 1, 10, 10, generator=g), torch.randint(0, 4, (6,), generator=g)
+    model = MnistExample(POOLS[pool])
+    model(x)  # the lazy Linear takes its input size
+    _assert_exact(_perturbed(model), F.nll_loss, x, y)
+
+
+def test_a_max_pool_returning_its_indices_is_not_read():
+    model = MnistExample(lambda h: F.max_pool2d(h, 2, return_indices=True)[0])
+    x, y = torch.randn(6, 1, 10, 10), torch.randint(0, 4, (6,))
+    model(x)
+    obj = Objective(_perturbed(model), F.nll_loss, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"

@@ -178,3 +178,79 @@ def test_a_division_by_an_activation_falls_back_to_autograd():
     x, y = _data((6,), n=7)
     obj = Objective(_perturbed(Division()), CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+class PowerAfterRelu(nn.Module):
+    """``relu(h) ** p + h``: at the zeros of the ReLU, ``p = 0`` and ``1`` have 0 * inf in the textbook derivatives,
+    and ``1 < p < 2`` an infinite second derivative, met by a zero tangent."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.a, self.b = p, nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(F.relu(h) ** self.p + h)
+
+
+@pytest.mark.parametrize("p", [0, 1, 1.5, 2.0, 3])
+def test_powers_at_the_zeros_of_a_relu_equal_forward_over_reverse(p):
+    x, y = _data((6,), n=7)
+    model = _perturbed(PowerAfterRelu(p))
+    with torch.no_grad():
+        assert bool((model.a(x) < 0).any())  # some zeros of the ReLU
+    _exact(model, x, y)
+
+
+class ShapeRead(nn.Module):
+    """Numbers read off shapes: a slice of a shape (a ``torch.Size``, so advanced indexing: a copy), or the batch
+    size (different for every chunk of the data)."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case, self.a, self.b = case, nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).unflatten(1, (2, 4))
+        if self.case == "an index by a slice of the shape":
+            h = h[:, :, h.shape[1:2]].expand(-1, -1, 4)
+        elif self.case == "index bounds from the batch size":
+            k = x.shape[0] % 2
+            h = torch.cat((h[:, :, k : k + 2], h[:, :, k : k + 2]), dim=-1)
+        else:  # "a factor from the batch size"
+            h = h * (x.shape[0] % 3)
+        return self.b(h.flatten(1))
+
+
+@pytest.mark.parametrize("case", ["an index by a slice of the shape", "index bounds from the batch size",
+                                  "a factor from the batch size"])  # fmt: skip
+def test_numbers_read_off_the_shape_that_are_no_size_of_a_feature_axis_are_not_read(case):
+    """The R-operator reads a number computed from shapes only where it is a size of an axis other than the samples'
+    (the same in every chunk of the data) and, in an index, an int; otherwise autograd's products run."""
+    x, y = _data((6,), n=7)
+    obj = Objective(_perturbed(ShapeRead(case)), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+class InPlaceOnAView(nn.Module):
+    """An in-place activation of a view of ``h``, with ``h`` itself read after the write (it sees the activation)."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.a, self.b, self.c, self.act = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3), act
+
+    def forward(self, x):
+        h = self.a(x)
+        u = self.act(h.view(-1, 8))
+        return self.b(u) + self.c(h)
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(inplace=True), nn.ReLU(inplace=True)], ids=["SiLU", "ReLU"])
+def test_an_in_place_write_into_a_view_read_through_its_base_is_not_read(act):
+    """The products read every call out of place: a write through a view, whose base is read afterwards, is refused
+    (autograd's products, which see the write, run instead) and the product is exact."""
+    from test_rop_inplace import _autograd_exact
+
+    x, y = _data((6,), n=7)
+    obj = _autograd_exact(_perturbed(InPlaceOnAView(act)), x, y)
+    assert obj._rop is None

@@ -44,6 +44,7 @@ about one gradient where the layer that sees the data dominates the work, about 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -357,14 +358,49 @@ def _mutates(node: fx.Node, model: nn.Module) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
+# Calls whose result may share its input's memory (views, pieces, and what returns its input itself)
+_ALIASING = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute", "squeeze",
+             "unsqueeze", "expand", "expand_as", "contiguous", "getitem", "narrow", "select", "t", "swapaxes",
+             "swapdims", "movedim", "unbind", "chunk", "split", "tensor_split", "detach", "as_strided", "diagonal",
+             "dropout", "identity", "T", "mT"}  # fmt: skip
+_ALIASING_MODULES = (nn.Flatten, nn.Unflatten, nn.Identity, nn.Dropout)
+
+
+def _aliases(write: fx.Node, model: nn.Module) -> set[fx.Node]:
+    """The nodes whose tensors may share the memory that the in-place call ``write`` writes into, other than ``write``
+    and what is computed from it: up from its input through views (and earlier in-place calls, which return their
+    input) to the tensor they all view, then down through every view of that tensor not taken through ``write``."""
+
+    def aliasing(n: fx.Node) -> bool:
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        if n.op == "call_module":
+            return isinstance(model.get_submodule(str(n.target)), _ALIASING_MODULES) or _mutates(n, model)
+        return n.op in ("call_function", "call_method") and (target_name(n) in _ALIASING or _mutates(n, model))
+
+    base = write.args[0]
+    while aliasing(base):
+        base = base.args[0]
+    found, todo = set(), [base]
+    while todo:
+        n = todo.pop()
+        if n not in found:
+            found.add(n)
+            todo.extend(u for u in n.users if u is not write and aliasing(u) and u.args[0] is n)
+    return found
+
+
 def _read_after_mutation(nodes: list[fx.Node], model: nn.Module) -> bool:
-    """Whether an in-place call's first argument is read again after it (``att.masked_fill_(m, -inf)`` followed
-    by ``att.softmax(-1)``, or an alias of ``x`` read after ``x += y``). The products read every call out of place,
-    so such a reader would see the value before the write; a reader before it sees what the model sees."""
+    """Whether the memory an in-place call writes into is read again after it other than through the call's result:
+    its first argument, or any tensor sharing its memory (``att.masked_fill_(m, -inf)`` followed by
+    ``att.softmax(-1)``, an alias of ``x`` read after ``x += y``, ``h`` read after an in-place activation of
+    ``h.view(...)``). The products read every call out of place, so such a reader would see the value before the
+    write; a reader before it sees what the model sees."""
     position = {n: i for i, n in enumerate(nodes)}
     for node in nodes:
         if node.args and isinstance(node.args[0], fx.Node) and _mutates(node, model):
-            if any(position[u] > position[node] for u in node.args[0].users if u is not node):
+            if any(position[u] > position[node] for alias in _aliases(node, model) for u in alias.users
+                   if u is not node and not is_metadata(u)):  # fmt: skip
                 return True
     return False
 
@@ -486,6 +522,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if target in (operator.mul, torch.mul, "mul") and len(args) == 2 and not node.kwargs \
             and all(isinstance(a, fx.Node) and a in shapes for a in args):  # fmt: skip
         return _Product(), [args[0], args[1]]
+    if node.op == "call_function" and node.target in _MAX_POOL_FUNCTIONS and first is not None and len(tensors) == 1:
+        return _max_pool(node, first)
     if name in _AVG_POOL_FUNCTIONS | {"mean"} and first is not None and len(tensors) == 1:
         if any(isinstance(a, fx.Node) for a in (*args[1:], *node.kwargs.values())):
             return None
@@ -530,7 +568,7 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
                   operator.neg, torch.neg, "neg") and len(tensors) == 1 and not node.kwargs:  # fmt: skip
         others = [a for a in args if a is not tensors[0]]
         divide = target in (operator.truediv, torch.div, "div")
-        if len(others) == 1 and isinstance(others[0], fx.Node) and others[0] not in shapes and \
+        if len(others) == 1 and isinstance(others[0], fx.Node) and _shape_number(others[0], shapes) and \
                 target not in (operator.neg, torch.neg, "neg") and (args[0] is tensors[0] or not divide):  # fmt: skip
             # a number computed from shapes (1 / sqrt(k.size(-1))): the factor is read where the call runs
             return _Map("scale", (node.all_input_nodes.index(others[0]), divide), call=_caller(node)), tensors
@@ -548,19 +586,67 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     return None
 
 
+_MAX_POOL_FUNCTIONS = (F.max_pool1d, F.max_pool2d, F.max_pool3d)
+_MAX_POOL_OPTIONS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+
+
+def _max_pool(node: fx.Node, first: fx.Node):
+    """``F.max_pool1d/2d/3d(x, ...)`` as the selection ``nn.MaxPool1d/2d/3d`` is read as, or ``None`` where an option
+    is computed in the graph or the indices are returned."""
+    options = dict(zip(_MAX_POOL_OPTIONS, node.args[1:]), **node.kwargs)
+    inputs: list[fx.Node] = []
+    fx.node.map_arg(list(options.values()), inputs.append)
+    if len(node.args) > len(_MAX_POOL_OPTIONS) + 1 or set(options) - set(_MAX_POOL_OPTIONS) or inputs \
+            or "kernel_size" not in options or options.get("return_indices"):  # fmt: skip
+        return None
+    pool = _MaxPool(node.target, options["kernel_size"], options.get("stride"), options.get("padding", 0),
+                    options.get("dilation", 1), bool(options.get("ceil_mode", False)))  # fmt: skip
+    return _Map("maxpool", pool), [first]
+
+
 def _axis(d: object, ndim: int) -> int | None:
     """An axis argument made non-negative, or ``None`` where it is not an axis of a tensor of ``ndim`` axes."""
     return d % ndim if isinstance(d, int) and not isinstance(d, bool) and -ndim <= d < ndim else None
 
 
+# Arithmetic of numbers that fx records as graph nodes where one operand is a size (``x.size(-1) // 2``)
+_NUMBER_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+                     operator.pow, operator.neg, math.sqrt, math.floor, math.ceil, int, float}  # fmt: skip
+
+
+def _shape_number(node: object, shapes: Mapping[fx.Node, tuple]) -> bool:
+    """Whether ``node`` (a graph node or a literal) is a number computed from the sizes of a tensor's axes other than
+    the samples' (``k.size(-1)``, ``x.shape[-1] // 2``, ``1 / math.sqrt(q.size(-1))``): the same for every chunk of
+    the data. A number read off the samples' axis (``x.shape[0]``) depends on the chunk, and a slice of a shape is a
+    ``torch.Size``, not a number: neither is one."""
+    if not isinstance(node, fx.Node):
+        return _number(node)
+    if node in shapes or node.kwargs:
+        return False
+    args = node.args
+    if node.op == "call_method" and node.target == "size" and len(args) == 2 and args[0] in shapes:
+        axis = _axis(args[1], len(shapes[args[0]]))
+        return axis is not None and axis != 0
+    if node.op == "call_function" and node.target is operator.getitem and len(args) == 2 \
+            and isinstance(args[0], fx.Node) and args[0].args and args[0].args[0] in shapes \
+            and ((args[0].op == "call_function" and args[0].target is getattr and args[0].args[1:] == ("shape",))
+                 or (args[0].op == "call_method" and args[0].target == "size" and len(args[0].args) == 1)):  # fmt: skip
+        axis = _axis(args[1], len(shapes[args[0].args[0]]))
+        return axis is not None and axis != 0
+    if node.op == "call_function" and node.target in _NUMBER_FUNCTIONS:
+        return all(_shape_number(a, shapes) for a in args)
+    return False
+
+
 def _basic_index(index: object, shapes: Mapping[fx.Node, tuple] | None = None) -> bool:
     """Whether ``index`` selects by basic indexing alone (ints, slices of ints, ``None``, ``...``, tuples of those): a
-    view, each entry of the tensor taken at most once. Given ``shapes``, a graph node that is no tensor (a number
-    computed from shapes, ``x.shape[-1] // 2``) stands for an int too."""
+    view, each entry of the tensor taken at most once. Given ``shapes``, a number computed from the sizes of
+    non-sample axes (``x.shape[-1] // 2``, `_shape_number`) stands for an int too (checked to be one where it is
+    read)."""
 
     def whole(e: object) -> bool:
         return (isinstance(e, int) and not isinstance(e, bool)) or (
-            shapes is not None and isinstance(e, fx.Node) and e not in shapes)
+            shapes is not None and isinstance(e, fx.Node) and _shape_number(e, shapes))
 
     parts = index if isinstance(index, tuple) else (index,)
     return all(p is None or p is Ellipsis or whole(p)
@@ -575,7 +661,10 @@ def _index_caller(node: fx.Node) -> Callable[[list], object]:
 
     def index(values: list) -> object:
         env = dict(zip(inputs, values))
-        return fx.node.map_arg(node.args[1], env.__getitem__)
+        filled = fx.node.map_arg(node.args[1], env.__getitem__)
+        if not _basic_index(filled):  # a size that is no int (a float from a division): not the view it was read as
+            raise ValueError(f"the index {filled!r} of graph node '{node.name}' is not a basic index of ints")
+        return filled
 
     return index
 

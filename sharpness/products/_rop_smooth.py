@@ -104,7 +104,10 @@ def _derivatives(kind: str, x: Tensor, p: object) -> tuple[Tensor, Tensor, Tenso
     if kind == "log":
         r = 1 / x
         return torch.log(x), r, -r * r
-    # powers: x ** p (sqrt p = 1/2, rsqrt p = -1/2, square p = 2)
+    # powers: x ** p (sqrt p = 1/2, rsqrt p = -1/2, square p = 2); p = 0 and 1 exactly, where 0 * inf would be NaN
+    if p in (0.0, 1.0):
+        zero = torch.zeros_like(x)
+        return (torch.ones_like(x), zero, zero) if p == 0.0 else (x.clone(), torch.ones_like(x), zero)
     return x**p, p * x ** (p - 1), p * (p - 1) * x ** (p - 2)
 
 
@@ -136,7 +139,10 @@ class _Pointwise(_Smooth):
 
     def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
                  inner: None = None) -> list:  # fmt: skip
-        return [torch.addcmul(g_dot * saved[0], xdots[0] * saved[1], delta)]
+        second = xdots[0] * saved[1]
+        if self.kind == "power" and 1.0 < self.p < 2.0:  # f''(0) is infinite: no second-order term where xdot is 0
+            second = torch.where(xdots[0] == 0, 0.0, second)
+        return [torch.addcmul(g_dot * saved[0], second, delta)]
 
 
 @dataclass(frozen=True)
