@@ -367,6 +367,42 @@ def test_auto_strategy_streams_when_the_graph_does_not_fit():
         whole.hvp_strategy("rop", autograd=True)
 
 
+class _PerToken(nn.Module):
+    """Class scores per token: ``(N, C, T)`` logits from ``(N, T * F)`` inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 4)
+
+    def forward(self, x):
+        return self.a(torch.tanh(x.unflatten(1, (5, 2)))).transpose(1, 2)
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(ignore_index=-100), nn.CrossEntropyLoss(label_smoothing=0.1),
+                                     nn.NLLLoss(ignore_index=2)], ids=["ignored", "none ignored", "nll"])  # fmt: skip
+def test_per_token_targets_are_averaged_over_every_counted_token_however_the_data_are_chunked(loss_fn):
+    """One class label per token (``(N, T)`` targets), some left out by ``ignore_index``: chunks hold different
+    numbers of counted tokens, so the mean is over the tokens counted in the whole data set, not of the chunks'
+    means weighted by their samples."""
+    torch.manual_seed(0)
+    model = _PerToken().double().eval()
+    if isinstance(loss_fn, nn.NLLLoss):
+        model = nn.Sequential(model, nn.LogSoftmax(dim=1)).eval()
+    X = torch.randn(7, 10, dtype=torch.float64)
+    y = torch.randint(0, 4, (7, 5))
+    if getattr(loss_fn, "label_smoothing", 0.0) == 0.0:  # the smoothed case keeps every token
+        y[0, :4] = y[3, 1:] = loss_fn.ignore_index
+    whole = Objective(model, loss_fn, (X, y))
+    with torch.no_grad():
+        torch.testing.assert_close(whole.value(), loss_fn(model(X), y), rtol=1e-14, atol=0)
+    v = torch.randn(whole.layout.size, dtype=torch.float64)
+    for chunked in (Objective(model, loss_fn, (X, y), chunk_size=3),
+                    Objective(model, loss_fn, (X, y), chunk_size=3, memory_budget=1)):  # fmt: skip
+        torch.testing.assert_close(chunked.value(), whole.value(), rtol=1e-14, atol=0)
+        torch.testing.assert_close(chunked.gradient(), whole.gradient(), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(chunked.hvp(v), whole.hvp(v), rtol=1e-12, atol=1e-14)
+
+
 def test_auto_chunk_size_follows_the_memory_budget():
     case = make_case("mlp_bias")
     obj = Objective(case.model, case.loss_fn, case.data, memory_budget=4000)

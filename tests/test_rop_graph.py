@@ -381,6 +381,19 @@ def _hooked():
     return model
 
 
+class MaskedBroadcast(nn.Module):
+    """``masked_fill`` with a data mask larger than the tensor it fills (broadcast: the error must be summed back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(2, 2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        tokens = x.unflatten(1, (2, 2))  # (N, 2, 2)
+        h = self.a(tokens).mean(1, keepdim=True)  # (N, 1, 2)
+        return self.c(h.masked_fill(tokens > 0.5, 0.0).flatten(1))  # the mask (N, 2, 2), from the data
+
+
 class Quotient(nn.Module):
     def __init__(self):
         super().__init__()
@@ -417,8 +430,29 @@ UNSUPPORTED = {
     "frozen batchnorm weight": _frozen_bn,
     "hook": _hooked,
     "quotient of two tensors": Quotient,
+    "masked_fill broadcasting its input": MaskedBroadcast,
     "broadcasting sum": Broadcast,
 }
+
+
+class TokenBatchNorm(nn.Module):
+    """A Linear on ``(N, T, F)`` token sequences followed by ``BatchNorm1d(T)``, which normalizes axis 1 (the tokens),
+    not the Linear's features (the last axis): the two cannot be merged into one layer as a convolution and its
+    BatchNorm are."""
+
+    def __init__(self, tokens: int, width: int):
+        super().__init__()
+        self.tokens, self.lin, self.bn = tokens, nn.Linear(2, width), nn.BatchNorm1d(tokens)
+        self.head = nn.Linear(tokens * width, 3)
+
+    def forward(self, x):
+        return self.head(self.bn(self.lin(x.unflatten(1, (self.tokens, 2)))).flatten(1))
+
+
+@pytest.mark.parametrize("tokens, width", [(5, 6), (6, 6)], ids=["T != width", "T == width"])
+def test_a_batch_norm_over_the_tokens_of_a_token_linear_equals_the_dense_hessian(tokens, width):
+    x, y = _data((2 * tokens,))
+    _check(_perturbed(TokenBatchNorm(tokens, width)), x, y)
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))

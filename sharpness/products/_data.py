@@ -179,7 +179,8 @@ class ChunkedData:
             raise DataError(f"chunk_size must be a positive integer, got {chunk_size}")
         self.chunk_size = chunk_size
         self._total: int | None = None
-        self._not_label: dict[int, int | None] = {}  # labels_other_than, per label (shared with re-chunkings)
+        # labels_other_than, per label (shared with re-chunkings)
+        self._not_label: dict[int, tuple[int, bool] | None] = {}
         # The first complete pass per share (None: the whole data), shared with re-chunkings: its sample count and
         # digest, which every later pass must equal, and its first batch (for first_batch).
         self._first_pass: dict[tuple[int, int] | None, _Pass] = {}
@@ -303,17 +304,19 @@ class ChunkedData:
             self._total = sum(x.shape[0] for x, _ in self._checked(self._split(), None))
         return self._total
 
-    def labels_other_than(self, label: int) -> int | None:
-        """How many targets of the whole data set (every share together) are not ``label``, by one pass over
-        the targets (once); ``None`` where the targets are not class labels (integer, one per sample)."""
+    def labels_other_than(self, label: int) -> tuple[int, bool] | None:
+        """How many class labels of the whole data set (every share together) are not ``label``, and whether any is,
+        by one pass over the targets (once); ``None`` where the targets are not class labels (integer tensors: one
+        per sample, or several, such as one per token or pixel)."""
         if label not in self._not_label:
-            count: int | None = 0
+            count, some = 0, False
             for _, y in self._checked(self._split(), None):
-                if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() != 1:
-                    count = None
-                    break
-                count += int((y != label).sum())
-            self._not_label[label] = count
+                if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() == 0:
+                    self._not_label[label] = None
+                    return None
+                kept = int((y != label).sum())
+                count, some = count + kept, some or kept < y.numel()
+            self._not_label[label] = (count, some)
         return self._not_label[label]
 
     def fingerprint(self) -> tuple[int, int, int]:

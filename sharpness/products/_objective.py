@@ -134,18 +134,19 @@ def _reduced_as(loss_fn: Callable, reduction: str) -> Callable:
 
 def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple[Callable, float, bool]:
     """``(chunk loss, weight, per sample)`` of a mean-reduced loss: a chunk of ``m`` samples weighs ``weight * m``
-    (``per sample``), or, for a loss that leaves out the targets equal to its ``ignore_index`` where some do, the
-    loss summed over the chunk weighs ``1 / (targets counted over the whole data set)``: a mean over a chunk's
-    counted targets would weigh its samples differently from chunk to chunk."""
+    (``per sample``), or, for a loss that leaves out the targets equal to its ``ignore_index`` where some do, or
+    whose targets are several labels per sample (one per token or pixel), the loss summed over the chunk weighs
+    ``1 / (targets counted over the whole data set)``: a mean over a chunk's counted targets would weigh its samples
+    differently from chunk to chunk (and so would a mean over a chunk's tokens where batches have other lengths)."""
     ignored = getattr(loss_fn, "ignore_index", None)
     if isinstance(loss_fn, nn.modules.loss._Loss) and isinstance(ignored, int):
-        counted = data.labels_other_than(ignored)
-        if counted == 0:
+        labels = data.labels_other_than(ignored)
+        if labels is not None and labels[0] == 0:
             raise DataError(f"every target equals the loss's ignore_index ({ignored}): the mean loss is undefined")
-        if counted is not None and counted < data.total_samples:
+        if labels is not None and (labels[1] or labels[0] != data.total_samples):
             summed = copy.copy(loss_fn)
             summed.reduction = "sum"
-            return summed, 1.0 / counted, False
+            return summed, 1.0 / labels[0], False
     return loss_fn, 1.0 / n_samples, True
 
 
@@ -211,9 +212,10 @@ class Objective:
         chunk_loss_fn: the loss each chunk's weighted share is taken of: the objective is
             ``sum(weight * chunk_loss_fn(outputs, targets))`` over `chunks` (or `pieces`). It is
             ``loss_fn``, except for a mean-reduced loss that leaves out the targets equal to its ``ignore_index``
-            (``CrossEntropyLoss``, ``NLLLoss``) where some do: then its summed copy, each chunk weighted by one
-            over the targets counted in the whole data set, so the objective is the mean over those targets
-            however the data are chunked (found by one pass over the targets when the objective is built).
+            (``CrossEntropyLoss``, ``NLLLoss``) where some do, or whose targets are several class labels per sample
+            (per token, per pixel): then its summed copy, each chunk weighted by one over the targets counted in
+            the whole data set, so the objective is the mean over those targets however the data are chunked
+            (found by one pass over the targets when the objective is built).
 
     Raises:
         TypeError: an argument of the wrong kind (a model that is not an ``nn.Module``, ``params`` values that

@@ -694,7 +694,8 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
         dims = tuple(_axis(d, ndim) for d in dims)
         return (_Map("permute", dims), [first]) if None not in dims and sorted(dims) == list(range(ndim)) else None
-    if name == "masked_fill" and len(args) == 3 and not kwargs and _number(args[2]) and args[1] in shapes:
+    if name == "masked_fill" and len(args) == 3 and not kwargs and _number(args[2]) and args[1] in shapes \
+            and shapes[first] == shapes[node]:  # a mask larger than the tensor broadcasts it: its error is not summed
         # entries set to a number (-inf in the scores): the tangent and the error vanish there
         return _Map("masked", node.all_input_nodes.index(args[1]), call=_caller(node)), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
@@ -803,12 +804,15 @@ def _attention_outputs(model: nn.Module, nodes: list[fx.Node], shapes: dict,
 
 
 def _fuse_batch_norms(read: dict[fx.Node, tuple], output: fx.Node) -> None:
-    """Merge each BatchNorm whose input is an affine layer's output used by nothing else into that layer."""
+    """Merge each BatchNorm whose input is an affine layer's output used by nothing else into that layer, where the
+    layer's channels are the axis the BatchNorm normalizes (axis 1: not a Linear of token sequences, whose features
+    are the last axis)."""
     for node, (op, tensors, _) in list(read.items()):
         if isinstance(op, _Layer) and op.affine is None and op.norm is not None:
             (source,) = tensors
             before = read[source][0]
-            if isinstance(before, _Layer) and before.norm is None and len(source.users) == 1 and source is not output:
+            if isinstance(before, _Layer) and before.norm is None and before.affine is not None \
+                    and not before.affine.tokens and len(source.users) == 1 and source is not output:  # fmt: skip
                 read[node] = (_Layer(affine=before.affine, norm=op.norm), read[source][1], [])
 
 
