@@ -198,6 +198,21 @@ class ClassToken(nn.Module):
         return self.head(self.block(h)[:, 0])
 
 
+class TimmPositions(ClassToken):
+    """timm's layout of the positions: a ``(1, T + 1, D)`` table (a batch axis of one, broadcast over the samples)
+    added after the class token; and a ``(N, 1, D)`` gate broadcast over the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, 8))
+        self.gate = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.cat((self.cls.expand(x.shape[0], -1, -1), x.unflatten(1, (4, 8))), dim=1) + self.pos_embed
+        h = h + self.gate(h.mean(1, keepdim=True))
+        return self.head(self.block(h)[:, 0])
+
+
 class SdpaMask(nn.Module):
     """SDPA with an ``attn_mask``: a boolean buffer (which keys each query sees), a floating mask computed from the
     data (a padding bias per sample and key, as text models pass it), or one a parameter moves (not read: autograd)."""
@@ -228,6 +243,7 @@ MORE = {
     "nanoGPT's causal mask filled in": lambda: Blocks(Masked(fill=True)),
     "a mask filled with a number": lambda: Blocks(Masked(fill=True, value=-2.0)),
     "a class token": ClassToken,
+    "timm's (1, T, D) position table, a (N, 1, D) gate": TimmPositions,
 }
 
 

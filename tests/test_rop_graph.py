@@ -413,13 +413,15 @@ SMOOTH = {
     "gelu, tanh approximation": Gelu,
     "rmsnorm": lambda: Norms(nn.RMSNorm(5)),
     "product of two tensors": Product,
+    "broadcasting sum": Broadcast,
 }
 
 
 @pytest.mark.parametrize("name", list(SMOOTH))
 def test_smooth_operations_of_feature_vectors_equal_the_dense_hessian(name):
-    """The tanh-approximated GELU, RMSNorm and the elementwise product of two activations, read by the R-operator on
-    ``(samples, features)`` tensors (their transformer forms: `test_rop_llama`)."""
+    """The tanh-approximated GELU, RMSNorm, the elementwise product of two activations and a sum broadcasting a
+    ``(N, 1)`` activation, read by the R-operator on ``(samples, features)`` tensors (their transformer forms:
+    `test_rop_llama`, `test_rop_attention`)."""
     x, y = _data((4,))
     _check(_perturbed(SMOOTH[name]()), x, y)
 
@@ -431,7 +433,6 @@ UNSUPPORTED = {
     "hook": _hooked,
     "quotient of two tensors": Quotient,
     "masked_fill broadcasting its input": MaskedBroadcast,
-    "broadcasting sum": Broadcast,
 }
 
 

@@ -555,8 +555,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
             return None
         if all(isinstance(a, fx.Node) and a in shapes for a in args):
             out = shapes[node]
-            if any(shapes[a] != out and shapes[a] != out[len(out) - len(shapes[a]):] for a in args):
-                return None  # broadcasting other than of a tensor without the samples' axis (a parameter)
+            if any(not _broadcasts(shapes[a], out) for a in args):
+                return None  # an operand broadcast to a larger shape than the sum's is not a sum of its entries
             return _Map("sum", factors=(1.0, sign * float(alpha))), [args[0], args[1]]
         if len(tensors) == 1 and "alpha" not in node.kwargs:
             # a tensor plus or minus a number (or a shape entry): the map is the identity, or minus it
