@@ -116,6 +116,7 @@ class _Finder:
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
         self.claimed: dict[tuple[str, int], set[int]] = {}  # (parameter, axis) -> rows/columns a GL factor moves
         self._input_fed: dict[fx.Node, bool] = {}
+        self.attention_seen: set[str] = set()  # nn.MultiheadAttention modules whose factors are found
 
     # -- graph helpers ---------------------------------------------------------------------------------------
     def users(self, node: fx.Node) -> list[fx.Node]:
@@ -427,6 +428,12 @@ class _Finder:
         name, where = str(node.target), self.label(node)
         if m._forward_hooks or m._forward_pre_hooks:
             self.pin(where, 0, "it has forward hooks")
+            return
+        if name in self.attention_seen:  # called again: the same factors act on every call (the same weights)
+            return
+        self.attention_seen.add(name)
+        if self.calls[f"{name}.out_proj"]:  # a direct call reads the columns the value/output factor moves
+            self.pin(where, 0, "its output projection is also called on its own")
             return
         e, heads = m.embed_dim, m.num_heads
         hd = e // heads

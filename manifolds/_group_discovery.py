@@ -373,6 +373,12 @@ class _Walker:
         if id(module) not in self.calls:
             return False
         first_in, first_out = self.calls[id(module)]
+        if first_in.shape != in_ids.shape:  # called again on channels along another axis (token-wise, say)
+            reason = "the module is called again on channels along another axis"
+            for ids in (first_in, first_out, in_ids):
+                self.d.pin(ids, f"input and output of {self.label(node)}", reason)
+            self.fresh_pinned(node, reason)
+            return True
         self.d.tie(first_in, in_ids)
         self.ids[node] = first_out
         return True
@@ -494,9 +500,7 @@ class _Walker:
             if self.affine(node, module, source):
                 return None
             return self.unknown(node, data)
-        if isinstance(
-            module, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
-        ):
+        if _plain_norm(module):
             if self.norm(node, module, source):
                 return None
             return self.unknown(node, data)
@@ -924,6 +928,17 @@ def _free_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     out = torch.broadcast_shapes(a, b)
     a, b = (1,) * (len(out) - len(a)) + a, (1,) * (len(out) - len(b)) + b
     return tuple(n if x == y == n else 1 for x, y, n in zip(a, b, out))
+
+
+_NORM_BASES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _plain_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's normalization layers running torch's own forward: a subclass may override
+    it (Gemma's ``(1 + weight)`` scale), and then none of a normalization's rules holds (it is an unknown operation)."""
+    forward = type(module).forward
+    return any(isinstance(module, base) and forward is base.forward for base in _NORM_BASES) or (
+        isinstance(module, nn.SyncBatchNorm) and forward is nn.SyncBatchNorm.forward)
 
 
 def _plain_affine(module: nn.Module) -> type[nn.Module] | None:

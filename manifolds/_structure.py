@@ -779,19 +779,28 @@ def _acted_copy(model: nn.Module, group, element) -> nn.Module:
     return twin
 
 
-def _output_change(model: nn.Module, twin: nn.Module, traced: TracedNetwork) -> float | None:
+def _output_change(model: nn.Module, twin: nn.Module, traced: TracedNetwork,
+                   example_input: Tensor | None = None) -> float | None:  # fmt: skip
     """Largest relative change of the outputs of ``twin`` from ``model``'s on a random input of the traced
-    shape (eval mode, a fixed seed), or ``None`` when there is no such input or the model does not take it."""
+    shape (eval mode, a fixed seed), or, where the model does not take one (integer inputs of an embedding), on
+    ``example_input``; ``None`` when there is neither."""
     node = next((n for n in traced.graph.nodes if n.op == "placeholder"), None) if traced.has_shapes else None
-    if node is None or "shape" not in node.meta:
-        return None
-    x = input_like(model, torch.randn(node.meta["shape"], generator=torch.Generator().manual_seed(0)))
+    inputs = []
+    if node is not None and "shape" in node.meta:
+        inputs.append(input_like(model, torch.randn(node.meta["shape"], generator=torch.Generator().manual_seed(0))))
+    if example_input is not None:
+        inputs.append(input_like(model, example_input))
+    out = None
     with eval_mode(model), eval_mode(twin), torch.no_grad():
-        try:
-            out = model(x)
-        except Exception:  # e.g. integer inputs (an embedding): nothing to compare on
-            return None
-        new = twin(x)
+        for x in inputs:
+            try:
+                out = model(x)
+            except Exception:  # e.g. integer inputs (an embedding) given floats: try the next input
+                continue
+            new = twin(x)
+            break
+    if out is None:
+        return None
     if not isinstance(out, Tensor) or not bool(torch.isfinite(out).all()):
         return None
     size = float(out.abs().max())
@@ -864,11 +873,12 @@ def random_rescale(
     floating = next((p for p in model.parameters() if p.is_floating_point()), None)
     if floating is not None and structure.traced is not None:
         limit = math.sqrt(torch.finfo(floating.dtype).eps)
-        change = _output_change(model, twin, structure.traced)
+        change = _output_change(model, twin, structure.traced, example_input)
         if change is not None and not change <= limit:
             raise ValueError(
                 f"this draw of scale {scale:g} changes the outputs by {change:.1e} (relative, more than {limit:.1e} "
                 f"in {str(floating.dtype).removeprefix('torch.')}): its activations leave the dtype's range or lose "
-                "its precision; draw a smaller scale"
+                "its precision (draw a smaller scale), or, if a small scale changes them too, the group found is not "
+                "a symmetry of this model (please report it)"
             )
     return twin

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from manifolds import FixedWeightSpace
-from sharpness.measures._measure import CurvatureOperator, Measure
+from sharpness.measures._measure import CurvatureOperator, Measure, require_trainable_layers
 from sharpness.products._hessian import HessianOperator
 from sharpness.products._objective import Objective
 from sharpness.products._operator import CallableOperator
@@ -52,6 +52,7 @@ class Fixed(Measure):
     invariant_under = ("node", "layer")
 
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        require_trainable_layers(objective, "the fixed-weight measure")
         space = FixedWeightSpace(objective.model, self.selection, params=objective.params,
                                  structure=objective.structure)  # fmt: skip
         representative = space.rescale_to_fixed_value(objective.params, 1.0)

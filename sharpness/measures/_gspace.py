@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.func import jvp
 
 from manifolds import GSpace
-from sharpness.measures._measure import CurvatureOperator, Measure
+from sharpness.measures._measure import CurvatureOperator, Measure, require_trainable_layers
 from sharpness.products._objective import Objective, eval_mode, hvp_by_jvp
 from sharpness.products._operator import CallableOperator
 
@@ -157,6 +157,7 @@ class GSpaceMeasure(Measure):
     invariant_under = ("node", "layer")
 
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        require_trainable_layers(objective, "the G-space measure")
         gspace = GSpace(objective.structure, params=objective.params)
         op, loss = gspace_hessian_operator(objective, gspace, hvp)
         gradient = op.start_hint()  # the G-space gradient, computed once for the info and the solver's start

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
+from manifolds import UnsupportedModelError
 from sharpness._results import EigenResult, jsonable
 from sharpness.measures._claims import symmetry_facts
 from sharpness.products._objective import Objective
@@ -172,3 +173,22 @@ class Measure(ABC):
             "invariant_under": list(self.invariant_under),
             "options": {f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
         })
+
+
+def require_trainable_layers(objective: Objective, what: str) -> None:
+    """Raise `manifolds.UnsupportedModelError` unless every layer's weight and bias is among the objective's
+    trainable parameters: ``what`` (a reparametrization of whole layers: fixed weights, G-space) moves them all.
+
+    Args:
+        objective: the objective measured.
+        what: the measure, e.g. ``"the fixed-weight measure"``.
+    """
+    frozen = [n for layer in objective.structure.layers for n in (layer.weight, layer.bias)
+              if n is not None and n not in objective.params]  # fmt: skip
+    if frozen:
+        raise UnsupportedModelError(
+            f"{what} reparametrizes every layer's weight and bias, but {', '.join(frozen)} is held fixed (frozen, "
+            "requires_grad=False); make it trainable, or use the node, layer, minnorm or symmetry measure, which "
+            "leave frozen tensors alone",
+            short="needs every layer trainable",
+        )
