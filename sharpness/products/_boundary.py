@@ -285,6 +285,25 @@ def check_first_batch(
             f"the loss function returned a tensor of shape {tuple(loss.shape)} on {x.shape[0]} samples, not a "
             "scalar; reduce it over the samples (reduction='mean' or 'sum', or .mean())"
         )
+    _check_second_derivative(loss_fn, out, y, name)
+
+
+def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: str) -> None:
+    """The loss has a second derivative in the outputs: torch writes none for some (``MultiMarginLoss``), and every
+    Hessian-vector product would fail on it."""
+    with torch.enable_grad():
+        o = out.detach().requires_grad_(True)
+        try:
+            (g,) = torch.autograd.grad(loss_fn(o, y), o, create_graph=True)
+            if g.requires_grad:
+                torch.autograd.grad(g, o, grad_outputs=torch.ones_like(g))
+        except (RuntimeError, NotImplementedError) as exc:
+            if "not implemented" not in str(exc) and not isinstance(exc, NotImplementedError):
+                raise
+            raise ValueError(
+                f"{name} has no second derivative in torch ({str(exc).splitlines()[0]}), so no Hessian of it can "
+                "be computed; use a loss that has one (CrossEntropyLoss, MSELoss, ...)"
+            ) from None
 
 
 # Relative distance between sample 0's outputs beside two different samples above which the model mixes samples.
@@ -353,11 +372,16 @@ def _check_output(model: nn.Module, out: object) -> None:
         raise UnsupportedModelError(f"{name}'s forward returns {kind}, not a floating-point tensor of outputs")
 
 
+# torch losses of one target per output entry, whatever the targets' dtype (integer targets broadcast as floats do)
+_ELEMENTWISE_LOSSES = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
+                       nn.SoftMarginLoss, nn.KLDivLoss, nn.PoissonNLLLoss)  # fmt: skip
+
+
 def _check_targets(loss_fn: nn.Module, out: Tensor, y: Tensor) -> None:
     """Targets a torch loss would broadcast (regression targets of another shape) or misread (class labels of
     another shape, or outside the classes)."""
     name = type(loss_fn).__name__
-    if y.is_floating_point():
+    if y.is_floating_point() or isinstance(loss_fn, _ELEMENTWISE_LOSSES):
         if out.shape[1:] != y.shape[1:]:
             raise DataError(
                 f"targets of shape {tuple(y.shape[1:])} per sample do not match the model's outputs of shape "

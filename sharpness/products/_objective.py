@@ -110,6 +110,8 @@ def hvp_by_jvp(loss: Callable[[object, Tensor, Tensor], Tensor], point: object, 
 
 def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
     reduction = reduction or getattr(loss_fn, "reduction", "mean")
+    if reduction == "batchmean" and isinstance(loss_fn, nn.KLDivLoss) and loss_fn.reduction == "batchmean":
+        return "mean"  # the sum over a batch over its samples: a per-sample mean
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the loss reduction must be 'mean' or 'sum', got {reduction!r}")
     if reduction == "mean" and getattr(loss_fn, "weight", None) is not None:
@@ -138,6 +140,14 @@ def _chunked_mean(loss_fn: Callable, data: ChunkedData, n_samples: int) -> tuple
     whose targets are several labels per sample (one per token or pixel), the loss summed over the chunk weighs
     ``1 / (targets counted over the whole data set)``: a mean over a chunk's counted targets would weigh its samples
     differently from chunk to chunk (and so would a mean over a chunk's tokens where batches have other lengths)."""
+    if not isinstance(loss_fn, nn.modules.loss._Loss):
+        labels = data.labels_other_than(-100)
+        if labels is not None and labels[1]:
+            raise DataError(
+                "some class labels are -100, which F.cross_entropy and F.nll_loss leave out of their mean by default "
+                "(ignore_index=-100), so the means of chunks with other counts of them cannot be combined exactly; "
+                "pass nn.CrossEntropyLoss() or nn.NLLLoss(), whose ignored targets are counted over the whole data set"
+            )
     ignored = getattr(loss_fn, "ignore_index", None)
     if isinstance(loss_fn, nn.modules.loss._Loss) and isinstance(ignored, int):
         labels = data.labels_other_than(ignored)
@@ -258,7 +268,9 @@ class Objective:
         self.model = model
         self.loss_fn = loss_fn
         self.reduction = _loss_reduction(loss_fn, reduction)
-        self._reduced_loss = _reduced_as(loss_fn, self.reduction)
+        # KLDivLoss's "batchmean" is its per-sample mean: evaluated as it is, unless another reduction is asked for
+        batchmean = reduction in (None, "batchmean") and getattr(loss_fn, "reduction", None) == "batchmean"
+        self._reduced_loss = loss_fn if batchmean else _reduced_as(loss_fn, self.reduction)
         source = select_params(model, params, prefix)
         others = fixed_tensors(model, source)
         check_meta(source, "parameter" if params is None else "params entry")
@@ -476,8 +488,9 @@ class Objective:
         held: list[tuple[Tensor, Tensor, float]] = []
         for x, y, w in self.chunks():
             n = x.shape[0]
-            if held and (not join or sum(h[0].shape[0] for h in held) + n > size):
-                yield self._joined(held)
+            if held and (not join or sum(h[0].shape[0] for h in held) + n > size
+                         or x.shape[1:] != held[0][0].shape[1:] or y.shape[1:] != held[0][1].shape[1:]):  # fmt: skip
+                yield self._joined(held)  # samples of another shape (sequences of another length) are not joined
                 held = []
             if n > size:
                 cuts = -(-n // size)
@@ -634,8 +647,11 @@ class Objective:
         x, y = cast_batch(*self.data.first_batch(), self.dtype, self.device)
         v = {k: torch.ones_like(t) for k, t in self.params.items()}
         kinds = {"double_backward": self._hvp_double_backward, "jvp": self._hvp_jvp}
-        for fn in kinds.values():
-            fn(v, x, y, 1.0)  # warm-up
+        try:
+            self._hvp_jvp(v, x, y, 1.0)  # warm-up
+        except (NotImplementedError, RuntimeError):  # no forward-mode derivative (Huber's backward, integer targets)
+            return self.comm.choose("double_backward", tuple(kinds))
+        self._hvp_double_backward(v, x, y, 1.0)
         # Best of three, interleaved, so a passing spell of load on the machine does not decide.
         timings = dict.fromkeys(kinds, float("inf"))
         for _ in range(3):

@@ -1,0 +1,97 @@
+"""Losses at the objective's boundary: each is evaluated as the true mean (or sum) over the whole data set however
+the data are chunked, the same for every strategy, or refused with one sentence before any work.
+
+Found by review: the streaming strategy choice ran a forward-mode product that some losses have no formula for
+(Huber's backward, integer regression targets); integer regression targets broadcast against the outputs; KLDivLoss's
+``batchmean`` (a per-sample mean) was refused, and the suggested ``reduction="mean"`` is the elementwise mean; a plain
+function leaving out labels of -100 (F.cross_entropy's default) was averaged per chunk; a loss with no second
+derivative failed at the first product; sequences of another length per batch broke the gradient.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sharpness import DataError, Objective
+
+
+def _model(out: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.ELU(), nn.Linear(5, out)).double().eval()  # ELU: autograd's products
+
+
+def _agree(obj: Objective, ref: Objective) -> None:
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    torch.testing.assert_close(obj.value(), ref.value(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(obj.gradient(), ref.gradient(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(obj.hvp(v), ref.hvp(v, "double_backward"), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("loss_fn, targets", [
+    (nn.HuberLoss(), "float"), (nn.SoftMarginLoss(), "sign"), (nn.MSELoss(), "integer")])  # fmt: skip
+def test_streaming_picks_double_backward_where_forward_mode_has_no_formula(loss_fn, targets):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    y = y.sign() if targets == "sign" else y.round().long() if targets == "integer" else y
+    streamed = Objective(_model(), loss_fn, (X, y), chunk_size=3, memory_budget=1)
+    assert streamed.hvp_strategy() == "double_backward"
+    _agree(streamed, Objective(_model(), loss_fn, (X, y)))
+
+
+def test_integer_regression_targets_of_another_shape_are_refused():
+    X, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 5, (7,))
+    with pytest.raises(DataError, match=r"targets of shape \(\) per sample do not match"):
+        Objective(_model(out=1), nn.MSELoss(), (X, y))
+
+
+def test_kl_divergence_batchmean_is_the_per_sample_mean_however_chunked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LogSoftmax(dim=1)).double().eval()
+    X = torch.randn(7, 4, dtype=torch.float64)
+    p = torch.softmax(torch.randn(7, 3, dtype=torch.float64), dim=1)
+    kl = nn.KLDivLoss(reduction="batchmean")
+    whole = Objective(model, kl, (X, p))
+    with torch.no_grad():
+        torch.testing.assert_close(whole.value(), kl(model(X), p), rtol=1e-14, atol=0)
+    _agree(Objective(model, kl, (X, p), chunk_size=3), whole)
+    # reduction="mean" asks for torch's elementwise mean, C times smaller here (torch warns about that mean)
+    with pytest.warns(UserWarning, match="divides the total loss by both"):
+        elementwise = Objective(model, kl, (X, p), reduction="mean")
+        torch.testing.assert_close(elementwise.value() * 3, whole.value(), rtol=1e-13, atol=0)
+
+
+def test_a_plain_function_leaving_out_labels_of_minus_100_is_refused():
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6, 2))
+    y[0, 1] = -100
+    per_token = lambda out, t: F.cross_entropy(out.reshape(-1, 3), t.reshape(-1))  # noqa: E731
+    model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (2, 3))).double().eval()
+    with pytest.raises(DataError, match="-100"):
+        Objective(model, per_token, (X, y), chunk_size=3)
+    Objective(model, lambda out, t: F.cross_entropy(out.transpose(1, 2), t), (X, y.clamp(min=0)))  # none: accepted
+
+
+def test_a_loss_with_no_second_derivative_is_refused_when_the_objective_is_built():
+    X, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    with pytest.raises(ValueError, match="MultiMarginLoss has no second derivative"):
+        Objective(_model(), nn.MultiMarginLoss(), (X, y))
+
+
+def test_batches_of_sequences_of_other_lengths_are_not_joined():
+    """Each batch holds sequences of its own length: the gradient's pieces keep them apart (they were concatenated),
+    and value, gradient and products are those of the batches' losses summed, each weighted by its samples."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).double().eval()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 2, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 3, generator=g,
+                                                                                   dtype=torch.float64)),
+               (torch.randn(3, 6, 4, generator=g, dtype=torch.float64), torch.randn(3, 6, 3, generator=g,
+                                                                                   dtype=torch.float64))]  # fmt: skip
+    obj = Objective(model, nn.MSELoss(), batches)
+    with torch.enable_grad():
+        params = dict(model.named_parameters())
+        total = sum(x.shape[0] / 5 * F.mse_loss(model(x), y) for x, y in batches)
+        expected = torch.cat([t.reshape(-1) for t in torch.autograd.grad(total, list(params.values()))])
+    torch.testing.assert_close(obj.value(), total.detach(), rtol=1e-14, atol=0)
+    torch.testing.assert_close(obj.gradient(), expected, rtol=1e-12, atol=1e-14)
