@@ -95,3 +95,27 @@ def test_batches_of_sequences_of_other_lengths_are_not_joined():
         expected = torch.cat([t.reshape(-1) for t in torch.autograd.grad(total, list(params.values()))])
     torch.testing.assert_close(obj.value(), total.detach(), rtol=1e-14, atol=0)
     torch.testing.assert_close(obj.gradient(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_an_elementwise_weight_keeps_a_per_sample_mean_however_chunked():
+    """BCE's ``weight`` rescales each output entry: the mean is still over every entry (a class-weighted
+    cross-entropy's is not, and stays refused)."""
+    g = torch.Generator().manual_seed(4)
+    X, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.rand(7, 3, generator=g, dtype=torch.float64)
+    loss_fn = nn.BCEWithLogitsLoss(weight=torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64))
+    whole = Objective(_model(), loss_fn, (X, y))
+    with torch.no_grad():
+        torch.testing.assert_close(whole.value(), loss_fn(_model()(X), y), rtol=1e-14, atol=0)
+    _agree(Objective(_model(), loss_fn, (X, y), chunk_size=3), whole)
+    with pytest.raises(ValueError, match="class-weighted mean"):
+        Objective(_model(), nn.CrossEntropyLoss(weight=torch.ones(3, dtype=torch.float64)),
+                  (X, torch.randint(0, 3, (7,))))  # fmt: skip
+
+
+def test_a_data_loader_of_single_samples_is_refused_with_a_sentence():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))),
+                        batch_size=None)  # fmt: skip
+    with pytest.raises(DataError, match="give the DataLoader a batch_size"):
+        Objective(_model(), nn.CrossEntropyLoss(), loader)

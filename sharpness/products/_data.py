@@ -54,6 +54,11 @@ def _split_batch(batch: object) -> tuple[Tensor, Tensor]:
     x, y = batch
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         raise DataError("inputs and targets must be tensors")
+    if x.dim() == 0 or y.dim() == 0:
+        raise DataError(
+            "a batch's inputs and targets need a leading samples axis, but one is a single value (a DataLoader with "
+            "batch_size=None yields single samples); give the DataLoader a batch_size"
+        )
     if x.shape[0] != y.shape[0]:
         raise DataError(f"inputs have {x.shape[0]} samples but targets have {y.shape[0]}; give one target per sample")
     if x.is_complex() or y.is_complex():

@@ -108,13 +108,18 @@ def hvp_by_jvp(loss: Callable[[object, Tensor, Tensor], Tensor], point: object, 
     return jvp(lambda p, t: grad(loss)(p, x, t), (point, y), (tangent, torch.zeros_like(y)))[1]
 
 
+# torch losses whose ``weight`` rescales each output entry: their mean is still over every entry, a per-sample mean
+_ELEMENT_WEIGHTED = (nn.BCELoss, nn.BCEWithLogitsLoss, nn.MultiLabelSoftMarginLoss)
+
+
 def _loss_reduction(loss_fn: Callable, reduction: str | None) -> str:
     reduction = reduction or getattr(loss_fn, "reduction", "mean")
     if reduction == "batchmean" and isinstance(loss_fn, nn.KLDivLoss) and loss_fn.reduction == "batchmean":
         return "mean"  # the sum over a batch over its samples: a per-sample mean
     if reduction not in ("mean", "sum"):
         raise ValueError(f"the loss reduction must be 'mean' or 'sum', got {reduction!r}")
-    if reduction == "mean" and getattr(loss_fn, "weight", None) is not None:
+    weighted = getattr(loss_fn, "weight", None) is not None and not isinstance(loss_fn, _ELEMENT_WEIGHTED)
+    if reduction == "mean" and weighted:
         raise ValueError(
             "a class-weighted mean loss is not a per-sample mean, so chunks cannot be combined exactly; "
             "use reduction='sum' (and divide the results by the total weight) or an unweighted loss"
