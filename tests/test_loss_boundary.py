@@ -119,3 +119,39 @@ def test_a_data_loader_of_single_samples_is_refused_with_a_sentence():
                         batch_size=None)  # fmt: skip
     with pytest.raises(DataError, match="give the DataLoader a batch_size"):
         Objective(_model(), nn.CrossEntropyLoss(), loader)
+
+
+class MeanOverSamples(nn.Module):
+    """A loss that sums over the outputs and averages over the samples, with a ``reduction`` attribute saying
+    "sum" (meaning the outputs)."""
+
+    reduction = "sum"
+
+    def forward(self, out, y):
+        return ((out - y) ** 2).sum(1).mean()
+
+
+class AlwaysMean(nn.modules.loss._Loss):
+    """A torch loss subclass whose forward ignores ``self.reduction``: the override to "sum" changes nothing."""
+
+    def forward(self, out, y):
+        return F.mse_loss(out, y)
+
+
+def _batch_softmax(out, y):
+    """A contrastive-style loss normalized over the batch: no sample's loss is its own."""
+    return -torch.log_softmax(out[:, 0], dim=0).mean()
+
+
+@pytest.mark.parametrize("loss_fn, reduction", [(MeanOverSamples(), None), (AlwaysMean(), "sum"),
+                                                (lambda o, t: F.mse_loss(o, t), "sum"), (_batch_softmax, None)],
+                         ids=["attribute", "override on a module", "declared for a function", "batch-normalized"])
+def test_a_loss_that_does_not_reduce_over_samples_as_declared_is_refused(loss_fn, reduction):
+    """The objective sums chunks weighted as the declared reduction says; a loss computing something else would give
+    a value depending on the chunking (e.g. a per-sample mean declared as a sum grows with the number of chunks)."""
+    g = torch.Generator().manual_seed(5)
+    X, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
+    with pytest.raises(ValueError, match="does not reduce over the samples as a"):
+        Objective(_model(), loss_fn, (X, y), reduction=reduction)
+    if reduction == "sum" and not isinstance(loss_fn, nn.Module):  # declared as it computes: accepted
+        Objective(_model(), loss_fn, (X, y), reduction="mean")

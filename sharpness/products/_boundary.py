@@ -19,6 +19,7 @@ Hessian at this point).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -286,6 +287,36 @@ def check_first_batch(
             "scalar; reduce it over the samples (reduction='mean' or 'sum', or .mean())"
         )
     _check_second_derivative(loss_fn, out, y, name)
+
+
+def check_reduction(model: nn.Module, loss_fn: Callable, params: Mapping[str, Tensor], others: Mapping[str, Tensor],
+                    batch: tuple[Tensor, Tensor], dtype: torch.dtype, device: torch.device, per_sample: bool) -> None:
+    """The loss combines samples as the objective combines chunks (the caller sets eval mode): on the first two samples,
+    the loss of both together is the mean (``per_sample``) or the sum of each one's alone. A loss that declares another
+    reduction than it computes, or weighs samples by the batch (a contrastive loss over the batch), would give a value
+    that depends on how the data are chunked. Skipped where it cannot tell: fewer than two samples, outputs or targets
+    whose first axis is not the samples', losses that are not finite on one sample."""
+    x, y = batch
+    if x.shape[0] < 2 or y.dim() == 0 or y.shape[0] < 2:
+        return
+    x, y = cast_batch(x[:2], y[:2], dtype, device)
+    with torch.no_grad():
+        out = functional_call(model, (params, others), (x,))
+        if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != 2:
+            return
+        both, one, two = (float(loss_fn(out[s], y[s])) for s in (slice(0, 2), slice(0, 1), slice(1, 2)))
+    combined = (one + two) / 2 if per_sample else one + two
+    if not all(math.isfinite(v) for v in (both, one, two)):
+        return
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-10
+    if abs(both - combined) > tolerance * max(abs(both), abs(combined), 1e-30):
+        kind = "the mean" if per_sample else "the sum"
+        raise ValueError(
+            f"the loss of the first two samples together is {both:.6g}, but {kind} of each one's alone is "
+            f"{combined:.6g}: it does not reduce over the samples as a {'mean' if per_sample else 'sum'}, so chunks of "
+            "the data cannot be combined exactly; declare the reduction it computes (reduction='mean' or 'sum') or "
+            "give a loss that treats every sample apart"
+        )
 
 
 def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: str) -> None:

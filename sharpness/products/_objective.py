@@ -29,6 +29,7 @@ from sharpness.products._boundary import (
     check_finite,
     check_first_batch,
     check_meta,
+    check_reduction,
     check_samples_apart,
     evaluation_dtype,
     fixed_tensors,
@@ -316,6 +317,9 @@ class Objective:
         self.chunk_loss_fn, self._weight, self._per_sample = reduced, 1.0, False
         if self.reduction == "mean":
             self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(reduced, self.data, self.n_samples)
+        with eval_mode(self.model):
+            check_reduction(self.model, self.chunk_loss_fn, self.params, self.buffers, self.data.first_batch(),
+                            self.dtype, self.device, self._per_sample)  # fmt: skip
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
