@@ -317,9 +317,14 @@ class Objective:
         self.chunk_loss_fn, self._weight, self._per_sample = reduced, 1.0, False
         if self.reduction == "mean":
             self.chunk_loss_fn, self._weight, self._per_sample = _chunked_mean(reduced, self.data, self.n_samples)
-        with eval_mode(self.model):
-            check_reduction(self.model, self.chunk_loss_fn, self.params, self.buffers, self.data.first_batch(),
-                            self.dtype, self.device, self._per_sample)  # fmt: skip
+        error = None
+        try:  # on this process's first samples: raised on every process together
+            with eval_mode(self.model):
+                check_reduction(self.model, self.chunk_loss_fn, self.params, self.buffers, self.data.first_batch(),
+                                self.dtype, self.device, self._per_sample)  # fmt: skip
+        except ValueError as exc:
+            error = exc
+        self.comm.check_together(error)
         self._graph: tuple[list[Tensor], list[Tensor]] | None = None
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
