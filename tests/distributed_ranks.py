@@ -239,16 +239,16 @@ def _solve_until_a_process_fails(rank: int, failure) -> dict:
     from sharpness import DistributedError, Objective, Solver, euclidean_sharpness
 
     case = make_case("mlp_bias")
-    calls = [0]
+    calls = [0, False]  # the solve's calls, whether the solve has started
 
     def loss(out, y):
-        calls[0] += 1
+        calls[0] += calls[1]
         if rank == 1 and calls[0] > 3:
             failure()
         return case.loss_fn(out, y)
 
     obj = Objective(case.model, loss, case.data, chunk_size=5, distributed=True)
-    calls[0] = 0  # the solve's calls from here
+    calls[1] = True  # counted from here
     start = time.monotonic()
     try:
         euclidean_sharpness(None, None, None, solver=Solver(hvp="jvp", tol=1e-14), objective=obj)
