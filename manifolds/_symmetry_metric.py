@@ -277,8 +277,13 @@ class _Point:
 
 
 def _solve(s: Tensor, x: Tensor) -> Tensor:
-    """``s^-1 x`` for a batch of small SPD ``s``; ``1 x 1`` blocks (units) by division, not LAPACK."""
-    return x / s if s.shape[-1] == 1 else torch.linalg.solve(s, x)
+    """``s^-1 x`` for a batch of small SPD ``s`` and matrices ``x`` (broadcast over the batch); ``1 x 1`` blocks (units)
+    by division, not LAPACK."""
+    if s.shape[-1] == 1:
+        return x / s
+    # x is a matrix: expanded to s's batch, never read as a batch of vectors (torch.linalg.solve reads a (k, k) x
+    # against B = k blocks of s as B right-hand sides)
+    return torch.linalg.solve(s, x.expand(*s.shape[:-2], *x.shape[-2:]) if x.dim() < s.dim() else x)
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
