@@ -13,7 +13,9 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
   reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
 * **Token-wise ReLU MLP units** (positive diagonal): rows of a Linear and its bias ``<- c_j (.)``, the columns
-  of every Linear reading it through ReLU / LeakyReLU / dropout ``<- / c_j`` (``relu(c x) = c relu(x)``).
+  of every Linear reading it through ReLU / LeakyReLU / dropout ``<- / c_j`` (``relu(c x) = c relu(x)``), or through
+  an elementwise product with a gate computed without it (SwiGLU's ``silu(w1 x) * w3 x`` frees ``w3``'s units:
+  ``(c h) g = c (h g)``).
   The diagonal rescaling group of `manifolds._group_discovery` reads axis 1 as the channels, so on
   ``(batch, tokens, features)`` tensors it pins these; they are found here on the last axis instead, and
   dropped where the diagonal group already moves the same side of the same tensor (nothing is claimed twice).
@@ -32,9 +34,13 @@ overlapping pieces, pins); the rows each factor moves must then be disjoint (che
 layout is not assumed but read: the reshapes are replayed on a tensor holding each feature's index, and the
 factor exists only when every head uses a fixed, disjoint set of features for every token.
 
+Rotary embeddings between the query (or key) projection and the product keep the subgroup of the query/key ``GL(hd)``
+that commutes with every position's map (`manifolds._rotary`): the operations there must read the data through the
+heads tensor alone, with constant (buffer- and shape-derived) other inputs, and act linearly on each row.
+
 What pins (no factor, with the reason recorded): anything else between a projection and the product
-(rotary embeddings, per-head norms, one piece of a fused projection read twice, grouped-query repeats), a projection
-or normalized output read by anything else (a residual addition), a Linear or module called more than once
+(per-head norms, a learned per-position map, one piece of a fused projection read twice, grouped-query repeats), a
+projection or normalized output read by anything else (a residual addition), a Linear or module called more than once
 for a diagonal trade, shared parameters, GELU / SiLU / tanh / softmax after a Linear (not positively
 homogeneous), and ``enable_gqa``. Pinning only shrinks the group, so it is always safe.
 """
@@ -53,6 +59,7 @@ from torch.utils._pytree import tree_leaves
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
+from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
 from manifolds._structure import UnsupportedModelError, analyze
 
 _RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
@@ -76,15 +83,38 @@ class _Found:
     pins: list[Pin] = field(default_factory=list)
 
 
-def _values(model: nn.Module, graph: fx.Graph, x: Tensor) -> dict[fx.Node, object]:
-    """The non-tensor value of every node on one forward pass (sizes, head counts), to replay reshapes."""
-    out: dict[fx.Node, object] = {}
+@dataclass
+class _Record:
+    """One forward pass of the example input: the non-tensor value of every node (sizes, head counts, to replay
+    reshapes), the value of every tensor that does not depend on the data's values (buffers and what is computed from
+    them and from shapes: the operands of a rotary map), and which nodes depend on the data's values or on parameters.
+    """
+
+    values: dict[fx.Node, object] = field(default_factory=dict)
+    constants: dict[fx.Node, object] = field(default_factory=dict)
+    data_fed: set[fx.Node] = field(default_factory=set)
+    param_fed: set[fx.Node] = field(default_factory=set)
+
+
+def _values(model: nn.Module, graph: fx.Graph, x: Tensor) -> _Record:
+    """Run ``x`` through ``graph`` once (eval mode, no gradients) and record what `_Record` holds."""
+    record = _Record()
+    parameters = {id(p) for p in model.parameters()}
 
     class _Run(fx.Interpreter):
         def run_node(self, n: fx.Node):
             value = super().run_node(n)
+            inputs = n.all_input_nodes
+            if n.op == "placeholder" or (not is_metadata(n) and any(a in record.data_fed for a in inputs)):
+                record.data_fed.add(n)
+            if (n.op == "get_attr" and id(attribute(model, n)) in parameters) or (
+                    n.op == "call_module" and any(True for _ in model.get_submodule(str(n.target)).parameters())) \
+                    or (not is_metadata(n) and any(a in record.param_fed for a in inputs)):  # fmt: skip
+                record.param_fed.add(n)
             if not any(isinstance(v, Tensor) for v in tree_leaves(value)):
-                out[n] = value
+                record.values[n] = value
+            elif n not in record.data_fed:
+                record.constants[n] = value
             return value
 
         def call_module(self, target, args, kwargs):
@@ -98,12 +128,12 @@ def _values(model: nn.Module, graph: fx.Graph, x: Tensor) -> dict[fx.Node, objec
     finally:
         for m, training in modes:
             m.training = training
-    return out
+    return record
 
 
 class _Finder:
-    def __init__(self, model: nn.Module, graph: fx.Graph, values: dict[fx.Node, object]):
-        self.model, self.graph, self.values = model, graph, values
+    def __init__(self, model: nn.Module, graph: fx.Graph, record: _Record):
+        self.model, self.graph, self.record, self.values = model, graph, record, record.values
         self.calls = Counter(str(n.target) for n in graph.nodes if n.op == "call_module")
         named = list(model.named_parameters(remove_duplicate=False))
         count = Counter(id(p) for _, p in named)
@@ -114,9 +144,11 @@ class _Finder:
         self.shared = {n for n, p in named if count[id(p)] > 1 or id(p) in direct}
         self.found = _Found()
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
-        self.claimed: dict[tuple[str, int], set[int]] = {}  # (parameter, axis) -> rows/columns a GL factor moves
+        self.claimed: list[tuple[tuple[str, int], set[int], set[int] | None]] = []  # (parameter, axis), what a factor
+        # moves along that axis, and the indices of the other axis it is restricted to (None: all)
         self._input_fed: dict[fx.Node, bool] = {}
         self.attention_seen: set[str] = set()  # nn.MultiheadAttention modules whose factors are found
+        self.commutants: dict[tuple, object] = {}  # position maps (shape, bytes) -> the algebra commuting with them
 
     # -- graph helpers ---------------------------------------------------------------------------------------
     def users(self, node: fx.Node) -> list[fx.Node]:
@@ -216,25 +248,35 @@ class _Finder:
             seen |= features
 
     def claim(self, factors: Sequence[Factor]) -> None:
-        """Record the rows and columns the GL ``factors`` move; fails where one is already moved by another factor
-        (the query, key and value cut from one fused projection must be disjoint rows of it)."""
-        taken: dict[tuple[str, int], set[int]] = {}
+        """Record the rows and columns ``factors`` move; fails where one is already moved by another factor (the query,
+        key and value cut from one fused projection must be disjoint rows of it; two units may not divide the same
+        columns of their reader). A block restricted to some indices of its other axis (a packed attention projection's
+        query rows) meets another only where those overlap too."""
+        taken: list[tuple[tuple[str, int], set[int], set[int] | None]] = []
         for factor in factors:
             for block in factor.blocks:
                 key, index = (block.name, block.axis), set(block.index)
-                if index & (self.claimed.get(key, set()) | taken.get(key, set())):
-                    raise _Fail(f"rows or columns of '{block.name}' would be moved by two factors")
-                taken.setdefault(key, set()).update(index)
-        for key, index in taken.items():
-            self.claimed.setdefault(key, set()).update(index)
+                other = None if block.other is None else set(block.other)
+                for seen_key, seen_index, seen_other in [*self.claimed, *taken]:
+                    if seen_key == key and index & seen_index and (other is None or seen_other is None
+                                                                   or other & seen_other):  # fmt: skip
+                        raise _Fail(f"rows or columns of '{block.name}' would be moved by two factors")
+                taken.append((key, index, other))
+        self.claimed.extend(taken)
 
-    def back(self, node: fx.Node, role: str) -> tuple[fx.Node, list[fx.Node]]:
-        """The Linear call whose output reaches ``node`` through reshapes only, and those reshapes in order."""
+    def back(self, node: fx.Node, role: str, regions: list | None = None) -> tuple[fx.Node, list[fx.Node]]:
+        """The Linear call whose output reaches ``node`` through reshapes only, and those reshapes in order.
+
+        Given ``regions`` (a list), one position-wise linear map (`manifolds._rotary`) may sit between them: it is
+        appended as ``(region, i)``, ``i`` the number of reshapes before it, and left out of the chain.
+        """
         chain: list[fx.Node] = []
         cuts: list[fx.Node] = []
         current = node
+        region = None
+        after = 0  # reshapes between the region and `node`
         while True:
-            if len(self.users(current)) != 1:
+            if len(self.users(current)) != 1 and not (region is not None and current is region.start):
                 if not (chain and self.cut_into_pieces(current)):
                     raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
                 cuts.append(current)
@@ -244,13 +286,36 @@ class _Finder:
                 chain.reverse()
                 for cut in cuts:
                     self.disjoint_pieces(current, chain[: chain.index(cut) + 1] if cut is not current else [], cut)
+                if region is not None:
+                    regions.append((region, len(chain) - after))
                 return current, chain
             source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
+            if source is None and regions is not None and region is None:
+                region = self.position_region(current, role)
+                after = len(chain)
+                current = region.start
+                continue
             if source is None:
                 between = self.label(current)
                 raise _Fail(f"the {role} is not a Linear's output reshaped into heads ({between} is between)")
             chain.append(current)
             current = source
+
+    def position_region(self, end: fx.Node, role: str) -> Region:
+        """The position-wise map ending at ``end`` (`manifolds._rotary.find_region`), checked to hold no parameter."""
+        try:
+            region = find_region(end, self.record.data_fed.__contains__, self.users,
+                                 lambda n: self.plain_linear(n) or (n.op in ("call_method", "call_function")
+                                                                    and self.data_arg(n) is not None))  # fmt: skip
+            start, end_shape = region.start.meta.get("shape"), end.meta.get("shape")
+            if start is None or end_shape is None or tuple(start) != tuple(end_shape):
+                raise RegionError(f"it turns a {start} tensor into a {end_shape} one")
+            check_region(region, self.model, self.record.data_fed.__contains__, self.record.param_fed.__contains__,
+                         start[0])  # fmt: skip
+        except RegionError as failure:
+            raise _Fail(f"the {role} is not a Linear's output reshaped into heads and mapped per position "
+                        f"({self.label(end)} is between: {failure})") from None  # fmt: skip
+        return region
 
     def forward(self, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         """The Linear call reading ``node`` through reshapes only (nothing else reading them), and the reshapes."""
@@ -328,23 +393,76 @@ class _Finder:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
 
+    def replayed(self, linear: fx.Node, chain: Sequence[fx.Node], where: tuple | None, role: str):
+        """``linear``'s feature indices replayed to where the product reads them, and where there is a position-wise
+        map ``where = (region, i)`` (`back`), the feature groups per head slot at its input and its per-row maps
+        ``(slots, tokens, hd, hd)`` (else ``None, None``)."""
+        if not where:
+            return self.replay(chain, self.feature_probe(linear)), None, None
+        region, i = where
+        probe = self.replay(chain[:i], self.feature_probe(linear))
+        at_product = self.replay(chain[i:], probe)  # the map keeps the shape and each row's features
+        shape = region.start.meta.get("shape")
+        if shape is None or tuple(shape) != tuple(probe.shape):
+            raise _Fail(f"the shape of the {role} before its position map is unknown")
+        at_start = self.groups(probe[:1], True, role)  # the first sample's head slots, as the maps are read
+        try:
+            maps = position_maps(region, tuple(shape), self.record.constants | self.values, self.model)
+        except RegionError as failure:
+            raise _Fail(f"the {role}'s position map ({self.label(region.end)}): {failure}") from None
+        return at_product, at_start, maps.reshape(len(at_start), -1, *maps.shape[-2:])
+
+    def head_algebra(self, head: tuple, maps: Sequence[tuple]):
+        """The algebra of the subgroup of ``GL(hd)`` commuting with a head's query maps and key maps' transposes
+        (`manifolds._rotary.commutant`; ``None``: no maps, the whole ``GL(hd)``). ``maps``: ``(groups at the map's
+        input, maps, transpose)`` per side with a map; ``head``: the head's feature group per side."""
+        picked = []
+        for (groups, m, transpose), features in zip(maps, head):
+            rows = m[[i for i, g in enumerate(groups.tolist()) if tuple(g) == features]].reshape(-1, *m.shape[-2:])
+            picked.append(rows.transpose(-1, -2) if transpose else rows)
+        if not picked:
+            return None
+        stacked = torch.cat(picked)
+        key = (tuple(stacked.shape), stacked.numpy().tobytes())
+        if key not in self.commutants:
+            try:
+                self.commutants[key] = commutant(stacked)
+            except RegionError as failure:
+                raise _Fail(f"the query/key position maps: {failure}") from None
+        return self.commutants[key]
+
     def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool) -> None:
-        lq, chain_q = self.back(q, "query")
-        lk, chain_k = self.back(k, "key")
-        pq = self.replay(chain_q, self.feature_probe(lq))
-        pk = self.replay(chain_k, self.feature_probe(lk))
+        regions_q: list = []
+        regions_k: list = []
+        lq, chain_q = self.back(q, "query", regions_q)
+        lk, chain_k = self.back(k, "key", regions_k)
+        pq, start_q, maps_q = self.replayed(lq, chain_q, regions_q[0] if regions_q else None, "query")
+        pk, start_k, maps_k = self.replayed(lk, chain_k, regions_k[0] if regions_k else None, "key")
         if pq.shape[:-2] != pk.shape[:-2]:
             raise _Fail("the query and key heads are broadcast against each other")
-        heads = self.heads([self.groups(pq, True, "query"), self.groups(pk, k_features_last, "key")], "query/key")
+        groups = [self.groups(pq, True, "query"), self.groups(pk, k_features_last, "key")]
+        for at_start, at_product, role in ((start_q, groups[0], "query"), (start_k, groups[1], "key")):
+            # the maps are read per row of features at their input; the factor's order is the product's
+            if at_start is not None and set(map(tuple, at_start.tolist())) != set(map(tuple, at_product.tolist())):
+                raise _Fail(f"the {role}'s heads do not hold the same features in the same order on both sides of its "
+                            "position map")  # fmt: skip
+        heads = self.heads(groups, "query/key")
+        sides = [(at_start, maps, transpose) for at_start, maps, transpose in
+                 ((start_q, maps_q, False), (start_k, maps_k, True)) if maps is not None]  # fmt: skip
+        with_maps = [i for i, m in enumerate((maps_q, maps_k)) if m is not None]
+        algebras = [self.head_algebra(tuple(head[i] for i in with_maps), sides) for head in heads]
+        # the maps were read on the example's tokens only: say so where the claim rests on them
+        read = "" if not sides else f" (position maps read on {sides[0][1].shape[1]} tokens)"
         factors = [
             Factor(
                 "GL",
                 len(gq),
                 tuple(self.linear_blocks(lq, gq, "T", True) + self.linear_blocks(lk, gk, "inv", True)),
-                f"attention at {where}, head {h}: query/key",
+                f"attention at {where}, head {h}: query/key" + read,
                 "A",
+                algebra,
             )
-            for h, (gq, gk) in enumerate(heads)
+            for h, ((gq, gk), algebra) in enumerate(zip(heads, algebras))
         ]
         self.claim(factors)
         self.found.factors.extend(factors)  # only once every head's blocks are known
@@ -532,7 +650,8 @@ class _Finder:
         self.found.factors.append(Factor("diagonal", size, tuple(blocks), f"affine scale of {where}", "c"))
 
     def mlp(self, node: fx.Node) -> None:
-        """A Linear whose output reaches only Linears through ReLU / LeakyReLU / dropout: unit scalings."""
+        """A Linear whose output reaches only Linears through ReLU / LeakyReLU / dropout and elementwise products with
+        tensors computed without it (a gated unit): unit scalings."""
         name, where = str(node.target), self.label(node)
         size = node.meta.get("shape", (0,))[-1]
         current = node
@@ -541,7 +660,7 @@ class _Finder:
                 raise _Fail("it is called more than once")
             while True:
                 users = self.users(current)
-                if len(users) == 1 and self.positive(users[0], current):
+                if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node)):
                     current = users[0]
                     continue
                 if all(self.plain_linear(u) or self.is_mha(u) for u in users):
@@ -553,10 +672,14 @@ class _Finder:
                 raise _Fail(f"it feeds {self.label(bad)}")
             index = tuple(range(size))
             blocks = self.linear_blocks(node, index, "T", True) + self.consumer_blocks(current, index)
+            factor = Factor("diagonal", size, tuple(blocks), f"units of {where}", "c")
+            # both sides of a product of two homogeneous units (ReGLU's relu(w1 x) * w3 x) would divide the same
+            # columns of the reader; the metric weighs a column by one factor, so the first found keeps them
+            self.claim([factor])
         except _Fail as failure:
             self.pin(f"output of {where}", size, f"its units cannot be rescaled: {failure}")
             return
-        self.found.factors.append(Factor("diagonal", size, tuple(blocks), f"units of {where}", "c"))
+        self.found.factors.append(factor)
 
     def positive(self, user: fx.Node, source: fx.Node) -> bool:
         """Whether ``user`` commutes with a positive scaling of its only tensor input ``source``, feature-wise."""
@@ -567,6 +690,29 @@ class _Finder:
             return isinstance(m, _POSITIVE_MODULES) and len(user.args) == 1 and not m._forward_hooks
         extra = [a for a in list(user.args[1:]) + list(user.kwargs.values()) if isinstance(a, fx.Node)]
         return target_name(user) in _POSITIVE and not extra
+
+    def gated(self, user: fx.Node, source: fx.Node, linear: fx.Node) -> bool:
+        """Whether ``user`` multiplies ``source`` elementwise by a tensor computed without ``linear`` (SwiGLU's
+        ``silu(w1 x) * w3 x``, read from ``w3``'s side): ``(c h) g = c (h g)`` feature by feature, where ``h`` is not
+        broadcast (its shape is the product's)."""
+        if target_name(user) != "mul" or user.kwargs or len(user.args) != 2 or user.args.count(source) != 1:
+            return False
+        other = user.args[1] if user.args[0] is source else user.args[0]
+        shape, own = user.meta.get("shape"), source.meta.get("shape")
+        if not isinstance(other, fx.Node) or shape is None or own is None or tuple(shape) != tuple(own):
+            return False
+        if self.users(other) != [user]:  # fx records `g *= h` out of place: another reader of g would see g h
+            return False
+        todo, seen = [other], {other}
+        while todo:  # `other` must not read `linear`'s output (h * h is no gate)
+            n = todo.pop()
+            if n is linear:
+                return False
+            for a in n.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+        return True
 
     def run(self) -> _Found:
         nodes = list(self.graph.nodes)
@@ -607,8 +753,8 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
         traced: its [`manifolds.trace_network`][manifolds.trace_network] result (with shapes).
         example_input: one input batch (its first two samples are run once to read sizes).
     """
-    values = _values(model, traced.graph, input_like(model, example_input))
-    found = _Finder(model, traced.graph, values).run()
+    record = _values(model, traced.graph, input_like(model, example_input))
+    found = _Finder(model, traced.graph, record).run()
     return found.factors, found.pins
 
 

@@ -22,7 +22,8 @@ a vector ``s`` with ``Omega = diag(s)`` for a diagonal factor) is the derivative
 `MatrixSymmetry` holds the factors, the diagonal rescaling group of `manifolds._group` (which
 acts on other tensors or other sides of them: nothing is claimed twice) and the reasons everything else is
 pinned. The whole group's Lie algebra has coordinates ``xi = (log-scales of the diagonal group, vec(Omega_1),
-..., s_j, ...)`` (row-major ``Omega``), in the order of ``factors``.
+..., s_j, ...)`` (row-major ``Omega``), in the order of ``factors``; a factor that is a subgroup of ``GL(k)`` (one
+commuting with rotary position maps) has the coefficients on its algebra's basis instead (`Factor.algebra`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -85,7 +87,8 @@ def _span(index: tuple[int, ...]) -> str:
 
 @dataclass(frozen=True)
 class Factor:
-    """One factor of the group: ``GL(size)`` (``kind="GL"``) or positive diagonal (``kind="diagonal"``).
+    """One factor of the group: ``GL(size)`` or a subgroup of it (``kind="GL"``), or positive diagonal
+    (``kind="diagonal"``).
 
     Attributes:
         kind: ``"GL"`` or ``"diagonal"``.
@@ -93,6 +96,10 @@ class Factor:
         blocks: the parameter blocks it moves.
         label: what it is, e.g. ``"attention 'attn' head 0: query/key"``.
         symbol: the letter used in descriptions (``"A"``, ``"B"`` or ``"c"``).
+        algebra: ``None`` for the whole ``GL(size)``; for a subgroup (the invertible matrices commuting with a
+            query's and key's rotary position maps, `manifolds._rotary`), a basis of its Lie algebra, each element a
+            ``k x k`` matrix given by its nonzero entries ``(row, column, value)``. The factor's coordinates are then
+            the coefficients on this basis.
     """
 
     kind: str
@@ -100,14 +107,50 @@ class Factor:
     blocks: tuple[Block, ...]
     label: str
     symbol: str
+    algebra: tuple[tuple[tuple[int, int, float], ...], ...] | None = None
 
     @property
     def dim(self) -> int:
-        """The factor's dimension: ``size^2`` for GL, ``size`` for a diagonal factor."""
+        """The factor's dimension: ``size^2`` for GL, the basis size for a subgroup, ``size`` for a diagonal factor."""
+        if self.algebra is not None:
+            return len(self.algebra)
         return self.size * self.size if self.kind == "GL" else self.size
 
+    @cached_property
+    def _basis(self) -> Tensor:
+        """The algebra's basis as a dense ``(dim, k, k)`` float64 tensor (a subgroup only)."""
+        basis = torch.zeros(len(self.algebra), self.size, self.size, dtype=torch.float64)
+        for i, element in enumerate(self.algebra):
+            for a, b, value in element:
+                basis[i, a, b] = value
+        return basis
+
+    def omega(self, coordinates: Tensor) -> Tensor:
+        """The Lie-algebra matrices ``(..., k, k)`` of GL-factor coordinates ``(..., dim)`` (row-major for the whole
+        ``GL(k)``, basis coefficients for a subgroup)."""
+        if self.algebra is None:
+            return coordinates.reshape(*coordinates.shape[:-1], self.size, self.size)
+        basis = self._basis.to(coordinates.device, coordinates.dtype)
+        return torch.einsum("...d,dab->...ab", coordinates, basis)
+
+    def nonzeros(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The algebra's basis as entries ``(coordinate, row, column, value)`` (long, long, long, float64): for the
+        whole ``GL(k)`` coordinate ``a k + b`` is ``E_ab``."""
+        if self.algebra is None:
+            t = torch.arange(self.size * self.size)
+            return t, t // self.size, t % self.size, torch.ones(t.shape, dtype=torch.float64)
+        entries = [(i, a, b, v) for i, element in enumerate(self.algebra) for a, b, v in element]
+        i, a, b, v = zip(*entries) if entries else ((), (), (), ())
+        return (torch.tensor(i, dtype=torch.long), torch.tensor(a, dtype=torch.long),
+                torch.tensor(b, dtype=torch.long), torch.tensor(v, dtype=torch.float64))  # fmt: skip
+
     def describe(self) -> str:
-        group = f"GL({self.size})" if self.kind == "GL" else f"positive diagonal ({self.size})"
+        if self.kind == "diagonal":
+            group = f"positive diagonal ({self.size})"
+        elif self.algebra is None:
+            group = f"GL({self.size})"
+        else:
+            group = f"the subgroup of GL({self.size}) commuting with its position maps"
         lines = [f"{self.label}: {group}, dimension {self.dim}"]
         lines.extend(f"    {b.describe(self.symbol, self.kind == 'diagonal')}" for b in self.blocks)
         return "\n".join(lines)
@@ -236,7 +279,7 @@ class MatrixSymmetry:
             raise ValueError(f"xi must have shape ({self.dim},), got {tuple(xi.shape)}")
         parts = torch.split(xi, [self.diagonal_dim, *[f.dim for f in self.factors]])
         matrices = tuple(
-            torch.linalg.matrix_exp(p.reshape(f.size, f.size)) if f.kind == "GL" else torch.exp(p)
+            torch.linalg.matrix_exp(f.omega(p)) if f.kind == "GL" else torch.exp(p)
             for f, p in zip(self.factors, parts[1:])
         )
         return SymmetryElement(parts[0], matrices)
@@ -248,7 +291,9 @@ class MatrixSymmetry:
 
         Log-scales (diagonal group and diagonal factors) are i.i.d. ``N(0, scale^2)``. A GL factor is
         ``U diag(exp(scale z)) V^T`` with ``U``, ``V`` Haar-random orthogonal and ``z`` standard normal clipped to
-        ``[-2, 2]``, so its condition number is at most ``exp(4 scale)``.
+        ``[-2, 2]``, so its condition number is at most ``exp(4 scale)``. A subgroup's factor is ``exp(Omega)``,
+        ``Omega`` a combination of its algebra's basis with standard normal coefficients scaled to the spectral norm
+        ``2 scale``: the same bound.
 
         Args:
             scale: spread of the log-scales and log-singular values.
@@ -260,6 +305,11 @@ class MatrixSymmetry:
         for f in self.factors:
             if f.kind == "diagonal":
                 matrices.append(torch.exp(scale * torch.randn(f.size, generator=generator, dtype=dtype)))
+                continue
+            if f.algebra is not None:
+                omega = f.omega(torch.randn(f.dim, generator=generator, dtype=dtype))
+                norm = torch.linalg.matrix_norm(omega, 2)
+                matrices.append(torch.linalg.matrix_exp(omega * (2 * scale / norm) if norm > 0 else omega))
                 continue
             u, v = (_orthogonal(f.size, generator, dtype) for _ in range(2))
             z = torch.randn(f.size, generator=generator, dtype=dtype).clamp(-2.0, 2.0)
@@ -334,7 +384,7 @@ class MatrixSymmetry:
                 out[a.name] = out[a.name] + t * a.log_factor(s.to(t.device, t.dtype))
         for f, p in zip(self.factors, parts[1:]):
             diagonal = f.kind == "diagonal"
-            omega = p if diagonal else p.reshape(f.size, f.size)
+            omega = p if diagonal else f.omega(p)
             for b in f.blocks:
                 t = params[b.name]
                 om = omega.to(t.device, t.dtype)

@@ -139,7 +139,7 @@ class SymmetryQuotient(MetricQuotient):
         parts = torch.split(ys, [sym.diagonal_dim, *[f.dim for f in sym.factors]], dim=1)
         for f, p in zip(sym.factors, parts[1:]):
             diagonal = f.kind == "diagonal"
-            omega = p if diagonal else p.reshape(-1, f.size, f.size)
+            omega = p if diagonal else f.omega(p)
             for b in f.blocks:
                 index = self._block_index(b)
                 x = w[index]
@@ -159,14 +159,18 @@ class SymmetryQuotient(MetricQuotient):
         (columns: the factors' coordinates in order, the diagonal group's left out), read block by block: the
         coordinate ``(a, b)`` of a GL factor is ``d = +-E_ab`` (transposed for ``"T"`` and ``"invT"``), which moves
         row ``a`` of a row block by ``+-`` its row ``b`` (``d x``), and column ``b`` of a column block by ``+-`` its
-        column ``a`` (``x d``); the ``j``-th coordinate of a diagonal factor is ``a = b = j``. What
+        column ``a`` (``x d``); the ``j``-th coordinate of a diagonal factor is ``a = b = j``, and a basis element of a
+        subgroup's algebra is the sum of its entries ``v E_ab``. What
         `_factor_tangents` computes for unit coordinates, without a dense ``(d, n)`` buffer."""
         sym, w = self.symmetry, self.point
         rows, cols, values = [], [], []
         offset = 0
         for f in sym.factors:
-            t = torch.arange(f.dim, device=w.device)
-            a, b = (t, t) if f.kind == "diagonal" else (t // f.size, t % f.size)
+            if f.kind == "diagonal":
+                t = a = b = torch.arange(f.dim, device=w.device)
+                weight = None
+            else:  # every nonzero (a, b, v) of a basis element moves like E_ab, times v
+                t, a, b, weight = (e.to(w.device) for e in f.nonzeros())
             for blk in f.blocks:
                 index = self._block_index(blk)
                 x = w[index]
@@ -176,8 +180,12 @@ class SymmetryQuotient(MetricQuotient):
                     entry, value = index[r], sign * x[c]
                 else:  # column c takes +- column r
                     entry, value = index[:, c].T, sign * x[:, r].T
+                entry = entry.reshape(len(t), -1)
+                value = value.reshape(len(t), -1)
+                if weight is not None:
+                    value = value * weight.to(value.dtype)[:, None]
                 rows.append(entry.reshape(-1))
-                cols.append((offset + t)[:, None].expand(entry.reshape(f.dim, -1).shape).reshape(-1))
+                cols.append((offset + t)[:, None].expand(entry.shape).reshape(-1))
                 values.append(value.reshape(-1))
             offset += f.dim
         if not rows:

@@ -69,7 +69,7 @@ class HandBlock(nn.Module):
         q = self.q(y).view(b, t, H, HD).transpose(1, 2)
         k = self.k(y).view(b, t, H, HD).transpose(1, 2)
         v = self.v(y).view(b, t, H, HD).transpose(1, 2)
-        if self.rotary:  # a position-dependent factor on q and k: not a reshape, so no query/key factor
+        if self.rotary:  # a position-dependent diagonal map on q and k: the query/key factor keeps the diagonal A
             q, k = q * self.phase, k * self.phase
         if self.sdpa:
             a = F.scaled_dot_product_attention(q, k, v)
@@ -249,8 +249,9 @@ def mha_dim(cfg) -> int:
 
 
 def hand_dim(cfg) -> int:
-    # query/key GL factors only without the rotary factor; value/output always; ln1, ln2 (D each); FF ReLU units.
-    return (1 if cfg.get("rotary") else 2) * H * HD * HD + 2 * D + FF
+    # query/key GL factors (with the position phase only the diagonal matrices, which commute with it: HD per head);
+    # value/output always; ln1, ln2 (D each); FF ReLU units.
+    return H * HD * HD + H * (HD if cfg.get("rotary") else HD * HD) + 2 * D + FF
 
 
 MHA_CASES = {
@@ -359,10 +360,11 @@ def test_pins_and_their_reasons():
     assert "'fc1'" in text and "not positively homogeneous" in text
     model, x, *_ = make("mha", "bias_kv")
     assert "add_bias_kv" in manifolds.transformer_symmetry(model, x).describe()
-    model, x, *_ = make("hand", "rotary")
+    model, x, *_ = make("hand", "rotary")  # distinct phases per position and feature: only diagonal A commute
     sym = manifolds.transformer_symmetry(model, x)
-    assert not any("query/key" in f.label for f in sym.factors)
-    assert any("query/key" in p.reason or "query" in p.reason for p in sym.pins), sym.describe()
+    qk = [f for f in sym.factors if "query/key" in f.label]
+    assert len(qk) == H and all(f.dim == HD for f in qk), sym.describe()
+    assert all(a == b for f in qk for element in f.algebra for a, b, _ in element)
     model, x, *_ = make("mha", "post_ln")
     assert "its affine scale cannot be traded" in manifolds.transformer_symmetry(model, x).describe()
 

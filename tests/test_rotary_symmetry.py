@@ -1,0 +1,340 @@
+"""The query/key symmetry of attention with rotary position embeddings (manifolds._rotary): the subgroup of GL(hd)
+commuting with every position's rotation, found on the graph, acting exactly, and quotiented exactly.
+
+References that share none of the library's code path: the rotations built by hand from the cos/sin tables, group
+elements built by hand (``a I + b J`` on each rotated pair, any invertible matrix on features no rotation touches), a
+generic GL(hd) element (which must change the function: the group really is smaller), and the dense quotient spectrum
+of `test_transformer_quotient`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_transformer_quotient import _adaptive, _euclidean, dense_quotient_spectrum, measure_value
+from torch import nn
+
+import manifolds
+
+D, H, HD, FF, T, N = 8, 2, 4, 12, 4, 5  # width, heads, head size, MLP width, tokens, samples
+FREQS = 1.0 / (10000 ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))  # (HD/2,): 1 and 0.01
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RopeBlock(nn.Module):
+    """A pre-norm block on ``(N, T, D)``: LayerNorm, attention with rotary embeddings on query and key (biases
+    included), output projection, residual, LayerNorm, ReLU MLP, residual.
+
+    ``style``: ``"rotate_half"`` (LLaMA / GPT-NeoX: pairs ``(i, i + hd/2)``, constant cos/sin buffers),
+    ``"interleaved"`` (GPT-J: pairs ``(2i, 2i + 1)``), ``"partial"`` (the first half of each head rotated, the rest
+    passed through), ``"inline"`` (HuggingFace: the tables computed in the forward from an ``inv_freq`` buffer and the
+    positions ``arange(x.shape[1])``), ``"matmul"`` (rotate_half, then scores by ``q @ k.transpose(-2, -1)``).
+    """
+
+    def __init__(self, style: str):
+        super().__init__()
+        self.style = style
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        rotated = HD // 2 if style == "partial" else HD
+        freqs = 1.0 / (10000 ** (torch.arange(0, rotated, 2, dtype=torch.float64) / rotated))
+        self.register_buffer("inv_freq", freqs)
+        angles = torch.outer(torch.arange(T, dtype=torch.float64), freqs)
+        if style == "interleaved":
+            angles = angles.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def rope(self, t):
+        if self.style == "interleaved":
+            turned = torch.stack((-t[..., 1::2], t[..., 0::2]), dim=-1).flatten(-2)
+            return t * self.cos + turned * self.sin
+        if self.style == "partial":
+            r = HD // 2
+            head, rest = t[..., :r], t[..., r:]
+            return torch.cat((head * self.cos + _rotate_half(head) * self.sin, rest), dim=-1)
+        if self.style == "inline":
+            positions = torch.arange(t.shape[2], dtype=self.inv_freq.dtype, device=t.device)
+            emb = torch.outer(positions, self.inv_freq)
+            emb = torch.cat((emb, emb), dim=-1)
+            return t * emb.cos() + _rotate_half(t) * emb.sin()
+        return t * self.cos + _rotate_half(t) * self.sin
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, t, H, HD).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q, k = self.rope(q), self.rope(k)
+        if self.style == "matmul":
+            a = torch.softmax(q @ k.transpose(-2, -1) / HD**0.5, dim=-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, style: str):
+        super().__init__()
+        self.blocks = nn.Sequential(RopeBlock(style))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+STYLES = ["rotate_half", "interleaved", "partial", "inline", "matmul"]
+PAIRS = {"interleaved": [(0, 1), (2, 3)], "partial": [(0, 1)]}  # rotated feature pairs of a head
+FREE = {"partial": [2, 3]}  # features no rotation touches: GL among themselves
+
+
+def classifier_case(build, width: int, seed: int = 0):
+    """``build()`` in float64 eval mode with its parameters moved off the initialization, a cross-entropy loss and
+    ``N`` random ``(T, width)`` samples with labels in 3 classes."""
+    torch.manual_seed(seed)
+    model = build().double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(N, T, width, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+
+
+def make(style: str, seed: int = 0):
+    return classifier_case(lambda: Net(style), D, seed)
+
+
+def _query_key(sym):
+    return [f for f in sym.factors if "query/key" in f.label]
+
+
+def _rotation(style: str, t: int) -> torch.Tensor:
+    """The ``(HD, HD)`` map of position ``t`` on a row (``q_t -> q_t R_t``), built from the angles by hand."""
+    pairs = PAIRS.get(style, [(i, i + HD // 2) for i in range(HD // 2)])
+    r = torch.eye(HD, dtype=torch.float64)
+    for (i, j), f in zip(pairs, FREQS if style != "partial" else FREQS[:1]):
+        c, s = np.cos(t * float(f)), np.sin(t * float(f))
+        r[i, i], r[j, j], r[i, j], r[j, i] = c, c, s, -s  # [x_i, x_j] -> [x_i c - x_j s, x_j c + x_i s]
+    return r
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_the_query_key_factor_is_the_commutant_of_the_rotations(style):
+    model, _, (x, _) = make(style)
+    sym = manifolds.transformer_symmetry(model, x)
+    qk = _query_key(sym)
+    assert len(qk) == H, sym.describe()
+    pairs = PAIRS.get(style, [(i, i + HD // 2) for i in range(HD // 2)])
+    expected = 2 * len(pairs) + len(FREE.get(style, [])) ** 2
+    rotations = [_rotation(style, t) for t in range(T)]
+    for f in qk:
+        assert f.algebra is not None and f.dim == expected, (f.dim, expected)
+        basis = f._basis
+        for r in rotations:  # every basis element commutes with every position's rotation
+            assert torch.allclose(r @ basis, basis @ r, rtol=0, atol=1e-12)
+        # and spans the whole commutant: the null space of Omega -> R Omega - Omega R, computed densely
+        eye = torch.eye(HD, dtype=torch.float64)
+        kron = torch.cat([torch.kron(r, eye) - torch.kron(eye, r.T.contiguous()) for r in rotations])
+        assert HD * HD - int(torch.linalg.matrix_rank(kron)) == expected
+    # the value/output factors stay the whole GL(hd)
+    assert all(f.algebra is None and f.dim == HD * HD for f in sym.factors if "value/output" in f.label)
+
+
+def _hand_element(model, style: str, g) -> dict:
+    """Per head: ``A`` = ``a I + b J`` on each rotated pair (and a random invertible block on free features) moving the
+    query rows by ``A^T`` and the key rows by ``A^-1``, and a random ``B`` on value/output."""
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pairs = PAIRS.get(style, [(i, i + HD // 2) for i in range(HD // 2)])
+    for h in range(H):
+        a = torch.zeros(HD, HD, dtype=torch.float64)
+        for i, j in pairs:
+            s, r = torch.exp(torch.randn(1, generator=g, dtype=torch.float64)), float(torch.rand(1, generator=g))
+            c, n = float(s * np.cos(6 * r)), float(s * np.sin(6 * r))
+            a[i, i], a[j, j], a[i, j], a[j, i] = c, c, n, -n
+        free = FREE.get(style, [])
+        if free:
+            block = torch.eye(len(free), dtype=torch.float64) + 0.4 * torch.randn(len(free), len(free), generator=g,
+                                                                                   dtype=torch.float64)  # fmt: skip
+            a[np.ix_(free, free)] = block
+        b = torch.eye(HD, dtype=torch.float64) + 2 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
+        head = slice(h * HD, (h + 1) * HD)
+        for name, m in (("q", a.T), ("k", torch.linalg.inv(a)), ("v", b.T)):
+            for part in ("weight", "bias"):
+                t = sd[f"blocks.0.{name}.{part}"].clone()
+                t[head] = m @ t[head]
+                sd[f"blocks.0.{name}.{part}"] = t
+        w = sd["blocks.0.o.weight"].clone()
+        w[:, head] = w[:, head] @ torch.linalg.inv(b).T
+        sd["blocks.0.o.weight"] = w
+    return sd
+
+
+def _with(model, params):
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(params, strict=False)
+    return twin
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_random_and_hand_built_elements_keep_the_function_and_a_generic_gl_element_does_not(style):
+    model, _, (x, _) = make(style)
+    sym = manifolds.transformer_symmetry(model, x)
+    with torch.no_grad():
+        ref = model(x)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            assert (sym.transformed(model, sym.random_element(1.0, g))(x) - ref).abs().max() < 1e-10
+        hand = _with(model, _hand_element(model, style, torch.Generator().manual_seed(2)))
+        assert (hand(x) - ref).abs().max() < 1e-10
+        # a generic A (not commuting with the rotations) on query/key changes the scores
+        sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+        a = torch.eye(HD, dtype=torch.float64) + 0.4 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
+        sd["blocks.0.q.weight"][:HD] = a.T @ sd["blocks.0.q.weight"][:HD]
+        sd["blocks.0.q.bias"][:HD] = a.T @ sd["blocks.0.q.bias"][:HD]
+        sd["blocks.0.k.weight"][:HD] = torch.linalg.inv(a) @ sd["blocks.0.k.weight"][:HD]
+        sd["blocks.0.k.bias"][:HD] = torch.linalg.inv(a) @ sd["blocks.0.k.bias"][:HD]
+        assert (_with(model, sd)(x) - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("style", ["rotate_half", "partial"])
+def test_the_quotient_measure_equals_the_dense_reference(style):
+    model, loss, data = make(style)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, params), sym)
+    value = measure_value(model, loss, data, k=2)
+    assert np.allclose(value, reference[::-1][:2], rtol=1e-8, atol=0), (value, reference[::-1][:3])
+
+
+@pytest.mark.parametrize("style", ["interleaved", "matmul"])
+def test_the_quotient_measure_is_unchanged_under_the_group_while_euclidean_and_adaptive_move(style):
+    model, loss, data = make(style)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    before = measure_value(model, loss, data)[0]
+    euclidean, adaptive = _euclidean(model, loss, data), _adaptive(model, loss, data)
+    moved = [sym.transformed(model, sym.random_element(1.5, torch.Generator().manual_seed(5))),
+             _with(model, _hand_element(model, style, torch.Generator().manual_seed(6)))]
+    for i, twin in enumerate(moved):
+        after = measure_value(twin, loss, data)[0]
+        assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+        e = _euclidean(twin, loss, data)
+        assert max(e, euclidean) / min(e, euclidean) > 1.5, (euclidean, e)
+        if i == 0:  # the hand-built element moves the heads only, which adaptive sharpness weighs little here
+            a = _adaptive(twin, loss, data)
+            assert max(a, adaptive) / min(a, adaptive) > 1.5, (adaptive, a)
+
+
+class Mapped(RopeBlock):
+    """Something other than a constant position-wise linear map between the projections and attention."""
+
+    def __init__(self, case: str):
+        super().__init__("rotate_half")
+        self.case = case
+        if case == "a learned position scale":
+            self.scale = nn.Parameter(torch.rand(T, 1, dtype=torch.float64) + 0.5)
+        if case == "a table with an entry per sample":  # for batches of two samples (the test's example)
+            self.register_buffer("per_sample", torch.tensor([1.0, 2.0]).reshape(2, 1, 1, 1))
+
+    def rope(self, t):
+        if self.case == "a scale per position":  # multiples of the identity: they say nothing about other positions
+            return t * self.cos[:, :1]
+        r = super().rope(t)
+        if self.case == "a learned position scale":
+            return r * self.scale
+        if self.case == "a nonlinearity":
+            return torch.tanh(r)
+        if self.case == "a clamp no unit probe reaches":
+            return r.clamp(-8.0, 8.0)
+        if self.case == "an offset":
+            return r + self.sin
+        if self.case == "a mix of tokens":
+            return r.cumsum(dim=2)
+        if self.case == "a mix of tokens by linear operations":
+            return r + torch.roll(r, 1, dims=2)
+        if self.case == "a table with an entry per sample":
+            return r * self.per_sample
+        return r.to(torch.bfloat16).tanh().to(t.dtype)  # "a cast around a nonlinearity"
+
+
+MAPPED = {
+    "a learned position scale": "computed from parameters",
+    "a nonlinearity": "not known to be linear",
+    "a clamp no unit probe reaches": "not known to be linear",
+    "an offset": "not a linear map",
+    "a mix of tokens": "not known to be linear",
+    "a mix of tokens by linear operations": "not a linear map",
+    "a table with an entry per sample": "differs from sample to sample",
+    "a scale per position": "multiples of the identity",
+    "a cast around a nonlinearity": "not known to be linear",
+}
+
+
+@pytest.mark.parametrize("case", list(MAPPED))
+def test_what_is_not_a_constant_position_map_pins_query_key(case):
+    torch.manual_seed(0)
+    model = nn.Sequential(Mapped(case)).double().eval()
+    x = torch.randn(2 if case == "a table with an entry per sample" else N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not _query_key(sym), sym.describe()
+    reasons = [p.reason for p in sym.pins if "query/key" in p.where]
+    assert reasons and MAPPED[case] in reasons[0], reasons
+    assert sum(f.dim for f in sym.factors if "value/output" in f.label) == H * HD * HD  # value/output stay
+
+
+def test_an_example_of_one_token_pins_rather_than_claiming_the_whole_gl():
+    """At position 0 every rotation is the identity: the maps read say nothing about the positions beyond."""
+    model, _, (x, _) = make("inline")  # tables built for the input's length
+    sym = manifolds.transformer_symmetry(model, x[:, :1])
+    assert not _query_key(sym)
+    assert any("multiples of the identity" in p.reason for p in sym.pins), sym.describe()
+
+
+class GroupedQuery(RopeBlock):
+    """Grouped-query attention as HuggingFace's ``repeat_kv`` writes it: one key/value head expanded to both query
+    heads after the rotary map."""
+
+    def __init__(self):
+        super().__init__("rotate_half")
+        self.k, self.v = nn.Linear(D, HD), nn.Linear(D, HD)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(b, t, H, HD).transpose(1, 2)
+        k, v = (m(h).view(b, t, 1, HD).transpose(1, 2) for m in (self.k, self.v))
+        q, k = self.rope(q), self.rope(k)
+        k, v = (u[:, :, None].expand(b, 1, H, t, HD).reshape(b, H, t, HD) for u in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+def test_grouped_query_repeats_pin_without_an_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(GroupedQuery()).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not _query_key(sym), sym.describe()
+    with torch.no_grad():
+        assert (sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))(x)
+                - model(x)).abs().max() < 1e-10  # fmt: skip
+
+
+def test_a_long_example_pins_rather_than_reading_huge_maps(monkeypatch):
+    import manifolds._rotary as rotary
+
+    monkeypatch.setattr(rotary, "MAX_MAP_ENTRIES", 10)
+    model, _, (x, _) = make("rotate_half")
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not _query_key(sym)
+    assert any("pass a shorter example" in p.reason for p in sym.pins)
