@@ -395,8 +395,8 @@ class _Finder:
 
     def replayed(self, linear: fx.Node, chain: Sequence[fx.Node], where: tuple | None, role: str):
         """``linear``'s feature indices replayed to where the product reads them, and where there is a position-wise
-        map ``where = (region, i)`` (`back`), the feature groups per head slot at its input and its per-row maps
-        ``(slots, tokens, hd, hd)`` (else ``None, None``)."""
+        map ``where = (region, i)`` (`back`), the features of each row of its first sample's input ``(rows, hd)`` and
+        the row's map ``(rows, hd, hd)`` (else ``None, None``)."""
         if not where:
             return self.replay(chain, self.feature_probe(linear)), None, None
         region, i = where
@@ -405,12 +405,13 @@ class _Finder:
         shape = region.start.meta.get("shape")
         if shape is None or tuple(shape) != tuple(probe.shape):
             raise _Fail(f"the shape of the {role} before its position map is unknown")
-        at_start = self.groups(probe[:1], True, role)  # the first sample's head slots, as the maps are read
+        # the features of every row of the first sample, as the maps are read: (tokens, heads) in any order of axes
+        at_start = probe[:1].reshape(-1, probe.shape[-1]).long()
         try:
             maps = position_maps(region, tuple(shape), self.record.constants | self.values, self.model)
         except RegionError as failure:
             raise _Fail(f"the {role}'s position map ({self.label(region.end)}): {failure}") from None
-        return at_product, at_start, maps.reshape(len(at_start), -1, *maps.shape[-2:])
+        return at_product, at_start, maps.reshape(-1, *maps.shape[-2:])
 
     def head_algebra(self, head: tuple, maps: Sequence[tuple]):
         """The algebra of the subgroup of ``GL(hd)`` commuting with a head's query maps and key maps' transposes
@@ -418,7 +419,7 @@ class _Finder:
         input, maps, transpose)`` per side with a map; ``head``: the head's feature group per side."""
         picked = []
         for (groups, m, transpose), features in zip(maps, head):
-            rows = m[[i for i, g in enumerate(groups.tolist()) if tuple(g) == features]].reshape(-1, *m.shape[-2:])
+            rows = m[[i for i, g in enumerate(groups.tolist()) if tuple(g) == features]]
             picked.append(rows.transpose(-1, -2) if transpose else rows)
         if not picked:
             return None
@@ -442,6 +443,7 @@ class _Finder:
             raise _Fail("the query and key heads are broadcast against each other")
         groups = [self.groups(pq, True, "query"), self.groups(pk, k_features_last, "key")]
         for at_start, at_product, role in ((start_q, groups[0], "query"), (start_k, groups[1], "key")):
+            # every row before the map holds one head's features in the order the product reads them
             # the maps are read per row of features at their input; the factor's order is the product's
             if at_start is not None and set(map(tuple, at_start.tolist())) != set(map(tuple, at_product.tolist())):
                 raise _Fail(f"the {role}'s heads do not hold the same features in the same order on both sides of its "
@@ -452,7 +454,10 @@ class _Finder:
         with_maps = [i for i, m in enumerate((maps_q, maps_k)) if m is not None]
         algebras = [self.head_algebra(tuple(head[i] for i in with_maps), sides) for head in heads]
         # the maps were read on the example's tokens only: say so where the claim rests on them
-        read = "" if not sides else f" (position maps read on {sides[0][1].shape[1]} tokens)"
+        if sides:
+            rows, _, _ = sides[0]
+            tokens = sum(tuple(g) == heads[0][with_maps[0]] for g in rows.tolist())
+        read = "" if not sides else f" (position maps read on {tokens} tokens)"
         factors = [
             Factor(
                 "GL",

@@ -348,7 +348,8 @@ class MatrixSymmetry:
             for b in f.blocks:
                 t = out[b.name]
                 grid = _grid(b, tuple(t.shape), t.device)
-                mt = _transform(m.to(t.device, t.dtype), b.how, diagonal)
+                # inverted in the element's dtype (float64 by default): bfloat16 and float16 have no inverse in torch
+                mt = _transform(m.to(t.device), b.how, diagonal).to(t.dtype)
                 out[b.name] = torch.index_put(t, grid, _apply(t[grid], mt, b.axis, diagonal))
         return out
 

@@ -36,7 +36,8 @@ class RopeBlock(nn.Module):
     ``style``: ``"rotate_half"`` (LLaMA / GPT-NeoX: pairs ``(i, i + hd/2)``, constant cos/sin buffers),
     ``"interleaved"`` (GPT-J: pairs ``(2i, 2i + 1)``), ``"partial"`` (the first half of each head rotated, the rest
     passed through), ``"inline"`` (HuggingFace: the tables computed in the forward from an ``inv_freq`` buffer and the
-    positions ``arange(x.shape[1])``), ``"matmul"`` (rotate_half, then scores by ``q @ k.transpose(-2, -1)``).
+    positions ``arange(x.shape[1])``), ``"matmul"`` (rotate_half, then scores by ``q @ k.transpose(-2, -1)``),
+    ``"tokens_first"`` (rotate_half on ``(N, T, H, hd)`` before the heads move to axis 1).
     """
 
     def __init__(self, style: str):
@@ -74,8 +75,14 @@ class RopeBlock(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         h = self.ln1(x)
-        q, k, v = (m(h).view(b, t, H, HD).transpose(1, 2) for m in (self.q, self.k, self.v))
-        q, k = self.rope(q), self.rope(k)
+        if self.style == "tokens_first":  # Meta's LLaMA and torchtune: the map on (N, T, H, hd), then the transpose
+            q, k, v = (m(h).view(b, t, H, HD) for m in (self.q, self.k, self.v))
+            cos, sin = self.cos[:, None, :], self.sin[:, None, :]
+            q, k = (u * cos + _rotate_half(u) * sin for u in (q, k))
+            q, k, v = (u.transpose(1, 2) for u in (q, k, v))
+        else:
+            q, k, v = (m(h).view(b, t, H, HD).transpose(1, 2) for m in (self.q, self.k, self.v))
+            q, k = self.rope(q), self.rope(k)
         if self.style == "matmul":
             a = torch.softmax(q @ k.transpose(-2, -1) / HD**0.5, dim=-1) @ v
         else:
@@ -94,7 +101,7 @@ class Net(nn.Module):
         return self.head(self.blocks(x).mean(dim=1))
 
 
-STYLES = ["rotate_half", "interleaved", "partial", "inline", "matmul"]
+STYLES = ["rotate_half", "interleaved", "partial", "inline", "matmul", "tokens_first"]
 PAIRS = {"interleaved": [(0, 1), (2, 3)], "partial": [(0, 1)]}  # rotated feature pairs of a head
 FREE = {"partial": [2, 3]}  # features no rotation touches: GL among themselves
 
@@ -338,3 +345,15 @@ def test_a_long_example_pins_rather_than_reading_huge_maps(monkeypatch):
     sym = manifolds.transformer_symmetry(model, x)
     assert not _query_key(sym)
     assert any("pass a shorter example" in p.reason for p in sym.pins)
+
+
+def test_elements_apply_to_a_bfloat16_model():
+    """Inverses are taken in the element's dtype (float64): torch has none in bfloat16."""
+    model, _, (x, _) = make("rotate_half")
+    sym = manifolds.transformer_symmetry(model, x)
+    element = sym.random_element(0.5, torch.Generator().manual_seed(0))
+    low = sym.transformed(copy.deepcopy(model).bfloat16(), element)
+    high = sym.transformed(model, element)
+    with torch.no_grad():
+        for (name, a), b in zip(low.named_parameters(), high.parameters()):
+            assert torch.allclose(a.double(), b, rtol=1e-2, atol=1e-2 * float(b.abs().max())), name
