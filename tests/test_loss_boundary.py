@@ -155,3 +155,25 @@ def test_a_loss_that_does_not_reduce_over_samples_as_declared_is_refused(loss_fn
         Objective(_model(), loss_fn, (X, y), reduction=reduction)
     if reduction == "sum" and not isinstance(loss_fn, nn.Module):  # declared as it computes: accepted
         Objective(_model(), loss_fn, (X, y), reduction="mean")
+
+
+def _three(out, y, w):
+    return ((out - y) ** 2 * w).mean()
+
+
+@pytest.mark.parametrize("loss", [_three, nn.TripletMarginLoss(), lambda out: out.sum(), 3],
+                         ids=["three arguments", "TripletMarginLoss", "one argument", "not callable"])  # fmt: skip
+def test_a_loss_that_cannot_take_outputs_and_targets_is_refused_before_any_call(loss):
+    model = nn.Linear(3, 2).eval()
+    with pytest.raises(TypeError, match=r"loss function must (take \(outputs, targets\)|be callable)"):
+        Objective(model, loss, (torch.randn(6, 3), torch.randn(6, 2)))
+
+
+@pytest.mark.parametrize("loss", [lambda out, y, w=1.0: ((out - y) ** 2).mean() * w,
+                                  lambda *args: ((args[0] - args[1]) ** 2).mean(), F.mse_loss])  # fmt: skip
+def test_losses_taking_two_arguments_among_others_are_accepted(loss):
+    model = nn.Linear(3, 2).eval()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    value = float(Objective(model, loss, (x, y), dtype=torch.float64).value())
+    with torch.no_grad():
+        assert value == pytest.approx(float(F.mse_loss(model.double()(x), y)), rel=1e-12)

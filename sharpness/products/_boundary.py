@@ -19,6 +19,7 @@ Hessian at this point).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 
@@ -246,6 +247,31 @@ def functional_call(model: nn.Module, tensors: tuple[Mapping[str, Tensor], ...],
     kernel (see `_math_attention`)."""
     with _math_attention():
         return tie_aware_call(model, tensors, args)
+
+
+def check_loss_signature(loss_fn: Callable) -> None:
+    """The loss must take ``(outputs, targets)``: a callable (a torch loss module's ``forward`` included) whose
+    signature cannot bind two positional arguments is refused before any work, naming what it needs.
+
+    Raises:
+        TypeError: not callable, or its signature needs more (or fewer) than two arguments.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"the loss function must be callable as loss_fn(outputs, targets), got a "
+                        f"{type(loss_fn).__name__}")  # fmt: skip
+    target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a signature: its first call says
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise TypeError(
+            f"the loss function must take (outputs, targets); {name}{signature} does not: wrap it, e.g. "
+            f"lambda out, y: {name}(out, y, ...)"
+        ) from None
 
 
 def check_first_batch(

@@ -28,6 +28,7 @@ from sharpness.products._boundary import (
     check_device,
     check_finite,
     check_first_batch,
+    check_loss_signature,
     check_meta,
     check_reduction,
     check_samples_apart,
@@ -272,6 +273,7 @@ class Objective:
                 stacklevel=2,
             )
         self.model = model
+        check_loss_signature(loss_fn)
         self.loss_fn = loss_fn
         self.reduction = _loss_reduction(loss_fn, reduction)
         # KLDivLoss's "batchmean" is its per-sample mean: evaluated as it is, unless another reduction is asked for
