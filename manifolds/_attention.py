@@ -302,19 +302,32 @@ class _Finder:
             current = source
 
     def position_region(self, end: fx.Node, role: str) -> Region:
-        """The position-wise map ending at ``end`` (`manifolds._rotary.find_region`), checked to hold no parameter."""
+        """The position-wise map ending at ``end`` (`manifolds._rotary.find_region`), checked (`checked_region`)."""
+        shape = end.meta.get("shape")
+
+        def may_start(n: fx.Node) -> bool:  # where `back` goes on, with the map keeping the shape
+            on = self.plain_linear(n) or (n.op in ("call_method", "call_function") and self.data_arg(n) is not None)
+            return on and shape is not None and tuple(n.meta.get("shape", ())) == tuple(shape)
+
         try:
-            region = find_region(end, self.record.data_fed.__contains__, self.users,
-                                 lambda n: self.plain_linear(n) or (n.op in ("call_method", "call_function")
-                                                                    and self.data_arg(n) is not None))  # fmt: skip
-            start, end_shape = region.start.meta.get("shape"), end.meta.get("shape")
+            region = find_region(end, self.record.data_fed.__contains__, self.users, may_start)
+        except RegionError as failure:
+            raise _Fail(f"the {role} is not a Linear's output reshaped into heads and mapped per position "
+                        f"({self.label(end)} is between: {failure})") from None  # fmt: skip
+        return self.checked_region(region, role)
+
+    def checked_region(self, region: Region, role: str) -> Region:
+        """``region`` where it keeps the shape and holds linear operations on constants only
+        (`manifolds._rotary.check_region`), else `_Fail` with the reason."""
+        try:
+            start, end_shape = region.start.meta.get("shape"), region.end.meta.get("shape")
             if start is None or end_shape is None or tuple(start) != tuple(end_shape):
                 raise RegionError(f"it turns a {start} tensor into a {end_shape} one")
             check_region(region, self.model, self.record.data_fed.__contains__, self.record.param_fed.__contains__,
                          start[0])  # fmt: skip
         except RegionError as failure:
             raise _Fail(f"the {role} is not a Linear's output reshaped into heads and mapped per position "
-                        f"({self.label(end)} is between: {failure})") from None  # fmt: skip
+                        f"({self.label(region.end)} is between: {failure})") from None  # fmt: skip
         return region
 
     def forward(self, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
@@ -393,25 +406,39 @@ class _Finder:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
 
-    def replayed(self, linear: fx.Node, chain: Sequence[fx.Node], where: tuple | None, role: str):
-        """``linear``'s feature indices replayed to where the product reads them, and where there is a position-wise
-        map ``where = (region, i)`` (`back`), the features of each row of its first sample's input ``(rows, hd)`` and
-        the row's map ``(rows, hd, hd)`` (else ``None, None``)."""
+    def replayed(self, linear: fx.Node, chain: Sequence[fx.Node], where: tuple | None, features_last: bool,
+                 role: str):  # fmt: skip
+        """``linear``'s feature indices replayed to where the product reads them, their groups per head slot there
+        (`groups`), and where there is a position-wise map ``where = (region, i)`` (`back`), the features of each row
+        of its first sample's input ``(rows, hd)`` and the row's map ``(rows, hd, hd)`` (else ``None, None``).
+
+        A map whose rows hold less than a head (Meta's LLaMA multiplies pairs ``(..., hd/2, 2)`` as complex numbers
+        between two reshapes) takes in the reshapes on both sides, one pair at a time, until its rows hold whole heads.
+        """
         if not where:
-            return self.replay(chain, self.feature_probe(linear)), None, None
+            at_product = self.replay(chain, self.feature_probe(linear))
+            return at_product, self.groups(at_product, features_last, role), None, None
         region, i = where
-        probe = self.replay(chain[:i], self.feature_probe(linear))
-        at_product = self.replay(chain[i:], probe)  # the map keeps the shape and each row's features
-        shape = region.start.meta.get("shape")
-        if shape is None or tuple(shape) != tuple(probe.shape):
-            raise _Fail(f"the shape of the {role} before its position map is unknown")
-        # the features of every row of the first sample, as the maps are read: (tokens, heads) in any order of axes
-        at_start = probe[:1].reshape(-1, probe.shape[-1]).long()
+        before, after = list(chain[:i]), list(chain[i:])
+        while True:
+            probe = self.replay(before, self.feature_probe(linear))
+            at_product = self.replay(after, probe)  # the map keeps the shape and each row's features
+            groups = self.groups(at_product, features_last, role)
+            # the features of every row of the first sample, as the maps are read: (tokens, heads) in any axis order
+            at_start = probe[:1].reshape(-1, probe.shape[-1]).long()
+            if set(map(tuple, at_start.tolist())) == set(map(tuple, groups.tolist())):
+                break
+            if not before or not after or before[-1] is not region.start:
+                raise _Fail(f"the {role}'s heads do not hold the same features in the same order on both sides of its "
+                            "position map")  # fmt: skip
+            start = before[-2] if len(before) > 1 else linear
+            region = self.checked_region(Region(start, after[0], (before[-1], *region.nodes, after[0])), role)
+            before, after = before[:-1], after[1:]
         try:
-            maps = position_maps(region, tuple(shape), self.record.constants | self.values, self.model)
+            maps = position_maps(region, tuple(probe.shape), self.record.constants | self.values, self.model)
         except RegionError as failure:
             raise _Fail(f"the {role}'s position map ({self.label(region.end)}): {failure}") from None
-        return at_product, at_start, maps.reshape(-1, *maps.shape[-2:])
+        return at_product, groups, at_start, maps.reshape(-1, *maps.shape[-2:])
 
     def head_algebra(self, head: tuple, maps: Sequence[tuple]):
         """The algebra of the subgroup of ``GL(hd)`` commuting with a head's query maps and key maps' transposes
@@ -437,18 +464,12 @@ class _Finder:
         regions_k: list = []
         lq, chain_q = self.back(q, "query", regions_q)
         lk, chain_k = self.back(k, "key", regions_k)
-        pq, start_q, maps_q = self.replayed(lq, chain_q, regions_q[0] if regions_q else None, "query")
-        pk, start_k, maps_k = self.replayed(lk, chain_k, regions_k[0] if regions_k else None, "key")
+        pq, gq_all, start_q, maps_q = self.replayed(lq, chain_q, regions_q[0] if regions_q else None, True, "query")
+        pk, gk_all, start_k, maps_k = self.replayed(lk, chain_k, regions_k[0] if regions_k else None,
+                                                    k_features_last, "key")  # fmt: skip
         if pq.shape[:-2] != pk.shape[:-2]:
             raise _Fail("the query and key heads are broadcast against each other")
-        groups = [self.groups(pq, True, "query"), self.groups(pk, k_features_last, "key")]
-        for at_start, at_product, role in ((start_q, groups[0], "query"), (start_k, groups[1], "key")):
-            # every row before the map holds one head's features in the order the product reads them
-            # the maps are read per row of features at their input; the factor's order is the product's
-            if at_start is not None and set(map(tuple, at_start.tolist())) != set(map(tuple, at_product.tolist())):
-                raise _Fail(f"the {role}'s heads do not hold the same features in the same order on both sides of its "
-                            "position map")  # fmt: skip
-        heads = self.heads(groups, "query/key")
+        heads = self.heads([gq_all, gk_all], "query/key")
         sides = [(at_start, maps, transpose) for at_start, maps, transpose in
                  ((start_q, maps_q, False), (start_k, maps_k, True)) if maps is not None]  # fmt: skip
         with_maps = [i for i, m in enumerate((maps_q, maps_k)) if m is not None]

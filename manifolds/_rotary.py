@@ -99,7 +99,8 @@ def find_region(end: fx.Node, data_fed: Callable[[fx.Node], bool], users: Callab
 # a clamp or a normalization included, is refused before any probe (a probe can miss a kink it never reaches).
 _LINEAR = {"add", "sub", "neg", "cat", "concat", "concatenate", "stack", "getitem", "view", "reshape", "transpose",
            "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims", "unsqueeze", "squeeze", "chunk",
-           "split", "unbind", "narrow", "flip", "roll", "clone", "expand", "expand_as", "movedim"}  # fmt: skip
+           "split", "unbind", "narrow", "flip", "roll", "clone", "expand", "expand_as", "movedim", "view_as_complex",
+           "view_as_real"}  # fmt: skip (complex views: Meta's LLaMA multiplies pairs as complex numbers)
 _PRODUCTS = {"mul", "truediv", "div", "matmul"}  # linear where one operand is data (the numerator for a division)
 _CASTS = {"to", "type_as", "float", "double", "half", "bfloat16", "type"}  # read as the identity (probes in float64)
 _MODULES = (nn.Identity, nn.Dropout)  # dropout: the group is read in eval mode

@@ -357,3 +357,37 @@ def test_elements_apply_to_a_bfloat16_model():
     with torch.no_grad():
         for (name, a), b in zip(low.named_parameters(), high.parameters()):
             assert torch.allclose(a.double(), b, rtol=1e-2, atol=1e-2 * float(b.abs().max())), name
+
+
+class ComplexRope(RopeBlock):
+    """Meta's LLaMA: pairs ``(2i, 2i + 1)`` read as complex numbers and multiplied by ``exp(i t theta_i)``, on
+    ``(N, T, H, hd)`` before the heads move to axis 1."""
+
+    def __init__(self):
+        super().__init__("interleaved")
+        angles = torch.outer(torch.arange(T, dtype=torch.float64), FREQS)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles)[:, None, :])
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, t, H, HD) for m in (self.q, self.k, self.v))
+        q, k = (torch.view_as_real(torch.view_as_complex(u.reshape(b, t, H, -1, 2)) * self.freqs_cis).flatten(3)
+                for u in (q, k))  # fmt: skip
+        a = F.scaled_dot_product_attention(*(u.transpose(1, 2) for u in (q, k, v)))
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+def test_complex_rotary_embeddings_keep_the_commutant_of_their_rotations():
+    torch.manual_seed(0)
+    model = nn.Sequential(ComplexRope()).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    qk = _query_key(sym)
+    assert len(qk) == H and all(f.dim == HD for f in qk), sym.describe()
+    rotations = [_rotation("interleaved", t) for t in range(T)]
+    for f in qk:
+        assert all(torch.allclose(r @ f._basis, f._basis @ r, rtol=0, atol=1e-12) for r in rotations)
+    with torch.no_grad():
+        twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
+        assert (twin(x) - model(x)).abs().max() < 1e-10
