@@ -8,6 +8,8 @@ function leaving out labels of -100 (F.cross_entropy's default) was averaged per
 derivative failed at the first product; sequences of another length per batch broke the gradient.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,3 +179,44 @@ def test_losses_taking_two_arguments_among_others_are_accepted(loss):
     value = float(Objective(model, loss, (x, y), dtype=torch.float64).value())
     with torch.no_grad():
         assert value == pytest.approx(float(F.mse_loss(model.double()(x), y)), rel=1e-12)
+
+
+def _weighted(out, y, w):
+    return ((out - y) ** 2).mean() * w
+
+
+class _Packed(nn.Module):
+    """``forward`` takes one pair; ``__call__`` (or a pre-hook) gives it ``(outputs, targets)`` packed."""
+
+    def forward(self, pair):
+        return F.mse_loss(*pair)
+
+
+class _CallOverride(_Packed):
+    def __call__(self, out, y):
+        return self.forward((out, y))
+
+
+def _hooked():
+    loss = _Packed()
+    loss.register_forward_pre_hook(lambda module, args: ((args[0], args[1]),))
+    return loss
+
+
+def _decorated():
+    @functools.wraps(_weighted)
+    def wrapper(out, y):
+        return _weighted(out, y, 2.0)
+
+    return wrapper
+
+
+class _Static:
+    __call__ = staticmethod(lambda out, y: F.mse_loss(out, y))
+
+
+@pytest.mark.parametrize("make", [_decorated, _CallOverride, _hooked, _Static],
+                         ids=["a decorator supplying an argument", "own __call__", "a pre-hook", "static call"])
+def test_losses_called_with_two_arguments_through_other_means_are_accepted(make):
+    model = nn.Linear(3, 2).eval()
+    Objective(model, make(), (torch.randn(6, 3), torch.randn(6, 2)))

@@ -250,28 +250,41 @@ def functional_call(model: nn.Module, tensors: tuple[Mapping[str, Tensor], ...],
 
 
 def check_loss_signature(loss_fn: Callable) -> None:
-    """The loss must take ``(outputs, targets)``: a callable (a torch loss module's ``forward`` included) whose
-    signature cannot bind two positional arguments is refused before any work, naming what it needs.
+    """The loss must take ``(outputs, targets)``. A plain Python function, or a torch module called through its own
+    ``forward`` (no ``__call__`` of its own, no pre-hook that could repack the arguments), whose signature cannot bind
+    two positional arguments is refused before any work, naming what it needs; for anything else (a partial, a
+    callable object) the first call decides.
 
     Raises:
-        TypeError: not callable, or its signature needs more (or fewer) than two arguments.
+        TypeError: not callable, or a signature read as above that needs more (or fewer) than two arguments.
     """
     if not callable(loss_fn):
         raise TypeError(f"the loss function must be callable as loss_fn(outputs, targets), got a "
                         f"{type(loss_fn).__name__}")  # fmt: skip
-    target = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):  # a builtin without a signature: its first call says
+    if isinstance(loss_fn, nn.Module):
+        plain = type(loss_fn).__call__ is nn.Module.__call__ and not loss_fn._forward_pre_hooks
+        target = loss_fn.forward if plain else None
+    else:
+        target = loss_fn if inspect.isfunction(loss_fn) else None
+    if target is None:
         return
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-        raise TypeError(
-            f"the loss function must take (outputs, targets); {name}{signature} does not: wrap it, e.g. "
-            f"lambda out, y: {name}(out, y, ...)"
-        ) from None
+    signatures = []
+    for follow in (False, True):  # a decorator's own signature, and the function it wraps: either may be the real one
+        try:
+            signatures.append(inspect.signature(target, follow_wrapped=follow))
+        except (TypeError, ValueError):  # no signature to read: the first call says
+            return
+    for signature in signatures:
+        try:
+            signature.bind(None, None)
+            return
+        except TypeError:
+            continue
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    raise TypeError(
+        f"the loss function must take (outputs, targets); {name}{signatures[0]} does not: wrap it, e.g. "
+        f"lambda out, y: {name}(out, y, ...)"
+    )
 
 
 def check_first_batch(
