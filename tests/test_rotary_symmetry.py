@@ -242,6 +242,14 @@ def test_the_quotient_measure_is_unchanged_under_the_group_while_euclidean_and_a
             assert max(a, adaptive) / min(a, adaptive) > 1.5, (adaptive, a)
 
 
+def type_as(a, b):
+    """A user function with a cast's name (wrapped for fx, so it is one call in the graph): not a cast."""
+    return torch.tanh(a).to(b.dtype)
+
+
+torch.fx.wrap("type_as")
+
+
 class Mapped(RopeBlock):
     """Something other than a constant position-wise linear map between the projections and attention."""
 
@@ -271,6 +279,12 @@ class Mapped(RopeBlock):
             return r + torch.roll(r, 1, dims=2)
         if self.case == "a table with an entry per sample":
             return r * self.per_sample
+        if self.case == "a cast to integers":
+            return (4 * r).type(torch.int32).type_as(r)
+        if self.case == "a user function named like a cast":
+            return type_as(r, r)
+        if self.case == "a table computed from the number of samples":  # the same for every sample of one batch
+            return r * (1 + (r.shape[0] - 1) * torch.ones_like(self.cos))
         return r.to(torch.bfloat16).tanh().to(t.dtype)  # "a cast around a nonlinearity"
 
 
@@ -284,6 +298,9 @@ MAPPED = {
     "a table with an entry per sample": "differs from sample to sample",
     "a scale per position": "multiples of the identity",
     "a cast around a nonlinearity": "not known to be linear",
+    "a cast to integers": "casts to torch.int32",
+    "a user function named like a cast": "not known to be linear",
+    "a table computed from the number of samples": "computed from the number of samples",
 }
 
 
