@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -131,9 +131,17 @@ def _values(model: nn.Module, graph: fx.Graph, x: Tensor) -> _Record:
     return record
 
 
+def _new_axes_only(index: object) -> bool:
+    """Whether an index only adds axes (``None``) and takes whole ones (``:``, ``...``), with at least one ``None``."""
+    parts = index if isinstance(index, tuple) else (index,)
+    whole = all(p is None or p is Ellipsis or p == slice(None) for p in parts)
+    return whole and any(p is None for p in parts)
+
+
 class _Finder:
-    def __init__(self, model: nn.Module, graph: fx.Graph, record: _Record):
+    def __init__(self, model: nn.Module, graph: fx.Graph, record: _Record, other: Callable[[], _Record]):
         self.model, self.graph, self.record, self.values = model, graph, record, record.values
+        self._other, self._other_record = other, None  # the pass on another number of samples, run where needed
         self.calls = Counter(str(n.target) for n in graph.nodes if n.op == "call_module")
         named = list(model.named_parameters(remove_duplicate=False))
         count = Counter(id(p) for _, p in named)
@@ -211,6 +219,11 @@ class _Finder:
         name = target_name(node)
         if name in _RESHAPES or name in _SPLITS or (name == "getitem" and self.piece_index(node) is not None):
             return tensors[0]
+        if name == "getitem" and _new_axes_only(node.args[1]):  # x[:, :, None]: a view with an axis of size 1 added
+            return tensors[0]
+        shape, source = node.meta.get("shape"), tensors[0].meta.get("shape")
+        if name == "expand" and shape is not None and source is not None and tuple(shape) == tuple(source):
+            return tensors[0]  # an expand that repeats nothing (HuggingFace's repeat_kv with one key head per query)
         if name in _SCALINGS and len(node.args) == 2 and not node.kwargs:
             factor = node.args[1]
             factor = self.values.get(factor) if isinstance(factor, fx.Node) else factor
@@ -436,8 +449,19 @@ class _Finder:
             before, after = before[:-1], after[1:]
         try:
             maps = position_maps(region, tuple(probe.shape), self.record.constants | self.values, self.model)
+            # read again on another number of samples: a map computed from it (x.numel() // ..., x.shape[-4]) differs
+            if self._other_record is None:
+                self._other_record = self._other()
+            other = self._other_record
+            again = position_maps(region, (2 if probe.shape[0] == 1 else 1, *probe.shape[1:]),
+                                  other.constants | other.values, self.model)  # fmt: skip
         except RegionError as failure:
             raise _Fail(f"the {role}'s position map ({self.label(region.end)}): {failure}") from None
+        except (RuntimeError, IndexError, ValueError, TypeError) as failure:
+            raise _Fail(f"the {role}'s position map ({self.label(region.end)}) cannot be read on another number of "
+                        f"samples ({type(failure).__name__})") from None  # fmt: skip
+        if again.shape != maps.shape or not torch.allclose(again, maps, rtol=0, atol=1e-12 * float(maps.abs().max())):
+            raise _Fail(f"the {role}'s position map ({self.label(region.end)}) changes with the number of samples")
         return at_product, groups, at_start, maps.reshape(-1, *maps.shape[-2:])
 
     def head_algebra(self, head: tuple, maps: Sequence[tuple]):
@@ -779,8 +803,10 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
         traced: its [`manifolds.trace_network`][manifolds.trace_network] result (with shapes).
         example_input: one input batch (its first two samples are run once to read sizes).
     """
-    record = _values(model, traced.graph, input_like(model, example_input))
-    found = _Finder(model, traced.graph, record).run()
+    x = input_like(model, example_input)
+    record = _values(model, traced.graph, x)
+    other = x[:1] if x.shape[0] > 1 else torch.cat((x, x))  # another number of samples, for what must not depend on it
+    found = _Finder(model, traced.graph, record, lambda: _values(model, traced.graph, other)).run()
     return found.factors, found.pins
 
 

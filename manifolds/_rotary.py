@@ -37,7 +37,7 @@ from scipy.linalg import qr
 from scipy.sparse.csgraph import connected_components
 from torch import Tensor, fx, nn
 
-from manifolds._graph import is_metadata, target_name
+from manifolds._graph import target_name
 
 MAX_REGION_NODES = 64  # operations searched between the heads tensor and the product
 MAX_MAP_ENTRIES = 1 << 24  # numbers of the per-row maps of the example input (128 MiB in float64)
@@ -103,7 +103,6 @@ _LINEAR = {"add", "sub", "neg", "cat", "concat", "concatenate", "stack", "getite
            "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims", "unsqueeze", "squeeze", "chunk",
            "split", "unbind", "narrow", "flip", "roll", "clone", "expand", "expand_as", "movedim", "view_as_complex",
            "view_as_real"}  # fmt: skip (complex views: Meta's LLaMA multiplies pairs as complex numbers)
-_RESHAPING = {"view", "reshape", "unflatten", "expand", "flatten"}  # their number arguments are sizes
 _PRODUCTS = {"mul", "truediv", "div", "matmul"}  # linear where one operand is data (the numerator for a division)
 _CASTS = {"to", "type_as", "float", "double", "half", "bfloat16", "type"}  # read as the identity (probes in float64)
 _MODULES = (nn.Identity, nn.Dropout)  # dropout: the group is read in eval mode
@@ -120,7 +119,6 @@ def check_region(region: Region, model: nn.Module, data_fed: Callable[[fx.Node],
         RegionError: with the reason.
     """
     inside = set(region.nodes) | {region.start}
-    batch_read: dict[fx.Node, bool] = {}
     for node in region.nodes:
         name = target_name(node)  # a function from outside torch keeps its module: never a known name
         if node.op == "call_module":
@@ -145,32 +143,6 @@ def check_region(region: Region, model: nn.Module, data_fed: Callable[[fx.Node],
             if data_fed(a) or (shape is not None and start is not None and len(shape) == len(start) and batch > 1
                                and shape[0] == batch):  # fmt: skip
                 raise RegionError(f"'{node.name}' reads '{a.name}', which differs from sample to sample")
-            if name not in _RESHAPING and _reads_batch_size(a, batch_read):  # a reshape's sizes may name the batch
-                raise RegionError(f"'{node.name}' reads '{a.name}', which is computed from the number of samples")
-
-
-def _reads_batch_size(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    """Whether ``node`` is computed from a tensor's size along its first axis (``x.size(0)``, ``x.shape[0]``,
-    ``len(x)``, ``x.size()``/``x.shape`` taken whole): the number of samples, which another batch changes."""
-    todo = [node]
-    while todo:
-        n = todo[-1]
-        if n in memo:
-            todo.pop()
-            continue
-        size = target_name(n) == "size" or (target_name(n) == "getattr" and n.args[1:2] == ("shape",))
-        own = target_name(n) == "len" or (is_metadata(n) and size and (
-            (target_name(n) == "size" and len(n.args) >= 2 and n.args[1] == 0)
-            or (len(n.args) < 2 or target_name(n) == "getattr")
-            and any(target_name(u) != "getitem" or u.args[1] == 0 for u in n.users)))  # fmt: skip
-        # a read of sizes depends on which axis it reads, not on how the tensor was computed: no further back
-        pending = [] if is_metadata(n) else [a for a in n.all_input_nodes if a not in memo]
-        if pending and not own:
-            todo.extend(pending)
-            continue
-        memo[n] = own or (not is_metadata(n) and any(memo[a] for a in n.all_input_nodes))
-        todo.pop()
-    return memo[node]
 
 
 def _run(region: Region, probe: Tensor, constants: Mapping[fx.Node, object], model: nn.Module) -> Tensor:
@@ -189,7 +161,9 @@ def _run(region: Region, probe: Tensor, constants: Mapping[fx.Node, object], mod
                 node.target(*args, **kwargs)  # fmt: skip
             if not (cast.is_floating_point() or cast.is_complex()):
                 raise RegionError(f"'{node.name}' casts to {cast.dtype}")
-            env[node] = args[0]  # the float64 probe kept: a cast to another floating dtype only rounds
+            # between floating dtypes (or complex ones) the float64 probe is kept: such a cast only rounds; from
+            # complex to real it drops the imaginary part, a linear map run as it is
+            env[node] = args[0] if cast.is_complex() == args[0].is_complex() else cast
         elif node.op == "call_function":
             env[node] = node.target(*args, **kwargs)
         elif node.op == "call_method":

@@ -258,6 +258,9 @@ class Mapped(RopeBlock):
         self.case = case
         if case == "a learned position scale":
             self.scale = nn.Parameter(torch.rand(T, 1, dtype=torch.float64) + 0.5)
+        if case == "a complex value cast to real":
+            angles = torch.outer(torch.arange(T, dtype=torch.float64), FREQS)
+            self.register_buffer("fc", torch.polar(torch.ones_like(angles), angles))
         if case == "a table with an entry per sample":  # for batches of two samples (the test's example)
             self.register_buffer("per_sample", torch.tensor([1.0, 2.0]).reshape(2, 1, 1, 1))
 
@@ -285,6 +288,13 @@ class Mapped(RopeBlock):
             return type_as(r, r)
         if self.case == "a table computed from the number of samples":  # the same for every sample of one batch
             return r * (1 + (r.shape[0] - 1) * torch.ones_like(self.cos))
+        if self.case == "the number of samples from numel":
+            return r * (1 + (r.numel() // (H * T * HD) - 1) * torch.ones_like(self.cos))
+        if self.case == "the number of samples from a negative axis":
+            return r * (1 + (r.shape[-4] - 2) * torch.ones_like(self.cos))
+        if self.case == "a complex value cast to real":  # the real part of a rotation, rotated again
+            c = torch.view_as_complex(r.reshape(*r.shape[:-1], -1, 2).contiguous()) * self.fc
+            return torch.view_as_real(c.to(torch.float64) * self.fc).flatten(-2)
         return r.to(torch.bfloat16).tanh().to(t.dtype)  # "a cast around a nonlinearity"
 
 
@@ -300,7 +310,9 @@ MAPPED = {
     "a cast around a nonlinearity": "not known to be linear",
     "a cast to integers": "casts to torch.int32",
     "a user function named like a cast": "not known to be linear",
-    "a table computed from the number of samples": "computed from the number of samples",
+    "a table computed from the number of samples": "changes with the number of samples",
+    "the number of samples from numel": "changes with the number of samples",
+    "the number of samples from a negative axis": "changes with the number of samples",
 }
 
 
@@ -408,3 +420,66 @@ def test_complex_rotary_embeddings_keep_the_commutant_of_their_rotations():
     with torch.no_grad():
         twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
         assert (twin(x) - model(x)).abs().max() < 1e-10
+
+
+class _RealPart(nn.Module):
+    """Pairs read as complex numbers, rotated, cast to real (keeping the real part), rotated again."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("fc", torch.polar(torch.ones(3, 2, dtype=torch.float64), torch.rand(3, 2) * 3))
+
+    def forward(self, t):  # t: (2, 3, 4) = (samples, tokens, features)
+        c = torch.view_as_complex(t.reshape(2, 3, 2, 2)) * self.fc
+        return torch.view_as_real(c.to(torch.float64) * self.fc).flatten(-2)
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values to real")
+def test_a_complex_value_cast_to_real_is_read_as_the_projection_it_is():
+    """``.to(float64)`` of a complex tensor keeps its real part: the maps read must reproduce the module, a projection
+    followed by a rotation, not the two rotations alone."""
+    from manifolds._rotary import Region, position_maps
+
+    module = _RealPart()
+    graph = torch.fx.symbolic_trace(module).graph
+    nodes = [n for n in graph.nodes if n.op in ("call_function", "call_method")]
+    start = next(n for n in graph.nodes if n.op == "placeholder")
+    constants = {n: module.fc for n in graph.nodes if n.op == "get_attr"}
+    maps = position_maps(Region(start, nodes[-1], tuple(nodes)), (2, 3, 4), constants, module)
+    z = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert torch.allclose(torch.einsum("nti,tij->ntj", z, maps), module(z), rtol=0, atol=1e-12)
+
+
+class HuggingFaceStyle(RopeBlock):
+    """HuggingFace's LLaMA attention: ``bsz, q_len, _ = x.size()``, tables from ``inv_freq`` and the positions,
+    unsqueezed to ``(N, 1, T, hd)``, and ``repeat_kv`` with one key/value head per query head (an expand that
+    repeats nothing)."""
+
+    def __init__(self):
+        super().__init__("rotate_half")
+
+    def forward(self, x):
+        bsz, q_len, _ = x.size()
+        h = self.ln1(x)
+        q, k, v = (m(h).view(bsz, q_len, H, HD).transpose(1, 2) for m in (self.q, self.k, self.v))
+        positions = torch.arange(q_len, dtype=self.inv_freq.dtype, device=x.device)
+        emb = torch.outer(positions, self.inv_freq)
+        emb = torch.cat((emb, emb), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = (u[:, :, None, :, :].expand(bsz, H, 1, q_len, HD).reshape(bsz, H, q_len, HD) for u in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(bsz, q_len, D))
+
+
+def test_huggingface_style_attention_keeps_both_factors():
+    torch.manual_seed(0)
+    model = nn.Sequential(HuggingFaceStyle()).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert [f.dim for f in _query_key(sym)] == [HD] * H, sym.describe()
+    assert [f.dim for f in sym.factors if "value/output" in f.label] == [HD * HD] * H
+    with torch.no_grad():
+        twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
+        for inputs in (x, x[:3, :3]):
+            assert (twin(inputs) - model(inputs)).abs().max() < 1e-10 * model(inputs).abs().max()
