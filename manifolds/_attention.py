@@ -464,16 +464,19 @@ class _Finder:
             raise _Fail(f"the {role}'s position map ({self.label(region.end)}) changes with the number of samples")
         return at_product, groups, at_start, maps.reshape(-1, *maps.shape[-2:])
 
-    def head_algebra(self, head: tuple, maps: Sequence[tuple]):
+    @staticmethod
+    def head_rows(head: tuple, side: int, groups: Tensor, maps: Tensor) -> Tensor:
+        """The maps of the rows holding ``head``'s features on ``side`` (0 query, 1 key), ``(rows, hd, hd)``."""
+        return maps[[i for i, g in enumerate(groups.tolist()) if tuple(g) == head[side]]]
+
+    def head_algebra(self, head: tuple, sides: Sequence[tuple]):
         """The algebra of the subgroup of ``GL(hd)`` commuting with a head's query maps and key maps' transposes
-        (`manifolds._rotary.commutant`; ``None``: no maps, the whole ``GL(hd)``). ``maps``: ``(groups at the map's
-        input, maps, transpose)`` per side with a map; ``head``: the head's feature group per side."""
-        picked = []
-        for (groups, m, transpose), features in zip(maps, head):
-            rows = m[[i for i, g in enumerate(groups.tolist()) if tuple(g) == features]]
-            picked.append(rows.transpose(-1, -2) if transpose else rows)
-        if not picked:
+        (`manifolds._rotary.commutant`; ``None``: no maps, the whole ``GL(hd)``). ``sides``: ``(side, groups at the
+        map's input, maps)`` per side with a map (`replayed`); ``head``: the head's feature group per side."""
+        if not sides:
             return None
+        picked = [self.head_rows(head, side, groups, m).transpose(-1, -2) if side == 1
+                  else self.head_rows(head, side, groups, m) for side, groups, m in sides]  # fmt: skip
         stacked = torch.cat(picked)
         key = (tuple(stacked.shape), stacked.numpy().tobytes())
         if key not in self.commutants:
@@ -494,15 +497,11 @@ class _Finder:
         if pq.shape[:-2] != pk.shape[:-2]:
             raise _Fail("the query and key heads are broadcast against each other")
         heads = self.heads([gq_all, gk_all], "query/key")
-        sides = [(at_start, maps, transpose) for at_start, maps, transpose in
-                 ((start_q, maps_q, False), (start_k, maps_k, True)) if maps is not None]  # fmt: skip
-        with_maps = [i for i, m in enumerate((maps_q, maps_k)) if m is not None]
-        algebras = [self.head_algebra(tuple(head[i] for i in with_maps), sides) for head in heads]
-        # the maps were read on the example's tokens only: say so where the claim rests on them
-        if sides:
-            rows, _, _ = sides[0]
-            tokens = sum(tuple(g) == heads[0][with_maps[0]] for g in rows.tolist())
-        read = "" if not sides else f" (position maps read on {tokens} tokens)"
+        sides = [(side, at_start, maps) for side, (at_start, maps) in enumerate(((start_q, maps_q), (start_k, maps_k)))
+                 if maps is not None]  # fmt: skip
+        algebras = [self.head_algebra(head, sides) for head in heads]
+        # the maps were read on the example's tokens only (one row per token): say so where the claim rests on them
+        read = "" if not sides else f" (position maps read on {len(self.head_rows(heads[0], *sides[0]))} tokens)"
         factors = [
             Factor(
                 "GL",

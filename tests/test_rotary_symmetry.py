@@ -122,6 +122,14 @@ def make(style: str, seed: int = 0):
     return classifier_case(lambda: Net(style), D, seed)
 
 
+def _analyzed(block: nn.Module, samples: int = N):
+    """``nn.Sequential(block)`` in float64 eval mode, ``samples`` random ``(T, D)`` inputs and its symmetry group."""
+    torch.manual_seed(0)
+    model = nn.Sequential(block).double().eval()
+    x = torch.randn(samples, T, D, dtype=torch.float64)
+    return model, x, manifolds.transformer_symmetry(model, x)
+
+
 def _query_key(sym):
     return [f for f in sym.factors if "query/key" in f.label]
 
@@ -318,10 +326,7 @@ MAPPED = {
 
 @pytest.mark.parametrize("case", list(MAPPED))
 def test_what_is_not_a_constant_position_map_pins_query_key(case):
-    torch.manual_seed(0)
-    model = nn.Sequential(Mapped(case)).double().eval()
-    x = torch.randn(2 if case == "a table with an entry per sample" else N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    _, _, sym = _analyzed(Mapped(case), 2 if case == "a table with an entry per sample" else N)
     assert not _query_key(sym), sym.describe()
     reasons = [p.reason for p in sym.pins if "query/key" in p.where]
     assert reasons and MAPPED[case] in reasons[0], reasons
@@ -356,10 +361,7 @@ class GroupedQuery(RopeBlock):
 
 
 def test_grouped_query_repeats_pin_without_an_error():
-    torch.manual_seed(0)
-    model = nn.Sequential(GroupedQuery()).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(GroupedQuery())
     assert not _query_key(sym), sym.describe()
     with torch.no_grad():
         assert (sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))(x)
@@ -408,10 +410,7 @@ class ComplexRope(RopeBlock):
 
 
 def test_complex_rotary_embeddings_keep_the_commutant_of_their_rotations():
-    torch.manual_seed(0)
-    model = nn.Sequential(ComplexRope()).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(ComplexRope())
     qk = _query_key(sym)
     assert len(qk) == H and all(f.dim == HD for f in qk), sym.describe()
     rotations = [_rotation("interleaved", t) for t in range(T)]
@@ -473,10 +472,7 @@ class HuggingFaceStyle(RopeBlock):
 
 
 def test_huggingface_style_attention_keeps_both_factors():
-    torch.manual_seed(0)
-    model = nn.Sequential(HuggingFaceStyle()).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(HuggingFaceStyle())
     assert [f.dim for f in _query_key(sym)] == [HD] * H, sym.describe()
     assert [f.dim for f in sym.factors if "value/output" in f.label] == [HD * HD] * H
     with torch.no_grad():
