@@ -24,9 +24,14 @@ Where it is found: every ``nn.MultiheadAttention`` call (packed ``in_proj_weight
 ``q/k/v_proj_weight``, with or without bias, ``batch_first`` either way; ``add_bias_kv`` appends unprojected
 key/value rows, which pins those factors), and attention written by hand: a ``matmul`` (or ``bmm``) of a
 query and a transposed key, a ``matmul`` of any weights with a value, or ``F.scaled_dot_product_attention``,
-where each of query, key and value is the output of an ``nn.Linear`` reshaped into heads by
+where each of query, key and value is the output of a linear layer reshaped into heads by
 view/reshape/transpose/permute/flatten/contiguous and constant factors only, nothing else reads those
-tensors, and the value side's result reaches the output Linear through such reshapes only. One Linear may
+tensors, and the value side's result reaches the output layer through such reshapes only. A linear layer
+(`_Projection`) is an ``nn.Linear``, or a function of parameters no other node, name or module call reads:
+``F.linear(x, W, b)``, ``x @ W``, ``x @ W + b`` or HuggingFace's GPT-2 ``Conv1D`` (``torch.addmm(b, x.view(-1, nx),
+W)`` and a view back); ``W`` of ``x @ W`` and ``addmm`` is stored ``(in, out)``, and its blocks say so
+(`manifolds._matrix_group.Block.transposed`). A reshape merging or splitting the leading axes and keeping the
+features last may sit before a layer's input (``Conv1D``'s flattening of the tokens). One Linear may
 project all three (a fused qkv projection) where its output is cut into pieces each read once: ``unbind``,
 ``chunk``, ``split`` or ``tensor_split`` and ``getitem``, or integer indexing (``qkv[0]``, ``qkv[1]``) with distinct
 indices, and the pieces hold disjoint sets of its features (replayed like the heads: a cut along the tokens, or
@@ -71,6 +76,40 @@ _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"
 _POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
 _NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish", "softplus", "hardswish"}
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """A node computing ``x W^T + b`` along the last axis of its data input ``x``: an ``nn.Linear`` call, or a
+    function of parameters read directly (``F.linear(x, W, b)``; ``x @ W``, ``x @ W + b`` and HuggingFace's
+    ``Conv1D``, ``torch.addmm(b, x, W)``, whose ``W`` is stored ``(in, out)``, ``transposed``).
+
+    Attributes:
+        node: the node whose output is the layer's output.
+        data: the node ``x``.
+        module: the Linear's name (a module call), else ``None``.
+        weight, bias: the ``get_attr`` nodes of a function's parameters (``bias`` ``None`` where there is none).
+        transposed: ``W`` is stored ``(in, out)``.
+        inner: the product ``x @ W`` of ``x @ W + b`` (``node`` is the addition), else ``None``.
+    """
+
+    node: fx.Node
+    data: fx.Node
+    module: str | None = None
+    weight: fx.Node | None = None
+    bias: fx.Node | None = None
+    transposed: bool = False
+    inner: fx.Node | None = None
+
+    @property
+    def reader(self) -> fx.Node:
+        """The node reading ``x`` and ``W``."""
+        return self.inner if self.inner is not None else self.node
+
+    @property
+    def key(self) -> str:
+        """What names the layer among the claimed projections: the module, or the graph node."""
+        return self.module if self.module is not None else self.node.name
 
 
 class _Fail(Exception):
@@ -144,7 +183,8 @@ class _Finder:
         self._other, self._other_record = other, None  # the pass on another number of samples, run where needed
         self.calls = Counter(str(n.target) for n in graph.nodes if n.op == "call_module")
         named = list(model.named_parameters(remove_duplicate=False))
-        count = Counter(id(p) for _, p in named)
+        count = self.name_count = Counter(id(p) for _, p in named)
+        self.getattr_reads = Counter(id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr")
         self.param_name = {id(p): n for n, p in named}
         # a parameter under several names, or also read directly by the forward (a get_attr node), moves with
         # whatever else reads it: no factor may claim it alone
@@ -168,7 +208,9 @@ class _Finder:
     def label(self, node: fx.Node) -> str:
         if node.op == "call_module":
             return f"module '{node.target}' ({type(self.module(node)).__name__})"
-        return f"'{target_name(node)}' (graph node '{node.name}')"
+        proj = self.projection(node) if node.op == "call_function" else None
+        weight = f" of '{proj.weight.target}'" if proj is not None and proj.module is None else ""
+        return f"'{target_name(node)}'{weight} (graph node '{node.name}')"
 
     def input_fed(self, node: fx.Node) -> bool:
         """Whether ``node`` depends on the network's input (a placeholder among its ancestors)."""
@@ -193,6 +235,106 @@ class _Finder:
     def plain_linear(self, node: fx.Node) -> bool:
         m = self.module(node)
         return m is not None and _plain_affine(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
+
+    def projection(self, node: fx.Node) -> _Projection | None:
+        """``node`` as a linear layer of its last axis (`_Projection`), else ``None``. A function's weight and bias
+        must be ``get_attr`` nodes; whether they are parameters only it reads is checked where they are claimed
+        (`owned`). ``x @ W`` whose only reader adds a bias vector is left to that addition."""
+        if self.plain_linear(node):
+            return _Projection(node, node.args[0], module=str(node.target)) if len(node.args) == 1 else None
+        if node.op != "call_function" or node.kwargs:
+            return None
+        name, args, inner = target_name(node), node.args, None
+        if name == "addmm" and len(args) == 3:
+            bias, data, weight, transposed = args[0], args[1], args[2], True
+        elif name == "linear" and len(args) in (2, 3):
+            data, weight, bias, transposed = args[0], args[1], (args[2] if len(args) == 3 else None), False
+        elif name in ("add", "matmul") and len(args) == 2:
+            if name == "add":  # x @ W + b
+                inner = next((a for a in args if isinstance(a, fx.Node) and a.op != "get_attr"), None)
+                bias = next((a for a in args if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+                if inner is None or bias is None or target_name(inner) != "matmul" or self.users(inner) != [node]:
+                    return None
+                shape = bias.meta.get("shape")
+                if shape is None or len(shape) != 1:
+                    return None
+                data, weight = inner.args if len(inner.args) == 2 and not inner.kwargs else (None, None)
+            else:
+                data, weight = args
+                bias = None
+                readers = self.users(node)
+                if len(readers) == 1 and self.projection(readers[0]) is not None:
+                    return None  # the bias addition is the layer
+            transposed = True
+        else:
+            return None
+        if not (isinstance(data, fx.Node) and isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            return None
+        if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
+            return None
+        shape = weight.meta.get("shape")
+        if shape is None or len(shape) != 2 or data.op == "get_attr":
+            return None
+        return _Projection(node, data, None, weight, bias, transposed, inner)
+
+    def once(self, proj: _Projection) -> bool:
+        """Whether the layer acts once (a function's parameters are checked by `owned`)."""
+        return proj.module is None or self.calls[proj.module] == 1
+
+    def owned(self, node: fx.Node, reader: fx.Node) -> str:
+        """The name of the parameter the ``get_attr`` ``node`` reads, where ``reader`` is all that reads it (no other
+        graph node, name or module call); else `_Fail`."""
+        tensor = attribute(self.model, node)
+        name = self.param_name.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if name is None:
+            raise _Fail(f"'{node.target}' is not a parameter")
+        owner = name.rpartition(".")[0]
+        called = [m for m in self.calls if owner == m or owner.startswith(f"{m}.")]
+        once = self.name_count[id(tensor)] == 1 and self.getattr_reads[id(tensor)] == 1
+        if not once or self.users(node) != [reader] or called:
+            raise _Fail(f"the parameter '{name}' is also read elsewhere")
+        return name
+
+    def reading_projection(self, user: fx.Node) -> _Projection | None:
+        """The linear layer whose input ``user`` reads: ``user`` itself, or the bias addition it alone feeds (the
+        product of ``x @ W + b``)."""
+        proj = self.projection(user)
+        if proj is None and len(readers := self.users(user)) == 1:
+            proj = self.projection(readers[0])
+            proj = proj if proj is not None and proj.inner is user else None
+        return proj
+
+    def input_projection(self, user: fx.Node, node: fx.Node) -> _Projection | None:
+        """The linear layer that ``user`` makes read ``node`` as its input (`reading_projection`), directly or through
+        a reshape keeping the features on the last axis (HuggingFace's ``Conv1D`` flattens the tokens first)."""
+        proj = self.reading_projection(user)
+        if proj is not None:
+            return proj if proj.data is node else None
+        if not self.keeps_features(user, node) or len(readers := self.users(user)) != 1:
+            return None
+        proj = self.reading_projection(readers[0])
+        return proj if proj is not None and proj.data is user else None
+
+    def reads_as_input(self, user: fx.Node, node: fx.Node) -> bool:
+        """Whether ``user`` takes ``node`` as the input of a layer whose columns can be divided: a linear layer
+        (`input_projection`) or an ``nn.MultiheadAttention``."""
+        return self.is_mha(user) or self.input_projection(user, node) is not None
+
+    def keeps_features(self, user: fx.Node, node: fx.Node) -> bool:
+        """Whether ``user`` is a reshape of ``node`` alone that keeps its features, in order, on the last axis (the
+        leading axes merged or split): feature ``j`` of every row stays feature ``j``."""
+        if user.op not in ("call_method", "call_function") or target_name(user) not in _RESHAPES:
+            return False
+        if self.data_arg(user) is not node:
+            return False
+        shape, out = node.meta.get("shape"), user.meta.get("shape")
+        if shape is None or out is None or not shape or not out or shape[-1] != out[-1]:
+            return False
+        try:
+            moved = self.replay([user], self.feature_probe(node))
+        except (RuntimeError, IndexError, ValueError, TypeError, _Fail):
+            return False
+        return tuple(moved.shape) == tuple(out) and bool((moved == torch.arange(out[-1], dtype=moved.dtype)).all())
 
     def is_mha(self, node: fx.Node) -> bool:
         return type(self.module(node)) is nn.MultiheadAttention
@@ -268,7 +410,7 @@ class _Finder:
         taken: list[tuple[tuple[str, int], set[int], set[int] | None]] = []
         for factor in factors:
             for block in factor.blocks:
-                key, index = (block.name, block.axis), set(block.index)
+                key, index = (block.name, block.stored_axis), set(block.index)
                 other = None if block.other is None else set(block.other)
                 for seen_key, seen_index, seen_other in [*self.claimed, *taken]:
                     if seen_key == key and index & seen_index and (other is None or seen_other is None
@@ -293,15 +435,16 @@ class _Finder:
                 if not (chain and self.cut_into_pieces(current)):
                     raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
                 cuts.append(current)
-            if self.plain_linear(current):
-                if self.calls[str(current.target)] != 1:
+            proj = self.projection(current)
+            if proj is not None:
+                if not self.once(proj):
                     raise _Fail(f"the {role} projection {self.label(current)} is called more than once")
                 chain.reverse()
                 for cut in cuts:
                     self.disjoint_pieces(current, chain[: chain.index(cut) + 1] if cut is not current else [], cut)
                 if region is not None:
                     regions.append((region, len(chain) - after))
-                return current, chain
+                return proj, chain
             source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
             if source is None and regions is not None and region is None:
                 region = self.position_region(current, role)
@@ -319,7 +462,8 @@ class _Finder:
         shape = end.meta.get("shape")
 
         def may_start(n: fx.Node) -> bool:  # where `back` goes on, with the map keeping the shape
-            on = self.plain_linear(n) or (n.op in ("call_method", "call_function") and self.data_arg(n) is not None)
+            on = self.projection(n) is not None or (n.op in ("call_method", "call_function")
+                                                    and self.data_arg(n) is not None)  # fmt: skip
             return on and shape is not None and tuple(n.meta.get("shape", ())) == tuple(shape)
 
         try:
@@ -352,10 +496,11 @@ class _Finder:
             if len(users) != 1:
                 raise _Fail(f"the heads' output {self.label(current)} is read by {len(users)} operations, not one")
             (user,) = users
-            if self.plain_linear(user) and user.args == (current,) and not user.kwargs:
-                if self.calls[str(user.target)] != 1:
+            proj = self.reading_projection(user)
+            if proj is not None and proj.data is current:
+                if not self.once(proj):
                     raise _Fail(f"the output projection {self.label(user)} is called more than once")
-                return user, chain
+                return proj, chain
             if user.op not in ("call_method", "call_function") or self.data_arg(user) is not current:
                 raise _Fail(f"the heads' output reaches {self.label(user)}, not an output Linear through reshapes")
             chain.append(user)
@@ -410,12 +555,16 @@ class _Finder:
                 seen |= set(g)
         return heads
 
-    def linear_blocks(self, linear: fx.Node, index: tuple[int, ...], how: str, rows: bool) -> list[Block]:
-        name = str(linear.target)
-        weight = self.param(name, "weight")
-        blocks = [Block(weight, 0 if rows else 1, index, None, how)]
-        bias = self.param(name, "bias") if rows else None
-        if bias is not None:
+    def linear_blocks(self, proj: _Projection, index: tuple[int, ...], how: str, rows: bool) -> list[Block]:
+        """The blocks of ``proj``'s output features ``index`` (``rows``: its weight's rows and its bias) or of its input
+        features (its weight's columns)."""
+        if proj.module is not None:
+            weight, bias = self.param(proj.module, "weight"), self.param(proj.module, "bias")
+        else:
+            weight = self.owned(proj.weight, proj.reader)
+            bias = None if proj.bias is None else self.owned(proj.bias, proj.node)
+        blocks = [Block(weight, 0 if rows else 1, index, None, how, proj.transposed)]
+        if rows and bias is not None:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
 
@@ -491,8 +640,9 @@ class _Finder:
         regions_k: list = []
         lq, chain_q = self.back(q, "query", regions_q)
         lk, chain_k = self.back(k, "key", regions_k)
-        pq, gq_all, start_q, maps_q = self.replayed(lq, chain_q, regions_q[0] if regions_q else None, True, "query")
-        pk, gk_all, start_k, maps_k = self.replayed(lk, chain_k, regions_k[0] if regions_k else None,
+        pq, gq_all, start_q, maps_q = self.replayed(lq.node, chain_q, regions_q[0] if regions_q else None, True,
+                                                    "query")  # fmt: skip
+        pk, gk_all, start_k, maps_k = self.replayed(lk.node, chain_k, regions_k[0] if regions_k else None,
                                                     k_features_last, "key")  # fmt: skip
         if pq.shape[:-2] != pk.shape[:-2]:
             raise _Fail("the query and key heads are broadcast against each other")
@@ -515,12 +665,12 @@ class _Finder:
         ]
         self.claim(factors)
         self.found.factors.extend(factors)  # only once every head's blocks are known
-        self.claimed_rows |= {str(lq.target), str(lk.target)}
+        self.claimed_rows |= {lq.key, lk.key}
 
     def value_output(self, where: str, v: fx.Node, out: fx.Node) -> None:
         lv, chain_v = self.back(v, "value")
         lo, chain_o = self.forward(out)
-        pv = self.replay(chain_v, self.feature_probe(lv))
+        pv = self.replay(chain_v, self.feature_probe(lv.node))
         groups = self.groups(pv, True, "value")
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
@@ -546,7 +696,7 @@ class _Finder:
             factors.append(Factor("GL", hd, tuple(blocks), f"attention at {where}, head {h}: value/output", "B"))
         self.claim(factors)
         self.found.factors.extend(factors)
-        self.claimed_rows.add(str(lv.target))
+        self.claimed_rows.add(lv.key)
 
     def pin(self, where: str, channels: int, reason: str) -> None:
         self.found.pins.append(Pin(where, channels, reason))
@@ -646,12 +796,13 @@ class _Finder:
             m = self.module(user)
             if m is not None and self.calls[str(user.target)] != 1:
                 raise _Fail(f"it is read by {self.label(user)}, which is called more than once")
-            if self.plain_linear(user) and user.args == (node,) and not user.kwargs:
-                blocks.append(Block(self.param(str(user.target), "weight"), 1, index, None, "inv"))
-            elif type(m) is nn.MultiheadAttention and not (m._forward_hooks or m._forward_pre_hooks):
+            if type(m) is nn.MultiheadAttention and not (m._forward_hooks or m._forward_pre_hooks):
                 blocks.extend(self.mha_columns(user, m, node, index))
-            else:
+                continue
+            proj = self.input_projection(user, node)
+            if proj is None:
                 raise _Fail(f"it is read by {self.label(user)}, which is not a Linear or attention input")
+            blocks.extend(self.linear_blocks(proj, index, "inv", False))
         return blocks
 
     def mha_columns(self, user: fx.Node, m: nn.MultiheadAttention, node: fx.Node, index) -> list[Block]:
@@ -701,26 +852,27 @@ class _Finder:
     def mlp(self, node: fx.Node) -> None:
         """A Linear whose output reaches only Linears through ReLU / LeakyReLU / dropout and elementwise products with
         tensors computed without it (a gated unit): unit scalings."""
-        name, where = str(node.target), self.label(node)
+        proj, where = self.projection(node), self.label(node)
         size = node.meta.get("shape", (0,))[-1]
         current = node
         try:
-            if self.calls[name] != 1:
+            if not self.once(proj):
                 raise _Fail("it is called more than once")
             while True:
                 users = self.users(current)
-                if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node)):
+                if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node)
+                                        or self.keeps_features(users[0], current)):  # fmt: skip
                     current = users[0]
                     continue
-                if all(self.plain_linear(u) or self.is_mha(u) for u in users):
+                if all(self.reads_as_input(u, current) for u in users):
                     break
-                bad = next(u for u in users if not (self.plain_linear(u) or self.is_mha(u)))
+                bad = next(u for u in users if not self.reads_as_input(u, current))
                 kind = target_name(bad) if bad.op != "call_module" else type(self.module(bad)).__name__
                 if kind.lower() in _NON_HOMOGENEOUS:
                     raise _Fail(f"it feeds {self.label(bad)}, which is not positively homogeneous")
                 raise _Fail(f"it feeds {self.label(bad)}")
             index = tuple(range(size))
-            blocks = self.linear_blocks(node, index, "T", True) + self.consumer_blocks(current, index)
+            blocks = self.linear_blocks(proj, index, "T", True) + self.consumer_blocks(current, index)
             factor = Factor("diagonal", size, tuple(blocks), f"units of {where}", "c")
             # both sides of a product of two homogeneous units (ReGLU's relu(w1 x) * w3 x) would divide the same
             # columns of the reader; the metric weighs a column by one factor, so the first found keeps them
@@ -774,12 +926,11 @@ class _Finder:
             elif name == _SDPA:
                 self.sdpa(node)
         for node in nodes:
-            if node.op != "call_module":
-                continue
-            m = self.module(node)
-            if type(m) in _NORMS:
+            if node.op == "call_module" and type(self.module(node)) in _NORMS:
                 self.norm(node)
-            elif self.plain_linear(node) and str(node.target) not in self.claimed_rows:
+                continue
+            proj = self.projection(node)
+            if proj is not None and proj.key not in self.claimed_rows:  # a layer no attention claimed: units
                 self.mlp(node)
         return self.found
 
@@ -859,7 +1010,7 @@ def symmetry_of(structure) -> MatrixSymmetry:
     while True:
         diagonal = None if full is None else _without(full, names, moved)
         taken = _diagonal_sides(diagonal) if diagonal is not None else set()
-        kept = [f for f in factors if not any((b.name, b.axis) in taken for b in f.blocks)]
+        kept = [f for f in factors if not any((b.name, b.axis) in taken for b in f.blocks)]  # sides: out 0, in 1
         shared = {b.name for f in kept for b in f.blocks} & {name for name, _ in taken}
         if not shared:
             break

@@ -46,6 +46,7 @@ COVERED = "the diagonal rescaling group already moves these features"
 # the reason recorded for a factor left out of a restriction (`MatrixSymmetry.restricted`): it moves a fixed tensor
 FIXED = "it moves a parameter that must stay unchanged (frozen)"
 _SYMBOL = {"T": "^T", "inv": "^-1", "invT": "^-T"}
+_SYMBOL_TRANSPOSED = {"T": "", "inv": "^-T", "invT": "^-1"}  # the same action on the stored transpose
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Block:
         index: the ``k`` rows (or columns), in the factor's order.
         other: the indices of the other axis the block covers (``None``: all of them).
         how: ``"T"``, ``"inv"`` or ``"invT"`` (see the module docstring).
+        transposed: the tensor stores the layer's matrix transposed, ``(in, out)`` (HuggingFace's ``Conv1D``, a raw
+            ``x @ W``): ``axis`` and ``index`` then refer to the ``(out, in)`` matrix, whose rows are the stored
+            columns.
     """
 
     name: str
@@ -65,18 +69,29 @@ class Block:
     index: tuple[int, ...]
     other: tuple[int, ...] | None
     how: str
+    transposed: bool = False
+
+    @property
+    def stored_axis(self) -> int:
+        """The axis of the stored tensor the block's ``index`` runs along."""
+        return 1 - self.axis if self.transposed else self.axis
 
     def __post_init__(self):
         if self.how not in _HOWS or self.axis not in (0, 1):
             raise ValueError(f"invalid block {self}")
 
     def describe(self, symbol: str, diagonal: bool = False) -> str:
-        span = _span(self.index)
-        part = f"rows {span}" if self.axis == 0 else f"columns {span}"
+        """One line in the stored tensor's own terms (a transposed block's rows are its stored columns, acted on by
+        the transposed matrix)."""
+        span, axis = _span(self.index), self.stored_axis
+        part = f"rows {span}" if axis == 0 else f"columns {span}"
         if self.other is not None:
-            part += f" (within {'columns' if self.axis == 0 else 'rows'} {_span(self.other)})"
-        mat = f"diag({symbol})" + ("" if self.how == "T" else "^-1") if diagonal else f"{symbol}{_SYMBOL[self.how]}"
-        return f"{self.name} {part} <- {mat} (.)" if self.axis == 0 else f"{self.name} {part} <- (.) {mat}"
+            part += f" (within {'columns' if axis == 0 else 'rows'} {_span(self.other)})"
+        if diagonal:
+            mat = f"diag({symbol})" + ("" if self.how == "T" else "^-1")
+        else:
+            mat = f"{symbol}{(_SYMBOL_TRANSPOSED if self.transposed else _SYMBOL)[self.how]}"
+        return f"{self.name} {part} <- {mat} (.)" if axis == 0 else f"{self.name} {part} <- (.) {mat}"
 
 
 def _span(index: tuple[int, ...]) -> str:
@@ -180,13 +195,16 @@ def _transform(m: Tensor, how: str, diagonal: bool) -> Tensor:
 
 
 def _grid(block: Block, shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, ...]:
-    """Index tensors selecting the block as a ``(k, m)`` (rows) / ``(m, k)`` (columns) / ``(k,)`` array."""
+    """Index tensors selecting the block as a ``(k, m)`` (rows) / ``(m, k)`` (columns) / ``(k,)`` array of the
+    ``(out, in)`` matrix, whatever the stored layout: a transposed tensor is read (and written back) through the same
+    grid with its two index tensors swapped, so no caller sees the layout."""
     idx = torch.tensor(block.index, dtype=torch.long, device=device)
     if len(shape) == 1:
         return (idx,)
-    other_size = shape[1 - block.axis]
+    other_size = shape[block.axis] if block.transposed else shape[1 - block.axis]
     other = torch.arange(other_size, device=device) if block.other is None else torch.tensor(block.other, device=device)
-    return (idx[:, None], other[None, :]) if block.axis == 0 else (other[:, None], idx[None, :])
+    rows, columns = (idx[:, None], other[None, :]) if block.axis == 0 else (other[:, None], idx[None, :])
+    return (columns, rows) if block.transposed else (rows, columns)
 
 
 def _apply(x: Tensor, t: Tensor, axis: int, diagonal: bool) -> Tensor:

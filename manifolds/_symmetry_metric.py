@@ -44,7 +44,7 @@ from torch import Tensor
 from manifolds._attention import _diagonal_sides
 from manifolds._connection import Metric
 from manifolds._layout import ParamLayout
-from manifolds._matrix_group import Block, MatrixSymmetry
+from manifolds._matrix_group import Block, MatrixSymmetry, _grid
 from manifolds._structure import UnsupportedModelError
 
 
@@ -63,12 +63,10 @@ def _refuse(why: str) -> UnsupportedModelError:
 
 
 def _select(flat: Tensor, block: Block, shape: torch.Size) -> Tensor:
-    """The block's flat indices as ``(k, m)`` (rows; ``m = 1`` for a vector) or ``(m, k)`` (columns)."""
-    idx = torch.tensor(block.index, dtype=torch.long)
-    if len(shape) == 1:
-        return flat[idx][:, None]
-    other = torch.arange(shape[1 - block.axis]) if block.other is None else torch.tensor(block.other)
-    return flat[idx][:, other] if block.axis == 0 else flat[other][:, idx]
+    """The block's flat indices as ``(k, m)`` (rows; ``m = 1`` for a vector) or ``(m, k)`` (columns) of the
+    ``(out, in)`` matrix (`manifolds._matrix_group._grid`: a transposed tensor's rows are its stored columns)."""
+    picked = flat[_grid(block, tuple(shape), flat.device)]
+    return picked[:, None] if len(shape) == 1 else picked
 
 
 class _Plan:

@@ -1,0 +1,324 @@
+"""Transformers whose projections are functions of parameters read directly, not ``nn.Linear`` modules: HuggingFace's
+GPT-2 ``Conv1D`` (``torch.addmm(b, x.view(-1, nx), W)`` with ``W`` stored ``(in, out)``), ``x @ W + b``, ``x @ W`` and
+``F.linear(x, W, b)``. Their attention, normalization and unit factors are found like those of ``nn.Linear`` layers,
+act on the stored layout, and the quotient measure equals a dense float64 reference and is unchanged under group
+elements built here by hand on the state dict.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_transformer_quotient import _form, _params, dense_quotient_spectrum, measure_value
+from torch import nn
+
+import manifolds
+
+D, H, HD, FF, T, N = 8, 2, 4, 12, 4, 5  # width, heads, head size, MLP width, tokens, samples
+
+
+class Conv1D(nn.Module):
+    """HuggingFace's ``transformers.pytorch_utils.Conv1D`` as GPT-2 uses it: ``x W + b``, ``W`` stored ``(in, out)``."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class GPT2Attention(nn.Module):
+    """GPT-2's eager attention as HuggingFace writes it: a fused ``c_attn`` cut by ``split``, heads split by ``view``
+    and ``permute``, a causal mask from a buffer, and ``c_proj``; or ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, sdpa: bool = False):
+        super().__init__()
+        self.sdpa = sdpa
+        self.c_attn, self.c_proj = Conv1D(3 * D, D), Conv1D(D, D)
+        self.register_buffer("bias", torch.tril(torch.ones(T, T, dtype=torch.bool)).view(1, 1, T, T))
+
+    @staticmethod
+    def split_heads(t):
+        return t.view(t.size()[:-1] + (H, HD)).permute(0, 2, 1, 3)
+
+    def forward(self, x):
+        query, key, value = self.c_attn(x).split(D, dim=2)
+        query, key, value = self.split_heads(query), self.split_heads(key), self.split_heads(value)
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        else:
+            weights = torch.matmul(query, key.transpose(-1, -2)) / (value.size(-1) ** 0.5)
+            weights = weights.masked_fill(~self.bias, float("-inf")).softmax(dim=-1)
+            out = torch.matmul(weights, value)
+        out = out.permute(0, 2, 1, 3).contiguous()
+        return self.c_proj(out.view(out.size()[:-2] + (D,)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, sdpa: bool = False):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = GPT2Attention(sdpa)
+        self.c_fc, self.c_proj = Conv1D(FF, D), Conv1D(D, FF)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(torch.relu(self.c_fc(self.ln_2(x))))
+
+
+class RawBlock(nn.Module):
+    """Every projection a function of parameters: ``x @ W + b`` (query, key, value; ``W`` stored ``(in, out)``),
+    ``F.linear`` (output and the MLP's first layer; ``(out, in)``) and a bias-free ``x @ W`` (the MLP's second)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        for role in "qkv":
+            setattr(self, f"w_{role}", nn.Parameter(torch.randn(D, D) * 0.3))
+            setattr(self, f"b_{role}", nn.Parameter(torch.zeros(D)))
+        self.w_o, self.b_o = nn.Parameter(torch.randn(D, D) * 0.3), nn.Parameter(torch.zeros(D))
+        self.w_1, self.b_1 = nn.Parameter(torch.randn(FF, D) * 0.3), nn.Parameter(torch.zeros(FF))
+        self.w_2 = nn.Parameter(torch.randn(FF, D) * 0.3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = self.ln_1(x)
+        q, k, v = ((y @ w + bias).view(b, t, H, HD).transpose(1, 2)
+                   for w, bias in ((self.w_q, self.b_q), (self.w_k, self.b_k), (self.w_v, self.b_v)))  # fmt: skip
+        a = (q @ k.transpose(-2, -1) * HD**-0.5).softmax(dim=-1) @ v
+        x = x + F.linear(a.transpose(1, 2).reshape(b, t, D), self.w_o, self.b_o)
+        return x + torch.relu(F.linear(self.ln_2(x), self.w_1, self.b_1)) @ self.w_2
+
+
+class Net(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block, self.head = block, nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.block(x).mean(dim=1))
+
+
+CASES = {"gpt2": lambda: GPT2Block(), "gpt2_sdpa": lambda: GPT2Block(sdpa=True), "raw": RawBlock}
+# per head GL(HD) on query/key and on value/output, both LayerNorm trades, the ReLU units
+DIM = 2 * H * HD * HD + 2 * D + FF
+
+
+def make(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net(CASES[name]()).double().eval()
+    with torch.no_grad():  # away from the initialization (unit LayerNorm scales, zero biases)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+
+
+# -- hand-built elements, written on the stored tensors ----------------------------------------------------------------
+def _gl(g):
+    return torch.eye(HD, dtype=torch.float64) + 0.5 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
+
+
+def _scales(g, k):
+    return torch.exp(0.7 * torch.randn(k, generator=g, dtype=torch.float64))
+
+
+def _columns(sd, name, cols, m):
+    """``W[:, cols] <- W[:, cols] m`` on a weight stored ``(in, out)`` (a bias: the row vector ``b[cols] m``)."""
+    t = sd[name].clone()
+    t[..., cols] = t[..., cols] @ m
+    sd[name] = t
+
+
+def hand_element(model: Net, g: torch.Generator, wrong_key: bool = False) -> dict:
+    """``q -> q A``, ``k -> k A^-T`` (``A`` instead where ``wrong_key``), ``v -> v B`` and the output projection's
+    inputs ``<- B^-1`` per head, the LayerNorm scales ``c`` traded against their readers' inputs, the ReLU units."""
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gpt2 = isinstance(model.block, GPT2Block)
+    p = "block."
+    for h in range(H):
+        a, b = _gl(g), _gl(g)
+        head = slice(h * HD, (h + 1) * HD)
+        key = a if wrong_key else torch.linalg.inv(a).T
+        for role, m in enumerate((a, key, b)):
+            if gpt2:
+                cols = slice(role * D + h * HD, role * D + (h + 1) * HD)
+                _columns(sd, p + "attn.c_attn.weight", cols, m)
+                _columns(sd, p + "attn.c_attn.bias", cols, m)
+            else:
+                _columns(sd, f"{p}w_{'qkv'[role]}", head, m)
+                _columns(sd, f"{p}b_{'qkv'[role]}", head, m)
+        inv = torch.linalg.inv(b)
+        if gpt2:  # c_proj stored (in, out): its input rows of head h
+            w = sd[p + "attn.c_proj.weight"].clone()
+            w[head] = inv @ w[head]
+            sd[p + "attn.c_proj.weight"] = w
+        else:  # F.linear's weight stored (out, in): its input columns of head h
+            w = sd[p + "w_o"].clone()
+            w[:, head] = w[:, head] @ inv.T
+            sd[p + "w_o"] = w
+    units = _scales(g, FF)
+    if gpt2:
+        sd[p + "c_fc.weight"] = sd[p + "c_fc.weight"] * units
+        sd[p + "c_fc.bias"] = sd[p + "c_fc.bias"] * units
+        sd[p + "c_proj.weight"] = sd[p + "c_proj.weight"] / units[:, None]
+    else:
+        sd[p + "w_1"] = sd[p + "w_1"] * units[:, None]
+        sd[p + "b_1"] = sd[p + "b_1"] * units
+        sd[p + "w_2"] = sd[p + "w_2"] / units[:, None]
+    readers = {"ln_1": ["attn.c_attn.weight"], "ln_2": ["c_fc.weight"]} if gpt2 else {
+        "ln_1": ["w_q", "w_k", "w_v"], "ln_2": ["w_1"]}  # fmt: skip
+    for ln, names in readers.items():
+        c = _scales(g, D)
+        sd[f"{p}{ln}.weight"] = sd[f"{p}{ln}.weight"] * c
+        sd[f"{p}{ln}.bias"] = sd[f"{p}{ln}.bias"] * c
+        for r in names:  # the input axis: rows of an (in, out) weight, columns of F.linear's (out, in)
+            stored_in = sd[p + r].shape[0] == D if r != "w_1" else False
+            sd[p + r] = sd[p + r] / (c[:, None] if stored_in else c)
+    return sd
+
+
+def _with(model, sd):
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(sd, strict=False)
+    return twin
+
+
+# -- the group ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_group_is_found_on_the_stored_layout(name):
+    model, _, (x, _) = make(name)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.dim == DIM, sym.describe()
+    kinds = sorted(f.label.split(": ")[-1] if "attention" in f.label else f.label.split(" ")[0] for f in sym.factors)
+    assert kinds.count("query/key") == H and kinds.count("value/output") == H, sym.describe()
+    text = sym.describe()
+    if name.startswith("gpt2"):  # q -> q A reads on the stored (in, out) weight as W A: no transpose
+        assert "block.attn.c_attn.weight columns 0:4 <- (.) A\n" in text, text
+        assert "block.attn.c_attn.weight columns 8:12 <- (.) A^-T\n" in text, text
+        assert "block.attn.c_proj.weight rows 0:4 <- B^-1 (.)\n" in text, text
+        assert "block.attn.c_attn.weight rows 0:8 <- diag(c)^-1 (.)\n" in text, text
+    else:
+        assert "block.w_q columns 0:4 <- (.) A\n" in text and "block.w_o columns 0:4 <- (.) B^-T\n" in text, text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_random_and_hand_built_elements_keep_the_function_and_a_wrong_one_does_not(name):
+    model, _, (x, _) = make(name)
+    sym = manifolds.transformer_symmetry(model, x)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ref = model(x)
+        for _ in range(3):
+            moved = sym.transformed(model, sym.random_element(1.0, g))
+            assert (moved(x) - ref).abs().max() < 1e-10
+            assert max((p - q).abs().max() for p, q in zip(model.parameters(), moved.parameters())) > 0.1
+        assert (_with(model, hand_element(model, g))(x) - ref).abs().max() < 1e-10
+        assert (_with(model, hand_element(model, g, wrong_key=True))(x) - ref).abs().max() > 1e-3
+
+
+def test_vertical_tangents_are_the_orbit_derivative_on_transposed_weights():
+    model, _, (x, _) = make("gpt2")
+    sym = manifolds.transformer_symmetry(model, x)
+    params = _params(model)
+    xi = torch.randn(sym.dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    t = 1e-5
+    plus, minus = sym.act(params, sym.exp(t * xi)), sym.act(params, sym.exp(-t * xi))
+    tangent = sym.vertical(params, xi)
+    for n in params:
+        fd = (plus[n] - minus[n]) / (2 * t)
+        assert (fd - tangent.get(n, torch.zeros_like(fd))).abs().max() < 1e-7, n
+    basis = sym.vertical_basis(params)
+    assert torch.linalg.matrix_rank(basis) == sym.dim
+
+
+# -- the quotient ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt2", "raw"])
+def test_metric_is_invariant_under_random_and_hand_built_elements(name):
+    model, _, (x, _) = make(name)
+    sym = manifolds.transformer_symmetry(model, x)
+    params = _params(model)
+    layout = manifolds.ParamLayout.from_tensors(params)
+    metric = manifolds.symmetry_metric(sym, params)
+    g = torch.Generator().manual_seed(4)
+    xi, eta = ({n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2))
+    before = _form(metric, layout, params, xi, eta)
+    element = sym.random_element(1.0, g)
+    after = _form(metric, layout, sym.act(params, element), sym.act(xi, element), sym.act(eta, element))
+    assert abs(after - before) <= 1e-10 * abs(before), (before, after)
+
+    def hand(tangent):  # the element is linear in the parameters: its differential is itself
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                p.copy_(tangent[n])
+        return hand_element(twin, torch.Generator().manual_seed(5))
+
+    after = _form(metric, layout, hand(params), hand(xi), hand(eta))
+    assert abs(after - before) <= 1e-10 * abs(before), (before, after)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "raw"])
+def test_measure_equals_the_dense_reference_and_is_unchanged_under_a_hand_built_element(name):
+    model, loss, data = make(name)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, _params(model)), sym)
+    value = measure_value(model, loss, data, k=2)
+    assert np.allclose(value, reference[::-1][:2], rtol=1e-8, atol=0), (value, reference[::-1][:3])
+    twin = _with(model, hand_element(model, torch.Generator().manual_seed(6)))
+    after = measure_value(twin, loss, data, k=1)
+    assert abs(float(after[0]) - float(value[0])) <= 1e-8 * abs(float(value[0])), (value, after)
+
+
+# -- what pins ---------------------------------------------------------------------------------------------------------
+class TwiceCalled(nn.Module):
+    """One Conv1D projects both query and key (its weight is read by two calls): no query/key factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk, self.v, self.o = Conv1D(D, D), Conv1D(D, D), Conv1D(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, H, HD).transpose(1, 2) for p in (self.qk, self.qk, self.v))
+        a = (q @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        return x + self.o(a.transpose(1, 2).reshape(b, t, D))
+
+
+class TiedRaw(nn.Module):
+    """The value weight is also read by a second product outside attention: no value/output factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_q, self.w_k, self.w_v, self.w_o = (nn.Parameter(torch.randn(D, D) * 0.3) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = ((x @ w).view(b, t, H, HD).transpose(1, 2) for w in (self.w_q, self.w_k, self.w_v))
+        a = (q @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        return x + a.transpose(1, 2).reshape(b, t, D) @ self.w_o + x @ self.w_v
+
+
+@pytest.mark.parametrize("kind,pinned", [(TwiceCalled, "query/key"), (TiedRaw, "value/output")])
+def test_a_weight_read_twice_pins_its_factor_and_what_is_claimed_still_holds(kind, pinned):
+    torch.manual_seed(0)
+    model = kind().double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    labels = [f.label for f in sym.factors]
+    assert not any(pinned in label for label in labels), sym.describe()
+    assert "also read elsewhere" in sym.describe() or "called more than once" in sym.describe(), sym.describe()
+    other = "value/output" if pinned == "query/key" else "query/key"
+    assert sum(other in label for label in labels) == H, sym.describe()
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(7)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10
