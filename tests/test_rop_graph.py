@@ -409,7 +409,26 @@ def _frozen_rms():
     return model
 
 
+class FunctionalAffine(nn.Module):
+    """Linear layers written as functions of their parameters: ``torch.addmm(b, x, W)`` on ``(samples, features)``
+    (HuggingFace's ``Conv1D`` on a batch of vectors, ``W`` stored ``(in, out)``), ``F.linear`` on tokens with and without
+    a bias, and a smooth activation between, so the weights' tangents meet second derivatives."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(6))
+        self.w2, self.b2 = nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(5))
+        self.w3 = nn.Parameter(torch.randn(2, 5))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(torch.addmm(self.b1, x, self.w1)).unflatten(1, (2, 3))  # (N, 2 tokens, 3)
+        h = F.gelu(F.linear(h, self.w2, self.b2))  # (N, 2, 5)
+        return self.head(F.linear(h, self.w3).flatten(1))
+
+
 SMOOTH = {
+    "addmm and F.linear with parameters": FunctionalAffine,
     "gelu, tanh approximation": Gelu,
     "rmsnorm": lambda: Norms(nn.RMSNorm(5)),
     "product of two tensors": Product,

@@ -9,6 +9,8 @@ As for every smooth operation (`sharpness.products._rop_smooth`), with ``delta``
   gets its errors summed back to its shape): bilinear, ``zdot = adot b + a bdot``; the errors are
   ``g b^T`` and ``a^T g``, and each factor's tangent error gains the other factor's tangent times the first-order
   error: ``g_dot b^T + delta bdot^T`` and ``a^T g_dot + adot^T delta`` (`_MatMul`);
+- ``z = x W + b`` (``torch.addmm``, HuggingFace's ``Conv1D``) and ``z = x W^T + b`` (``F.linear``) with parameters
+  read directly: the same bilinear rule in ``(x, W)``, the bias's errors summed over the leading axes (`_Affine`);
 - ``A = softmax(S)`` over the last axis (or another, but the samples'): the symmetric Jacobian
   ``J g = A (g - <A, g>)`` (per row), and the input's tangent error ``J g_dot + Adot (delta - <A, delta>) -
   A <Adot, delta>`` with ``Adot = J Sdot``; with the kept centred error ``e = delta - <A, delta>`` and
@@ -92,6 +94,59 @@ class _MatMul(_Smooth):
             out = torch.matmul(a.mT, g_dot)
             errs[1] = _summed(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)), b.shape)
         return errs
+
+
+@dataclass(frozen=True)
+class _Affine(_Smooth):
+    """A linear layer of the last axis written as a function of its parameters: ``x W + b`` (``torch.addmm(b, x, W)``,
+    HuggingFace's ``Conv1D``; ``W`` stored ``(in, out)``) or ``x W^T + b`` (``F.linear``, ``W`` stored ``(out, in)``,
+    ``linear``). Inputs ``[x, W]`` or ``[x, W, b]``. Bilinear in ``(x, W)`` as `_MatMul` is (with ``W`` read through its
+    transpose for ``F.linear``), plus the bias, whose errors are the output's summed over the leading axes."""
+
+    linear: bool
+
+    inner = True  # the tangents of x and of W as the product reads it, made ready once
+
+    def _matrix(self, w: Tensor | None) -> Tensor | None:
+        """``W`` as the right factor of the product: ``(in, out)``."""
+        return w if w is None or not self.linear else w.mT
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        x, w = xs[0], self._matrix(xs[1])
+        out = torch.matmul(x, w)
+        return (out.add_(xs[2]) if len(xs) == 3 else out), (_ready(x), _ready(w))
+
+    def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
+        (a, w), a_dot, w_dot = saved, _ready(xdots[0]), _ready(self._matrix(xdots[1]))
+        out = None if a_dot is None else torch.matmul(a_dot, w)
+        out = _add(out, None if w_dot is None else torch.matmul(a, w_dot))
+        b_dot = xdots[2] if len(xdots) == 3 else None
+        if b_dot is not None:  # never handed on as it is: the bias's own tangent is the caller's
+            out = b_dot.expand(*a.shape[:-1], w.shape[-1]).clone() if out is None else out.add_(b_dot)
+        if out is None:
+            out = a.new_zeros(*a.shape[:-1], w.shape[-1])
+        return out, (a_dot, w_dot)
+
+    def _weight_error(self, g: Tensor, a: Tensor) -> Tensor:
+        """The error of ``W`` as stored, ``a^T g`` summed over the leading axes (``g^T a`` for ``F.linear``)."""
+        if self.linear:
+            return torch.matmul(g.mT, a).sum_to_size(g.shape[-1], a.shape[-1])
+        return torch.matmul(a.mT, g).sum_to_size(a.shape[-1], g.shape[-1])
+
+    def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
+        a, w = saved
+        errs = [torch.matmul(g, w.mT) if need[0] else None, self._weight_error(g, a) if need[1] else None]
+        return errs + ([g.sum_to_size(g.shape[-1]) if need[2] else None] if len(need) == 3 else [])
+
+    def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
+                 inner: tuple) -> list[Tensor | None]:  # fmt: skip
+        (a, w), (a_dot, w_dot) = saved, inner
+        errs: list[Tensor | None] = [None, None]
+        if need[0]:
+            errs[0] = _add(torch.matmul(g_dot, w.mT), None if w_dot is None else torch.matmul(delta, w_dot.mT))
+        if need[1]:
+            errs[1] = _add(self._weight_error(g_dot, a), None if a_dot is None else self._weight_error(delta, a_dot))
+        return errs + ([g_dot.sum_to_size(g_dot.shape[-1]) if need[2] else None] if len(need) == 3 else [])
 
 
 @dataclass(frozen=True)

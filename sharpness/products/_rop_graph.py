@@ -67,7 +67,7 @@ from sharpness.products._rop import (
     _Slope,
     loss_state,
 )
-from sharpness.products._rop_attention import _Attend, _MatMul, _Softmax
+from sharpness.products._rop_attention import _Affine, _Attend, _MatMul, _Softmax
 from sharpness.products._rop_ops import _Layer, _Map, _Norm, _Part
 from sharpness.products._rop_smooth import (
     POINTWISE_FUNCTIONS,
@@ -705,6 +705,14 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         return _Map("index", call=_index_caller(node)), [first]
     if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
         return (_MatMul(), [first, args[1]]) if min(ndim, len(shapes[args[1]])) >= 2 else None
+    if name == "linear" and len(args) in (2, 3) and not kwargs and all(a in shapes for a in args[1:]):
+        weight, bias = shapes[args[1]], (shapes[args[2]] if len(args) == 3 else None)
+        if ndim >= 2 and len(weight) == 2 and bias in (None, (weight[0],)):  # a vector input is refused: no batch
+            return _Affine(linear=True), [first, *args[1:]]
+    if name == "addmm" and len(args) == 3 and not kwargs and all(a in shapes for a in args[1:]):
+        bias, x, weight = (shapes[a] for a in args)
+        if len(x) == 2 and len(weight) == 2 and bias == (weight[1],):  # a 2-D bias is not one per output feature
+            return _Affine(linear=False), [args[1], args[2], args[0]]
     if name in ("softmax", "log_softmax"):
         if len(args) > 2 or set(kwargs) - {"dim", "_stacklevel", "dtype"} or kwargs.get("dtype") is not None:
             return None
