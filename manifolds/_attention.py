@@ -12,6 +12,9 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
 * **Normalization affine scale** (positive diagonal, one scale per feature): ``gamma_j, beta_j <- c_j gamma_j,
   c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
   reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
+* **Elementwise scale read directly** (positive diagonal): ``y = h * w`` with ``w`` a parameter vector on the last
+  axis that nothing else reads (a normalization written by hand: HuggingFace's LLaMA ``RMSNorm``): ``w_j <- c_j w_j``
+  and column ``j`` of every layer reading ``y`` ``<- / c_j``.
 * **Token-wise ReLU MLP units** (positive diagonal): rows of a Linear and its bias ``<- c_j (.)``, the columns
   of every Linear reading it through ReLU / LeakyReLU / dropout ``<- / c_j`` (``relu(c x) = c relu(x)``), or through
   an elementwise product with a gate computed without it (SwiGLU's ``silu(w1 x) * w3 x`` frees ``w3``'s units:
@@ -849,6 +852,34 @@ class _Finder:
             return
         self.found.factors.append(Factor("diagonal", size, tuple(blocks), f"affine scale of {where}", "c"))
 
+    def scale(self, node: fx.Node) -> None:
+        """``h * w`` (or ``w * h``) with ``w`` a parameter vector along the last axis that nothing else reads, ``h`` of
+        the product's shape: the affine scale of a normalization written by hand (LLaMA's ``RMSNorm``, ``weight *
+        hidden_states``), traded like an ``nn.RMSNorm``'s against the columns of the layers reading the product."""
+        args = node.args
+        if node.kwargs or len(args) != 2 or not all(isinstance(a, fx.Node) for a in args):
+            return
+        params = [a for a in args if a.op == "get_attr"]
+        if len(params) != 1:
+            return
+        (weight,) = params
+        h = args[1] if args[0] is weight else args[0]
+        shape, own, size = node.meta.get("shape"), h.meta.get("shape"), weight.meta.get("shape")
+        if shape is None or own is None or size is None or len(size) != 1 or tuple(shape) != tuple(own):
+            return
+        if not shape or shape[-1] != size[0] or not self.input_fed(h):
+            return
+        where = self.label(node)
+        index = tuple(range(size[0]))
+        try:
+            name = self.owned(weight, node)
+            factor = Factor("diagonal", size[0], (Block(name, 0, index, None, "T"), *self.consumer_blocks(node, index)),
+                            f"elementwise scale '{name}' at {where}", "c")  # fmt: skip
+        except _Fail as failure:
+            self.pin(f"output of {where}", size[0], f"its elementwise scale cannot be traded: {failure}")
+            return
+        self.found.factors.append(factor)
+
     def mlp(self, node: fx.Node) -> None:
         """A Linear whose output reaches only Linears through ReLU / LeakyReLU / dropout and elementwise products with
         tensors computed without it (a gated unit): unit scalings."""
@@ -928,6 +959,9 @@ class _Finder:
         for node in nodes:
             if node.op == "call_module" and type(self.module(node)) in _NORMS:
                 self.norm(node)
+                continue
+            if node.op in ("call_function", "call_method") and target_name(node) == "mul":
+                self.scale(node)
                 continue
             proj = self.projection(node)
             if proj is not None and proj.key not in self.claimed_rows:  # a layer no attention claimed: units

@@ -75,13 +75,26 @@ class GPT2Block(nn.Module):
         return x + self.c_proj(torch.relu(self.c_fc(self.ln_2(x))))
 
 
+class RMSNorm(nn.Module):
+    """LLaMA's RMSNorm as HuggingFace writes it: the scale ``weight * hidden_states`` read directly by the forward."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), 1e-6
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.eps))
+
+
 class RawBlock(nn.Module):
     """Every projection a function of parameters: ``x @ W + b`` (query, key, value; ``W`` stored ``(in, out)``),
-    ``F.linear`` (output and the MLP's first layer; ``(out, in)``) and a bias-free ``x @ W`` (the MLP's second)."""
+    ``F.linear`` (output and the MLP's first layer; ``(out, in)``) and a bias-free ``x @ W`` (the MLP's second);
+    LayerNorms, or RMSNorms written by hand (``rms``)."""
 
-    def __init__(self):
+    def __init__(self, rms: bool = False):
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.ln_1, self.ln_2 = (RMSNorm(D), RMSNorm(D)) if rms else (nn.LayerNorm(D), nn.LayerNorm(D))
         for role in "qkv":
             setattr(self, f"w_{role}", nn.Parameter(torch.randn(D, D) * 0.3))
             setattr(self, f"b_{role}", nn.Parameter(torch.zeros(D)))
@@ -108,7 +121,8 @@ class Net(nn.Module):
         return self.head(self.block(x).mean(dim=1))
 
 
-CASES = {"gpt2": lambda: GPT2Block(), "gpt2_sdpa": lambda: GPT2Block(sdpa=True), "raw": RawBlock}
+CASES = {"gpt2": lambda: GPT2Block(), "gpt2_sdpa": lambda: GPT2Block(sdpa=True), "raw": RawBlock,
+         "raw_rms": lambda: RawBlock(rms=True)}
 # per head GL(HD) on query/key and on value/output, both LayerNorm trades, the ReLU units
 DIM = 2 * H * HD * HD + 2 * D + FF
 
@@ -180,7 +194,8 @@ def hand_element(model: Net, g: torch.Generator, wrong_key: bool = False) -> dic
     for ln, names in readers.items():
         c = _scales(g, D)
         sd[f"{p}{ln}.weight"] = sd[f"{p}{ln}.weight"] * c
-        sd[f"{p}{ln}.bias"] = sd[f"{p}{ln}.bias"] * c
+        if f"{p}{ln}.bias" in sd:  # an RMSNorm has none
+            sd[f"{p}{ln}.bias"] = sd[f"{p}{ln}.bias"] * c
         for r in names:  # the input axis: rows of an (in, out) weight, columns of F.linear's (out, in)
             stored_in = sd[p + r].shape[0] == D if r != "w_1" else False
             sd[p + r] = sd[p + r] / (c[:, None] if stored_in else c)
@@ -209,6 +224,8 @@ def test_the_group_is_found_on_the_stored_layout(name):
         assert "block.attn.c_attn.weight rows 0:8 <- diag(c)^-1 (.)\n" in text, text
     else:
         assert "block.w_q columns 0:4 <- (.) A\n" in text and "block.w_o columns 0:4 <- (.) B^-T\n" in text, text
+    if name == "raw_rms":  # the hand-written scale traded against the three projections reading it
+        assert "elementwise scale 'block.ln_1.weight'" in text and "block.w_k rows 0:8 <- diag(c)^-1 (.)" in text, text
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -242,7 +259,7 @@ def test_vertical_tangents_are_the_orbit_derivative_on_transposed_weights():
 
 
 # -- the quotient ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["gpt2", "raw"])
+@pytest.mark.parametrize("name", ["gpt2", "raw", "raw_rms"])
 def test_metric_is_invariant_under_random_and_hand_built_elements(name):
     model, _, (x, _) = make(name)
     sym = manifolds.transformer_symmetry(model, x)
@@ -267,7 +284,7 @@ def test_metric_is_invariant_under_random_and_hand_built_elements(name):
     assert abs(after - before) <= 1e-10 * abs(before), (before, after)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "raw"])
+@pytest.mark.parametrize("name", ["gpt2", "raw", "raw_rms"])
 def test_measure_equals_the_dense_reference_and_is_unchanged_under_a_hand_built_element(name):
     model, loss, data = make(name)
     sym = manifolds.transformer_symmetry(model, data[0])
@@ -322,3 +339,47 @@ def test_a_weight_read_twice_pins_its_factor_and_what_is_claimed_still_holds(kin
     with torch.no_grad():
         moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(7)))
         assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+# -- elementwise scales read directly ----------------------------------------------------------------------------------
+class Scaled(nn.Module):
+    """``h * w`` with ``w`` a parameter vector: read by a Linear alone (traded), or also by a residual addition, or with
+    ``w`` read again, or as Gemma's ``(1 + w) * h`` (no trade: pinned or not a plain parameter)."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case, self.w = case, nn.Parameter(torch.rand(D) + 0.5)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.case == "gemma":
+            y = (1 + self.w) * h
+        else:
+            y = h * self.w
+        if self.case == "residual":
+            y = y + h
+        if self.case == "read_twice":
+            y = y + self.w
+        return self.b(y)
+
+
+@pytest.mark.parametrize("case", ["traded", "residual", "read_twice", "gemma"])
+def test_an_elementwise_scale_is_traded_only_where_linear_layers_alone_read_it(case):
+    torch.manual_seed(0)
+    model = Scaled(case).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    traded = [f for f in sym.factors if f.label.startswith("elementwise scale")]
+    assert len(traded) == (1 if case == "traded" else 0), sym.describe()
+    if case in ("residual", "read_twice"):
+        assert "its elementwise scale cannot be traded" in sym.describe(), sym.describe()
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(8)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10
+        if case == "traded":  # by hand: w -> c w, the reader's columns / c
+            c = _scales(torch.Generator().manual_seed(9), D)
+            sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+            sd["w"], sd["b.weight"] = sd["w"] * c, sd["b.weight"] / c
+            assert (_with(model, sd)(x) - model(x)).abs().max() < 1e-12
+            assert max((p - q).abs().max() for p, q in zip(model.parameters(), moved.parameters())) > 0.1

@@ -411,8 +411,8 @@ def _frozen_rms():
 
 class FunctionalAffine(nn.Module):
     """Linear layers written as functions of their parameters: ``torch.addmm(b, x, W)`` on ``(samples, features)``
-    (HuggingFace's ``Conv1D`` on a batch of vectors, ``W`` stored ``(in, out)``), ``F.linear`` on tokens with and without
-    a bias, and a smooth activation between, so the weights' tangents meet second derivatives."""
+    (HuggingFace's ``Conv1D`` on a batch of vectors, ``W`` stored ``(in, out)``), ``F.linear`` on tokens with and
+    without a bias, and a smooth activation between, so the weights' tangents meet second derivatives."""
 
     def __init__(self):
         super().__init__()
