@@ -278,6 +278,12 @@ class _Finder:
         shape = weight.meta.get("shape")
         if shape is None or len(shape) != 2 or data.op == "get_attr":
             return None
+        n_in, n_out = shape if transposed else shape[::-1]
+        source, out = data.meta.get("shape"), node.meta.get("shape")
+        if source is None or out is None or not source or source[-1] != n_in or tuple(out) != (*source[:-1], n_out):
+            return None  # x @ W + b broadcasting b (or x) beyond one output feature each, say
+        if bias is not None and tuple(bias.meta.get("shape") or ()) != (n_out,):
+            return None  # a bias of another shape is no vector of the output features: (T, out), (1,), (1, out)
         return _Projection(node, data, None, weight, bias, transposed, inner)
 
     def once(self, proj: _Projection) -> bool:

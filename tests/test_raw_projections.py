@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_rop_graph import _check
 from test_transformer_quotient import _form, _params, dense_quotient_spectrum, measure_value
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import manifolds
 
@@ -258,6 +260,16 @@ def test_vertical_tangents_are_the_orbit_derivative_on_transposed_weights():
     assert torch.linalg.matrix_rank(basis) == sym.dim
 
 
+# -- the products ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CASES))
+def test_products_are_the_r_operator_s_and_equal_the_dense_hessian(name):
+    # Conv1D's view(-1, nx), addmm and view back are read as one layer of the token sequence; F.linear and x @ W + b
+    # as they are. Kept state and streamed in chunks of 3 samples.
+    model, _, (x, y) = make(name)
+    with sdpa_kernel(SDPBackend.MATH):  # the dense reference differentiates twice
+        _check(model, x, y)
+
+
 # -- the quotient ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["gpt2", "raw", "raw_rms"])
 def test_metric_is_invariant_under_random_and_hand_built_elements(name):
@@ -383,3 +395,40 @@ def test_an_elementwise_scale_is_traded_only_where_linear_layers_alone_read_it(c
             sd["w"], sd["b.weight"] = sd["w"] * c, sd["b.weight"] / c
             assert (_with(model, sd)(x) - model(x)).abs().max() < 1e-12
             assert max((p - q).abs().max() for p, q in zip(model.parameters(), moved.parameters())) > 0.1
+
+
+class OddBias(nn.Module):
+    """A "bias" that is no vector of the output features: ``(T, FF)`` in ``addmm`` and ``F.linear`` (one per token),
+    ``(1,)`` broadcast over every feature, and ``(T,)`` added to an ``(N, T, 1)`` product broadcasting it to ``T``
+    features. None may be moved as a bias of the layer's units."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+        width = 1 if case == "broadcast_by_bias" else FF
+        self.w1 = nn.Parameter(torch.randn(D, width) * 0.5 if case != "linear_2d" else torch.randn(width, D) * 0.5)
+        shape = {"addmm_2d": (T, FF), "linear_2d": (T, FF), "scalar": (1,), "broadcast_by_bias": (T,)}[case]
+        self.b1 = nn.Parameter(torch.randn(shape))
+        self.w2 = nn.Parameter(torch.randn(FF if case != "broadcast_by_bias" else T, 3) * 0.5)
+
+    def forward(self, x):
+        x0 = x.mean(0)  # (T, D): one sequence, so a (T, FF) bias adds one row per token
+        if self.case == "addmm_2d":
+            h = torch.addmm(self.b1, x0, self.w1)
+        elif self.case == "linear_2d":
+            h = F.linear(x0, self.w1, self.b1)
+        else:
+            h = x @ self.w1 + self.b1
+        return torch.relu(h) @ self.w2
+
+
+@pytest.mark.parametrize("case", ["addmm_2d", "linear_2d", "scalar", "broadcast_by_bias"])
+def test_a_bias_that_is_no_vector_of_the_output_features_pins_the_units(case):
+    torch.manual_seed(0)
+    model = OddBias(case).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert "b1" not in sym.names, sym.describe()
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10

@@ -42,6 +42,20 @@ def _ready(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.is_contiguous() or t.mT.is_contiguous() else t.contiguous()
 
 
+def _rows_product(a: Tensor, b: Tensor) -> Tensor:
+    """``a^T b`` summed over the leading axes, ``(..., m, p)`` and ``(..., m, q)`` to ``(p, q)``: one matrix product of
+    the rows stacked (a batched product and a sum over its batch take twice as long on token sequences)."""
+    return a.reshape(-1, a.shape[-1]).mT @ b.reshape(-1, b.shape[-1])
+
+
+def _right_error(a: Tensor, g: Tensor, shape: torch.Size) -> Tensor:
+    """``a^T g`` summed back to the right factor's ``shape``: one stacked product where that factor is a matrix
+    broadcast over ``a``'s leading axes (``x @ W`` on token sequences), else batched."""
+    if len(shape) == 2 and a.dim() > 2:
+        return _rows_product(a, g)
+    return _summed(torch.matmul(a.mT, g), shape)
+
+
 def _add(out: Tensor | None, t: Tensor | None) -> Tensor | None:
     """``out + t`` (in place into ``out``, a fresh tensor of the caller's), either may be ``None``."""
     if t is None:
@@ -81,7 +95,7 @@ class _MatMul(_Smooth):
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         a, b = saved
         return [_summed(torch.matmul(g, b.mT), a.shape) if need[0] else None,
-                _summed(torch.matmul(a.mT, g), b.shape) if need[1] else None]  # fmt: skip
+                _right_error(a, g, b.shape) if need[1] else None]  # fmt: skip
 
     def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
                  inner: tuple) -> list[Tensor | None]:  # fmt: skip
@@ -91,8 +105,8 @@ class _MatMul(_Smooth):
             out = torch.matmul(g_dot, b.mT)
             errs[0] = _summed(_add(out, None if b_dot is None else torch.matmul(delta, b_dot.mT)), a.shape)
         if need[1]:
-            out = torch.matmul(a.mT, g_dot)
-            errs[1] = _summed(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)), b.shape)
+            out = _right_error(a, g_dot, b.shape)
+            errs[1] = _add(out, None if a_dot is None else _right_error(a_dot, delta, b.shape))
         return errs
 
 
@@ -129,9 +143,7 @@ class _Affine(_Smooth):
 
     def _weight_error(self, g: Tensor, a: Tensor) -> Tensor:
         """The error of ``W`` as stored, ``a^T g`` summed over the leading axes (``g^T a`` for ``F.linear``)."""
-        if self.linear:
-            return torch.matmul(g.mT, a).sum_to_size(g.shape[-1], a.shape[-1])
-        return torch.matmul(a.mT, g).sum_to_size(a.shape[-1], g.shape[-1])
+        return _rows_product(g, a) if self.linear else _rows_product(a, g)
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         a, w = saved

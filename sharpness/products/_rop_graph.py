@@ -778,6 +778,34 @@ def _pieces(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node,
     return found
 
 
+def _merged_affines(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node, tuple]:
+    """HuggingFace's ``Conv1D`` on token sequences: ``x.view(-1, nx)``, ``torch.addmm(b, ., W)`` and a view back to
+    ``x``'s leading axes, which merges the samples with the tokens on the way (a view the products refuse alone). The
+    view back is read as one `_Affine` of ``x`` itself, ``x W + b`` on the last axis, and the other two as read by
+    nothing (``(None, [], [])``)."""
+    found: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        if node.op != "call_function" or target_name(node) != "addmm" or len(node.args) != 3 or node.kwargs:
+            continue
+        bias, flat, weight = node.args
+        if not all(isinstance(a, fx.Node) and a in shapes for a in node.args) or flat.op != "call_method" \
+                or target_name(flat) not in _VIEWS or not flat.args or flat.args[0] not in shapes:  # fmt: skip
+            continue
+        x, readers = flat.args[0], list(node.users)
+        lead, (nx, nf) = tuple(shapes[x][:-1]), shapes[weight]
+        if len(shapes[weight]) != 2 or shapes[bias] != (nf,) or len(readers) != 1 or len(lead) < 2 \
+                or shapes[x][-1] != nx or shapes[flat] != (math.prod(lead), nx) \
+                or [u for u in flat.users if not is_metadata(u)] != [node]:  # fmt: skip
+            continue
+        (back,) = readers
+        if back.op not in ("call_function", "call_method") or target_name(back) not in _VIEWS or back not in shapes \
+                or shapes[back] != (*lead, nf) or not back.args or back.args[0] is not node:  # fmt: skip
+            continue
+        found[flat], found[node] = (None, [], []), (None, [], [])
+        found[back] = (_Affine(linear=False), [x, weight, bias], [])
+    return found
+
+
 def _constant(model: nn.Module, name: str) -> Tensor | None:
     """The tensor fx kept on ``model`` under ``name`` while tracing (``_tensor_constant0``: one computed from buffers
     alone, ``3.0 * self.mask`` say), or ``None``."""
@@ -838,7 +866,7 @@ def rop_graph(
         return None
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
     attention = _attention_outputs(model, nodes, shapes, params)
-    pieces = _pieces(nodes, shapes)
+    pieces = _pieces(nodes, shapes) | _merged_affines(nodes, shapes)
     read: dict[fx.Node, tuple] = {}  # node -> (op, tensor input nodes, call input nodes)
     fixed: set[fx.Node] = set()  # calls read only where no parameter moves their inputs
     output = None
@@ -848,7 +876,8 @@ def rop_graph(
             if op is None:
                 return None
             read[node] = (op, tensors, [])
-        elif node in pieces:  # a piece of a tensor cut by unbind, chunk or split; the cut itself is read by none
+        elif node in pieces:  # a piece of a tensor cut by unbind, chunk or split, the cut itself read by none; or a
+            # Conv1D's three nodes, the last read as one
             if pieces[node][0] is not None:
                 read[node] = pieces[node]
         elif node.op == "placeholder":
