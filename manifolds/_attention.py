@@ -875,12 +875,17 @@ class _Finder:
             return
         if not shape or shape[-1] != size[0] or not self.input_fed(h):
             return
+        if self.users(h) != [node]:  # fx records `h *= w` out of place: another reader of h would see h w
+            self.pin(f"output of {self.label(node)}", size[0], "its elementwise scale cannot be traded: the scaled "
+                     "tensor is read elsewhere too")  # fmt: skip
+            return
         where = self.label(node)
         index = tuple(range(size[0]))
         try:
             name = self.owned(weight, node)
             factor = Factor("diagonal", size[0], (Block(name, 0, index, None, "T"), *self.consumer_blocks(node, index)),
                             f"elementwise scale '{name}' at {where}", "c")  # fmt: skip
+            self.claim([factor])  # the units of a gated product (mlp, earlier on the graph) may divide the same columns
         except _Fail as failure:
             self.pin(f"output of {where}", size[0], f"its elementwise scale cannot be traded: {failure}")
             return

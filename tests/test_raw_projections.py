@@ -432,3 +432,62 @@ def test_a_bias_that_is_no_vector_of_the_output_features_pins_the_units(case):
     with torch.no_grad():
         moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
         assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+class ScaleCases(nn.Module):
+    """``h *= w`` on a tensor also read by a residual (fx records the product out of place, and at ``w = 1`` the trace's
+    check cannot tell); a scale after gated ReLU units, whose factor already divides the reader's columns."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+        self.w = nn.Parameter(torch.ones(D) if case == "aliased" else torch.rand(D) + 0.5)
+        self.l1, self.l2 = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        if self.case == "aliased":
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            r = h
+            h *= self.w
+            return self.l2(h).mean(1) + r.sum((1, 2))[:, None]
+        return self.l2(torch.relu(self.l1(x)) * self.w).mean(1)
+
+
+@pytest.mark.parametrize("case", ["aliased", "after_units"])
+def test_a_scale_read_beside_its_tensor_or_after_units_is_not_traded_twice(case):
+    torch.manual_seed(0)
+    model = ScaleCases(case).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not any(f.label.startswith("elementwise scale") for f in sym.factors), sym.describe()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        model.w.add_(0.5 * torch.rand(D, generator=g, dtype=torch.float64))  # away from 1, where h *= w is no-op
+        moved = sym.transformed(model, sym.random_element(1.0, g))
+        assert (moved(x) - model(x)).abs().max() < 1e-10
+    if case == "after_units":  # the units' factor keeps the columns, and the measure runs and is invariant
+        assert any(f.label.startswith("units") for f in sym.factors), sym.describe()
+        loss, data = nn.MSELoss(), (x, torch.randn(N, 3, dtype=torch.float64))
+        before, after = measure_value(model, loss, data)[0], measure_value(moved, loss, data)[0]
+        assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+
+
+class FlatRead(nn.Module):
+    """A Conv1D-style ``x.view(-1, nx)`` whose shape is also read downstream."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(D, 6) * 0.5), nn.Parameter(torch.randn(6) * 0.1)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        flat = x.view(-1, D)
+        out = torch.addmm(self.b, flat, self.w).view(x.shape[0], x.shape[1], 6)
+        return self.head(torch.tanh(out)).mean(1) * (flat.size(1) / 3)
+
+
+def test_a_merged_view_read_for_its_shape_runs_autograd_products():
+    torch.manual_seed(0)
+    model = FlatRead().double().eval()
+    x, y = torch.randn(N, T, D, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    _check(model, x, y, strategy="graph")

@@ -795,7 +795,7 @@ def _merged_affines(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[
         lead, (nx, nf) = tuple(shapes[x][:-1]), shapes[weight]
         if len(shapes[weight]) != 2 or shapes[bias] != (nf,) or len(readers) != 1 or len(lead) < 2 \
                 or shapes[x][-1] != nx or shapes[flat] != (math.prod(lead), nx) \
-                or [u for u in flat.users if not is_metadata(u)] != [node]:  # fmt: skip
+                or list(flat.users) != [node]:  # fmt: skip (a reader of its shape would need it computed)
             continue
         (back,) = readers
         if back.op not in ("call_function", "call_method") or target_name(back) not in _VIEWS or back not in shapes \
