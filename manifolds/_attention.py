@@ -31,8 +31,9 @@ where each of query, key and value is the output of a linear layer reshaped into
 view/reshape/transpose/permute/flatten/contiguous and constant factors only, nothing else reads those
 tensors, and the value side's result reaches the output layer through such reshapes only. A linear layer
 (`_Projection`) is an ``nn.Linear``, or a function of parameters no other node, name or module call reads:
-``F.linear(x, W, b)``, ``x @ W``, ``x @ W + b`` or HuggingFace's GPT-2 ``Conv1D`` (``torch.addmm(b, x.view(-1, nx),
-W)`` and a view back); ``W`` of ``x @ W`` and ``addmm`` is stored ``(in, out)``, and its blocks say so
+``F.linear(x, W, b)``, ``x @ W``, ``x @ W + b`` (``W`` possibly read through ``W.T``, ``W.t()`` or ``W.transpose(0,
+1)`` alone) or HuggingFace's GPT-2 ``Conv1D`` (``torch.addmm(b, x.view(-1, nx), W)`` and a view back); ``W`` of
+``x @ W`` and ``addmm`` is stored ``(in, out)``, and its blocks say so
 (`manifolds._matrix_group.Block.transposed`). A reshape merging or splitting the leading axes and keeping the
 features last may sit before a layer's input (``Conv1D``'s flattening of the tokens). One Linear may
 project all three (a fused qkv projection) where its output is cut into pieces each read once: ``unbind``,
@@ -94,6 +95,7 @@ class _Projection:
         weight, bias: the ``get_attr`` nodes of a function's parameters (``bias`` ``None`` where there is none).
         transposed: ``W`` is stored ``(in, out)``.
         inner: the product ``x @ W`` of ``x @ W + b`` (``node`` is the addition), else ``None``.
+        through: the transpose the layer reads ``W`` by (``x @ W.T``, ``F.linear(x, W.t())``), else ``None``.
     """
 
     node: fx.Node
@@ -103,6 +105,7 @@ class _Projection:
     bias: fx.Node | None = None
     transposed: bool = False
     inner: fx.Node | None = None
+    through: fx.Node | None = None
 
     @property
     def reader(self) -> fx.Node:
@@ -266,11 +269,14 @@ class _Finder:
                 data, weight = args
                 bias = None
                 readers = self.users(node)
-                if len(readers) == 1 and self.projection(readers[0]) is not None:
+                if len(readers) == 1 and (p := self.projection(readers[0])) is not None and p.inner is node:
                     return None  # the bias addition is the layer
             transposed = True
         else:
             return None
+        through = None
+        if isinstance(weight, fx.Node) and weight.op != "get_attr" and (source := _transposed_of(weight)) is not None:
+            through, weight, transposed = weight, source, not transposed  # W.T: the stored W is the other way round
         if not (isinstance(data, fx.Node) and isinstance(weight, fx.Node) and weight.op == "get_attr"):
             return None
         if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
@@ -284,7 +290,7 @@ class _Finder:
             return None  # x @ W + b broadcasting b (or x) beyond one output feature each, say
         if bias is not None and tuple(bias.meta.get("shape") or ()) != (n_out,):
             return None  # a bias of another shape is no vector of the output features: (T, out), (1,), (1, out)
-        return _Projection(node, data, None, weight, bias, transposed, inner)
+        return _Projection(node, data, None, weight, bias, transposed, inner, through)
 
     def once(self, proj: _Projection) -> bool:
         """Whether the layer acts once (a function's parameters are checked by `owned`)."""
@@ -570,7 +576,9 @@ class _Finder:
         if proj.module is not None:
             weight, bias = self.param(proj.module, "weight"), self.param(proj.module, "bias")
         else:
-            weight = self.owned(proj.weight, proj.reader)
+            weight = self.owned(proj.weight, proj.through or proj.reader)
+            if proj.through is not None and self.users(proj.through) != [proj.reader]:
+                raise _Fail(f"the transpose of the parameter '{weight}' is also read elsewhere")
             bias = None if proj.bias is None else self.owned(proj.bias, proj.node)
         blocks = [Block(weight, 0 if rows else 1, index, None, how, proj.transposed)]
         if rows and bias is not None:
@@ -978,6 +986,24 @@ class _Finder:
             if proj is not None and proj.key not in self.claimed_rows:  # a layer no attention claimed: units
                 self.mlp(node)
         return self.found
+
+
+def _transposed_of(node: fx.Node) -> fx.Node | None:
+    """The ``get_attr`` node a matrix transpose reads (``W.T``, ``W.mT``, ``W.t()``, ``torch.t(W)``,
+    ``W.transpose(0, 1)`` and its negative-axis spellings), else ``None``."""
+    if node.op not in ("call_method", "call_function") or not node.args or node.kwargs:
+        return None
+    source, rest = node.args[0], node.args[1:]
+    if not isinstance(source, fx.Node) or source.op != "get_attr" or len(source.meta.get("shape") or ()) != 2:
+        return None
+    name = target_name(node)
+    if node.target is getattr:
+        return source if rest in (("T",), ("mT",)) else None
+    if name == "t" and not rest:
+        return source
+    if name in ("transpose", "swapaxes", "swapdims") and len(rest) == 2 and all(type(a) is int for a in rest):
+        return source if {a % 2 for a in rest} == {0, 1} else None
+    return None
 
 
 def _diagonal_sides(group) -> set[tuple[str, int]]:

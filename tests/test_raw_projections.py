@@ -491,3 +491,60 @@ def test_a_merged_view_read_for_its_shape_runs_autograd_products():
     model = FlatRead().double().eval()
     x, y = torch.randn(N, T, D, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
     _check(model, x, y, strategy="graph")
+
+
+class TransposedRaw(nn.Module):
+    """Weights stored ``(out, in)`` and read through a transpose: ``x @ W.T + b`` (query), ``x @ W.t()`` (key),
+    ``x @ W.transpose(0, 1)`` (value), ``F.linear(x, W.mT)`` with ``W`` stored ``(in, out)`` (output), and a chain
+    ``(relu(x @ W1.T) @ W2.T)`` whose first product is read by the second as its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_q, self.w_k, self.w_v = (nn.Parameter(torch.randn(D, D) * 0.3) for _ in range(3))
+        self.b_q, self.w_o = nn.Parameter(torch.randn(D) * 0.1), nn.Parameter(torch.randn(D, D) * 0.3)
+        self.w_1, self.w_2 = nn.Parameter(torch.randn(FF, D) * 0.3), nn.Parameter(torch.randn(D, FF) * 0.3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = (x @ self.w_q.T + self.b_q).view(b, t, H, HD).transpose(1, 2)
+        k = (x @ self.w_k.t()).view(b, t, H, HD).transpose(1, 2)
+        v = (x @ self.w_v.transpose(0, 1)).view(b, t, H, HD).transpose(1, 2)
+        a = (q @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        x = x + F.linear(a.transpose(1, 2).reshape(b, t, D), self.w_o.mT)
+        return (x + torch.relu(x @ self.w_1.T) @ self.w_2.T).sum(1)
+
+
+def test_weights_read_through_a_transpose_keep_their_factors():
+    torch.manual_seed(0)
+    model = TransposedRaw().double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    labels = [f.label for f in sym.factors]
+    assert sum("query/key" in la for la in labels) == H and sum("value/output" in la for la in labels) == H, labels
+    assert any(la.startswith("units") for la in labels), sym.describe()  # relu(x @ W1.T) @ W2.T: W1's units
+    text = sym.describe()
+    assert "w_q rows 0:4 <- A^T (.)" in text and "w_o rows 0:4 <- B^-1 (.)" in text, text  # (out, in) / (in, out)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for _ in range(2):
+            moved = sym.transformed(model, sym.random_element(1.0, g))
+            assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+class TransposeReadTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.3)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        wt = self.w.T
+        return self.head(torch.relu(x @ wt)).mean(1) + wt[0, :3]
+
+
+def test_a_transpose_read_elsewhere_pins():
+    torch.manual_seed(0)
+    model = TransposeReadTwice().double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert "w" not in sym.names and "also read elsewhere" in sym.describe(), sym.describe()
