@@ -220,3 +220,15 @@ class _Static:
 def test_losses_called_with_two_arguments_through_other_means_are_accepted(make):
     model = nn.Linear(3, 2).eval()
     Objective(model, make(), (torch.randn(6, 3), torch.randn(6, 2)))
+
+
+def test_a_class_weighted_plain_function_is_refused_when_the_first_samples_share_their_class():
+    """``F.cross_entropy(..., weight=w)`` normalizes by the batch's summed weights: not a per-sample mean. The check
+    takes the first sample whose class differs from the first's, so two leading samples of one class do not hide it."""
+    g = torch.Generator().manual_seed(6)
+    X = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    y = torch.tensor([1, 1, 1, 0, 2, 1, 0])
+    w = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="does not reduce over the samples as a mean"):
+        Objective(_model(), lambda out, t: F.cross_entropy(out, t, weight=w), (X, y))
+    Objective(_model(), lambda out, t: F.cross_entropy(out, t), (X, y))  # unweighted: a per-sample mean

@@ -332,13 +332,18 @@ def check_reduction(model: nn.Module, loss_fn: Callable, params: Mapping[str, Te
                     batch: tuple[Tensor, Tensor], dtype: torch.dtype, device: torch.device, per_sample: bool) -> None:
     """The loss combines samples as the objective combines chunks (the caller sets eval mode): on the first two samples,
     the loss of both together is the mean (``per_sample``) or the sum of each one's alone. A loss that declares another
-    reduction than it computes, or weighs samples by the batch (a contrastive loss over the batch), would give a value
-    that depends on how the data are chunked. Skipped where it cannot tell: fewer than two samples, outputs or targets
-    whose first axis is not the samples', losses that are not finite on one sample."""
+    reduction than it computes, or weighs samples by the batch (a contrastive loss over the batch, a class-weighted
+    mean, which normalizes by the batch's weights), would give a value that depends on how the data are chunked. The
+    second sample is the first of the batch whose target differs from the first's (a class-weighted mean of two samples
+    of one class is their plain mean). Skipped where it cannot tell: fewer than two samples, outputs or targets whose
+    first axis is not the samples', losses that are not finite on one sample."""
     x, y = batch
-    if x.shape[0] < 2 or y.dim() == 0 or y.shape[0] < 2:
+    if x.shape[0] < 2 or y.dim() == 0 or y.shape[0] < 2 or y.shape[0] != x.shape[0]:
         return
-    x, y = cast_batch(x[:2], y[:2], dtype, device)
+    differs = (y[1:] != y[:1]).reshape(y.shape[0] - 1, -1).any(dim=1)
+    other = 1 + int(differs.nonzero()[0]) if bool(differs.any()) else 1
+    pair = torch.tensor([0, other], device=x.device)
+    x, y = cast_batch(x.index_select(0, pair), y.index_select(0, pair.to(y.device)), dtype, device)
     with torch.no_grad():
         out = functional_call(model, (params, others), (x,))
         if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != 2:
@@ -351,7 +356,7 @@ def check_reduction(model: nn.Module, loss_fn: Callable, params: Mapping[str, Te
     if abs(both - combined) > tolerance * max(abs(both), abs(combined), 1e-30):
         kind = "the mean" if per_sample else "the sum"
         raise ValueError(
-            f"the loss of the first two samples together is {both:.6g}, but {kind} of each one's alone is "
+            f"the loss of two samples of the first batch together is {both:.6g}, but {kind} of each one's alone is "
             f"{combined:.6g}: it does not reduce over the samples as a {'mean' if per_sample else 'sum'}, so chunks of "
             "the data cannot be combined exactly; declare the reduction it computes (reduction='mean' or 'sum') or "
             "give a loss that treats every sample apart"
