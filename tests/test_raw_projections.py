@@ -511,7 +511,7 @@ class TransposedRaw(nn.Module):
         v = (x @ self.w_v.transpose(0, 1)).view(b, t, H, HD).transpose(1, 2)
         a = (q @ k.transpose(-2, -1)).softmax(dim=-1) @ v
         x = x + F.linear(a.transpose(1, 2).reshape(b, t, D), self.w_o.mT)
-        return (x + torch.relu(x @ self.w_1.T) @ self.w_2.T).sum(1)
+        return (x + torch.relu(x @ self.w_1.T) @ self.w_2.T).mean(1)
 
 
 def test_weights_read_through_a_transpose_keep_their_factors():
@@ -529,6 +529,13 @@ def test_weights_read_through_a_transpose_keep_their_factors():
         for _ in range(2):
             moved = sym.transformed(model, sym.random_element(1.0, g))
             assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+def test_products_through_transposed_weights_are_the_r_operator_s_and_equal_the_dense_hessian():
+    torch.manual_seed(0)
+    model = TransposedRaw().double().eval()
+    x, y = torch.randn(N, T, D, dtype=torch.float64), torch.tensor([0, 1, 2, 1, 0])
+    _check(model, x, y)
 
 
 class TransposeReadTwice(nn.Module):

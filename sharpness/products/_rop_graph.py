@@ -690,6 +690,11 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         dims = list(range(ndim))
         dims[a], dims[b] = b, a
         return _Map("permute", tuple(dims)), [first]
+    if not kwargs and ((name == "t" and len(args) == 1) or (node.target is getattr and args[1:] in (("T",), ("mT",)))):
+        if ndim < 2 or (ndim != 2 and args[1:] != ("mT",)):  # .T of more axes reverses them all: not read
+            return None
+        dims = (*range(ndim - 2), ndim - 1, ndim - 2)  # W.T, W.t(), W.mT: the last two axes swapped
+        return _Map("permute", dims), [first]
     if name == "permute" and not kwargs:
         dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
         dims = tuple(_axis(d, ndim) for d in dims)
