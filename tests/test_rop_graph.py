@@ -427,8 +427,21 @@ class FunctionalAffine(nn.Module):
         return self.head(F.linear(h, self.w3).flatten(1))
 
 
+class TokenSum(nn.Module):
+    """Tokens summed (``x.sum(1)``, ``sum(dim=-1, keepdim=True)``): linear maps over axes but the samples'."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.unflatten(1, (2, 2))))  # (N, 2 tokens, 5)
+        return self.b(h.sum(1) - h.sum(dim=-1, keepdim=True).mean(1))
+
+
 SMOOTH = {
     "addmm and F.linear with parameters": FunctionalAffine,
+    "sums over tokens": TokenSum,
     "gelu, tanh approximation": Gelu,
     "rmsnorm": lambda: Norms(nn.RMSNorm(5)),
     "product of two tensors": Product,

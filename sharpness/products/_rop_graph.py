@@ -11,7 +11,7 @@ operation is, at the current point, either
   ``xhat = (h - mu) / sqrt(var + eps)`` per channel from the fixed running statistics (without ``affine``, a
   fixed per-channel affine map), or
 - a fixed linear map ``P`` of its tensor inputs: ``ReLU``/``LeakyReLU`` (a mask or slope), ``MaxPool`` (a
-  selection), average and adaptive average pooling and means over non-batch axes, flatten/view/reshape/unflatten,
+  selection), average and adaptive average pooling, means and sums over non-batch axes, flatten/view/reshape/unflatten,
   identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
   and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
   slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
@@ -524,16 +524,16 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         return _Product(), [args[0], args[1]]
     if node.op == "call_function" and node.target in _MAX_POOL_FUNCTIONS and first is not None and len(tensors) == 1:
         return _max_pool(node, first)
-    if name in _AVG_POOL_FUNCTIONS | {"mean"} and first is not None and len(tensors) == 1:
+    if name in _AVG_POOL_FUNCTIONS | {"mean", "sum"} and first is not None and len(tensors) == 1:
         if any(isinstance(a, fx.Node) for a in (*args[1:], *node.kwargs.values())):
             return None
-        if name == "mean":
+        if name in ("mean", "sum"):  # over axes other than the samples' (a sum's adjoint is read by autograd)
             dims = _argument(node, 1, "dim", None)
             dims = (dims,) if isinstance(dims, int) else dims
             if dims is None or any(d % len(shapes[first]) == 0 for d in dims) or node.kwargs.get("dtype"):
                 return None
         rest, kwargs = args[1:], dict(node.kwargs)
-        fn = getattr(F, name) if name != "mean" else torch.mean
+        fn = getattr(F, name) if name not in ("mean", "sum") else getattr(torch, name)
         means = tuple(sorted(d % len(shapes[first]) for d in dims)) if name == "mean" else ()
         return _Map("linear", lambda t: fn(t, *rest, **kwargs), means=means), [first]
     if name in _VIEWS and first is not None and len(tensors) == 1:
