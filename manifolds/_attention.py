@@ -277,6 +277,8 @@ class _Finder:
         through = None
         if isinstance(weight, fx.Node) and weight.op != "get_attr" and (source := _transposed_of(weight)) is not None:
             through, weight, transposed = weight, source, not transposed  # W.T: the stored W is the other way round
+            if data is through:  # F.linear(W.T, W.T): the weight is its own input (fx records one reader)
+                return None
         if not (isinstance(data, fx.Node) and isinstance(weight, fx.Node) and weight.op == "get_attr"):
             return None
         if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):

@@ -232,3 +232,30 @@ def test_a_class_weighted_plain_function_is_refused_when_the_first_samples_share
     with pytest.raises(ValueError, match="does not reduce over the samples as a mean"):
         Objective(_model(), lambda out, t: F.cross_entropy(out, t, weight=w), (X, y))
     Objective(_model(), lambda out, t: F.cross_entropy(out, t), (X, y))  # unweighted: a per-sample mean
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint32])
+def test_unsigned_integer_targets_pass_the_reduction_check(dtype):
+    g = torch.Generator().manual_seed(7)
+    X, y = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.tensor([1, 1, 0, 2, 1, 0, 2]).to(dtype)
+    Objective(_model(), lambda out, t: F.cross_entropy(out, t.long()), (X, y))
+    with pytest.raises(ValueError, match="does not reduce over the samples as a mean"):
+        Objective(_model(), lambda out, t: F.cross_entropy(out, t.long(), weight=torch.tensor([0.5, 2.0, 1.0],
+                                                                                               dtype=torch.float64)),
+                  (X, y))  # fmt: skip
+
+
+@pytest.mark.parametrize("ignored_row", [0, 1])
+def test_a_token_mean_with_a_sample_whose_tokens_are_all_ignored_is_refused(ignored_row):
+    """A mean over the kept tokens weighs samples by their count; with every full row of the same length, only a row
+    whose tokens are all ignored shows it (its loss alone is 0/0), and the chunked value would differ."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).double().eval()
+    X = torch.randn(6, 4, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (6, 4))
+    y[ignored_row] = -1
+    loss = lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=-1)  # noqa: E731
+    with pytest.raises(ValueError, match="one of them alone gives nan"):
+        Objective(model, loss, (X, y))
+    y[ignored_row] = 0  # every row kept in full: a mean over samples of equal length is accepted
+    Objective(model, loss, (X, y))

@@ -555,3 +555,30 @@ def test_a_transpose_read_elsewhere_pins():
     x = torch.randn(N, T, D, dtype=torch.float64)
     sym = manifolds.transformer_symmetry(model, x)
     assert "w" not in sym.names and "also read elsewhere" in sym.describe(), sym.describe()
+
+
+class OwnInput(nn.Module):
+    """A transposed weight read by one layer as its weight and as its input (fx records a single reader)."""
+
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.functional = functional
+        self.w, self.u = nn.Parameter(torch.randn(D, D) * 0.5), nn.Parameter(torch.randn(D, D) * 0.5)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        wt = self.w.T
+        inner = F.linear(wt, wt) if self.functional else wt @ wt
+        return self.head(x @ (torch.relu(inner) @ self.u)).mean(1)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_weight_that_is_its_own_input_is_no_layer(functional):
+    torch.manual_seed(0)
+    model = OwnInput(functional).double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert "w" not in sym.names, sym.describe()
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(13)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10

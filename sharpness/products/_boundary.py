@@ -330,28 +330,44 @@ def check_first_batch(
 
 def check_reduction(model: nn.Module, loss_fn: Callable, params: Mapping[str, Tensor], others: Mapping[str, Tensor],
                     batch: tuple[Tensor, Tensor], dtype: torch.dtype, device: torch.device, per_sample: bool) -> None:
-    """The loss combines samples as the objective combines chunks (the caller sets eval mode): on the first two samples,
-    the loss of both together is the mean (``per_sample``) or the sum of each one's alone. A loss that declares another
-    reduction than it computes, or weighs samples by the batch (a contrastive loss over the batch, a class-weighted
-    mean, which normalizes by the batch's weights), would give a value that depends on how the data are chunked. The
-    second sample is the first of the batch whose target differs from the first's (a class-weighted mean of two samples
-    of one class is their plain mean). Skipped where it cannot tell: fewer than two samples, outputs or targets whose
-    first axis is not the samples', losses that are not finite on one sample."""
+    """The loss combines samples as the objective combines chunks (the caller sets eval mode): on two samples of the
+    first batch, the loss of both together is the mean (``per_sample``) or the sum of each one's alone. A loss that
+    declares another reduction than it computes, or weighs samples by the batch (a contrastive loss over the batch, a
+    class-weighted mean, which normalizes by the batch's weights), would give a value that depends on how the data are
+    chunked. The pair is a sample and the first after it whose target differs (a class-weighted mean of two samples of
+    one class is their plain mean), tried from each of the first `_REDUCTION_ANCHORS` samples in turn until both
+    losses alone are finite; a pair whose loss together is finite while one alone is not (a sample whose tokens are all
+    ignored, under a mean over the kept tokens) is refused. Skipped where it cannot tell: fewer than two samples,
+    outputs or targets whose first axis is not the samples', no pair with finite losses."""
     x, y = batch
     if x.shape[0] < 2 or y.dim() == 0 or y.shape[0] < 2 or y.shape[0] != x.shape[0]:
         return
-    differs = (y[1:] != y[:1]).reshape(y.shape[0] - 1, -1).any(dim=1)
-    other = 1 + int(differs.nonzero()[0]) if bool(differs.any()) else 1
-    pair = torch.tensor([0, other], device=x.device)
-    x, y = cast_batch(x.index_select(0, pair), y.index_select(0, pair.to(y.device)), dtype, device)
-    with torch.no_grad():
-        out = functional_call(model, (params, others), (x,))
-        if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != 2:
-            return
-        both, one, two = (float(loss_fn(out[s], y[s])) for s in (slice(0, 2), slice(0, 1), slice(1, 2)))
-    combined = (one + two) / 2 if per_sample else one + two
-    if not all(math.isfinite(v) for v in (both, one, two)):
+    pairs = []
+    for i in range(min(_REDUCTION_ANCHORS, y.shape[0] - 1)):
+        differs = (y[i + 1 :] != y[i : i + 1]).reshape(y.shape[0] - i - 1, -1).any(dim=1)
+        if bool(differs.any()):
+            pairs.append((i, i + 1 + int(differs.nonzero()[0])))
+    for pair in pairs or [(0, 1)]:
+        index = torch.tensor(pair)
+        xs, ys = cast_batch(x[index.to(x.device)], y[index.to(y.device)], dtype, device)  # indexing, not index_select:
+        with torch.no_grad():  # unsigned integer targets have none
+            out = functional_call(model, (params, others), (xs,))
+            if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != 2:
+                return
+            both, one, two = (float(loss_fn(out[s], ys[s])) for s in (slice(0, 2), slice(0, 1), slice(1, 2)))
+        if all(math.isfinite(v) for v in (both, one, two)):
+            break
+        if math.isfinite(both):  # a mean or sum of the two would not be finite either
+            raise ValueError(
+                f"the loss of two samples of the first batch together is {both:.6g}, but one of them alone gives "
+                f"{one if not math.isfinite(one) else two}: it does not reduce over the samples as a "
+                f"{'mean' if per_sample else 'sum'} (a mean over the targets a loss keeps, such as the tokens left by "
+                "ignore_index, weighs samples by their count), so chunks of the data cannot be combined exactly; "
+                "give a loss that treats every sample apart, or reduction='sum' over the kept targets"
+            )
+    else:
         return
+    combined = (one + two) / 2 if per_sample else one + two
     tolerance = 1e-4 if dtype == torch.float32 else 1e-10
     if abs(both - combined) > tolerance * max(abs(both), abs(combined), 1e-30):
         kind = "the mean" if per_sample else "the sum"
@@ -361,6 +377,10 @@ def check_reduction(model: nn.Module, loss_fn: Callable, params: Mapping[str, Te
             "the data cannot be combined exactly; declare the reduction it computes (reduction='mean' or 'sum') or "
             "give a loss that treats every sample apart"
         )
+
+
+# Samples of the first batch the reduction check pairs with a later one, in turn, until both losses alone are finite.
+_REDUCTION_ANCHORS = 4
 
 
 def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: str) -> None:
