@@ -595,6 +595,8 @@ class _Finder:
 
         A map whose rows hold less than a head (Meta's LLaMA multiplies pairs ``(..., hd/2, 2)`` as complex numbers
         between two reshapes) takes in the reshapes on both sides, one pair at a time, until its rows hold whole heads.
+        A map whose rows hold several whole heads (rotary embeddings on ``(N, T, D)`` before the heads are split) is
+        cut into each head's block, where no head's features reach another's (`head_blocks`).
         """
         if not where:
             at_product = self.replay(chain, self.feature_probe(linear))
@@ -608,6 +610,8 @@ class _Finder:
             # the features of every row of the first sample, as the maps are read: (tokens, heads) in any axis order
             at_start = probe[:1].reshape(-1, probe.shape[-1]).long()
             if set(map(tuple, at_start.tolist())) == set(map(tuple, groups.tolist())):
+                break
+            if self.holds_heads(at_start, groups):
                 break
             if not before or not after or before[-1] is not region.start:
                 raise _Fail(f"the {role}'s heads do not hold the same features in the same order on both sides of its "
@@ -630,7 +634,45 @@ class _Finder:
                         f"samples ({type(failure).__name__})") from None  # fmt: skip
         if again.shape != maps.shape or not torch.allclose(again, maps, rtol=0, atol=1e-12 * float(maps.abs().max())):
             raise _Fail(f"the {role}'s position map ({self.label(region.end)}) changes with the number of samples")
-        return at_product, groups, at_start, maps.reshape(-1, *maps.shape[-2:])
+        maps = maps.reshape(-1, *maps.shape[-2:])
+        if at_start.shape[1] != groups.shape[1]:  # rows of several heads: each head's block of each row
+            at_start, maps = self.head_blocks(at_start, maps, groups, role, region)
+        return at_product, groups, at_start, maps
+
+    @staticmethod
+    def holds_heads(rows: Tensor, groups: Tensor) -> bool:
+        """Whether every row of features ``rows`` ``(r, k)``, ``k > hd``, is made of whole head groups ``(slots, hd)``
+        (the groups are disjoint: `heads` checks that)."""
+        if rows.shape[1] <= groups.shape[1]:
+            return False
+        heads = {frozenset(g) for g in map(tuple, groups.tolist())}
+        for row in map(set, rows.tolist()):
+            if sum(len(h) for h in heads if h <= row) != len(row):
+                return False
+        return True
+
+    def head_blocks(self, rows: Tensor, maps: Tensor, groups: Tensor, role: str, region: Region):
+        """Each head's block ``(hd, hd)`` of each row's map ``(k, k)``, the rows' features ``rows`` ``(r, k)`` made
+        of whole head groups: ``(r * heads per row, hd)`` features and ``(r * heads per row, hd, hd)`` maps. Fails
+        where the map carries a head's features into another's (rotate_half over the whole width pairs features of
+        two heads), which no per-head matrix can commute with."""
+        heads = {frozenset(g): g for g in map(tuple, groups.tolist())}
+        features, blocks = [], []
+        scale = float(maps.abs().max())
+        for row, m in zip(rows.tolist(), maps):
+            where = {f: i for i, f in enumerate(row)}
+            for members, head in heads.items():
+                if not members <= where.keys():
+                    continue
+                inside = torch.tensor([where[f] for f in head])
+                outside = torch.tensor([i for i, f in enumerate(row) if f not in members], dtype=torch.long)
+                leak = torch.cat((m[inside][:, outside].flatten(), m[outside][:, inside].flatten()))
+                if leak.numel() and float(leak.abs().max()) > 1e-12 * scale:
+                    raise _Fail(f"the {role}'s position map ({self.label(region.end)}) mixes the features of "
+                                "different heads")  # fmt: skip
+                features.append(head)
+                blocks.append(m[inside][:, inside])
+        return torch.tensor(features, dtype=torch.long), torch.stack(blocks)
 
     @staticmethod
     def head_rows(head: tuple, side: int, groups: Tensor, maps: Tensor) -> Tensor:

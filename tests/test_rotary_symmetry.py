@@ -37,7 +37,10 @@ class RopeBlock(nn.Module):
     ``"interleaved"`` (GPT-J: pairs ``(2i, 2i + 1)``), ``"partial"`` (the first half of each head rotated, the rest
     passed through), ``"inline"`` (HuggingFace: the tables computed in the forward from an ``inv_freq`` buffer and the
     positions ``arange(x.shape[1])``), ``"matmul"`` (rotate_half, then scores by ``q @ k.transpose(-2, -1)``),
-    ``"tokens_first"`` (rotate_half on ``(N, T, H, hd)`` before the heads move to axis 1).
+    ``"tokens_first"`` (rotate_half on ``(N, T, H, hd)`` before the heads move to axis 1), ``"before_split"`` (GPT-J's
+    pairs on ``(N, T, D)`` before the heads are split, the tables tiled over the heads: the same function as
+    ``"interleaved"``), ``"across_heads"`` (rotate_half over the whole width on ``(N, T, D)``: its pairs
+    ``(i, i + D/2)`` join features of different heads).
     """
 
     def __init__(self, style: str):
@@ -50,12 +53,21 @@ class RopeBlock(nn.Module):
         freqs = 1.0 / (10000 ** (torch.arange(0, rotated, 2, dtype=torch.float64) / rotated))
         self.register_buffer("inv_freq", freqs)
         angles = torch.outer(torch.arange(T, dtype=torch.float64), freqs)
-        if style == "interleaved":
+        if style in ("interleaved", "before_split"):
             angles = angles.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("cos", angles.cos())
         self.register_buffer("sin", angles.sin())
+        if style == "before_split":
+            self.register_buffer("cos_d", angles.cos().repeat(1, H))
+            self.register_buffer("sin_d", angles.sin().repeat(1, H))
+        if style == "across_heads":
+            wide = torch.outer(torch.arange(T, dtype=torch.float64), 1.0 / (10000 ** (torch.arange(0, D, 2,
+                                                                                      dtype=torch.float64) / D)))
+            wide = torch.cat((wide, wide), dim=-1)
+            self.register_buffer("cos_d", wide.cos())
+            self.register_buffer("sin_d", wide.sin())
 
     def rope(self, t):
         if self.style == "interleaved":
@@ -75,7 +87,15 @@ class RopeBlock(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         h = self.ln1(x)
-        if self.style == "tokens_first":  # Meta's LLaMA and torchtune: the map on (N, T, H, hd), then the transpose
+        if self.style in ("before_split", "across_heads"):  # the map on (N, T, D), then the heads
+            q, k, v = (m(h) for m in (self.q, self.k, self.v))
+            if self.style == "before_split":
+                q, k = ((u * self.cos_d + torch.stack((-u[..., 1::2], u[..., 0::2]), dim=-1).flatten(-2) * self.sin_d)
+                        for u in (q, k))  # fmt: skip
+            else:
+                q, k = (u * self.cos_d + _rotate_half(u) * self.sin_d for u in (q, k))
+            q, k, v = (u.view(b, t, H, HD).transpose(1, 2) for u in (q, k, v))
+        elif self.style == "tokens_first":  # Meta's LLaMA and torchtune: the map on (N, T, H, hd), then the transpose
             q, k, v = (m(h).view(b, t, H, HD) for m in (self.q, self.k, self.v))
             cos, sin = self.cos[:, None, :], self.sin[:, None, :]
             q, k = (u * cos + _rotate_half(u) * sin for u in (q, k))
@@ -101,8 +121,8 @@ class Net(nn.Module):
         return self.head(self.blocks(x).mean(dim=1))
 
 
-STYLES = ["rotate_half", "interleaved", "partial", "inline", "matmul", "tokens_first"]
-PAIRS = {"interleaved": [(0, 1), (2, 3)], "partial": [(0, 1)]}  # rotated feature pairs of a head
+STYLES = ["rotate_half", "interleaved", "partial", "inline", "matmul", "tokens_first", "before_split"]
+PAIRS = {"interleaved": [(0, 1), (2, 3)], "partial": [(0, 1)], "before_split": [(0, 1), (2, 3)]}  # a head's pairs
 FREE = {"partial": [2, 3]}  # features no rotation touches: GL among themselves
 
 
@@ -222,7 +242,7 @@ def test_random_and_hand_built_elements_keep_the_function_and_a_generic_gl_eleme
         assert (_with(model, sd)(x) - ref).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("style", ["rotate_half", "partial"])
+@pytest.mark.parametrize("style", ["rotate_half", "partial", "before_split"])
 def test_the_quotient_measure_equals_the_dense_reference(style):
     model, loss, data = make(style)
     sym = manifolds.transformer_symmetry(model, data[0])
@@ -479,3 +499,16 @@ def test_huggingface_style_attention_keeps_both_factors():
         twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
         for inputs in (x, x[:3, :3]):
             assert (twin(inputs) - model(inputs)).abs().max() < 1e-10 * model(inputs).abs().max()
+
+
+def test_a_map_before_the_heads_that_joins_two_heads_pins_query_key():
+    """rotate_half over the whole width pairs feature ``i`` of one head with ``i + D/2`` of another: no per-head
+    matrix commutes with that, so the query/key factor is pinned; value/output stay."""
+    model, _, (x, _) = make("across_heads")
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not _query_key(sym), sym.describe()
+    assert any("mixes the features of different heads" in p.reason for p in sym.pins), sym.describe()
+    assert sum(f.dim for f in sym.factors if "value/output" in f.label) == H * HD * HD
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
+        assert (moved(x) - model(x)).abs().max() < 1e-10
