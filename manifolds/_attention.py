@@ -655,10 +655,10 @@ class _Finder:
         """Each head's block ``(hd, hd)`` of each row's map ``(k, k)``, the rows' features ``rows`` ``(r, k)`` made
         of whole head groups: ``(r * heads per row, hd)`` features and ``(r * heads per row, hd, hd)`` maps. Fails
         where the map carries a head's features into another's (rotate_half over the whole width pairs features of
-        two heads), which no per-head matrix can commute with."""
+        two heads), which no per-head matrix can commute with: any nonzero entry between two heads' blocks (the maps
+        are read on unit probes, so blocks the operations never join are exactly zero)."""
         heads = {frozenset(g): g for g in map(tuple, groups.tolist())}
         features, blocks = [], []
-        scale = float(maps.abs().max())
         for row, m in zip(rows.tolist(), maps):
             where = {f: i for i, f in enumerate(row)}
             for members, head in heads.items():
@@ -667,7 +667,8 @@ class _Finder:
                 inside = torch.tensor([where[f] for f in head])
                 outside = torch.tensor([i for i, f in enumerate(row) if f not in members], dtype=torch.long)
                 leak = torch.cat((m[inside][:, outside].flatten(), m[outside][:, inside].flatten()))
-                if leak.numel() and float(leak.abs().max()) > 1e-12 * scale:
+                if leak.numel() and bool(leak.ne(0).any()):  # exactly: no scale to compare with (a head's
+                    # features scaled up and its weights down would hide a leak below any relative threshold)
                     raise _Fail(f"the {role}'s position map ({self.label(region.end)}) mixes the features of "
                                 "different heads")  # fmt: skip
                 features.append(head)

@@ -512,3 +512,37 @@ def test_a_map_before_the_heads_that_joins_two_heads_pins_query_key():
     with torch.no_grad():
         moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
         assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+class ScaledLeak(RopeBlock):
+    """``before_split`` rotary with head 0's features scaled by ``1e8`` (its query/key weights scaled down to match)
+    and ``5e-5`` of head 1's features added into head 0's: next to the large entries the leak is far below any relative
+    threshold, yet it moves the scores by ``5e-5``."""
+
+    def __init__(self):
+        super().__init__("before_split")
+        self.register_buffer("scale", torch.cat((torch.full((HD,), 1e8), torch.ones(D - HD))))
+        leak = torch.zeros(D, D)
+        leak[HD : 2 * HD, :HD] = 5e-5 * torch.eye(HD)  # row vectors: out = u @ leak
+        self.register_buffer("leak", leak)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h) for m in (self.q, self.k, self.v))
+        turn = lambda u: torch.stack((-u[..., 1::2], u[..., 0::2]), dim=-1).flatten(-2)  # noqa: E731
+        q, k = ((u * self.cos_d + turn(u) * self.sin_d) * self.scale + u @ self.leak for u in (q, k))
+        q, k, v = (u.view(b, t, H, HD).transpose(1, 2) for u in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, D))
+
+
+def test_a_small_leak_between_heads_beside_large_entries_pins_query_key():
+    model, x, sym = _analyzed(ScaledLeak())
+    with torch.no_grad():
+        for lin in (model[0].q, model[0].k):
+            lin.weight[:HD] /= 1e8
+            lin.bias[:HD] /= 1e8
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not _query_key(sym), sym.describe()
+    assert any("mixes the features of different heads" in p.reason for p in sym.pins), sym.describe()
