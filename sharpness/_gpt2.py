@@ -1,0 +1,173 @@
+"""GPT-2 as HuggingFace's ``GPT2LMHeadModel`` computes it (eager attention, no dropout), written so that ``torch.fx``
+traces it: HuggingFace's own classes do not trace (their mask builders call ``torch.finfo`` on a traced dtype), so the
+toolkit cannot read them. The module names and state-dict keys are HuggingFace's, so a GPT-2 checkpoint loads as it
+is (`GPT2.from_state_dict`).
+
+Each block is ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``; attention projects queries, keys and values with one
+fused ``Conv1D`` (``x W + b``, ``W`` stored ``(in, out)``), splits them into heads, scores ``q k^T / sqrt(hd)`` under
+a causal mask, and projects the heads' outputs with a second ``Conv1D``; the MLP is ``c_proj(gelu_tanh(c_fc(x)))``.
+The logits are ``ln_f``'s output times the token embedding (the output layer shares the embedding's weight).
+
+State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``P`` the positions)::
+
+    transformer.wte.weight (V, D), transformer.wpe.weight (P, D)
+    transformer.h.i.ln_1.weight, .bias (D,); transformer.h.i.ln_2.weight, .bias (D,)
+    transformer.h.i.attn.c_attn.weight (D, 3D), .bias (3D,); transformer.h.i.attn.c_proj.weight (D, D), .bias (D,)
+    transformer.h.i.mlp.c_fc.weight (D, 4D), .bias (4D,); transformer.h.i.mlp.c_proj.weight (4D, D), .bias (D,)
+    transformer.ln_f.weight, .bias (D,); lm_head.weight (V, D), the same tensor as transformer.wte.weight
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sharpness._specs import SpecError
+
+
+class Conv1D(nn.Module):
+    """HuggingFace's ``Conv1D``: ``x W + b`` on the last axis, ``W`` stored ``(in, out)``."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.nf = out_features
+        self.weight = nn.Parameter(torch.empty(in_features, out_features).normal_(std=0.02))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class GPT2Attention(nn.Module):
+    """Causal self-attention of ``heads`` heads on ``(N, T, D)``, as HuggingFace's eager ``GPT2Attention``."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.c_attn, self.c_proj = Conv1D(3 * dim, dim), Conv1D(dim, dim)
+
+    def _split(self, t: Tensor) -> Tensor:
+        return t.view(t.size()[:-1] + (self.heads, self.dim // self.heads)).permute(0, 2, 1, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        query, key, value = self.c_attn(x).split(self.dim, dim=2)
+        query, key, value = self._split(query), self._split(key), self._split(value)
+        token = torch.arange(x.size(1), device=x.device)  # the causal mask from the length (a buffer sliced by it
+        # would not trace)
+        scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.dim // self.heads)
+        scores = scores.masked_fill(token[None, :] > token[:, None], float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1), value).permute(0, 2, 1, 3).contiguous()
+        return self.c_proj(out.view(out.size()[:-2] + (self.dim,)))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * dim, dim), Conv1D(dim, 4 * dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # HuggingFace's "gelu_new"
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, dim: int, heads: int, eps: float):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
+        self.attn, self.mlp = GPT2Attention(dim, heads), GPT2MLP(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Body(nn.Module):
+    def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, eps: float):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
+        self.h = nn.ModuleList(GPT2Block(dim, heads, eps) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class GPT2(nn.Module):
+    """GPT-2 with its language-model head, as HuggingFace's ``GPT2LMHeadModel`` computes it in eval mode.
+
+    Args:
+        vocab: vocabulary size ``V``.
+        positions: the longest sequence ``P`` (``n_positions``).
+        dim: width ``D`` (``n_embd``), a multiple of ``heads``.
+        layers: number of blocks (``n_layer``).
+        heads: attention heads per block (``n_head``).
+        eps: the LayerNorms' epsilon (``layer_norm_epsilon``).
+
+    Inputs are token ids ``(N, T)``, ``T <= P``; outputs are logits ``(N, T, V)`` (``classes_last=True``, as
+    HuggingFace returns them) or ``(N, V, T)`` (``classes_last=False``: what ``nn.CrossEntropyLoss`` reads against
+    ``(N, T)`` next-token targets, as the command line's ``--loss ce`` does).
+    """
+
+    def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, eps: float = 1e-5,
+                 classes_last: bool = True):  # fmt: skip
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+        self.classes_last = classes_last
+        self.transformer = GPT2Body(vocab, positions, dim, layers, heads, eps)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        logits = self.lm_head(self.transformer(input_ids))
+        return logits if self.classes_last else logits.transpose(1, 2)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-5,
+                        classes_last: bool = True) -> GPT2:  # fmt: skip
+        """The model of a GPT-2 checkpoint's state dict (``GPT2LMHeadModel``'s keys, or ``GPT2Model``'s without the
+        ``transformer.`` prefix; ``attn.bias``/``attn.masked_bias`` mask buffers of older checkpoints are dropped),
+        its sizes read off the tensors; ``heads`` is the checkpoint's ``n_head`` (``config.json``), which no shape
+        holds.
+
+        Raises:
+            ValueError: a key is missing or unknown, a shape does not fit, or ``lm_head.weight`` differs from the
+                token embedding (an untied head).
+        """
+        tensors = {}
+        for key, value in state.items():
+            if re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias", key):
+                continue  # the causal mask, which the model builds itself
+            name = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+            tensors[name] = value
+        head = tensors.pop("lm_head.weight", None)
+        try:
+            vocab, dim = tensors["transformer.wte.weight"].shape
+            positions = tensors["transformer.wpe.weight"].shape[0]
+        except KeyError as missing:
+            raise SpecError(f"the GPT-2 state dict has no {missing.args[0]!r}") from None
+        layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"transformer\.h\.(\d+)\.", k))})
+        if head is not None and not torch.equal(head, tensors["transformer.wte.weight"]):
+            raise SpecError("lm_head.weight differs from transformer.wte.weight: an untied output layer is no GPT-2")
+        model = cls(vocab, positions, dim, layers, heads, eps, classes_last)
+        own = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        missing, unknown = sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
+        if missing or unknown:
+            raise SpecError(f"the state dict does not fit GPT-2 with {layers} blocks: missing {missing[:3]}, "
+                            f"unknown {unknown[:3]}")  # fmt: skip
+        wrong = [k for k in own if tuple(own[k].shape) != tuple(tensors[k].shape)]
+        if wrong:
+            raise SpecError(f"{wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, GPT-2 with width {dim} needs "
+                            f"{tuple(own[wrong[0]].shape)}")  # fmt: skip
+        model = model.to(tensors["transformer.wte.weight"].dtype)
+        model.load_state_dict(tensors, strict=False)  # lm_head.weight is the embedding's
+        return model.eval()

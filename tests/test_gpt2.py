@@ -1,0 +1,75 @@
+"""`sharpness.GPT2` against HuggingFace's ``GPT2LMHeadModel``: the logits of a tiny random checkpoint that the
+``transformers`` library wrote (``tests/data/make_gpt2_tiny_hf.py``), the checkpoint's key forms, and the symmetry
+group the toolkit reads off the model (per head GL(hd) on query/key and value/output, the LayerNorm trades)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_transformer_quotient import measure_value
+from torch import nn
+
+import manifolds
+from sharpness import GPT2, euclidean_sharpness
+
+CHECKPOINT = Path(__file__).parent / "data" / "gpt2_tiny_hf.safetensors"
+HEADS, HD, LAYERS, WIDTH = 2, 8, 2, 16
+
+
+def _checkpoint():
+    state = load_file(str(CHECKPOINT))
+    return state, state.pop("__input_ids"), state.pop("__logits")
+
+
+def test_the_logits_are_huggingface_s():
+    state, ids, logits = _checkpoint()
+    model = GPT2.from_state_dict(state, heads=HEADS)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), logits, rtol=0, atol=1e-12)
+        # the same logits classes second, as nn.CrossEntropyLoss reads them against (N, T) targets
+        across = GPT2.from_state_dict(state, heads=HEADS, classes_last=False)(ids)
+        torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-12)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_checkpoint_key_forms():
+    state, ids, logits = _checkpoint()
+    bare = {k.removeprefix("transformer."): v for k, v in state.items()}  # GPT2Model's keys
+    bare["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)  # an older checkpoint's causal mask: dropped
+    with_head = dict(state, **{"lm_head.weight": state["transformer.wte.weight"].clone()})
+    for form in (bare, with_head):
+        with torch.no_grad():
+            torch.testing.assert_close(GPT2.from_state_dict(form, heads=HEADS)(ids), logits, rtol=0, atol=1e-12)
+    untied = dict(state, **{"lm_head.weight": state["transformer.wte.weight"] + 1})
+    with pytest.raises(ValueError, match="untied"):
+        GPT2.from_state_dict(untied, heads=HEADS)
+    short = {k: v for k, v in state.items() if k != "transformer.h.1.ln_2.bias"}
+    with pytest.raises(ValueError, match="missing"):
+        GPT2.from_state_dict(short, heads=HEADS)
+    with pytest.raises(ValueError, match="no 'transformer.wpe.weight'"):
+        GPT2.from_state_dict({k: v for k, v in state.items() if "wpe" not in k}, heads=HEADS)
+
+
+def test_the_group_and_the_invariant_measure():
+    state, ids, _ = _checkpoint()
+    model = GPT2.from_state_dict(state, heads=HEADS, classes_last=False)
+    sym = manifolds.transformer_symmetry(model, ids)
+    labels = [f.label for f in sym.factors]
+    # per block and head GL(hd) on query/key and on value/output; both LayerNorms traded; the final one is read by
+    # the output layer, which shares the embedding's weight, and GELU pins the MLP's units
+    assert sum("query/key" in la for la in labels) == sum("value/output" in la for la in labels) == LAYERS * HEADS
+    assert sym.dim == 2 * LAYERS * HEADS * HD * HD + 2 * LAYERS * WIDTH, sym.describe()
+    moved = {b.name for f in sym.factors for b in f.blocks}
+    assert not moved & {"lm_head.weight", "transformer.wte.weight", "transformer.ln_f.weight"}, sym.describe()
+    loss, data = nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1))  # next-token targets
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        assert (moved(ids) - model(ids)).abs().max() < 1e-10
+    before, after = measure_value(model, loss, data)[0], measure_value(moved, loss, data)[0]
+    assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+    e0 = euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
+    e1 = euclidean_sharpness(moved, loss, data, dtype=torch.float64, progress=False).value
+    assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
