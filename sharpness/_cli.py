@@ -31,7 +31,7 @@ from sharpness._launch import (
 )
 from sharpness._progress import progress_phase
 from sharpness._results import EigenResult, figure_bytes, jsonable, write_atomic, write_text_atomic
-from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data
+from sharpness._specs import SpecError, build_model, check_labels, load_checkpoint, load_data, load_state_dict
 from sharpness._stdio import READER_GONE_STATUS, guarded_streams, require_text
 from sharpness.measures._adaptive import KINDS as ADAPTIVE_KINDS
 from sharpness.measures._adaptive import adaptive_sharpness
@@ -76,7 +76,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         required=True,
         help="mlp:IN-...-OUT, lenet, resnet:DEPTH[,width=W] (CIFAR ResNet-20/32/56 whose 16, 32 and 64 channels per "
         "stage W multiplies; default W=1), vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision transformer for "
-        "8x8 digits), path/file.py:factory or pkg.mod:factory",
+        "8x8 digits), gpt2:heads=H (GPT-2 in the sizes of a HuggingFace checkpoint; data: integer token ids X (N, T) "
+        "and next tokens y (N, T), --loss ce), path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(
@@ -212,6 +213,15 @@ def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
     Raises:
         SpecError: the spec does not build or the checkpoint does not fit it.
     """
+    if spec == "gpt2" or spec.startswith("gpt2:"):  # its sizes are the checkpoint's
+        from sharpness._gpt2 import gpt2_from_spec
+
+        state = load_state_dict(checkpoint)
+        bad = [k for k, v in state.items() if not v.is_floating_point() or not bool(torch.isfinite(v).all())]
+        if bad:
+            raise SpecError(f"checkpoint {checkpoint}: tensor {bad[0]} is not finite floating point; the checkpoint is "
+                            "unusable")  # fmt: skip
+        return gpt2_from_spec(spec, state).to(DTYPES[dtype])
     # Built in the dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
     model = build_model(spec).to(DTYPES[dtype])
     load_checkpoint(model, checkpoint)
@@ -238,7 +248,17 @@ def prepare_data(
         SpecError: one sentence naming the problem.
     """
     X, y = data
-    X = X.to(DTYPES[dtype])
+    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2)
+        if X.is_floating_point() or X.dtype == torch.bool:
+            raise SpecError(f"the model takes token ids, but X of {spec} holds {str(X.dtype).removeprefix('torch.')} "
+                            "values; give integer ids (N, T)")  # fmt: skip
+        X = X.long()
+        try:
+            model.check_tokens(X)
+        except ValueError as failure:
+            raise SpecError(f"the data {spec} do not fit the model: {failure}") from None
+    else:
+        X = X.to(DTYPES[dtype])
     if not bool(torch.isfinite(X).all()):
         raise SpecError(f"the data {spec} overflow in {dtype}; use --dtype float64")
     if loss == "mse":

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError
+from sharpness._specs import SpecError, _parse_options
 
 
 class Conv1D(nn.Module):
@@ -117,6 +117,8 @@ class GPT2(nn.Module):
     ``(N, T)`` next-token targets, as the command line's ``--loss ce`` does).
     """
 
+    takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+
     def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, eps: float = 1e-5,
                  classes_last: bool = True):  # fmt: skip
         super().__init__()
@@ -126,6 +128,19 @@ class GPT2(nn.Module):
         self.transformer = GPT2Body(vocab, positions, dim, layers, heads, eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+
+    def check_tokens(self, input_ids: Tensor) -> None:
+        """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
+        size, ``T`` at most the positions the model has."""
+        vocab, positions = self.transformer.wte.num_embeddings, self.transformer.wpe.num_embeddings
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"GPT-2 takes integer token ids of shape (N, T), not {tuple(input_ids.shape)} "
+                             f"{str(input_ids.dtype).removeprefix('torch.')} values")  # fmt: skip
+        if input_ids.shape[1] > positions:
+            raise ValueError(f"sequences of {input_ids.shape[1]} tokens are longer than its {positions} positions")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"token ids run from {int(input_ids.min())} to {int(input_ids.max())}, outside its "
+                             f"vocabulary 0..{vocab - 1}")  # fmt: skip
 
     def forward(self, input_ids: Tensor) -> Tensor:
         logits = self.lm_head(self.transformer(input_ids))
@@ -171,3 +186,27 @@ class GPT2(nn.Module):
         model = model.to(tensors["transformer.wte.weight"].dtype)
         model.load_state_dict(tensors, strict=False)  # lm_head.weight is the embedding's
         return model.eval()
+
+
+def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:
+    """The model of a ``gpt2:heads=H[,eps=E]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors),
+    its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
+
+    Raises:
+        SpecError: an unknown or malformed option, no ``heads``, or a state dict that does not fit.
+    """
+    options = _parse_options(spec[len("gpt2:") :] if spec.startswith("gpt2:") else "", spec)
+    unknown = set(options) - {"heads", "eps"}
+    if unknown or "heads" not in options:
+        raise SpecError(f"model spec {spec!r}: give the checkpoint's number of heads (n_head in its config.json), "
+                        "e.g. gpt2:heads=12; the only other option is eps")  # fmt: skip
+    try:
+        heads, eps = int(options["heads"]), float(options.get("eps", 1e-5))
+    except ValueError:
+        raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a number") from None
+    if heads < 1 or not eps > 0:
+        raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive number")
+    try:
+        return GPT2.from_state_dict(state, heads, eps, classes_last=False)
+    except ValueError as failure:  # a width that is no multiple of the heads
+        raise SpecError(f"model spec {spec!r}: {failure}") from None

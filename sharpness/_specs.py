@@ -6,7 +6,8 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``resnet:20,width=2``), ``vit`` (a small vision transformer on 8x8 one-channel images, 2x2 patches, inputs
 ``(N, 64)`` or ``(N, 1, 8, 8)``; options ``dim=``, ``heads=``, ``depth=``, ``mlp=``, ``classes=``,
 ``norm=pre|post``, ``act=relu|gelu``, ``attn=mha|hand``, e.g. ``vit:dim=32,heads=4``; keys in
-`sharpness._vit`), or ``path/to/file.py:factory``
+`sharpness._vit`), ``gpt2:heads=H`` (GPT-2 with the sizes of its checkpoint, HuggingFace's keys; token ids
+``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`), or ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
 Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``
@@ -101,6 +102,8 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
+    if spec == "gpt2" or spec.startswith("gpt2:"):
+        raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
         if where.endswith(".py"):
@@ -122,8 +125,8 @@ def build_model(spec: str) -> nn.Module:
             raise SpecError(f"{spec} returned {type(model).__name__}, not an nn.Module")
         return model
     raise SpecError(
-        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, path/to/file.py:factory or "
-        "package.module:factory"
+        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, "
+        "path/to/file.py:factory or package.module:factory"
     )
 
 
@@ -229,8 +232,6 @@ def load_data(spec: str) -> tuple[Tensor, Tensor]:
         raise SpecError(f"the data set {spec} contains NaN or Inf in X; clean the data first")
     if y.is_floating_point() and not bool(torch.isfinite(y).all()):
         raise SpecError(f"the data set {spec} contains NaN or Inf in y; clean the data first")
-    if not X.is_floating_point():
-        X = X.float()
     return X, y
 
 
@@ -376,9 +377,9 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
     if y.is_floating_point():
         return
     first = next(model.parameters())
-    with torch.no_grad():
-        out = model(X[:1].to(first.device, first.dtype))
-    n_out = out.shape[-1]
+    with torch.no_grad():  # integer inputs (token ids) stay integers
+        out = model(X[:1].to(first.device, first.dtype if X.is_floating_point() else None))
+    n_out = out.shape[1] if out.dim() > 1 else out.shape[-1]  # nn.CrossEntropyLoss's class axis: 1 (per token too)
     lo, hi = int(y.min()), int(y.max())
     if lo < 0 or hi >= n_out:
         raise SpecError(

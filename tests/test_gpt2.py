@@ -4,16 +4,19 @@ group the toolkit reads off the model (per head GL(hd) on query/key and value/ou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_transformer_quotient import measure_value
 from torch import nn
 
 import manifolds
 from sharpness import GPT2, euclidean_sharpness
+from sharpness._cli import main as sharpness_main
 
 CHECKPOINT = Path(__file__).parent / "data" / "gpt2_tiny_hf.safetensors"
 HEADS, HD, LAYERS, WIDTH = 2, 8, 2, 16
@@ -73,3 +76,48 @@ def test_the_group_and_the_invariant_measure():
     e0 = euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
     e1 = euclidean_sharpness(moved, loss, data, dtype=torch.float64, progress=False).value
     assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
+
+
+@pytest.fixture(scope="module")
+def cli_files(tmp_path_factory):
+    """The fixture as a ``GPT2Model`` checkpoint (keys without the ``transformer.`` prefix) and token data: ids ``X``
+    and next tokens ``y``, ``(N, T)`` integers; float ids, and ids outside the vocabulary."""
+    d = tmp_path_factory.mktemp("gpt2cli")
+    state, _, _ = _checkpoint()
+    save_file({k.removeprefix("transformer."): v for k, v in state.items()}, str(d / "gpt2.safetensors"))
+    X = torch.randint(0, 23, (12, 8), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(X, -1, dims=1)
+    np.savez(d / "tokens.npz", X=X.numpy(), y=y.numpy())
+    np.savez(d / "floats.npz", X=X.float().numpy(), y=y.numpy())
+    np.savez(d / "outside.npz", X=(X + 30).numpy(), y=y.numpy())
+    return d
+
+
+def test_the_command_line_measures_a_gpt2_checkpoint_on_token_data(cli_files, tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["compute", "--model", "gpt2:heads=2", "--checkpoint", str(cli_files / "gpt2.safetensors"), "--data",
+            str(cli_files / "tokens.npz"), "--metric", "euclidean", "--metric", "symmetry", "--quiet", "--json",
+            str(out)]  # fmt: skip
+    assert sharpness_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["measures"]["symmetry"]["value"] > 0 and report["measures"]["euclidean"]["value"] > 0
+    # the same value as the library's measure of the model the checkpoint gives
+    state, _, _ = _checkpoint()
+    model = GPT2.from_state_dict(state, heads=HEADS, classes_last=False)
+    data = np.load(cli_files / "tokens.npz")
+    expected = measure_value(model, nn.CrossEntropyLoss(), (torch.from_numpy(data["X"]), torch.from_numpy(data["y"])))
+    assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("model, data, fragment", [
+    ("gpt2:heads=2", "floats.npz", "give integer ids"),
+    ("gpt2:heads=2", "outside.npz", "outside its vocabulary 0..22"),
+    ("gpt2", "tokens.npz", "number of heads"),
+    ("gpt2:heads=3", "tokens.npz", "not a multiple of heads=3"),
+])  # fmt: skip
+def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, capsys, model, data, fragment):
+    argv = ["compute", "--model", model, "--checkpoint", str(cli_files / "gpt2.safetensors"), "--data",
+            str(cli_files / data), "--quiet"]  # fmt: skip
+    assert sharpness_main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err, err
