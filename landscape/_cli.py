@@ -448,7 +448,7 @@ def _load(args: argparse.Namespace):
     """Model, loss, data and (for --to) the second parameter set, all validated before any output."""
     import torch
 
-    from sharpness.cli import build_model, load_checkpoint
+    from sharpness.cli import load_model
 
     model, loss_fn, (X, y) = load_problem(args)  # the loader of python -m sharpness
     try:
@@ -462,7 +462,7 @@ def _load(args: argparse.Namespace):
     target = None
     dtype = getattr(torch, args.dtype)
     if getattr(args, "to", None):  # built in --dtype before loading, as the model (no detour through float32)
-        target = load_checkpoint(build_model(args.model).to(dtype), args.to)
+        target = load_model(args.model, args.to, args.dtype)
     return model, loss_fn, (X, y), target, dtype
 
 

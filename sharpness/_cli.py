@@ -214,9 +214,9 @@ def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
         SpecError: the spec does not build or the checkpoint does not fit it.
     """
     if spec == "gpt2" or spec.startswith("gpt2:"):  # its sizes are the checkpoint's
-        from sharpness._gpt2 import gpt2_from_spec
+        from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
 
-        state = load_state_dict(checkpoint)
+        state = {k: v for k, v in load_state_dict(checkpoint).items() if not is_mask_buffer(k)}
         bad = [k for k, v in state.items() if not v.is_floating_point() or not bool(torch.isfinite(v).all())]
         if bad:
             raise SpecError(f"checkpoint {checkpoint}: tensor {bad[0]} is not finite floating point; the checkpoint is "

@@ -30,6 +30,12 @@ from torch import Tensor, nn
 from sharpness._specs import SpecError, _parse_options
 
 
+def is_mask_buffer(key: str) -> bool:
+    """Whether a checkpoint key is the causal-mask buffer older HuggingFace versions saved (``h.0.attn.bias``,
+    ``h.0.attn.masked_bias``): dropped on loading, the model builds its mask itself."""
+    return re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias", key) is not None
+
+
 class Conv1D(nn.Module):
     """HuggingFace's ``Conv1D``: ``x W + b`` on the last axis, ``W`` stored ``(in, out)``."""
 
@@ -160,16 +166,18 @@ class GPT2(nn.Module):
         """
         tensors = {}
         for key, value in state.items():
-            if re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias", key):
+            if is_mask_buffer(key):
                 continue  # the causal mask, which the model builds itself
             name = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
             tensors[name] = value
         head = tensors.pop("lm_head.weight", None)
-        try:
-            vocab, dim = tensors["transformer.wte.weight"].shape
-            positions = tensors["transformer.wpe.weight"].shape[0]
-        except KeyError as missing:
-            raise SpecError(f"the GPT-2 state dict has no {missing.args[0]!r}") from None
+        for key in ("transformer.wte.weight", "transformer.wpe.weight"):
+            if key not in tensors:
+                raise SpecError(f"the GPT-2 state dict has no {key!r}")
+            if tensors[key].dim() != 2:
+                raise SpecError(f"{key} has shape {tuple(tensors[key].shape)}; GPT-2's embeddings are matrices")
+        vocab, dim = tensors["transformer.wte.weight"].shape
+        positions = tensors["transformer.wpe.weight"].shape[0]
         layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"transformer\.h\.(\d+)\.", k))})
         if head is not None and not torch.equal(head, tensors["transformer.wte.weight"]):
             raise SpecError("lm_head.weight differs from transformer.wte.weight: an untied output layer is no GPT-2")
@@ -204,8 +212,8 @@ def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:
         heads, eps = int(options["heads"]), float(options.get("eps", 1e-5))
     except ValueError:
         raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a number") from None
-    if heads < 1 or not eps > 0:
-        raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive number")
+    if heads < 1 or not (eps > 0 and math.isfinite(eps)):
+        raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive finite number")
     try:
         return GPT2.from_state_dict(state, heads, eps, classes_last=False)
     except ValueError as failure:  # a width that is no multiple of the heads

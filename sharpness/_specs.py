@@ -380,7 +380,8 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
     with torch.no_grad():  # integer inputs (token ids) stay integers
         out = model(X[:1].to(first.device, first.dtype if X.is_floating_point() else None))
     n_out = out.shape[1] if out.dim() > 1 else out.shape[-1]  # nn.CrossEntropyLoss's class axis: 1 (per token too)
-    lo, hi = int(y.min()), int(y.max())
+    labels = y.to(torch.int64) if y.dtype in (torch.uint16, torch.uint32) else y  # no min/max for those in torch
+    lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= n_out:
         raise SpecError(
             f"labels range over [{lo}, {hi}] but the model has {n_out} outputs; labels must be in [0, {n_out - 1}]"

@@ -11,6 +11,7 @@ from sharpness._cli import add_quiet_argument as add_quiet_argument
 from sharpness._cli import add_solver_arguments as add_solver_arguments
 from sharpness._cli import check_outputs as check_outputs
 from sharpness._cli import command_inputs as command_inputs
+from sharpness._cli import load_model as load_model
 from sharpness._cli import load_problem as load_problem
 from sharpness._cli import memory_budget as memory_budget
 from sharpness._cli import run_command as run_command
@@ -43,6 +44,7 @@ __all__ = [
     "lenet",
     "load_checkpoint",
     "load_data",
+    "load_model",
     "load_problem",
     "memory_budget",
     "mlp",

@@ -121,3 +121,22 @@ def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, c
     assert sharpness_main(argv) == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err, err
+
+
+def test_the_command_line_reads_older_checkpoints_and_refuses_odd_ones(cli_files, tmp_path, capsys):
+    state, _, _ = _checkpoint()
+    old = dict(state)
+    old["transformer.h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8, dtype=torch.uint8))  # an older mask buffer
+    save_file(old, str(tmp_path / "old.safetensors"))
+    flat = dict(state, **{"transformer.wpe.weight": torch.zeros(())})
+    save_file(flat, str(tmp_path / "flat.safetensors"))
+    tokens = str(cli_files / "tokens.npz")
+    common = ["--data", tokens, "--metric", "euclidean", "--quiet"]
+    assert sharpness_main(["compute", "--model", "gpt2:heads=2", "--checkpoint", str(tmp_path / "old.safetensors"),
+                           *common]) == 0  # fmt: skip
+    for model, checkpoint, fragment in [("gpt2:heads=2", "flat.safetensors", "embeddings are matrices"),
+                                        ("gpt2:heads=2,eps=inf", "old.safetensors", "positive finite number")]:
+        capsys.readouterr()
+        assert sharpness_main(["compute", "--model", model, "--checkpoint", str(tmp_path / checkpoint), *common]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, err

@@ -187,8 +187,9 @@ def require_trainable_layers(objective: Objective, what: str) -> None:
               if n is not None and n not in objective.params]  # fmt: skip
     if frozen:
         raise UnsupportedModelError(
-            f"{what} reparametrizes every layer's weight and bias, but {', '.join(frozen)} is held fixed (frozen, "
-            "requires_grad=False); make it trainable, or use the node, layer, minnorm or symmetry measure, which "
-            "leave frozen tensors alone",
+            f"{what} reparametrizes every layer's weight and bias, but {', '.join(frozen)} is not one of the "
+            "trainable parameters (frozen with requires_grad=False, or the same tensor as another parameter, such as "
+            "an output layer tied to the token embedding); make it trainable, or use the node, layer, minnorm or "
+            "symmetry measure, which leave such tensors alone",
             short="needs every layer trainable",
         )
