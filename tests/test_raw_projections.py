@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_symmetry import check_orbit_derivative
 from test_rop_graph import _check
-from test_transformer_quotient import _form, _params, dense_quotient_spectrum, measure_value
+from test_transformer_quotient import _form, _gl, _params, _scales, dense_quotient_spectrum, measure_value
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -139,15 +140,7 @@ def make(name: str, seed: int = 0):
     return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
 
 
-# -- hand-built elements, written on the stored tensors ----------------------------------------------------------------
-def _gl(g):
-    return torch.eye(HD, dtype=torch.float64) + 0.5 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
-
-
-def _scales(g, k):
-    return torch.exp(0.7 * torch.randn(k, generator=g, dtype=torch.float64))
-
-
+# -- hand-built elements, written on the stored tensors (`_gl`, `_scales`: the quotient tests', same head size) --------
 def _columns(sd, name, cols, m):
     """``W[:, cols] <- W[:, cols] m`` on a weight stored ``(in, out)`` (a bias: the row vector ``b[cols] m``)."""
     t = sd[name].clone()
@@ -210,6 +203,24 @@ def _with(model, sd):
     return twin
 
 
+def _analyzed(build):
+    """``build()`` (seeded) in float64 eval mode, ``N`` random ``(T, D)`` samples and its group."""
+    torch.manual_seed(0)
+    model = build().double().eval()
+    x = torch.randn(N, T, D, dtype=torch.float64)
+    return model, x, manifolds.transformer_symmetry(model, x)
+
+
+def _moved_keeping_the_function(sym, model, x, g: torch.Generator, draws: int = 1):
+    """``draws`` random elements of ``sym`` (from ``g``) applied to ``model``, each leaving its outputs on ``x`` to
+    1e-10; the last copy."""
+    with torch.no_grad():
+        for _ in range(draws):
+            moved = sym.transformed(model, sym.random_element(1.0, g))
+            assert (moved(x) - model(x)).abs().max() < 1e-10
+    return moved
+
+
 # -- the group ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_group_is_found_on_the_stored_layout(name):
@@ -249,13 +260,8 @@ def test_vertical_tangents_are_the_orbit_derivative_on_transposed_weights():
     model, _, (x, _) = make("gpt2")
     sym = manifolds.transformer_symmetry(model, x)
     params = _params(model)
-    xi = torch.randn(sym.dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    t = 1e-5
-    plus, minus = sym.act(params, sym.exp(t * xi)), sym.act(params, sym.exp(-t * xi))
-    tangent = sym.vertical(params, xi)
-    for n in params:
-        fd = (plus[n] - minus[n]) / (2 * t)
-        assert (fd - tangent.get(n, torch.zeros_like(fd))).abs().max() < 1e-7, n
+    check_orbit_derivative(sym, params, torch.randn(sym.dim, generator=torch.Generator().manual_seed(3),
+                                                    dtype=torch.float64))  # fmt: skip
     basis = sym.vertical_basis(params)
     assert torch.linalg.matrix_rank(basis) == sym.dim
 
@@ -339,18 +345,13 @@ class TiedRaw(nn.Module):
 
 @pytest.mark.parametrize("kind,pinned", [(TwiceCalled, "query/key"), (TiedRaw, "value/output")])
 def test_a_weight_read_twice_pins_its_factor_and_what_is_claimed_still_holds(kind, pinned):
-    torch.manual_seed(0)
-    model = kind().double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(kind)
     labels = [f.label for f in sym.factors]
     assert not any(pinned in label for label in labels), sym.describe()
     assert "also read elsewhere" in sym.describe() or "called more than once" in sym.describe(), sym.describe()
     other = "value/output" if pinned == "query/key" else "query/key"
     assert sum(other in label for label in labels) == H, sym.describe()
-    with torch.no_grad():
-        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(7)))
-        assert (moved(x) - model(x)).abs().max() < 1e-10
+    _moved_keeping_the_function(sym, model, x, torch.Generator().manual_seed(7))
 
 
 # -- elementwise scales read directly ----------------------------------------------------------------------------------
@@ -378,17 +379,13 @@ class Scaled(nn.Module):
 
 @pytest.mark.parametrize("case", ["traded", "residual", "read_twice", "gemma"])
 def test_an_elementwise_scale_is_traded_only_where_linear_layers_alone_read_it(case):
-    torch.manual_seed(0)
-    model = Scaled(case).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(lambda: Scaled(case))
     traded = [f for f in sym.factors if f.label.startswith("elementwise scale")]
     assert len(traded) == (1 if case == "traded" else 0), sym.describe()
     if case in ("residual", "read_twice"):
         assert "its elementwise scale cannot be traded" in sym.describe(), sym.describe()
+    moved = _moved_keeping_the_function(sym, model, x, torch.Generator().manual_seed(8))
     with torch.no_grad():
-        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(8)))
-        assert (moved(x) - model(x)).abs().max() < 1e-10
         if case == "traded":  # by hand: w -> c w, the reader's columns / c
             c = _scales(torch.Generator().manual_seed(9), D)
             sd = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -424,14 +421,9 @@ class OddBias(nn.Module):
 
 @pytest.mark.parametrize("case", ["addmm_2d", "linear_2d", "scalar", "broadcast_by_bias"])
 def test_a_bias_that_is_no_vector_of_the_output_features_pins_the_units(case):
-    torch.manual_seed(0)
-    model = OddBias(case).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(lambda: OddBias(case))
     assert "b1" not in sym.names, sym.describe()
-    with torch.no_grad():
-        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
-        assert (moved(x) - model(x)).abs().max() < 1e-10
+    _moved_keeping_the_function(sym, model, x, torch.Generator().manual_seed(10))
 
 
 class ScaleCases(nn.Module):
@@ -455,16 +447,12 @@ class ScaleCases(nn.Module):
 
 @pytest.mark.parametrize("case", ["aliased", "after_units"])
 def test_a_scale_read_beside_its_tensor_or_after_units_is_not_traded_twice(case):
-    torch.manual_seed(0)
-    model = ScaleCases(case).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(lambda: ScaleCases(case))
     assert not any(f.label.startswith("elementwise scale") for f in sym.factors), sym.describe()
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         model.w.add_(0.5 * torch.rand(D, generator=g, dtype=torch.float64))  # away from 1, where h *= w is no-op
-        moved = sym.transformed(model, sym.random_element(1.0, g))
-        assert (moved(x) - model(x)).abs().max() < 1e-10
+    moved = _moved_keeping_the_function(sym, model, x, g)
     if case == "after_units":  # the units' factor keeps the columns, and the measure runs and is invariant
         assert any(f.label.startswith("units") for f in sym.factors), sym.describe()
         loss, data = nn.MSELoss(), (x, torch.randn(N, 3, dtype=torch.float64))
@@ -515,20 +503,13 @@ class TransposedRaw(nn.Module):
 
 
 def test_weights_read_through_a_transpose_keep_their_factors():
-    torch.manual_seed(0)
-    model = TransposedRaw().double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(TransposedRaw)
     labels = [f.label for f in sym.factors]
     assert sum("query/key" in la for la in labels) == H and sum("value/output" in la for la in labels) == H, labels
     assert any(la.startswith("units") for la in labels), sym.describe()  # relu(x @ W1.T) @ W2.T: W1's units
     text = sym.describe()
     assert "w_q rows 0:4 <- A^T (.)" in text and "w_o rows 0:4 <- B^-1 (.)" in text, text  # (out, in) / (in, out)
-    g = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for _ in range(2):
-            moved = sym.transformed(model, sym.random_element(1.0, g))
-            assert (moved(x) - model(x)).abs().max() < 1e-10
+    _moved_keeping_the_function(sym, model, x, torch.Generator().manual_seed(12), draws=2)
 
 
 def test_products_through_transposed_weights_are_the_r_operator_s_and_equal_the_dense_hessian():
@@ -550,10 +531,7 @@ class TransposeReadTwice(nn.Module):
 
 
 def test_a_transpose_read_elsewhere_pins():
-    torch.manual_seed(0)
-    model = TransposeReadTwice().double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    _, _, sym = _analyzed(TransposeReadTwice)
     assert "w" not in sym.names and "also read elsewhere" in sym.describe(), sym.describe()
 
 
@@ -574,11 +552,6 @@ class OwnInput(nn.Module):
 
 @pytest.mark.parametrize("functional", [False, True])
 def test_a_weight_that_is_its_own_input_is_no_layer(functional):
-    torch.manual_seed(0)
-    model = OwnInput(functional).double().eval()
-    x = torch.randn(N, T, D, dtype=torch.float64)
-    sym = manifolds.transformer_symmetry(model, x)
+    model, x, sym = _analyzed(lambda: OwnInput(functional))
     assert "w" not in sym.names, sym.describe()
-    with torch.no_grad():
-        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(13)))
-        assert (moved(x) - model(x)).abs().max() < 1e-10
+    _moved_keeping_the_function(sym, model, x, torch.Generator().manual_seed(13))
