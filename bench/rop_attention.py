@@ -9,7 +9,9 @@ The model: 500 samples of 16 tokens of 4 features, a Linear embedding plus a lea
 block as timm writes it (fused ``qkv`` Linear, ``reshape``/``permute``/``unbind`` into heads, then either
 ``F.scaled_dot_product_attention`` or ``q @ k^T * scale``, ``softmax``, ``@ v``; ``transpose``/``reshape`` back, a
 projection; LayerNorm, a GELU MLP), the token mean, a LayerNorm and a Linear head; width 32, 4 heads, float32. For
-reference, the same block with ``nn.MultiheadAttention`` (the R-operator's closed-form attention).
+reference, the same block with ``nn.MultiheadAttention`` (the R-operator's closed-form attention). And
+``sharpness.GPT2`` whole (``--forms gpt2``): vocabulary 512, width 64, 4 heads, 2 blocks, its output layer tied to the
+token table, on 128 random sequences of 32 tokens with next-token cross-entropy.
 Prints, per attention form, the CPU time of one gradient and of one product by each strategy (minimum over the
 rounds), and their ratios.
 """
@@ -27,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharpness import Objective  # noqa: E402
+from sharpness import GPT2, Objective  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -76,15 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=15)
+    forms = {"manual": "q @ k^T, softmax, @ v", "sdpa": "F.scaled_dot_product_attention",
+             "mha": "nn.MultiheadAttention (reference)", "gpt2": "sharpness.GPT2, tied output layer"}  # fmt: skip
+    parser.add_argument("--forms", nargs="+", choices=forms, default=list(forms), help="models to time (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = torch.randn(args.samples, 16, 4), torch.randint(0, 10, (args.samples,))
-    forms = {"manual": "q @ k^T, softmax, @ v", "sdpa": "F.scaled_dot_product_attention",
-             "mha": "nn.MultiheadAttention (reference)"}  # fmt: skip
-    for form, label in forms.items():
-        model = TimmLike(form=form).eval()
-        obj = Objective(model, nn.CrossEntropyLoss(), (x, y))
+    ids = torch.randint(0, 512, (128, 33), generator=torch.Generator().manual_seed(2))
+    for form in args.forms:
+        label = forms[form]
+        if form == "gpt2":
+            model = GPT2(vocab=512, positions=32, dim=64, layers=2, heads=4, classes_last=False).eval()
+            obj = Objective(model, nn.CrossEntropyLoss(), (ids[:, :-1], ids[:, 1:]))
+        else:
+            obj = Objective(TimmLike(form=form).eval(), nn.CrossEntropyLoss(), (x, y))
         v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1))
         cases = {
             "gradient": obj.gradient,

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from manifolds import UnsupportedModelError
+from manifolds import UnsupportedModelError, tensor_aliases
 from manifolds import functional_call as tie_aware_call
 from sharpness.products._data import DataError, cast_batch
 from sharpness.products._second_order import gradient_products, gradient_with_graph
@@ -179,9 +179,11 @@ def check_device(device: object) -> torch.device:
 
 def fixed_tensors(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Every tensor ``functional_call`` reads from the module itself: its buffers and the parameters not in
-    ``params`` (frozen ones among them), which must be cast with the rest."""
+    ``params`` (frozen ones among them), which must be cast with the rest. A tied parameter given under any of its
+    names (``lm_head.weight`` for a table the output layer shares) is in ``params``."""
+    aliases = tensor_aliases(model)
     held = dict(model.named_buffers())
-    held.update((k, p) for k, p in model.named_parameters() if k not in params)
+    held.update((k, p) for k, p in model.named_parameters() if not any(a in params for a in aliases.get(k, (k,))))
     return held
 
 

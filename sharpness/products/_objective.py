@@ -14,6 +14,7 @@ import copy
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -656,9 +657,18 @@ class Objective:
             return False
         return self._rop_bytes_per_sample * self._share_size <= self.memory_budget
 
+    @cached_property
+    def _padded_embedding(self) -> str | None:
+        """The name of an ``nn.Embedding`` with a ``padding_idx`` (or ``None``): autograd's backward holds its padding
+        row fixed and forward mode does not, so ``jvp(grad)`` mixes the two and is no symmetric operator."""
+        return next((f"module {name!r}" for name, m in self.model.named_modules()
+                     if isinstance(m, nn.Embedding) and m.padding_idx is not None), None)  # fmt: skip
+
     def _choose_autograd_strategy(self) -> str:
         if self._graph_fits():
             return "graph"
+        if self._padded_embedding is not None:
+            return self.comm.choose("double_backward", ("double_backward", "jvp"))
         # Streaming: time one product of each kind on the first chunk and keep the faster.
         x, y = cast_batch(*self.data.first_batch(), self.dtype, self.device)
         v = {k: torch.ones_like(t) for k, t in self.params.items()}
@@ -694,9 +704,16 @@ class Objective:
                 "LayerNorm, RMSNorm, smooth elementwise functions (GELU, tanh, sigmoid, SiLU, softplus, exp, log, "
                 "powers), elementwise products, softmax and log_softmax, self-attention by nn.MultiheadAttention or "
                 "written by hand (matmul, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, "
-                "indexing) and parameters added outside modules "
+                "indexing), token embeddings (nn.Embedding, F.embedding; tied output layers too) and parameters "
+                "added outside modules "
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
+            )
+        if strategy == "jvp" and self._padded_embedding is not None:
+            raise ValueError(
+                f"the 'jvp' HVP strategy is not a symmetric operator here: {self._padded_embedding} holds its padding "
+                "row fixed in autograd's backward but not in the forward-mode derivative jvp takes through it; use "
+                "'auto', 'graph' or 'double_backward'"
             )
         if strategy != "auto":
             return strategy

@@ -134,8 +134,13 @@ class _Affine:
         return g.sum(dim=[0, *range(2, g.dim())])
 
 
-def _affine(name: str, module: nn.Module, params: Mapping[str, Tensor]) -> _Affine | None:
-    weight, bias = f"{name}.weight", f"{name}.bias" if module.bias is not None else None
+def _affine(name: str, module: nn.Module, params: Mapping[str, Tensor] | set[str],
+            keys: Mapping[str, str] | None = None) -> _Affine | None:  # fmt: skip
+    """``Linear`` or a zero-padded ``ConvNd`` (module path ``name``) with its trainable parameters' names, or ``None``.
+    ``keys``: a tied parameter's other paths to its name among ``params`` (`parameter_keys`)."""
+    keys = keys or {}
+    weight = keys.get(f"{name}.weight", f"{name}.weight")
+    bias = keys.get(f"{name}.bias", f"{name}.bias") if module.bias is not None else None
     if weight not in params or (bias is not None and bias not in params):
         return None  # a frozen parameter: the products here move every affine parameter
     if type(module) is nn.Linear:
@@ -145,6 +150,21 @@ def _affine(name: str, module: nn.Module, params: Mapping[str, Tensor]) -> _Affi
         return None
     return _Affine(weight, bias, dims, tuple(module.stride), tuple(module.padding), tuple(module.dilation),
                    module.groups)  # fmt: skip
+
+
+def parameter_keys(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, str]:
+    """Every module path of a parameter tied under several (a language model's output layer sharing the token
+    embedding's table) to the one of its names that ``params`` holds: the products read, move and add into a tied
+    tensor under that one name, from every layer that reads it."""
+    paths: dict[int, list[str]] = {}
+    for path, p in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(path)
+    keys = {}
+    for names in paths.values():
+        held = [n for n in names if n in params]
+        if held and len(names) > 1:
+            keys.update((n, held[0]) for n in names)
+    return keys
 
 
 # ------------------------------------------------------------------------------------------------

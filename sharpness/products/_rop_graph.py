@@ -6,6 +6,7 @@ model's traced ``torch.fx`` graph, a directed acyclic graph, in topological orde
 and in reverse (errors, tangent errors), errors of a tensor used several times summed over its users. Every
 operation is, at the current point, either
 
+- a table read at integer ids (``nn.Embedding``, ``F.embedding``; `_Embedding`), linear in its parameter, or
 - a layer bilinear in (its input, its parameters): ``Linear`` and zero-padded ``Conv1d/2d/3d``
   ``z = A(h; W) + b``, and eval-mode ``BatchNorm1d/2d/3d`` ``z = gamma * xhat + beta`` with
   ``xhat = (h - mu) / sqrt(var + eps)`` per channel from the fixed running statistics (without ``affine``, a
@@ -27,7 +28,9 @@ operation is, at the current point, either
   input, whose curvature all comes through the log-softmax).
 
 Other calls are read only where no parameter moves their inputs (the data cut into patches, say); buffers, frozen
-parameters and the tensors fx computes from them while tracing are constants.
+parameters (a frozen table among them) and the tensors fx computes from them while tracing are constants. A parameter
+tied under several module paths (an output layer sharing the token table) is one parameter, under the name the
+objective holds it by (`parameter_keys`): every layer reading it adds its part of the products there.
 
 Each operation's tangent and adjoint are in `sharpness.products._rop_ops`. The errors of a tensor cut into pieces are
 written into one buffer, piece by piece (`_Part`), not summed from zero-filled copies.
@@ -66,9 +69,10 @@ from sharpness.products._rop import (
     _Reshape,
     _Slope,
     loss_state,
+    parameter_keys,
 )
 from sharpness.products._rop_attention import _Affine, _Attend, _MatMul, _Softmax
-from sharpness.products._rop_ops import _Layer, _Map, _Norm, _Part
+from sharpness.products._rop_ops import _Embedding, _Layer, _Map, _Norm, _Part
 from sharpness.products._rop_smooth import (
     POINTWISE_FUNCTIONS,
     _Attention,
@@ -80,7 +84,7 @@ from sharpness.products._rop_smooth import (
     _Smooth,
 )
 
-_LAYERS = (_Layer, _LayerNorm, _Attention)  # operations with parameters and one tensor input
+_LAYERS = (_Layer, _LayerNorm, _Attention, _Embedding)  # operations with parameters and one tensor input
 _MAPS = (_Map, _Smooth)  # parameter-free operations of their tensor inputs
 _SECOND = (_LayerNorm, _Attention)  # layers whose backward reads inner tangents of their forward
 
@@ -410,14 +414,19 @@ def _single_user(node: fx.Node) -> bool:
     return len(node.args[0].users) == 1 if isinstance(node.args[0], fx.Node) else False
 
 
-def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]):
-    """A module call as a `_Layer` or `_Map`, or ``None`` where it is not supported."""
+def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+               keys: Mapping[str, str]):  # fmt: skip
+    """A module call as a `_Layer` or `_Map`, or ``None`` where it is not supported. ``keys``: `parameter_keys`."""
     name, kind, shape = str(node.target), type(module), node.args[0].meta["shape"]
     if kind is nn.Linear or kind in _CONVS:
-        affine = _affine(name, module, params)
+        affine = _affine(name, module, params, keys)
         if affine is not None and kind is nn.Linear and len(shape) != 2:
             affine = dataclasses.replace(affine, tokens=True) if len(shape) > 2 else None
         return None if affine is None else _Layer(affine=affine)
+    if kind is nn.Embedding:
+        weight = keys.get(f"{name}.weight", f"{name}.weight")
+        return _embedding(weight, params, module.padding_idx, module.max_norm, module.scale_grad_by_freq,
+                          module.sparse)  # fmt: skip
     if kind is nn.LayerNorm:
         return _layer_norm(name, module, params)
     if kind is nn.GELU:
@@ -444,6 +453,35 @@ def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], b
     if isinstance(piece, _Identity):
         return _Map("scale")
     return None
+
+
+def _embedding(weight: str, params: Mapping[str, Tensor], padding_idx: object, max_norm: object,
+               scale_grad_by_freq: object, sparse: object) -> _Embedding | None:  # fmt: skip
+    """A table read at ids, its weight trainable (among ``params``), or ``None`` where an option changes what
+    autograd differentiates beyond a fixed padding row: ``max_norm`` rewrites the table in the forward,
+    ``scale_grad_by_freq`` scales the gradient by the ids' counts in the batch (no function's gradient), and
+    ``sparse`` gradients are autograd's."""
+    if weight not in params or max_norm is not None or scale_grad_by_freq or sparse:
+        return None
+    if padding_idx is not None and not isinstance(padding_idx, int):
+        return None
+    return _Embedding(weight, padding_idx)
+
+
+def _embedding_call(node: fx.Node, params: Mapping[str, Tensor], keys: Mapping[str, str]):
+    """``F.embedding(ids, W)`` with ``W`` a trainable parameter (``get_attr``) as `_Embedding` and its tensor input
+    (the ids), or ``None``."""
+    options = dict(zip(("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+                       node.args), **node.kwargs)  # fmt: skip
+    ids, weight = options.pop("input", None), options.pop("weight", None)
+    if not isinstance(ids, fx.Node) or not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None
+    options.pop("norm_type", None)  # read only with max_norm
+    if any(isinstance(o, fx.Node) for o in options.values()):
+        return None
+    op = _embedding(keys.get(str(weight.target), str(weight.target)), params, options.get("padding_idx"),
+                    options.get("max_norm"), options.get("scale_grad_by_freq"), options.get("sparse"))  # fmt: skip
+    return None if op is None else (op, [ids])
 
 
 def _layer_norm(name: str, module: nn.Module, params: Mapping[str, Tensor], rms: bool = False) -> _LayerNorm | None:
@@ -870,6 +908,7 @@ def rop_graph(
     if _read_after_mutation(nodes, model):
         return None
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
+    keys = parameter_keys(model, params)
     attention = _attention_outputs(model, nodes, shapes, params)
     pieces = _pieces(nodes, shapes) | _merged_affines(nodes, shapes)
     read: dict[fx.Node, tuple] = {}  # node -> (op, tensor input nodes, call input nodes)
@@ -901,20 +940,25 @@ def rop_graph(
             module = model.get_submodule(str(node.target))
             if _has_hooks(module) or len(node.args) != 1 or node.kwargs or node.args[0] not in shapes:
                 return None
-            op = _module_op(node, module, params, buffers)
+            table = buffers.get(f"{node.target}.weight") if type(module) is nn.Embedding else None
+            if table is not None and module.max_norm is None:  # a frozen table: a call of the data alone
+                read[node] = (lambda values, t=table: F.embedding(values[0], t), [], [node.args[0]])
+                fixed.add(node)
+                continue
+            op = _module_op(node, module, params, buffers, keys)
             if op is None:
                 return None
             read[node] = (op, [node.args[0]], [node.args[0]] if getattr(op, "call", None) else [])
         elif node.op in ("call_function", "call_method"):
-            found = _function_op(node, shapes)
+            found = _embedding_call(node, params, keys) if node.target is F.embedding else _function_op(node, shapes)
             if found is None:  # any call of the data alone (reshaping it into patches, say): checked below
                 read[node] = (_caller(node), [], node.all_input_nodes)
                 fixed.add(node)
                 continue
             op, tensors = found
             read[node] = (op, tensors, node.all_input_nodes if op.call is not None else [])
-        elif str(node.target) in params:  # get_attr of a trainable parameter
-            read[node] = (_Param(str(node.target)), [], [])
+        elif keys.get(str(node.target), str(node.target)) in params:  # get_attr of a trainable parameter
+            read[node] = (_Param(keys.get(str(node.target), str(node.target))), [], [])
         elif node in shapes and (str(node.target) in buffers or _constant(model, str(node.target)) is not None):
             # a buffer, frozen parameter or a tensor fx computed while tracing: a constant (a mask, say)
             t = buffers.get(str(node.target))

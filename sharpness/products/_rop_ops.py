@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sharpness.products._layout import layout
@@ -220,6 +221,47 @@ class _Layer:
         if not need:
             return None
         return a.input_adjoints(g_dot, h, _rows(weight, gain), delta, self._tangent_weights(params, v, gain)[0])
+
+
+@dataclass(frozen=True)
+class _Embedding:
+    """A table read at integer ids (``nn.Embedding``, ``F.embedding``): ``z = W[ids]``, ``W`` stored ``(V, D)``.
+    Linear in ``W`` and the ids never move, so ``zdot = V[ids]`` and the table's block of ``H v`` is the tangent error
+    ``ddot`` added back into the rows the ids read (a row read twice gets both); the first-order error is never read.
+    With ``padding_idx``, the padding row is held fixed as autograd holds it (its gradient is zero): the positions
+    reading it get no tangent and give no error, so the products are those of the Hessian in the other rows, and of
+    the padding row only through other layers reading the same tensor. Saved: the ids, and where the padding
+    positions are (or ``None``)."""
+
+    weight: str
+    padding_idx: int | None = None
+    call = None  # nothing of the original call is replayed (the graph reader's protocol)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.weight,)
+
+    def needs_error(self, input_moves: bool) -> bool:
+        return False
+
+    def forward(self, ids: Tensor, params: Mapping[str, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor | None]]:
+        pad = None if self.padding_idx is None else (ids == self.padding_idx % params[self.weight].shape[0])
+        return F.embedding(ids, params[self.weight]), (ids, pad if pad is not None and bool(pad.any()) else None)
+
+    def errors(self, g: Tensor, saved, params: Mapping[str, Tensor], need: bool) -> tuple[object, None]:
+        return g, None
+
+    def tangent(self, saved, hdot: Tensor | None, params, v) -> Tensor:
+        ids, pad = saved
+        z = F.embedding(ids, v[self.weight])
+        return z if pad is None else z.masked_fill_(pad.unsqueeze(-1), 0.0)
+
+    def backward(self, g_dot: Tensor, kept, hdot: Tensor | None, saved, params, v, into, need: bool) -> None:
+        (ids, pad), table = saved, into[self.weight]
+        if pad is not None:
+            g_dot = g_dot.masked_fill(pad.unsqueeze(-1), 0.0)
+        table.index_add_(0, ids.reshape(-1), g_dot.reshape(-1, table.shape[1]))
+        return None
 
 
 def _rows(weight: Tensor, factors: Tensor) -> Tensor:

@@ -1,0 +1,165 @@
+"""R-operator products of token models: tables read at integer ids (``nn.Embedding``, ``F.embedding``), a table tied to
+the output layer (a language model's head), frozen tables and padding rows, and HuggingFace's GPT-2.
+
+Every product is checked in float64 against the dense Hessian (`tests/test_rop_graph._check`: kept state, and
+streamed in chunks of 3) to 1e-10 relative; GPT-2 against ``torch.func``'s forward-over-reverse products.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from test_rop_graph import _check
+from torch import nn
+
+from sharpness import GPT2, Objective, dense_hessian
+from sharpness.products._rop_gradient import shared_gradient
+
+VOCAB, WIDTH, TOKENS, CLASSES = 5, 4, 6, 3
+
+
+def _tokens(n: int = 7, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, TOKENS), generator=torch.Generator().manual_seed(seed))
+
+
+def _off_init(model: nn.Module, seed: int = 1) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = model.double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model.eval()
+
+
+class Classifier(nn.Module):
+    """Token and position tables, a LayerNorm, a mean over the tokens and a classifier."""
+
+    def __init__(self, padding_idx: int | None = None):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, WIDTH, padding_idx=padding_idx)
+        self.positions = nn.Embedding(TOKENS, WIDTH)
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.size(1), device=ids.device))
+        return self.head(torch.tanh(self.norm(x)).mean(1))
+
+
+class TiedLM(nn.Module):
+    """Next-token logits ``(N, V, T)`` from a table the output layer shares (module calls)."""
+
+    def __init__(self, padding_idx: int | None = None):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=padding_idx)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.mix(self.embed(ids)))).transpose(1, 2)
+
+
+class FunctionalTiedLM(nn.Module):
+    """The same written with functions of the table: ``F.embedding`` and ``x @ W.T``."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.empty(VOCAB, WIDTH))
+        self.mix = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.mix(F.embedding(ids, self.table))) @ self.table.T).transpose(1, 2)
+
+
+def _frozen_tokens() -> nn.Module:
+    model = _off_init(Classifier())
+    model.tokens.weight.requires_grad_(False)
+    return model
+
+
+MODELS = {
+    "classifier": lambda: _off_init(Classifier()),
+    "tied": lambda: _off_init(TiedLM()),
+    "functional_tied": lambda: _off_init(FunctionalTiedLM()),
+    "frozen_table": _frozen_tokens,
+    "padding_row": lambda: _off_init(Classifier(padding_idx=0)),
+    "tied_padding_row": lambda: _off_init(TiedLM(padding_idx=2)),
+}
+
+
+def _targets(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    if isinstance(model, Classifier):
+        return torch.randint(0, CLASSES, (ids.shape[0],), generator=g)
+    return torch.randint(0, VOCAB, ids.shape, generator=g)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_token_models_get_the_r_operator_products_of_the_dense_hessian(name):
+    model = MODELS[name]()
+    ids = _tokens()
+    assert (ids == 0).any() and (ids == 2).any() and ids.unique().numel() < ids.numel()  # padding rows read; ids repeat
+    obj = _check(model, ids, _targets(model, ids))
+    # the gradient the gradient start reads is the objective's own pass here (a table keeps no error)
+    torch.testing.assert_close(shared_gradient(obj, "rop"), obj.gradient(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_padding_row_is_held_fixed_as_autograd_holds_it():
+    """The padding row's block of the Hessian is zero through the table (autograd's gradient holds it fixed), but a
+    tied output layer still reads it: the products equal double backward's, and ``jvp`` (forward mode, which moves
+    the padding row) is refused with the reason."""
+    for model, pad in ((_off_init(Classifier(padding_idx=0)), 0), (_off_init(TiedLM(padding_idx=2)), 2)):
+        ids = _tokens()
+        obj = Objective(model, nn.CrossEntropyLoss(), (ids, _targets(model, ids)))
+        H = dense_hessian(obj)
+        table = next(k for k in obj.params if k.endswith(("tokens.weight", "embed.weight")))
+        start = obj.layout.slice(table).start
+        rows = slice(start + pad * WIDTH, start + (pad + 1) * WIDTH)
+        g = torch.Generator().manual_seed(9)
+        for _ in range(2):
+            v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
+            torch.testing.assert_close(obj.hvp(v), obj.hvp(v, "double_backward"), rtol=0, atol=1e-12)
+        if isinstance(model, Classifier):
+            assert float(H[rows].abs().max()) == 0.0  # read only by the table: held fixed
+        else:
+            assert float(H[rows].abs().max()) > 1e-3  # the output layer reads it
+        with pytest.raises(ValueError, match="padding row"):
+            obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64), "jvp")
+
+
+def test_a_tied_table_given_under_the_output_layer_s_name():
+    model = _off_init(TiedLM())
+    ids = _tokens()
+    params = {"out.weight" if k == "embed.weight" else k: t for k, t in model.named_parameters()}
+    obj = Objective(model, nn.CrossEntropyLoss(), (ids, _targets(model, ids)), params=params)
+    assert obj.hvp_strategy() == "rop" and "out.weight" in obj.params
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    torch.testing.assert_close(obj.hvp(v), obj.hvp(v, "double_backward"), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}])
+def test_tables_with_options_autograd_reads_otherwise_are_not_read(option):
+    model = _off_init(Classifier())
+    model.tokens = nn.Embedding(VOCAB, WIDTH, **option).double()
+    assert Objective(model, nn.CrossEntropyLoss(), (_tokens(), torch.zeros(7, dtype=torch.long))).hvp_strategy() != "rop"
+
+
+def test_gpt2_products_are_the_r_operator_s():
+    state = load_file(str(Path(__file__).parent / "data" / "gpt2_tiny_hf.safetensors"))
+    state.pop("__input_ids"), state.pop("__logits")
+    model = GPT2.from_state_dict(state, heads=2, classes_last=False)
+    vocab = model.transformer.wte.num_embeddings
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, vocab, (6, 8), generator=g), torch.randint(0, vocab, (6, 8), generator=g)
+    obj = Objective(model, nn.CrossEntropyLoss(), (ids, targets))
+    assert obj.hvp_strategy() == "rop" and "lm_head.weight" not in obj.params  # the tied head reads the table
+    V = torch.randn(2, obj.layout.size, generator=g, dtype=torch.float64)
+    for v in V:
+        ref = obj.hvp(v, "jvp")
+        torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+    torch.testing.assert_close(obj.hvp_batch(V), torch.stack([obj.hvp(v, "double_backward") for v in V]), rtol=0,
+                               atol=1e-12 * float(V.abs().max()))  # fmt: skip
