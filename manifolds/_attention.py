@@ -9,6 +9,11 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
 * **Value/output, per head** (``GL(hd)``): ``Wv_h <- B^T Wv_h``, ``bv_h <- B^T bv_h`` and the output
   projection's columns of head ``h`` ``<- (.) B^-T``. The head's output ``P v`` becomes ``P v B`` for the
   (unchanged) attention weights ``P``, and ``(P v B) (W_o,h B^-T)^T = P v W_o,h^T``; the output bias stays.
+* **Grouped-query attention** (a key/value head read by a group of query heads, HuggingFace's ``repeat_kv``: an
+  ``expand`` of size-1 axes between the projection and the product): one query/key factor per key head, moving the
+  rows of every query head reading it by ``A^T`` and the key head's by ``A^-1``, and one value/output factor per value
+  head, ``B^T`` on its rows and ``B^-T`` on the output columns of every query head reading it. Which query heads read
+  which key head is read off the replayed feature indices, not assumed.
 * **Normalization affine scale** (positive diagonal, one scale per feature): ``gamma_j, beta_j <- c_j gamma_j,
   c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
   reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
@@ -48,7 +53,7 @@ that commutes with every position's map (`manifolds._rotary`): the operations th
 heads tensor alone, with constant (buffer- and shape-derived) other inputs, and act linearly on each row.
 
 What pins (no factor, with the reason recorded): anything else between a projection and the product
-(per-head norms, a learned per-position map, one piece of a fused projection read twice, grouped-query repeats), a
+(per-head norms, a learned per-position map, one piece of a fused projection read twice, a repeated query head), a
 projection or normalized output read by anything else (a residual addition), a Linear or module called more than once
 for a diagonal trade, shared parameters, GELU / SiLU / tanh / softmax after a Linear (not positively
 homogeneous), and ``enable_gqa``. Pinning only shrinks the group, so it is always safe.
@@ -381,8 +386,11 @@ class _Finder:
         if name == "getitem" and _new_axes_only(node.args[1]):  # x[:, :, None]: a view with an axis of size 1 added
             return tensors[0]
         shape, source = node.meta.get("shape"), tensors[0].meta.get("shape")
-        if name == "expand" and shape is not None and source is not None and tuple(shape) == tuple(source):
-            return tensors[0]  # an expand that repeats nothing (HuggingFace's repeat_kv with one key head per query)
+        if name == "expand" and shape is not None and source is not None and len(shape) == len(source) \
+                and all(a == b or b == 1 for a, b in zip(shape, source)) and shape[:1] == source[:1]:  # fmt: skip
+            # a view repeating size-1 axes (HuggingFace's repeat_kv: each key/value head read by a group of query
+            # heads); what it repeats is read off the replayed feature indices, not assumed
+            return tensors[0]
         if name in _SCALINGS and len(node.args) == 2 and not node.kwargs:
             factor = node.args[1]
             factor = self.values.get(factor) if isinstance(factor, fx.Node) else factor
@@ -556,21 +564,31 @@ class _Finder:
             raise _Fail(f"the {role}'s heads do not use the same features for every token")
         return probe[..., 0, :].reshape(-1, probe.shape[-1]).long()
 
-    def heads(self, groups: Sequence[Tensor], role: str) -> list[tuple[tuple[int, ...], ...]]:
+    def heads(self, groups: Sequence[Tensor], role: str,
+              shared: int | None = None) -> list[tuple[tuple[int, ...], ...]]:  # fmt: skip
         """The distinct heads: tuples of one feature group per operand; each operand's groups must be disjoint
-        and each group belong to one head."""
+        and each group belong to one head. The operand ``shared`` may give one group to several heads (a key head
+        repeated for a group of query heads: grouped-query attention); its distinct groups must still be disjoint."""
         rows = torch.cat(list(groups), dim=1)
         hd = groups[0].shape[1]
         unique = [tuple(int(v) for v in r) for r in torch.unique(rows, dim=0)]
         heads = [tuple(u[i * hd : (i + 1) * hd] for i in range(len(groups))) for u in unique]
         for i in range(len(groups)):
             seen: set[int] = set()
-            for head in heads:
-                g = head[i]
+            for g in (dict.fromkeys(h[i] for h in heads) if i == shared else (h[i] for h in heads)):
                 if len(set(g)) != hd or seen & set(g):
                     raise _Fail(f"the {role}'s heads do not partition its features")
                 seen |= set(g)
         return heads
+
+    @staticmethod
+    def key_groups(heads: Sequence[tuple]) -> list[list[tuple]]:
+        """The (query, key) heads gathered by key head, in order of their first query: one factor each, moving the
+        queries of every head in the group and the key they share."""
+        groups: dict[tuple, list[tuple]] = {}
+        for head in heads:
+            groups.setdefault(head[1], []).append(head)
+        return list(groups.values())
 
     def linear_blocks(self, proj: _Projection, index: tuple[int, ...], how: str, rows: bool) -> list[Block]:
         """The blocks of ``proj``'s output features ``index`` (``rows``: its weight's rows and its bias) or of its input
@@ -680,14 +698,16 @@ class _Finder:
         """The maps of the rows holding ``head``'s features on ``side`` (0 query, 1 key), ``(rows, hd, hd)``."""
         return maps[[i for i, g in enumerate(groups.tolist()) if tuple(g) == head[side]]]
 
-    def head_algebra(self, head: tuple, sides: Sequence[tuple]):
-        """The algebra of the subgroup of ``GL(hd)`` commuting with a head's query maps and key maps' transposes
-        (`manifolds._rotary.commutant`; ``None``: no maps, the whole ``GL(hd)``). ``sides``: ``(side, groups at the
-        map's input, maps)`` per side with a map (`replayed`); ``head``: the head's feature group per side."""
+    def head_algebra(self, heads: Sequence[tuple], sides: Sequence[tuple]):
+        """The algebra of the subgroup of ``GL(hd)`` commuting with the query maps and key maps' transposes of
+        ``heads``, the (query, key) feature groups one factor moves together (one pair, or the query heads sharing a
+        key head) (`manifolds._rotary.commutant`; ``None``: no maps, the whole ``GL(hd)``). ``sides``: ``(side,
+        groups at the map's input, maps)`` per side with a map (`replayed`)."""
         if not sides:
             return None
         picked = [self.head_rows(head, side, groups, m).transpose(-1, -2) if side == 1
-                  else self.head_rows(head, side, groups, m) for side, groups, m in sides]  # fmt: skip
+                  else self.head_rows(head, side, groups, m)
+                  for head in heads for side, groups, m in sides]  # fmt: skip
         stacked = torch.cat(picked)
         key = (tuple(stacked.shape), stacked.numpy().tobytes())
         if key not in self.commutants:
@@ -708,23 +728,19 @@ class _Finder:
                                                     k_features_last, "key")  # fmt: skip
         if pq.shape[:-2] != pk.shape[:-2]:
             raise _Fail("the query and key heads are broadcast against each other")
-        heads = self.heads([gq_all, gk_all], "query/key")
+        groups = self.key_groups(self.heads([gq_all, gk_all], "query/key", shared=1))
         sides = [(side, at_start, maps) for side, (at_start, maps) in enumerate(((start_q, maps_q), (start_k, maps_k)))
                  if maps is not None]  # fmt: skip
-        algebras = [self.head_algebra(head, sides) for head in heads]
+        algebras = [self.head_algebra(pairs, sides) for pairs in groups]
         # the maps were read on the example's tokens only (one row per token): say so where the claim rests on them
-        read = "" if not sides else f" (position maps read on {len(self.head_rows(heads[0], *sides[0]))} tokens)"
-        factors = [
-            Factor(
-                "GL",
-                len(gq),
-                tuple(self.linear_blocks(lq, gq, "T", True) + self.linear_blocks(lk, gk, "inv", True)),
-                f"attention at {where}, head {h}: query/key" + read,
-                "A",
-                algebra,
-            )
-            for h, ((gq, gk), algebra) in enumerate(zip(heads, algebras))
-        ]
+        read = "" if not sides else f" (position maps read on {len(self.head_rows(groups[0][0], *sides[0]))} tokens)"
+        factors = []
+        for h, (pairs, algebra) in enumerate(zip(groups, algebras)):
+            queries = [b for gq, _ in pairs for b in self.linear_blocks(lq, gq, "T", True)]
+            shared = "" if len(pairs) == 1 else f" (key head shared by {len(pairs)} query heads)"
+            blocks = tuple(queries + self.linear_blocks(lk, pairs[0][1], "inv", True))
+            label = f"attention at {where}, head {h}: query/key" + shared + read
+            factors.append(Factor("GL", len(pairs[0][0]), blocks, label, "A", algebra))
         self.claim(factors)
         self.found.factors.extend(factors)  # only once every head's blocks are known
         self.claimed_rows |= {lq.key, lk.key}
@@ -736,26 +752,36 @@ class _Finder:
         groups = self.groups(pv, True, "value")
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
-        # Code every entry of the heads' output by (head, j) and replay the merge of the heads.
-        head_of = {g: h for h, g in enumerate(heads)}
-        slot_head = torch.tensor([head_of[tuple(int(v) for v in g)] for g in groups], dtype=torch.float64)
         shape = out.meta.get("shape")
-        if shape is None or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd:
+        if shape is None or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd or len(shape) < 3:
             raise _Fail("the attention output's heads do not match the value's")
-        code = slot_head.reshape(*shape[:-2], 1, 1) * hd + torch.arange(hd, dtype=torch.float64)
+        # The head slots of one sample (a key/value head repeated for a group of query heads fills several), each
+        # the same head for every sample; code every entry of a sample's output by (slot, j) and replay the merge.
+        slots = torch.Size(shape[1:-2]).numel()
+        per_sample = groups.reshape(shape[0], slots, hd)
+        if not bool((per_sample == per_sample[:1]).all()):
+            raise _Fail("the value's heads differ between samples")
+        head_of = {g: h for h, g in enumerate(heads)}
+        slot_head = [head_of[tuple(g)] for g in per_sample[0].tolist()]
+        code = torch.arange(slots, dtype=torch.float64).reshape(1, *shape[1:-2], 1, 1) * hd \
+            + torch.arange(hd, dtype=torch.float64)  # fmt: skip
         merged = self.replay(chain_o, code.expand(shape).clone())
         rows = merged.reshape(-1, merged.shape[-1])
         if not bool((rows == rows[:1]).all()):
             raise _Fail("the merged heads do not put every head at the same features for every token")
         codes = rows[0].long().tolist()
-        if sorted(codes) != list(range(len(heads) * hd)):
+        if sorted(codes) != list(range(slots * hd)):
             raise _Fail("the merged heads do not cover the output projection's inputs once each")
         column = {c: f for f, c in enumerate(codes)}
         factors = []
         for h, gv in enumerate(heads):
-            cols = tuple(column[h * hd + j] for j in range(hd))
-            blocks = self.linear_blocks(lv, gv, "T", True) + self.linear_blocks(lo, cols, "invT", False)
-            factors.append(Factor("GL", hd, tuple(blocks), f"attention at {where}, head {h}: value/output", "B"))
+            blocks = self.linear_blocks(lv, gv, "T", True)
+            readers = [s for s in range(slots) if slot_head[s] == h]  # the query heads reading this value head
+            for s in readers:
+                blocks += self.linear_blocks(lo, tuple(column[s * hd + j] for j in range(hd)), "invT", False)
+            shared = "" if len(readers) == 1 else f" (value head shared by {len(readers)} query heads)"
+            factors.append(Factor("GL", hd, tuple(blocks), f"attention at {where}, head {h}: value/output" + shared,
+                                  "B"))  # fmt: skip
         self.claim(factors)
         self.found.factors.extend(factors)
         self.claimed_rows.add(lv.key)

@@ -76,8 +76,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         required=True,
         help="mlp:IN-...-OUT, lenet, resnet:DEPTH[,width=W] (CIFAR ResNet-20/32/56 whose 16, 32 and 64 channels per "
         "stage W multiplies; default W=1), vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision transformer for "
-        "8x8 digits), gpt2:heads=H (GPT-2 in the sizes of a HuggingFace checkpoint; data: integer token ids X (N, T) "
-        "and next tokens y (N, T), --loss ce), path/file.py:factory or pkg.mod:factory",
+        "8x8 digits), gpt2:heads=H or llama:heads=H[,eps=E,theta=T] (GPT-2, or a LLaMA-family decoder, in the sizes "
+        "of a HuggingFace checkpoint; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
+        "path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
     parser.add_argument(
@@ -213,15 +214,19 @@ def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
     Raises:
         SpecError: the spec does not build or the checkpoint does not fit it.
     """
-    if spec == "gpt2" or spec.startswith("gpt2:"):  # its sizes are the checkpoint's
+    family = spec.partition(":")[0]
+    if family in ("gpt2", "llama"):  # its sizes are the checkpoint's
         from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
+        from sharpness._llama import is_rotary_buffer, llama_from_spec
 
-        state = {k: v for k, v in load_state_dict(checkpoint).items() if not is_mask_buffer(k)}
+        dropped = is_mask_buffer if family == "gpt2" else is_rotary_buffer  # buffers older checkpoints saved
+        state = {k: v for k, v in load_state_dict(checkpoint).items() if not dropped(k)}
         bad = [k for k, v in state.items() if not v.is_floating_point() or not bool(torch.isfinite(v).all())]
         if bad:
             raise SpecError(f"checkpoint {checkpoint}: tensor {bad[0]} is not finite floating point; the checkpoint is "
                             "unusable")  # fmt: skip
-        return gpt2_from_spec(spec, state).to(DTYPES[dtype])
+        build = gpt2_from_spec if family == "gpt2" else llama_from_spec
+        return build(spec, state).to(DTYPES[dtype])
     # Built in the dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
     model = build_model(spec).to(DTYPES[dtype])
     load_checkpoint(model, checkpoint)
@@ -248,7 +253,7 @@ def prepare_data(
         SpecError: one sentence naming the problem.
     """
     X, y = data
-    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2)
+    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, sharpness.Llama)
         if X.is_floating_point() or X.dtype == torch.bool:
             raise SpecError(f"the model takes token ids, but X of {spec} holds {str(X.dtype).removeprefix('torch.')} "
                             "values; give integer ids (N, T)")  # fmt: skip

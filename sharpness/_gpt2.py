@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options
+from sharpness._specs import SpecError, _parse_options, load_fitting
 
 
 def is_mask_buffer(key: str) -> bool:
@@ -182,18 +182,8 @@ class GPT2(nn.Module):
         if head is not None and not torch.equal(head, tensors["transformer.wte.weight"]):
             raise SpecError("lm_head.weight differs from transformer.wte.weight: an untied output layer is no GPT-2")
         model = cls(vocab, positions, dim, layers, heads, eps, classes_last)
-        own = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        missing, unknown = sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
-        if missing or unknown:
-            raise SpecError(f"the state dict does not fit GPT-2 with {layers} blocks: missing {missing[:3]}, "
-                            f"unknown {unknown[:3]}")  # fmt: skip
-        wrong = [k for k in own if tuple(own[k].shape) != tuple(tensors[k].shape)]
-        if wrong:
-            raise SpecError(f"{wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, GPT-2 with width {dim} needs "
-                            f"{tuple(own[wrong[0]].shape)}")  # fmt: skip
-        model = model.to(tensors["transformer.wte.weight"].dtype)
-        model.load_state_dict(tensors, strict=False)  # lm_head.weight is the embedding's
-        return model.eval()
+        return load_fitting(model, tensors, f"GPT-2 with {layers} blocks of width {dim}", {"lm_head.weight"},
+                            "transformer.wte.weight")
 
 
 def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:

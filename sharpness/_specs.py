@@ -7,7 +7,8 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``(N, 64)`` or ``(N, 1, 8, 8)``; options ``dim=``, ``heads=``, ``depth=``, ``mlp=``, ``classes=``,
 ``norm=pre|post``, ``act=relu|gelu``, ``attn=mha|hand``, e.g. ``vit:dim=32,heads=4``; keys in
 `sharpness._vit`), ``gpt2:heads=H`` (GPT-2 with the sizes of its checkpoint, HuggingFace's keys; token ids
-``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`), or ``path/to/file.py:factory``
+``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`), ``llama:heads=H[,eps=E,theta=T]`` (a LLaMA-family
+decoder with the sizes of its checkpoint, the same way; `sharpness._llama`), or ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
 Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``
@@ -102,7 +103,7 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec == "gpt2" or spec.startswith("gpt2:"):
+    if spec.partition(":")[0] in ("gpt2", "llama"):
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -125,7 +126,7 @@ def build_model(spec: str) -> nn.Module:
             raise SpecError(f"{spec} returned {type(model).__name__}, not an nn.Module")
         return model
     raise SpecError(
-        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, "
+        f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
         "path/to/file.py:factory or package.module:factory"
     )
 
@@ -386,3 +387,23 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
         raise SpecError(
             f"labels range over [{lo}, {hi}] but the model has {n_out} outputs; labels must be in [0, {n_out - 1}]"
         )
+
+
+def load_fitting(model: nn.Module, tensors: Mapping[str, Tensor], what: str, tied: set[str], like: str) -> nn.Module:
+    """``model`` (eval mode, in the dtype of ``tensors[like]``) with ``tensors`` loaded, after checking that they are
+    its keys exactly (but the ``tied`` keys, which another tensor fills) and of its shapes.
+
+    Raises:
+        SpecError: a key missing or unknown, or a shape that differs, named in the message.
+    """
+    own = {k: v for k, v in model.state_dict().items() if k not in tied}
+    missing, unknown = sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
+    if missing or unknown:
+        raise SpecError(f"the state dict does not fit {what}: missing {missing[:3]}, unknown {unknown[:3]}")
+    wrong = [k for k in own if tuple(own[k].shape) != tuple(tensors[k].shape)]
+    if wrong:
+        raise SpecError(f"{wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, {what} needs "
+                        f"{tuple(own[wrong[0]].shape)}")  # fmt: skip
+    model = model.to(tensors[like].dtype)
+    model.load_state_dict(tensors, strict=False)  # the tied keys are their tables'
+    return model.eval()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from test_rop_graph import _check
 from torch import nn
 
+from manifolds import UnsupportedModelError
 from sharpness import GPT2, Objective, dense_hessian
 from sharpness.products._rop_gradient import shared_gradient
 
@@ -141,11 +142,60 @@ def test_a_tied_table_given_under_the_output_layer_s_name():
     torch.testing.assert_close(obj.hvp(v), obj.hvp(v, "double_backward"), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}])
-def test_tables_with_options_autograd_reads_otherwise_are_not_read(option):
+def test_a_table_with_max_norm_gets_autograd_s_products():
     model = _off_init(Classifier())
-    model.tokens = nn.Embedding(VOCAB, WIDTH, **option).double()
-    assert Objective(model, nn.CrossEntropyLoss(), (_tokens(), torch.zeros(7, dtype=torch.long))).hvp_strategy() != "rop"
+    model.tokens = nn.Embedding(VOCAB, WIDTH, max_norm=10.0).double()
+    obj = Objective(model, nn.CrossEntropyLoss(), (_tokens(), torch.zeros(7, dtype=torch.long)))
+    assert obj.hvp_strategy() == "graph"
+
+
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
+def test_tables_whose_gradient_is_no_loss_s_are_refused_unless_frozen(option):
+    """``scale_grad_by_freq`` divides the gradient by the ids' counts (its double backward is not symmetric: 0.63
+    relative asymmetry measured); sparse gradients do not add over chunks. The function is the same without them."""
+    model = _off_init(Classifier())
+    model.tokens = nn.Embedding(VOCAB, WIDTH, **{option: True}).double()
+    data = (_tokens(), torch.zeros(7, dtype=torch.long))
+    with pytest.raises(UnsupportedModelError, match=f"module 'tokens' is an nn.Embedding with {option}=True"):
+        Objective(model, nn.CrossEntropyLoss(), data)
+    model.tokens.weight.requires_grad_(False)  # a frozen table: a constant, whatever its gradient would be
+    obj = Objective(model, nn.CrossEntropyLoss(), data)
+    assert obj.hvp_strategy() == "rop"
+
+
+class FunctionalPadded(nn.Module):
+    """``F.embedding(ids, W, padding_idx=1)`` with ``W`` tied to the output (``x @ W.T``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.empty(VOCAB, WIDTH))
+        self.mix = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, ids):
+        return (torch.tanh(self.mix(F.embedding(ids, self.table, padding_idx=1))) @ self.table.T).transpose(1, 2)
+
+
+def test_a_functional_padding_row_is_held_fixed_and_refuses_jvp(monkeypatch):
+    model = _off_init(FunctionalPadded())
+    ids = _tokens()
+    obj = _check(model, ids, _targets(model, ids))
+    with pytest.raises(ValueError, match="F.embedding at graph node 'embedding' holds its padding row fixed"):
+        obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64), "jvp")
+    # where autograd streams (a hook keeps the R-operator off), "auto" never even times jvp
+    model.register_forward_hook(lambda m, i, o: o)
+    streamed = Objective(model, nn.CrossEntropyLoss(), (ids, _targets(model, ids)), chunk_size=3, memory_budget=1)
+    timed = []
+    monkeypatch.setattr(Objective, "_hvp_jvp", lambda self, *a: timed.append(a))
+    assert streamed.hvp_strategy() == "double_backward" and not timed
+
+
+def test_jvp_is_allowed_where_the_padded_table_is_not_differentiated():
+    model = _off_init(Classifier(padding_idx=0))
+    model.tokens.weight.requires_grad_(False)
+    ids = _tokens()
+    obj = Objective(model, nn.CrossEntropyLoss(), (ids, _targets(model, ids)))
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    torch.testing.assert_close(obj.hvp(v, "jvp"), dense_hessian(obj) @ v, rtol=0, atol=1e-12)
 
 
 def test_gpt2_products_are_the_r_operator_s():

@@ -380,12 +380,76 @@ class GroupedQuery(RopeBlock):
         return x + self.o(a.transpose(1, 2).reshape(b, t, d))
 
 
-def test_grouped_query_repeats_pin_without_an_error():
+def test_grouped_query_attention_moves_each_key_and_value_head_with_the_query_heads_reading_it():
+    """One key/value head read by both query heads: one query/key factor (``A`` moving both query heads' rows by
+    ``A^T`` and the key head's by ``A^-1``, ``A`` commuting with the rotations) and one value/output factor (``B`` on
+    the value head, ``B^-T`` on both heads' output columns). Checked with elements built by hand, and with elements
+    that give the two query heads different matrices, which the repeated key cannot follow."""
     model, x, sym = _analyzed(GroupedQuery())
-    assert not _query_key(sym), sym.describe()
+    (qk,) = _query_key(sym)
+    (vo,) = [f for f in sym.factors if "value/output" in f.label]
+    assert [(b.name, b.index, b.how) for b in qk.blocks if b.name.endswith("weight")] == [
+        ("0.q.weight", tuple(range(HD)), "T"), ("0.q.weight", tuple(range(HD, 2 * HD)), "T"),
+        ("0.k.weight", tuple(range(HD)), "inv")]  # fmt: skip
+    assert qk.dim == HD and vo.dim == HD * HD, sym.describe()  # rotate_half's commutant: a I + b J per pair
+    assert [(b.name, b.axis, b.index) for b in vo.blocks if b.name.endswith("weight")] == [
+        ("0.v.weight", 0, tuple(range(HD))), ("0.o.weight", 1, tuple(range(HD))),
+        ("0.o.weight", 1, tuple(range(HD, 2 * HD)))]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        assert (sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))(x)
-                - model(x)).abs().max() < 1e-10  # fmt: skip
+        ref = model(x)
+        for _ in range(3):
+            assert (sym.transformed(model, sym.random_element(1.0, g))(x) - ref).abs().max() < 1e-10
+
+    def moved(a_heads, b_heads):
+        sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for h, (a, b) in enumerate(zip(a_heads, b_heads)):
+            rows = slice(h * HD, (h + 1) * HD)
+            sd["0.q.weight"][rows], sd["0.q.bias"][rows] = a.T @ sd["0.q.weight"][rows], a.T @ sd["0.q.bias"][rows]
+            sd["0.o.weight"][:, rows] = sd["0.o.weight"][:, rows] @ torch.linalg.inv(b).T
+        a, b = a_heads[0], b_heads[0]
+        sd["0.k.weight"], sd["0.k.bias"] = torch.linalg.inv(a) @ sd["0.k.weight"], torch.linalg.inv(a) @ sd["0.k.bias"]
+        sd["0.v.weight"], sd["0.v.bias"] = b.T @ sd["0.v.weight"], b.T @ sd["0.v.bias"]
+        with torch.no_grad():
+            return float((_with(model, sd)(x) - ref).abs().max())
+
+    def rotation_commutant():  # a I + b J on each pair (i, i + HD/2), built by hand
+        a = torch.zeros(HD, HD, dtype=torch.float64)
+        for i in range(HD // 2):
+            c, n = (float(v) for v in torch.randn(2, generator=g, dtype=torch.float64))
+            a[i, i], a[i + HD // 2, i + HD // 2], a[i, i + HD // 2], a[i + HD // 2, i] = c, c, n, -n
+        return a
+
+    a, b = rotation_commutant(), torch.eye(HD, dtype=torch.float64) + torch.randn(HD, HD, generator=g,
+                                                                                    dtype=torch.float64)  # fmt: skip
+    assert moved([a, a], [b, b]) < 1e-10
+    assert moved([a, rotation_commutant()], [b, b]) > 1e-3  # the second query head moved by another matrix
+    assert moved([a, a], [b, torch.eye(HD, dtype=torch.float64)]) > 1e-3  # the second head's columns left alone
+
+
+class GroupedQueryNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(GroupedQuery())
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+def test_the_grouped_query_quotient_measure_equals_the_dense_reference_and_keeps_under_the_group():
+    model, loss, data = classifier_case(GroupedQueryNet, D)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    assert len(_query_key(sym)) == 1, sym.describe()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, params), sym)
+    value = measure_value(model, loss, data, k=2)
+    assert np.allclose(value, reference[::-1][:2], rtol=1e-8, atol=0), (value, reference[::-1][:3])
+    twin = sym.transformed(model, sym.random_element(1.5, torch.Generator().manual_seed(5)))
+    after = measure_value(twin, loss, data)[0]
+    assert abs(after - value[0]) <= 1e-8 * abs(value[0]), (value[0], after)
+    e, e_twin = _euclidean(model, loss, data), _euclidean(twin, loss, data)
+    assert max(e, e_twin) / min(e, e_twin) > 1.5, (e, e_twin)
 
 
 def test_a_long_example_pins_rather_than_reading_huge_maps(monkeypatch):

@@ -24,7 +24,8 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from manifolds import UnsupportedModelError, tensor_aliases
@@ -177,13 +178,62 @@ def check_device(device: object) -> torch.device:
     return device
 
 
+def _differentiated(model: nn.Module, params: Mapping[str, Tensor]) -> Callable[[str], bool]:
+    """Whether a tensor of ``model`` (by any of its names) is among ``params``."""
+    aliases = tensor_aliases(model)
+    return lambda name: any(a in params for a in aliases.get(name, (name,)))
+
+
+def check_embedding_gradients(model: nn.Module, params: Mapping[str, Tensor]) -> None:
+    """Refuse a differentiated ``nn.Embedding`` table whose autograd gradient is not the loss's: ``scale_grad_by_freq``
+    divides it by the ids' counts in the batch (no function has that gradient, so its "Hessian" is not symmetric),
+    and ``sparse`` gradients, which the whole-data-set sums cannot add.
+
+    Raises:
+        UnsupportedModelError: naming the module and the option to turn off (the function is the same without it).
+    """
+    differentiated = _differentiated(model, params)
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding) or not differentiated(f"{name}.weight" if name else "weight"):
+            continue
+        option = "scale_grad_by_freq" if m.scale_grad_by_freq else "sparse" if m.sparse else None
+        if option is not None:
+            why = "its gradient is scaled by the ids' counts, which is no loss's gradient" if option != "sparse" \
+                else "its gradients are sparse tensors, which the sums over the data set do not take"  # fmt: skip
+            raise UnsupportedModelError(
+                f"module {name!r} is an nn.Embedding with {option}=True: {why}; set module.{option} = False before "
+                "measuring (the function is the same)"
+            )
+
+
+def padded_embedding(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> str | None:
+    """Where a differentiated table is read with a padding row (an ``nn.Embedding`` with ``padding_idx``, or
+    ``F.embedding(..., padding_idx=...)`` on the traced ``graph``), named for a message, else ``None``. Autograd's
+    backward holds that row fixed and forward mode does not, so ``jvp(grad)`` is no symmetric operator there. A
+    functional call's table counts unless it is a tensor of the model that is not differentiated."""
+    differentiated = _differentiated(model, params)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and m.padding_idx is not None and differentiated(f"{name}.weight" if name
+                                                                                        else "weight"):  # fmt: skip
+            return f"module {name!r}"
+    for node in graph.nodes if graph is not None else ():
+        if node.op != "call_function" or node.target is not F.embedding:
+            continue
+        bound = dict(zip(("input", "weight", "padding_idx"), node.args)) | dict(node.kwargs)
+        table = bound.get("weight")
+        fixed = isinstance(table, fx.Node) and table.op == "get_attr" and not differentiated(str(table.target))
+        if bound.get("padding_idx") is not None and not fixed:
+            return f"F.embedding at graph node {node.name!r}"
+    return None
+
+
 def fixed_tensors(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Every tensor ``functional_call`` reads from the module itself: its buffers and the parameters not in
     ``params`` (frozen ones among them), which must be cast with the rest. A tied parameter given under any of its
     names (``lm_head.weight`` for a table the output layer shares) is in ``params``."""
-    aliases = tensor_aliases(model)
+    differentiated = _differentiated(model, params)
     held = dict(model.named_buffers())
-    held.update((k, p) for k, p in model.named_parameters() if not any(a in params for a in aliases.get(k, (k,))))
+    held.update((k, p) for k, p in model.named_parameters() if not differentiated(k))
     return held
 
 

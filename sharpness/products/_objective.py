@@ -27,6 +27,7 @@ from manifolds._structure import analyze_traced
 from sharpness.products._boundary import (
     as_vector,
     check_device,
+    check_embedding_gradients,
     check_finite,
     check_first_batch,
     check_loss_signature,
@@ -37,6 +38,7 @@ from sharpness.products._boundary import (
     fixed_tensors,
     float32_hessian_error,
     functional_call,
+    padded_embedding,
     precision_warning,
     select_params,
     squeeze_label_column,
@@ -281,6 +283,7 @@ class Objective:
         batchmean = reduction in (None, "batchmean") and getattr(loss_fn, "reduction", None) == "batchmean"
         self._reduced_loss = loss_fn if batchmean else _reduced_as(loss_fn, self.reduction)
         source = select_params(model, params, prefix)
+        check_embedding_gradients(model, source)
         others = fixed_tensors(model, source)
         check_meta(source, "parameter" if params is None else "params entry")
         check_meta(others, "tensor")
@@ -659,10 +662,9 @@ class Objective:
 
     @cached_property
     def _padded_embedding(self) -> str | None:
-        """The name of an ``nn.Embedding`` with a ``padding_idx`` (or ``None``): autograd's backward holds its padding
-        row fixed and forward mode does not, so ``jvp(grad)`` mixes the two and is no symmetric operator."""
-        return next((f"module {name!r}" for name, m in self.model.named_modules()
-                     if isinstance(m, nn.Embedding) and m.padding_idx is not None), None)  # fmt: skip
+        """Where a differentiated table is read with a padding row (`padded_embedding`), or ``None``: autograd's
+        backward holds that row fixed and forward mode does not, so ``jvp(grad)`` mixes the two."""
+        return padded_embedding(self.model, self.params, self._traced_network().graph)
 
     def _choose_autograd_strategy(self) -> str:
         if self._graph_fits():

@@ -1,0 +1,254 @@
+"""LLaMA-family decoders as HuggingFace's ``LlamaForCausalLM`` computes them (no cache, no dropout, a causal mask),
+written so that ``torch.fx`` traces them: HuggingFace's own classes do not trace, so the toolkit cannot read them.
+The module names and state-dict keys are HuggingFace's, so a checkpoint loads as it is (`Llama.from_state_dict`).
+
+Each block is ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``, both norms RMSNorm with
+a weight. Attention projects queries, keys and values (``K`` key/value heads shared by groups of the ``H`` query
+heads: grouped-query attention, HuggingFace's ``repeat_kv``), turns each head's queries and keys by rotary position
+embeddings (``q cos + rotate_half(q) sin``, angles ``t / theta^(2i / hd)`` computed in float32 as HuggingFace computes
+them), and attends causally with scale ``hd^-1/2``; the MLP is ``down(silu(gate(x)) * up(x))``. The logits are the
+final RMSNorm's output times ``lm_head``, which may share the token table (``tie_word_embeddings``).
+
+State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``hd`` the head size, ``F`` the MLP's)::
+
+    model.embed_tokens.weight (V, D)
+    model.layers.i.input_layernorm.weight (D,); model.layers.i.post_attention_layernorm.weight (D,)
+    model.layers.i.self_attn.q_proj.weight (H hd, D); k_proj.weight, v_proj.weight (K hd, D); o_proj.weight (D, H hd)
+    model.layers.i.mlp.gate_proj.weight, up_proj.weight (F, D); down_proj.weight (D, F)
+    model.norm.weight (D,); lm_head.weight (V, D), absent where it is the token table
+
+Biases where the checkpoint has them (``attention_bias``, ``mlp_bias``, or Qwen2's query/key/value biases): each
+projection has a bias exactly where its ``.bias`` key is present.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sharpness._specs import SpecError, _parse_options, load_fitting
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_rotary_buffer(key: str) -> bool:
+    """Whether a checkpoint key is the rotary ``inv_freq`` buffer older HuggingFace versions saved: dropped on loading,
+    the model computes its angles itself."""
+    return re.fullmatch(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", key) is not None
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, theta: float, bias: Mapping[str, bool]):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias.get("q_proj", False))
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
+        self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias.get("o_proj", False))
+
+    def _heads(self, t: Tensor, n: int) -> Tensor:
+        return t.view(t.size(0), t.size(1), n, self.head_dim).transpose(1, 2)
+
+    def _repeat(self, t: Tensor) -> Tensor:
+        """HuggingFace's ``repeat_kv``: each key/value head read by its group of query heads."""
+        b, _, length, hd = t.shape
+        groups = self.heads // self.kv_heads
+        if groups == 1:
+            return t
+        return t[:, :, None, :, :].expand(b, self.kv_heads, groups, length, hd).reshape(b, self.heads, length, hd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self._heads(self.q_proj(x), self.heads)
+        k = self._heads(self.k_proj(x), self.kv_heads)
+        v = self._heads(self.v_proj(x), self.kv_heads)
+        # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=x.device)
+                                         / self.head_dim))  # fmt: skip
+        angles = torch.arange(x.size(1), dtype=torch.float32, device=x.device)[:, None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(x.size(0), x.size(1), self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: Mapping[str, bool]):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias.get("gate_proj", False))
+        self.up_proj = nn.Linear(dim, hidden, bias=bias.get("up_proj", False))
+        self.down_proj = nn.Linear(hidden, dim, bias=bias.get("down_proj", False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float, theta: float,
+                 bias: Mapping[str, bool]):  # fmt: skip
+        super().__init__()
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, theta, bias)
+        self.mlp = LlamaMLP(dim, hidden, bias)
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
+                 eps: float, theta: float, bias: Mapping[str, bool]):  # fmt: skip
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, head_dim, hidden, eps, theta, bias)
+                                    for _ in range(layers))  # fmt: skip
+        self.norm = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class Llama(nn.Module):
+    """A LLaMA-family decoder with its language-model head, as HuggingFace's ``LlamaForCausalLM`` computes it in eval
+    mode (plain rotary embeddings: no ``rope_scaling``).
+
+    Args:
+        vocab: vocabulary size ``V``.
+        dim: width ``D`` (``hidden_size``).
+        layers: number of blocks (``num_hidden_layers``).
+        heads: query heads per block ``H`` (``num_attention_heads``).
+        kv_heads: key/value heads ``K`` (``num_key_value_heads``), dividing ``heads``; ``None``: ``heads``.
+        hidden: the MLP's width (``intermediate_size``).
+        head_dim: the head size ``hd``; ``None``: ``dim // heads``.
+        eps: the RMSNorms' epsilon (``rms_norm_eps``).
+        theta: the rotary base (``rope_theta``).
+        tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
+        bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
+        classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
+            ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets).
+
+    Inputs are token ids ``(N, T)``; any length (the rotary angles are computed for it).
+    """
+
+    takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int | None = None, hidden: int = 0,
+                 head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0, tied: bool = False,
+                 bias: Mapping[str, bool] | None = None, classes_last: bool = True):  # fmt: skip
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        head_dim = dim // heads if head_dim is None else head_dim
+        if heads < 1 or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"the head size {head_dim} must be even for rotary embeddings")
+        if not (eps > 0 and math.isfinite(eps)) or not (theta > 0 and math.isfinite(theta)):
+            raise ValueError(f"eps={eps} and theta={theta} must be positive finite numbers")
+        unknown = set(bias or {}) - set(_PROJECTIONS)
+        if unknown:
+            raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
+        self.classes_last = classes_last
+        self.model = LlamaBody(vocab, dim, layers, heads, kv_heads, head_dim, hidden or 4 * dim, eps, theta,
+                               dict(bias or {}))  # fmt: skip
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def check_tokens(self, input_ids: Tensor) -> None:
+        """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
+        size."""
+        vocab = self.model.embed_tokens.num_embeddings
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"a LLaMA model takes integer token ids of shape (N, T), not {tuple(input_ids.shape)} "
+                             f"{str(input_ids.dtype).removeprefix('torch.')} values")  # fmt: skip
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"token ids run from {int(input_ids.min())} to {int(input_ids.max())}, outside its "
+                             f"vocabulary 0..{vocab - 1}")  # fmt: skip
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        logits = self.lm_head(self.model(input_ids))
+        return logits if self.classes_last else logits.transpose(1, 2)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, theta: float = 10000.0,
+                        classes_last: bool = True) -> Llama:  # fmt: skip
+        """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
+        without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
+        tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, biases where the
+        checkpoint has them, and ``lm_head`` tied to the token table where it is absent or the same tensor.
+        ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``) and ``theta`` (``rope_theta``) are in the
+        checkpoint's ``config.json``, which no shape holds; a ``rope_scaling`` there is not supported.
+
+        Raises:
+            ValueError: a key is missing or unknown, or a shape does not fit.
+        """
+        tensors = {}
+        for key, value in state.items():
+            if is_rotary_buffer(key):
+                continue
+            tensors[key if key.startswith(("model.", "lm_head.")) else f"model.{key}"] = value
+        if "model.embed_tokens.weight" not in tensors or tensors["model.embed_tokens.weight"].dim() != 2:
+            raise SpecError("the LLaMA state dict has no token table model.embed_tokens.weight (V, D)")
+        vocab, dim = tensors["model.embed_tokens.weight"].shape
+        layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"model\.layers\.(\d+)\.", k))})
+        first = "model.layers.0."
+        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight"):
+            if tensors.get(first + name, torch.empty(0)).dim() != 2:
+                raise SpecError(f"the LLaMA state dict has no matrix {first + name}")
+        q_rows = tensors[first + "self_attn.q_proj.weight"].shape[0]
+        k_rows = tensors[first + "self_attn.k_proj.weight"].shape[0]
+        if q_rows % heads:
+            raise SpecError(f"q_proj has {q_rows} rows, not a multiple of heads={heads}")
+        head_dim = q_rows // heads
+        if k_rows % head_dim:
+            raise SpecError(f"k_proj has {k_rows} rows, not a multiple of the head size {head_dim}")
+        bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
+        head = tensors.pop("lm_head.weight", None)
+        tied = head is None or head is tensors["model.embed_tokens.weight"] or \
+            torch.equal(head, tensors["model.embed_tokens.weight"])  # fmt: skip
+        try:
+            model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
+                        head_dim, eps, theta, tied, bias, classes_last)  # fmt: skip
+        except ValueError as failure:
+            raise SpecError(str(failure)) from None
+        if not tied:
+            tensors["lm_head.weight"] = head
+        return load_fitting(model, tensors, f"LLaMA with {layers} blocks", {"lm_head.weight"} if tied else set(),
+                            "model.embed_tokens.weight")
+
+
+def llama_from_spec(spec: str, state: Mapping[str, Tensor]) -> Llama:
+    """The model of a ``llama:heads=H[,eps=E,theta=T]`` SPEC from its checkpoint's ``state`` (sizes read off the
+    tensors), its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
+
+    Raises:
+        SpecError: an unknown or malformed option, no ``heads``, or a state dict that does not fit.
+    """
+    options = _parse_options(spec[len("llama:") :] if spec.startswith("llama:") else "", spec)
+    if set(options) - {"heads", "eps", "theta"} or "heads" not in options:
+        raise SpecError(f"model spec {spec!r}: give the checkpoint's number of query heads (num_attention_heads in "
+                        "its config.json), e.g. llama:heads=32; the other options are eps (rms_norm_eps) and theta "
+                        "(rope_theta)")  # fmt: skip
+    try:
+        heads, eps, theta = int(options["heads"]), float(options.get("eps", 1e-6)), float(options.get("theta", 1e4))
+    except ValueError:
+        raise SpecError(f"model spec {spec!r}: heads is a positive integer, eps and theta numbers") from None
+    if heads < 1 or not (eps > 0 and math.isfinite(eps)) or not (theta > 0 and math.isfinite(theta)):
+        raise SpecError(f"model spec {spec!r}: heads is a positive integer, eps and theta positive finite numbers")
+    return Llama.from_state_dict(state, heads, eps, theta, classes_last=False)

@@ -1,0 +1,47 @@
+"""Writes ``llama_tiny_hf.safetensors`` and ``llama_tiny_tied_hf.safetensors``: tiny random LLaMA decoders made by
+HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the initialization), each with an input
+and the logits ``LlamaForCausalLM`` gives for it (keys ``__input_ids``, ``__logits``). The first has grouped-query
+attention (4 query heads sharing 2 key/value heads), rope_theta 500 and an untied head; the second 2 heads of 8,
+biases on every attention projection (``attention_bias``) and the MLP (``mlp_bias``), and the head tied to the token
+table (no ``lm_head.weight`` key). HuggingFace's RMSNorm and softmax compute in float32 even in a float64 model, so its
+float64 logits are float32-accurate. ``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs
+``transformers`` (not a dependency of this project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR``.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+CONFIGS = {
+    "llama_tiny_hf.safetensors": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0,
+                                      tie_word_embeddings=False),
+    "llama_tiny_tied_hf.safetensors": dict(num_attention_heads=2, num_key_value_heads=2, attention_bias=True,
+                                           mlp_bias=True, tie_word_embeddings=True),
+}
+
+for seed, (name, options) in enumerate(CONFIGS.items()):
+    torch.manual_seed(seed)
+    theta = options.pop("rope_theta", 10000.0)
+    cfg = LlamaConfig(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5,
+                      max_position_embeddings=16, attn_implementation="eager", rope_parameters={"rope_type": "default",
+                      "rope_theta": theta}, **options)
+    m = LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # RMSNorm weights off 1, larger weights
+    sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        assert m.lm_head.weight is m.model.embed_tokens.weight
+        del sd["lm_head.weight"]
+    ids = torch.randint(0, 29, (3, 9))
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits
+    sd["__input_ids"], sd["__logits"] = ids, logits
+    generator = f"transformers {transformers.__version__} LlamaForCausalLM, eager attention, float64"
+    save_file(sd, str(Path(sys.argv[1]) / name), metadata={"generator": generator,
+              "num_attention_heads": str(cfg.num_attention_heads), "rope_theta": str(theta)})
+    print(name, tuple(logits.shape), float(logits.abs().max()))

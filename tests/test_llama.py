@@ -1,0 +1,159 @@
+"""`sharpness.Llama` against HuggingFace's ``LlamaForCausalLM``: the logits of two tiny random checkpoints that the
+``transformers`` library wrote (``tests/data/make_llama_tiny_hf.py``: grouped-query attention with rope_theta 500 and
+an untied head; biases everywhere and a head tied to the token table), the checkpoint's key forms, the symmetry group
+the toolkit reads off the model, its R-operator products, and the command line's ``--model llama:heads=H``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_transformer_quotient import measure_value
+from torch import nn
+
+import manifolds
+from sharpness import Llama, Objective, euclidean_sharpness
+from sharpness._cli import main as sharpness_main
+
+DATA = Path(__file__).parent / "data"
+# file, query heads, rope_theta; both: vocabulary 29, width 16, 2 blocks, MLP 24, rms_norm_eps 1e-5
+GQA, TIED = ("llama_tiny_hf.safetensors", 4, 500.0), ("llama_tiny_tied_hf.safetensors", 2, 10000.0)
+EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
+
+
+def _checkpoint(which):
+    state = load_file(str(DATA / which[0]))
+    return state, state.pop("__input_ids"), state.pop("__logits")
+
+
+def _model(which, classes_last: bool = True, state=None) -> Llama:
+    state = _checkpoint(which)[0] if state is None else state
+    return Llama.from_state_dict(state, heads=which[1], eps=EPS, theta=which[2], classes_last=classes_last)
+
+
+@pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
+def test_the_logits_are_huggingface_s(which):
+    """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
+    rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
+    5."""
+    state, ids, logits = _checkpoint(which)
+    model = _model(which)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), logits, rtol=0, atol=1e-5)
+        across = _model(which, classes_last=False)(ids)
+        torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
+    attention = model.model.layers[0].self_attn
+    assert (attention.heads, attention.kv_heads, attention.head_dim) == ((4, 2, 4) if which is GQA else (2, 2, 8))
+    biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
+    assert biased == (which is TIED,) * 2
+
+
+def test_checkpoint_key_forms():
+    state, ids, logits = _checkpoint(GQA)
+    bare = {k.removeprefix("model."): v for k, v in state.items()}  # LlamaModel's keys, with the head
+    bare["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(2)  # an older checkpoint's buffer: dropped
+    with torch.no_grad():
+        torch.testing.assert_close(_model(GQA, state=bare)(ids), logits, rtol=0, atol=1e-5)
+    tied_state, _, _ = _checkpoint(TIED)
+    same = dict(tied_state, **{"lm_head.weight": tied_state["model.embed_tokens.weight"].clone()})  # saved tied
+    model = _model(TIED, state=same)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    short = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match="missing"):
+        _model(GQA, state=short)
+    with pytest.raises(ValueError, match="not a multiple of heads=3"):
+        Llama.from_state_dict(state, heads=3)
+    with pytest.raises(ValueError, match="cannot share 3 key/value heads"):
+        Llama.from_state_dict({**state, **{f"model.layers.{i}.self_attn.k_proj.weight": torch.zeros(12, WIDTH)
+                                           for i in range(LAYERS)}}, heads=4)  # fmt: skip
+    with pytest.raises(ValueError, match="no token table"):
+        Llama.from_state_dict({k: v for k, v in state.items() if "embed" not in k}, heads=4)
+
+
+@pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
+def test_the_group_and_the_invariant_measure(which):
+    """Per block and key/value head: on query/key the subgroup of GL(hd) commuting with the rotary maps (one ``a I + b
+    J`` per rotated pair: dimension hd), moving the query heads that share the key head together; GL(hd) on
+    value/output; the two RMSNorms of each block traded, and the SwiGLU units. The final RMSNorm is traded against an
+    untied head and pinned by a head that shares the token table. Grouped-query fixture: 2 key/value heads of 4 per
+    block, each read by 2 query heads; tied fixture: 2 heads of 8."""
+    state, ids, _ = _checkpoint(which)
+    model = _model(which, classes_last=False)
+    sym = manifolds.transformer_symmetry(model, ids)
+    kv_heads, hd = (2, 4) if which is GQA else (2, 8)
+    labels = [f.label for f in sym.factors]
+    assert sum("query/key" in la for la in labels) == sum("value/output" in la for la in labels) == LAYERS * kv_heads
+    final = WIDTH if which is GQA else 0
+    assert sym.dim == LAYERS * kv_heads * (hd + hd * hd) + LAYERS * (2 * WIDTH + MLP) + final, sym.describe()
+    if which is GQA:  # each key and value head moves with the two query heads reading it
+        assert all(sum(b.name.endswith("q_proj.weight") for b in f.blocks) == 2 for f in sym.factors
+                   if "query/key" in f.label)  # fmt: skip
+        assert all(sum(b.name.endswith("o_proj.weight") for b in f.blocks) == 2 for f in sym.factors
+                   if "value/output" in f.label)  # fmt: skip
+    moved = {b.name for f in sym.factors for b in f.blocks}
+    assert ("model.norm.weight" in moved) == (which is GQA) and "model.embed_tokens.weight" not in moved
+    loss, data = nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1))
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        assert (moved(ids) - model(ids)).abs().max() < 1e-10
+    before, after = measure_value(model, loss, data)[0], measure_value(moved, loss, data)[0]
+    assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+    e0 = euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
+    e1 = euclidean_sharpness(moved, loss, data, dtype=torch.float64, progress=False).value
+    assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
+
+
+@pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
+def test_the_products_are_the_r_operator_s(which):
+    state, ids, _ = _checkpoint(which)
+    obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
+    assert obj.hvp_strategy() == "rop"
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
+        ref = obj.hvp(v, "jvp")
+        torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def cli_files(tmp_path_factory):
+    """The grouped-query fixture as a checkpoint, and token data: ids ``X`` and next tokens ``y``, ``(N, T)``."""
+    d = tmp_path_factory.mktemp("llamacli")
+    state, _, _ = _checkpoint(GQA)
+    save_file(state, str(d / "llama.safetensors"))
+    X = torch.randint(0, 29, (10, 7), generator=torch.Generator().manual_seed(0))
+    np.savez(d / "tokens.npz", X=X.numpy(), y=torch.roll(X, -1, dims=1).numpy())
+    return d
+
+
+def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["compute", "--model", "llama:heads=4,eps=1e-5,theta=500", "--checkpoint",
+            str(cli_files / "llama.safetensors"), "--data", str(cli_files / "tokens.npz"), "--metric", "euclidean",
+            "--metric", "symmetry", "--quiet", "--json", str(out)]  # fmt: skip
+    assert sharpness_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["measures"]["euclidean"]["value"] > 0
+    data = np.load(cli_files / "tokens.npz")
+    expected = measure_value(_model(GQA, classes_last=False), nn.CrossEntropyLoss(),
+                             (torch.from_numpy(data["X"]), torch.from_numpy(data["y"])))  # fmt: skip
+    assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("llama", "number of query heads"),
+    ("llama:heads=3", "not a multiple of heads=3"),
+    ("llama:heads=4,theta=-1", "positive finite numbers"),
+    ("llama:heads=4,rope=2", "number of query heads"),
+])  # fmt: skip
+def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, capsys, model, fragment):
+    argv = ["compute", "--model", model, "--checkpoint", str(cli_files / "llama.safetensors"), "--data",
+            str(cli_files / "tokens.npz"), "--quiet"]  # fmt: skip
+    assert sharpness_main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err, err
