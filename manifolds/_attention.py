@@ -10,7 +10,8 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   projection's columns of head ``h`` ``<- (.) B^-T``. The head's output ``P v`` becomes ``P v B`` for the
   (unchanged) attention weights ``P``, and ``(P v B) (W_o,h B^-T)^T = P v W_o,h^T``; the output bias stays.
 * **Grouped-query attention** (a key/value head read by a group of query heads, HuggingFace's ``repeat_kv``: an
-  ``expand`` of size-1 axes between the projection and the product): one query/key factor per key head, moving the
+  ``expand`` of size-1 axes between the projection and the product, or SDPA's ``enable_gqa``): one query/key factor
+  per key head, moving the
   rows of every query head reading it by ``A^T`` and the key head's by ``A^-1``, and one value/output factor per value
   head, ``B^T`` on its rows and ``B^-T`` on the output columns of every query head reading it. Which query heads read
   which key head is read off the replayed feature indices, not assumed.
@@ -56,7 +57,7 @@ What pins (no factor, with the reason recorded): anything else between a project
 (per-head norms, a learned per-position map, one piece of a fused projection read twice, a repeated query head), a
 projection or normalized output read by anything else (a residual addition), a Linear or module called more than once
 for a diagonal trade, shared parameters, GELU / SiLU / tanh / softmax after a Linear (not positively
-homogeneous), and ``enable_gqa``. Pinning only shrinks the group, so it is always safe.
+homogeneous). Pinning only shrinks the group, so it is always safe.
 """
 
 from __future__ import annotations
@@ -717,7 +718,9 @@ class _Finder:
                 raise _Fail(f"the query/key position maps: {failure}") from None
         return self.commutants[key]
 
-    def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool) -> None:
+    def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
+        """The query/key factors of scores ``q k^T``; ``repeat``: SDPA's ``enable_gqa`` reads each key head for that
+        many consecutive query heads (``repeat_interleave`` along the heads' axis), replayed on the key's features."""
         regions_q: list = []
         regions_k: list = []
         lq, chain_q = self.back(q, "query", regions_q)
@@ -726,6 +729,9 @@ class _Finder:
                                                     "query")  # fmt: skip
         pk, gk_all, start_k, maps_k = self.replayed(lk.node, chain_k, regions_k[0] if regions_k else None,
                                                     k_features_last, "key")  # fmt: skip
+        if repeat > 1:
+            pk = _interleaved(pk, repeat)
+            gk_all = self.groups(pk, k_features_last, "key")
         if pq.shape[:-2] != pk.shape[:-2]:
             raise _Fail("the query and key heads are broadcast against each other")
         groups = self.key_groups(self.heads([gq_all, gk_all], "query/key", shared=1))
@@ -745,10 +751,14 @@ class _Finder:
         self.found.factors.extend(factors)  # only once every head's blocks are known
         self.claimed_rows |= {lq.key, lk.key}
 
-    def value_output(self, where: str, v: fx.Node, out: fx.Node) -> None:
+    def value_output(self, where: str, v: fx.Node, out: fx.Node, repeat: int = 1) -> None:
+        """The value/output factors of ``out = P v`` merged into an output projection; ``repeat`` as in
+        `query_key`."""
         lv, chain_v = self.back(v, "value")
         lo, chain_o = self.forward(out)
         pv = self.replay(chain_v, self.feature_probe(lv.node))
+        if repeat > 1:
+            pv = _interleaved(pv, repeat)
         groups = self.groups(pv, True, "value")
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
@@ -812,19 +822,24 @@ class _Finder:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, node.args)) | dict(node.kwargs)
         where = self.label(node)
-        if bound.get("enable_gqa"):
-            self.pin(f"attention {where}", 0, "enable_gqa repeats key/value heads across query heads")
-            return
         q, k, v = (bound.get(n) for n in names[:3])
         if len({q, k, v}) != 3:
             self.pin(f"attention {where}", 0, "one tensor is passed as more than one of query, key and value")
             return
+        repeat = 1
+        if bound.get("enable_gqa"):  # each key/value head read by `repeat` consecutive query heads
+            shapes = [tuple(t.meta.get("shape", ())) if isinstance(t, fx.Node) else () for t in (q, k, v)]
+            if bound["enable_gqa"] is not True or min(map(len, shapes)) < 3 or shapes[1][-3] != shapes[2][-3] \
+                    or shapes[0][-3] % shapes[1][-3]:  # fmt: skip
+                self.pin(f"attention {where}", 0, "enable_gqa with heads that do not group evenly")
+                return
+            repeat = shapes[0][-3] // shapes[1][-3]
         try:
-            self.query_key(where, q, k, k_features_last=True)
+            self.query_key(where, q, k, k_features_last=True, repeat=repeat)
         except _Fail as failure:
             self.pin(f"query/key of {where}", 0, f"no query/key factor: {failure}")
         try:
-            self.value_output(where, v, node)
+            self.value_output(where, v, node, repeat=repeat)
         except _Fail as failure:
             self.pin(f"value/output of {where}", 0, f"no value/output factor: {failure}")
 
@@ -1057,6 +1072,14 @@ class _Finder:
             if proj is not None and proj.key not in self.claimed_rows:  # a layer no attention claimed: units
                 self.mlp(node)
         return self.found
+
+
+def _interleaved(probe: Tensor, repeat: int) -> Tensor:
+    """``probe`` ``(..., heads, tokens, hd)`` with each head repeated for ``repeat`` consecutive slots, as SDPA's
+    ``enable_gqa`` reads keys and values."""
+    if probe.dim() < 3:
+        raise _Fail("enable_gqa on tensors without a heads axis")
+    return probe.repeat_interleave(repeat, dim=-3)
 
 
 def _transposed_of(node: fx.Node) -> fx.Node | None:

@@ -103,12 +103,15 @@ class LlamaBlock(nn.Module):
     """A pre-norm LLaMA block on ``(N, T, D)``: RMSNorm, causal attention by SDPA with rotary position embeddings
     (constant cos/sin tables), SwiGLU MLP, residual sums."""
 
-    def __init__(self, dim: int = 8, heads: int = 2, tokens: int = 3, hand_norm: bool = False):
+    def __init__(self, dim: int = 8, heads: int = 2, tokens: int = 3, hand_norm: bool = False,
+                 grouped: str | None = None):  # fmt: skip
         super().__init__()
-        self.heads, self.hd = heads, dim // heads
+        self.heads, self.hd, self.grouped = heads, dim // heads, grouped
         norm = (lambda: HandRMSNorm(dim)) if hand_norm else (lambda: nn.RMSNorm(dim))
         self.n1, self.n2 = norm(), norm()
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        kv = dim if grouped is None else dim // heads  # grouped: one key/value head for all query heads
+        self.q, self.o = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.k, self.v = nn.Linear(dim, kv, bias=False), nn.Linear(dim, kv, bias=False)
         self.mlp = SwiGLU(dim, 12)
         freq = 1.0 / (10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
         angles = torch.outer(torch.arange(tokens, dtype=torch.float64), freq)
@@ -122,8 +125,14 @@ class LlamaBlock(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         h = self.n1(x)
-        q, k, v = (m(h).view(b, t, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True)
+        q, k, v = (m(h).view(b, t, -1, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        if self.grouped == "repeat_kv":  # HuggingFace's: a new axis expanded and merged into the heads'
+            k, v = (u[:, :, None].expand(b, u.shape[1], self.heads // u.shape[1], t, self.hd)
+                    .reshape(b, self.heads, t, self.hd) for u in (self._rope(k), v))  # fmt: skip
+            a = F.scaled_dot_product_attention(self._rope(q), k, v, is_causal=True)
+        else:
+            a = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True,
+                                               enable_gqa=self.grouped == "enable_gqa")  # fmt: skip
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.n2(x))
 
@@ -148,6 +157,14 @@ def test_llama_pieces_equal_forward_over_reverse(name):
 def test_a_llama_block_with_rotary_embeddings_equals_forward_over_reverse(hand_norm):
     x, y = _data((6,), n=5)
     _exact(_perturbed(Tokens(nn.Sequential(LlamaBlock(hand_norm=hand_norm)), features=2, dim=8)), x, y)
+
+
+@pytest.mark.parametrize("grouped", ["repeat_kv", "enable_gqa"])
+def test_grouped_query_attention_equals_forward_over_reverse(grouped):
+    """One key/value head read by both query heads: repeated by HuggingFace's ``repeat_kv`` (an ``expand``) or by
+    SDPA's ``enable_gqa`` (the key and value errors summed back over the query heads reading them)."""
+    x, y = _data((6,), n=5)
+    _exact(_perturbed(Tokens(nn.Sequential(LlamaBlock(grouped=grouped)), features=2, dim=8)), x, y)
 
 
 def test_rms_norm_without_eps_uses_the_rounding_unit_of_the_products_dtype():

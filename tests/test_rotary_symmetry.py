@@ -427,6 +427,36 @@ def test_grouped_query_attention_moves_each_key_and_value_head_with_the_query_he
     assert moved([a, a], [b, torch.eye(HD, dtype=torch.float64)]) > 1e-3  # the second head's columns left alone
 
 
+class GroupedQuerySDPA(GroupedQuery):
+    """The same attention with SDPA repeating the key/value head itself (``enable_gqa=True``)."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(b, t, H, HD).transpose(1, 2)
+        k, v = (m(h).view(b, t, 1, HD).transpose(1, 2) for m in (self.k, self.v))
+        a = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, enable_gqa=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+def test_sdpa_s_enable_gqa_gets_the_factors_of_repeat_kv():
+    model, x, sym = _analyzed(GroupedQuery())
+    twin, _, twin_sym = _analyzed(GroupedQuerySDPA())
+    twin.load_state_dict(model.state_dict())
+    twin_sym = manifolds.transformer_symmetry(twin, x)
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12  # the same function
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            element = twin_sym.random_element(1.0, g)
+            assert (twin_sym.transformed(twin, element)(x) - twin(x)).abs().max() < 1e-10
+
+    def blocks(s):
+        return [[(b.name, b.axis, b.index, b.how) for b in f.blocks] for f in s.factors]
+
+    assert blocks(twin_sym) == blocks(sym) and twin_sym.dim == sym.dim, twin_sym.describe()
+
+
 class GroupedQueryNet(nn.Module):
     def __init__(self):
         super().__init__()

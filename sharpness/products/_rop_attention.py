@@ -18,7 +18,8 @@ As for every smooth operation (`sharpness.products._rop_smooth`), with ``delta``
 - ``F.scaled_dot_product_attention(q, k, v)`` without dropout, causal or not, with a constant ``attn_mask`` or
   none, as ``softmax(c q k^T) v``
   (``c`` its scale, ``1 / sqrt(head size)`` by default; the causal mask sets the scores above the diagonal to
-  ``-inf``, so ``A`` and ``Adot`` vanish there and the same formulas hold): the three rules above composed in one
+  ``-inf``, so ``A`` and ``Adot`` vanish there and the same formulas hold; with ``enable_gqa`` each key/value head is
+  repeated for the query heads reading it, and its errors are summed back): the three rules above composed in one
   operation, which keeps ``A``, the error ``e_A = delta v^T`` at ``A`` centred under ``A``, and ``d_S = A e_A``
   (`_Attend`).
 
@@ -206,6 +207,7 @@ class _Attend(_Smooth):
     scale: float | None
     causal: bool
     mask: int | None = None  # the attn_mask's slot among the call's inputs (read as `args`), if one is given
+    repeat: int = 1  # enable_gqa: each key/value head read by this many consecutive query heads
 
     inner = True  # Adot and the inputs' tangents, made ready once
 
@@ -213,9 +215,17 @@ class _Attend(_Smooth):
     def call(self):  # the call's inputs are passed to `forward` where there is a mask to read among them
         return None if self.mask is None else _mask_reader
 
+    def _heads(self, t: Tensor | None) -> Tensor | None:
+        """A key or value tensor (or tangent) with each head repeated for the query heads reading it."""
+        return t if t is None or self.repeat == 1 else t.repeat_interleave(self.repeat, dim=-3)
+
+    def _summed(self, e: Tensor | None) -> Tensor | None:
+        """The error of a repeated key or value summed back onto its own heads."""
+        return e if e is None or self.repeat == 1 else e.unflatten(-3, (-1, self.repeat)).sum(-3)
+
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple]:
         q, k, v = xs
-        q, k, v = _ready(q), _ready(k), _ready(v)
+        q, k, v = _ready(q), _ready(self._heads(k)), _ready(self._heads(v))
         c = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         s = torch.matmul(q, k.mT).mul_(c)
         if self.causal:  # torch's causal mask: query i sees keys 0..i
@@ -228,7 +238,7 @@ class _Attend(_Smooth):
         return torch.matmul(a, v), (q, k, v, a, c)
 
     def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
-        (q, k, v, a, c), (q_dot, k_dot, v_dot) = saved, [_ready(t) for t in xdots]
+        (q, k, v, a, c), (q_dot, k_dot, v_dot) = saved, [_ready(t) for t in (xdots[0], *map(self._heads, xdots[1:]))]
         s_dot = None if q_dot is None else torch.matmul(q_dot, k.mT)
         s_dot = _add(s_dot, None if k_dot is None else torch.matmul(q, k_dot.mT))
         a_dot = None if s_dot is None else _softmax_jacobian(a, s_dot.mul_(c))
@@ -240,8 +250,8 @@ class _Attend(_Smooth):
         e_a = _centred(a, torch.matmul(g, v.mT))
         d_s = a * e_a
         errs = [torch.matmul(d_s, k).mul_(c) if need[0] else None,
-                torch.matmul(d_s.mT, q).mul_(c) if need[1] else None,
-                torch.matmul(a.mT, g) if need[2] else None]  # fmt: skip
+                self._summed(torch.matmul(d_s.mT, q).mul_(c)) if need[1] else None,
+                self._summed(torch.matmul(a.mT, g)) if need[2] else None]  # fmt: skip
         return (g, e_a, d_s), errs
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
@@ -253,7 +263,7 @@ class _Attend(_Smooth):
         errs: list[Tensor | None] = [None, None, None]
         if need[2]:
             out = torch.matmul(a.mT, g_dot)
-            errs[2] = _add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta))
+            errs[2] = self._summed(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)))
         if not (need[0] or need[1]):
             return errs
         gd_a = torch.matmul(g_dot, v.mT)
@@ -264,7 +274,7 @@ class _Attend(_Smooth):
             errs[0] = _add(out, None if k_dot is None else torch.matmul(d_s, k_dot)).mul_(c)
         if need[1]:
             out = torch.matmul(gd_s.mT, q)
-            errs[1] = _add(out, None if q_dot is None else torch.matmul(d_s.mT, q_dot)).mul_(c)
+            errs[1] = self._summed(_add(out, None if q_dot is None else torch.matmul(d_s.mT, q_dot)).mul_(c))
         return errs
 
 

@@ -769,8 +769,12 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
             return None
         q, k, v = (shapes[t] for t in tensors)
         scale, causal = options.get("scale"), options.get("is_causal", False)
-        mask = options.get("attn_mask")
-        if options.get("dropout_p", 0.0) != 0 or options.get("enable_gqa") \
+        mask, gqa = options.get("attn_mask"), options.get("enable_gqa", False)
+        repeat = 1
+        if gqa is True and len(q) >= 3 and k[:-3] == v[:-3] == q[:-3] and k[-3] == v[-3] and q[-3] % k[-3] == 0:
+            repeat = q[-3] // k[-3]  # each key/value head read by `repeat` consecutive query heads
+            k, v = (*k[:-3], q[-3], *k[-2:]), (*v[:-3], q[-3], *v[-2:])
+        if options.get("dropout_p", 0.0) != 0 or gqa not in (False, True) \
                 or not isinstance(causal, bool) or not (scale is None or _number(scale)) or len(q) < 2 \
                 or not q[:-2] == k[:-2] == v[:-2] or k[-2] != v[-2] or q[-1] != k[-1]:  # fmt: skip
             return None
@@ -778,7 +782,7 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
                                  or not _broadcasts(shapes[mask], (*q[:-1], k[-2]))):  # fmt: skip
             return None  # a mask and is_causal together, or a mask that does not broadcast to the scores
         slot = None if mask is None else node.all_input_nodes.index(mask)
-        return _Attend(None if scale is None else float(scale), causal, slot), list(tensors)
+        return _Attend(None if scale is None else float(scale), causal, slot, repeat), list(tensors)
     return None
 
 
