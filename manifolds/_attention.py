@@ -763,34 +763,41 @@ class _Finder:
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
         shape = out.meta.get("shape")
-        if shape is None or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd or len(shape) < 3:
+        if shape is None or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd:
             raise _Fail("the attention output's heads do not match the value's")
-        # The head slots of one sample (a key/value head repeated for a group of query heads fills several), each
-        # the same head for every sample; code every entry of a sample's output by (slot, j) and replay the merge.
-        slots = torch.Size(shape[1:-2]).numel()
-        per_sample = groups.reshape(shape[0], slots, hd)
-        if not bool((per_sample == per_sample[:1]).all()):
-            raise _Fail("the value's heads differ between samples")
+        # Code every entry of the heads' output by (slot, j), a slot being one (..., tokens, hd) block of it, and replay
+        # the merge of the heads; the slots are read off the replay, not assumed: the samples may sit on any axis
+        # (heads folded into the batch), and a value head may fill several slots (one per query head reading it).
         head_of = {g: h for h, g in enumerate(heads)}
-        slot_head = [head_of[tuple(g)] for g in per_sample[0].tolist()]
-        code = torch.arange(slots, dtype=torch.float64).reshape(1, *shape[1:-2], 1, 1) * hd \
+        slot_head = torch.tensor([head_of[tuple(g)] for g in groups.tolist()])
+        code = torch.arange(len(groups), dtype=torch.float64).reshape(*shape[:-2], 1, 1) * hd \
             + torch.arange(hd, dtype=torch.float64)  # fmt: skip
         merged = self.replay(chain_o, code.expand(shape).clone())
-        rows = merged.reshape(-1, merged.shape[-1])
-        if not bool((rows == rows[:1]).all()):
+        rows = merged.reshape(-1, merged.shape[-1]).long()
+        slots, j = rows // hd, rows % hd
+        if not bool((j == j[:1]).all()) or not bool((slot_head[slots] == slot_head[slots[:1]]).all()):
             raise _Fail("the merged heads do not put every head at the same features for every token")
-        codes = rows[0].long().tolist()
-        if sorted(codes) != list(range(slots * hd)):
+        # the output projection's columns in blocks that hold one slot in every row: a query head's columns
+        blocks: dict[int, list[int]] = {}
+        for column, slot in enumerate(slots[0].tolist()):
+            blocks.setdefault(slot, []).append(column)
+        readers: list[list[tuple[int, ...]]] = [[] for _ in heads]
+        for members in blocks.values():
+            cols = tuple(sorted(members, key=lambda c: int(j[0, c])))
+            same_slot = bool((slots[:, list(cols)] == slots[:, cols[:1]]).all())
+            if len(cols) != hd or [int(j[0, c]) for c in cols] != list(range(hd)) or not same_slot:
+                raise _Fail("the merged heads do not cover the output projection's inputs once each")
+            readers[int(slot_head[slots[0, cols[0]]])].append(cols)
+        ordered = rows.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()) or not all(readers):
             raise _Fail("the merged heads do not cover the output projection's inputs once each")
-        column = {c: f for f, c in enumerate(codes)}
         factors = []
         for h, gv in enumerate(heads):
-            blocks = self.linear_blocks(lv, gv, "T", True)
-            readers = [s for s in range(slots) if slot_head[s] == h]  # the query heads reading this value head
-            for s in readers:
-                blocks += self.linear_blocks(lo, tuple(column[s * hd + j] for j in range(hd)), "invT", False)
-            shared = "" if len(readers) == 1 else f" (value head shared by {len(readers)} query heads)"
-            factors.append(Factor("GL", hd, tuple(blocks), f"attention at {where}, head {h}: value/output" + shared,
+            blocks_h = self.linear_blocks(lv, gv, "T", True)
+            for cols in readers[h]:
+                blocks_h += self.linear_blocks(lo, cols, "invT", False)
+            shared = "" if len(readers[h]) == 1 else f" (value head shared by {len(readers[h])} query heads)"
+            factors.append(Factor("GL", hd, tuple(blocks_h), f"attention at {where}, head {h}: value/output" + shared,
                                   "B"))  # fmt: skip
         self.claim(factors)
         self.found.factors.extend(factors)

@@ -76,8 +76,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         required=True,
         help="mlp:IN-...-OUT, lenet, resnet:DEPTH[,width=W] (CIFAR ResNet-20/32/56 whose 16, 32 and 64 channels per "
         "stage W multiplies; default W=1), vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision transformer for "
-        "8x8 digits), gpt2:heads=H or llama:heads=H[,eps=E,theta=T] (GPT-2, or a LLaMA-family decoder, in the sizes "
-        "of a HuggingFace checkpoint; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
+        "8x8 digits), gpt2:config=PATH or llama:config=PATH (GPT-2, or a LLaMA-family decoder, from a HuggingFace "
+        "checkpoint's config.json and in the sizes of its tensors; without the config: gpt2:heads=H[,eps=E], "
+        "llama:heads=H[,eps=E,theta=T]; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
         "path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")

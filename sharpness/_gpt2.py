@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options, load_fitting
+from sharpness._specs import SpecError, _parse_options, load_fitting, positive_number, read_config
 
 
 def is_mask_buffer(key: str) -> bool:
@@ -187,24 +187,37 @@ class GPT2(nn.Module):
 
 
 def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:
-    """The model of a ``gpt2:heads=H[,eps=E]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors),
-    its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
+    """The model of a ``gpt2:config=PATH`` (the checkpoint's ``config.json``: ``n_head``, ``layer_norm_epsilon``) or
+    ``gpt2:heads=H[,eps=E]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors), its logits
+    ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
 
     Raises:
-        SpecError: an unknown or malformed option, no ``heads``, or a state dict that does not fit.
+        SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
+            dict that does not fit.
     """
     options = _parse_options(spec[len("gpt2:") :] if spec.startswith("gpt2:") else "", spec)
-    unknown = set(options) - {"heads", "eps"}
-    if unknown or "heads" not in options:
-        raise SpecError(f"model spec {spec!r}: give the checkpoint's number of heads (n_head in its config.json), "
-                        "e.g. gpt2:heads=12; the only other option is eps")  # fmt: skip
+    if "config" in options:
+        if set(options) != {"config"}:
+            raise SpecError(f"model spec {spec!r}: with config=, the config.json gives every other option")
+        config = read_config(options["config"])
+        heads, eps = config.get("n_head"), config.get("layer_norm_epsilon", 1e-5)
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or not positive_number(eps):
+            raise SpecError(f"model spec {spec!r}: the config's n_head must be a positive integer and its "
+                            f"layer_norm_epsilon a positive number, got {heads!r} and {eps!r}")  # fmt: skip
+        if config.get("activation_function", "gelu_new") != "gelu_new":
+            raise SpecError(f"model spec {spec!r}: the config's activation_function is "
+                            f"{config['activation_function']!r}; GPT-2's MLP uses gelu_new")  # fmt: skip
+    else:
+        if set(options) - {"heads", "eps"} or "heads" not in options:
+            raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json (gpt2:config=PATH) or its number "
+                            "of heads (n_head), e.g. gpt2:heads=12; the only other option is eps")  # fmt: skip
+        try:
+            heads, eps = int(options["heads"]), float(options.get("eps", 1e-5))
+        except ValueError:
+            raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a number") from None
+        if heads < 1 or not positive_number(eps):
+            raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive finite number")
     try:
-        heads, eps = int(options["heads"]), float(options.get("eps", 1e-5))
-    except ValueError:
-        raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a number") from None
-    if heads < 1 or not (eps > 0 and math.isfinite(eps)):
-        raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive finite number")
-    try:
-        return GPT2.from_state_dict(state, heads, eps, classes_last=False)
+        return GPT2.from_state_dict(state, heads, float(eps), classes_last=False)
     except ValueError as failure:  # a width that is no multiple of the heads
         raise SpecError(f"model spec {spec!r}: {failure}") from None

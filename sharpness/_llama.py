@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options, load_fitting
+from sharpness._specs import SpecError, _parse_options, load_fitting, positive_number, read_config
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -42,6 +42,46 @@ def is_rotary_buffer(key: str) -> bool:
     return re.fullmatch(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", key) is not None
 
 
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling: Mapping[str, object] | None = None) -> Tensor:
+    """The ``(head_dim / 2,)`` float32 inverse frequencies of the rotary embeddings, as HuggingFace computes them:
+    ``theta^(-2i / hd)``, divided by ``factor`` for ``rope_type="linear"``, and for ``"llama3"`` (LLaMA 3.1 and later)
+    divided by ``factor`` for wavelengths above ``original_max_position_embeddings / low_freq_factor``, kept below
+    ``... / high_freq_factor``, and blended in between.
+
+    Raises:
+        ValueError: another ``rope_type`` (``"dynamic"``, ``"yarn"``, ``"longrope"`` also change the attention's scale
+            or depend on the sequence length), or a missing or non-positive parameter.
+    """
+    kind = str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"rope_type {kind!r} is not supported; the supported ones are {', '.join(_ROPE_KEYS)}")
+    values = {}
+    for key in _ROPE_KEYS[kind]:
+        value = (scaling or {}).get(key)
+        if not positive_number(value):
+            raise ValueError(f"rope_type {kind!r} needs a positive number {key}, got {value!r}")
+        values[key] = float(value)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "linear":
+        return inv_freq / values["factor"]
+    if kind == "llama3":
+        factor, low, high = values["factor"], values["low_freq_factor"], values["high_freq_factor"]
+        context = values["original_max_position_embeddings"]
+        if high <= low:
+            raise ValueError(f"rope_type 'llama3' needs high_freq_factor above low_freq_factor, got {high} and {low}")
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -50,9 +90,10 @@ def _rotate_half(x: Tensor) -> Tensor:
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, theta: float, bias: Mapping[str, bool]):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, inv_freq: Tensor, bias: Mapping[str, bool]):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
         self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias.get("q_proj", False))
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
         self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
@@ -74,9 +115,7 @@ class LlamaAttention(nn.Module):
         k = self._heads(self.k_proj(x), self.kv_heads)
         v = self._heads(self.v_proj(x), self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=x.device)
-                                         / self.head_dim))  # fmt: skip
-        angles = torch.arange(x.size(1), dtype=torch.float32, device=x.device)[:, None] * inv_freq
+        angles = torch.arange(x.size(1), dtype=torch.float32, device=x.device)[:, None] * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -96,10 +135,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float, theta: float,
-                 bias: Mapping[str, bool]):  # fmt: skip
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
+                 inv_freq: Tensor, bias: Mapping[str, bool]):  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, theta, bias)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, inv_freq, bias)
         self.mlp = LlamaMLP(dim, hidden, bias)
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
 
@@ -110,10 +149,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
-                 eps: float, theta: float, bias: Mapping[str, bool]):  # fmt: skip
+                 eps: float, inv_freq: Tensor, bias: Mapping[str, bool]):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, head_dim, hidden, eps, theta, bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, head_dim, hidden, eps, inv_freq, bias)
                                     for _ in range(layers))  # fmt: skip
         self.norm = nn.RMSNorm(dim, eps=eps)
 
@@ -126,7 +165,7 @@ class LlamaBody(nn.Module):
 
 class Llama(nn.Module):
     """A LLaMA-family decoder with its language-model head, as HuggingFace's ``LlamaForCausalLM`` computes it in eval
-    mode (plain rotary embeddings: no ``rope_scaling``).
+    mode.
 
     Args:
         vocab: vocabulary size ``V``.
@@ -134,10 +173,12 @@ class Llama(nn.Module):
         layers: number of blocks (``num_hidden_layers``).
         heads: query heads per block ``H`` (``num_attention_heads``).
         kv_heads: key/value heads ``K`` (``num_key_value_heads``), dividing ``heads``; ``None``: ``heads``.
-        hidden: the MLP's width (``intermediate_size``).
+        hidden: the MLP's width (``intermediate_size``); ``None``: ``4 * dim``.
         head_dim: the head size ``hd``; ``None``: ``dim // heads``.
         eps: the RMSNorms' epsilon (``rms_norm_eps``).
         theta: the rotary base (``rope_theta``).
+        rope_scaling: HuggingFace's ``rope_scaling`` (or ``rope_parameters``) for a scaled rotary embedding:
+            ``{"rope_type": "linear", "factor": ...}`` or LLaMA 3.1's ``"llama3"`` (`rotary_frequencies`).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
@@ -148,9 +189,10 @@ class Llama(nn.Module):
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
 
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int | None = None, hidden: int = 0,
-                 head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0, tied: bool = False,
-                 bias: Mapping[str, bool] | None = None, classes_last: bool = True):  # fmt: skip
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int | None = None,
+                 hidden: int | None = None, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
+                 tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
+                 rope_scaling: Mapping[str, object] | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
@@ -158,13 +200,15 @@ class Llama(nn.Module):
             raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"the head size {head_dim} must be even for rotary embeddings")
-        if not (eps > 0 and math.isfinite(eps)) or not (theta > 0 and math.isfinite(theta)):
+        if not positive_number(eps) or not positive_number(theta):
             raise ValueError(f"eps={eps} and theta={theta} must be positive finite numbers")
         unknown = set(bias or {}) - set(_PROJECTIONS)
         if unknown:
             raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
         self.classes_last = classes_last
-        self.model = LlamaBody(vocab, dim, layers, heads, kv_heads, head_dim, hidden or 4 * dim, eps, theta,
+        inv_freq = rotary_frequencies(head_dim, theta, rope_scaling)
+        self.model = LlamaBody(vocab, dim, layers, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden,
+                               eps, inv_freq,
                                dict(bias or {}))  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
@@ -187,16 +231,19 @@ class Llama(nn.Module):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, theta: float = 10000.0,
-                        classes_last: bool = True) -> Llama:  # fmt: skip
+                        classes_last: bool = True, rope_scaling: Mapping[str, object] | None = None,
+                        tied: bool | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
-        tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, biases where the
-        checkpoint has them, and ``lm_head`` tied to the token table where it is absent or the same tensor.
-        ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``) and ``theta`` (``rope_theta``) are in the
-        checkpoint's ``config.json``, which no shape holds; a ``rope_scaling`` there is not supported.
+        tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, and biases where the
+        checkpoint has them. ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
+        (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
+        (`from_config` reads them there). ``tied`` (``tie_word_embeddings``): ``None`` reads it off the tensors,
+        tied where ``lm_head.weight`` is absent or equal to the token table.
 
         Raises:
-            ValueError: a key is missing or unknown, or a shape does not fit.
+            ValueError: a key is missing or unknown, a shape does not fit, ``tied`` contradicts the tensors, or an
+                unsupported ``rope_scaling``.
         """
         tensors = {}
         for key, value in state.items():
@@ -205,7 +252,8 @@ class Llama(nn.Module):
             tensors[key if key.startswith(("model.", "lm_head.")) else f"model.{key}"] = value
         if "model.embed_tokens.weight" not in tensors or tensors["model.embed_tokens.weight"].dim() != 2:
             raise SpecError("the LLaMA state dict has no token table model.embed_tokens.weight (V, D)")
-        vocab, dim = tensors["model.embed_tokens.weight"].shape
+        table = tensors["model.embed_tokens.weight"]
+        vocab, dim = table.shape
         layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"model\.layers\.(\d+)\.", k))})
         first = "model.layers.0."
         for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight"):
@@ -213,6 +261,10 @@ class Llama(nn.Module):
                 raise SpecError(f"the LLaMA state dict has no matrix {first + name}")
         q_rows = tensors[first + "self_attn.q_proj.weight"].shape[0]
         k_rows = tensors[first + "self_attn.k_proj.weight"].shape[0]
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise SpecError(f"heads must be a positive integer, got {heads!r}")
+        if q_rows == 0 or k_rows == 0:
+            raise SpecError("q_proj and k_proj must have rows (the heads' features)")
         if q_rows % heads:
             raise SpecError(f"q_proj has {q_rows} rows, not a multiple of heads={heads}")
         head_dim = q_rows // heads
@@ -220,11 +272,16 @@ class Llama(nn.Module):
             raise SpecError(f"k_proj has {k_rows} rows, not a multiple of the head size {head_dim}")
         bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
         head = tensors.pop("lm_head.weight", None)
-        tied = head is None or head is tensors["model.embed_tokens.weight"] or \
-            torch.equal(head, tensors["model.embed_tokens.weight"])  # fmt: skip
+        same = head is None or (head.shape == table.shape and torch.equal(head, table))
+        if tied is None:
+            tied = same
+        elif tied and not same:
+            raise SpecError("tie_word_embeddings is true but lm_head.weight differs from the token table")
+        elif not tied and head is None:
+            raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
-                        head_dim, eps, theta, tied, bias, classes_last)  # fmt: skip
+                        head_dim, eps, theta, tied, bias, classes_last, rope_scaling)  # fmt: skip
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:
@@ -232,23 +289,62 @@ class Llama(nn.Module):
         return load_fitting(model, tensors, f"LLaMA with {layers} blocks", {"lm_head.weight"} if tied else set(),
                             "model.embed_tokens.weight")
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> Llama:
+        """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
+        ``rms_norm_eps`` (default 1e-6), ``rope_theta`` and ``rope_scaling`` (or transformers 5's
+        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors) and ``hidden_act`` (``silu``).
+
+        Raises:
+            ValueError: a field missing or of the wrong kind, another activation, or what `from_state_dict` raises.
+        """
+        heads = config.get("num_attention_heads")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise SpecError(f"the config's num_attention_heads must be a positive integer, got {heads!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise SpecError(f"the config's hidden_act is {config['hidden_act']!r}; a LLaMA MLP gates with silu")
+        parameters = config.get("rope_parameters")
+        parameters = parameters if isinstance(parameters, Mapping) else {}
+        theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default"
+                                                 else None)  # fmt: skip
+        eps = config.get("rms_norm_eps", 1e-6)
+        tied = config.get("tie_word_embeddings")
+        for name, value in (("rope_theta", theta), ("rms_norm_eps", eps)):
+            if not positive_number(value):
+                raise SpecError(f"the config's {name} must be a positive number, got {value!r}")
+        if tied is not None and not isinstance(tied, bool):
+            raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise SpecError(f"the config's rope_scaling must be an object, got {scaling!r}")
+        return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied)
+
 
 def llama_from_spec(spec: str, state: Mapping[str, Tensor]) -> Llama:
-    """The model of a ``llama:heads=H[,eps=E,theta=T]`` SPEC from its checkpoint's ``state`` (sizes read off the
-    tensors), its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
+    """The model of a ``llama:config=PATH`` (the checkpoint's ``config.json``) or ``llama:heads=H[,eps=E,theta=T]``
+    SPEC from its checkpoint's ``state`` (sizes read off the tensors), its logits ``(N, V, T)`` for
+    ``nn.CrossEntropyLoss`` against next-token targets.
 
     Raises:
-        SpecError: an unknown or malformed option, no ``heads``, or a state dict that does not fit.
+        SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
+            dict that does not fit.
     """
     options = _parse_options(spec[len("llama:") :] if spec.startswith("llama:") else "", spec)
+    if "config" in options:
+        if set(options) != {"config"}:
+            raise SpecError(f"model spec {spec!r}: with config=, the config.json gives every other option")
+        try:
+            return Llama.from_config(read_config(options["config"]), state, classes_last=False)
+        except ValueError as failure:
+            raise SpecError(f"model spec {spec!r}: {failure}") from None
     if set(options) - {"heads", "eps", "theta"} or "heads" not in options:
-        raise SpecError(f"model spec {spec!r}: give the checkpoint's number of query heads (num_attention_heads in "
-                        "its config.json), e.g. llama:heads=32; the other options are eps (rms_norm_eps) and theta "
-                        "(rope_theta)")  # fmt: skip
+        raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json (llama:config=PATH) or its number of "
+                        "query heads (num_attention_heads), e.g. llama:heads=32; the other options are eps "
+                        "(rms_norm_eps) and theta (rope_theta)")  # fmt: skip
     try:
         heads, eps, theta = int(options["heads"]), float(options.get("eps", 1e-6)), float(options.get("theta", 1e4))
     except ValueError:
         raise SpecError(f"model spec {spec!r}: heads is a positive integer, eps and theta numbers") from None
-    if heads < 1 or not (eps > 0 and math.isfinite(eps)) or not (theta > 0 and math.isfinite(theta)):
+    if heads < 1 or not positive_number(eps) or not positive_number(theta):
         raise SpecError(f"model spec {spec!r}: heads is a positive integer, eps and theta positive finite numbers")
     return Llama.from_state_dict(state, heads, eps, theta, classes_last=False)

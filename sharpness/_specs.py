@@ -7,8 +7,9 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``(N, 64)`` or ``(N, 1, 8, 8)``; options ``dim=``, ``heads=``, ``depth=``, ``mlp=``, ``classes=``,
 ``norm=pre|post``, ``act=relu|gelu``, ``attn=mha|hand``, e.g. ``vit:dim=32,heads=4``; keys in
 `sharpness._vit`), ``gpt2:heads=H`` (GPT-2 with the sizes of its checkpoint, HuggingFace's keys; token ids
-``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`), ``llama:heads=H[,eps=E,theta=T]`` (a LLaMA-family
-decoder with the sizes of its checkpoint, the same way; `sharpness._llama`), or ``path/to/file.py:factory``
+``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`; or ``gpt2:config=PATH``, the checkpoint's
+``config.json``), ``llama:heads=H[,eps=E,theta=T]`` or ``llama:config=PATH`` (a LLaMA-family decoder with the sizes
+of its checkpoint, the same way; `sharpness._llama`), or ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
 Data SPEC: ``digits`` (scikit-learn's 8x8 digits, shipped with it), ``synthetic:n=500,dim=784,classes=10,seed=0``
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import math
 import os
 import pickle
 import warnings
@@ -159,6 +162,8 @@ def _parse_options(text: str, spec: str) -> dict[str, str]:
         if "=" not in item:
             raise SpecError(f"spec {spec!r}: option {item!r} is not KEY=VALUE")
         key, value = item.split("=", 1)
+        if key.strip() in options:
+            raise SpecError(f"spec {spec!r}: option {key.strip()!r} is given twice")
         options[key.strip()] = value.strip()
     return options
 
@@ -389,6 +394,11 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
         )
 
 
+def positive_number(value: object) -> bool:
+    """Whether ``value`` is a real number (not a bool), positive and finite: what a size-free model option must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
+
+
 def load_fitting(model: nn.Module, tensors: Mapping[str, Tensor], what: str, tied: set[str], like: str) -> nn.Module:
     """``model`` (eval mode, in the dtype of ``tensors[like]``) with ``tensors`` loaded, after checking that they are
     its keys exactly (but the ``tied`` keys, which another tensor fills) and of its shapes.
@@ -407,3 +417,21 @@ def load_fitting(model: nn.Module, tensors: Mapping[str, Tensor], what: str, tie
     model = model.to(tensors[like].dtype)
     model.load_state_dict(tensors, strict=False)  # the tied keys are their tables'
     return model.eval()
+
+
+def read_config(path: str) -> dict:
+    """A HuggingFace ``config.json`` as a dict (JSON only: nothing in it runs).
+
+    Raises:
+        SpecError: the file is missing, unreadable, or not a JSON object.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except OSError as failure:
+        raise SpecError(f"cannot read the config {path}: {failure.strerror or failure}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as failure:
+        raise SpecError(f"the config {path} is not JSON: {failure}") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"the config {path} is not a JSON object")
+    return config

@@ -454,3 +454,50 @@ def test_diagonal_and_matrix_factors_compose():
         assert (moved(x) - model(x)).abs().max() < 1e-10
     params = {n: p.detach() for n, p in model.named_parameters()}
     assert torch.linalg.matrix_rank(sym.vertical_basis(params)) == sym.dim
+
+
+class FoldedHeads(nn.Module):
+    """Attention written with the samples not on axis 0 of the heads' tensors: folded into the batch ``(N H, T, hd)``
+    with ``bmm`` (torch's own MHA layout), or heads first ``(H, N, T, hd)`` through SDPA; ``kv_heads`` key/value heads
+    (a group of query heads reads each, repeated along a new axis of the folded layout)."""
+
+    def __init__(self, layout: str, kv_heads: int = H):
+        super().__init__()
+        self.layout, self.kv = layout, kv_heads
+        self.q, self.o = nn.Linear(D, D), nn.Linear(D, D)
+        self.k, self.v = nn.Linear(D, kv_heads * HD), nn.Linear(D, kv_heads * HD)
+
+    def split(self, t, heads):
+        b, s, _ = t.shape
+        if self.layout == "heads_first":
+            return t.view(b, s, heads, HD).permute(2, 0, 1, 3)
+        t = t.view(b, s, heads, HD).transpose(1, 2)
+        if heads != H:  # each key/value head repeated for the query heads of its group, then folded
+            t = t[:, :, None].expand(b, heads, H // heads, s, HD).reshape(b, H, s, HD)
+        return t.reshape(b * H, s, HD)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.split(self.q(x), H), self.split(self.k(x), self.kv), self.split(self.v(x), self.kv)
+        if self.layout == "heads_first":
+            a = F.scaled_dot_product_attention(q, k, v).permute(1, 2, 0, 3).reshape(b, s, D)
+        else:
+            p = torch.bmm(q, k.transpose(1, 2)).div(HD**0.5).softmax(-1)
+            a = torch.bmm(p, v).view(b, H, s, HD).transpose(1, 2).reshape(b, s, D)
+        return x + self.o(a)
+
+
+@pytest.mark.parametrize("layout, kv_heads", [("folded", H), ("heads_first", H), ("folded", 1)])
+def test_heads_whose_samples_are_not_on_axis_0_keep_both_factors(layout, kv_heads):
+    torch.manual_seed(0)
+    model = FoldedHeads(layout, kv_heads).double().eval()
+    x = torch.randn(3, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    labels = [f.label for f in sym.factors]
+    assert sum("query/key" in la for la in labels) == sum("value/output" in la for la in labels) == kv_heads, \
+        sym.describe()  # fmt: skip
+    assert sym.dim == kv_heads * 2 * HD * HD
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            assert (sym.transformed(model, sym.random_element(1.0, g))(x) - model(x)).abs().max() < 1e-10

@@ -140,3 +140,21 @@ def test_the_command_line_reads_older_checkpoints_and_refuses_odd_ones(cli_files
         assert sharpness_main(["compute", "--model", model, "--checkpoint", str(tmp_path / checkpoint), *common]) == 2
         err = capsys.readouterr().err
         assert fragment in err and "Traceback" not in err, err
+
+
+def test_the_command_line_reads_the_checkpoint_s_config(cli_files, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"n_head": HEADS, "layer_norm_epsilon": 1e-5,
+                                                      "activation_function": "gelu_new"}))  # fmt: skip
+    common = ["--checkpoint", str(cli_files / "gpt2.safetensors"), "--data", str(cli_files / "tokens.npz"), "--metric",
+              "euclidean", "--quiet", "--json"]  # fmt: skip
+    values = []
+    for spec in (f"gpt2:config={tmp_path / 'config.json'}", "gpt2:heads=2"):
+        out = tmp_path / f"{len(values)}.json"
+        assert sharpness_main(["compute", "--model", spec, *common, str(out)]) == 0
+        values.append(json.loads(out.read_text())["measures"]["euclidean"]["value"])
+    assert values[0] == values[1]
+    (tmp_path / "bad.json").write_text(json.dumps({"n_embd": 16}))
+    capsys.readouterr()
+    assert sharpness_main(["compute", "--model", f"gpt2:config={tmp_path / 'bad.json'}", *common[:-1]]) == 2
+    err = capsys.readouterr().err
+    assert "n_head must be a positive integer" in err and "Traceback" not in err, err

@@ -18,10 +18,12 @@ from torch import nn
 import manifolds
 from sharpness import Llama, Objective, euclidean_sharpness
 from sharpness._cli import main as sharpness_main
+from sharpness._llama import rotary_frequencies
 
 DATA = Path(__file__).parent / "data"
 # file, query heads, rope_theta; both: vocabulary 29, width 16, 2 blocks, MLP 24, rms_norm_eps 1e-5
 GQA, TIED = ("llama_tiny_hf.safetensors", 4, 500.0), ("llama_tiny_tied_hf.safetensors", 2, 10000.0)
+ROPE = ("llama_tiny_rope_hf.safetensors", 2, 10000.0)  # LLaMA 3.1's scaled rotary embeddings; its config.json beside
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -32,10 +34,16 @@ def _checkpoint(which):
 
 def _model(which, classes_last: bool = True, state=None) -> Llama:
     state = _checkpoint(which)[0] if state is None else state
+    if which is ROPE:
+        return Llama.from_config(_config(), state, classes_last=classes_last)
     return Llama.from_state_dict(state, heads=which[1], eps=EPS, theta=which[2], classes_last=classes_last)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
+def _config() -> dict:
+    return json.loads((DATA / "llama_tiny_rope_hf.json").read_text())
+
+
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE], ids=["gqa", "tied", "llama3_rope"])
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -48,9 +56,35 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
     attention = model.model.layers[0].self_attn
-    assert (attention.heads, attention.kv_heads, attention.head_dim) == ((4, 2, 4) if which is GQA else (2, 2, 8))
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), ROPE[0]: (2, 1, 8)}[which[0]]
+    assert (attention.heads, attention.kv_heads, attention.head_dim) == sizes
     biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
     assert biased == (which is TIED,) * 2
+
+
+def test_llama3_rotary_scaling_is_read_from_either_config_format():
+    """transformers 5 writes ``rope_parameters`` (the fixture's config); older configs ``rope_theta`` and
+    ``rope_scaling``. Without the scaling the logits move by 2.3: the fixture's wavelengths are kept, blended and
+    divided."""
+    state, ids, logits = _checkpoint(ROPE)
+    old = dict(_config())
+    parameters = dict(old.pop("rope_parameters"))
+    old["rope_theta"], old["rope_scaling"] = parameters.pop("rope_theta"), parameters
+    with torch.no_grad():
+        torch.testing.assert_close(Llama.from_config(old, state)(ids), logits, rtol=0, atol=1e-5)
+        plain = Llama.from_state_dict(state, heads=2, eps=EPS)(ids)
+    assert float((plain - logits).abs().max()) > 1.0
+    frequencies = rotary_frequencies(8, 10000.0, parameters)  # wavelengths 6.3 (kept), 63 (blended), 628, 6283 (/8)
+    plain_frequencies = rotary_frequencies(8, 10000.0)
+    assert frequencies[0] == plain_frequencies[0] and torch.allclose(frequencies[2:], plain_frequencies[2:] / 8)
+    assert plain_frequencies[1] / 8 < frequencies[1] < plain_frequencies[1]
+    for bad, fragment in [({**old, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
+                          ({**old, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive number"),
+                          ({**old, "hidden_act": "gelu"}, "gates with silu"),
+                          ({**old, "num_attention_heads": 0}, "positive integer"),
+                          ({**old, "tie_word_embeddings": True}, "differs from the token table")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            Llama.from_config(bad, state)
 
 
 def test_checkpoint_key_forms():
@@ -73,6 +107,11 @@ def test_checkpoint_key_forms():
                                            for i in range(LAYERS)}}, heads=4)  # fmt: skip
     with pytest.raises(ValueError, match="no token table"):
         Llama.from_state_dict({k: v for k, v in state.items() if "embed" not in k}, heads=4)
+    with pytest.raises(ValueError, match="heads must be a positive integer"):
+        Llama.from_state_dict(state, heads=0)
+    empty = {**state, **{f"model.layers.{i}.self_attn.q_proj.weight": torch.zeros(0, WIDTH) for i in range(LAYERS)}}
+    with pytest.raises(ValueError, match="must have rows"):
+        Llama.from_state_dict(empty, heads=4)
 
 
 @pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
@@ -145,8 +184,27 @@ def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, t
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
 
 
+def test_the_command_line_reads_the_checkpoint_s_config(tmp_path):
+    state, _, _ = _checkpoint(ROPE)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    X = torch.randint(0, 29, (6, 7), generator=torch.Generator().manual_seed(0))
+    np.savez(tmp_path / "tokens.npz", X=X.numpy(), y=torch.roll(X, -1, dims=1).numpy())
+    out = tmp_path / "r.json"
+    argv = ["compute", "--model", f"llama:config={DATA / 'llama_tiny_rope_hf.json'}", "--checkpoint",
+            str(tmp_path / "model.safetensors"), "--data", str(tmp_path / "tokens.npz"), "--metric", "euclidean",
+            "--quiet", "--json", str(out)]  # fmt: skip
+    assert sharpness_main(argv) == 0
+    data = (X, torch.roll(X, -1, dims=1))
+    expected = euclidean_sharpness(_model(ROPE, classes_last=False), nn.CrossEntropyLoss(), data, dtype=torch.float64,
+                                   progress=False).value  # fmt: skip
+    assert json.loads(out.read_text())["measures"]["euclidean"]["value"] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("model, fragment", [
     ("llama", "number of query heads"),
+    ("llama:heads=4,heads=2", "given twice"),
+    ("llama:config=missing.json", "cannot read the config"),
+    ("llama:config=x.json,heads=4", "gives every other option"),
     ("llama:heads=3", "not a multiple of heads=3"),
     ("llama:heads=4,theta=-1", "positive finite numbers"),
     ("llama:heads=4,rope=2", "number of query heads"),

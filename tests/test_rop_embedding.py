@@ -179,7 +179,7 @@ def test_a_functional_padding_row_is_held_fixed_and_refuses_jvp(monkeypatch):
     model = _off_init(FunctionalPadded())
     ids = _tokens()
     obj = _check(model, ids, _targets(model, ids))
-    with pytest.raises(ValueError, match="F.embedding at graph node 'embedding' holds its padding row fixed"):
+    with pytest.raises(ValueError, match="the embedding at graph node 'embedding' holds its padding row fixed"):
         obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64), "jvp")
     # where autograd streams (a hook keeps the R-operator off), "auto" never even times jvp
     model.register_forward_hook(lambda m, i, o: o)
@@ -187,6 +187,41 @@ def test_a_functional_padding_row_is_held_fixed_and_refuses_jvp(monkeypatch):
     timed = []
     monkeypatch.setattr(Objective, "_hvp_jvp", lambda self, *a: timed.append(a))
     assert streamed.hvp_strategy() == "double_backward" and not timed
+
+
+class Functional(nn.Module):
+    """A table read by ``F.embedding`` with ``options``, or by ``torch.embedding`` (the op under it) with a padding
+    row, then a tanh and a classifier."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+        self.table = nn.Parameter(torch.empty(VOCAB, WIDTH))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, ids):
+        if self.options.get("op"):
+            h = torch.embedding(self.table, ids, 1)
+        else:
+            h = F.embedding(ids, self.table, **self.options)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
+def test_functional_tables_whose_gradient_is_no_loss_s_are_refused(option):
+    model = _off_init(Functional(**{option: True}))
+    obj = Objective(model, nn.CrossEntropyLoss(), (_tokens(), torch.zeros(7, dtype=torch.long)))
+    with pytest.raises(UnsupportedModelError, match=f"graph node 'embedding' passes {option}=True"):
+        obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64))
+
+
+def test_the_op_under_f_embedding_with_a_padding_row_refuses_jvp():
+    model = _off_init(Functional(op=True))
+    obj = Objective(model, nn.CrossEntropyLoss(), (_tokens(), torch.arange(7) % CLASSES))
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    torch.testing.assert_close(obj.hvp(v), dense_hessian(obj) @ v, rtol=0, atol=1e-12)  # autograd's, the row fixed
+    with pytest.raises(ValueError, match="holds its padding row fixed"):
+        obj.hvp(v, "jvp")
 
 
 def test_jvp_is_allowed_where_the_padded_table_is_not_differentiated():

@@ -206,25 +206,52 @@ def check_embedding_gradients(model: nn.Module, params: Mapping[str, Tensor]) ->
             )
 
 
+def _embedding_calls(graph: fx.Graph | None, differentiated: Callable[[str], bool]):
+    """``(node, padding, scale_grad_by_freq, sparse)`` of every ``F.embedding`` or ``torch.embedding`` call on the
+    traced ``graph`` whose table may be differentiated (anything but a tensor of the model held fixed)."""
+    for node in graph.nodes if graph is not None else ():
+        if node.op != "call_function" or node.target not in (F.embedding, torch.embedding):
+            continue
+        if node.target is F.embedding:
+            names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+        else:  # the op under it: its padding_idx -1 is none
+            names = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
+        bound = dict(zip(names, node.args)) | dict(node.kwargs)
+        table = bound.get("weight")
+        if isinstance(table, fx.Node) and table.op == "get_attr" and not differentiated(str(table.target)):
+            continue
+        padding = bound.get("padding_idx")
+        padded = padding is not None and not (node.target is torch.embedding and padding == -1)
+        yield node, padded, bool(bound.get("scale_grad_by_freq")), bool(bound.get("sparse"))
+
+
+def check_functional_embeddings(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> None:
+    """`check_embedding_gradients` for tables read by ``F.embedding`` or ``torch.embedding`` on the traced ``graph``.
+
+    Raises:
+        UnsupportedModelError: naming the call and the option to turn off.
+    """
+    for node, _, by_freq, sparse in _embedding_calls(graph, _differentiated(model, params)):
+        if by_freq or sparse:
+            option = "scale_grad_by_freq" if by_freq else "sparse"
+            raise UnsupportedModelError(
+                f"the embedding at graph node {node.name!r} passes {option}=True, so its table's gradient is not the "
+                f"loss's; call it without {option} before measuring (the function is the same)"
+            )
+
+
 def padded_embedding(model: nn.Module, params: Mapping[str, Tensor], graph: fx.Graph | None) -> str | None:
     """Where a differentiated table is read with a padding row (an ``nn.Embedding`` with ``padding_idx``, or
-    ``F.embedding(..., padding_idx=...)`` on the traced ``graph``), named for a message, else ``None``. Autograd's
-    backward holds that row fixed and forward mode does not, so ``jvp(grad)`` is no symmetric operator there. A
-    functional call's table counts unless it is a tensor of the model that is not differentiated."""
+    ``F.embedding``/``torch.embedding`` with one on the traced ``graph``), named for a message, else ``None``.
+    Autograd's backward holds that row fixed and forward mode does not, so ``jvp(grad)`` is no symmetric operator
+    there."""
     differentiated = _differentiated(model, params)
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding) and m.padding_idx is not None and differentiated(f"{name}.weight" if name
                                                                                         else "weight"):  # fmt: skip
             return f"module {name!r}"
-    for node in graph.nodes if graph is not None else ():
-        if node.op != "call_function" or node.target is not F.embedding:
-            continue
-        bound = dict(zip(("input", "weight", "padding_idx"), node.args)) | dict(node.kwargs)
-        table = bound.get("weight")
-        fixed = isinstance(table, fx.Node) and table.op == "get_attr" and not differentiated(str(table.target))
-        if bound.get("padding_idx") is not None and not fixed:
-            return f"F.embedding at graph node {node.name!r}"
-    return None
+    padded = [node for node, pad, _, _ in _embedding_calls(graph, differentiated) if pad]
+    return f"the embedding at graph node {padded[0].name!r}" if padded else None
 
 
 def fixed_tensors(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -30,6 +30,7 @@ from sharpness.products._boundary import (
     check_embedding_gradients,
     check_finite,
     check_first_batch,
+    check_functional_embeddings,
     check_loss_signature,
     check_meta,
     check_reduction,
@@ -335,6 +336,7 @@ class Objective:
         self._value: Tensor | None = None  # the loss at ``params``, once computed
         self._strategy: str | None = None
         self._autograd_strategy: str | None = None
+        self._embeddings_checked = False  # the traced graph's embedding calls (hvp_strategy checks them once)
         self.gradient_seconds: float | None = None
         # filled once, shared by the with_params copies
         self._structure: list[NetworkStructure] = [] if structure is None else [structure]
@@ -711,6 +713,9 @@ class Objective:
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )
+        if not self._embeddings_checked:  # the traced graph's embedding calls, once (modules: at construction)
+            check_functional_embeddings(self.model, self.params, self._traced_network().graph)
+            self._embeddings_checked = True
         if strategy == "jvp" and self._padded_embedding is not None:
             raise ValueError(
                 f"the 'jvp' HVP strategy is not a symmetric operator here: {self._padded_embedding} holds its padding "

@@ -966,10 +966,8 @@ def rop_graph(
         elif node in shapes and (str(node.target) in buffers or _constant(model, str(node.target)) is not None):
             # a buffer, frozen parameter or a tensor fx computed while tracing: a constant (a mask, say)
             t = buffers.get(str(node.target))
-            if t is None:
-                like = next(iter(params.values()))
-                t = _constant(model, str(node.target))
-                t = t.to(like.device, like.dtype if t.is_floating_point() else None)
+            if t is None:  # in its own dtype, as the model's forward reads it (a table kept in float32 on purpose)
+                t = _constant(model, str(node.target)).to(next(iter(params.values())).device)
             read[node] = (lambda values, t=t: t, [], [])
         else:
             return None

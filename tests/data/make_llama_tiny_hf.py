@@ -1,11 +1,13 @@
-"""Writes ``llama_tiny_hf.safetensors`` and ``llama_tiny_tied_hf.safetensors``: tiny random LLaMA decoders made by
-HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the initialization), each with an input
-and the logits ``LlamaForCausalLM`` gives for it (keys ``__input_ids``, ``__logits``). The first has grouped-query
-attention (4 query heads sharing 2 key/value heads), rope_theta 500 and an untied head; the second 2 heads of 8,
-biases on every attention projection (``attention_bias``) and the MLP (``mlp_bias``), and the head tied to the token
-table (no ``lm_head.weight`` key). HuggingFace's RMSNorm and softmax compute in float32 even in a float64 model, so its
-float64 logits are float32-accurate. ``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs
-``transformers`` (not a dependency of this project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR``.
+"""Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors`` and ``llama_tiny_rope_hf.safetensors``:
+tiny random LLaMA decoders made by HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the
+initialization), each with an input and the logits ``LlamaForCausalLM`` gives for it (keys ``__input_ids``,
+``__logits``). The first has grouped-query attention (4 query heads sharing 2 key/value heads), rope_theta 500 and an
+untied head; the second 2 heads of 8, biases on every attention projection (``attention_bias``) and the MLP
+(``mlp_bias``), and the head tied to the token table (no ``lm_head.weight`` key); the third LLaMA 3.1's scaled rotary
+embeddings (``rope_type="llama3"``), with its ``config.json`` beside it (``llama_tiny_rope_hf.json``). HuggingFace's
+RMSNorm and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
+``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs ``transformers`` (not a dependency of this
+project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR``.
 """
 
 import sys
@@ -21,14 +23,20 @@ CONFIGS = {
                                       tie_word_embeddings=False),
     "llama_tiny_tied_hf.safetensors": dict(num_attention_heads=2, num_key_value_heads=2, attention_bias=True,
                                            mlp_bias=True, tie_word_embeddings=True),
+    # LLaMA 3.1's scaled rotary embeddings: heads of 8 have wavelengths 6.3, 63, 628 and 6283 positions, so with an
+    # original context of 64 the first is kept, the second blended and the last two divided by the factor
+    "llama_tiny_rope_hf.safetensors": dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64}),
 }
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
     torch.manual_seed(seed)
     theta = options.pop("rope_theta", 10000.0)
+    rope = {"rope_type": "default", "rope_theta": theta, **options.pop("rope_scaling", {})}
     cfg = LlamaConfig(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5,
-                      max_position_embeddings=16, attn_implementation="eager", rope_parameters={"rope_type": "default",
-                      "rope_theta": theta}, **options)
+                      max_position_embeddings=16, attn_implementation="eager", rope_parameters=rope, **options)
     m = LlamaForCausalLM(cfg).double().eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -44,4 +52,6 @@ for seed, (name, options) in enumerate(CONFIGS.items()):
     generator = f"transformers {transformers.__version__} LlamaForCausalLM, eager attention, float64"
     save_file(sd, str(Path(sys.argv[1]) / name), metadata={"generator": generator,
               "num_attention_heads": str(cfg.num_attention_heads), "rope_theta": str(theta)})
+    if rope["rope_type"] != "default":  # its config.json too, as the library writes it
+        cfg.to_json_file(str(Path(sys.argv[1]) / name.replace(".safetensors", ".json")))
     print(name, tuple(logits.shape), float(logits.abs().max()))
