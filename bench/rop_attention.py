@@ -11,7 +11,9 @@ block as timm writes it (fused ``qkv`` Linear, ``reshape``/``permute``/``unbind`
 projection; LayerNorm, a GELU MLP), the token mean, a LayerNorm and a Linear head; width 32, 4 heads, float32. For
 reference, the same block with ``nn.MultiheadAttention`` (the R-operator's closed-form attention). And
 ``sharpness.GPT2`` whole (``--forms gpt2``): vocabulary 512, width 64, 4 heads, 2 blocks, its output layer tied to the
-token table, on 128 random sequences of 32 tokens with next-token cross-entropy.
+token table, on 128 random sequences of 32 tokens with next-token cross-entropy; ``sharpness.Llama`` whole (``--forms
+llama``): the same sizes with grouped-query attention (2 key/value heads for the 4 query heads), rotary embeddings,
+RMSNorm and a SwiGLU MLP of 256, untied head.
 Prints, per attention form, the CPU time of one gradient and of one product by each strategy (minimum over the
 rounds), and their ratios.
 """
@@ -29,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sharpness import GPT2, Objective  # noqa: E402
+from sharpness import GPT2, Llama, Objective  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=15)
     forms = {"manual": "q @ k^T, softmax, @ v", "sdpa": "F.scaled_dot_product_attention",
-             "mha": "nn.MultiheadAttention (reference)", "gpt2": "sharpness.GPT2, tied output layer"}  # fmt: skip
+             "mha": "nn.MultiheadAttention (reference)", "gpt2": "sharpness.GPT2, tied output layer",
+             "llama": "sharpness.Llama, grouped-query attention"}  # fmt: skip
     parser.add_argument("--forms", nargs="+", choices=forms, default=list(forms), help="models to time (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -88,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(0, 512, (128, 33), generator=torch.Generator().manual_seed(2))
     for form in args.forms:
         label = forms[form]
-        if form == "gpt2":
-            model = GPT2(vocab=512, positions=32, dim=64, layers=2, heads=4, classes_last=False).eval()
-            obj = Objective(model, nn.CrossEntropyLoss(), (ids[:, :-1], ids[:, 1:]))
+        if form in ("gpt2", "llama"):
+            if form == "gpt2":
+                model = GPT2(vocab=512, positions=32, dim=64, layers=2, heads=4, classes_last=False)
+            else:
+                model = Llama(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, hidden=256, classes_last=False)
+            obj = Objective(model.eval(), nn.CrossEntropyLoss(), (ids[:, :-1], ids[:, 1:]))
         else:
             obj = Objective(TimmLike(form=form).eval(), nn.CrossEntropyLoss(), (x, y))
         v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1))

@@ -71,7 +71,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
-from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
+from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
@@ -763,7 +763,7 @@ class _Finder:
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
         shape = out.meta.get("shape")
-        if shape is None or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd:
+        if shape is None or len(shape) < 3 or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd:
             raise _Fail("the attention output's heads do not match the value's")
         # Code every entry of the heads' output by (slot, j), a slot being one (..., tokens, hd) block of it, and replay
         # the merge of the heads; the slots are read off the replay, not assumed: the samples may sit on any axis
@@ -1126,8 +1126,12 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
         example_input: one input batch (its first two samples are run once to read sizes).
     """
     x = input_like(model, example_input)
+    if x.shape[0] == 1:  # traced again on two samples, so that a reshape mixing the samples with the heads shows
+        doubled = trace_network(model, torch.cat((x, x)))
+        if doubled.graph is not None and doubled.has_shapes:
+            traced, x = doubled, torch.cat((x, x))
     record = _values(model, traced.graph, x)
-    other = x[:1] if x.shape[0] > 1 else torch.cat((x, x))  # another number of samples, for what must not depend on it
+    other = x[:1]  # another number of samples, for what must not depend on it
     found = _Finder(model, traced.graph, record, lambda: _values(model, traced.graph, other)).run()
     return found.factors, found.pins
 

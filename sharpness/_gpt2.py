@@ -207,6 +207,10 @@ def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:
         if config.get("activation_function", "gelu_new") != "gelu_new":
             raise SpecError(f"model spec {spec!r}: the config's activation_function is "
                             f"{config['activation_function']!r}; GPT-2's MLP uses gelu_new")  # fmt: skip
+        for option, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if config.get(option, plain) != plain:  # another function than sharpness.GPT2's
+                raise SpecError(f"model spec {spec!r}: the config sets {option} to {config[option]!r}, which "
+                                f"sharpness.GPT2 does not compute (it has {option}={plain})")  # fmt: skip
     else:
         if set(options) - {"heads", "eps"} or "heads" not in options:
             raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json (gpt2:config=PATH) or its number "

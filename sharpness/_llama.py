@@ -46,6 +46,11 @@ _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
+def _rope_type(scaling: Mapping[str, object]) -> str:
+    """A rope scaling's kind: ``rope_type``, or ``type`` in configs older transformers wrote, as they read it."""
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
 def rotary_frequencies(head_dim: int, theta: float, scaling: Mapping[str, object] | None = None) -> Tensor:
     """The ``(head_dim / 2,)`` float32 inverse frequencies of the rotary embeddings, as HuggingFace computes them:
     ``theta^(-2i / hd)``, divided by ``factor`` for ``rope_type="linear"``, and for ``"llama3"`` (LLaMA 3.1 and later)
@@ -56,7 +61,7 @@ def rotary_frequencies(head_dim: int, theta: float, scaling: Mapping[str, object
         ValueError: another ``rope_type`` (``"dynamic"``, ``"yarn"``, ``"longrope"`` also change the attention's scale
             or depend on the sequence length), or a missing or non-positive parameter.
     """
-    kind = str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    kind = _rope_type(scaling or {})
     if kind not in _ROPE_KEYS:
         raise ValueError(f"rope_type {kind!r} is not supported; the supported ones are {', '.join(_ROPE_KEYS)}")
     values = {}
@@ -303,11 +308,11 @@ class Llama(nn.Module):
             raise SpecError(f"the config's num_attention_heads must be a positive integer, got {heads!r}")
         if config.get("hidden_act", "silu") != "silu":
             raise SpecError(f"the config's hidden_act is {config['hidden_act']!r}; a LLaMA MLP gates with silu")
-        parameters = config.get("rope_parameters")
-        parameters = parameters if isinstance(parameters, Mapping) else {}
+        parameters = config.get("rope_parameters") or {}
+        if not isinstance(parameters, Mapping):
+            raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
         theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = config.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default"
-                                                 else None)  # fmt: skip
+        scaling = config.get("rope_scaling") or (parameters if _rope_type(parameters) != "default" else None)
         eps = config.get("rms_norm_eps", 1e-6)
         tied = config.get("tie_word_embeddings")
         for name, value in (("rope_theta", theta), ("rms_norm_eps", eps)):

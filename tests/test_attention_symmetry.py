@@ -501,3 +501,49 @@ def test_heads_whose_samples_are_not_on_axis_0_keep_both_factors(layout, kv_head
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
             assert (sym.transformed(model, sym.random_element(1.0, g))(x) - model(x)).abs().max() < 1e-10
+
+
+class MixedFold(nn.Module):
+    """Queries folded as ``(N H, T, hd)``, keys as ``(H N, T, hd)``: the scores pair a sample's query heads with other
+    samples' keys, so no query/key factor exists; with one sample both folds look alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, H, HD).transpose(1, 2).reshape(b * H, s, HD)
+        k = self.k(x).view(b, s, H, HD).permute(2, 0, 1, 3).reshape(H * b, s, HD)
+        v = self.v(x).view(b, s, H, HD).transpose(1, 2).reshape(b * H, s, HD)
+        p = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        return self.o(torch.bmm(p, v).view(b, H, s, HD).transpose(1, 2).reshape(b, s, D))
+
+
+def test_an_example_of_one_sample_is_read_on_two():
+    torch.manual_seed(0)
+    model = MixedFold().double().eval()
+    x = torch.randn(3, T, D, dtype=torch.float64)
+    for n in (1, 3):
+        sym = manifolds.transformer_symmetry(model, x[:n])
+        assert not [f for f in sym.factors if "query/key" in f.label], sym.describe()
+        assert len([f for f in sym.factors if "value/output" in f.label]) == H
+        with torch.no_grad():
+            moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(1)))
+            assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+def test_weights_times_values_of_one_axis_pin_without_an_error():
+    """``softmax(w) @ v(x)`` on a ``(T, D)`` input: a ``(hd,)`` output has no heads' axis to read."""
+
+    class Pool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v, self.o = nn.Linear(D, HD), nn.Linear(HD, D)
+
+        def forward(self, x):
+            return self.o(x.sum(-1).softmax(-1) @ self.v(x))
+
+    torch.manual_seed(0)
+    sym = manifolds.transformer_symmetry(Pool().double().eval(), torch.randn(T, D, dtype=torch.float64))
+    assert not [f for f in sym.factors if "value/output" in f.label]

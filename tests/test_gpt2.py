@@ -153,8 +153,11 @@ def test_the_command_line_reads_the_checkpoint_s_config(cli_files, tmp_path, cap
         assert sharpness_main(["compute", "--model", spec, *common, str(out)]) == 0
         values.append(json.loads(out.read_text())["measures"]["euclidean"]["value"])
     assert values[0] == values[1]
-    (tmp_path / "bad.json").write_text(json.dumps({"n_embd": 16}))
-    capsys.readouterr()
-    assert sharpness_main(["compute", "--model", f"gpt2:config={tmp_path / 'bad.json'}", *common[:-1]]) == 2
-    err = capsys.readouterr().err
-    assert "n_head must be a positive integer" in err and "Traceback" not in err, err
+    for bad, fragment in [({"n_embd": 16}, "n_head must be a positive integer"),
+                          ({"n_head": 2, "scale_attn_by_inverse_layer_idx": True}, "does not compute"),
+                          ({"n_head": 2, "scale_attn_weights": False}, "does not compute")]:  # fmt: skip
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        capsys.readouterr()
+        assert sharpness_main(["compute", "--model", f"gpt2:config={tmp_path / 'bad.json'}", *common[:-1]]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, err

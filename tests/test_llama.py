@@ -78,7 +78,11 @@ def test_llama3_rotary_scaling_is_read_from_either_config_format():
     plain_frequencies = rotary_frequencies(8, 10000.0)
     assert frequencies[0] == plain_frequencies[0] and torch.allclose(frequencies[2:], plain_frequencies[2:] / 8)
     assert plain_frequencies[1] / 8 < frequencies[1] < plain_frequencies[1]
+    older = {**old, "rope_scaling": {"type": "llama3", **{k: v for k, v in parameters.items() if k != "rope_type"}}}
+    with torch.no_grad():  # the key older transformers wrote: "type"
+        torch.testing.assert_close(Llama.from_config(older, state)(ids), logits, rtol=0, atol=1e-5)
     for bad, fragment in [({**old, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
+                          ({**_config(), "rope_parameters": "linear"}, "rope_parameters must be an object"),
                           ({**old, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive number"),
                           ({**old, "hidden_act": "gelu"}, "gates with silu"),
                           ({**old, "num_attention_heads": 0}, "positive integer"),

@@ -211,8 +211,9 @@ class Functional(nn.Module):
 def test_functional_tables_whose_gradient_is_no_loss_s_are_refused(option):
     model = _off_init(Functional(**{option: True}))
     obj = Objective(model, nn.CrossEntropyLoss(), (_tokens(), torch.zeros(7, dtype=torch.long)))
-    with pytest.raises(UnsupportedModelError, match=f"graph node 'embedding' passes {option}=True"):
-        obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64))
+    for derivative in (lambda: obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64)), obj.gradient):
+        with pytest.raises(UnsupportedModelError, match=f"graph node 'embedding' passes {option}=True"):
+            derivative()
 
 
 def test_the_op_under_f_embedding_with_a_padding_row_refuses_jvp():

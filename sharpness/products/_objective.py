@@ -606,8 +606,16 @@ class Objective:
         size = max(1, int(_GRADIENT_PIECE_BYTES // per_sample))
         return self.pieces(size, join=4 * per_sample * size <= self.memory_budget)  # as _auto_chunk_size counts
 
+    def _check_embedding_calls(self) -> None:
+        """`check_functional_embeddings` on the traced graph, once, before the first derivative (the modules are
+        checked at construction; the calls need the graph, traced on first use)."""
+        if not self._embeddings_checked:
+            check_functional_embeddings(self.model, self.params, self._traced_network().graph)
+            self._embeddings_checked = True
+
     def gradient(self, params: Mapping[str, Tensor] | Tensor | None = None) -> Tensor:
         """Euclidean gradient of the whole-data-set loss, flat ``(n,)``."""
+        self._check_embedding_calls()
         p = self._params(params)
         start = time.perf_counter()
         total, views = self._accumulator(torch.empty(self.layout.size, dtype=self.dtype, device=self.device))
@@ -713,9 +721,7 @@ class Objective:
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )
-        if not self._embeddings_checked:  # the traced graph's embedding calls, once (modules: at construction)
-            check_functional_embeddings(self.model, self.params, self._traced_network().graph)
-            self._embeddings_checked = True
+        self._check_embedding_calls()
         if strategy == "jvp" and self._padded_embedding is not None:
             raise ValueError(
                 f"the 'jvp' HVP strategy is not a symmetric operator here: {self._padded_embedding} holds its padding "
