@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options, load_fitting, positive_number, read_config
+from sharpness._specs import SpecError, _parse_options, check_token_ids, load_fitting, positive_number, read_config
 
 
 def is_mask_buffer(key: str) -> bool:
@@ -138,15 +138,7 @@ class GPT2(nn.Module):
     def check_tokens(self, input_ids: Tensor) -> None:
         """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
         size, ``T`` at most the positions the model has."""
-        vocab, positions = self.transformer.wte.num_embeddings, self.transformer.wpe.num_embeddings
-        if input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError(f"GPT-2 takes integer token ids of shape (N, T), not {tuple(input_ids.shape)} "
-                             f"{str(input_ids.dtype).removeprefix('torch.')} values")  # fmt: skip
-        if input_ids.shape[1] > positions:
-            raise ValueError(f"sequences of {input_ids.shape[1]} tokens are longer than its {positions} positions")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"token ids run from {int(input_ids.min())} to {int(input_ids.max())}, outside its "
-                             f"vocabulary 0..{vocab - 1}")  # fmt: skip
+        check_token_ids(input_ids, self.transformer.wte.num_embeddings, self.transformer.wpe.num_embeddings, "GPT-2")
 
     def forward(self, input_ids: Tensor) -> Tensor:
         logits = self.lm_head(self.transformer(input_ids))

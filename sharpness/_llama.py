@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options, load_fitting, positive_number, read_config
+from sharpness._specs import SpecError, _parse_options, check_token_ids, load_fitting, positive_number, read_config
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -222,13 +222,7 @@ class Llama(nn.Module):
     def check_tokens(self, input_ids: Tensor) -> None:
         """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
         size."""
-        vocab = self.model.embed_tokens.num_embeddings
-        if input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError(f"a LLaMA model takes integer token ids of shape (N, T), not {tuple(input_ids.shape)} "
-                             f"{str(input_ids.dtype).removeprefix('torch.')} values")  # fmt: skip
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"token ids run from {int(input_ids.min())} to {int(input_ids.max())}, outside its "
-                             f"vocabulary 0..{vocab - 1}")  # fmt: skip
+        check_token_ids(input_ids, self.model.embed_tokens.num_embeddings, None, "a LLaMA model")
 
     def forward(self, input_ids: Tensor) -> Tensor:
         logits = self.lm_head(self.model(input_ids))

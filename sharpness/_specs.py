@@ -394,6 +394,22 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
         )
 
 
+def check_token_ids(input_ids: Tensor, vocab: int, positions: int | None, model: str) -> None:
+    """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids, ``T >= 1`` (at most
+    ``positions`` where the model has a position table), below the vocabulary size ``vocab``. ``model`` names the
+    model in the message."""
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"{model} takes integer token ids of shape (N, T), not {tuple(input_ids.shape)} "
+                         f"{str(input_ids.dtype).removeprefix('torch.')} values")  # fmt: skip
+    if input_ids.shape[1] == 0:
+        raise ValueError("the sequences hold no tokens; give at least one token per sequence")
+    if positions is not None and input_ids.shape[1] > positions:
+        raise ValueError(f"sequences of {input_ids.shape[1]} tokens are longer than its {positions} positions")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(f"token ids run from {int(input_ids.min())} to {int(input_ids.max())}, outside its "
+                         f"vocabulary 0..{vocab - 1}")  # fmt: skip
+
+
 def positive_number(value: object) -> bool:
     """Whether ``value`` is a real number (not a bool), positive and finite: what a size-free model option must be."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)

@@ -204,6 +204,15 @@ def test_the_command_line_reads_the_checkpoint_s_config(tmp_path):
     assert json.loads(out.read_text())["measures"]["euclidean"]["value"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_the_command_line_refuses_sequences_without_tokens(cli_files, tmp_path, capsys):
+    np.savez(tmp_path / "empty.npz", X=np.zeros((4, 0), dtype=np.int64), y=np.zeros((4, 0), dtype=np.int64))
+    argv = ["compute", "--model", "llama:heads=4", "--checkpoint", str(cli_files / "llama.safetensors"), "--data",
+            str(tmp_path / "empty.npz"), "--quiet"]  # fmt: skip
+    assert sharpness_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the sequences hold no tokens" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("model, fragment", [
     ("llama", "number of query heads"),
     ("llama:heads=4,heads=2", "given twice"),
