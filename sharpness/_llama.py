@@ -316,6 +316,10 @@ class Llama(nn.Module):
             raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
         if scaling is not None and not isinstance(scaling, Mapping):
             raise SpecError(f"the config's rope_scaling must be an object, got {scaling!r}")
+        if scaling is not None and "original_max_position_embeddings" not in scaling \
+                and "max_position_embeddings" in config:  # fmt: skip
+            # transformers falls back to the model's context where the scaling does not name the original one
+            scaling = {**scaling, "original_max_position_embeddings": config["max_position_embeddings"]}
         return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied)
 
 

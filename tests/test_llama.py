@@ -81,6 +81,11 @@ def test_llama3_rotary_scaling_is_read_from_either_config_format():
     older = {**old, "rope_scaling": {"type": "llama3", **{k: v for k, v in parameters.items() if k != "rope_type"}}}
     with torch.no_grad():  # the key older transformers wrote: "type"
         torch.testing.assert_close(Llama.from_config(older, state)(ids), logits, rtol=0, atol=1e-5)
+    context = {k: v for k, v in parameters.items() if k != "original_max_position_embeddings"}
+    fallback = {**old, "rope_scaling": context,
+                "max_position_embeddings": parameters["original_max_position_embeddings"]}  # fmt: skip
+    with torch.no_grad():  # without the original context, transformers takes the model's
+        torch.testing.assert_close(Llama.from_config(fallback, state)(ids), logits, rtol=0, atol=1e-5)
     for bad, fragment in [({**old, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
                           ({**_config(), "rope_parameters": "linear"}, "rope_parameters must be an object"),
                           ({**old, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive number"),
