@@ -10,7 +10,8 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   projection's columns of head ``h`` ``<- (.) B^-T``. The head's output ``P v`` becomes ``P v B`` for the
   (unchanged) attention weights ``P``, and ``(P v B) (W_o,h B^-T)^T = P v W_o,h^T``; the output bias stays.
 * **Grouped-query attention** (a key/value head read by a group of query heads, HuggingFace's ``repeat_kv``: an
-  ``expand`` of size-1 axes between the projection and the product, or SDPA's ``enable_gqa``): one query/key factor
+  ``expand`` of size-1 axes, a ``repeat_interleave`` or ``repeat`` of whole entries along other axes than the
+  samples', between the projection and the product, or SDPA's ``enable_gqa``): one query/key factor
   per key head, moving the
   rows of every query head reading it by ``A^T`` and the key head's by ``A^-1``, and one value/output factor per value
   head, ``B^T`` on its rows and ``B^-T`` on the output columns of every query head reading it. Which query heads read
@@ -391,6 +392,11 @@ class _Finder:
                 and all(a == b or b == 1 for a, b in zip(shape, source)) and shape[:1] == source[:1]:  # fmt: skip
             # a view repeating size-1 axes (HuggingFace's repeat_kv: each key/value head read by a group of query
             # heads); what it repeats is read off the replayed feature indices, not assumed
+            return tensors[0]
+        if name in ("repeat_interleave", "repeat") and shape is not None and source is not None \
+                and len(shape) == len(source) and shape[:1] == source[:1]:  # fmt: skip
+            # copies of whole entries along axes other than the samples' (grouped-query attention written with
+            # repeat_interleave, or tiled by repeat): read off the replayed feature indices like expand
             return tensors[0]
         if name in _SCALINGS and len(node.args) == 2 and not node.kwargs:
             factor = node.args[1]

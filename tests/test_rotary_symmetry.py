@@ -439,9 +439,33 @@ class GroupedQuerySDPA(GroupedQuery):
         return x + self.o(a.transpose(1, 2).reshape(b, t, d))
 
 
-def test_sdpa_s_enable_gqa_gets_the_factors_of_repeat_kv():
+class GroupedQueryCopied(GroupedQuery):
+    """The key/value head copied for both query heads by ``repeat_interleave`` or by ``repeat`` (a copy, not a view)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(b, t, H, HD).transpose(1, 2)
+        k, v = (m(h).view(b, t, 1, HD).transpose(1, 2) for m in (self.k, self.v))
+        q, k = self.rope(q), self.rope(k)
+        if self.how == "repeat_interleave":
+            k, v = torch.repeat_interleave(k, H, dim=1), v.repeat_interleave(H, dim=1)
+        else:
+            k, v = k.repeat(1, H, 1, 1), v.repeat(1, H, 1, 1)
+        a = F.scaled_dot_product_attention(q, k, v)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("twin_class", [GroupedQuerySDPA, lambda: GroupedQueryCopied("repeat_interleave"),
+                                        lambda: GroupedQueryCopied("repeat")],
+                         ids=["enable_gqa", "repeat_interleave", "repeat"])  # fmt: skip
+def test_other_ways_of_repeating_key_value_heads_get_the_factors_of_repeat_kv(twin_class):
     model, x, sym = _analyzed(GroupedQuery())
-    twin, _, twin_sym = _analyzed(GroupedQuerySDPA())
+    twin, _, twin_sym = _analyzed(twin_class())
     twin.load_state_dict(model.state_dict())
     twin_sym = manifolds.transformer_symmetry(twin, x)
     with torch.no_grad():
