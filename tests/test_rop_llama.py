@@ -130,6 +130,9 @@ class LlamaBlock(nn.Module):
             k, v = (u[:, :, None].expand(b, u.shape[1], self.heads // u.shape[1], t, self.hd)
                     .reshape(b, self.heads, t, self.hd) for u in (self._rope(k), v))  # fmt: skip
             a = F.scaled_dot_product_attention(self._rope(q), k, v, is_causal=True)
+        elif self.grouped == "repeat_interleave":  # copies, not a view
+            k, v = self._rope(k).repeat_interleave(self.heads, dim=1), torch.repeat_interleave(v, self.heads, dim=1)
+            a = F.scaled_dot_product_attention(self._rope(q), k, v, is_causal=True)
         else:
             a = F.scaled_dot_product_attention(self._rope(q), self._rope(k), v, is_causal=True,
                                                enable_gqa=self.grouped == "enable_gqa")  # fmt: skip
@@ -159,10 +162,11 @@ def test_a_llama_block_with_rotary_embeddings_equals_forward_over_reverse(hand_n
     _exact(_perturbed(Tokens(nn.Sequential(LlamaBlock(hand_norm=hand_norm)), features=2, dim=8)), x, y)
 
 
-@pytest.mark.parametrize("grouped", ["repeat_kv", "enable_gqa"])
+@pytest.mark.parametrize("grouped", ["repeat_kv", "enable_gqa", "repeat_interleave"])
 def test_grouped_query_attention_equals_forward_over_reverse(grouped):
-    """One key/value head read by both query heads: repeated by HuggingFace's ``repeat_kv`` (an ``expand``) or by
-    SDPA's ``enable_gqa`` (the key and value errors summed back over the query heads reading them)."""
+    """One key/value head read by both query heads: repeated by HuggingFace's ``repeat_kv`` (an ``expand``), by
+    SDPA's ``enable_gqa`` or copied by ``repeat_interleave`` (the key and value errors summed back over the query heads
+    reading them)."""
     x, y = _data((6,), n=5)
     _exact(_perturbed(Tokens(nn.Sequential(LlamaBlock(grouped=grouped)), features=2, dim=8)), x, y)
 

@@ -574,6 +574,15 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         fn = getattr(F, name) if name not in ("mean", "sum") else getattr(torch, name)
         means = tuple(sorted(d % len(shapes[first]) for d in dims)) if name == "mean" else ()
         return _Map("linear", lambda t: fn(t, *rest, **kwargs), means=means), [first]
+    if name in ("repeat_interleave", "repeat") and first is not None and len(tensors) == 1:
+        # copies along axes other than the samples' (grouped-query attention's key/value heads), with numbers given
+        # as constants: a fixed linear map whose adjoint sums the copies back (by autograd)
+        before, after = shapes[first], shapes[node]
+        if any(isinstance(a, fx.Node) for a in (*args[1:], *node.kwargs.values())) or len(before) != len(after) \
+                or before[:1] != after[:1]:  # fmt: skip
+            return None
+        call = _caller(node)
+        return _Map("linear", lambda t, call=call: call([t])), [first]
     if name in _VIEWS and first is not None and len(tensors) == 1:
         before, after = shapes[first], shapes[node]
         if before[:1] != after[:1] or torch.Size(before[1:]).numel() != torch.Size(after[1:]).numel():
