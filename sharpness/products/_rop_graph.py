@@ -16,7 +16,8 @@ operation is, at the current point, either
   identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
   and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
   slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
-  ``expand`` (a class token), multiplication by a number computed from shapes, and ``masked_fill`` by a number
+  ``expand`` (a class token), ``repeat_interleave``/``repeat`` along axes other than the samples' (grouped-query
+  key/value heads), multiplication by a number computed from shapes, and ``masked_fill`` by a number
   with a mask that no parameter moves. Its second derivative vanishes (almost everywhere), or
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
