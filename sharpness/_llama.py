@@ -316,10 +316,13 @@ class Llama(nn.Module):
             raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
         if scaling is not None and not isinstance(scaling, Mapping):
             raise SpecError(f"the config's rope_scaling must be an object, got {scaling!r}")
-        if scaling is not None and "original_max_position_embeddings" not in scaling \
-                and "max_position_embeddings" in config:  # fmt: skip
-            # transformers falls back to the model's context where the scaling does not name the original one
-            scaling = {**scaling, "original_max_position_embeddings": config["max_position_embeddings"]}
+        if scaling is not None and _rope_type(scaling) == "llama3":  # the original context as transformers reads it:
+            # a top-level original_max_position_embeddings first (Phi-3 saves it there), then the scaling's own, then
+            # the model's max_position_embeddings (LlamaConfig's default 2048)
+            context = config.get("original_max_position_embeddings",
+                                 scaling.get("original_max_position_embeddings",
+                                             config.get("max_position_embeddings", 2048)))  # fmt: skip
+            scaling = {**scaling, "original_max_position_embeddings": context}
         return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied)
 
 

@@ -84,8 +84,11 @@ def test_llama3_rotary_scaling_is_read_from_either_config_format():
     context = {k: v for k, v in parameters.items() if k != "original_max_position_embeddings"}
     fallback = {**old, "rope_scaling": context,
                 "max_position_embeddings": parameters["original_max_position_embeddings"]}  # fmt: skip
-    with torch.no_grad():  # without the original context, transformers takes the model's
-        torch.testing.assert_close(Llama.from_config(fallback, state)(ids), logits, rtol=0, atol=1e-5)
+    top = {**old, "rope_scaling": context, "max_position_embeddings": 8192,
+           "original_max_position_embeddings": parameters["original_max_position_embeddings"]}  # fmt: skip
+    with torch.no_grad():  # without the original context, transformers takes the top-level one, else the model's
+        for config in (fallback, top):
+            torch.testing.assert_close(Llama.from_config(config, state)(ids), logits, rtol=0, atol=1e-5)
     for bad, fragment in [({**old, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
                           ({**_config(), "rope_parameters": "linear"}, "rope_parameters must be an object"),
                           ({**old, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive number"),

@@ -162,6 +162,24 @@ def test_a_llama_block_with_rotary_embeddings_equals_forward_over_reverse(hand_n
     _exact(_perturbed(Tokens(nn.Sequential(LlamaBlock(hand_norm=hand_norm)), features=2, dim=8)), x, y)
 
 
+class ShapeRepeat(nn.Module):
+    """``h.repeat((1, h.shape[1] // 4))``: a copy whose sizes are computed in the graph, nested in a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h.repeat((1, h.shape[1] // 4)))
+
+
+def test_a_copy_with_sizes_computed_in_the_graph_falls_back_to_autograd():
+    x, y = _data((6,), n=7)
+    obj = Objective(_perturbed(ShapeRepeat()), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
 @pytest.mark.parametrize("grouped", ["repeat_kv", "enable_gqa", "repeat_interleave"])
 def test_grouped_query_attention_equals_forward_over_reverse(grouped):
     """One key/value head read by both query heads: repeated by HuggingFace's ``repeat_kv`` (an ``expand``), by

@@ -579,9 +579,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         # copies along axes other than the samples' (grouped-query attention's key/value heads), with numbers given
         # as constants: a fixed linear map whose adjoint sums the copies back (by autograd)
         before, after = shapes[first], shapes[node]
-        if any(isinstance(a, fx.Node) for a in (*args[1:], *node.kwargs.values())) or len(before) != len(after) \
-                or before[:1] != after[:1]:  # fmt: skip
-            return None
+        if node.all_input_nodes != [first] or len(before) != len(after) or before[:1] != after[:1]:
+            return None  # numbers computed in the graph (nested in a list too), or the samples' axis copied
         call = _caller(node)
         return _Map("linear", lambda t, call=call: call([t])), [first]
     if name in _VIEWS and first is not None and len(tensors) == 1:
