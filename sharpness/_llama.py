@@ -6,8 +6,9 @@ Each block is ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_la
 a weight. Attention projects queries, keys and values (``K`` key/value heads shared by groups of the ``H`` query
 heads: grouped-query attention, HuggingFace's ``repeat_kv``), turns each head's queries and keys by rotary position
 embeddings (``q cos + rotate_half(q) sin``, angles ``t / theta^(2i / hd)`` computed in float32 as HuggingFace computes
-them), and attends causally with scale ``hd^-1/2``; the MLP is ``down(silu(gate(x)) * up(x))``. The logits are the
-final RMSNorm's output times ``lm_head``, which may share the token table (``tie_word_embeddings``).
+them, scaled as LLaMA 3.1's ``rope_scaling`` says: `rotary_frequencies`), and attends causally with scale
+``hd^-1/2``; the MLP is ``down(silu(gate(x)) * up(x))``. The logits are the final RMSNorm's output times ``lm_head``,
+which may share the token table (``tie_word_embeddings``).
 
 State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``hd`` the head size, ``F`` the MLP's)::
 

@@ -1,5 +1,5 @@
 """The operations the graph R-operator (`sharpness.products._rop_graph`) walks: layers bilinear in (input,
-parameters) and fixed linear maps.
+parameters), tables read at integer ids (`_Embedding`), and fixed linear maps.
 
 With a tangent ``v`` (``V``, ``c`` for an affine layer's weight and bias, ``G``, ``B`` for a BatchNorm's), the
 first-order errors ``delta = dL/dz`` and the tangent errors ``ddot``::
