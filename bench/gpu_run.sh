@@ -42,6 +42,7 @@ if [ "$DEVICE" = cuda ]; then
   PIECES=(--samples 1000 --rounds 5)
   TRANSFORMER=(--workloads T1 --sections 1 2 --quick)
   PROFILE=(--workload T1)
+  ATTENTION=(--rounds 9)
 else
   SCALE=${GPU_RUN_SCALE:-50} TOTAL=${GPU_RUN_TOTAL:-300}
   DEVICE_TESTS=(tests/test_devices.py -k "test_products_on_the_device and mlp_bias")
@@ -57,6 +58,7 @@ else
   PIECES=(--samples 40 --rounds 1 --pieces 0,64)
   TRANSFORMER=(--workloads T1 --sections 1 --quick)
   PROFILE=(--workload T1 --lines 10)
+  ATTENTION=(--rounds 1 --samples 50)
 fi
 THREADS=$(nproc)  # all the cores (16 on the GPU machine): the CPU side of the runs
 DEADLINE=$((START + TOTAL))
@@ -154,6 +156,8 @@ step resnet_memory 22 python3 bench/resnet.py --device "$DEVICE" --section memor
   --json "$JSON/resnet_memory.json"
 step gspace 15 python3 bench/gspace.py --device "$DEVICE" --quick --threads 1 --json "$JSON/gspace.json"
 step connection 15 python3 bench/connection.py --device "$DEVICE" "${CONNECTION[@]}"
+step rop_attention 25 python3 bench/rop_attention.py --device "$DEVICE" --forms sdpa gpt2 llama "${ATTENTION[@]}" \
+  --json "$JSON/rop_attention.json"
 
 # --- results: one JSON file, and a summary
 python3 - "$JSON" "$OUT/bench.json" <<'EOF' 2>&1 | tee -a "$LOG"

@@ -1,9 +1,10 @@
 """One Hessian-vector product against one gradient on a timm-like ViT block with attention written by hand (issue 33):
 the R-operator's generic rules (activation products, softmax, SDPA, reshapes) against the autograd graph.
 
-Run by hand, never from the tests (CPU time, interleaved rounds, one thread)::
+Run by hand, never from the tests (CPU time, interleaved rounds, one thread; on a GPU, wall time)::
 
     flock /tmp/bench.lock python bench/rop_attention.py
+    python bench/rop_attention.py --device cuda --forms sdpa gpt2 llama --json out.json
 
 The model: 500 samples of 16 tokens of 4 features, a Linear embedding plus a learned position table, one pre-LayerNorm
 block as timm writes it (fused ``qkv`` Linear, ``reshape``/``permute``/``unbind`` into heads, then either
@@ -21,6 +22,7 @@ rounds), and their ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
+
+from _workloads import add_device_argument, clock, device_label, use_device  # noqa: E402
 
 from sharpness import GPT2, Llama, Objective  # noqa: E402
 
@@ -84,11 +89,19 @@ def main(argv: list[str] | None = None) -> int:
              "mha": "nn.MultiheadAttention (reference)", "gpt2": "sharpness.GPT2, tied output layer",
              "llama": "sharpness.Llama, grouped-query attention"}  # fmt: skip
     parser.add_argument("--forms", nargs="+", choices=forms, default=list(forms), help="models to time (default: all)")
+    parser.add_argument("--json", help="also write the figures here")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
+    use_device(parser, args.device)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    on_cpu = args.device.type == "cpu"  # CPU time of one thread there; on a GPU, wall time once its work is done
+    timer = time.process_time if on_cpu else lambda: clock(args.device)
+    print(f"device {device_label(args.device)}; {'CPU' if on_cpu else 'wall'} time, minimum of {args.rounds} rounds")
     x, y = torch.randn(args.samples, 16, 4), torch.randint(0, 10, (args.samples,))
     ids = torch.randint(0, 512, (128, 33), generator=torch.Generator().manual_seed(2))
+    x, y, ids = x.to(args.device), y.to(args.device), ids.to(args.device)
+    figures = {}
     for form in args.forms:
         label = forms[form]
         if form in ("gpt2", "llama"):
@@ -96,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                 model = GPT2(vocab=512, positions=32, dim=64, layers=2, heads=4, classes_last=False)
             else:
                 model = Llama(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, hidden=256, classes_last=False)
-            obj = Objective(model.eval(), nn.CrossEntropyLoss(), (ids[:, :-1], ids[:, 1:]))
+            obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), (ids[:, :-1], ids[:, 1:]))
         else:
-            obj = Objective(TimmLike(form=form).eval(), nn.CrossEntropyLoss(), (x, y))
-        v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1))
+            obj = Objective(TimmLike(form=form).eval().to(args.device), nn.CrossEntropyLoss(), (x, y))
+        v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1)).to(args.device)
         cases = {
             "gradient": obj.gradient,
             "auto": lambda o=obj, v=v: o.hvp(v),
@@ -110,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         best = dict.fromkeys(cases, float("inf"))
         for _ in range(args.rounds):
             for name, fn in cases.items():
-                start = time.process_time()
+                start = timer()
                 fn()
-                best[name] = min(best[name], time.process_time() - start)
+                best[name] = min(best[name], timer() - start)
         g = best["gradient"]
-        print(f"{label}: auto = {obj.hvp_strategy()!r}; CPU ms: gradient {g * 1e3:.1f}, "
+        print(f"{label}: auto = {obj.hvp_strategy()!r}; ms: gradient {g * 1e3:.1f}, "
               f"auto {best['auto'] * 1e3:.1f} ({best['auto'] / g:.2f}x), graph {best['graph'] * 1e3:.1f} "
               f"({best['graph'] / g:.2f}x)")  # fmt: skip
+        figures[form] = {"strategy": obj.hvp_strategy(), **{f"{k}_ms": t * 1e3 for k, t in best.items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device_label(args.device), "figures": figures}, indent=1))
     return 0
 
 
