@@ -96,9 +96,10 @@ def _rotate_half(x: Tensor) -> Tensor:
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, inv_freq: Tensor, bias: Mapping[str, bool]):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, inv_freq: Tensor, bias: Mapping[str, bool],
+                 window: int | None = None):  # fmt: skip
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
         self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias.get("q_proj", False))
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
@@ -125,7 +126,13 @@ class LlamaAttention(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
+        if self.window is None:
+            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
+        else:  # Mistral's sliding window: query t sees the keys t - window + 1 .. t
+            token = torch.arange(x.size(1), device=x.device)
+            gap = token[:, None] - token[None, :]
+            seen = (gap >= 0) & (gap < self.window)
+            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=seen)
         return self.o_proj(out.transpose(1, 2).reshape(x.size(0), x.size(1), self.heads * self.head_dim))
 
 
@@ -142,9 +149,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 inv_freq: Tensor, bias: Mapping[str, bool]):  # fmt: skip
+                 inv_freq: Tensor, bias: Mapping[str, bool], window: int | None):  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, inv_freq, bias)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, inv_freq, bias, window)
         self.mlp = LlamaMLP(dim, hidden, bias)
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
 
@@ -155,11 +162,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
-                 eps: float, inv_freq: Tensor, bias: Mapping[str, bool]):  # fmt: skip
+                 eps: float, inv_freq: Tensor, bias: Mapping[str, bool], window: int | None):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(dim, heads, kv_heads, head_dim, hidden, eps, inv_freq, bias)
-                                    for _ in range(layers))  # fmt: skip
+        block = (dim, heads, kv_heads, head_dim, hidden, eps, inv_freq, bias, window)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(*block) for _ in range(layers))
         self.norm = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -185,6 +192,8 @@ class Llama(nn.Module):
         theta: the rotary base (``rope_theta``).
         rope_scaling: HuggingFace's ``rope_scaling`` (or ``rope_parameters``) for a scaled rotary embedding:
             ``{"rope_type": "linear", "factor": ...}`` or LLaMA 3.1's ``"llama3"`` (`rotary_frequencies`).
+        sliding_window: Mistral's ``sliding_window``: each query sees itself and the ``sliding_window - 1`` keys
+            before it; ``None``: every key before it.
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
@@ -198,12 +207,15 @@ class Llama(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int | None = None,
                  hidden: int | None = None, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
-                 rope_scaling: Mapping[str, object] | None = None):  # fmt: skip
+                 rope_scaling: Mapping[str, object] | None = None, sliding_window: int | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
         if heads < 1 or kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):  # fmt: skip
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"the head size {head_dim} must be even for rotary embeddings")
         if not positive_number(eps) or not positive_number(theta):
@@ -214,8 +226,7 @@ class Llama(nn.Module):
         self.classes_last = classes_last
         inv_freq = rotary_frequencies(head_dim, theta, rope_scaling)
         self.model = LlamaBody(vocab, dim, layers, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden,
-                               eps, inv_freq,
-                               dict(bias or {}))  # fmt: skip
+                               eps, inv_freq, dict(bias or {}), sliding_window)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -232,14 +243,15 @@ class Llama(nn.Module):
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, theta: float = 10000.0,
                         classes_last: bool = True, rope_scaling: Mapping[str, object] | None = None,
-                        tied: bool | None = None) -> Llama:  # fmt: skip
+                        tied: bool | None = None, sliding_window: int | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
         tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, and biases where the
         checkpoint has them. ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
         (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
-        (`from_config` reads them there). ``tied`` (``tie_word_embeddings``): ``None`` reads it off the tensors,
-        tied where ``lm_head.weight`` is absent or equal to the token table.
+        (`from_config` reads them there), and so is Mistral's ``sliding_window``. ``tied``
+        (``tie_word_embeddings``): ``None`` reads it off the tensors, tied where ``lm_head.weight`` is absent or equal
+        to the token table.
 
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, ``tied`` contradicts the tensors, or an
@@ -281,7 +293,7 @@ class Llama(nn.Module):
             raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
-                        head_dim, eps, theta, tied, bias, classes_last, rope_scaling)  # fmt: skip
+                        head_dim, eps, theta, tied, bias, classes_last, rope_scaling, sliding_window)  # fmt: skip
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:
@@ -293,7 +305,8 @@ class Llama(nn.Module):
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> Llama:
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
         ``rms_norm_eps`` (default 1e-6), ``rope_theta`` and ``rope_scaling`` (or transformers 5's
-        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors) and ``hidden_act`` (``silu``).
+        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors), ``hidden_act`` (``silu``) and
+        Mistral's ``sliding_window`` (Qwen2's, which only some layers use, is refused).
 
         Raises:
             ValueError: a field missing or of the wrong kind, another activation, or what `from_state_dict` raises.
@@ -324,7 +337,13 @@ class Llama(nn.Module):
                                  scaling.get("original_max_position_embeddings",
                                              config.get("max_position_embeddings", 2048)))  # fmt: skip
             scaling = {**scaling, "original_max_position_embeddings": context}
-        return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied)
+        window = config.get("sliding_window")
+        if config.get("model_type") == "qwen2" or "use_sliding_window" in config:  # windows on some layers only
+            if config.get("use_sliding_window"):
+                raise SpecError("the config uses a sliding window on some layers (use_sliding_window), which "
+                                "sharpness.Llama does not compute")  # fmt: skip
+            window = None
+        return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied, window)
 
 
 def llama_from_spec(spec: str, state: Mapping[str, Tensor]) -> Llama:

@@ -24,6 +24,7 @@ DATA = Path(__file__).parent / "data"
 # file, query heads, rope_theta; both: vocabulary 29, width 16, 2 blocks, MLP 24, rms_norm_eps 1e-5
 GQA, TIED = ("llama_tiny_hf.safetensors", 4, 500.0), ("llama_tiny_tied_hf.safetensors", 2, 10000.0)
 ROPE = ("llama_tiny_rope_hf.safetensors", 2, 10000.0)  # LLaMA 3.1's scaled rotary embeddings; its config.json beside
+MISTRAL = ("mistral_tiny_hf.safetensors", 2, 10000.0)  # a sliding window of 3 tokens on inputs of 9; its config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -34,16 +35,16 @@ def _checkpoint(which):
 
 def _model(which, classes_last: bool = True, state=None) -> Llama:
     state = _checkpoint(which)[0] if state is None else state
-    if which is ROPE:
-        return Llama.from_config(_config(), state, classes_last=classes_last)
+    if which in (ROPE, MISTRAL):
+        return Llama.from_config(_config(which), state, classes_last=classes_last)
     return Llama.from_state_dict(state, heads=which[1], eps=EPS, theta=which[2], classes_last=classes_last)
 
 
-def _config() -> dict:
-    return json.loads((DATA / "llama_tiny_rope_hf.json").read_text())
+def _config(which=ROPE) -> dict:
+    return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE], ids=["gqa", "tied", "llama3_rope"])
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL], ids=["gqa", "tied", "llama3_rope", "mistral_window"])
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -56,10 +57,25 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
     attention = model.model.layers[0].self_attn
-    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), ROPE[0]: (2, 1, 8)}[which[0]]
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), ROPE[0]: (2, 1, 8), MISTRAL[0]: (2, 1, 8)}[which[0]]
     assert (attention.heads, attention.kv_heads, attention.head_dim) == sizes
     biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
     assert biased == (which is TIED,) * 2
+
+
+def test_mistral_s_sliding_window_is_read_from_its_config():
+    """Without the window of 3 the logits of 9-token inputs move by 5.2; Qwen2's windows on some layers are refused."""
+    state, ids, logits = _checkpoint(MISTRAL)
+    assert _model(MISTRAL).model.layers[0].self_attn.window == 3
+    with torch.no_grad():
+        plain = Llama.from_state_dict(state, heads=2, eps=EPS)(ids)
+    assert float((plain - logits).abs().max()) > 1.0
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        Llama.from_config({**_config(MISTRAL), "model_type": "qwen2", "use_sliding_window": True}, state)
+    qwen = Llama.from_config({**_config(MISTRAL), "model_type": "qwen2", "use_sliding_window": False}, state)
+    assert qwen.model.layers[0].self_attn.window is None
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        Llama.from_config({**_config(MISTRAL), "sliding_window": 0}, state)
 
 
 def test_llama3_rotary_scaling_is_read_from_either_config_format():
@@ -126,28 +142,29 @@ def test_checkpoint_key_forms():
         Llama.from_state_dict(empty, heads=4)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL], ids=["gqa", "tied", "mistral_window"])
 def test_the_group_and_the_invariant_measure(which):
     """Per block and key/value head: on query/key the subgroup of GL(hd) commuting with the rotary maps (one ``a I + b
     J`` per rotated pair: dimension hd), moving the query heads that share the key head together; GL(hd) on
     value/output; the two RMSNorms of each block traded, and the SwiGLU units. The final RMSNorm is traded against an
     untied head and pinned by a head that shares the token table. Grouped-query fixture: 2 key/value heads of 4 per
-    block, each read by 2 query heads; tied fixture: 2 heads of 8."""
+    block, each read by 2 query heads; tied fixture: 2 heads of 8; Mistral fixture: one key/value head of 8 read by
+    both query heads, under a sliding window (a constant mask, which the group leaves alone)."""
     state, ids, _ = _checkpoint(which)
     model = _model(which, classes_last=False)
     sym = manifolds.transformer_symmetry(model, ids)
-    kv_heads, hd = (2, 4) if which is GQA else (2, 8)
+    kv_heads, hd = {GQA[0]: (2, 4), TIED[0]: (2, 8), MISTRAL[0]: (1, 8)}[which[0]]
     labels = [f.label for f in sym.factors]
     assert sum("query/key" in la for la in labels) == sum("value/output" in la for la in labels) == LAYERS * kv_heads
-    final = WIDTH if which is GQA else 0
+    final = 0 if which is TIED else WIDTH  # the final RMSNorm traded against an untied head
     assert sym.dim == LAYERS * kv_heads * (hd + hd * hd) + LAYERS * (2 * WIDTH + MLP) + final, sym.describe()
-    if which is GQA:  # each key and value head moves with the two query heads reading it
+    if which is not TIED:  # each key and value head moves with the two query heads reading it
         assert all(sum(b.name.endswith("q_proj.weight") for b in f.blocks) == 2 for f in sym.factors
                    if "query/key" in f.label)  # fmt: skip
         assert all(sum(b.name.endswith("o_proj.weight") for b in f.blocks) == 2 for f in sym.factors
                    if "value/output" in f.label)  # fmt: skip
     moved = {b.name for f in sym.factors for b in f.blocks}
-    assert ("model.norm.weight" in moved) == (which is GQA) and "model.embed_tokens.weight" not in moved
+    assert ("model.norm.weight" in moved) == (which is not TIED) and "model.embed_tokens.weight" not in moved
     loss, data = nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1))
     moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(0)))
     with torch.no_grad():
@@ -159,7 +176,7 @@ def test_the_group_and_the_invariant_measure(which):
     assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED], ids=["gqa", "tied"])
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL], ids=["gqa", "tied", "mistral_window"])
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))

@@ -383,7 +383,9 @@ class _Map:
         if kind == "sum":
             out = xs[0] if self.factors[0] == 1.0 else xs[0] * self.factors[0]
             for x, f in zip(xs[1:], self.factors[1:]):
-                out = out.add(x, alpha=f)
+                # integer tensors (positions, token[:, None] - token[None, :]) take an integer alpha only
+                whole = not (out.is_floating_point() or x.is_floating_point()) and float(f).is_integer()
+                out = out.add(x, alpha=int(f) if whole else f)
             # a parameter broadcast over the samples (fewer axes): each input's shape, for its error's sum
             return out, (None if all(x.shape == out.shape for x in xs) else (out.shape, *(x.shape for x in xs)))
         return torch.cat(xs, dim=self.dim), [x.shape[self.dim] for x in xs]

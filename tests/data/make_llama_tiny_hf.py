@@ -1,13 +1,14 @@
-"""Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors`` and ``llama_tiny_rope_hf.safetensors``:
-tiny random LLaMA decoders made by HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the
-initialization), each with an input and the logits ``LlamaForCausalLM`` gives for it (keys ``__input_ids``,
-``__logits``). The first has grouped-query attention (4 query heads sharing 2 key/value heads), rope_theta 500 and an
-untied head; the second 2 heads of 8, biases on every attention projection (``attention_bias``) and the MLP
-(``mlp_bias``), and the head tied to the token table (no ``lm_head.weight`` key); the third LLaMA 3.1's scaled rotary
-embeddings (``rope_type="llama3"``), with its ``config.json`` beside it (``llama_tiny_rope_hf.json``). HuggingFace's
-RMSNorm and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
-``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs ``transformers`` (not a dependency of this
-project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR``.
+"""Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors``, ``llama_tiny_rope_hf.safetensors`` and
+``mistral_tiny_hf.safetensors``: tiny random decoders made by HuggingFace's ``transformers`` (float64, eager attention,
+parameters moved off the initialization), each with an input and the logits the model gives for it (keys
+``__input_ids``, ``__logits``). The first has grouped-query attention (4 query heads sharing 2 key/value heads),
+rope_theta 500 and an untied head; the second 2 heads of 8, biases on every attention projection (``attention_bias``)
+and the MLP (``mlp_bias``), and the head tied to the token table (no ``lm_head.weight`` key); the third LLaMA 3.1's
+scaled rotary embeddings (``rope_type="llama3"``); the fourth a ``MistralForCausalLM`` whose attention sees a sliding
+window of 3 tokens. The last two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``,
+``mistral_tiny_hf.json``). HuggingFace's RMSNorm and softmax compute in float32 even in a float64 model, so its float64
+logits are float32-accurate. ``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs ``transformers`` (not
+a dependency of this project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR``.
 """
 
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 CONFIGS = {
     "llama_tiny_hf.safetensors": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0,
@@ -31,13 +32,19 @@ CONFIGS = {
                                                          "original_max_position_embeddings": 64}),
 }
 
+# Mistral: LLaMA's keys and layers, its attention limited to a sliding window of 3 tokens (the inputs have 9)
+MISTRAL = "mistral_tiny_hf.safetensors"
+CONFIGS[MISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3)
+
 for seed, (name, options) in enumerate(CONFIGS.items()):
     torch.manual_seed(seed)
     theta = options.pop("rope_theta", 10000.0)
     rope = {"rope_type": "default", "rope_theta": theta, **options.pop("rope_scaling", {})}
-    cfg = LlamaConfig(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5,
+    make_config, make_model = (MistralConfig, MistralForCausalLM) if name == MISTRAL \
+        else (LlamaConfig, LlamaForCausalLM)  # fmt: skip
+    cfg = make_config(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5,
                       max_position_embeddings=16, attn_implementation="eager", rope_parameters=rope, **options)
-    m = LlamaForCausalLM(cfg).double().eval()
+    m = make_model(cfg).double().eval()
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))  # RMSNorm weights off 1, larger weights
@@ -52,6 +59,6 @@ for seed, (name, options) in enumerate(CONFIGS.items()):
     generator = f"transformers {transformers.__version__} LlamaForCausalLM, eager attention, float64"
     save_file(sd, str(Path(sys.argv[1]) / name), metadata={"generator": generator,
               "num_attention_heads": str(cfg.num_attention_heads), "rope_theta": str(theta)})
-    if rope["rope_type"] != "default":  # its config.json too, as the library writes it
+    if rope["rope_type"] != "default" or name == MISTRAL:  # its config.json too, as the library writes it
         cfg.to_json_file(str(Path(sys.argv[1]) / name.replace(".safetensors", ".json")))
     print(name, tuple(logits.shape), float(logits.abs().max()))
