@@ -343,6 +343,11 @@ class Llama(nn.Module):
                 raise SpecError("the config uses a sliding window on some layers (use_sliding_window), which "
                                 "sharpness.Llama does not compute")  # fmt: skip
             window = None
+        kinds = config.get("layer_types") or []
+        if window is not None and config.get("model_type") != "mistral" and set(kinds) - {"sliding_attention"}:
+            # Ministral and the like: a window on some layers only (Mistral's own class reads no layer_types)
+            raise SpecError("the config's layer_types give a sliding window to some layers only, which sharpness.Llama "
+                            "does not compute")  # fmt: skip
         return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied, window)
 
 

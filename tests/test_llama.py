@@ -76,6 +76,12 @@ def test_mistral_s_sliding_window_is_read_from_its_config():
     assert qwen.model.layers[0].self_attn.window is None
     with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
         Llama.from_config({**_config(MISTRAL), "sliding_window": 0}, state)
+    ministral = {**_config(MISTRAL), "model_type": "ministral", "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(ValueError, match="some layers only"):
+        Llama.from_config(ministral, state)
+    with torch.no_grad():  # Mistral's own class reads no layer_types; a window on every layer is the window
+        for config in ({**ministral, "model_type": "mistral"}, {**ministral, "layer_types": ["sliding_attention"] * 2}):
+            torch.testing.assert_close(Llama.from_config(config, state)(ids), logits, rtol=0, atol=1e-5)
 
 
 def test_llama3_rotary_scaling_is_read_from_either_config_format():

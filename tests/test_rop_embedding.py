@@ -249,3 +249,33 @@ def test_gpt2_products_are_the_r_operator_s():
         torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
     torch.testing.assert_close(obj.hvp_batch(V), torch.stack([obj.hvp(v, "double_backward") for v in V]), rtol=0,
                                atol=1e-12 * float(V.abs().max()))  # fmt: skip
+
+
+class PositionArithmetic(nn.Module):
+    """Attention scores plus a diagonal bonus computed from integer positions by ``torch.sub(..., alpha=A)``: with
+    ``A = 2**53 + 1`` (no float holds it) the call is replayed as it is; with ``A = 3`` it is read as a sum of integer
+    tensors."""
+
+    def __init__(self, alpha: int):
+        super().__init__()
+        self.alpha = alpha
+        self.emb, self.q, self.k, self.v = nn.Embedding(VOCAB, WIDTH), *(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.out = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        t = torch.arange(ids.size(1), device=ids.device)
+        gap = torch.sub(t[:, None] * self.alpha, t[None, :], alpha=self.alpha)  # alpha (i - j), exact in int64
+        s = self.q(x) @ self.k(x).transpose(1, 2) + (gap == 0).to(x.dtype)
+        return self.out(torch.softmax(s, -1) @ self.v(x)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("alpha", [3, 2**53 + 1])
+def test_integer_position_arithmetic_is_replayed_exactly(alpha):
+    model = _off_init(PositionArithmetic(alpha))
+    ids = _tokens()
+    obj = Objective(model, nn.CrossEntropyLoss(), (ids, _targets(model, ids)))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ref = obj.hvp(v, "double_backward")
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))

@@ -598,7 +598,7 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if target in _ADD | _SUB and len(args) == 2 and not node.kwargs.keys() - {"alpha"}:
         sign = -1.0 if target in _SUB else 1.0
         alpha = node.kwargs.get("alpha", 1)
-        if not _number(alpha):
+        if not _number(alpha) or float(alpha) != alpha:  # an integer a float does not hold exactly is not read
             return None
         if all(isinstance(a, fx.Node) and a in shapes for a in args):
             out = shapes[node]
