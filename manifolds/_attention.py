@@ -9,13 +9,12 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
 * **Value/output, per head** (``GL(hd)``): ``Wv_h <- B^T Wv_h``, ``bv_h <- B^T bv_h`` and the output
   projection's columns of head ``h`` ``<- (.) B^-T``. The head's output ``P v`` becomes ``P v B`` for the
   (unchanged) attention weights ``P``, and ``(P v B) (W_o,h B^-T)^T = P v W_o,h^T``; the output bias stays.
-* **Grouped-query attention** (a key/value head read by a group of query heads, HuggingFace's ``repeat_kv``: an
-  ``expand`` of size-1 axes, a ``repeat_interleave`` or ``repeat`` of whole entries along other axes than the
-  samples', between the projection and the product, or SDPA's ``enable_gqa``): one query/key factor
-  per key head, moving the
-  rows of every query head reading it by ``A^T`` and the key head's by ``A^-1``, and one value/output factor per value
-  head, ``B^T`` on its rows and ``B^-T`` on the output columns of every query head reading it. Which query heads read
-  which key head is read off the replayed feature indices, not assumed.
+* **Grouped-query attention** (a key/value head read by a group of query heads: HuggingFace's ``repeat_kv``, an
+  ``expand`` of size-1 axes; a ``repeat_interleave`` or ``repeat`` of whole entries along axes other than the
+  samples', between the projection and the product; or SDPA's ``enable_gqa``): one query/key factor per key head,
+  moving the rows of every query head reading it by ``A^T`` and the key head's by ``A^-1``, and one value/output factor
+  per value head, ``B^T`` on its rows and ``B^-T`` on the output columns of every query head reading it. Which query
+  heads read which key head is read off the replayed feature indices, not assumed.
 * **Normalization affine scale** (positive diagonal, one scale per feature): ``gamma_j, beta_j <- c_j gamma_j,
   c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
   reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
