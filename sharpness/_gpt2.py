@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options, check_token_ids, load_fitting, positive_number, read_config
+from sharpness._specs import (
+    SpecError,
+    check_token_ids,
+    checkpoint_spec,
+    load_fitting,
+    positive_integer,
+    positive_number,
+)
 
 
 def is_mask_buffer(key: str) -> bool:
@@ -145,6 +152,29 @@ class GPT2(nn.Module):
         return logits if self.classes_last else logits.transpose(1, 2)
 
     @classmethod
+    def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> GPT2:
+        """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``n_head`` and
+        ``layer_norm_epsilon`` (default 1e-5); a config asking for another function than GPT-2's (an
+        ``activation_function`` other than ``gelu_new``, ``scale_attn_weights`` false,
+        ``scale_attn_by_inverse_layer_idx``) is refused.
+
+        Raises:
+            ValueError: a field missing or of the wrong kind, another function, or what `from_state_dict` raises.
+        """
+        heads, eps = config.get("n_head"), config.get("layer_norm_epsilon", 1e-5)
+        if not positive_integer(heads) or not positive_number(eps):
+            raise SpecError(f"the config's n_head must be a positive integer and its layer_norm_epsilon a positive "
+                            f"number, got {heads!r} and {eps!r}")  # fmt: skip
+        if config.get("activation_function", "gelu_new") != "gelu_new":
+            raise SpecError(f"the config's activation_function is {config['activation_function']!r}; GPT-2's MLP "
+                            "uses gelu_new")  # fmt: skip
+        for option, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if config.get(option, plain) != plain:  # another function than sharpness.GPT2's
+                raise SpecError(f"the config sets {option} to {config[option]!r}, which sharpness.GPT2 does not "
+                                f"compute (it has {option}={plain})")  # fmt: skip
+        return cls.from_state_dict(state, heads, float(eps), classes_last)
+
+    @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-5,
                         classes_last: bool = True) -> GPT2:  # fmt: skip
         """The model of a GPT-2 checkpoint's state dict (``GPT2LMHeadModel``'s keys, or ``GPT2Model``'s without the
@@ -179,7 +209,7 @@ class GPT2(nn.Module):
 
 
 def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:
-    """The model of a ``gpt2:config=PATH`` (the checkpoint's ``config.json``: ``n_head``, ``layer_norm_epsilon``) or
+    """The model of a ``gpt2:config=PATH`` (the checkpoint's ``config.json``, `GPT2.from_config`) or
     ``gpt2:heads=H[,eps=E]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors), its logits
     ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
 
@@ -187,33 +217,19 @@ def gpt2_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPT2:
         SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
             dict that does not fit.
     """
-    options = _parse_options(spec[len("gpt2:") :] if spec.startswith("gpt2:") else "", spec)
-    if "config" in options:
-        if set(options) != {"config"}:
-            raise SpecError(f"model spec {spec!r}: with config=, the config.json gives every other option")
-        config = read_config(options["config"])
-        heads, eps = config.get("n_head"), config.get("layer_norm_epsilon", 1e-5)
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or not positive_number(eps):
-            raise SpecError(f"model spec {spec!r}: the config's n_head must be a positive integer and its "
-                            f"layer_norm_epsilon a positive number, got {heads!r} and {eps!r}")  # fmt: skip
-        if config.get("activation_function", "gelu_new") != "gelu_new":
-            raise SpecError(f"model spec {spec!r}: the config's activation_function is "
-                            f"{config['activation_function']!r}; GPT-2's MLP uses gelu_new")  # fmt: skip
-        for option, plain in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
-            if config.get(option, plain) != plain:  # another function than sharpness.GPT2's
-                raise SpecError(f"model spec {spec!r}: the config sets {option} to {config[option]!r}, which "
-                                f"sharpness.GPT2 does not compute (it has {option}={plain})")  # fmt: skip
-    else:
+    options, config = checkpoint_spec(spec, "gpt2")
+    try:
+        if config is not None:
+            return GPT2.from_config(config, state, classes_last=False)
         if set(options) - {"heads", "eps"} or "heads" not in options:
-            raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json (gpt2:config=PATH) or its number "
-                            "of heads (n_head), e.g. gpt2:heads=12; the only other option is eps")  # fmt: skip
+            raise SpecError("give the checkpoint's config.json (gpt2:config=PATH) or its number of heads (n_head), "
+                            "e.g. gpt2:heads=12; the only other option is eps")  # fmt: skip
         try:
             heads, eps = int(options["heads"]), float(options.get("eps", 1e-5))
         except ValueError:
-            raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a number") from None
+            raise SpecError("heads is a positive integer and eps a number") from None
         if heads < 1 or not positive_number(eps):
-            raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive finite number")
-    try:
-        return GPT2.from_state_dict(state, heads, float(eps), classes_last=False)
-    except ValueError as failure:  # a width that is no multiple of the heads
+            raise SpecError("heads is a positive integer and eps a positive finite number")
+        return GPT2.from_state_dict(state, heads, eps, classes_last=False)
+    except ValueError as failure:  # a width that is no multiple of the heads, say
         raise SpecError(f"model spec {spec!r}: {failure}") from None

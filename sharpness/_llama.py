@@ -32,7 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, _parse_options, check_token_ids, load_fitting, positive_number, read_config
+from sharpness._specs import (
+    SpecError,
+    check_token_ids,
+    checkpoint_spec,
+    load_fitting,
+    positive_integer,
+    positive_number,
+)
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -273,7 +280,7 @@ class Llama(nn.Module):
                 raise SpecError(f"the LLaMA state dict has no matrix {first + name}")
         q_rows = tensors[first + "self_attn.q_proj.weight"].shape[0]
         k_rows = tensors[first + "self_attn.k_proj.weight"].shape[0]
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        if not positive_integer(heads):
             raise SpecError(f"heads must be a positive integer, got {heads!r}")
         if q_rows == 0 or k_rows == 0:
             raise SpecError("q_proj and k_proj must have rows (the heads' features)")
@@ -312,7 +319,7 @@ class Llama(nn.Module):
             ValueError: a field missing or of the wrong kind, another activation, or what `from_state_dict` raises.
         """
         heads = config.get("num_attention_heads")
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        if not positive_integer(heads):
             raise SpecError(f"the config's num_attention_heads must be a positive integer, got {heads!r}")
         if config.get("hidden_act", "silu") != "silu":
             raise SpecError(f"the config's hidden_act is {config['hidden_act']!r}; a LLaMA MLP gates with silu")
@@ -360,12 +367,10 @@ def llama_from_spec(spec: str, state: Mapping[str, Tensor]) -> Llama:
         SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
             dict that does not fit.
     """
-    options = _parse_options(spec[len("llama:") :] if spec.startswith("llama:") else "", spec)
-    if "config" in options:
-        if set(options) != {"config"}:
-            raise SpecError(f"model spec {spec!r}: with config=, the config.json gives every other option")
+    options, config = checkpoint_spec(spec, "llama")
+    if config is not None:
         try:
-            return Llama.from_config(read_config(options["config"]), state, classes_last=False)
+            return Llama.from_config(config, state, classes_last=False)
         except ValueError as failure:
             raise SpecError(f"model spec {spec!r}: {failure}") from None
     if set(options) - {"heads", "eps", "theta"} or "heads" not in options:

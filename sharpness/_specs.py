@@ -410,6 +410,26 @@ def check_token_ids(input_ids: Tensor, vocab: int, positions: int | None, model:
                          f"vocabulary 0..{vocab - 1}")  # fmt: skip
 
 
+def positive_integer(value: object) -> bool:
+    """Whether ``value`` is an ``int`` (not a bool) of at least 1: a head count read from a config."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def checkpoint_spec(spec: str, family: str) -> tuple[dict[str, str], dict | None]:
+    """The options of a ``family:...`` model SPEC built from its checkpoint, and the ``config.json`` its
+    ``config=PATH`` names (`read_config`; then the only option), else ``None``.
+
+    Raises:
+        SpecError: a malformed or repeated option, ``config`` beside other options, or an unreadable config.
+    """
+    options = _parse_options(spec[len(family) + 1 :] if spec.startswith(f"{family}:") else "", spec)
+    if "config" not in options:
+        return options, None
+    if set(options) != {"config"}:
+        raise SpecError(f"model spec {spec!r}: with config=, the config.json gives every other option")
+    return options, read_config(options["config"])
+
+
 def positive_number(value: object) -> bool:
     """Whether ``value`` is a real number (not a bool), positive and finite: what a size-free model option must be."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
