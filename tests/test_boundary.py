@@ -152,6 +152,39 @@ def test_a_subset_of_parameters_is_still_accepted():
     assert float(obj.value()) == pytest.approx(float(Objective(shifted, loss_fn, (X, y)).value()), rel=1e-14)
 
 
+def test_a_module_reached_under_two_names_takes_params_under_either():
+    """``nn.Sequential(lin, relu, lin)`` names one module ``0`` and ``2``: ``params`` under ``2.*`` (a name
+    ``named_parameters()`` drops) differentiate the same tensor as ``0.*``, at the values given. Before, the tensor
+    was also read from the model under ``0.*`` and refused as given twice."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    model = nn.Sequential(lin, nn.ReLU(), lin, nn.ReLU(), nn.Linear(4, 3).double()).eval()
+    X, y = torch.randn(15, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (15,), generator=g)
+    moved = {"weight": lin.weight.detach() * 1.5, "bias": lin.bias.detach() - 0.25}
+    last = {k: t.detach() for k, t in model[4].named_parameters(prefix="4")}
+    first = Objective(model, nn.CrossEntropyLoss(), (X, y), params={**{f"0.{k}": t for k, t in moved.items()}, **last})
+    second = Objective(model, nn.CrossEntropyLoss(), (X, y), params={**{f"2.{k}": t for k, t in moved.items()}, **last})
+    assert second.layout.names == ("2.weight", "2.bias", "4.weight", "4.bias") and second.layout.size == 35
+    shifted = copy.deepcopy(model)
+    with torch.no_grad():
+        shifted[0].weight.copy_(moved["weight"]), shifted[0].bias.copy_(moved["bias"])
+    reference = _dense_hessian(shifted, nn.CrossEntropyLoss(), X, y)
+    v = torch.randn(35, generator=g, dtype=torch.float64)
+    for obj in (first, second):
+        assert float(obj.value()) == pytest.approx(float(Objective(shifted, nn.CrossEntropyLoss(), (X, y)).value()),
+                                                   rel=1e-14)  # fmt: skip
+        for strategy in ("auto", "graph"):
+            torch.testing.assert_close(obj.hvp(v, strategy), reference @ v, rtol=0, atol=1e-12)
+    assert first.hvp_strategy() == second.hvp_strategy() == "rop"
+    alone = Objective(model, nn.CrossEntropyLoss(), (X, y), params={"2.weight": moved["weight"]})  # a subset
+    with torch.no_grad():
+        shifted[0].bias.copy_(lin.bias)
+    reference = _dense_hessian(shifted, nn.CrossEntropyLoss(), X, y)[:16, :16]
+    torch.testing.assert_close(alone.hvp(v[:16]), reference @ v[:16], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="two values are given for one tensor"):
+        Objective(model, nn.CrossEntropyLoss(), (X, y), params={"0.bias": moved["bias"], "2.bias": moved["bias"] + 1})
+
+
 # 4. The loss must be a scalar -------------------------------------------------------------------------------------
 def test_non_scalar_loss_is_refused_when_built():
     model, _, X, y = _problem()

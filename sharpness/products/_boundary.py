@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from manifolds import UnsupportedModelError, tensor_aliases
+from manifolds import UnsupportedModelError
 from manifolds import functional_call as tie_aware_call
 from sharpness.products._data import DataError, cast_batch
 from sharpness.products._second_order import gradient_products, gradient_with_graph
@@ -179,9 +179,12 @@ def check_device(device: object) -> torch.device:
 
 
 def _differentiated(model: nn.Module, params: Mapping[str, Tensor]) -> Callable[[str], bool]:
-    """Whether a tensor of ``model`` (by any of its names) is among ``params``."""
-    aliases = tensor_aliases(model)
-    return lambda name: any(a in params for a in aliases.get(name, (name,)))
+    """Whether a tensor of ``model`` (by any of its names) is among ``params``: compared by the tensor object,
+    since a module reached under two names and a weight tied between modules both hold one tensor under several
+    names, and ``params`` may use any of them."""
+    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    given = {id(named[k]) for k in params if k in named}
+    return lambda name: name in params or (name in named and id(named[name]) in given)
 
 
 def check_embedding_gradients(model: nn.Module, params: Mapping[str, Tensor]) -> None:
