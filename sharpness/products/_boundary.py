@@ -182,7 +182,7 @@ def _differentiated(model: nn.Module, params: Mapping[str, Tensor]) -> Callable[
     """Whether a tensor of ``model`` (by any of its names) is among ``params``: compared by the tensor object,
     since a module reached under two names and a weight tied between modules both hold one tensor under several
     names, and ``params`` may use any of them."""
-    named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    named = dict(model.named_parameters(remove_duplicate=False))
     given = {id(named[k]) for k in params if k in named}
     return lambda name: name in params or (name in named and id(named[name]) in given)
 
