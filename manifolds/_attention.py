@@ -66,6 +66,7 @@ import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, fx, nn
@@ -79,6 +80,7 @@ from manifolds._structure import UnsupportedModelError, analyze
 
 _RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
 _SCALINGS = {"mul", "truediv", "div"}
+_SELECTIONS = {"getitem", "select", "narrow", "mean"}  # rows picked or averaged (BERT's x[:, 0]): features stay put
 _SPLITS = {"unbind", "chunk", "split", "tensor_split"}  # a tensor cut into disjoint pieces, read by getitem
 _MATMULS = {"matmul", "bmm"}
 _SDPA = "scaled_dot_product_attention"
@@ -345,16 +347,29 @@ class _Finder:
 
     def keeps_features(self, user: fx.Node, node: fx.Node) -> bool:
         """Whether ``user`` is a reshape of ``node`` alone that keeps its features, in order, on the last axis (the
-        leading axes merged or split): feature ``j`` of every row stays feature ``j``."""
-        if user.op not in ("call_method", "call_function") or target_name(user) not in _RESHAPES:
+        leading axes merged or split), or picks or averages its rows by constant arguments (``x[:, 0]``,
+        ``x.mean(1)``): feature ``j`` of every row stays feature ``j``."""
+        name = target_name(user)
+        if user.op not in ("call_method", "call_function") or name not in _RESHAPES | _SELECTIONS:
             return False
-        if self.data_arg(user) is not node:
+        selection = name not in _RESHAPES
+        if selection:
+            nodes: list[fx.Node] = []
+            fx.node.map_arg((user.args, user.kwargs), nodes.append)
+            if nodes != [node] or user.args[0] is not node:  # the arguments but the tensor are the same for any input
+                return False
+        elif self.data_arg(user) is not node:
             return False
         shape, out = node.meta.get("shape"), user.meta.get("shape")
         if shape is None or out is None or not shape or not out or shape[-1] != out[-1]:
             return False
         try:
-            moved = self.replay([user], self.feature_probe(node))
+            probe = self.feature_probe(node)
+            if selection:
+                fn = getattr(probe, str(user.target)) if user.op == "call_method" else partial(user.target, probe)
+                moved = fn(*user.args[1:], **user.kwargs)
+            else:
+                moved = self.replay([user], probe)
         except (RuntimeError, IndexError, ValueError, TypeError, _Fail):
             return False
         return tuple(moved.shape) == tuple(out) and bool((moved == torch.arange(out[-1], dtype=moved.dtype)).all())

@@ -4,6 +4,7 @@ scale-invariant, with epsilon-sharpness and invariance verification (`sharpness.
 
 # a callable package: sharpness.study(manifest, out_dir) runs a study
 from sharpness import study as study
+from sharpness._bert import Bert as Bert
 from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._llama import Llama as Llama
 from sharpness._results import EigenResult as EigenResult
@@ -79,6 +80,7 @@ __all__ = [
     "EpsilonSharpness",
     "Euclidean",
     "Fixed",
+    "Bert",
     "GPT2",
     "Llama",
     "GeodesicSharpness",

@@ -79,6 +79,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "8x8 digits), gpt2:config=PATH or llama:config=PATH (GPT-2, or a LLaMA-family decoder, from a HuggingFace "
         "checkpoint's config.json and in the sizes of its tensors; without the config: gpt2:heads=H[,eps=E], "
         "llama:heads=H[,eps=E,theta=T]; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
+        "bert:config=PATH or bert:heads=H[,eps=E,act=A] (a BERT sequence classifier from a HuggingFace checkpoint; "
+        "data: integer X (N, T) token ids, or (N, 3, T) ids, token types and attention mask, and labels y (N,)), "
         "path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
@@ -216,17 +218,19 @@ def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
         SpecError: the spec does not build or the checkpoint does not fit it.
     """
     family = spec.partition(":")[0]
-    if family in ("gpt2", "llama"):  # its sizes are the checkpoint's
+    if family in ("gpt2", "llama", "bert"):  # its sizes are the checkpoint's
+        from sharpness._bert import bert_from_spec, is_index_buffer
         from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
         from sharpness._llama import is_rotary_buffer, llama_from_spec
 
-        dropped = is_mask_buffer if family == "gpt2" else is_rotary_buffer  # buffers older checkpoints saved
+        # buffers older checkpoints saved, which the models build themselves
+        dropped = {"gpt2": is_mask_buffer, "llama": is_rotary_buffer, "bert": is_index_buffer}[family]
         state = {k: v for k, v in load_state_dict(checkpoint).items() if not dropped(k)}
         bad = [k for k, v in state.items() if not v.is_floating_point() or not bool(torch.isfinite(v).all())]
         if bad:
             raise SpecError(f"checkpoint {checkpoint}: tensor {bad[0]} is not finite floating point; the checkpoint is "
                             "unusable")  # fmt: skip
-        build = gpt2_from_spec if family == "gpt2" else llama_from_spec
+        build = {"gpt2": gpt2_from_spec, "llama": llama_from_spec, "bert": bert_from_spec}[family]
         return build(spec, state).to(DTYPES[dtype])
     # Built in the dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
     model = build_model(spec).to(DTYPES[dtype])
@@ -254,7 +258,7 @@ def prepare_data(
         SpecError: one sentence naming the problem.
     """
     X, y = data
-    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, sharpness.Llama)
+    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, .Llama, .Bert)
         if X.is_floating_point() or X.dtype == torch.bool:
             raise SpecError(f"the model takes token ids, but X of {spec} holds {str(X.dtype).removeprefix('torch.')} "
                             "values; give integer ids (N, T)")  # fmt: skip

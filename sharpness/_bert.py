@@ -1,0 +1,294 @@
+"""BERT sequence classifiers as HuggingFace's ``BertForSequenceClassification`` computes them (eval mode: no dropout),
+written so that ``torch.fx`` traces them: HuggingFace's own classes do not trace, so the toolkit cannot read them.
+The module names and state-dict keys are HuggingFace's, so a fine-tuned checkpoint (BERT on MNLI, say, the language
+models of the Hide & Seek paper) loads as it is (`Bert.from_state_dict`).
+
+The embeddings are the token's, its position's and its segment's (token type) tables summed, then LayerNorm. Each
+block is post-LayerNorm: ``h = LN(x + dense(attn(x)))``, then ``LN(h + out(act(inter(h))))``; attention projects
+queries, keys and values with separate Linears, attends over the keys the attention mask keeps (no causal mask) with
+scale ``hd^-1/2``, and the classifier reads ``tanh(pooler(h_0))``, the first ([CLS]) token's pooled state.
+
+Inputs are token ids ``(N, T)`` (every token attended, token types 0), or what a tokenizer returns stacked on axis 1,
+``(N, 3, T)``: ids, token types (``token_type_ids``, 0 for the first sentence and 1 for the second) and attention
+mask (1 for a token, 0 for padding). Outputs are logits ``(N, C)``.
+
+State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``P`` the positions, ``S`` the token
+types, ``F`` the MLP's width, ``C`` the classes)::
+
+    bert.embeddings.word_embeddings.weight (V, D), .position_embeddings.weight (P, D),
+        .token_type_embeddings.weight (S, D), .LayerNorm.weight, .LayerNorm.bias (D,)
+    bert.encoder.layer.i.attention.self.{query,key,value}.weight (D, D), .bias (D,)
+    bert.encoder.layer.i.attention.output.dense.weight (D, D), .bias; .attention.output.LayerNorm.weight, .bias
+    bert.encoder.layer.i.intermediate.dense.weight (F, D), .bias (F,)
+    bert.encoder.layer.i.output.dense.weight (D, F), .bias (D,); .output.LayerNorm.weight, .bias
+    bert.pooler.dense.weight (D, D), .bias (D,); classifier.weight (C, D), .bias (C,)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sharpness._specs import SpecError, checkpoint_spec, load_fitting, positive_integer, positive_number
+
+# HuggingFace's hidden_act names -> the function (``gelu_new`` and ``gelu_pytorch_tanh`` are GELU's tanh form)
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
+
+
+def is_index_buffer(key: str) -> bool:
+    """Whether a checkpoint key is an index buffer older HuggingFace versions saved (``embeddings.position_ids``,
+    ``embeddings.token_type_ids``): dropped on loading, the model builds its indices itself."""
+    return re.fullmatch(r"(bert\.)?embeddings\.(position_ids|token_type_ids)", key) is not None
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, vocab: int, positions: int, types: int, dim: int, eps: float):
+        super().__init__()
+        self.word_embeddings, self.position_embeddings = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
+        self.token_type_embeddings, self.LayerNorm = nn.Embedding(types, dim), nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, ids: Tensor, types: Tensor) -> Tensor:
+        positions = torch.arange(ids.size(1), device=ids.device)
+        x = self.word_embeddings(ids) + self.token_type_embeddings(types)
+        return self.LayerNorm(x + self.position_embeddings(positions))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def _split(self, t: Tensor) -> Tensor:
+        return t.view(t.size(0), t.size(1), self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # keep (N, 1, 1, T): the keys attended
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, inner: int, dim: int, eps: float):
+        super().__init__()
+        self.dense, self.LayerNorm = nn.Linear(inner, dim), nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, h: Tensor, x: Tensor) -> Tensor:
+        return self.LayerNorm(self.dense(h) + x)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, eps: float):
+        super().__init__()
+        self.self, self.output = BertSelfAttention(dim, heads), BertSelfOutput(dim, dim, eps)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        return self.output(self.self(x, keep), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.dense, self.act = nn.Linear(dim, hidden), act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ACTIVATIONS[self.act](self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str):
+        super().__init__()
+        self.attention, self.intermediate = BertAttention(dim, heads, eps), BertIntermediate(dim, hidden, act)
+        self.output = BertSelfOutput(hidden, dim, eps)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        h = self.attention(x, keep)
+        return self.output(self.intermediate(h), h)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, layers: int, *block: object):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(*block) for _ in range(layers))
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        for layer in self.layer:
+            x = layer(x, keep)
+        return x
+
+
+class BertPooler(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dense = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertBody(nn.Module):
+    def __init__(self, vocab: int, positions: int, types: int, dim: int, layers: int, heads: int, hidden: int,
+                 eps: float, act: str):  # fmt: skip
+        super().__init__()
+        self.embeddings = BertEmbeddings(vocab, positions, types, dim, eps)
+        self.encoder = BertEncoder(layers, dim, heads, hidden, eps, act)
+        self.pooler = BertPooler(dim)
+
+    def forward(self, ids: Tensor, types: Tensor, keep: Tensor) -> Tensor:
+        return self.pooler(self.encoder(self.embeddings(ids, types), keep))
+
+
+class Bert(nn.Module):
+    """A BERT encoder with its pooler and sequence classifier, as HuggingFace's ``BertForSequenceClassification``
+    computes it in eval mode.
+
+    Args:
+        vocab: vocabulary size ``V`` (``vocab_size``).
+        positions: the longest sequence ``P`` (``max_position_embeddings``).
+        dim: width ``D`` (``hidden_size``), a multiple of ``heads``.
+        layers: number of blocks (``num_hidden_layers``).
+        heads: attention heads per block (``num_attention_heads``).
+        classes: the classifier's outputs ``C`` (``num_labels``; 1 for regression).
+        hidden: the MLP's width (``intermediate_size``); ``None``: ``4 * dim``.
+        types: token types ``S`` (``type_vocab_size``).
+        eps: the LayerNorms' epsilon (``layer_norm_eps``).
+        act: the MLP's activation (``hidden_act``): ``"gelu"``, ``"relu"``, ``"gelu_new"`` or
+            ``"gelu_pytorch_tanh"``.
+
+    Inputs are ``(N, T)`` token ids or ``(N, 3, T)`` ids, token types and attention mask (see the module's
+    docstring), ``T <= P``; outputs are logits ``(N, C)``.
+    """
+
+    takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+
+    def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
+                 hidden: int | None = None, types: int = 2, eps: float = 1e-12, act: str = "gelu"):  # fmt: skip
+        super().__init__()
+        if not positive_integer(heads) or dim % heads:
+            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
+        if not positive_number(eps):
+            raise ValueError(f"eps={eps} must be a positive finite number")
+        self.bert = BertBody(vocab, positions, types, dim, layers, heads, 4 * dim if hidden is None else hidden,
+                             eps, act)  # fmt: skip
+        self.classifier = nn.Linear(dim, classes)
+
+    def check_tokens(self, inputs: Tensor) -> None:
+        """Raises ``ValueError`` (one sentence) unless ``inputs`` are ``(N, T)`` or ``(N, 3, T)`` integers: ids below
+        the vocabulary size, token types below ``S``, a mask of 0 and 1 keeping each sequence's first token, and
+        ``T`` at most the positions the model has."""
+        embeddings = self.bert.embeddings
+        if inputs.is_floating_point() or inputs.dim() not in (2, 3) or (inputs.dim() == 3 and inputs.shape[1] != 3):
+            raise ValueError(f"BERT takes integer token ids (N, T), or ids, token types and attention mask stacked "
+                             f"(N, 3, T), not {tuple(inputs.shape)} {str(inputs.dtype).removeprefix('torch.')} "
+                             "values")  # fmt: skip
+        rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1])
+        if rows.shape[-1] == 0:
+            raise ValueError("the sequences hold no tokens; give at least one token per sequence")
+        positions = embeddings.position_embeddings.num_embeddings
+        if rows.shape[-1] > positions:
+            raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {positions} positions")
+        vocab, types = embeddings.word_embeddings.num_embeddings, embeddings.token_type_embeddings.num_embeddings
+        checks = [(rows[:, 0], vocab, "token ids")]
+        if rows.shape[1] == 3:
+            checks += [(rows[:, 1], types, "token types"), (rows[:, 2], 2, "attention mask values")]
+        for values, size, what in checks:
+            if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
+                raise ValueError(f"{what} run from {int(values.min())} to {int(values.max())}, outside 0..{size - 1}")
+        if rows.shape[1] == 3 and not bool((rows[:, 2, 0] == 1).all()):
+            raise ValueError("the attention mask leaves out a sequence's first token ([CLS], which the classifier "
+                             "reads); the mask is 1 on tokens and 0 on padding at the end")  # fmt: skip
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        # (N, T) or (N, 3, T) without a branch on the shape (fx traces no branch): the defaults (types 0, mask 1)
+        # appended behind the given rows, and the first three rows read
+        rows = inputs.reshape(inputs.size(0), -1, inputs.size(-1))
+        defaults = torch.stack((torch.zeros_like(rows[:, 0]), torch.ones_like(rows[:, 0])), dim=1)
+        rows = torch.cat((rows, defaults), dim=1)
+        keep = (rows[:, 2] != 0)[:, None, None, :]  # (N, 1, 1, T): the keys each query attends
+        return self.classifier(self.bert(rows[:, 0], rows[:, 1], keep))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor]) -> Bert:
+        """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
+        ``layer_norm_eps`` (default 1e-12) and ``hidden_act`` (default ``gelu``); a config asking for another function
+        (``position_embedding_type`` other than ``absolute``, a decoder) is refused.
+
+        Raises:
+            ValueError: a field missing or of the wrong kind, another function, or what `from_state_dict` raises.
+        """
+        heads, eps = config.get("num_attention_heads"), config.get("layer_norm_eps", 1e-12)
+        if not positive_integer(heads) or not positive_number(eps):
+            raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
+                            f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
+        act = config.get("hidden_act", "gelu")
+        if act not in ACTIVATIONS:
+            raise SpecError(f"the config's hidden_act is {act!r}; sharpness.Bert computes {', '.join(ACTIVATIONS)}")
+        for option, plain in (("position_embedding_type", "absolute"), ("is_decoder", False),
+                              ("add_cross_attention", False)):  # fmt: skip
+            if config.get(option, plain) != plain:
+                raise SpecError(f"the config sets {option} to {config[option]!r}, which sharpness.Bert does not "
+                                f"compute (it has {option}={plain!r})")  # fmt: skip
+        return cls.from_state_dict(state, heads, float(eps), act)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu") -> Bert:
+        """The model of a ``BertForSequenceClassification`` checkpoint's state dict (old ``position_ids`` and
+        ``token_type_ids`` buffers are dropped), its sizes read off the tensors; ``heads``
+        (``num_attention_heads``), ``eps`` (``layer_norm_eps``) and ``act`` (``hidden_act``) are in its
+        ``config.json``, which no shape holds.
+
+        Raises:
+            ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
+        """
+        tensors = {k: v for k, v in state.items() if not is_index_buffer(k)}
+        for key in ("bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
+                    "bert.embeddings.token_type_embeddings.weight", "classifier.weight"):  # fmt: skip
+            if tensors.get(key, torch.empty(0)).dim() != 2:
+                raise SpecError(f"the BERT state dict has no matrix {key}" + (
+                    " (a BertForSequenceClassification checkpoint has one)" if key.startswith("classifier") else ""))
+        vocab, dim = tensors["bert.embeddings.word_embeddings.weight"].shape
+        layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"bert\.encoder\.layer\.(\d+)\.", k))})
+        inter = tensors.get("bert.encoder.layer.0.intermediate.dense.weight", torch.empty(0))
+        if not positive_integer(heads):
+            raise SpecError(f"heads must be a positive integer, got {heads!r}")
+        try:
+            model = cls(vocab, tensors["bert.embeddings.position_embeddings.weight"].shape[0], dim, layers, heads,
+                        tensors["classifier.weight"].shape[0], inter.shape[0] if inter.dim() == 2 else 4 * dim,
+                        tensors["bert.embeddings.token_type_embeddings.weight"].shape[0], eps, act)  # fmt: skip
+        except ValueError as failure:
+            raise SpecError(str(failure)) from None
+        return load_fitting(model, tensors, f"BERT with {layers} blocks of width {dim}", set(),
+                            "bert.embeddings.word_embeddings.weight")
+
+
+def bert_from_spec(spec: str, state: Mapping[str, Tensor]) -> Bert:
+    """The model of a ``bert:config=PATH`` (the checkpoint's ``config.json``, `Bert.from_config`) or
+    ``bert:heads=H[,eps=E,act=A]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors).
+
+    Raises:
+        SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
+            dict that does not fit.
+    """
+    options, config = checkpoint_spec(spec, "bert")
+    try:
+        if config is not None:
+            return Bert.from_config(config, state)
+        if set(options) - {"heads", "eps", "act"} or "heads" not in options:
+            raise SpecError("give the checkpoint's config.json (bert:config=PATH) or its number of heads "
+                            "(num_attention_heads), e.g. bert:heads=12; the other options are eps and act")  # fmt: skip
+        try:
+            heads, eps = int(options["heads"]), float(options.get("eps", 1e-12))
+        except ValueError:
+            raise SpecError("heads is a positive integer and eps a number") from None
+        if heads < 1 or not positive_number(eps):
+            raise SpecError("heads is a positive integer and eps a positive finite number")
+        return Bert.from_state_dict(state, heads, eps, options.get("act", "gelu"))
+    except ValueError as failure:
+        raise SpecError(f"model spec {spec!r}: {failure}") from None
