@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,12 +168,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
-                 eps: float, inv_freq: Tensor, bias: Mapping[str, bool], window: int | None):  # fmt: skip
+    def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
+                 inv_freq: Tensor, bias: Mapping[str, bool], windows: Sequence[int | None]):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        block = (dim, heads, kv_heads, head_dim, hidden, eps, inv_freq, bias, window)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(*block) for _ in range(layers))
+        block = (dim, heads, kv_heads, head_dim, hidden, eps, inv_freq, bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window) for window in windows)
         self.norm = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -200,7 +200,8 @@ class Llama(nn.Module):
         rope_scaling: HuggingFace's ``rope_scaling`` (or ``rope_parameters``) for a scaled rotary embedding:
             ``{"rope_type": "linear", "factor": ...}`` or LLaMA 3.1's ``"llama3"`` (`rotary_frequencies`).
         sliding_window: Mistral's ``sliding_window``: each query sees itself and the ``sliding_window - 1`` keys
-            before it; ``None``: every key before it.
+            before it; ``None``: every key before it. A sequence gives each block its own (``None`` where a block
+            attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
@@ -214,15 +215,17 @@ class Llama(nn.Module):
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int | None = None,
                  hidden: int | None = None, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
-                 rope_scaling: Mapping[str, object] | None = None, sliding_window: int | None = None):  # fmt: skip
+                 rope_scaling: Mapping[str, object] | None = None,
+                 sliding_window: int | Sequence[int | None] | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
         if heads < 1 or kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                           or sliding_window < 1):  # fmt: skip
-            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+        windows = list(sliding_window) if isinstance(sliding_window, Sequence) else [sliding_window] * layers
+        if len(windows) != layers or not all(w is None or positive_integer(w) for w in windows):
+            raise ValueError(f"sliding_window must be a positive integer, None, or one of those per block ({layers}), "
+                             f"got {sliding_window!r}")  # fmt: skip
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"the head size {head_dim} must be even for rotary embeddings")
         if not positive_number(eps) or not positive_number(theta):
@@ -232,8 +235,8 @@ class Llama(nn.Module):
             raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
         self.classes_last = classes_last
         inv_freq = rotary_frequencies(head_dim, theta, rope_scaling)
-        self.model = LlamaBody(vocab, dim, layers, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden,
-                               eps, inv_freq, dict(bias or {}), sliding_window)  # fmt: skip
+        self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
+                               inv_freq, dict(bias or {}), windows)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -250,13 +253,14 @@ class Llama(nn.Module):
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, theta: float = 10000.0,
                         classes_last: bool = True, rope_scaling: Mapping[str, object] | None = None,
-                        tied: bool | None = None, sliding_window: int | None = None) -> Llama:  # fmt: skip
+                        tied: bool | None = None,
+                        sliding_window: int | Sequence[int | None] | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
         tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, and biases where the
         checkpoint has them. ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
         (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
-        (`from_config` reads them there), and so is Mistral's ``sliding_window``. ``tied``
+        (`from_config` reads them there), and so are the sliding windows. ``tied``
         (``tie_word_embeddings``): ``None`` reads it off the tensors, tied where ``lm_head.weight`` is absent or equal
         to the token table.
 
@@ -313,7 +317,9 @@ class Llama(nn.Module):
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
         ``rms_norm_eps`` (default 1e-6), ``rope_theta`` and ``rope_scaling`` (or transformers 5's
         ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors), ``hidden_act`` (``silu``) and
-        Mistral's ``sliding_window`` (Qwen2's, which only some layers use, is refused).
+        the sliding windows as transformers reads them: Mistral's ``sliding_window`` on every block, Qwen2's where
+        ``use_sliding_window`` is true, on the blocks from ``max_window_layers`` on, and per block by ``layer_types``
+        (Qwen2, Ministral); ``LlamaForCausalLM`` reads none.
 
         Raises:
             ValueError: a field missing or of the wrong kind, another activation, or what `from_state_dict` raises.
@@ -344,18 +350,41 @@ class Llama(nn.Module):
                                  scaling.get("original_max_position_embeddings",
                                              config.get("max_position_embeddings", 2048)))  # fmt: skip
             scaling = {**scaling, "original_max_position_embeddings": context}
-        window = config.get("sliding_window")
-        if config.get("model_type") == "qwen2" or "use_sliding_window" in config:  # windows on some layers only
-            if config.get("use_sliding_window"):
-                raise SpecError("the config uses a sliding window on some layers (use_sliding_window), which "
-                                "sharpness.Llama does not compute")  # fmt: skip
-            window = None
-        kinds = config.get("layer_types") or []
-        if window is not None and config.get("model_type") != "mistral" and set(kinds) - {"sliding_attention"}:
-            # Ministral and the like: a window on some layers only (Mistral's own class reads no layer_types)
-            raise SpecError("the config's layer_types give a sliding window to some layers only, which sharpness.Llama "
-                            "does not compute")  # fmt: skip
-        return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied, window)
+        return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
+                                   _config_windows(config))
+
+
+def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:
+    """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's
+    ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others (Qwen2,
+    Ministral) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen2 has one only where
+    ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from ``max_window_layers`` on.
+
+    Raises:
+        SpecError: a window or ``layer_types`` of the wrong kind.
+    """
+    kind, window = config.get("model_type"), config.get("sliding_window")
+    if kind == "llama":
+        return None
+    if kind == "qwen2" or "use_sliding_window" in config:
+        window = window if config.get("use_sliding_window") else None
+    if window is None:
+        return None
+    if not positive_integer(window):
+        raise SpecError(f"the config's sliding_window must be a positive integer or null, got {window!r}")
+    kinds = config.get("layer_types")
+    if kind == "mistral" or (kinds is None and kind != "qwen2"):
+        return window
+    if kinds is None:  # Qwen2's default: full attention below max_window_layers
+        layers, first = config.get("num_hidden_layers"), config.get("max_window_layers", 28)
+        if not positive_integer(layers) or not isinstance(first, int) or isinstance(first, bool):
+            raise SpecError(f"the config's num_hidden_layers and max_window_layers must be integers, got {layers!r} "
+                            f"and {first!r}")  # fmt: skip
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise SpecError(f"the config's layer_types must list 'sliding_attention' or 'full_attention' per block, got "
+                        f"{kinds!r}")  # fmt: skip
+    return [window if k == "sliding_attention" else None for k in kinds]
 
 
 def llama_from_spec(spec: str, state: Mapping[str, Tensor]) -> Llama:

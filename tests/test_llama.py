@@ -26,6 +26,9 @@ DATA = Path(__file__).parent / "data"
 GQA, TIED = ("llama_tiny_hf.safetensors", 4, 500.0), ("llama_tiny_tied_hf.safetensors", 2, 10000.0)
 ROPE = ("llama_tiny_rope_hf.safetensors", 2, 10000.0)  # LLaMA 3.1's scaled rotary embeddings; its config.json beside
 MISTRAL = ("mistral_tiny_hf.safetensors", 2, 10000.0)  # a sliding window of 3 tokens on inputs of 9; its config.json
+QWEN2 = ("qwen2_tiny_hf.safetensors", 2, 10000.0)  # the window on the second block only; query/key/value biases
+MINISTRAL = ("ministral_tiny_hf.safetensors", 2, 10000.0)  # the window on the first block only (layer_types)
+WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL)  # read from their config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -36,7 +39,7 @@ def _checkpoint(which):
 
 def _model(which, classes_last: bool = True, state=None) -> Llama:
     state = _checkpoint(which)[0] if state is None else state
-    if which in (ROPE, MISTRAL):
+    if which in WINDOWED:
         return Llama.from_config(_config(which), state, classes_last=classes_last)
     return Llama.from_state_dict(state, heads=which[1], eps=EPS, theta=which[2], classes_last=classes_last)
 
@@ -45,7 +48,8 @@ def _config(which=ROPE) -> dict:
     return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL], ids=["gqa", "tied", "llama3_rope", "mistral_window"])
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL],
+                         ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window"])
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -58,31 +62,46 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
     attention = model.model.layers[0].self_attn
-    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), ROPE[0]: (2, 1, 8), MISTRAL[0]: (2, 1, 8)}[which[0]]
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8)}.get(which[0], (2, 1, 8))
     assert (attention.heads, attention.kv_heads, attention.head_dim) == sizes
     biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
-    assert biased == (which is TIED,) * 2
+    assert biased == (which is TIED or which is QWEN2, which is TIED)
+    windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None]}.get(which[0], [None, None])
+    assert [layer.self_attn.window for layer in model.model.layers] == windows
 
 
-def test_mistral_s_sliding_window_is_read_from_its_config():
-    """Without the window of 3 the logits of 9-token inputs move by 5.2; Qwen2's windows on some layers are refused."""
+def test_sliding_windows_are_read_from_the_config_as_transformers_reads_them():
+    """Without its windows each windowed fixture's 9-token logits move by more than 0.5, and with the window on the
+    wrong blocks too. Mistral's class reads no layer_types (a window on every block), Qwen2 reads one only where
+    use_sliding_window is true (from max_window_layers on, or by layer_types), LLaMA's none."""
+    for which, wrong in ((MISTRAL, [None, 3]), (QWEN2, [3, None]), (MINISTRAL, [None, 3])):
+        state, ids, logits = _checkpoint(which)
+        with torch.no_grad():
+            for windows in (None, wrong):
+                moved = Llama.from_state_dict(state, heads=2, eps=EPS, sliding_window=windows)(ids)
+                assert float((moved - logits).abs().max()) > 0.5, (which, windows)
     state, ids, logits = _checkpoint(MISTRAL)
-    assert _model(MISTRAL).model.layers[0].self_attn.window == 3
-    with torch.no_grad():
-        plain = Llama.from_state_dict(state, heads=2, eps=EPS)(ids)
-    assert float((plain - logits).abs().max()) > 1.0
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        Llama.from_config({**_config(MISTRAL), "model_type": "qwen2", "use_sliding_window": True}, state)
-    qwen = Llama.from_config({**_config(MISTRAL), "model_type": "qwen2", "use_sliding_window": False}, state)
-    assert qwen.model.layers[0].self_attn.window is None
-    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
-        Llama.from_config({**_config(MISTRAL), "sliding_window": 0}, state)
-    ministral = {**_config(MISTRAL), "model_type": "ministral", "layer_types": ["sliding_attention", "full_attention"]}
-    with pytest.raises(ValueError, match="some layers only"):
-        Llama.from_config(ministral, state)
-    with torch.no_grad():  # Mistral's own class reads no layer_types; a window on every layer is the window
-        for config in ({**ministral, "model_type": "mistral"}, {**ministral, "layer_types": ["sliding_attention"] * 2}):
-            torch.testing.assert_close(Llama.from_config(config, state)(ids), logits, rtol=0, atol=1e-5)
+    config = _config(MISTRAL)
+    mixed = ["sliding_attention", "full_attention"]
+    windows = [  # config changes, the windows per block
+        ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1}, [None, 3]),
+        ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0}, [3, 3]),
+        ({"model_type": "qwen2", "use_sliding_window": False}, [None, None]),
+        ({"model_type": "ministral", "layer_types": mixed}, [3, None]),
+        ({"model_type": "mistral", "layer_types": mixed}, [3, 3]),
+        ({"model_type": "llama"}, [None, None]),
+    ]
+    for change, expected in windows:
+        model = Llama.from_config({**config, **change}, state)
+        assert [layer.self_attn.window for layer in model.model.layers] == expected, change
+    for change, fragment in [({"sliding_window": 0}, "sliding_window must be a positive integer"),
+                             ({"model_type": "ministral", "layer_types": ["sliding"] * 2}, "layer_types must list"),
+                             ({"model_type": "ministral", "layer_types": ["full_attention"]},
+                              "one of those per block")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            Llama.from_config({**config, **change}, state)
+    with pytest.raises(ValueError, match="one of those per block"):
+        Llama(29, 16, 2, 2, sliding_window=[3])
 
 
 def test_llama3_rotary_scaling_is_read_from_either_config_format():
@@ -149,7 +168,7 @@ def test_checkpoint_key_forms():
         Llama.from_state_dict(empty, heads=4)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL], ids=["gqa", "tied", "mistral_window"])
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2], ids=["gqa", "tied", "mistral_window", "qwen2_window"])
 def test_the_group_and_the_invariant_measure(which):
     """Per block and key/value head: on query/key the subgroup of GL(hd) commuting with the rotary maps (one ``a I + b
     J`` per rotated pair: dimension hd), moving the query heads that share the key head together; GL(hd) on
@@ -160,7 +179,7 @@ def test_the_group_and_the_invariant_measure(which):
     state, ids, _ = _checkpoint(which)
     model = _model(which, classes_last=False)
     sym = manifolds.transformer_symmetry(model, ids)
-    kv_heads, hd = {GQA[0]: (2, 4), TIED[0]: (2, 8), MISTRAL[0]: (1, 8)}[which[0]]
+    kv_heads, hd = {GQA[0]: (2, 4), TIED[0]: (2, 8)}.get(which[0], (1, 8))
     labels = [f.label for f in sym.factors]
     assert sum("query/key" in la for la in labels) == sum("value/output" in la for la in labels) == LAYERS * kv_heads
     final = 0 if which is TIED else WIDTH  # the final RMSNorm traded against an untied head
@@ -175,7 +194,7 @@ def test_the_group_and_the_invariant_measure(which):
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL], ids=["gqa", "tied", "mistral_window"])
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2], ids=["gqa", "tied", "mistral_window", "qwen2_window"])
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))

@@ -1,14 +1,21 @@
-"""Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors``, ``llama_tiny_rope_hf.safetensors`` and
-``mistral_tiny_hf.safetensors``: tiny random decoders made by HuggingFace's ``transformers`` (float64, eager attention,
-parameters moved off the initialization), each with an input and the logits the model gives for it (keys
-``__input_ids``, ``__logits``). The first has grouped-query attention (4 query heads sharing 2 key/value heads),
-rope_theta 500 and an untied head; the second 2 heads of 8, biases on every attention projection (``attention_bias``)
-and the MLP (``mlp_bias``), and the head tied to the token table (no ``lm_head.weight`` key); the third LLaMA 3.1's
-scaled rotary embeddings (``rope_type="llama3"``); the fourth a ``MistralForCausalLM`` whose attention sees a sliding
-window of 3 tokens. The last two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``,
-``mistral_tiny_hf.json``). HuggingFace's RMSNorm and softmax compute in float32 even in a float64 model, so its float64
-logits are float32-accurate. ``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs ``transformers`` (not
-a dependency of this project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR``.
+"""Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors``, ``llama_tiny_rope_hf.safetensors``,
+``mistral_tiny_hf.safetensors``, ``qwen2_tiny_hf.safetensors`` and ``ministral_tiny_hf.safetensors``: tiny random
+decoders made by HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the initialization),
+each with an input and the logits the model gives for it (keys ``__input_ids``, ``__logits``).
+
+- The first has grouped-query attention (4 query heads sharing 2 key/value heads), rope_theta 500 and an untied head.
+- The second 2 heads of 8, biases on every attention projection (``attention_bias``) and the MLP (``mlp_bias``), and
+  the head tied to the token table (no ``lm_head.weight`` key).
+- The third LLaMA 3.1's scaled rotary embeddings (``rope_type="llama3"``).
+- The fourth is a ``MistralForCausalLM`` whose attention sees a sliding window of 3 tokens.
+- The fifth a ``Qwen2ForCausalLM`` (query/key/value biases) with that window on its second block only
+  (``use_sliding_window``, ``max_window_layers=1``), the sixth a ``MinistralForCausalLM`` with it on its first block
+  only (``layer_types``).
+
+All but the first two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``, ...). HuggingFace's RMSNorm
+and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
+``tests/test_llama.py`` checks `sharpness.Llama` against them. Needs ``transformers`` (not a dependency of this
+project): ``python tests/data/make_llama_tiny_hf.py OUT_DIR [FILE ...]`` (the files named, or all).
 """
 
 import sys
@@ -17,7 +24,16 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 CONFIGS = {
     "llama_tiny_hf.safetensors": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500.0,
@@ -35,13 +51,22 @@ CONFIGS = {
 # Mistral: LLaMA's keys and layers, its attention limited to a sliding window of 3 tokens (the inputs have 9)
 MISTRAL = "mistral_tiny_hf.safetensors"
 CONFIGS[MISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3)
+# Qwen2 (query/key/value biases) with the window on the second block only (max_window_layers=1), and Ministral with
+# the window on the first block only (layer_types)
+QWEN2, MINISTRAL = "qwen2_tiny_hf.safetensors", "ministral_tiny_hf.safetensors"
+CONFIGS[QWEN2] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3,
+                      use_sliding_window=True, max_window_layers=1)
+CONFIGS[MINISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3,
+                          layer_types=["sliding_attention", "full_attention"], head_dim=8)  # its config has no default
+CLASSES = {MISTRAL: (MistralConfig, MistralForCausalLM), QWEN2: (Qwen2Config, Qwen2ForCausalLM),
+           MINISTRAL: (MinistralConfig, MinistralForCausalLM)}
+WRITE = set(sys.argv[2:]) or set(CONFIGS)  # the files to write (default: all)
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
     torch.manual_seed(seed)
     theta = options.pop("rope_theta", 10000.0)
     rope = {"rope_type": "default", "rope_theta": theta, **options.pop("rope_scaling", {})}
-    make_config, make_model = (MistralConfig, MistralForCausalLM) if name == MISTRAL \
-        else (LlamaConfig, LlamaForCausalLM)  # fmt: skip
+    make_config, make_model = CLASSES.get(name, (LlamaConfig, LlamaForCausalLM))
     cfg = make_config(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5,
                       max_position_embeddings=16, attn_implementation="eager", rope_parameters=rope, **options)
     m = make_model(cfg).double().eval()
@@ -56,9 +81,11 @@ for seed, (name, options) in enumerate(CONFIGS.items()):
     with torch.no_grad():
         logits = m(input_ids=ids).logits
     sd["__input_ids"], sd["__logits"] = ids, logits
-    generator = f"transformers {transformers.__version__} LlamaForCausalLM, eager attention, float64"
+    if name not in WRITE:
+        continue
+    generator = f"transformers {transformers.__version__} {make_model.__name__}, eager attention, float64"
     save_file(sd, str(Path(sys.argv[1]) / name), metadata={"generator": generator,
               "num_attention_heads": str(cfg.num_attention_heads), "rope_theta": str(theta)})
-    if rope["rope_type"] != "default" or name == MISTRAL:  # its config.json too, as the library writes it
+    if rope["rope_type"] != "default" or name in CLASSES:  # its config.json too, as the library writes it
         cfg.to_json_file(str(Path(sys.argv[1]) / name.replace(".safetensors", ".json")))
     print(name, tuple(logits.shape), float(logits.abs().max()))
