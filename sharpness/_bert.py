@@ -268,27 +268,30 @@ class Bert(nn.Module):
                             "bert.embeddings.word_embeddings.weight")
 
 
-def bert_from_spec(spec: str, state: Mapping[str, Tensor]) -> Bert:
-    """The model of a ``bert:config=PATH`` (the checkpoint's ``config.json``, `Bert.from_config`) or
-    ``bert:heads=H[,eps=E,act=A]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors).
+def encoder_from_spec(spec: str, state: Mapping[str, Tensor], family: str, model: type) -> nn.Module:
+    """The model of a ``FAMILY:config=PATH`` (the checkpoint's ``config.json``, ``model.from_config``) or
+    ``FAMILY:heads=H[,eps=E,act=A]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors), for the
+    encoder classifiers `Bert` and `sharpness._hfvit.HFViT`, whose ``from_state_dict(state, heads, eps, act)`` read the
+    rest off the tensors (``eps`` default 1e-12, HuggingFace's).
 
     Raises:
         SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
             dict that does not fit.
     """
-    options, config = checkpoint_spec(spec, "bert")
+    options, config = checkpoint_spec(spec, family)
     try:
         if config is not None:
-            return Bert.from_config(config, state)
+            return model.from_config(config, state)
         if set(options) - {"heads", "eps", "act"} or "heads" not in options:
-            raise SpecError("give the checkpoint's config.json (bert:config=PATH) or its number of heads "
-                            "(num_attention_heads), e.g. bert:heads=12; the other options are eps and act")  # fmt: skip
+            raise SpecError(f"give the checkpoint's config.json ({family}:config=PATH) or its number of heads "
+                            f"(num_attention_heads), e.g. {family}:heads=12; the other options are eps and "
+                            "act")  # fmt: skip
         try:
             heads, eps = int(options["heads"]), float(options.get("eps", 1e-12))
         except ValueError:
             raise SpecError("heads is a positive integer and eps a number") from None
         if heads < 1 or not positive_number(eps):
             raise SpecError("heads is a positive integer and eps a positive finite number")
-        return Bert.from_state_dict(state, heads, eps, options.get("act", "gelu"))
+        return model.from_state_dict(state, heads, eps, options.get("act", "gelu"))
     except ValueError as failure:
         raise SpecError(f"model spec {spec!r}: {failure}") from None

@@ -8,11 +8,13 @@ the processes share the data (`sharpness._launch`); process 0 prints and writes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
 import textwrap
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,6 +83,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "llama:heads=H[,eps=E,theta=T]; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
         "bert:config=PATH or bert:heads=H[,eps=E,act=A] (a BERT sequence classifier from a HuggingFace checkpoint; "
         "data: integer X (N, T) token ids, or (N, 3, T) ids, token types and attention mask, and labels y (N,)), "
+        "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
+        "images X (N, C, H, W)), "
         "path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
@@ -211,26 +215,37 @@ def load_problem(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, tuple[
     return model, LOSSES[args.loss](), prepare_data(model, data, args.data, args.dtype, args.loss)
 
 
+def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | None:
+    """For a model family built in the sizes of its checkpoint's tensors (the HuggingFace ones): the keys older
+    checkpoints saved that the model builds itself (dropped), and ``build(spec, state)``; else ``None``."""
+    from sharpness._bert import Bert, encoder_from_spec, is_index_buffer
+    from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
+    from sharpness._hfvit import HFViT
+    from sharpness._llama import is_rotary_buffer, llama_from_spec
+
+    families = {
+        "gpt2": (is_mask_buffer, gpt2_from_spec),
+        "llama": (is_rotary_buffer, llama_from_spec),
+        "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),
+        "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),
+    }
+    return families.get(name)
+
+
 def load_model(spec: str, checkpoint: str, dtype: str) -> nn.Module:
     """The model of a model SPEC with ``checkpoint`` loaded (eval mode), in ``dtype`` (a key of `DTYPES`).
 
     Raises:
         SpecError: the spec does not build or the checkpoint does not fit it.
     """
-    family = spec.partition(":")[0]
-    if family in ("gpt2", "llama", "bert"):  # its sizes are the checkpoint's
-        from sharpness._bert import bert_from_spec, is_index_buffer
-        from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
-        from sharpness._llama import is_rotary_buffer, llama_from_spec
-
-        # buffers older checkpoints saved, which the models build themselves
-        dropped = {"gpt2": is_mask_buffer, "llama": is_rotary_buffer, "bert": is_index_buffer}[family]
+    family = _checkpoint_family(spec.partition(":")[0])
+    if family is not None:  # its sizes are the checkpoint's
+        dropped, build = family
         state = {k: v for k, v in load_state_dict(checkpoint).items() if not dropped(k)}
         bad = [k for k, v in state.items() if not v.is_floating_point() or not bool(torch.isfinite(v).all())]
         if bad:
             raise SpecError(f"checkpoint {checkpoint}: tensor {bad[0]} is not finite floating point; the checkpoint is "
                             "unusable")  # fmt: skip
-        build = {"gpt2": gpt2_from_spec, "llama": llama_from_spec, "bert": bert_from_spec}[family]
         return build(spec, state).to(DTYPES[dtype])
     # Built in the dtype before loading: a float64 checkpoint is not rounded through a float32 model on the way.
     model = build_model(spec).to(DTYPES[dtype])

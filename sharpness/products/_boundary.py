@@ -324,11 +324,12 @@ def _math_attention() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fast)
 
 
-def functional_call(model: nn.Module, tensors: tuple[Mapping[str, Tensor], ...], args: tuple) -> object:
-    """`manifolds.functional_call` (shared modules keep their own tensors) with attention through the math
-    kernel (see `_math_attention`)."""
+def functional_call(model: nn.Module, tensors: Mapping[str, Tensor] | tuple[Mapping[str, Tensor], ...], args: tuple,
+                    aliases: Mapping[str, tuple[str, ...]] | None = None) -> object:  # fmt: skip
+    """`manifolds.functional_call` (shared modules keep their own tensors; ``aliases`` its `manifolds.tensor_aliases`
+    where known) with attention through the math kernel (see `_math_attention`)."""
     with _math_attention():
-        return tie_aware_call(model, tensors, args)
+        return tie_aware_call(model, tensors, args, aliases=aliases)
 
 
 def check_loss_signature(loss_fn: Callable) -> None:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from manifolds import functional_call, split_first_layer, tensor_aliases
+from manifolds import split_first_layer, tensor_aliases
+from sharpness.products._boundary import functional_call
 
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -112,7 +113,8 @@ class DataConvolution:
         bias = params.get(f"{self.name}.bias")
         if bias is not None:
             out = out + bias.reshape(1, -1, *([1] * (out.dim() - 2)))
-        # only what ``rest`` holds: the trace leaves out the convolution and any module the forward never calls
+        # only what ``rest`` holds: the trace leaves out the convolution and any module the forward never calls;
+        # attention in the rest through the math kernel, the one with second derivatives (a ViT's patch embedding)
         inner = {k: v for k, v in {**params, **buffers}.items() if k in self._rest_aliases}
         return functional_call(self.rest, inner, (out,), aliases=self._rest_aliases)
 

@@ -1,0 +1,225 @@
+"""Vision transformers as HuggingFace's ``ViTForImageClassification`` computes them (eval mode: no dropout), written
+so that ``torch.fx`` traces them: HuggingFace's own classes do not trace, so the toolkit cannot read them. The module
+names and state-dict keys are those of ``transformers`` 5, and the older keys (``encoder.layer.i.attention.attention.
+query`` ...), which the checkpoints on the Hub still have, are renamed on loading as transformers renames them
+(`HFViT.from_state_dict`).
+
+The image ``(N, C, H, W)`` is cut into ``p x p`` patches embedded by a convolution of stride ``p`` (row-major over the
+patch grid), a learned class token is put first and a learned position embedding added; each block is pre-LayerNorm
+(``x + o(attn(LN(x)))``, then ``x + fc2(act(fc1(LN(x))))``), attention projects queries, keys and values with separate
+Linears and attends over all tokens with scale ``hd^-1/2``; the classifier reads the final LayerNorm's state of the
+class token.
+
+HuggingFace computes the attention's softmax in float32 whatever the model's dtype, so a float64
+``ViTForImageClassification`` is float32-accurate; `HFViT` computes in the dtype it is given.
+
+State-dict keys (``i`` the block index; ``D`` the width, ``C`` the channels, ``P`` the patches, ``F`` the MLP's width,
+``K`` the classes)::
+
+    vit.embeddings.cls_token (1, 1, D), vit.embeddings.position_embeddings (1, P + 1, D)
+    vit.embeddings.patch_embeddings.projection.weight (D, C, p, p), .bias (D,)
+    vit.layers.i.layernorm_before.weight, .bias (D,); vit.layers.i.layernorm_after.weight, .bias (D,)
+    vit.layers.i.attention.{q,k,v}_proj.weight (D, D), .bias (D,); vit.layers.i.attention.o_proj.weight, .bias
+    vit.layers.i.mlp.fc1.weight (F, D), .bias (F,); vit.layers.i.mlp.fc2.weight (D, F), .bias (D,)
+    vit.layernorm.weight, .bias (D,); classifier.weight (K, D), .bias (K,)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sharpness._bert import ACTIVATIONS
+from sharpness._specs import SpecError, load_fitting, positive_integer, positive_number
+
+# transformers 4's keys -> transformers 5's, in the order transformers 5 renames them (its ViTModel conversion)
+_RENAMES = ((r"\.encoder\.layer\.", ".layers."), (r"\.attention\.attention\.(q|k|v)[a-z]*\.", r".attention.\1_proj."),
+            (r"\.attention\.output\.dense\.", ".attention.o_proj."), (r"\.intermediate\.dense\.", ".mlp.fc1."),
+            (r"\.output\.dense\.", ".mlp.fc2."))  # fmt: skip
+
+
+def renamed(key: str) -> str:
+    """A ``ViTForImageClassification`` key as transformers 5 names it (older keys renamed, newer kept)."""
+    for pattern, name in _RENAMES:
+        key = re.sub(pattern, name, key)
+    return key
+
+
+class ViTPatchEmbeddings(nn.Module):
+    def __init__(self, channels: int, patch: int, dim: int):
+        super().__init__()
+        self.projection = nn.Conv2d(channels, dim, kernel_size=patch, stride=patch)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.projection(images).flatten(2).transpose(1, 2)
+
+
+class ViTEmbeddings(nn.Module):
+    def __init__(self, channels: int, patch: int, patches: int, dim: int):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.position_embeddings = nn.Parameter(torch.zeros(1, patches + 1, dim))
+        self.patch_embeddings = ViTPatchEmbeddings(channels, patch, dim)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.patch_embeddings(images)
+        x = torch.cat((self.cls_token.expand(x.size(0), -1, -1), x), dim=1)
+        return x + self.position_embeddings
+
+
+class ViTAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, bias: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q_proj, self.k_proj = nn.Linear(dim, dim, bias=bias), nn.Linear(dim, dim, bias=bias)
+        self.v_proj, self.o_proj = nn.Linear(dim, dim, bias=bias), nn.Linear(dim, dim)
+
+    def _split(self, t: Tensor) -> Tensor:
+        return t.view(t.size(0), t.size(1), self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape))
+
+
+class ViTMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(dim, hidden), nn.Linear(hidden, dim), act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
+
+
+class ViTLayer(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, bias: bool):
+        super().__init__()
+        self.attention, self.mlp = ViTAttention(dim, heads, bias), ViTMLP(dim, hidden, act)
+        self.layernorm_before, self.layernorm_after = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.layernorm_before(x))
+        return x + self.mlp(self.layernorm_after(x))
+
+
+class ViTBody(nn.Module):
+    def __init__(self, channels: int, patch: int, patches: int, dim: int, layers: int, heads: int, hidden: int,
+                 eps: float, act: str, bias: bool):  # fmt: skip
+        super().__init__()
+        self.embeddings = ViTEmbeddings(channels, patch, patches, dim)
+        self.layers = nn.ModuleList(ViTLayer(dim, heads, hidden, eps, act, bias) for _ in range(layers))
+        self.layernorm = nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.embeddings(images)
+        for layer in self.layers:
+            x = layer(x)
+        return self.layernorm(x)
+
+
+class HFViT(nn.Module):
+    """A vision transformer with its classifier, as HuggingFace's ``ViTForImageClassification`` computes it in eval
+    mode (see the module's docstring).
+
+    Args:
+        image: the image's side ``H = W`` (``image_size``), a multiple of ``patch``.
+        patch: the patches' side ``p`` (``patch_size``).
+        dim: width ``D`` (``hidden_size``), a multiple of ``heads``.
+        layers: number of blocks (``num_hidden_layers``).
+        heads: attention heads per block (``num_attention_heads``).
+        classes: the classifier's outputs ``K`` (``num_labels``).
+        channels: the image's channels ``C`` (``num_channels``).
+        hidden: the MLP's width (``intermediate_size``); ``None``: ``4 * dim``.
+        eps: the LayerNorms' epsilon (``layer_norm_eps``).
+        act: the MLP's activation (``hidden_act``): ``"gelu"``, ``"relu"``, ``"gelu_new"`` or
+            ``"gelu_pytorch_tanh"``.
+        qkv_bias: whether the query, key and value projections have biases (``qkv_bias``).
+
+    Inputs are images ``(N, C, H, W)``; outputs are logits ``(N, K)``.
+    """
+
+    def __init__(self, image: int, patch: int, dim: int, layers: int, heads: int, classes: int = 1000,
+                 channels: int = 3, hidden: int | None = None, eps: float = 1e-12, act: str = "gelu",
+                 qkv_bias: bool = True):  # fmt: skip
+        super().__init__()
+        if not positive_integer(heads) or dim % heads:
+            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+        if not positive_integer(patch) or not positive_integer(image) or image % patch:
+            raise ValueError(f"the image side {image} is not a multiple of the patch side {patch}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
+        if not positive_number(eps):
+            raise ValueError(f"eps={eps} must be a positive finite number")
+        self.image = image
+        self.vit = ViTBody(channels, patch, (image // patch) ** 2, dim, layers, heads,
+                           4 * dim if hidden is None else hidden, eps, act, qkv_bias)  # fmt: skip
+        self.classifier = nn.Linear(dim, classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.classifier(self.vit(images)[:, 0])
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor]) -> HFViT:
+        """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
+        ``layer_norm_eps`` (default 1e-12) and ``hidden_act`` (default ``gelu``); the image and patch sizes, the
+        channels and ``qkv_bias`` are read off the tensors (and checked against the config where it gives them).
+
+        Raises:
+            ValueError: a field missing or of the wrong kind, or what `from_state_dict` raises.
+        """
+        heads, eps = config.get("num_attention_heads"), config.get("layer_norm_eps", 1e-12)
+        if not positive_integer(heads) or not positive_number(eps):
+            raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
+                            f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
+        act = config.get("hidden_act", "gelu")
+        if act not in ACTIVATIONS:
+            raise SpecError(f"the config's hidden_act is {act!r}; sharpness.HFViT computes {', '.join(ACTIVATIONS)}")
+        model = cls.from_state_dict(state, heads, float(eps), act)
+        patch = model.vit.embeddings.patch_embeddings.projection
+        read = {"image_size": model.image, "patch_size": patch.kernel_size[0], "num_channels": patch.in_channels,
+                "qkv_bias": model.vit.layers[0].attention.q_proj.bias is not None if model.vit.layers else True}
+        for key, value in read.items():
+            if key in config and config[key] != value:
+                raise SpecError(f"the config's {key} is {config[key]!r} but the checkpoint's tensors give {value!r}")
+        return model
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu") -> HFViT:
+        """The model of a ``ViTForImageClassification`` checkpoint's state dict (transformers 5's keys, or the older
+        ones, renamed as transformers renames them), its sizes read off the tensors (square images: the side from the
+        number of patches); ``heads`` (``num_attention_heads``), ``eps`` (``layer_norm_eps``) and ``act``
+        (``hidden_act``) are in its ``config.json``, which no shape holds.
+
+        Raises:
+            ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
+        """
+        tensors = {renamed(k): v for k, v in state.items()}
+        shapes = {"vit.embeddings.patch_embeddings.projection.weight": 4, "vit.embeddings.position_embeddings": 3,
+                  "classifier.weight": 2}  # fmt: skip
+        for key, dims in shapes.items():
+            if tensors.get(key, torch.empty(0)).dim() != dims:
+                raise SpecError(f"the ViT state dict has no {dims}-axis tensor {key}" + (
+                    " (a ViTForImageClassification checkpoint has one)" if key.startswith("classifier") else ""))
+        dim, channels, patch, other = tensors["vit.embeddings.patch_embeddings.projection.weight"].shape
+        side = math.isqrt(max(tensors["vit.embeddings.position_embeddings"].shape[1] - 1, 0))
+        if patch != other or side * side + 1 != tensors["vit.embeddings.position_embeddings"].shape[1]:
+            raise SpecError("the ViT state dict's patches are not square, or its positions not a square grid plus the "
+                            "class token")  # fmt: skip
+        layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"vit\.layers\.(\d+)\.", k))})
+        fc1 = tensors.get("vit.layers.0.mlp.fc1.weight", torch.empty(0))
+        if not positive_integer(heads):
+            raise SpecError(f"heads must be a positive integer, got {heads!r}")
+        try:
+            model = cls(side * patch, patch, dim, layers, heads, tensors["classifier.weight"].shape[0], channels,
+                        fc1.shape[0] if fc1.dim() == 2 else 4 * dim, eps, act,
+                        "vit.layers.0.attention.q_proj.bias" in tensors or not layers)  # fmt: skip
+        except ValueError as failure:
+            raise SpecError(str(failure)) from None
+        return load_fitting(model, tensors, f"ViT with {layers} blocks of width {dim}", set(),
+                            "vit.embeddings.patch_embeddings.projection.weight")
