@@ -223,9 +223,11 @@ class Llama(nn.Module):
         if heads < 1 or kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads in equal groups")
         windows = list(sliding_window) if isinstance(sliding_window, Sequence) else [sliding_window] * layers
-        if len(windows) != layers or not all(w is None or positive_integer(w) for w in windows):
-            raise ValueError(f"sliding_window must be a positive integer, None, or one of those per block ({layers}), "
-                             f"got {sliding_window!r}")  # fmt: skip
+        if not all(w is None or positive_integer(w) for w in windows):
+            raise ValueError(f"sliding_window must be a positive integer, None, or one of those per block, got "
+                             f"{sliding_window!r}")  # fmt: skip
+        if len(windows) != layers:
+            raise ValueError(f"{len(windows)} sliding windows are given for {layers} blocks")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"the head size {head_dim} must be even for rotary embeddings")
         if not positive_number(eps) or not positive_number(theta):
@@ -357,33 +359,42 @@ class Llama(nn.Module):
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:
     """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's
     ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others (Qwen2,
-    Ministral) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen2 has one only where
-    ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from ``max_window_layers`` on.
+    Ministral) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen's classes have one
+    only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from ``max_window_layers`` on.
+    A config without ``sliding_window`` has their default, 4096 tokens.
 
     Raises:
-        SpecError: a window or ``layer_types`` of the wrong kind.
+        SpecError: a window, flag or ``layer_types`` of the wrong kind, or ``layer_types`` not one per block.
     """
-    kind, window = config.get("model_type"), config.get("sliding_window")
+    kind = config.get("model_type")
     if kind == "llama":
         return None
-    if kind == "qwen2" or "use_sliding_window" in config:
-        window = window if config.get("use_sliding_window") else None
+    window = config.get("sliding_window", 4096 if kind in ("mistral", "ministral", "qwen2") else None)
+    qwen = kind == "qwen2" or (kind is None and "use_sliding_window" in config)  # Mistral's classes read no flag
+    if qwen:
+        use = config.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise SpecError(f"the config's use_sliding_window must be true or false, got {use!r}")
+        window = window if use else None
     if window is None:
         return None
     if not positive_integer(window):
         raise SpecError(f"the config's sliding_window must be a positive integer or null, got {window!r}")
-    kinds = config.get("layer_types")
-    if kind == "mistral" or (kinds is None and kind != "qwen2"):
+    kinds, layers = config.get("layer_types"), config.get("num_hidden_layers")
+    if kind == "mistral" or (kinds is None and not qwen):
         return window
     if kinds is None:  # Qwen2's default: full attention below max_window_layers
-        layers, first = config.get("num_hidden_layers"), config.get("max_window_layers", 28)
+        first = config.get("max_window_layers", 28)
         if not positive_integer(layers) or not isinstance(first, int) or isinstance(first, bool):
             raise SpecError(f"the config's num_hidden_layers and max_window_layers must be integers, got {layers!r} "
                             f"and {first!r}")  # fmt: skip
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if not isinstance(kinds, list) or set(kinds) - {"sliding_attention", "full_attention"}:
+    if not isinstance(kinds, list) or not all(k in ("sliding_attention", "full_attention") for k in kinds):
         raise SpecError(f"the config's layer_types must list 'sliding_attention' or 'full_attention' per block, got "
                         f"{kinds!r}")  # fmt: skip
+    if layers is not None and len(kinds) != layers:
+        raise SpecError(f"the config's layer_types has {len(kinds)} entries for its {layers} blocks "
+                        "(num_hidden_layers)")  # fmt: skip
     return [window if k == "sliding_attention" else None for k in kinds]
 
 

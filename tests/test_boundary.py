@@ -164,7 +164,7 @@ def test_a_module_reached_under_two_names_takes_params_under_either():
     last = {k: t.detach() for k, t in model[4].named_parameters(prefix="4")}
     first = Objective(model, nn.CrossEntropyLoss(), (X, y), params={**{f"0.{k}": t for k, t in moved.items()}, **last})
     second = Objective(model, nn.CrossEntropyLoss(), (X, y), params={**{f"2.{k}": t for k, t in moved.items()}, **last})
-    assert second.layout.names == ("2.weight", "2.bias", "4.weight", "4.bias") and second.layout.size == 35
+    assert second.layout.names == ("0.weight", "0.bias", "4.weight", "4.bias") and second.layout.size == 35  # first
     shifted = copy.deepcopy(model)
     with torch.no_grad():
         shifted[0].weight.copy_(moved["weight"]), shifted[0].bias.copy_(moved["bias"])
@@ -181,8 +181,51 @@ def test_a_module_reached_under_two_names_takes_params_under_either():
         shifted[0].bias.copy_(lin.bias)
     reference = _dense_hessian(shifted, nn.CrossEntropyLoss(), X, y)[:16, :16]
     torch.testing.assert_close(alone.hvp(v[:16]), reference @ v[:16], rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="two values are given for one tensor"):
+    with pytest.raises(ValueError, match="gives one tensor of the model twice, under '0.bias' and '2.bias'"):
         Objective(model, nn.CrossEntropyLoss(), (X, y), params={"0.bias": moved["bias"], "2.bias": moved["bias"] + 1})
+    both = Objective(model, nn.CrossEntropyLoss(), (X, y), params={"0.bias": moved["bias"], "2.bias": moved["bias"]})
+    assert both.layout.names == ("0.bias",)
+
+
+class _Aliased(nn.Module):
+    """A chain whose last layer is also kept as ``head`` (called once, under that name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+        self.head = self.body[2]
+
+    def forward(self, x):
+        return self.head(self.body[1](self.body[0](x)))
+
+
+def test_the_measures_read_params_given_under_a_second_name_as_the_model_s_analysis_does():
+    """``params`` under ``head.*`` are kept under ``body.2.*``, the names of the model's traced graph and symmetry
+    group: the symmetry, minnorm and node measures give the same values under either name, and stay unchanged under a
+    rescaling of the hidden units (before, under ``head.*`` the symmetry and minnorm measures lost the group and
+    moved from 0.686 to 0.484)."""
+    from sharpness.measures import MEASURES
+
+    g = torch.Generator().manual_seed(0)
+    model = _Aliased().double().eval()
+    X, y = torch.randn(20, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (20,), generator=g)
+    c = torch.rand(6, generator=g, dtype=torch.float64) * 3 + 0.2
+    rescaled = copy.deepcopy(model)
+    with torch.no_grad():
+        rescaled.body[0].weight.mul_(c[:, None]), rescaled.body[0].bias.mul_(c), rescaled.head.weight.div_(c)
+    values = {}
+    for which, m in (("model", model), ("rescaled", rescaled)):
+        for names in ("body.2", "head"):
+            params = {"body.0.weight": m.body[0].weight, "body.0.bias": m.body[0].bias,
+                      f"{names}.weight": m.head.weight, f"{names}.bias": m.head.bias}  # fmt: skip
+            obj = Objective(m, nn.CrossEntropyLoss(), (X, y), params={k: v.detach() for k, v in params.items()})
+            assert obj.layout.names == ("body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias")
+            for measure in ("symmetry", "minnorm", "node"):
+                result = MEASURES[measure].sharpness(obj, k=1, progress=False)
+                values[which, names, measure] = float(result.eigenvalues[0])
+    for measure in ("symmetry", "minnorm", "node"):
+        same = [values[w, n, measure] for w in ("model", "rescaled") for n in ("body.2", "head")]
+        assert max(same) - min(same) <= 1e-8 * max(same), (measure, same)
 
 
 # 4. The loss must be a scalar -------------------------------------------------------------------------------------

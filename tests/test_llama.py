@@ -82,25 +82,33 @@ def test_sliding_windows_are_read_from_the_config_as_transformers_reads_them():
                 assert float((moved - logits).abs().max()) > 0.5, (which, windows)
     state, ids, logits = _checkpoint(MISTRAL)
     config = _config(MISTRAL)
-    mixed = ["sliding_attention", "full_attention"]
-    windows = [  # config changes, the windows per block
-        ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1}, [None, 3]),
-        ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0}, [3, 3]),
-        ({"model_type": "qwen2", "use_sliding_window": False}, [None, None]),
-        ({"model_type": "ministral", "layer_types": mixed}, [3, None]),
-        ({"model_type": "mistral", "layer_types": mixed}, [3, 3]),
-        ({"model_type": "llama"}, [None, None]),
+    mixed, qwen = ["sliding_attention", "full_attention"], {"use_sliding_window": True, "max_window_layers": 1}
+    no_key = {k: v for k, v in config.items() if k != "sliding_window"}  # transformers' default window: 4096
+    windows = [  # configs, the windows per block
+        ({**config, "model_type": "qwen2", **qwen}, [None, 3]),
+        ({**config, "model_type": "qwen2", **qwen, "max_window_layers": 0}, [3, 3]),
+        ({**config, "model_type": "qwen2", "use_sliding_window": False}, [None, None]),
+        ({**config, "model_type": "ministral", "layer_types": mixed}, [3, None]),
+        ({**config, "model_type": "mistral", "layer_types": mixed}, [3, 3]),
+        ({**config, "model_type": "llama"}, [None, None]),
+        ({**config, "model_type": "mistral", "use_sliding_window": False}, [3, 3]),  # only Qwen's classes read it
+        ({**config, "model_type": "ministral", "use_sliding_window": False, "layer_types": mixed}, [3, None]),
+        ({**no_key, "model_type": "qwen2", **qwen}, [None, 4096]),
+        ({**no_key, "model_type": "mistral", **qwen}, [4096, 4096]),
     ]
-    for change, expected in windows:
-        model = Llama.from_config({**config, **change}, state)
-        assert [layer.self_attn.window for layer in model.model.layers] == expected, change
+    for given, expected in windows:
+        model = Llama.from_config(given, state)
+        assert [layer.self_attn.window for layer in model.model.layers] == expected, given
     for change, fragment in [({"sliding_window": 0}, "sliding_window must be a positive integer"),
                              ({"model_type": "ministral", "layer_types": ["sliding"] * 2}, "layer_types must list"),
                              ({"model_type": "ministral", "layer_types": ["full_attention"]},
-                              "one of those per block")]:  # fmt: skip
+                              "has 1 entries for its 2 blocks"),
+                             ({"model_type": "ministral", "layer_types": [{}, "full_attention"]},
+                              "layer_types must list"),
+                             ({"model_type": "qwen2", "use_sliding_window": "false"}, "must be true or false")]:
         with pytest.raises(ValueError, match=fragment):
             Llama.from_config({**config, **change}, state)
-    with pytest.raises(ValueError, match="one of those per block"):
+    with pytest.raises(ValueError, match="1 sliding windows are given for 2 blocks"):
         Llama(29, 16, 2, 2, sliding_window=[3])
 
 

@@ -62,7 +62,8 @@ class MinNorm(Measure):
             "gauge_iterations": history.iterations,
             "gauge_gamma": history.gamma,
             "gauge_converged": history.converged,
-            "gauge_norm_reduction": history.objective[-1] / history.objective[0],
+            # no weight the gauge moves among the parameters (a subset of biases, say): nothing to reduce
+            "gauge_norm_reduction": history.objective[-1] / history.objective[0] if history.objective[0] else 1.0,
         }
 
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:

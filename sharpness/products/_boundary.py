@@ -103,7 +103,10 @@ def _refuse_inexact_second_derivatives(model: nn.Module) -> None:
 
 def select_params(model: nn.Module, params: Mapping[str, Tensor] | None, prefix: str = "") -> dict[str, Tensor]:
     """The tensors the objective differentiates in: ``params`` (checked against the model's parameters), or the
-    model's trainable parameters. Names may carry the ``prefix`` of a wrapper the model was taken out of.
+    model's trainable parameters. Names may carry the ``prefix`` of a wrapper the model was taken out of. A tensor the
+    model holds under several names (a module reached under two names, a weight tied between modules) may be given
+    under any of them, and is kept under the first, the one ``model.named_parameters()`` lists: the name every
+    analysis of the model (its traced graph, its symmetry group) uses.
 
     Raises:
         TypeError: ``params`` is not a mapping of names to floating-point tensors.
@@ -138,7 +141,16 @@ def select_params(model: nn.Module, params: Mapping[str, Tensor] | None, prefix:
             raise ValueError(
                 f"params[{k!r}] has shape {tuple(v.shape)} but the model's parameter has {tuple(named[k].shape)}"
             )
-    return given
+    first = {id(p): k for k, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    canonical: dict[str, Tensor] = {}
+    source: dict[str, str] = {}
+    for k, v in given.items():
+        name = first[id(named[k])]
+        if name in canonical and canonical[name] is not v:
+            raise ValueError(f"params gives one tensor of the model twice, under {source[name]!r} and {k!r}; give it "
+                             "once")  # fmt: skip
+        canonical[name], source[name] = v, k
+    return canonical
 
 
 def evaluation_dtype(dtype: torch.dtype | None, reference: torch.dtype) -> torch.dtype:
