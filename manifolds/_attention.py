@@ -932,6 +932,8 @@ class _Finder:
             proj = self.input_projection(user, node)
             if proj is None:
                 raise _Fail(f"it is read by {self.label(user)}, which is not a Linear or attention input")
+            if not self.once(proj):  # reached through a reshape or selection: its own calls are not counted above
+                raise _Fail(f"it is read by module '{proj.module}', which is called more than once")
             blocks.extend(self.linear_blocks(proj, index, "inv", False))
         return blocks
 

@@ -10,7 +10,8 @@ scale ``hd^-1/2``, and the classifier reads ``tanh(pooler(h_0))``, the first ([C
 
 Inputs are token ids ``(N, T)`` (every token attended, token types 0), or what a tokenizer returns stacked on axis 1,
 ``(N, 3, T)``: ids, token types (``token_type_ids``, 0 for the first sentence and 1 for the second) and attention
-mask (1 for a token, 0 for padding). Outputs are logits ``(N, C)``.
+mask (1 for a token, 0 for padding); ``(N, 2, T)`` holds ids and token types, every token attended. Outputs are logits
+``(N, C)``.
 
 State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``P`` the positions, ``S`` the token
 types, ``F`` the MLP's width, ``C`` the classes)::
@@ -38,6 +39,9 @@ from sharpness._specs import SpecError, checkpoint_spec, load_fitting, positive_
 # HuggingFace's hidden_act names -> the function (``gelu_new`` and ``gelu_pytorch_tanh`` are GELU's tanh form)
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
+
+
+_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def is_index_buffer(key: str) -> bool:
@@ -160,8 +164,8 @@ class Bert(nn.Module):
         act: the MLP's activation (``hidden_act``): ``"gelu"``, ``"relu"``, ``"gelu_new"`` or
             ``"gelu_pytorch_tanh"``.
 
-    Inputs are ``(N, T)`` token ids or ``(N, 3, T)`` ids, token types and attention mask (see the module's
-    docstring), ``T <= P``; outputs are logits ``(N, C)``.
+    Inputs are ``(N, T)`` token ids, ``(N, 2, T)`` ids and token types, or ``(N, 3, T)`` ids, token types and
+    attention mask (see the module's docstring), ``T <= P``; outputs are logits ``(N, C)``.
     """
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
@@ -171,7 +175,7 @@ class Bert(nn.Module):
         super().__init__()
         if not positive_integer(heads) or dim % heads:
             raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if act not in ACTIVATIONS:
+        if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
         if not positive_number(eps):
             raise ValueError(f"eps={eps} must be a positive finite number")
@@ -180,24 +184,27 @@ class Bert(nn.Module):
         self.classifier = nn.Linear(dim, classes)
 
     def check_tokens(self, inputs: Tensor) -> None:
-        """Raises ``ValueError`` (one sentence) unless ``inputs`` are ``(N, T)`` or ``(N, 3, T)`` integers: ids below
-        the vocabulary size, token types below ``S``, a mask of 0 and 1 keeping each sequence's first token, and
-        ``T`` at most the positions the model has."""
+        """Raises ``ValueError`` (one sentence) unless ``inputs`` are ``(N, T)``, ``(N, 2, T)`` or ``(N, 3, T)``
+        integers: ids below the vocabulary size, token types below ``S``, a mask of 0 and 1 keeping each sequence's
+        first token, and ``T`` at most the positions the model has."""
         embeddings = self.bert.embeddings
-        if inputs.is_floating_point() or inputs.dim() not in (2, 3) or (inputs.dim() == 3 and inputs.shape[1] != 3):
+        if inputs.dtype not in _INTEGERS or inputs.dim() not in (2, 3) or (inputs.dim() == 3 and
+                                                                           inputs.shape[1] not in (2, 3)):  # fmt: skip
             raise ValueError(f"BERT takes integer token ids (N, T), or ids, token types and attention mask stacked "
-                             f"(N, 3, T), not {tuple(inputs.shape)} {str(inputs.dtype).removeprefix('torch.')} "
-                             "values")  # fmt: skip
-        rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1])
-        if rows.shape[-1] == 0:
-            raise ValueError("the sequences hold no tokens; give at least one token per sequence")
+                             f"(N, 3, T) (or (N, 2, T) without the mask), not {tuple(inputs.shape)} "
+                             f"{str(inputs.dtype).removeprefix('torch.')} values")  # fmt: skip
+        if inputs.shape[-1] == 0 or inputs.shape[0] == 0:
+            raise ValueError("the sequences hold no tokens; give at least one sequence of at least one token")
+        rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]).long()
         positions = embeddings.position_embeddings.num_embeddings
         if rows.shape[-1] > positions:
             raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {positions} positions")
         vocab, types = embeddings.word_embeddings.num_embeddings, embeddings.token_type_embeddings.num_embeddings
         checks = [(rows[:, 0], vocab, "token ids")]
+        if rows.shape[1] >= 2:
+            checks.append((rows[:, 1], types, "token types"))
         if rows.shape[1] == 3:
-            checks += [(rows[:, 1], types, "token types"), (rows[:, 2], 2, "attention mask values")]
+            checks.append((rows[:, 2], 2, "attention mask values"))
         for values, size, what in checks:
             if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
                 raise ValueError(f"{what} run from {int(values.min())} to {int(values.max())}, outside 0..{size - 1}")
@@ -206,11 +213,11 @@ class Bert(nn.Module):
                              "reads); the mask is 1 on tokens and 0 on padding at the end")  # fmt: skip
 
     def forward(self, inputs: Tensor) -> Tensor:
-        # (N, T) or (N, 3, T) without a branch on the shape (fx traces no branch): the defaults (types 0, mask 1)
-        # appended behind the given rows, and the first three rows read
+        # (N, T), (N, 2, T) or (N, 3, T) without a branch on the shape (fx traces no branch): the rows not given are
+        # filled from (ids, types 0, mask 1)
         rows = inputs.reshape(inputs.size(0), -1, inputs.size(-1))
-        defaults = torch.stack((torch.zeros_like(rows[:, 0]), torch.ones_like(rows[:, 0])), dim=1)
-        rows = torch.cat((rows, defaults), dim=1)
+        full = torch.stack((rows[:, 0], torch.zeros_like(rows[:, 0]), torch.ones_like(rows[:, 0])), dim=1)
+        rows = torch.cat((rows, full[:, rows.size(1) :]), dim=1)
         keep = (rows[:, 2] != 0)[:, None, None, :]  # (N, 1, 1, T): the keys each query attends
         return self.classifier(self.bert(rows[:, 0], rows[:, 1], keep))
 
@@ -228,7 +235,7 @@ class Bert(nn.Module):
             raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
                             f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
         act = config.get("hidden_act", "gelu")
-        if act not in ACTIVATIONS:
+        if not isinstance(act, str) or act not in ACTIVATIONS:
             raise SpecError(f"the config's hidden_act is {act!r}; sharpness.Bert computes {', '.join(ACTIVATIONS)}")
         for option, plain in (("position_embedding_type", "absolute"), ("is_decoder", False),
                               ("add_cross_attention", False)):  # fmt: skip

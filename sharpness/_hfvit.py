@@ -152,7 +152,7 @@ class HFViT(nn.Module):
             raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
         if not positive_integer(patch) or not positive_integer(image) or image % patch:
             raise ValueError(f"the image side {image} is not a multiple of the patch side {patch}")
-        if act not in ACTIVATIONS:
+        if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
         if not positive_number(eps):
             raise ValueError(f"eps={eps} must be a positive finite number")
@@ -178,7 +178,7 @@ class HFViT(nn.Module):
             raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
                             f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
         act = config.get("hidden_act", "gelu")
-        if act not in ACTIVATIONS:
+        if not isinstance(act, str) or act not in ACTIVATIONS:
             raise SpecError(f"the config's hidden_act is {act!r}; sharpness.HFViT computes {', '.join(ACTIVATIONS)}")
         model = cls.from_state_dict(state, heads, float(eps), act)
         patch = model.vit.embeddings.patch_embeddings.projection

@@ -51,6 +51,10 @@ def test_the_logits_are_huggingface_s_on_ids_and_on_padded_sentence_pairs():
         unmasked = f["__pairs"].clone()
         unmasked[:, 2] = 1
         assert (model(unmasked) - f["__pair_logits"]).abs().max() > 0.1
+        # ids and token types without a mask: every token attended
+        every = torch.cat((f["__pairs"][:, :2], torch.ones_like(f["__pairs"][:, 2:])), dim=1)
+        torch.testing.assert_close(model(f["__pairs"][:, :2]), model(every), rtol=0, atol=0)
+        assert (model(every) - f["__pair_logits"]).abs().max() > 0.1
         # what a padded token holds does not reach the classifier
         other = f["__pairs"].clone()
         other[:, 0] = torch.where(other[:, 2] == 1, other[:, 0], 7)
@@ -74,10 +78,17 @@ def test_config_and_state_dict_forms():
         with pytest.raises(ValueError, match=fragment):
             Bert.from_config({**config, **change}, state)
     model = _model()
-    for bad, fragment in [(f["__pairs"][:, :2], r"\(N, 3, T\)"), (f["__input_ids"] + 40, "token ids run"),
-                          (torch.zeros(4, 13, dtype=torch.long), "longer than its 12 positions")]:  # fmt: skip
+    types_off = f["__pairs"][:, :2] * torch.tensor([1, 0])[None, :, None] + torch.tensor([0, 5])[None, :, None]
+    for bad, fragment in [(f["__pairs"].repeat(1, 2, 1)[:, :4], r"\(N, 3, T\)"),
+                          (f["__input_ids"] + 40, "token ids run"),
+                          (torch.zeros(4, 13, dtype=torch.long), "longer than its 12 positions"),
+                          (torch.zeros(4, 3, 0, dtype=torch.long), "hold no tokens"),
+                          (torch.zeros(0, 5, dtype=torch.long), "hold no tokens"),
+                          (f["__input_ids"].to(torch.uint16), "uint16"), (types_off, "token types run")]:
         with pytest.raises(ValueError, match=fragment):
             model.check_tokens(bad)
+    with pytest.raises(ValueError, match="hidden_act"):
+        Bert.from_config({**config, "hidden_act": ["gelu"]}, state)
     no_cls = f["__pairs"].clone()
     no_cls[1, 2, 0] = 0
     with pytest.raises(ValueError, match=r"first token \(\[CLS\]"):
@@ -137,7 +148,7 @@ def test_the_group_and_the_invariant_measure():
 def test_a_token_selection_keeps_features_only_for_constant_rows():
     """The last LayerNorm is traded through ``x[:, 0]`` and ``x.mean(1)``, but not through a selection of features
     (``x[..., :8]``) or of rows given by the data (``x[range, ids.argmax]``), which the analysis cannot see for every
-    input."""
+    input, nor into a Linear that is called again elsewhere."""
 
     class Pool(nn.Module):
         def __init__(self, how):
@@ -153,12 +164,14 @@ def test_a_token_selection_keeps_features_only_for_constant_rows():
                 return self.head(x.mean(1))
             if self.how == "features":
                 return self.head(x[..., :4])
+            if self.how == "twice":  # the head read again, on other features: no trade can answer both
+                return self.head(x[:, 0]) + self.head(self.emb(ids)[:, 1])
             return self.head(x[torch.arange(ids.size(0)), ids.argmax(1)])
 
     ids = torch.randint(0, 11, (5, 6), generator=torch.Generator().manual_seed(0))
-    ways = ("first", "mean", "features", "data")
+    ways = ("first", "mean", "features", "data", "twice")
     dims = {how: manifolds.transformer_symmetry(Pool(how).double(), ids).dim for how in ways}
-    assert dims == {"first": 8, "mean": 8, "features": 0, "data": 0}, dims
+    assert dims == {"first": 8, "mean": 8, "features": 0, "data": 0, "twice": 0}, dims
 
 
 def test_the_products_are_the_r_operator_s():
@@ -200,13 +213,15 @@ def test_the_command_line_measures_a_bert_checkpoint_on_sentence_pairs(cli_files
     ("bert", "pairs", "number of heads"),
     ("bert:heads=3", "pairs", "not a multiple of heads=3"),
     ("bert:heads=2,act=swish", "pairs", "hidden_act 'swish'"),
-    ("bert:heads=2", "short", "ids, token types and attention mask"),
+    ("bert:heads=2", "long", "ids, token types and attention mask"),
+    ("bert:heads=2", "empty", "hold no tokens"),
     ("bert:heads=2", "nocls", "leaves out a sequence's first token"),
 ])  # fmt: skip
 def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, tmp_path, capsys, model, data,
                                                                     fragment):  # fmt: skip
     _, f = _checkpoint()
-    bad = {"short": f["__pairs"][:, :2], "nocls": f["__pairs"].clone()}
+    bad = {"long": f["__pairs"].repeat(1, 2, 1)[:, :4], "nocls": f["__pairs"].clone(),
+           "empty": torch.zeros(4, 3, 0, dtype=torch.long)}
     bad["nocls"][0, 2, 0] = 0
     path = cli_files / "pairs.npz"
     if data in bad:
