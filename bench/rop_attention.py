@@ -14,7 +14,10 @@ reference, the same block with ``nn.MultiheadAttention`` (the R-operator's close
 ``sharpness.GPT2`` whole (``--forms gpt2``): vocabulary 512, width 64, 4 heads, 2 blocks, its output layer tied to the
 token table, on 128 random sequences of 32 tokens with next-token cross-entropy; ``sharpness.Llama`` whole (``--forms
 llama``): the same sizes with grouped-query attention (2 key/value heads for the 4 query heads), rotary embeddings,
-RMSNorm and a SwiGLU MLP of 256, untied head.
+RMSNorm and a SwiGLU MLP of 256, untied head; ``sharpness.Bert`` (``--forms bert``): vocabulary 512, width 64, 4 heads,
+2 post-LayerNorm blocks, 3 classes, on 128 padded sentence pairs of 32 tokens (ids, token types and attention mask);
+``sharpness.HFViT`` (``--forms hfvit``): 32x32 images of 3 channels in 4x4 patches (64 tokens and the class token),
+width 64, 4 heads, 2 blocks, 10 classes, 128 images.
 Prints, per attention form, the CPU time of one gradient and of one product by each strategy (minimum over the
 rounds), and their ratios.
 """
@@ -36,7 +39,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 from _workloads import add_device_argument, clock, device_label, use_device  # noqa: E402
 
-from sharpness import GPT2, Llama, Objective  # noqa: E402
+from sharpness import GPT2, Bert, HFViT, Llama, Objective  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     forms = {"manual": "q @ k^T, softmax, @ v", "sdpa": "F.scaled_dot_product_attention",
              "mha": "nn.MultiheadAttention (reference)", "gpt2": "sharpness.GPT2, tied output layer",
-             "llama": "sharpness.Llama, grouped-query attention"}  # fmt: skip
+             "llama": "sharpness.Llama, grouped-query attention", "bert": "sharpness.Bert, padded sentence pairs",
+             "hfvit": "sharpness.HFViT, conv patches and a class token"}  # fmt: skip
     parser.add_argument("--forms", nargs="+", choices=forms, default=list(forms), help="models to time (default: all)")
     parser.add_argument("--json", help="also write the figures here")
     add_device_argument(parser)
@@ -101,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     x, y = torch.randn(args.samples, 16, 4), torch.randint(0, 10, (args.samples,))
     ids = torch.randint(0, 512, (128, 33), generator=torch.Generator().manual_seed(2))
     x, y, ids = x.to(args.device), y.to(args.device), ids.to(args.device)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(8, 33, (128, 1), generator=g)
+    mask = (torch.arange(32) < lengths).long()
+    types = ((torch.arange(32) >= lengths // 2) & (mask == 1)).long()
+    tokens = torch.stack((torch.randint(1, 512, (128, 32), generator=g) * mask, types, mask), dim=1)
+    pairs = tokens.to(args.device), torch.randint(0, 3, (128,), generator=g).to(args.device)
+    images = torch.randn(128, 3, 32, 32, generator=g).to(args.device), torch.randint(0, 10, (128,), generator=g).to(
+        args.device)
     figures = {}
     for form in args.forms:
         label = forms[form]
@@ -110,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 model = Llama(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, hidden=256, classes_last=False)
             obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), (ids[:, :-1], ids[:, 1:]))
+        elif form == "bert":
+            model = Bert(vocab=512, positions=32, dim=64, layers=2, heads=4, classes=3, hidden=256)
+            obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), pairs)
+        elif form == "hfvit":
+            model = HFViT(image=32, patch=4, dim=64, layers=2, heads=4, classes=10, channels=3, hidden=256)
+            obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), images)
         else:
             obj = Objective(TimmLike(form=form).eval().to(args.device), nn.CrossEntropyLoss(), (x, y))
         v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1)).to(args.device)
