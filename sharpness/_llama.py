@@ -6,9 +6,9 @@ Each block is ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_la
 a weight. Attention projects queries, keys and values (``K`` key/value heads shared by groups of the ``H`` query
 heads: grouped-query attention, HuggingFace's ``repeat_kv``), turns each head's queries and keys by rotary position
 embeddings (``q cos + rotate_half(q) sin``, angles ``t / theta^(2i / hd)`` computed in float32 as HuggingFace computes
-them, scaled as LLaMA 3.1's ``rope_scaling`` says: `rotary_frequencies`), and attends causally with scale
-``hd^-1/2``; the MLP is ``down(silu(gate(x)) * up(x))``. The logits are the final RMSNorm's output times ``lm_head``,
-which may share the token table (``tie_word_embeddings``).
+them, scaled as ``rope_scaling`` says: linear, LLaMA 3.1's, dynamic NTK, YaRN or LongRoPE, `rope`), and attends
+causally with scale ``hd^-1/2``; the MLP is ``down(silu(gate(x)) * up(x))``. The logits are the final RMSNorm's output
+times ``lm_head``, which may share the token table (``tie_word_embeddings``).
 
 State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``hd`` the head size, ``F`` the MLP's)::
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,8 @@ def rotary_frequencies(head_dim: int, theta: float, scaling: Mapping[str, object
     ``... / high_freq_factor``, and blended in between.
 
     Raises:
-        ValueError: another ``rope_type`` (``"dynamic"``, ``"yarn"``, ``"longrope"`` also change the attention's scale
-            or depend on the sequence length), or a missing or non-positive parameter.
+        ValueError: another ``rope_type`` (`rope` reads ``"dynamic"``, ``"yarn"`` and ``"longrope"``, which depend on
+            the sequence's length or scale the attention), or a missing or non-positive parameter.
     """
     kind = _rope_type(scaling or {})
     if kind not in _ROPE_KEYS:
@@ -95,6 +96,98 @@ def rotary_frequencies(head_dim: int, theta: float, scaling: Mapping[str, object
     return inv_freq
 
 
+@dataclass(frozen=True)
+class Rope:
+    """A rotary embedding as HuggingFace's ``LlamaRotaryEmbedding`` computes it for a fresh model (see `rope`):
+    ``inv_freq`` the float32 inverse frequencies ``(head_dim / 2,)``; ``long_inv_freq`` those of LongRoPE for sequences
+    longer than ``original`` tokens; ``dynamic`` the ``(theta, factor, max_positions)`` of dynamic NTK scaling, whose
+    base grows with sequences longer than ``max_positions``; ``attention_factor`` the factor of cos and sin (YaRN's and
+    LongRoPE's attention scaling)."""
+
+    inv_freq: Tensor
+    long_inv_freq: Tensor | None = None
+    original: int = 0
+    dynamic: tuple[float, float, int] | None = None
+    attention_factor: float = 1.0
+
+
+def _number(scaling: Mapping[str, object], key: str, default: float | None = None, positive: bool = True) -> float:
+    value = scaling.get(key, default)
+    if not positive_number(value) if positive else not isinstance(value, (int, float)) or isinstance(value, bool):
+        kind = _rope_type(scaling)
+        raise ValueError(f"rope_type {kind!r} needs a {'positive ' if positive else ''}number {key}, got {value!r}")
+    return float(value)
+
+
+def rope(head_dim: int, theta: float, scaling: Mapping[str, object] | None = None,
+         max_positions: int | None = None) -> Rope:  # fmt: skip
+    """The rotary embedding of a ``rope_scaling`` (or transformers 5's ``rope_parameters``), as transformers 5.24
+    computes it: ``default``, ``linear`` and ``llama3`` (`rotary_frequencies`); ``dynamic`` (NTK: for a sequence of
+    ``T > max_positions`` tokens the base is ``theta (factor T / max_positions - factor + 1)^(hd / (hd - 2))``, as a
+    fresh model computes it on that length); ``yarn`` (frequencies blended between ``theta^(-2i/hd)`` and their
+    ``factor``-th by a ramp between ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings``,
+    cos and sin times the attention factor ``0.1 ln(factor) + 1`` or ``attention_factor``, or the ``mscale`` ratio); and
+    ``longrope`` (``short_factor`` or, past ``original_max_position_embeddings`` tokens, ``long_factor`` dividing each
+    frequency; cos and sin times ``sqrt(1 + ln(factor) / ln(original))`` or ``attention_factor``). ``max_positions``:
+    the config's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: another ``rope_type``, a partial rotary factor, or a missing or malformed parameter.
+    """
+    scaling = scaling or {}
+    kind = _rope_type(scaling)
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("a partial_rotary_factor is not supported: sharpness.Llama rotates whole heads")
+    if kind in _ROPE_KEYS:
+        return Rope(rotary_frequencies(head_dim, theta, scaling))
+    if kind not in ("dynamic", "yarn", "longrope"):
+        raise ValueError(f"rope_type {kind!r} is not supported; the supported ones are {', '.join(_ROPE_KEYS)}, "
+                         "dynamic, yarn and longrope")  # fmt: skip
+    if not positive_integer(max_positions):
+        raise ValueError(f"rope_type {kind!r} needs the config's max_position_embeddings, got {max_positions!r}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if kind == "dynamic":
+        return Rope(rotary_frequencies(head_dim, theta), dynamic=(theta, _number(scaling, "factor"), max_positions))
+    original = int(_number(scaling, "original_max_position_embeddings", max_positions))
+    factor = scaling.get("factor")
+    factor = max_positions / original if factor is None else _number(scaling, "factor")
+    given = scaling.get("attention_factor")
+    if given is not None:
+        given = _number(scaling, "attention_factor", positive=False)
+    if kind == "longrope":
+        factors = {}
+        for key in ("short_factor", "long_factor"):
+            value = scaling.get(key)
+            if not isinstance(value, list) or len(value) != head_dim // 2 or not all(
+                    positive_number(v) for v in value):  # fmt: skip
+                raise ValueError(f"rope_type 'longrope' needs {key}, {head_dim // 2} positive numbers, got {value!r}")
+            factors[key] = 1.0 / (torch.tensor(value, dtype=torch.float32) * theta**exponents)
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return Rope(factors["short_factor"], factors["long_factor"], original,
+                    attention_factor=scale if given is None else given)  # fmt: skip
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    scale = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction(fast), correction(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # transformers' guard against a ramp of zero width
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    positions = theta**exponents
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it is), the rest interpolated (/ factor)
+    inv_freq = 1.0 / (factor * positions) * (1 - kept) + 1.0 / positions * kept
+    return Rope(inv_freq, attention_factor=scale if given is None else given)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -103,15 +196,32 @@ def _rotate_half(x: Tensor) -> Tensor:
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, inv_freq: Tensor, bias: Mapping[str, bool],
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope: Rope, bias: Mapping[str, bool],
                  window: int | None = None):  # fmt: skip
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
+        self.register_buffer("inv_freq", rope.inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
+        if rope.long_inv_freq is not None:
+            self.register_buffer("long_inv_freq", rope.long_inv_freq.clone(), persistent=False)
+        self.original, self.dynamic, self.attention_factor = rope.original, rope.dynamic, rope.attention_factor
         self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias.get("q_proj", False))
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
         self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
         self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias.get("o_proj", False))
+
+    def _frequencies(self, positions: Tensor) -> Tensor:
+        """The inverse frequencies for a sequence of these positions (float32 ``0 .. T-1``), as a fresh HuggingFace
+        model computes them on it: from the sequence's length for dynamic NTK scaling and LongRoPE (tensor arithmetic:
+        fx traces no branch on the length)."""
+        if self.dynamic is not None:
+            theta, factor, most = self.dynamic
+            seq = torch.clamp(positions[-1:] + 1, min=most)
+            base = theta * ((factor * seq / most) - (factor - 1)) ** (self.head_dim / (self.head_dim - 2))
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device).float()
+            return 1.0 / (base ** (exponents / self.head_dim))
+        if self.original:
+            return torch.where(positions[-1:] + 1 > self.original, self.long_inv_freq, self.inv_freq)
+        return self.inv_freq.float()
 
     def _heads(self, t: Tensor, n: int) -> Tensor:
         return t.view(t.size(0), t.size(1), n, self.head_dim).transpose(1, 2)
@@ -129,9 +239,14 @@ class LlamaAttention(nn.Module):
         k = self._heads(self.k_proj(x), self.kv_heads)
         v = self._heads(self.v_proj(x), self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
-        angles = torch.arange(x.size(1), dtype=torch.float32, device=x.device)[:, None] * self.inv_freq.float()
+        positions = torch.arange(x.size(1), dtype=torch.float32, device=x.device)
+        angles = positions[:, None] * self._frequencies(positions)
         angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        if self.attention_factor == 1.0:
+            cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        else:
+            cos, sin = (angles.cos() * self.attention_factor).to(x.dtype), (angles.sin() * self.attention_factor).to(
+                x.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if self.window is None:
             out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
@@ -156,9 +271,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 inv_freq: Tensor, bias: Mapping[str, bool], window: int | None):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], window: int | None):  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, inv_freq, bias, window)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window)
         self.mlp = LlamaMLP(dim, hidden, bias)
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
 
@@ -169,10 +284,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 inv_freq: Tensor, bias: Mapping[str, bool], windows: Sequence[int | None]):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None]):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
-        block = (dim, heads, kv_heads, head_dim, hidden, eps, inv_freq, bias)
+        block = (dim, heads, kv_heads, head_dim, hidden, eps, rope, bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window) for window in windows)
         self.norm = nn.RMSNorm(dim, eps=eps)
 
@@ -198,7 +313,9 @@ class Llama(nn.Module):
         eps: the RMSNorms' epsilon (``rms_norm_eps``).
         theta: the rotary base (``rope_theta``).
         rope_scaling: HuggingFace's ``rope_scaling`` (or ``rope_parameters``) for a scaled rotary embedding:
-            ``{"rope_type": "linear", "factor": ...}`` or LLaMA 3.1's ``"llama3"`` (`rotary_frequencies`).
+            ``{"rope_type": "linear", "factor": ...}``, LLaMA 3.1's ``"llama3"``, ``"dynamic"``, ``"yarn"`` or
+            ``"longrope"`` (`rope`).
+        max_positions: the config's ``max_position_embeddings``, which dynamic, YaRN and LongRoPE scalings read.
         sliding_window: Mistral's ``sliding_window``: each query sees itself and the ``sliding_window - 1`` keys
             before it; ``None``: every key before it. A sequence gives each block its own (``None`` where a block
             attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
@@ -216,7 +333,8 @@ class Llama(nn.Module):
                  hidden: int | None = None, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
                  rope_scaling: Mapping[str, object] | None = None,
-                 sliding_window: int | Sequence[int | None] | None = None):  # fmt: skip
+                 sliding_window: int | Sequence[int | None] | None = None,
+                 max_positions: int | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
@@ -236,9 +354,9 @@ class Llama(nn.Module):
         if unknown:
             raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
         self.classes_last = classes_last
-        inv_freq = rotary_frequencies(head_dim, theta, rope_scaling)
+        rotary = rope(head_dim, theta, rope_scaling, max_positions)
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
-                               inv_freq, dict(bias or {}), windows)  # fmt: skip
+                               rotary, dict(bias or {}), windows)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -256,13 +374,15 @@ class Llama(nn.Module):
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, theta: float = 10000.0,
                         classes_last: bool = True, rope_scaling: Mapping[str, object] | None = None,
                         tied: bool | None = None,
-                        sliding_window: int | Sequence[int | None] | None = None) -> Llama:  # fmt: skip
+                        sliding_window: int | Sequence[int | None] | None = None,
+                        max_positions: int | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
         tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, and biases where the
         checkpoint has them. ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
         (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
-        (`from_config` reads them there), and so are the sliding windows. ``tied``
+        (`from_config` reads them there), and so are the sliding windows and ``max_position_embeddings``
+        (``max_positions``, which dynamic, YaRN and LongRoPE scalings read). ``tied``
         (``tie_word_embeddings``): ``None`` reads it off the tensors, tied where ``lm_head.weight`` is absent or equal
         to the token table.
 
@@ -306,7 +426,8 @@ class Llama(nn.Module):
             raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
-                        head_dim, eps, theta, tied, bias, classes_last, rope_scaling, sliding_window)  # fmt: skip
+                        head_dim, eps, theta, tied, bias, classes_last, rope_scaling, sliding_window,
+                        max_positions)  # fmt: skip
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:
@@ -345,15 +466,16 @@ class Llama(nn.Module):
             raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
         if scaling is not None and not isinstance(scaling, Mapping):
             raise SpecError(f"the config's rope_scaling must be an object, got {scaling!r}")
-        if scaling is not None and _rope_type(scaling) == "llama3":  # the original context as transformers reads it:
-            # a top-level original_max_position_embeddings first (Phi-3 saves it there), then the scaling's own, then
-            # the model's max_position_embeddings (LlamaConfig's default 2048)
+        if scaling is not None and _rope_type(scaling) in ("llama3", "yarn", "longrope"):
+            # the original context as transformers reads it: a top-level original_max_position_embeddings first
+            # (Phi-3 saves it there), then the scaling's own, then the model's max_position_embeddings (LlamaConfig's
+            # default 2048)
             context = config.get("original_max_position_embeddings",
                                  scaling.get("original_max_position_embeddings",
                                              config.get("max_position_embeddings", 2048)))  # fmt: skip
             scaling = {**scaling, "original_max_position_embeddings": context}
         return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
-                                   _config_windows(config))
+                                   _config_windows(config), config.get("max_position_embeddings"))
 
 
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:

@@ -139,7 +139,7 @@ def test_llama3_rotary_scaling_is_read_from_either_config_format():
     with torch.no_grad():  # without the original context, transformers takes the top-level one, else the model's
         for config in (fallback, top):
             torch.testing.assert_close(Llama.from_config(config, state)(ids), logits, rtol=0, atol=1e-5)
-    for bad, fragment in [({**old, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not"),
+    for bad, fragment in [({**old, "rope_scaling": {"rope_type": "proportional"}}, "rope_type 'proportional' is not"),
                           ({**_config(), "rope_parameters": "linear"}, "rope_parameters must be an object"),
                           ({**old, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs a positive number"),
                           ({**old, "hidden_act": "gelu"}, "gates with silu"),
@@ -147,6 +147,54 @@ def test_llama3_rotary_scaling_is_read_from_either_config_format():
                           ({**old, "tie_word_embeddings": True}, "differs from the token table")]:  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             Llama.from_config(bad, state)
+
+
+SCALED = ("yarn", "dynamic", "longrope")
+
+
+@pytest.mark.parametrize("kind", SCALED)
+def test_yarn_dynamic_and_longrope_scalings_are_huggingface_s(kind):
+    """YaRN (original context 4, factor 4: frequencies blended by a ramp, cos and sin times 1.14), dynamic NTK (factor 2
+    past 6 positions: the base grows with the length) and LongRoPE (short factors up to 6 tokens, long ones past,
+    cos and sin times 1.26), each on 9 tokens and on the first 5: HuggingFace's logits to float32's rounding (measured
+    1e-6 to 3e-6), while the unscaled embedding moves them by 1.2 to 4.4 (on 5 tokens dynamic NTK is the plain
+    embedding). The group (the rotary commutant per key head: the tables are scaled rotations) keeps the logits and
+    the symmetry measure, and the products are the R-operator's."""
+    state = load_file(str(DATA / f"llama_tiny_{kind}_hf.safetensors"))
+    ids, logits, short = state.pop("__input_ids"), state.pop("__logits"), state.pop("__short_logits")
+    config = json.loads((DATA / f"llama_tiny_{kind}_hf.json").read_text())
+    model, plain = Llama.from_config(config, state), Llama.from_state_dict(state, heads=2, eps=EPS)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(ids[:, :5]), short, rtol=0, atol=1e-5)
+        assert float((plain(ids) - logits).abs().max()) > 1.0
+        assert (float((plain(ids[:, :5]) - short).abs().max()) > 1.0) == (kind != "dynamic")
+    across = Llama.from_config(config, state, classes_last=False)
+    sym = manifolds.transformer_symmetry(across, ids)
+    assert sym.dim == LAYERS * (8 + 64) + LAYERS * (2 * WIDTH + MLP) + WIDTH, sym.describe()
+    check_a_random_element(across, sym, ids)
+    obj = Objective(across, nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = obj.hvp(v, "jvp")
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+def test_scaled_rope_parameters_are_checked():
+    config = json.loads((DATA / "llama_tiny_longrope_hf.json").read_text())
+    state = load_file(str(DATA / "llama_tiny_longrope_hf.safetensors"))
+    for key in ("__input_ids", "__logits", "__short_logits"):
+        state.pop(key)
+    scaling = config["rope_parameters"]
+    for change, fragment in [({"short_factor": [1.0, 2.0]}, "short_factor, 4 positive numbers"),
+                             ({"long_factor": [1.0, 0.0, 1.0, 1.0]}, "long_factor, 4 positive numbers"),
+                             ({"rope_type": "dynamic", "factor": -1}, "positive number factor"),
+                             ({"rope_type": "yarn", "factor": 4.0, "attention_factor": "x"}, "number attention_factor"),
+                             ({"partial_rotary_factor": 0.5}, "partial_rotary_factor")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            Llama.from_config({**config, "rope_parameters": {**scaling, **change}}, state)
+    with pytest.raises(ValueError, match="needs the config's max_position_embeddings"):
+        Llama(29, 16, 2, 2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
 
 
 def test_checkpoint_key_forms():

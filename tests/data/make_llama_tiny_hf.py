@@ -8,6 +8,8 @@ each with an input and the logits the model gives for it (keys ``__input_ids``, 
   the head tied to the token table (no ``lm_head.weight`` key).
 - The third LLaMA 3.1's scaled rotary embeddings (``rope_type="llama3"``).
 - The fourth is a ``MistralForCausalLM`` whose attention sees a sliding window of 3 tokens.
+- YaRN, dynamic NTK and LongRoPE scalings (``llama_tiny_yarn_hf``, ``llama_tiny_dynamic_hf``,
+  ``llama_tiny_longrope_hf``), each also with the logits of the first 5 tokens (``__short_logits``).
 - The fifth a ``Qwen2ForCausalLM`` (query/key/value biases) with that window on its second block only
   (``use_sliding_window``, ``max_window_layers=1``), the sixth a ``MinistralForCausalLM`` with it on its first block
   only (``layer_types``).
@@ -60,6 +62,20 @@ CONFIGS[MINISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word
                           layer_types=["sliding_attention", "full_attention"], head_dim=8)  # its config has no default
 CLASSES = {MISTRAL: (MistralConfig, MistralForCausalLM), QWEN2: (Qwen2Config, Qwen2ForCausalLM),
            MINISTRAL: (MinistralConfig, MinistralForCausalLM)}
+# the rope scalings that depend on the sequence's length or scale cos and sin: YaRN (original context 4 of 16),
+# dynamic NTK (the base grows past max_position_embeddings=6) and LongRoPE (long factors past an original context of 6);
+# each also with the logits of the first 5 tokens (keys __short_logits), under 6 positions
+SCALED = {"llama_tiny_yarn_hf.safetensors": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 4}),
+          "llama_tiny_dynamic_hf.safetensors": dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                                    max_position_embeddings=6),
+          "llama_tiny_longrope_hf.safetensors": dict(rope_scaling={"rope_type": "longrope",
+                                                                   "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                                   "long_factor": [1.0, 2.0, 4.0, 8.0],
+                                                                   "original_max_position_embeddings": 6},
+                                                     max_position_embeddings=24)}
+for name, options in SCALED.items():
+    CONFIGS[name] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, **options)
 WRITE = set(sys.argv[2:]) or set(CONFIGS)  # the files to write (default: all)
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
@@ -67,8 +83,9 @@ for seed, (name, options) in enumerate(CONFIGS.items()):
     theta = options.pop("rope_theta", 10000.0)
     rope = {"rope_type": "default", "rope_theta": theta, **options.pop("rope_scaling", {})}
     make_config, make_model = CLASSES.get(name, (LlamaConfig, LlamaForCausalLM))
-    cfg = make_config(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5,
-                      max_position_embeddings=16, attn_implementation="eager", rope_parameters=rope, **options)
+    cfg = make_config(**{**dict(vocab_size=29, hidden_size=16, num_hidden_layers=2, intermediate_size=24,
+                                rms_norm_eps=1e-5, max_position_embeddings=16, attn_implementation="eager",
+                                rope_parameters=rope), **options})
     m = make_model(cfg).double().eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -81,6 +98,9 @@ for seed, (name, options) in enumerate(CONFIGS.items()):
     with torch.no_grad():
         logits = m(input_ids=ids).logits
     sd["__input_ids"], sd["__logits"] = ids, logits
+    if name in SCALED:
+        with torch.no_grad():
+            sd["__short_logits"] = m(input_ids=ids[:, :5]).logits
     if name not in WRITE:
         continue
     generator = f"transformers {transformers.__version__} {make_model.__name__}, eager attention, float64"
