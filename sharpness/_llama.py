@@ -112,8 +112,11 @@ class Rope:
 
 
 def _number(scaling: Mapping[str, object], key: str, default: float | None = None, positive: bool = True) -> float:
+    """``scaling[key]`` (or ``default``) as a float: a positive finite number, or with ``positive=False`` any finite
+    one; else ``ValueError`` naming the rope type and the key."""
     value = scaling.get(key, default)
-    if not positive_number(value) if positive else not isinstance(value, (int, float)) or isinstance(value, bool):
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (positive_number(value) if positive else finite):
         kind = _rope_type(scaling)
         raise ValueError(f"rope_type {kind!r} needs a {'positive ' if positive else ''}number {key}, got {value!r}")
     return float(value)
