@@ -284,6 +284,11 @@ def prepare_data(
             raise SpecError(f"the data {spec} do not fit the model: {failure}") from None
     else:
         X = X.to(DTYPES[dtype])
+        if hasattr(model, "check_inputs"):  # a model that says which inputs it takes (sharpness.HFViT)
+            try:
+                model.check_inputs(X)
+            except ValueError as failure:
+                raise SpecError(f"the data {spec} do not fit the model: {failure}") from None
     if not bool(torch.isfinite(X).all()):
         raise SpecError(f"the data {spec} overflow in {dtype}; use --dtype float64")
     if loss == "mse":

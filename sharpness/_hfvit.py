@@ -128,7 +128,8 @@ class HFViT(nn.Module):
     mode (see the module's docstring).
 
     Args:
-        image: the image's side ``H = W`` (``image_size``), a multiple of ``patch``.
+        image: the image's side ``H = W`` (``image_size``), at least ``patch``; the convolution's stride leaves out
+            the last ``image % patch`` rows and columns, as HuggingFace's does.
         patch: the patches' side ``p`` (``patch_size``).
         dim: width ``D`` (``hidden_size``), a multiple of ``heads``.
         layers: number of blocks (``num_hidden_layers``).
@@ -141,7 +142,7 @@ class HFViT(nn.Module):
             ``"gelu_pytorch_tanh"``.
         qkv_bias: whether the query, key and value projections have biases (``qkv_bias``).
 
-    Inputs are images ``(N, C, H, W)``; outputs are logits ``(N, K)``.
+    Inputs are images ``(N, C, image, image)`` (`check_inputs`); outputs are logits ``(N, K)``.
     """
 
     def __init__(self, image: int, patch: int, dim: int, layers: int, heads: int, classes: int = 1000,
@@ -150,8 +151,9 @@ class HFViT(nn.Module):
         super().__init__()
         if not positive_integer(heads) or dim % heads:
             raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if not positive_integer(patch) or not positive_integer(image) or image % patch:
-            raise ValueError(f"the image side {image} is not a multiple of the patch side {patch}")
+        if not positive_integer(patch) or not positive_integer(image) or image < patch:
+            raise ValueError(f"the image side {image} and the patch side {patch} must be positive, the image at least "
+                             "one patch")  # fmt: skip
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
         if not positive_number(eps):
@@ -160,6 +162,15 @@ class HFViT(nn.Module):
         self.vit = ViTBody(channels, patch, (image // patch) ** 2, dim, layers, heads,
                            4 * dim if hidden is None else hidden, eps, act, qkv_bias)  # fmt: skip
         self.classifier = nn.Linear(dim, classes)
+
+    def check_inputs(self, images: Tensor) -> None:
+        """Raises ``ValueError`` (one sentence) unless ``images`` are ``(N, C, image, image)`` with the model's
+        channels, as HuggingFace's ``ViTForImageClassification`` refuses other sizes (other sizes whose patch grid has
+        as many patches would run, and mean something else)."""
+        channels = self.vit.embeddings.patch_embeddings.projection.in_channels
+        if images.dim() != 4 or tuple(images.shape[1:]) != (channels, self.image, self.image):
+            raise ValueError(f"the model takes images (N, {channels}, {self.image}, {self.image}), not "
+                             f"{tuple(images.shape)}")  # fmt: skip
 
     def forward(self, images: Tensor) -> Tensor:
         return self.classifier(self.vit(images)[:, 0])
@@ -180,26 +191,45 @@ class HFViT(nn.Module):
         act = config.get("hidden_act", "gelu")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise SpecError(f"the config's hidden_act is {act!r}; sharpness.HFViT computes {', '.join(ACTIVATIONS)}")
-        model = cls.from_state_dict(state, heads, float(eps), act)
-        patch = model.vit.embeddings.patch_embeddings.projection
-        read = {"image_size": model.image, "patch_size": patch.kernel_size[0], "num_channels": patch.in_channels,
-                "qkv_bias": model.vit.layers[0].attention.q_proj.bias is not None if model.vit.layers else True}
+        sizes = {}
+        for key in ("image_size", "patch_size"):  # an int, or [H, W] (transformers takes either)
+            value = config.get(key)
+            if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
+                value = value[0]
+            if value is not None and not positive_integer(value):
+                raise SpecError(f"the config's {key} is {config[key]!r}; sharpness.HFViT takes square images and "
+                                "patches of a positive integer side")  # fmt: skip
+            sizes[key] = value
+        model = cls.from_state_dict(state, heads, float(eps), act, sizes["image_size"])
+        patch, layers = model.vit.embeddings.patch_embeddings.projection, model.vit.layers
+        read = {"patch_size": patch.kernel_size[0], "num_channels": patch.in_channels, "num_hidden_layers": len(layers),
+                "hidden_size": patch.out_channels, "num_labels": model.classifier.out_features,
+                "intermediate_size": layers[0].mlp.fc1.out_features if len(layers) else None,
+                "qkv_bias": layers[0].attention.q_proj.bias is not None if len(layers) else None}  # fmt: skip
         for key, value in read.items():
-            if key in config and config[key] != value:
-                raise SpecError(f"the config's {key} is {config[key]!r} but the checkpoint's tensors give {value!r}")
+            given = sizes.get(key, config.get(key))
+            if key == "num_labels" and "num_labels" not in config and "id2label" in config:
+                given = len(config["id2label"])  # transformers writes the labels' names, not their number
+            if given is not None and value is not None and given != value:
+                raise SpecError(f"the config's {key} is {given!r} but the checkpoint's tensors give {value!r}")
         return model
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu") -> HFViT:
+    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu",
+                        image: int | None = None) -> HFViT:  # fmt: skip
         """The model of a ``ViTForImageClassification`` checkpoint's state dict (transformers 5's keys, or the older
         ones, renamed as transformers renames them), its sizes read off the tensors (square images: the side from the
-        number of patches); ``heads`` (``num_attention_heads``), ``eps`` (``layer_norm_eps``) and ``act``
-        (``hidden_act``) are in its ``config.json``, which no shape holds.
+        number of patches, unless ``image`` gives it, a side the stride does not divide); ``heads``
+        (``num_attention_heads``), ``eps`` (``layer_norm_eps``) and ``act`` (``hidden_act``) are in its
+        ``config.json``, which no shape holds.
 
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
         """
         tensors = {renamed(k): v for k, v in state.items()}
+        if "vit.embeddings.cls_token" not in tensors and "embeddings.cls_token" in tensors:
+            raise SpecError("the state dict is a ViTModel's (keys without the vit. prefix, no classifier); give a "
+                            "ViTForImageClassification checkpoint")  # fmt: skip
         shapes = {"vit.embeddings.patch_embeddings.projection.weight": 4, "vit.embeddings.position_embeddings": 3,
                   "classifier.weight": 2}  # fmt: skip
         for key, dims in shapes.items():
@@ -210,13 +240,17 @@ class HFViT(nn.Module):
         side = math.isqrt(max(tensors["vit.embeddings.position_embeddings"].shape[1] - 1, 0))
         if patch != other or side * side + 1 != tensors["vit.embeddings.position_embeddings"].shape[1]:
             raise SpecError("the ViT state dict's patches are not square, or its positions not a square grid plus the "
-                            "class token")  # fmt: skip
+                            "class token: sharpness.HFViT takes square images")  # fmt: skip
+        if image is not None and (not positive_integer(image) or image // patch != side):
+            raise SpecError(f"the image side {image!r} does not give the checkpoint's {side} x {side} patches of "
+                            f"{patch}")  # fmt: skip
         layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"vit\.layers\.(\d+)\.", k))})
         fc1 = tensors.get("vit.layers.0.mlp.fc1.weight", torch.empty(0))
         if not positive_integer(heads):
             raise SpecError(f"heads must be a positive integer, got {heads!r}")
         try:
-            model = cls(side * patch, patch, dim, layers, heads, tensors["classifier.weight"].shape[0], channels,
+            image_side = side * patch if image is None else image
+            model = cls(image_side, patch, dim, layers, heads, tensors["classifier.weight"].shape[0], channels,
                         fc1.shape[0] if fc1.dim() == 2 else 4 * dim, eps, act,
                         "vit.layers.0.attention.q_proj.bias" in tensors or not layers)  # fmt: skip
         except ValueError as failure:

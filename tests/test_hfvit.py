@@ -69,10 +69,26 @@ def test_the_logits_are_huggingface_s_under_either_key_form():
 def test_what_does_not_fit_is_refused_with_the_reason():
     state, _, _ = _checkpoint()
     config = json.loads(CONFIG.read_text())
-    for change, fragment in [({"hidden_act": "silu"}, "hidden_act"), ({"image_size": 16}, "image_size is 16"),
-                             ({"num_attention_heads": 3}, "multiple of heads"), ({"qkv_bias": False}, "qkv_bias")]:
+    for change, fragment in [({"hidden_act": "silu"}, "hidden_act"),
+                             ({"image_size": 16}, "does not give the checkpoint's 4 x 4 patches of 2"),
+                             ({"image_size": [8, 16]}, "square images"),
+                             ({"num_attention_heads": 3}, "multiple of heads"), ({"qkv_bias": False}, "qkv_bias"),
+                             ({"num_hidden_layers": 3}, "num_hidden_layers is 3"),
+                             ({"num_labels": 5}, "num_labels is 5")]:  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             HFViT.from_config({**config, **change}, state)
+    with pytest.raises(ValueError, match="ViTModel"):
+        HFViT.from_state_dict({k.removeprefix("vit."): v for k, v in state.items() if "classifier" not in k}, heads=2)
+    # sizes as transformers also writes them, and an image side the stride does not divide (the last row and column
+    # left out, as transformers' convolution leaves them)
+    images = torch.randn(2, 1, 9, 9, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    model, nine = _model(), HFViT.from_config({**config, "image_size": 9, "patch_size": [2, 2]}, state)
+    with torch.no_grad():
+        torch.testing.assert_close(nine(images), model(images[..., :8, :8]), rtol=0, atol=0)
+    for bad in (images, torch.zeros(2, 1, 4, 16, dtype=torch.float64)):  # the second has 8 x 8's 16 patches
+        with pytest.raises(ValueError, match=r"takes images \(N, 1, 8, 8\)"):
+            model.check_inputs(bad)
+    nine.check_inputs(images)
     headless = {k: v for k, v in state.items() if not k.startswith("classifier")}
     with pytest.raises(ValueError, match="ViTForImageClassification"):
         HFViT.from_state_dict(headless, heads=HEADS)
@@ -116,7 +132,7 @@ def test_every_product_strategy_is_the_dense_hessian_s():
         torch.testing.assert_close(obj.hvp(v, strategy), ref, rtol=0, atol=1e-11 * float(ref.abs().max()))
 
 
-def test_the_command_line_measures_a_vit_checkpoint(tmp_path):
+def test_the_command_line_measures_a_vit_checkpoint(tmp_path, capsys):
     state, images, _ = _checkpoint()
     save_file(_old_keys(state), str(tmp_path / "vit.safetensors"))  # as the Hub's checkpoints name them
     np.savez(tmp_path / "images.npz", X=images.numpy(), y=LABELS.numpy())
@@ -127,5 +143,9 @@ def test_the_command_line_measures_a_vit_checkpoint(tmp_path):
     expected = measure_value(_model(), nn.CrossEntropyLoss(), (images, LABELS))
     assert json.loads(out.read_text())["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
     np.savez(tmp_path / "flat.npz", X=images.reshape(5, -1).numpy(), y=LABELS.numpy())
-    argv[argv.index("--data") + 1] = str(tmp_path / "flat.npz")
-    assert sharpness_main(argv[:-2]) == 2
+    np.savez(tmp_path / "wide.npz", X=images.reshape(5, 1, 4, 16).numpy(), y=LABELS.numpy())  # as many patches
+    for name in ("flat", "wide"):
+        argv[argv.index("--data") + 1] = str(tmp_path / f"{name}.npz")
+        assert sharpness_main(argv[:-2]) == 2
+        err = capsys.readouterr().err
+        assert "the model takes images (N, 1, 8, 8)" in err and "Traceback" not in err, err
