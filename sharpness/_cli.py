@@ -82,7 +82,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "checkpoint's config.json and in the sizes of its tensors; without the config: gpt2:heads=H[,eps=E], "
         "llama:heads=H[,eps=E,theta=T]; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
         "bert:config=PATH or bert:heads=H[,eps=E,act=A] (a BERT sequence classifier from a HuggingFace checkpoint; "
-        "data: integer X (N, T) token ids, or (N, 3, T) ids, token types and attention mask, and labels y (N,)), "
+        "data: integer X (N, T) token ids, or (N, 3, T) ids, token types and attention mask ((N, 2, T) without the "
+        "mask), and labels y (N,)), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
         "images X (N, C, H, W)), "
         "path/file.py:factory or pkg.mod:factory",

@@ -151,7 +151,10 @@ def rope(head_dim: int, theta: float, scaling: Mapping[str, object] | None = Non
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     if kind == "dynamic":
         return Rope(rotary_frequencies(head_dim, theta), dynamic=(theta, _number(scaling, "factor"), max_positions))
-    original = int(_number(scaling, "original_max_position_embeddings", max_positions))
+    original = scaling.get("original_max_position_embeddings", max_positions)
+    if not positive_integer(original):
+        raise ValueError(f"rope_type {kind!r} needs a positive integer original_max_position_embeddings, got "
+                         f"{original!r}")  # fmt: skip
     factor = scaling.get("factor")
     factor = max_positions / original if factor is None else _number(scaling, "factor")
     given = scaling.get("attention_factor")
@@ -165,16 +168,24 @@ def rope(head_dim: int, theta: float, scaling: Mapping[str, object] | None = Non
                     positive_number(v) for v in value):  # fmt: skip
                 raise ValueError(f"rope_type 'longrope' needs {key}, {head_dim // 2} positive numbers, got {value!r}")
             factors[key] = 1.0 / (torch.tensor(value, dtype=torch.float32) * theta**exponents)
-        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return Rope(factors["short_factor"], factors["long_factor"], original,
-                    attention_factor=scale if given is None else given)  # fmt: skip
+        if given is None and factor > 1.0 and original == 1:
+            raise ValueError("rope_type 'longrope' with an original context of 1 token needs an attention_factor (its "
+                             "default divides by log 1)")  # fmt: skip
+        if given is None:
+            given = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return Rope(factors["short_factor"], factors["long_factor"], original, attention_factor=given)
+    if theta <= 1.0:
+        raise ValueError(f"rope_type 'yarn' needs rope_theta above 1 (its ramp divides by log theta), got {theta}")
+    # transformers reads mscale, mscale_all_dim, beta_fast and beta_slow with `or`: 0 and null take the defaults
+    m, m_all, fast, slow = (_number(scaling, key) if scaling.get(key) else None
+                            for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow"))  # fmt: skip
+    fast, slow = fast or 32.0, slow or 1.0
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    scale = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
-    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    if given is None:
+        given = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
     def correction(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
         return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
@@ -188,7 +199,7 @@ def rope(head_dim: int, theta: float, scaling: Mapping[str, object] | None = Non
     positions = theta**exponents
     kept = 1 - ramp  # the share of each frequency extrapolated (kept as it is), the rest interpolated (/ factor)
     inv_freq = 1.0 / (factor * positions) * (1 - kept) + 1.0 / positions * kept
-    return Rope(inv_freq, attention_factor=scale if given is None else given)
+    return Rope(inv_freq, attention_factor=given)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -212,6 +223,16 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
         self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias.get("o_proj", False))
 
+    def _apply(self, fn, recurse=True):
+        """As `nn.Module._apply`, but the rotary frequencies keep their float32 values (as transformers keeps them):
+        casting the model to bfloat16 would round them (a logit moved by 1.2 at 600 tokens with YaRN), so they only
+        follow the model across devices."""
+        kept = {k: b for k, b in self._buffers.items() if k.endswith("inv_freq")}
+        super()._apply(fn, recurse)
+        for k, b in kept.items():
+            self._buffers[k] = b.to(self._buffers[k].device)
+        return self
+
     def _frequencies(self, positions: Tensor) -> Tensor:
         """The inverse frequencies for a sequence of these positions (float32 ``0 .. T-1``), as a fresh HuggingFace
         model computes them on it: from the sequence's length for dynamic NTK scaling and LongRoPE (tensor arithmetic:
@@ -224,7 +245,7 @@ class LlamaAttention(nn.Module):
             return 1.0 / (base ** (exponents / self.head_dim))
         if self.original:
             return torch.where(positions[-1:] + 1 > self.original, self.long_inv_freq, self.inv_freq)
-        return self.inv_freq.float()
+        return self.inv_freq
 
     def _heads(self, t: Tensor, n: int) -> Tensor:
         return t.view(t.size(0), t.size(1), n, self.head_dim).transpose(1, 2)
@@ -243,7 +264,9 @@ class LlamaAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
         positions = torch.arange(x.size(1), dtype=torch.float32, device=x.device)
-        angles = positions[:, None] * self._frequencies(positions)
+        # float32 products whatever dtype the frequencies were cast to: a product of two float32 values is exact in
+        # float64, so rounding it to float32 gives float32's own product
+        angles = (positions[:, None] * self._frequencies(positions)).float()
         angles = torch.cat((angles, angles), dim=-1)
         if self.attention_factor == 1.0:
             cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -458,8 +481,14 @@ class Llama(nn.Module):
         parameters = config.get("rope_parameters") or {}
         if not isinstance(parameters, Mapping):
             raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
+        if config.get("rope_scaling"):  # transformers takes it whole, in place of rope_parameters
+            parameters = config["rope_scaling"]
+            if not isinstance(parameters, Mapping):
+                raise SpecError(f"the config's rope_scaling must be an object, got {parameters!r}")
         theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = config.get("rope_scaling") or (parameters if _rope_type(parameters) != "default" else None)
+        scaling = parameters if _rope_type(parameters) != "default" else None
+        if scaling is not None and "partial_rotary_factor" in config:  # transformers moves it into the scaling
+            scaling = {"partial_rotary_factor": config["partial_rotary_factor"], **scaling}
         eps = config.get("rms_norm_eps", 1e-6)
         tied = config.get("tie_word_embeddings")
         for name, value in (("rope_theta", theta), ("rms_norm_eps", eps)):

@@ -195,6 +195,53 @@ def test_scaled_rope_parameters_are_checked():
             Llama.from_config({**config, "rope_parameters": {**scaling, **change}}, state)
     with pytest.raises(ValueError, match="needs the config's max_position_embeddings"):
         Llama(29, 16, 2, 2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+    for change, fragment in [({"beta_fast": "32"}, "positive number beta_fast"), ({"mscale": float("nan")}, "mscale"),
+                             ({"rope_theta": 1.0}, "rope_theta above 1"),
+                             ({"original_max_position_embeddings": 0.5}, "positive integer original")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            Llama.from_config({**config, "rope_parameters": {**yarn, **change}}, state)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):  # transformers moves a top-level one into it
+        Llama.from_config({**config, "rope_parameters": yarn, "partial_rotary_factor": 0.5}, state)
+    # LongRoPE over one token of original context: its default attention factor divides by log 1, a given one does not
+    one = {**scaling, "original_max_position_embeddings": 1}
+    with pytest.raises(ValueError, match="needs an attention_factor"):
+        Llama.from_config({**config, "rope_parameters": one}, state)
+    Llama.from_config({**config, "rope_parameters": {**one, "attention_factor": 1.0}}, state)
+
+
+def test_the_rotary_frequencies_stay_float32():
+    """Cast to bfloat16 and back (a checkpoint shipped in bfloat16), the frequencies keep their float32 values, as
+    transformers keeps them (before: rounded, a logit moved by 1.2 at 600 tokens with YaRN); a float32 model measured
+    in float64 computes its angles in float32 in the R-operator's products too (before: 1.6e-6 off autograd's)."""
+    config = json.loads((DATA / "llama_tiny_yarn_hf.json").read_text())
+    state = load_file(str(DATA / "llama_tiny_yarn_hf.safetensors"))
+    ids = state.pop("__input_ids")
+    state.pop("__logits"), state.pop("__short_logits")
+    model = Llama.from_config(config, state, classes_last=False)
+    before = [b.clone() for k, b in model.named_buffers() if k.endswith("inv_freq")]
+    model.to(torch.bfloat16).to(torch.float64)
+    after = [b for k, b in model.named_buffers() if k.endswith("inv_freq")]
+    assert len(after) == LAYERS and all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(after, before))
+    single = Llama.from_config(config, state, classes_last=False).float()
+    obj = Objective(single, nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)), dtype=torch.float64)
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = obj.hvp(v, "jvp")
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it():
+    """transformers takes ``rope_scaling`` whole in place of ``rope_parameters``, with its own ``rope_theta``, else
+    the top-level one, else 10000 (Qwen's advice adds ``rope_scaling`` to a config that has ``rope_parameters``)."""
+    config = json.loads((DATA / "llama_tiny_yarn_hf.json").read_text())
+    state = load_file(str(DATA / "llama_tiny_yarn_hf.safetensors"))
+    ids, logits = state.pop("__input_ids"), state.pop("__logits")
+    state.pop("__short_logits")
+    scaling = {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}
+    both = {**config, "rope_parameters": {**config["rope_parameters"], "rope_theta": 500.0}, "rope_scaling": scaling}
+    with torch.no_grad():
+        torch.testing.assert_close(Llama.from_config(both, state)(ids), logits, rtol=0, atol=1e-5)  # theta 10000
 
 
 def test_checkpoint_key_forms():
