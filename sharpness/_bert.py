@@ -247,14 +247,17 @@ class Bert(nn.Module):
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu") -> Bert:
         """The model of a ``BertForSequenceClassification`` checkpoint's state dict (old ``position_ids`` and
-        ``token_type_ids`` buffers are dropped), its sizes read off the tensors; ``heads``
+        ``token_type_ids`` buffers are dropped, and ``LayerNorm.gamma``/``beta`` read as ``weight``/``bias``, as
+        transformers reads them), its sizes read off the tensors; ``heads``
         (``num_attention_heads``), ``eps`` (``layer_norm_eps``) and ``act`` (``hidden_act``) are in its
         ``config.json``, which no shape holds.
 
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
         """
-        tensors = {k: v for k, v in state.items() if not is_index_buffer(k)}
+        # the LayerNorms' gamma and beta of checkpoints converted from TensorFlow, renamed as transformers renames them
+        tensors = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+                   for k, v in state.items() if not is_index_buffer(k)}  # fmt: skip
         for key in ("bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
                     "bert.embeddings.token_type_embeddings.weight", "classifier.weight"):  # fmt: skip
             if tensors.get(key, torch.empty(0)).dim() != 2:

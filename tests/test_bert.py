@@ -65,6 +65,9 @@ def test_config_and_state_dict_forms():
     state, f = _checkpoint()
     # old checkpoints saved the index buffers; the keys without a class head are refused with the reason
     old = dict(state, **{"bert.embeddings.position_ids": torch.arange(12)[None]})
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in old.items()}  # names of checkpoints converted from TensorFlow
+    assert "bert.encoder.layer.1.output.LayerNorm.gamma" in old
     with torch.no_grad():
         torch.testing.assert_close(Bert.from_state_dict(old, heads=2, eps=1e-5)(f["__pairs"]), f["__pair_logits"],
                                    rtol=0, atol=1e-12)  # fmt: skip
