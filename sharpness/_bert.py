@@ -230,19 +230,13 @@ class Bert(nn.Module):
         Raises:
             ValueError: a field missing or of the wrong kind, another function, or what `from_state_dict` raises.
         """
-        heads, eps = config.get("num_attention_heads"), config.get("layer_norm_eps", 1e-12)
-        if not positive_integer(heads) or not positive_number(eps):
-            raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
-                            f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
-        act = config.get("hidden_act", "gelu")
-        if not isinstance(act, str) or act not in ACTIVATIONS:
-            raise SpecError(f"the config's hidden_act is {act!r}; sharpness.Bert computes {', '.join(ACTIVATIONS)}")
+        heads, eps, act = encoder_config(config, "sharpness.Bert")
         for option, plain in (("position_embedding_type", "absolute"), ("is_decoder", False),
                               ("add_cross_attention", False)):  # fmt: skip
             if config.get(option, plain) != plain:
                 raise SpecError(f"the config sets {option} to {config[option]!r}, which sharpness.Bert does not "
                                 f"compute (it has {option}={plain!r})")  # fmt: skip
-        return cls.from_state_dict(state, heads, float(eps), act)
+        return cls.from_state_dict(state, heads, eps, act)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu") -> Bert:
@@ -276,6 +270,23 @@ class Bert(nn.Module):
             raise SpecError(str(failure)) from None
         return load_fitting(model, tensors, f"BERT with {layers} blocks of width {dim}", set(),
                             "bert.embeddings.word_embeddings.weight")
+
+
+def encoder_config(config: Mapping[str, object], model: str) -> tuple[int, float, str]:
+    """``(num_attention_heads, layer_norm_eps, hidden_act)`` of an encoder's ``config.json`` (defaults 1e-12 and
+    ``gelu``, HuggingFace's), for `Bert` and `sharpness._hfvit.HFViT` (``model`` names it in the message).
+
+    Raises:
+        SpecError: a field missing or of the wrong kind, or an activation ``model`` does not compute.
+    """
+    heads, eps = config.get("num_attention_heads"), config.get("layer_norm_eps", 1e-12)
+    if not positive_integer(heads) or not positive_number(eps):
+        raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
+                        f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
+    act = config.get("hidden_act", "gelu")
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise SpecError(f"the config's hidden_act is {act!r}; {model} computes {', '.join(ACTIVATIONS)}")
+    return heads, float(eps), act
 
 
 def encoder_from_spec(spec: str, state: Mapping[str, Tensor], family: str, model: type) -> nn.Module:

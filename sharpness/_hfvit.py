@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._bert import ACTIVATIONS
+from sharpness._bert import ACTIVATIONS, encoder_config
 from sharpness._specs import SpecError, load_fitting, positive_integer, positive_number
 
 # transformers 4's keys -> transformers 5's, in the order transformers 5 renames them (its ViTModel conversion)
@@ -184,13 +184,7 @@ class HFViT(nn.Module):
         Raises:
             ValueError: a field missing or of the wrong kind, or what `from_state_dict` raises.
         """
-        heads, eps = config.get("num_attention_heads"), config.get("layer_norm_eps", 1e-12)
-        if not positive_integer(heads) or not positive_number(eps):
-            raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
-                            f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
-        act = config.get("hidden_act", "gelu")
-        if not isinstance(act, str) or act not in ACTIVATIONS:
-            raise SpecError(f"the config's hidden_act is {act!r}; sharpness.HFViT computes {', '.join(ACTIVATIONS)}")
+        heads, eps, act = encoder_config(config, "sharpness.HFViT")
         sizes = {}
         for key in ("image_size", "patch_size"):  # an int, or [H, W] (transformers takes either)
             value = config.get(key)
@@ -200,7 +194,7 @@ class HFViT(nn.Module):
                 raise SpecError(f"the config's {key} is {config[key]!r}; sharpness.HFViT takes square images and "
                                 "patches of a positive integer side")  # fmt: skip
             sizes[key] = value
-        model = cls.from_state_dict(state, heads, float(eps), act, sizes["image_size"])
+        model = cls.from_state_dict(state, heads, eps, act, sizes["image_size"])
         patch, layers = model.vit.embeddings.patch_embeddings.projection, model.vit.layers
         read = {"patch_size": patch.kernel_size[0], "num_channels": patch.in_channels, "num_hidden_layers": len(layers),
                 "hidden_size": patch.out_channels, "num_labels": model.classifier.out_features,
