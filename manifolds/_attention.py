@@ -32,7 +32,9 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
 Where it is found: every ``nn.MultiheadAttention`` call (packed ``in_proj_weight`` or separate
 ``q/k/v_proj_weight``, with or without bias, ``batch_first`` either way; ``add_bias_kv`` appends unprojected
 key/value rows, which pins those factors), and attention written by hand: a ``matmul`` (or ``bmm``) of a
-query and a transposed key, a ``matmul`` of any weights with a value, or ``F.scaled_dot_product_attention``,
+query and a transposed key, a ``matmul`` of any weights with a value, or ``F.scaled_dot_product_attention``
+(a two-operand ``einsum`` that is one matrix product per batch entry is read as that ``matmul`` with permutes,
+`manifolds._einsum`; any other einsum of two data tensors pins, with the reason),
 where each of query, key and value is the output of a linear layer reshaped into heads by
 view/reshape/transpose/permute/flatten/contiguous and constant factors only, nothing else reads those
 tensors, and the value side's result reaches the output layer through such reshapes only. A linear layer
@@ -72,6 +74,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
+from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
@@ -222,6 +225,9 @@ class _Finder:
     def label(self, node: fx.Node) -> str:
         if node.op == "call_module":
             return f"module '{node.target}' ({type(self.module(node)).__name__})"
+        if EINSUM_META in node.meta:  # a rewritten einsum (`manifolds._einsum`): named as the user wrote it
+            equation, name = node.meta[EINSUM_META]
+            return f"'einsum' '{equation}' (graph node '{name}')"
         proj = self.projection(node) if node.op == "call_function" else None
         weight = f" of '{proj.weight.target}'" if proj is not None and proj.module is None else ""
         return f"'{target_name(node)}'{weight} (graph node '{node.name}')"
@@ -1090,6 +1096,10 @@ class _Finder:
                 self.matmul(node)
             elif name == _SDPA:
                 self.sdpa(node)
+            elif is_einsum(node) and sum(self.input_fed(a) for a in node.all_input_nodes) > 1:
+                self.pin(f"product {self.label(node)}", 0, "no attention factor: an einsum that is not one matrix "
+                         "product of two tensors (an ellipsis, a diagonal, a sum over one operand's axis, broadcast "
+                         "sizes, or another number of operands) is not read")  # fmt: skip
         for node in nodes:
             if node.op == "call_module" and type(self.module(node)) in _NORMS:
                 self.norm(node)
@@ -1152,9 +1162,10 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
         doubled = trace_network(model, torch.cat((x, x)))
         if doubled.graph is not None and doubled.has_shapes:
             traced, x = doubled, torch.cat((x, x))
-    record = _values(model, traced.graph, x)
+    graph = as_matrix_products(traced.graph)  # einsum products read as the matmuls they are
+    record = _values(model, graph, x)
     other = x[:1]  # another number of samples, for what must not depend on it
-    found = _Finder(model, traced.graph, record, lambda: _values(model, traced.graph, other)).run()
+    found = _Finder(model, graph, record, lambda: _values(model, graph, other)).run()
     return found.factors, found.pins
 
 

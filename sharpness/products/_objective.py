@@ -715,7 +715,7 @@ class Objective:
                 "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, "
                 "LayerNorm, RMSNorm, smooth elementwise functions (GELU, tanh, sigmoid, SiLU, softplus, exp, log, "
                 "powers), elementwise products, softmax and log_softmax, self-attention by nn.MultiheadAttention or "
-                "written by hand (matmul, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, "
+                "written by hand (matmul, einsum, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, "
                 "indexing), token embeddings (nn.Embedding, F.embedding; tied output layers too) and parameters "
                 "added outside modules "
                 "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "

@@ -22,7 +22,9 @@ operation is, at the current point, either
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
-  (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``), the
+  (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``, or a
+  two-operand ``einsum`` that is one matrix product per batch entry, read as permutes and a ``matmul``:
+  `manifolds._einsum`), the
   softmax over any axis but the samples', and ``F.scaled_dot_product_attention`` without dropout (a constant
   ``attn_mask`` allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered;
   and the log-softmax over any axis but the samples' (a classifier's, read by ``NLLLoss``: a loss linear in its
@@ -58,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from manifolds._einsum import as_matrix_products
 from manifolds._graph import is_metadata, target_name
 from sharpness.products._rop import (
     _CONVS,
@@ -917,6 +920,7 @@ def rop_graph(
     ``buffers``: the BatchNorm running statistics, in the products' dtype and device."""
     if graph is None or _has_hooks(model):
         return None
+    graph = as_matrix_products(graph)  # einsum products (attention written so) read as the matmuls they are
     nodes = list(graph.nodes)
     if _read_after_mutation(nodes, model):
         return None

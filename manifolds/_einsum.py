@@ -1,0 +1,163 @@
+"""Two-operand ``torch.einsum`` calls of a traced graph, written as the matrix products they are.
+
+Attention is often written with ``einsum``: ``torch.einsum("bhid,bhjd->bhij", q, k)`` for the scores and
+``torch.einsum("bhij,bhjd->bhid", a, v)`` for the weighted values, in any axis order. Such a call is a batched
+matrix product up to axis orders: with ``batch`` the letters of both operands and the output, ``m`` those of the first
+operand and the output only, ``n`` those of the second and the output only, and ``k`` those of both operands but not
+the output (summed), it equals ``A.permute(batch, m, k) @ B.permute(batch, k, n)``, permuted to the output's order.
+`as_matrix_products` returns a copy of a graph with every such call replaced by those permutes, a ``matmul`` and the
+output's permute, each with its shape, so that the symmetry discovery (`manifolds._attention`) reads the attention in
+one form whichever way it is written, and replays the axis orders like any other reshape.
+
+Rewritten: exactly two tensor operands, one letter each in ``m``, ``n`` and ``k`` (a product of matrices per batch
+entry), or a second operand of two axes (``k`` and ``n``, a weight) and any number of ``m`` letters (``x @ W``); the
+equation written explicitly (``->``) or implicitly (the output then holds the letters seen once, sorted, as torch
+reads it). Left as it is (read as an unknown operation, which pins what it touches): an ellipsis, a letter repeated
+in one operand (a diagonal), a letter of one operand alone that the output drops (a sum), sizes that differ between
+the operands (broadcasting), more or fewer operands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from manifolds._graph import target_name
+
+# `meta` key of a rewritten call's matmul node: the einsum equation and the graph node it replaces (for messages)
+EINSUM_META = "einsum"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one einsum is a matmul: the operands (possibly swapped), their axis orders for the product, and the
+    permutation of the product's axes into the output's."""
+
+    first: fx.Node
+    second: fx.Node
+    first_order: tuple[int, ...]
+    second_order: tuple[int, ...]
+    out_order: tuple[int, ...]
+
+
+def _operands(node: fx.Node) -> tuple[str, list] | None:
+    """``(equation, operands)`` of an ``einsum`` call node (operands passed one by one or as one list)."""
+    if node.op != "call_function" or target_name(node) != "einsum" or node.kwargs or len(node.args) < 2:
+        return None
+    equation, rest = node.args[0], list(node.args[1:])
+    if not isinstance(equation, str):
+        return None
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        rest = list(rest[0])
+    return equation, rest
+
+
+def _subscripts(equation: str, operands: int) -> tuple[list[str], str] | None:
+    """The operands' letters and the output's, or ``None`` for what is not rewritten (an ellipsis, a repeated
+    letter, another number of operands)."""
+    equation = equation.replace(" ", "")
+    if "." in equation:
+        return None
+    inputs, arrow, out = equation.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != operands or not all(t.isalpha() for t in terms) or (arrow and not (out.isalpha() or out == "")):
+        return None
+    if not arrow:  # implicit output: the letters seen exactly once, sorted (upper case first, as torch sorts them)
+        letters = "".join(terms)
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    if any(len(set(t)) != len(t) for t in (*terms, out)) or not set(out) <= set("".join(terms)):
+        return None
+    return terms, out
+
+
+def _plan(node: fx.Node) -> _Plan | None:
+    """The matmul form of ``node`` (see the module docstring), else ``None``. Of the two operand orders, the one whose
+    product already has the output's axis order is taken where there is one (``"bhjd,bhij->bhid"`` of values and
+    weights is ``weights @ values``, the order attention is read in)."""
+    parsed = _operands(node)
+    if parsed is None or len(parsed[1]) != 2 or not all(isinstance(t, fx.Node) for t in parsed[1]):
+        return None
+    equation, (a, b) = parsed
+    letters = _subscripts(equation, 2)
+    if letters is None:
+        return None
+    (sa, sb), out = letters
+    shape_a, shape_b = a.meta.get("shape"), b.meta.get("shape")
+    if shape_a is None or shape_b is None or len(shape_a) != len(sa) or len(shape_b) != len(sb):
+        return None
+    if any(shape_a[sa.index(c)] != shape_b[sb.index(c)] for c in set(sa) & set(sb)):
+        return None  # broadcast sizes: a product of another shape
+    if (set(sa) ^ set(sb)) - set(out):
+        return None  # a letter of one operand summed alone
+    plans = [p for p in (_ordered(a, sa, b, sb, out), _ordered(b, sb, a, sa, out)) if p is not None]
+    same = [p for p in plans if p.out_order == tuple(range(len(out)))]
+    return (same or plans or [None])[0]
+
+
+def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str) -> _Plan | None:
+    """``a`` times ``b`` as a matmul (``a`` the left factor), else ``None``."""
+    batch = [c for c in out if c in sa and c in sb]
+    m = [c for c in out if c in sa and c not in sb]
+    n = [c for c in out if c in sb and c not in sa]
+    k = [c for c in sa if c in sb and c not in out]
+    if len(k) != 1 or len(n) != 1 or not m or (len(m) > 1 and (batch or len(sb) != 2)):
+        return None
+    first, second, product = [*batch, *m, *k], [*batch, *k, *n], [*batch, *m, *n]
+    return _Plan(a, b, tuple(sa.index(c) for c in first), tuple(sb.index(c) for c in second),
+                 tuple(product.index(c) for c in out))  # fmt: skip
+
+
+def _permuted(graph: fx.Graph, node: fx.Node, order: tuple[int, ...]) -> fx.Node:
+    """``node`` with its axes in ``order`` (no node for the identity; ``transpose(-2, -1)`` for a swap of the last
+    two, the spelling the product patterns and the weight readers know), with its shape."""
+    rank = len(order)
+    if order == tuple(range(rank)):
+        return node
+    if order == (*range(rank - 2), rank - 1, rank - 2):
+        out = graph.call_method("transpose", (node, -2, -1))
+    else:
+        out = graph.call_method("permute", (node, *order))
+    out.meta["shape"] = tuple(node.meta["shape"][i] for i in order)
+    return out
+
+
+def rewritable(node: fx.Node) -> bool:
+    """Whether ``node`` is an ``einsum`` call `as_matrix_products` writes as a matmul."""
+    return _plan(node) is not None
+
+
+def is_einsum(node: fx.Node) -> bool:
+    """Whether ``node`` calls ``torch.einsum``."""
+    return _operands(node) is not None
+
+
+def as_matrix_products(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (its nodes' ``meta`` copied) with every rewritable einsum call replaced by permutes, one
+    ``matmul`` (its ``meta["einsum"]`` the equation and the replaced node's name) and the output's permute; ``graph``
+    itself is returned where no call is rewritten."""
+    if not any(rewritable(n) for n in graph.nodes):
+        return graph
+    copy = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    out = copy.graph_copy(graph, mapping)
+    copy.output(out)
+    for node in list(copy.nodes):
+        plan = _plan(node)
+        if plan is None:
+            continue
+        with copy.inserting_before(node):
+            a = _permuted(copy, plan.first, plan.first_order)
+            b = _permuted(copy, plan.second, plan.second_order)
+            product = copy.call_function(torch.matmul, (a, b))
+            shape_a, shape_b = a.meta["shape"], b.meta["shape"]
+            product.meta["shape"] = (*shape_a[:-1], shape_b[-1])
+            product.meta[EINSUM_META] = (node.args[0], node.name)
+            result = _permuted(copy, product, plan.out_order)
+        node.replace_all_uses_with(result)
+        copy.erase_node(node)
+    return copy
+
+
+__all__ = ["EINSUM_META", "as_matrix_products", "is_einsum", "rewritable"]
