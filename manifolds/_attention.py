@@ -74,7 +74,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
-from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum
+from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum, not_rewritten
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
@@ -227,7 +227,8 @@ class _Finder:
             return f"module '{node.target}' ({type(self.module(node)).__name__})"
         if EINSUM_META in node.meta:  # a rewritten einsum (`manifolds._einsum`): named as the user wrote it
             equation, name = node.meta[EINSUM_META]
-            return f"'einsum' '{equation}' (graph node '{name}')"
+            part = "" if target_name(node) == "matmul" else "the axis order of "  # a permute the rewrite put in
+            return f"{part}'einsum' '{equation}' (graph node '{name}')"
         proj = self.projection(node) if node.op == "call_function" else None
         weight = f" of '{proj.weight.target}'" if proj is not None and proj.module is None else ""
         return f"'{target_name(node)}'{weight} (graph node '{node.name}')"
@@ -777,19 +778,23 @@ class _Finder:
         self.found.factors.extend(factors)  # only once every head's blocks are known
         self.claimed_rows |= {lq.key, lk.key}
 
-    def value_output(self, where: str, v: fx.Node, out: fx.Node, repeat: int = 1) -> None:
+    def value_output(self, where: str, v: fx.Node, out: fx.Node, repeat: int = 1, features_last: bool = True) -> None:
         """The value/output factors of ``out = P v`` merged into an output projection; ``repeat`` as in
-        `query_key`."""
+        `query_key`. ``features_last=False``: ``out = v^T P^T`` instead, ``v`` the value's transpose ``(..., hd,
+        tokens)`` and the output ``(..., hd, tokens)``."""
         lv, chain_v = self.back(v, "value")
         lo, chain_o = self.forward(out)
         pv = self.replay(chain_v, self.feature_probe(lv.node))
+        if not features_last:
+            pv = pv.transpose(-2, -1)
         if repeat > 1:
             pv = _interleaved(pv, repeat)
         groups = self.groups(pv, True, "value")
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
         shape = out.meta.get("shape")
-        if shape is None or len(shape) < 3 or tuple(shape[:-2]) != tuple(pv.shape[:-2]) or shape[-1] != hd:
+        if shape is None or len(shape) < 3 or tuple(shape[:-2]) != tuple(pv.shape[:-2]) \
+                or shape[-1 if features_last else -2] != hd:  # fmt: skip
             raise _Fail("the attention output's heads do not match the value's")
         # Code every entry of the heads' output by (slot, j), a slot being one (..., tokens, hd) block of it, and replay
         # the merge of the heads; the slots are read off the replay, not assumed: the samples may sit on any axis
@@ -797,7 +802,7 @@ class _Finder:
         head_of = {g: h for h, g in enumerate(heads)}
         slot_head = torch.tensor([head_of[tuple(g)] for g in groups.tolist()])
         code = torch.arange(len(groups), dtype=torch.float64).reshape(*shape[:-2], 1, 1) * hd \
-            + torch.arange(hd, dtype=torch.float64)  # fmt: skip
+            + torch.arange(hd, dtype=torch.float64).reshape(hd if features_last else (hd, 1))  # fmt: skip
         merged = self.replay(chain_o, code.expand(shape).clone())
         rows = merged.reshape(-1, merged.shape[-1]).long()
         slots, j = rows // hd, rows % hd
@@ -840,6 +845,9 @@ class _Finder:
         if not (self.input_fed(a) and self.input_fed(b)):  # a weight product (e.g. `x @ (u * v)`), not attention
             return
         where = self.label(node)
+        if a is b:  # `a @ a`: a transformation of one factor moves the other too
+            self.pin(f"product {where}", 0, "no attention factor: one tensor is both factors of the product")
+            return
         try:
             self.query_key(where, a, b, k_features_last=False)
             return
@@ -847,8 +855,14 @@ class _Finder:
             first = str(qk_failure)
         try:
             self.value_output(where, b, node)
-        except _Fail as vo_failure:  # a product of no attention we can prove: say why, it pins nothing else
-            why = f"no attention factor: as scores, {first}; as weights times values, {vo_failure}"
+            return
+        except _Fail as vo_failure:
+            second = str(vo_failure)
+        try:  # the transpose of weights times values, `v^T P^T` (an einsum whose output puts the features first)
+            self.value_output(where, a, node, features_last=False)
+        except _Fail as t_failure:  # a product of no attention we can prove: say why, it pins nothing else
+            why = (f"no attention factor: as scores, {first}; as weights times values, {second}; as values times "
+                   f"weights, transposed, {t_failure}")  # fmt: skip
             self.pin(f"product {where}", 0, why)
 
     def sdpa(self, node: fx.Node) -> None:
@@ -1097,9 +1111,9 @@ class _Finder:
             elif name == _SDPA:
                 self.sdpa(node)
             elif is_einsum(node) and sum(self.input_fed(a) for a in node.all_input_nodes) > 1:
-                self.pin(f"product {self.label(node)}", 0, "no attention factor: an einsum that is not one matrix "
-                         "product of two tensors (an ellipsis, a diagonal, a sum over one operand's axis, broadcast "
-                         "sizes, or another number of operands) is not read")  # fmt: skip
+                equation = f" '{node.args[0]}'" if isinstance(node.args[0], str) else ""
+                self.pin(f"product 'einsum'{equation} (graph node '{node.name}')", 0,
+                         f"no attention factor: the einsum is not read as a matrix product: {not_rewritten(node)}")
         for node in nodes:
             if node.op == "call_module" and type(self.module(node)) in _NORMS:
                 self.norm(node)

@@ -42,58 +42,66 @@ class _Plan:
     out_order: tuple[int, ...]
 
 
-def _operands(node: fx.Node) -> tuple[str, list] | None:
-    """``(equation, operands)`` of an ``einsum`` call node (operands passed one by one or as one list)."""
+def _operands(node: fx.Node) -> tuple[object, list] | None:
+    """``(equation, operands)`` of an ``einsum`` call node (operands passed one by one or as one list; the equation
+    is not a string in the sublist form ``einsum(a, [0, 1], b, [1, 2])``), else ``None``."""
     if node.op != "call_function" or target_name(node) != "einsum" or node.kwargs or len(node.args) < 2:
         return None
     equation, rest = node.args[0], list(node.args[1:])
-    if not isinstance(equation, str):
-        return None
     if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
         rest = list(rest[0])
     return equation, rest
 
 
-def _subscripts(equation: str, operands: int) -> tuple[list[str], str] | None:
-    """The operands' letters and the output's, or ``None`` for what is not rewritten (an ellipsis, a repeated
-    letter, another number of operands)."""
+def _subscripts(equation: str, operands: int) -> tuple[list[str], str] | str:
+    """The operands' letters and the output's, or why the equation is not read (a sentence's end)."""
     equation = equation.replace(" ", "")
     if "." in equation:
-        return None
+        return "it has an ellipsis"
     inputs, arrow, out = equation.partition("->")
     terms = inputs.split(",")
     if len(terms) != operands or not all(t.isalpha() for t in terms) or (arrow and not (out.isalpha() or out == "")):
-        return None
+        return "its equation does not name one axis per letter of each operand"
     if not arrow:  # implicit output: the letters seen exactly once, sorted (upper case first, as torch sorts them)
         letters = "".join(terms)
         out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
-    if any(len(set(t)) != len(t) for t in (*terms, out)) or not set(out) <= set("".join(terms)):
-        return None
+    if any(len(set(t)) != len(t) for t in (*terms, out)):
+        return "a letter is repeated in one term (a diagonal)"
+    if not set(out) <= set("".join(terms)):
+        return "its output has a letter no operand has"
     return terms, out
 
 
-def _plan(node: fx.Node) -> _Plan | None:
-    """The matmul form of ``node`` (see the module docstring), else ``None``. Of the two operand orders, the one whose
-    product already has the output's axis order is taken where there is one (``"bhjd,bhij->bhid"`` of values and
-    weights is ``weights @ values``, the order attention is read in)."""
+def _plan(node: fx.Node) -> _Plan | str:
+    """The matmul form of an einsum ``node`` (see the module docstring), else why there is none (a sentence's end).
+    Of the two operand orders, the one whose product already has the output's axis order is taken where there is one
+    (``"bhjd,bhij->bhid"`` of values and weights is ``weights @ values``, the order attention is read in)."""
     parsed = _operands(node)
-    if parsed is None or len(parsed[1]) != 2 or not all(isinstance(t, fx.Node) for t in parsed[1]):
-        return None
-    equation, (a, b) = parsed
+    if parsed is None:
+        return "it is not an einsum call with positional operands"
+    equation, operands = parsed
+    if not isinstance(equation, str):
+        return "its operands are given with axis lists instead of an equation"
+    if len(operands) != 2 or not all(isinstance(t, fx.Node) for t in operands):
+        return f"it has {len(operands)} operands, not two tensors"
     letters = _subscripts(equation, 2)
-    if letters is None:
-        return None
+    if isinstance(letters, str):
+        return letters
+    a, b = operands
     (sa, sb), out = letters
     shape_a, shape_b = a.meta.get("shape"), b.meta.get("shape")
     if shape_a is None or shape_b is None or len(shape_a) != len(sa) or len(shape_b) != len(sb):
-        return None
+        return "its operands' shapes are unknown"
     if any(shape_a[sa.index(c)] != shape_b[sb.index(c)] for c in set(sa) & set(sb)):
-        return None  # broadcast sizes: a product of another shape
+        return "a letter has different sizes in the two operands (broadcasting)"
     if (set(sa) ^ set(sb)) - set(out):
-        return None  # a letter of one operand summed alone
+        return "it sums an axis of one operand alone"
     plans = [p for p in (_ordered(a, sa, b, sb, out), _ordered(b, sb, a, sa, out)) if p is not None]
+    if not plans:
+        return ("it is not one matrix product per batch entry (one letter summed over both operands, one kept from "
+                "each, the others shared by both and the output)")  # fmt: skip
     same = [p for p in plans if p.out_order == tuple(range(len(out)))]
-    return (same or plans or [None])[0]
+    return (same or plans)[0]
 
 
 def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str) -> _Plan | None:
@@ -125,18 +133,24 @@ def _permuted(graph: fx.Graph, node: fx.Node, order: tuple[int, ...]) -> fx.Node
 
 def rewritable(node: fx.Node) -> bool:
     """Whether ``node`` is an ``einsum`` call `as_matrix_products` writes as a matmul."""
-    return _plan(node) is not None
+    return isinstance(_plan(node), _Plan)
 
 
 def is_einsum(node: fx.Node) -> bool:
     """Whether ``node`` calls ``torch.einsum``."""
-    return _operands(node) is not None
+    return node.op == "call_function" and target_name(node) == "einsum"
+
+
+def not_rewritten(node: fx.Node) -> str:
+    """Why the einsum ``node`` is not written as a matmul (a sentence's end), for the pins that name it."""
+    plan = _plan(node)
+    return "" if isinstance(plan, _Plan) else plan
 
 
 def as_matrix_products(graph: fx.Graph) -> fx.Graph:
     """A copy of ``graph`` (its nodes' ``meta`` copied) with every rewritable einsum call replaced by permutes, one
-    ``matmul`` (its ``meta["einsum"]`` the equation and the replaced node's name) and the output's permute; ``graph``
-    itself is returned where no call is rewritten."""
+    ``matmul`` and the output's permute, each new node's ``meta["einsum"]`` the equation and the replaced node's name
+    (messages name the einsum the user wrote); ``graph`` itself is returned where no call is rewritten."""
     if not any(rewritable(n) for n in graph.nodes):
         return graph
     copy = fx.Graph()
@@ -145,7 +159,7 @@ def as_matrix_products(graph: fx.Graph) -> fx.Graph:
     copy.output(out)
     for node in list(copy.nodes):
         plan = _plan(node)
-        if plan is None:
+        if not isinstance(plan, _Plan):
             continue
         with copy.inserting_before(node):
             a = _permuted(copy, plan.first, plan.first_order)
@@ -155,9 +169,11 @@ def as_matrix_products(graph: fx.Graph) -> fx.Graph:
             product.meta["shape"] = (*shape_a[:-1], shape_b[-1])
             product.meta[EINSUM_META] = (node.args[0], node.name)
             result = _permuted(copy, product, plan.out_order)
+        for new in {a, b, product, result} - {plan.first, plan.second}:  # what the user wrote: one einsum
+            new.meta[EINSUM_META] = product.meta[EINSUM_META]
         node.replace_all_uses_with(result)
         copy.erase_node(node)
     return copy
 
 
-__all__ = ["EINSUM_META", "as_matrix_products", "is_einsum", "rewritable"]
+__all__ = ["EINSUM_META", "as_matrix_products", "is_einsum", "not_rewritten", "rewritable"]

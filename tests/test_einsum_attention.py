@@ -217,12 +217,13 @@ REWRITTEN = {
     "ed,btd->bte": lambda h, x: (x[0, :, :D].T[:D, :], h),
     "bij,bjd->bid": lambda h, x: (torch.einsum("bid,bjd->bij", h, x), x),
 }
-LEFT = {
-    "...id,...jd->...ij": lambda h, x: (h, x),  # ellipsis
-    "bid,bjd,bke->bij": lambda h, x: (h, x, h),  # three operands
-    "bii,bid->bd": lambda h, x: (h, x),  # a diagonal (tokens and width are both D here)
-    "bid,bjd->bj": lambda h, x: (h, x),  # i summed over one operand alone
-    "bid,bjd->bijd": lambda h, x: (h, x),  # no contraction
+LEFT = {  # equation: (operands, the reason given)
+    "...id,...jd->...ij": (lambda h, x: (h, x), "it has an ellipsis"),
+    "bid,bjd,bke->bij": (lambda h, x: (h, x, h), "it has 3 operands, not two tensors"),
+    "bii,bid->bd": (lambda h, x: (h, x), "a letter is repeated in one term"),  # tokens and width are both D here
+    "bid,bjd->bj": (lambda h, x: (h, x), "it sums an axis of one operand alone"),
+    "bid,bjd->bijd": (lambda h, x: (h, x), "it is not one matrix product per batch entry"),  # no contraction
+    "bid,bjd->ij": (lambda h, x: (h, x), "it is not one matrix product per batch entry"),  # two letters summed
 }
 
 
@@ -252,12 +253,13 @@ def test_rewritten_graphs_compute_the_same(equation):
 
 @pytest.mark.parametrize("equation", list(LEFT))
 def test_other_einsums_are_left_and_pin_with_a_reason(equation):
-    model = _Einsums(equation, LEFT[equation]).double().eval()
+    operands, reason = LEFT[equation]
+    model = _Einsums(equation, operands).double().eval()
     x = torch.randn(2, D, D, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     graph = _graph_of(model, x)
     assert as_matrix_products(graph) is graph
     text = manifolds.transformer_symmetry(model, x).describe()
-    assert "an einsum that is not one matrix product" in text, text
+    assert f"product 'einsum' '{equation}'" in text and f"is not read as a matrix product: {reason}" in text, text
 
 
 def test_broadcast_sizes_are_left():
@@ -265,3 +267,73 @@ def test_broadcast_sizes_are_left():
     x = torch.randn(2, D, D, dtype=torch.float64)
     graph = _graph_of(model, x)
     assert not any(rewritable(n) for n in graph.nodes)
+
+
+class _SelfProduct(nn.Module):
+    """``einsum("bij,bjk->bik", a, a)`` (or ``a @ a``) of one Linear's output, read by an output Linear: the same
+    tensor is the weights and the values, so no value/output factor exists."""
+
+    def __init__(self, use_einsum: bool):
+        super().__init__()
+        self.use_einsum = use_einsum
+        self.v, self.o = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        a = self.v(x)  # (N, 2 tokens, 2 features)
+        return self.o(torch.einsum("bij,bjk->bik", a, a) if self.use_einsum else a @ a)
+
+
+@pytest.mark.parametrize("use_einsum", [True, False])
+def test_one_tensor_as_both_factors_claims_nothing(use_einsum):
+    torch.manual_seed(0)
+    model = _SelfProduct(use_einsum).double()
+    x = torch.randn(3, 2, 2, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not [f for f in sym.factors if f.kind == "GL"], sym.describe()
+    assert "one tensor is both factors of the product" in sym.describe()
+
+
+class _FeaturesFirst(nn.Module):
+    """Values weighted by an einsum whose output puts the features before the query tokens (``"bij,bjd->bdi"``), or
+    the same written with ``@``: the product read is ``v^T P^T``."""
+
+    def __init__(self, use_einsum: bool):
+        super().__init__()
+        self.use_einsum = use_einsum
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        a = torch.einsum("bid,bjd->bij", self.q(x), self.k(x)).softmax(-1)
+        v = self.v(x)
+        o = torch.einsum("bij,bjd->bdi", a, v) if self.use_einsum else v.transpose(1, 2) @ a.transpose(1, 2)
+        return self.o(o.transpose(1, 2))
+
+
+@pytest.mark.parametrize("use_einsum", [True, False])
+def test_values_times_weights_transposed_keep_the_value_factor(use_einsum):
+    torch.manual_seed(1)
+    model = _FeaturesFirst(use_einsum).double()
+    x = torch.randn(3, T, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    labels = [f.label for f in sym.factors if f.kind == "GL"]
+    assert sum("value/output" in s for s in labels) == 1 and sum("query/key" in s for s in labels) == 1, labels
+    assert sym.dim == 2 * D * D, sym.describe()  # one head of width D: GL(8) twice
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _ in range(3):
+            moved = sym.transformed(model, sym.random_element(1.0, g))
+            assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+def test_pins_name_the_einsum_the_user_wrote():
+    class Units(nn.Module):  # ReLU units of an einsum layer whose output order puts them before the tokens: pinned
+        def __init__(self):
+            super().__init__()
+            self.w, self.o = nn.Parameter(torch.randn(6, 4)), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.o(torch.relu(torch.einsum("btd,hd->bht", x, self.w)).transpose(1, 2).mean(2))
+
+    text = manifolds.transformer_symmetry(Units(), torch.randn(3, 5, 4)).describe()
+    assert "output of 'einsum' 'btd,hd->bht' (graph node 'einsum'): 6 channel(s)" in text, text
+    assert "it feeds the axis order of 'einsum' 'btd,hd->bht'" in text and "'transpose'" not in text, text
