@@ -11,7 +11,8 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   (unchanged) attention weights ``P``, and ``(P v B) (W_o,h B^-T)^T = P v W_o,h^T``; the output bias stays.
 * **Grouped-query attention** (a key/value head read by a group of query heads: HuggingFace's ``repeat_kv``, an
   ``expand`` of size-1 axes; a ``repeat_interleave`` or ``repeat`` of whole entries along axes other than the
-  samples', between the projection and the product; or SDPA's ``enable_gqa``): one query/key factor per key head,
+  samples', between the projection and the product; SDPA's ``enable_gqa``; or size-1 axes the product itself
+  broadcasts, multi-query attention's ``k.unsqueeze(1)``, read as that expand): one query/key factor per key head,
   moving the rows of every query head reading it by ``A^T`` and the key head's by ``A^-1``, and one value/output factor
   per value head, ``B^T`` on its rows and ``B^-T`` on the output columns of every query head reading it. Which query
   heads read which key head is read off the replayed feature indices, not assumed.
@@ -81,7 +82,8 @@ from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
 from manifolds._structure import UnsupportedModelError, analyze
 
-_RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims"}
+_RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims",
+             "unsqueeze"}
 _SCALINGS = {"mul", "truediv", "div"}
 _SELECTIONS = {"getitem", "select", "narrow", "mean"}  # rows picked or averaged (BERT's x[:, 0]): features stay put
 _SPLITS = {"unbind", "chunk", "split", "tensor_split"}  # a tensor cut into disjoint pieces, read by getitem
@@ -759,8 +761,12 @@ class _Finder:
         if repeat > 1:
             pk = _interleaved(pk, repeat)
             gk_all = self.groups(pk, k_features_last, "key")
-        if pq.shape[:-2] != pk.shape[:-2]:
-            raise _Fail("the query and key heads are broadcast against each other")
+        if pq.shape[:-2] != pk.shape[:-2]:  # size-1 axes the product broadcasts: read as the expand they are
+            batch = _broadcast(pq.shape[:-2], pk.shape[:-2])
+            if batch is None or maps_q is not None or maps_k is not None:
+                raise _Fail("the query and key heads are broadcast against each other")
+            pq, pk = pq.expand(*batch, *pq.shape[-2:]), pk.expand(*batch, *pk.shape[-2:])
+            gq_all, gk_all = self.groups(pq, True, "query"), self.groups(pk, k_features_last, "key")
         groups = self.key_groups(self.heads([gq_all, gk_all], "query/key", shared=1))
         sides = [(side, at_start, maps) for side, (at_start, maps) in enumerate(((start_q, maps_q), (start_k, maps_k)))
                  if maps is not None]  # fmt: skip
@@ -789,10 +795,13 @@ class _Finder:
             pv = pv.transpose(-2, -1)
         if repeat > 1:
             pv = _interleaved(pv, repeat)
+        shape = out.meta.get("shape")
+        if shape is not None and len(shape) >= 3 and tuple(shape[:-2]) != tuple(pv.shape[:-2]) \
+                and _broadcast(tuple(shape[:-2]), pv.shape[:-2]) == tuple(shape[:-2]):  # fmt: skip
+            pv = pv.expand(*shape[:-2], *pv.shape[-2:])  # size-1 axes the product broadcasts (one value head shared)
         groups = self.groups(pv, True, "value")
         heads = [g for (g,) in self.heads([groups], "value")]
         hd = groups.shape[1]
-        shape = out.meta.get("shape")
         if shape is None or len(shape) < 3 or tuple(shape[:-2]) != tuple(pv.shape[:-2]) \
                 or shape[-1 if features_last else -2] != hd:  # fmt: skip
             raise _Fail("the attention output's heads do not match the value's")
@@ -1133,6 +1142,15 @@ def _interleaved(probe: Tensor, repeat: int) -> Tensor:
     if probe.dim() < 3:
         raise _Fail("enable_gqa on tensors without a heads axis")
     return probe.repeat_interleave(repeat, dim=-3)
+
+
+def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...] | None:
+    """The shape ``a`` and ``b`` broadcast to (size-1 axes repeated, as ``matmul`` does its leading axes), else
+    ``None``."""
+    try:
+        return tuple(torch.broadcast_shapes(tuple(a), tuple(b)))
+    except RuntimeError:
+        return None
 
 
 def _transposed_of(node: fx.Node) -> fx.Node | None:

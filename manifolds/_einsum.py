@@ -2,19 +2,24 @@
 
 Attention is often written with ``einsum``: ``torch.einsum("bhid,bhjd->bhij", q, k)`` for the scores and
 ``torch.einsum("bhij,bhjd->bhid", a, v)`` for the weighted values, in any axis order. Such a call is a batched
-matrix product up to axis orders: with ``batch`` the letters of both operands and the output, ``m`` those of the first
-operand and the output only, ``n`` those of the second and the output only, and ``k`` those of both operands but not
-the output (summed), it equals ``A.permute(batch, m, k) @ B.permute(batch, k, n)``, permuted to the output's order.
-`as_matrix_products` returns a copy of a graph with every such call replaced by those permutes, a ``matmul`` and the
-output's permute, each with its shape, so that the symmetry discovery (`manifolds._attention`) reads the attention in
-one form whichever way it is written, and replays the axis orders like any other reshape.
+matrix product up to axis orders. With ``k`` the one letter of both operands that the output drops (summed), ``m`` the
+output's last letter of the left operand alone (the rows), ``n`` its last of the right operand alone (the columns)
+and the output's other letters the batch, it equals ``A.permute(batch, m, k) @ B.permute(batch, k, n)``, permuted to
+the output's order; an operand lacking a batch letter that follows one it has gets a size-1 axis there
+(``unsqueeze``), which ``matmul`` broadcasts, as it broadcasts missing leading ones by itself: a key or value without
+a heads axis read by every query head (multi-query attention, ``"bhid,bjd->bhij"``). `as_matrix_products` returns a
+copy of a graph with every such call replaced by those permutes, a ``matmul`` and the output's permute, each with its
+shape, so that the symmetry discovery (`manifolds._attention`) and the R-operator products
+(`sharpness.products._rop_graph`) read the attention in one form whichever way it is written.
 
-Rewritten: exactly two tensor operands, one letter each in ``m``, ``n`` and ``k`` (a product of matrices per batch
-entry), or a second operand of two axes (``k`` and ``n``, a weight) and any number of ``m`` letters (``x @ W``); the
-equation written explicitly (``->``) or implicitly (the output then holds the letters seen once, sorted, as torch
-reads it). Left as it is (read as an unknown operation, which pins what it touches): an ellipsis, a letter repeated
-in one operand (a diagonal), a letter of one operand alone that the output drops (a sum), sizes that differ between
-the operands (broadcasting), more or fewer operands.
+Of the two operand orders (``a @ b`` or the transpose of ``b^T a^T``), a matrix of two axes is the right factor of
+a batch of rows (``x @ W``, a linear layer as the weight readers know it); else the order whose product already has
+the output's axis order. Rewritten: exactly two tensor operands as above, the equation written explicitly (``->``) or
+implicitly (the output then holds the letters seen once, sorted, as torch reads it). Left as it is (read as an
+unknown operation, which pins what it touches, with the reason): an ellipsis, a letter repeated in one term (a
+diagonal), a letter of one operand alone that the output drops (a sum), a letter of different sizes in the two
+operands (broadcast sizes), no letter or several summed, no letter of an operand alone kept, another number of
+operands, axis lists instead of an equation.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class _Plan:
     first_order: tuple[int, ...]
     second_order: tuple[int, ...]
     out_order: tuple[int, ...]
+    first_new: tuple[int, ...] = ()  # size-1 axes put in after the permute (a batch letter the operand lacks)
+    second_new: tuple[int, ...] = ()
 
 
 def _operands(node: fx.Node) -> tuple[object, list] | None:
@@ -74,8 +81,9 @@ def _subscripts(equation: str, operands: int) -> tuple[list[str], str] | str:
 
 def _plan(node: fx.Node) -> _Plan | str:
     """The matmul form of an einsum ``node`` (see the module docstring), else why there is none (a sentence's end).
-    Of the two operand orders, the one whose product already has the output's axis order is taken where there is one
-    (``"bhjd,bhij->bhid"`` of values and weights is ``weights @ values``, the order attention is read in)."""
+    Of the two operand orders, a matrix is the right factor of a batch of rows (``x @ W``); else the one whose product
+    already has the output's axis order is taken where there is one (``"bhjd,bhij->bhid"`` of values and weights is
+    ``weights @ values``, the order attention is read in)."""
     parsed = _operands(node)
     if parsed is None:
         return "it is not an einsum call with positional operands"
@@ -100,34 +108,57 @@ def _plan(node: fx.Node) -> _Plan | str:
     if not plans:
         return ("it is not one matrix product per batch entry (one letter summed over both operands, one kept from "
                 "each, the others shared by both and the output)")  # fmt: skip
+    # a matrix read by a batch of rows is `x @ W` (a linear layer, as the readers of weights know it); else the order
+    # whose product has the output's axis order
+    layer = [p for p in plans if len(p.second_order) == 2 and len(p.first_order) > 2]
     same = [p for p in plans if p.out_order == tuple(range(len(out)))]
-    return (same or plans)[0]
+    return (layer or same or plans)[0]
 
 
 def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str) -> _Plan | None:
-    """``a`` times ``b`` as a matmul (``a`` the left factor), else ``None``."""
-    batch = [c for c in out if c in sa and c in sb]
-    m = [c for c in out if c in sa and c not in sb]
-    n = [c for c in out if c in sb and c not in sa]
+    """``a`` times ``b`` as a matmul (``a`` the left factor), else ``None``: the output's last letter of ``a`` alone is
+    the rows, its last of ``b`` alone the columns, the other output letters the batch, in the output's order. An
+    operand lacking a batch letter after one it has gets a size-1 axis there (``matmul`` broadcasts it; leading ones it
+    broadcasts by itself): a key without a heads axis read by every query head (multi-query attention)."""
     k = [c for c in sa if c in sb and c not in out]
-    if len(k) != 1 or len(n) != 1 or not m or (len(m) > 1 and (batch or len(sb) != 2)):
+    rows = [c for c in out if c in sa and c not in sb]
+    columns = [c for c in out if c in sb and c not in sa]
+    if len(k) != 1 or not rows or not columns:
         return None
-    first, second, product = [*batch, *m, *k], [*batch, *k, *n], [*batch, *m, *n]
-    return _Plan(a, b, tuple(sa.index(c) for c in first), tuple(sb.index(c) for c in second),
-                 tuple(product.index(c) for c in out))  # fmt: skip
+    m, n = rows[-1], columns[-1]
+    batch = [c for c in out if c not in (m, n)]
+
+    def arranged(letters: str, matrix: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        present = [i for i, c in enumerate(batch) if c in letters]
+        kept = batch[present[0] :] if present else []
+        order = [c for c in kept if c in letters] + matrix
+        if len(order) != len(letters):
+            return None
+        return tuple(letters.index(c) for c in order), tuple(i for i, c in enumerate(kept) if c not in letters)
+
+    first, second = arranged(sa, [m, *k]), arranged(sb, [*k, n])
+    if first is None or second is None:
+        return None
+    return _Plan(a, b, first[0], second[0], tuple([*batch, m, n].index(c) for c in out), first[1], second[1])
 
 
-def _permuted(graph: fx.Graph, node: fx.Node, order: tuple[int, ...]) -> fx.Node:
+def _permuted(graph: fx.Graph, node: fx.Node, order: tuple[int, ...], new: tuple[int, ...] = ()) -> fx.Node:
     """``node`` with its axes in ``order`` (no node for the identity; ``transpose(-2, -1)`` for a swap of the last
-    two, the spelling the product patterns and the weight readers know), with its shape."""
+    two, the spelling the product patterns and the weight readers know), then a size-1 axis at each of ``new`` (in
+    increasing order), with its shape."""
     rank = len(order)
-    if order == tuple(range(rank)):
-        return node
+    out = node
     if order == (*range(rank - 2), rank - 1, rank - 2):
         out = graph.call_method("transpose", (node, -2, -1))
-    else:
+    elif order != tuple(range(rank)):
         out = graph.call_method("permute", (node, *order))
-    out.meta["shape"] = tuple(node.meta["shape"][i] for i in order)
+    if out is not node:
+        out.meta["shape"] = tuple(node.meta["shape"][i] for i in order)
+    for axis in new:
+        wider = graph.call_method("unsqueeze", (out, axis))
+        shape = out.meta["shape"]
+        wider.meta["shape"] = (*shape[:axis], 1, *shape[axis:])
+        out = wider
     return out
 
 
@@ -161,16 +192,16 @@ def as_matrix_products(graph: fx.Graph) -> fx.Graph:
         plan = _plan(node)
         if not isinstance(plan, _Plan):
             continue
+        before = set(copy.nodes)
         with copy.inserting_before(node):
-            a = _permuted(copy, plan.first, plan.first_order)
-            b = _permuted(copy, plan.second, plan.second_order)
+            a = _permuted(copy, plan.first, plan.first_order, plan.first_new)
+            b = _permuted(copy, plan.second, plan.second_order, plan.second_new)
             product = copy.call_function(torch.matmul, (a, b))
             shape_a, shape_b = a.meta["shape"], b.meta["shape"]
-            product.meta["shape"] = (*shape_a[:-1], shape_b[-1])
-            product.meta[EINSUM_META] = (node.args[0], node.name)
+            product.meta["shape"] = (*torch.broadcast_shapes(shape_a[:-2], shape_b[:-2]), shape_a[-2], shape_b[-1])
             result = _permuted(copy, product, plan.out_order)
-        for new in {a, b, product, result} - {plan.first, plan.second}:  # what the user wrote: one einsum
-            new.meta[EINSUM_META] = product.meta[EINSUM_META]
+        for new in set(copy.nodes) - before:  # what the user wrote: one einsum
+            new.meta[EINSUM_META] = (node.args[0], node.name)
         node.replace_all_uses_with(result)
         copy.erase_node(node)
     return copy

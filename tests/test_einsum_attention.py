@@ -216,6 +216,10 @@ REWRITTEN = {
     "btd,de": lambda h, x: (h, x[0].T),  # implicit output: the letters seen once, sorted ('bet')
     "ed,btd->bte": lambda h, x: (x[0, :, :D].T[:D, :], h),
     "bij,bjd->bid": lambda h, x: (torch.einsum("bid,bjd->bij", h, x), x),
+    # broadcast letters (multi-query attention): the key or value without a heads axis
+    "bhid,bjd->bhij": lambda h, x: (h.view(2, D, 2, D // 2).transpose(1, 2), x[..., : D // 2]),
+    "bhij,bjd->bhid": lambda h, x: (torch.einsum("bid,bjd->bij", h, x).view(2, 1, D, D).expand(2, 3, D, D), x),
+    "hid,bjd->bhij": lambda h, x: (h[0].view(D, 2, D // 2).transpose(0, 1), x[..., : D // 2]),
 }
 LEFT = {  # equation: (operands, the reason given)
     "...id,...jd->...ij": (lambda h, x: (h, x), "it has an ellipsis"),
@@ -337,3 +341,85 @@ def test_pins_name_the_einsum_the_user_wrote():
     text = manifolds.transformer_symmetry(Units(), torch.randn(3, 5, 4)).describe()
     assert "output of 'einsum' 'btd,hd->bht' (graph node 'einsum'): 6 channel(s)" in text, text
     assert "it feeds the axis order of 'einsum' 'btd,hd->bht'" in text and "'transpose'" not in text, text
+
+
+class MultiQuery(nn.Module):
+    """Multi-query attention: ``H`` query heads read one key head and one value head, which have no heads axis; the
+    product broadcasts them (written with ``unsqueeze``, ``[:, None]`` or an einsum)."""
+
+    def __init__(self, style: str):
+        super().__init__()
+        self.style = style
+        self.q, self.k, self.v, self.o = nn.Linear(D, D), nn.Linear(D, HD), nn.Linear(D, HD), nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.q(x).view(b, t, H, HD).transpose(1, 2), self.k(x), self.v(x)
+        if self.style == "einsum":
+            a = torch.einsum("bhid,bjd->bhij", q, k).softmax(-1)
+            o = torch.einsum("bhij,bjd->bhid", a, v)
+        elif self.style == "unsqueeze":
+            a = (q @ k.unsqueeze(1).transpose(-2, -1)).softmax(-1)
+            o = a @ v.unsqueeze(1)
+        else:
+            a = (q @ k[:, None].transpose(-2, -1)).softmax(-1)
+            o = a @ v[:, None]
+        return self.head(self.o(o.transpose(1, 2).reshape(b, t, D)).mean(1))
+
+
+def _multi_query(style, seed=12):
+    torch.manual_seed(seed)
+    return MultiQuery(style).double().eval(), torch.randn(5, T, D, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("style", ["einsum", "unsqueeze", "none"])
+def test_multi_query_attention_shares_one_factor_across_the_query_heads(style):
+    model, x = _multi_query(style)
+    sym = manifolds.transformer_symmetry(model, x)
+    labels = [f.label for f in sym.factors if f.kind == "GL"]
+    assert any("query/key (key head shared by 2 query heads)" in s for s in labels), sym.describe()
+    assert any("value/output (value head shared by 2 query heads)" in s for s in labels), sym.describe()
+    # one GL(4) on query/key, one on value/output, and o's units traded against the head (a linear path): 16 + 16 + 8
+    assert sym.dim == 2 * HD * HD + D, sym.describe()
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for _ in range(3):
+            assert (sym.transformed(model, sym.random_element(1.0, g))(x) - model(x)).abs().max() < 1e-10
+
+
+def test_multi_query_hand_built_elements_and_a_wrong_one():
+    model, x = _multi_query("einsum")
+    g = torch.Generator().manual_seed(14)
+
+    def moved(a_per_head):
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        for h, a in enumerate(a_per_head):  # every query head's rows by A^T
+            rows = slice(h * HD, (h + 1) * HD)
+            sd["q.weight"][rows], sd["q.bias"][rows] = a.T @ sd["q.weight"][rows], a.T @ sd["q.bias"][rows]
+        inv = torch.linalg.inv(a_per_head[0])  # the one key head by A^-1
+        sd["k.weight"], sd["k.bias"] = inv @ sd["k.weight"], inv @ sd["k.bias"]
+        b = _gl(g)  # the value head by B^T, the output columns of every query head by B^-T
+        sd["v.weight"], sd["v.bias"] = b.T @ sd["v.weight"], b.T @ sd["v.bias"]
+        for h in range(H):
+            cols = slice(h * HD, (h + 1) * HD)
+            sd["o.weight"][:, cols] = sd["o.weight"][:, cols] @ torch.linalg.inv(b).T
+        twin = copy.deepcopy(model)
+        twin.load_state_dict(sd)
+        return twin
+
+    a = _gl(g)
+    with torch.no_grad():
+        assert (moved([a] * H)(x) - model(x)).abs().max() < 1e-10
+        assert (moved([a, _gl(g)])(x) - model(x)).abs().max() > 1e-3  # the query heads must share the key's A
+
+
+@pytest.mark.parametrize("style", ["einsum", "unsqueeze"])
+def test_multi_query_products_are_the_r_operators_and_exact(style):
+    model, x = _multi_query(style)
+    y = torch.randint(0, C, (x.shape[0],), generator=torch.Generator().manual_seed(15))
+    obj = Objective(model, nn.CrossEntropyLoss(), (x, y))
+    assert obj.hvp_strategy() == "rop"
+    H_ = dense_hessian(obj)
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    torch.testing.assert_close(obj.hvp(v), H_ @ v, rtol=0, atol=1e-10 * float(H_.abs().max()))

@@ -100,7 +100,7 @@ _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_p
 # elementwise modules with a second derivative (`_Pointwise`), by the kind they are
 _POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu"}
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
-_VIEWS = {"view", "reshape", "flatten", "unflatten"}
+_VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze"}
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
