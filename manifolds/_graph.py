@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx, nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from manifolds._modules import eval_mode
 
@@ -89,9 +90,30 @@ def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
     return graph
 
 
+def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
+    """What the graph cannot show of ``model``'s calls, else ``None``: fx traces the root's class ``forward`` (neither
+    the root's forward hooks nor a ``forward`` set on the instance), and the readers of the graph read a module called
+    whole (a ``call_module`` node: ``nn.Linear``, ``nn.LayerNorm``...) by its class, so a ``forward`` set on such an
+    instance (as accelerate's ``add_hook_to_module`` sets it) would be read as the class's."""
+    if model._forward_hooks or model._forward_pre_hooks:
+        return (f"{type(model).__name__} has forward hooks on the model itself, which torch.fx does not trace; remove "
+                "them or wrap the model in a module without hooks")  # fmt: skip
+    called = {"": model} | {str(n.target): model.get_submodule(str(n.target)) for n in graph.nodes
+                            if n.op == "call_module"}  # fmt: skip
+    for name, module in called.items():
+        if "forward" in vars(module):
+            where = f"module '{name}'" if name else f"the model ({type(model).__name__})"
+            return (
+                f"{where} has its forward replaced on the instance (as accelerate's hooks replace it), which is "
+                "read as its class's forward; remove the replacement (accelerate.hooks.remove_hook_from_module)"
+            )
+    return None
+
+
 def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
     """Record every node's shape from one pass of ``graph`` on ``x``; returns whether the graph computes what the
-    model's own forward does on ``x`` (see `_same_outputs`)."""
+    model's own forward does on ``x`` (see `_same_outputs`), here and at parameters whose constant tensors are moved
+    (`_faithful_off_constants`)."""
 
     class _Shapes(fx.Interpreter):
         def run_node(self, n: fx.Node):
@@ -105,14 +127,50 @@ def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
 
     with eval_mode(model), torch.no_grad():  # as the objectives evaluate
         traced = _Shapes(model, graph=graph).run(x.clone())
-        return _same_outputs(traced, model(x.clone()))
+        return _same_outputs(traced, model(x.clone())) and _faithful_off_constants(model, graph, x)
+
+
+def _faithful_off_constants(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
+    """Whether the graph still computes the forward once every parameter holding one value throughout (a norm's
+    ones, a zero bias or zero-initialized layer) is moved to random values. fx records ``h *= w`` as ``h * w``: where
+    ``h`` is a view of a tensor read elsewhere, the forward changes that tensor too and the graph does not, which no
+    comparison shows while ``w`` is all ones. Caller: eval mode, no gradients."""
+    constant = {name: p for name, p in model.named_parameters() if p.numel() and bool((p == p.flatten()[0]).all())}
+    if not constant:
+        return True
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    moved = {}
+    for name, p in constant.items():
+        noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float64).to(p.dtype)
+        moved[name] = p.detach() + noise * (0.5 * max(1.0, float(p.flatten()[0].abs())))
+    try:
+        copy = fx.Graph()  # a module of its own owns a copy: the graph itself stays unowned, as traced
+        copy.output(copy.graph_copy(graph, {}))
+        module = fx.GraphModule(model, copy)
+        traced = torch.func.functional_call(module, moved, (x.clone(),), strict=False)
+        eager = torch.func.functional_call(model, moved, (x.clone(),), strict=False)
+    except Exception:  # a forward that fails off its parameters' values (a check on them) is not this check's to judge
+        return True
+    return _same_outputs(traced, eager)
+
+
+def _mutable(value: object) -> object:
+    """``value`` with fx's ``immutable_list``/``immutable_dict`` (what a graph returns for a list or dict the forward
+    returns) as the plain ``list``/``dict`` the forward itself returns."""
+    if isinstance(value, immutable_list):
+        return [_mutable(v) for v in value]
+    if isinstance(value, immutable_dict):
+        return {k: _mutable(v) for k, v in value.items()}
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_mutable(v) for v in value)
+    return value
 
 
 def _same_outputs(traced: object, eager: object) -> bool:
     """Whether the graph's outputs equal the forward's, to rounding. fx records ``x += y`` as ``x + y``, so a
     forward that reads an alias of ``x`` after it (``r = x; x += y; r @ ...``) has a graph that computes something
     else; such a graph must not stand for the model."""
-    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(traced)
+    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(_mutable(traced))
     eager_leaves, eager_spec = torch.utils._pytree.tree_flatten(eager)
     if traced_spec != eager_spec:
         return False
@@ -198,6 +256,9 @@ def _trace(model: nn.Module, example_input: Tensor | None) -> TracedNetwork:
     if isinstance(model, _LEAF_TYPES):  # a bare layer is traced as its own single call
         graph = fx.Graph()
         graph.output(graph.call_module("", (graph.placeholder("x"),)))
+    unread = _unread_behaviour(model, graph)
+    if unread is not None:
+        return TracedNetwork(model, None, unread)
     candidates = [input_like(model, example_input)] if example_input is not None else []
     if example_input is None:
         param = next(model.parameters(), None)
@@ -225,7 +286,8 @@ def _trace(model: nn.Module, example_input: Tensor | None) -> TracedNetwork:
     for node in graph.nodes:  # no partial shapes from a failed pass
         node.meta.pop("shape", None)
     if example_input is not None and error is not None:
-        failure = f"the forward of {type(model).__name__} fails on the example input ({type(error).__name__}: {error})"
+        failure = (f"the forward of {type(model).__name__} fails on the first two samples of the example input, and "
+                   f"every model must take any number of samples ({type(error).__name__}: {error})")  # fmt: skip
     else:
         failure = f"the input shape of {type(model).__name__} is unknown; pass example_input=<one input batch>"
     return TracedNetwork(model, graph, failure, sequential)

@@ -182,8 +182,9 @@ def test_a_functional_padding_row_is_held_fixed_and_refuses_jvp(monkeypatch):
     obj = _check(model, ids, _targets(model, ids))
     with pytest.raises(ValueError, match="the embedding at graph node 'embedding' holds its padding row fixed"):
         obj.hvp(torch.zeros(obj.layout.size, dtype=torch.float64), "jvp")
-    # where autograd streams (a hook keeps the R-operator off), "auto" never even times jvp
-    model.register_forward_hook(lambda m, i, o: o)
+    # where autograd streams (a layer's hook keeps the R-operator off; one on the model itself would leave no graph to
+    # read the functional padding row from), "auto" never even times jvp
+    model.mix.register_forward_hook(lambda m, i, o: o)
     streamed = Objective(model, nn.CrossEntropyLoss(), (ids, _targets(model, ids)), chunk_size=3, memory_budget=1)
     timed = []
     monkeypatch.setattr(Objective, "_hvp_jvp", lambda self, *a: timed.append(a))

@@ -1,0 +1,141 @@
+"""A traced graph stands for the model only where it computes the model's forward (manifolds._graph).
+
+Every case here passes the plain comparison at the model's own parameters, so each would have claimed a symmetry
+the model does not have (the outputs of a "group element" moved by 0.3 to 2.2 in the review that found them): the
+graph is refused with the reason instead, and everything built on it refuses or falls back to autograd.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import manifolds
+from sharpness import Objective, dense_hessian
+
+D = 4
+
+
+class AliasScaled(nn.Module):
+    """``h *= w`` on a view of ``y`` that another layer reads: the forward scales ``y`` too; fx records ``h * w``."""
+
+    def __init__(self, spelling: str, norm: bool = False):
+        super().__init__()
+        self.spelling, self.norm = spelling, nn.LayerNorm(D) if norm else None
+        self.w = nn.Parameter(torch.ones(D))
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        y = self.norm(x) if self.norm is not None else torch.tanh(x)
+        h = {"view": lambda: y.view(y.shape), "contiguous": y.contiguous, "index": lambda: y[...]}[self.spelling]()
+        h *= self.w
+        return self.a(h).sum(-1, keepdim=True) + self.b(y)
+
+
+@pytest.mark.parametrize("spelling,norm", [("view", False), ("contiguous", False), ("index", True)])
+def test_an_in_place_update_through_an_alias_is_refused_even_where_it_changes_nothing_yet(spelling, norm):
+    model = AliasScaled(spelling, norm).double().eval()
+    x = torch.randn(3, D, dtype=torch.float64)
+    traced = manifolds.trace_network(model, x)
+    assert traced.graph is None and "computes something else than the forward itself" in traced.failure
+    with pytest.raises(manifolds.UnsupportedModelError, match="in-place update"):
+        manifolds.transformer_symmetry(model, x)
+    # the products fall back to autograd's, which run the forward itself
+    y = torch.randn(3, D, dtype=torch.float64)
+    obj = Objective(model, nn.MSELoss(), (x, y))
+    v = torch.randn(obj.layout.size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert obj.hvp_strategy() != "rop"
+    torch.testing.assert_close(obj.hvp(v), dense_hessian(obj) @ v, rtol=1e-10, atol=1e-12)
+
+
+def test_the_same_update_on_a_tensor_nothing_else_reads_is_kept():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.a = nn.Parameter(torch.ones(D)), nn.Linear(D, D)
+
+        def forward(self, x):
+            h = torch.tanh(x)
+            h *= self.w
+            return self.a(h)
+
+    x = torch.randn(3, D, dtype=torch.float64)
+    traced = manifolds.trace_network(Scaled().double(), x)
+    assert traced.failure is None and traced.has_shapes
+
+
+def test_a_forward_replaced_on_a_layer_is_refused_with_the_module_named():
+    class Patched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.l = nn.LayerNorm(D), nn.Linear(D, D)
+            self.l.forward = types.MethodType(lambda m, x: F.linear(torch.tanh(x), m.weight, m.bias), self.l)
+
+        def forward(self, x):
+            return self.l(self.ln(x))
+
+    traced = manifolds.trace_network(Patched(), torch.randn(3, D))
+    assert traced.graph is None and "module 'l' has its forward replaced on the instance" in traced.failure
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_hooks_on_the_model_itself_are_refused_and_traced_once_wrapped():
+    model = Chain()
+    # max-norm rows at 3 (idle at the initialization, active once a rescaling grows a row): no rescaling symmetry
+    model.register_forward_pre_hook(lambda m, args: [w.data.copy_(torch.renorm(w.data, 2, 0, 3.0))
+                                                     for w in (m.a.weight, m.b.weight)] and None)  # fmt: skip
+    x = torch.randn(3, D)
+    traced = manifolds.trace_network(model, x)
+    assert traced.graph is None and "forward hooks on the model itself" in traced.failure
+
+    class Wrapper(nn.Module):  # fx runs a submodule's hooks: wrapped, the hook is traced with the rest
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    doubled = Chain()
+    doubled.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    graph = manifolds.trace_network(Wrapper(doubled), x).graph
+    assert graph is not None and any(n.target is __import__("operator").mul for n in graph.nodes)
+
+
+def test_list_and_dict_outputs_trace():
+    class Outputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(D, D), nn.Linear(D, 2)
+
+        def forward(self, x):
+            return [self.a(x), {"b": self.b(x)}]
+
+    traced = manifolds.trace_network(Outputs(), torch.randn(3, D))
+    assert traced.failure is None and traced.has_shapes
+
+
+def test_a_fixed_batch_size_is_named_as_the_reason():
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.a(x).view(3, 2, 2)
+
+    traced = manifolds.trace_network(Fixed(), torch.randn(3, D))
+    assert "fails on the first two samples of the example input" in traced.failure
+    assert "any number of samples" in traced.failure
