@@ -90,6 +90,18 @@ def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
     return graph
 
 
+def _runs_whole(model: nn.Module, example_input: Tensor, used: Tensor) -> bool:
+    """Whether the forward runs on the whole ``example_input`` where the trace used fewer samples of it (``used``)."""
+    if used.shape[:1] == example_input.shape[:1] or example_input.is_meta:  # meta tensors run any forward
+        return False
+    try:
+        with eval_mode(model), torch.no_grad():
+            model(input_like(model, example_input, None))
+    except Exception:  # the forward fails either way: the sample count is not the reason
+        return False
+    return True
+
+
 def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
     """What the graph cannot show of ``model``'s calls, else ``None``: fx traces the root's class ``forward`` (neither
     the root's forward hooks nor a ``forward`` set on the instance), and the readers of the graph read a module called
@@ -135,7 +147,8 @@ def _faithful_off_constants(model: nn.Module, graph: fx.Graph, x: Tensor) -> boo
     ones, a zero bias or zero-initialized layer) is moved to random values. fx records ``h *= w`` as ``h * w``: where
     ``h`` is a view of a tensor read elsewhere, the forward changes that tensor too and the graph does not, which no
     comparison shows while ``w`` is all ones. Caller: eval mode, no gradients."""
-    constant = {name: p for name, p in model.named_parameters() if p.numel() and bool((p == p.flatten()[0]).all())}
+    constant = {name: p for name, p in model.named_parameters()
+                if p.numel() and not p.is_meta and bool((p == p.flatten()[0]).all())}  # fmt: skip
     if not constant:
         return True
     generator = torch.Generator(device=x.device).manual_seed(0)
@@ -206,9 +219,10 @@ def _guesses(model: nn.Module, graph: fx.Graph) -> list[tuple[int, ...]]:
     return []
 
 
-def input_like(model: nn.Module, example: Tensor) -> Tensor:
-    """Two samples of ``example`` on the model's device, floating inputs in its dtype (for shape passes)."""
-    x = example[:2]
+def input_like(model: nn.Module, example: Tensor, samples: int | None = 2) -> Tensor:
+    """``samples`` samples of ``example`` (two, for shape passes; ``None``: all) on the model's device, floating inputs
+    in its dtype."""
+    x = example if samples is None else example[:samples]
     floating = next((p for p in model.parameters() if p.is_floating_point()), None)
     if floating is not None:
         x = x.to(floating.device, floating.dtype if x.is_floating_point() else None)
@@ -286,8 +300,11 @@ def _trace(model: nn.Module, example_input: Tensor | None) -> TracedNetwork:
     for node in graph.nodes:  # no partial shapes from a failed pass
         node.meta.pop("shape", None)
     if example_input is not None and error is not None:
-        failure = (f"the forward of {type(model).__name__} fails on the first two samples of the example input, and "
-                   f"every model must take any number of samples ({type(error).__name__}: {error})")  # fmt: skip
+        failure = f"the forward of {type(model).__name__} fails on the example input ({type(error).__name__}: {error})"
+        if _runs_whole(model, example_input, candidates[0]):
+            failure = (f"the forward of {type(model).__name__} fails on the first two samples of the example input but "
+                       f"not on all {len(example_input)}: every model must take any number of samples "
+                       f"({type(error).__name__}: {error})")  # fmt: skip
     else:
         failure = f"the input shape of {type(model).__name__} is unknown; pass example_input=<one input batch>"
     return TracedNetwork(model, graph, failure, sequential)
