@@ -11,11 +11,12 @@ its children; any other model has no graph (``TracedNetwork.graph is None``, wit
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx, nn
-from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from manifolds._modules import eval_mode
 
@@ -113,7 +114,10 @@ def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
     called = {"": model} | {str(n.target): model.get_submodule(str(n.target)) for n in graph.nodes
                             if n.op == "call_module"}  # fmt: skip
     for name, module in called.items():
-        if "forward" in vars(module):
+        own = vars(module).get("forward")
+        if own is not None and not (
+            getattr(own, "__func__", None) is type(module).forward and getattr(own, "__self__", None) is module
+        ):  # `m.forward = m.forward` is none
             where = f"module '{name}'" if name else f"the model ({type(model).__name__})"
             return (
                 f"{where} has its forward replaced on the instance (as accelerate's hooks replace it), which is "
@@ -122,60 +126,99 @@ def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
     return None
 
 
+class _Run(fx.Interpreter):
+    """``graph`` run on ``model`` itself (its modules called as the forward calls them, ``""`` a bare layer), recording
+    every tensor's shape in ``node.meta["shape"]`` where ``shapes``."""
+
+    def __init__(self, model: nn.Module, graph: fx.Graph, shapes: bool = False):
+        super().__init__(model, graph=graph)
+        self.model, self.shapes = model, shapes
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if self.shapes and isinstance(out, Tensor):
+            n.meta["shape"] = tuple(out.shape)
+        return out
+
+    def call_module(self, target, args, kwargs):
+        return self.model.get_submodule(str(target))(*args, **kwargs)
+
+
+@contextmanager
+def _swapped(model: nn.Module, values: Mapping[str, Tensor]) -> Iterator[None]:
+    """``model``'s parameters named in ``values`` (by any of their names) hold those tensors inside the block, in every
+    module holding them (a module reached under two names, a tensor tied between modules), and are put back after it.
+    Written out, not `torch.func.functional_call`, whose restoring leaves a module registered twice holding the
+    replacement."""
+    by_id = {id(p): values[name] for name, p in model.named_parameters(remove_duplicate=False) if name in values}
+    slots = []
+    for module in model.modules():  # each module once
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in by_id:
+                slots.append((module, name, p))
+                module._parameters[name] = by_id[id(p)]
+    try:
+        yield
+    finally:
+        for module, name, p in reversed(slots):
+            module._parameters[name] = p
+
+
 def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
     """Record every node's shape from one pass of ``graph`` on ``x``; returns whether the graph computes what the
-    model's own forward does on ``x`` (see `_same_outputs`), here and at parameters whose constant tensors are moved
-    (`_faithful_off_constants`)."""
-
-    class _Shapes(fx.Interpreter):
-        def run_node(self, n: fx.Node):
-            out = super().run_node(n)
-            if isinstance(out, Tensor):
-                n.meta["shape"] = tuple(out.shape)
-            return out
-
-        def call_module(self, target, args, kwargs):
-            return model.get_submodule(str(target))(*args, **kwargs)  # "" is a bare layer itself
-
+    model's own forward does on ``x`` (see `_same_outputs`), here and at moved parameters (`_faithful_when_moved`)."""
     with eval_mode(model), torch.no_grad():  # as the objectives evaluate
-        traced = _Shapes(model, graph=graph).run(x.clone())
-        return _same_outputs(traced, model(x.clone())) and _faithful_off_constants(model, graph, x)
+        traced = _Run(model, graph, shapes=True).run(x.clone())
+        return _same_outputs(traced, model(x.clone())) and _faithful_when_moved(model, graph, x)
 
 
-def _faithful_off_constants(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
-    """Whether the graph still computes the forward once every parameter holding one value throughout (a norm's
-    ones, a zero bias or zero-initialized layer) is moved to random values. fx records ``h *= w`` as ``h * w``: where
-    ``h`` is a view of a tensor read elsewhere, the forward changes that tensor too and the graph does not, which no
-    comparison shows while ``w`` is all ones. Caller: eval mode, no gradients."""
-    constant = {name: p for name, p in model.named_parameters()
-                if p.numel() and not p.is_meta and bool((p == p.flatten()[0]).all())}  # fmt: skip
-    if not constant:
+# Elements of the parameters `_faithful_when_moved` moves beyond the constant ones (a copy of that size is made).
+_MOVED_ELEMENTS = 1 << 24
+
+
+def _faithful_when_moved(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
+    """Whether the graph still computes the forward once parameters are moved to random values: every parameter that
+    holds one value throughout (a norm's ones, a zero bias or zero-initialized layer), then the others from the smallest
+    up while they hold at most `_MOVED_ELEMENTS` elements together (vectors first: norms' scales and biases, trained a
+    few steps from their constants). fx records ``h *= w`` as ``h * w``: where ``h`` is a view of a tensor read
+    elsewhere, the forward changes that tensor too and the graph does not, which no comparison shows while ``w`` is all
+    ones, or within rounding of them. Both passes draw the same random numbers (a forward that adds noise is compared
+    as one function). Caller: eval mode, no gradients."""
+    params = [(name, p) for name, p in model.named_parameters() if p.numel() and not p.is_meta]
+    if not params:
         return True
-    generator = torch.Generator(device=x.device).manual_seed(0)
+    constant = {name for name, p in params if bool((p == p.flatten()[0]).all())}
+    chosen, budget = [], _MOVED_ELEMENTS
+    for name, p in sorted(params, key=lambda item: (item[0] not in constant, item[1].numel())):
+        if name in constant or p.numel() <= budget:
+            chosen.append((name, p))
+            budget -= 0 if name in constant else p.numel()
+    generator = torch.Generator().manual_seed(0)
     moved = {}
-    for name, p in constant.items():
-        noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float64).to(p.dtype)
-        moved[name] = p.detach() + noise * (0.5 * max(1.0, float(p.flatten()[0].abs())))
-    try:
-        copy = fx.Graph()  # a module of its own owns a copy: the graph itself stays unowned, as traced
-        copy.output(copy.graph_copy(graph, {}))
-        module = fx.GraphModule(model, copy)
-        traced = torch.func.functional_call(module, moved, (x.clone(),), strict=False)
-        eager = torch.func.functional_call(model, moved, (x.clone(),), strict=False)
-    except Exception:  # a forward that fails off its parameters' values (a check on them) is not this check's to judge
-        return True
+    for name, p in chosen:
+        scale = 0.5 * max(1.0, float(p.detach().abs().mean()))
+        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+        moved[name] = p.detach() + (noise * scale).to(p.device, p.dtype)
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), _swapped(model, moved):
+        torch.manual_seed(0)
+        try:
+            eager = model(x.clone())
+        except Exception:  # a forward failing off its parameters' values (a check on them): not this check's to judge
+            return True
+        torch.manual_seed(0)
+        traced = _Run(model, graph).run(x.clone())
     return _same_outputs(traced, eager)
 
 
-def _mutable(value: object) -> object:
-    """``value`` with fx's ``immutable_list``/``immutable_dict`` (what a graph returns for a list or dict the forward
-    returns) as the plain ``list``/``dict`` the forward itself returns."""
-    if isinstance(value, immutable_list):
-        return [_mutable(v) for v in value]
-    if isinstance(value, immutable_dict):
-        return {k: _mutable(v) for k, v in value.items()}
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_mutable(v) for v in value)
+def _plain(value: object) -> object:
+    """``value`` with every mapping as a plain ``dict`` and every list or tuple as a ``list`` (fx returns its
+    ``immutable_list``/``immutable_dict`` for a forward's list, dict, ``OrderedDict`` or HuggingFace ``ModelOutput``):
+    the same leaves in the same places compare as the same outputs."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -183,8 +226,8 @@ def _same_outputs(traced: object, eager: object) -> bool:
     """Whether the graph's outputs equal the forward's, to rounding. fx records ``x += y`` as ``x + y``, so a
     forward that reads an alias of ``x`` after it (``r = x; x += y; r @ ...``) has a graph that computes something
     else; such a graph must not stand for the model."""
-    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(_mutable(traced))
-    eager_leaves, eager_spec = torch.utils._pytree.tree_flatten(eager)
+    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(_plain(traced))
+    eager_leaves, eager_spec = torch.utils._pytree.tree_flatten(_plain(eager))
     if traced_spec != eager_spec:
         return False
     for a, b in zip(traced_leaves, eager_leaves):

@@ -139,3 +139,45 @@ def test_a_fixed_batch_size_is_named_as_the_reason():
     traced = manifolds.trace_network(Fixed(), torch.randn(3, D))
     assert "fails on the first two samples of the example input but not on all 3" in traced.failure
     assert "any number of samples" in traced.failure
+
+
+class Spare(AliasScaled):
+    """`AliasScaled` with a LayerNorm the forward never calls (its constant parameters are moved too)."""
+
+    def __init__(self):
+        super().__init__("view")
+        self.spare = nn.LayerNorm(D)
+
+
+def test_a_module_the_forward_never_calls_does_not_turn_the_check_off():
+    model = Spare().double().eval()
+    traced = manifolds.trace_network(model, torch.randn(3, D, dtype=torch.float64))
+    assert traced.graph is None and "computes something else" in traced.failure
+
+
+def test_a_scale_within_rounding_of_its_constant_is_moved_too():
+    model = AliasScaled("view").double().eval()
+    with torch.no_grad():
+        model.w.add_(1e-7 * torch.randn(D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    traced = manifolds.trace_network(model, torch.randn(3, D, dtype=torch.float64))
+    assert traced.graph is None and "computes something else" in traced.failure
+
+
+def test_faithful_models_with_noise_ordered_outputs_or_their_own_forward_bound_again_trace():
+    from collections import OrderedDict
+
+    class Noisy(nn.Module):  # noise scaled by a weight that is zero at the initialization (StyleGAN's injection)
+        def __init__(self):
+            super().__init__()
+            self.a, self.noise = nn.Linear(D, D), nn.Parameter(torch.zeros(D))
+
+        def forward(self, x):
+            h = self.a(x)
+            return OrderedDict(out=h + self.noise * torch.randn_like(h), logits=torch.relu(h))
+
+    noisy = Noisy()
+    rebound = Chain()
+    rebound.forward = rebound.forward  # the class's own forward, bound to the instance
+    for model in (noisy, rebound):
+        traced = manifolds.trace_network(model, torch.randn(3, D))
+        assert traced.failure is None and traced.has_shapes, traced.failure
