@@ -2,9 +2,10 @@
 
 Attention is often written with ``einsum``: ``torch.einsum("bhid,bhjd->bhij", q, k)`` for the scores and
 ``torch.einsum("bhij,bhjd->bhid", a, v)`` for the weighted values, in any axis order. Such a call is a batched
-matrix product up to axis orders. With ``k`` the one letter of both operands that the output drops (summed), ``m`` the
-output's last letter of the left operand alone (the rows), ``n`` its last of the right operand alone (the columns)
-and the output's other letters the batch, it equals ``A.permute(batch, m, k) @ B.permute(batch, k, n)``, permuted to
+matrix product up to axis orders. With ``k`` the one letter of both operands that the output drops (summed), ``m`` a
+letter of the left operand alone (the rows: the one written right before ``k``, else the output's last), ``n`` one of
+the right operand alone (the columns: right after ``k``, else the output's last) and the output's other letters the
+batch, it equals ``A.permute(batch, m, k) @ B.permute(batch, k, n)``, permuted to
 the output's order; an operand lacking a batch letter that follows one it has gets a size-1 axis there
 (``unsqueeze``), which ``matmul`` broadcasts, as it broadcasts missing leading ones by itself: a key or value without
 a heads axis read by every query head (multi-query attention, ``"bhid,bjd->bhij"``). `as_matrix_products` returns a
@@ -12,14 +13,15 @@ copy of a graph with every such call replaced by those permutes, a ``matmul`` an
 shape, so that the symmetry discovery (`manifolds._attention`) and the R-operator products
 (`sharpness.products._rop_graph`) read the attention in one form whichever way it is written.
 
-Of the two operand orders (``a @ b`` or the transpose of ``b^T a^T``), a matrix of two axes is the right factor of
-a batch of rows (``x @ W``, a linear layer as the weight readers know it); else the order whose product already has
-the output's axis order. Rewritten: exactly two tensor operands as above, the equation written explicitly (``->``) or
-implicitly (the output then holds the letters seen once, sorted, as torch reads it). Left as it is (read as an
-unknown operation, which pins what it touches, with the reason): an ellipsis, a letter repeated in one term (a
-diagonal), a letter of one operand alone that the output drops (a sum), a letter of different sizes in the two
-operands (broadcast sizes), no letter or several summed, no letter of an operand alone kept, another number of
-operands, axis lists instead of an equation.
+Of the two operand orders (``a @ b`` or the transpose of ``b^T a^T``), a matrix of two axes is the right factor of a
+batch of rows (``x @ W``, a linear layer as the weight readers know it); else the left factor is the operand holding
+every batch axis (the query or the attention weights; the key or value is what a product broadcasts), then the order
+whose product already has the output's axis order. Rewritten: exactly two tensor operands as above, the equation written
+explicitly (``->``) or implicitly (the output then holds the letters seen once, sorted, as torch reads it). Left as it
+is (read as an unknown operation, which pins what it touches, with the reason): an ellipsis, a letter repeated in one
+term (a diagonal), a letter of one operand alone that the output drops (a sum), a letter of different sizes in the two
+operands (broadcast sizes), no letter or several summed, no letter of an operand alone kept, another number of operands,
+axis lists instead of an equation.
 """
 
 from __future__ import annotations
@@ -104,20 +106,27 @@ def _plan(node: fx.Node) -> _Plan | str:
         return "a letter has different sizes in the two operands (broadcasting)"
     if (set(sa) ^ set(sb)) - set(out):
         return "it sums an axis of one operand alone"
-    plans = [p for p in (_ordered(a, sa, b, sb, out), _ordered(b, sb, a, sa, out)) if p is not None]
+    sizes_a, sizes_b = dict(zip(sa, shape_a)), dict(zip(sb, shape_b))
+    plans = [p for p in (_ordered(a, sa, b, sb, out, sizes_a, sizes_b), _ordered(b, sb, a, sa, out, sizes_b, sizes_a))
+             if p is not None]  # fmt: skip
     if not plans:
         return ("it is not one matrix product per batch entry (one letter summed over both operands, one kept from "
                 "each, the others shared by both and the output)")  # fmt: skip
-    # a matrix read by a batch of rows is `x @ W` (a linear layer, as the readers of weights know it); else the order
-    # whose product has the output's axis order
+    # a matrix read by a batch of rows is `x @ W` (a linear layer, as the readers of weights know it); else the left
+    # factor is the operand holding every batch axis (attention's query or weights: the key or value is the one a
+    # product broadcasts), then the order whose product has the output's axis order
     layer = [p for p in plans if len(p.second_order) == 2 and len(p.first_order) > 2]
-    same = [p for p in plans if p.out_order == tuple(range(len(out)))]
-    return (layer or same or plans)[0]
+    full = [p for p in plans if not p.first_new] or plans
+    same = [p for p in full if p.out_order == tuple(range(len(out)))]
+    return (layer or same or full)[0]
 
 
-def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str) -> _Plan | None:
-    """``a`` times ``b`` as a matmul (``a`` the left factor), else ``None``: the output's last letter of ``a`` alone is
-    the rows, its last of ``b`` alone the columns, the other output letters the batch, in the output's order. An
+def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str, sizes_a: dict, sizes_b: dict) -> _Plan | None:
+    """``a`` times ``b`` as a matmul (``a`` the left factor), else ``None``. The rows are the letter of ``a`` alone
+    that ``a`` holds beside the summed letter (``(..., m, k)`` or ``(..., k, m)``: ``"bhij"`` or ``"bhji"`` of attention
+    weights times values), of the summed letter's size where two are (the query tokens, not the heads), else the
+    output's last of ``a`` alone; the columns likewise of ``b``; the other output letters are the batch, in the output's
+    order. An
     operand lacking a batch letter after one it has gets a size-1 axis there (``matmul`` broadcasts it; leading ones it
     broadcasts by itself): a key without a heads axis read by every query head (multi-query attention)."""
     k = [c for c in sa if c in sb and c not in out]
@@ -125,7 +134,15 @@ def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str) -> _Plan | None
     columns = [c for c in out if c in sb and c not in sa]
     if len(k) != 1 or not rows or not columns:
         return None
-    m, n = rows[-1], columns[-1]
+    (c,) = k
+
+    def next_to_k(letters: str, candidates: list[str], sizes: dict[str, int]) -> str:
+        # written beside the summed letter first (a matrix's two axes), then of its size (the query tokens against the
+        # key tokens they are summed with, not the heads), then the output's last
+        return max(candidates, key=lambda x: (abs(letters.index(x) - letters.index(c)) == 1, sizes[x] == sizes[c],
+                                              out.index(x)))  # fmt: skip
+
+    m, n = next_to_k(sa, rows, sizes_a), next_to_k(sb, columns, sizes_b)
     batch = [c for c in out if c not in (m, n)]
 
     def arranged(letters: str, matrix: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -359,6 +359,9 @@ class MultiQuery(nn.Module):
         if self.style == "einsum":
             a = torch.einsum("bhid,bjd->bhij", q, k).softmax(-1)
             o = torch.einsum("bhij,bjd->bhid", a, v)
+        elif self.style == "einsum_keys_rows":  # scores stored (keys, queries), the output with the heads after tokens
+            a = torch.einsum("bhid,bjd->bhji", q, k).softmax(-2)
+            o = torch.einsum("bhji,bjd->bihd", a, v).transpose(1, 2)
         elif self.style == "unsqueeze":
             a = (q @ k.unsqueeze(1).transpose(-2, -1)).softmax(-1)
             o = a @ v.unsqueeze(1)
@@ -373,7 +376,7 @@ def _multi_query(style, seed=12):
     return MultiQuery(style).double().eval(), torch.randn(5, T, D, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("style", ["einsum", "unsqueeze", "none"])
+@pytest.mark.parametrize("style", ["einsum", "einsum_keys_rows", "unsqueeze", "none"])
 def test_multi_query_attention_shares_one_factor_across_the_query_heads(style):
     model, x = _multi_query(style)
     sym = manifolds.transformer_symmetry(model, x)
