@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, fx, nn
@@ -93,7 +94,7 @@ def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
 
 def _runs_whole(model: nn.Module, example_input: Tensor, used: Tensor) -> bool:
     """Whether the forward runs on the whole ``example_input`` where the trace used fewer samples of it (``used``)."""
-    if used.shape[:1] == example_input.shape[:1] or example_input.is_meta:  # meta tensors run any forward
+    if used.shape[:1] == example_input.shape[:1] or used.is_meta:  # meta tensors run any forward
         return False
     try:
         with eval_mode(model), torch.no_grad():
@@ -108,6 +109,10 @@ def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
     the root's forward hooks nor a ``forward`` set on the instance), and the readers of the graph read a module called
     whole (a ``call_module`` node: ``nn.Linear``, ``nn.LayerNorm``...) by its class, so a ``forward`` set on such an
     instance (as accelerate's ``add_hook_to_module`` sets it) would be read as the class's."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return ("forward hooks are registered for every module (torch.nn.modules.module.register_module_forward_hook), "
+                "which the graph's readers do not see; remove them")  # fmt: skip
     if model._forward_hooks or model._forward_pre_hooks:
         return (f"{type(model).__name__} has forward hooks on the model itself, which torch.fx does not trace; remove "
                 "them or wrap the model in a module without hooks")  # fmt: skip
@@ -164,51 +169,105 @@ def _swapped(model: nn.Module, values: Mapping[str, Tensor]) -> Iterator[None]:
             module._parameters[name] = p
 
 
-def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
-    """Record every node's shape from one pass of ``graph`` on ``x``; returns whether the graph computes what the
-    model's own forward does on ``x`` (see `_same_outputs`), here and at moved parameters (`_faithful_when_moved`)."""
-    with eval_mode(model), torch.no_grad():  # as the objectives evaluate
+_UNFAITHFUL = (
+    "the graph torch.fx traced from the forward of {name} computes something else than the forward itself (fx records "
+    "an in-place update such as `x += y` out of place, so an alias of x read after it sees the old value, and keeps "
+    "as a constant what the forward makes anew, such as a random generator); write the update out of place "
+    "(`x = x + y`)"
+)
+
+
+def _seeded(x: Tensor):
+    """A block in which the random generators (CPU and ``x``'s GPU) are those of before it (``fork_rng``)."""
+    return torch.random.fork_rng(devices=[x.device.index or 0] if x.device.type == "cuda" else [])
+
+
+def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> str | None:
+    """Record every node's shape from one pass of ``graph`` on ``x``; returns why the graph does not compute what the
+    model's own forward does on ``x`` (see `_same_outputs`), here or at moved parameters (`_moved_failure`), else
+    ``None``. Both passes draw the same random numbers (a forward adding noise is compared as one function)."""
+    with eval_mode(model), torch.no_grad(), _seeded(x):  # as the objectives evaluate
+        torch.manual_seed(0)
         traced = _Run(model, graph, shapes=True).run(x.clone())
-        return _same_outputs(traced, model(x.clone())) and _faithful_when_moved(model, graph, x)
+        torch.manual_seed(0)
+        eager = model(x.clone())
+    if not _same_outputs(traced, eager):
+        return _UNFAITHFUL.format(name=type(model).__name__)
+    with eval_mode(model), torch.no_grad():
+        return _moved_failure(model, graph, x, _finite(eager))
 
 
-# Elements of the parameters `_faithful_when_moved` moves beyond the constant ones (a copy of that size is made).
-_MOVED_ELEMENTS = 1 << 24
+def _finite(outputs: object) -> bool:
+    """Whether every floating-point tensor among ``outputs`` is finite."""
+    leaves = torch.utils._pytree.tree_leaves(outputs)
+    return all(bool(torch.isfinite(t).all()) for t in leaves if isinstance(t, Tensor) and t.is_floating_point())
 
 
-def _faithful_when_moved(model: nn.Module, graph: fx.Graph, x: Tensor) -> bool:
-    """Whether the graph still computes the forward once parameters are moved to random values: every parameter that
-    holds one value throughout (a norm's ones, a zero bias or zero-initialized layer), then the others from the smallest
-    up while they hold at most `_MOVED_ELEMENTS` elements together (vectors first: norms' scales and biases, trained a
-    few steps from their constants). fx records ``h *= w`` as ``h * w``: where ``h`` is a view of a tensor read
-    elsewhere, the forward changes that tensor too and the graph does not, which no comparison shows while ``w`` is all
-    ones, or within rounding of them. Both passes draw the same random numbers (a forward that adds noise is compared
-    as one function). Caller: eval mode, no gradients."""
-    params = [(name, p) for name, p in model.named_parameters() if p.numel() and not p.is_meta]
+# Elements of the non-constant parameters `_moved_failure` moves (a copy of that size is made; constant ones are moved
+# as one value broadcast, no copy).
+_MOVED_ELEMENTS = 1 << 20
+
+
+def _moved_failure(model: nn.Module, graph: fx.Graph, x: Tensor, finite: bool) -> str | None:
+    """Why the graph does not compute the forward once floating-point parameters are moved, else ``None``. Moved: every
+    one holding one value throughout (a norm's ones, a zero bias or zero-initialized layer; shifted as a whole, a
+    broadcast value), then the others from the smallest up while they hold at most `_MOVED_ELEMENTS` elements together
+    (vectors first: norms' scales and biases a few steps from their constants; random values added). fx records
+    ``h *= w`` as ``h * w``: where ``h`` is a view of a tensor read elsewhere, the forward changes that tensor too and
+    the graph does not, which no comparison shows while ``w`` is all ones, or within rounding of them. A move under
+    which the forward fails, or is not finite where it is at the model's own values (``finite``), is tried again 50
+    times smaller; where that fails too the graph cannot be checked and is refused. Caller: eval mode, no gradients."""
+    params = [(name, p) for name, p in model.named_parameters()
+              if p.numel() and p.is_floating_point() and not p.is_meta]  # fmt: skip
     if not params:
-        return True
+        return None
     constant = {name for name, p in params if bool((p == p.flatten()[0]).all())}
     chosen, budget = [], _MOVED_ELEMENTS
     for name, p in sorted(params, key=lambda item: (item[0] not in constant, item[1].numel())):
         if name in constant or p.numel() <= budget:
             chosen.append((name, p))
             budget -= 0 if name in constant else p.numel()
-    generator = torch.Generator().manual_seed(0)
-    moved = {}
-    for name, p in chosen:
-        scale = 0.5 * max(1.0, float(p.detach().abs().mean()))
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64)
-        moved[name] = p.detach() + (noise * scale).to(p.device, p.dtype)
-    devices = [x.device.index or 0] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), _swapped(model, moved):
-        torch.manual_seed(0)
-        try:
-            eager = model(x.clone())
-        except Exception:  # a forward failing off its parameters' values (a check on them): not this check's to judge
-            return True
-        torch.manual_seed(0)
-        traced = _Run(model, graph).run(x.clone())
-    return _same_outputs(traced, eager)
+    generators: dict[torch.device, torch.Generator] = {}
+    noise = {}
+    for name, p in chosen:  # drawn once, in the parameter's own dtype and device
+        g = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(0))
+        shape = () if name in constant else p.shape
+        noise[name] = torch.randn(shape, generator=g, device=p.device, dtype=p.dtype)
+    for scale in (0.5, 0.01):
+        moved = {}
+        for name, p in chosen:
+            size = scale * max(1.0, float(p.detach().abs().mean()))
+            base = p.detach().flatten()[0] if name in constant else p.detach()
+            value = base + size * noise[name]
+            moved[name] = value.expand(p.shape) if name in constant else value
+        with _seeded(x), _swapped(model, moved), _kept_attributes(model):
+            torch.manual_seed(0)
+            try:
+                eager = model(x.clone())
+            except Exception:  # the forward refuses these values (a check on them): a smaller move
+                continue
+            if finite and not _finite(eager):
+                continue  # NaN compares equal to NaN: no comparison
+            torch.manual_seed(0)
+            try:
+                traced = _Run(model, graph).run(x.clone())
+            except Exception:  # the forward runs and its graph does not: not the same computation
+                return _UNFAITHFUL.format(name=type(model).__name__)
+        return None if _same_outputs(traced, eager) else _UNFAITHFUL.format(name=type(model).__name__)
+    return (f"the forward of {type(model).__name__} fails or is not finite once its parameters are moved from their "
+            "values, so its traced graph cannot be checked against it")  # fmt: skip
+
+
+@contextmanager
+def _kept_attributes(model: nn.Module) -> Iterator[None]:
+    """Every module's plain tensor attributes (a weight a forward pre-hook computes from other parameters, as the old
+    ``weight_norm`` and ``spectral_norm`` do) are the same objects after the block as before it."""
+    kept = [(m, {k: v for k, v in vars(m).items() if isinstance(v, Tensor)}) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes in kept:
+            m.__dict__.update(attributes)
 
 
 def _plain(value: object) -> object:
@@ -226,8 +285,9 @@ def _same_outputs(traced: object, eager: object) -> bool:
     """Whether the graph's outputs equal the forward's, to rounding. fx records ``x += y`` as ``x + y``, so a
     forward that reads an alias of ``x`` after it (``r = x; x += y; r @ ...``) has a graph that computes something
     else; such a graph must not stand for the model."""
-    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(_plain(traced))
-    eager_leaves, eager_spec = torch.utils._pytree.tree_flatten(_plain(eager))
+    detached = partial(torch.utils._pytree.tree_map, lambda t: t.detach() if isinstance(t, Tensor) else t)
+    traced_leaves, traced_spec = torch.utils._pytree.tree_flatten(detached(_plain(traced)))
+    eager_leaves, eager_spec = torch.utils._pytree.tree_flatten(detached(_plain(eager)))
     if traced_spec != eager_spec:
         return False
     for a, b in zip(traced_leaves, eager_leaves):
@@ -288,8 +348,10 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     # fx's tracing, the shape pass and the forward it is checked against all run the forward: one that updates
     # its buffers in place (a step counter, say) would leave them moved, so they are put back
     buffers = [(b, b.clone()) for b in model.buffers()]
-    try:
-        return _trace(model, example_input)
+    device = next((t.device for t in model.parameters() if t.device.type == "cuda"), torch.device("cpu"))
+    try:  # the random generators as they were (a forward drawing numbers, a bare first pass)
+        with _seeded(torch.empty(0, device=device)), _kept_attributes(model):
+            return _trace(model, example_input)
     finally:
         with torch.no_grad():
             for b, before in buffers:
@@ -325,20 +387,14 @@ def _trace(model: nn.Module, example_input: Tensor | None) -> TracedNetwork:
     error: Exception | None = None
     for x in candidates:
         try:
-            faithful = _record_shapes(model, graph, x)
+            unfaithful = _record_shapes(model, graph, x)
         except Exception as err:  # a wrong guess of the input shape; try the next one
             error = err
             continue
-        if not faithful:
+        if unfaithful is not None:
             for node in graph.nodes:
                 node.meta.pop("shape", None)
-            return TracedNetwork(
-                model,
-                None,
-                f"the graph torch.fx traced from the forward of {type(model).__name__} computes something else than "
-                "the forward itself (fx records an in-place update such as `x += y` out of place, so an alias of x "
-                "read after it sees the old value); write the update out of place (`x = x + y`)",
-            )
+            return TracedNetwork(model, None, unfaithful)
         return TracedNetwork(model, graph, None, sequential)
     for node in graph.nodes:  # no partial shapes from a failed pass
         node.meta.pop("shape", None)

@@ -181,3 +181,56 @@ def test_faithful_models_with_noise_ordered_outputs_or_their_own_forward_bound_a
     for model in (noisy, rebound):
         traced = manifolds.trace_network(model, torch.randn(3, D))
         assert traced.failure is None and traced.has_shapes, traced.failure
+
+
+class Guarded(AliasScaled):
+    """`AliasScaled` whose forward fails, or turns to NaN, once its parameters move far (a Cholesky factor, a square
+    root): a smaller move still shows the alias."""
+
+    def __init__(self, guard: str):
+        super().__init__("view")
+        self.guard = guard
+        self.cov = nn.Parameter(torch.eye(D) + 0.01)
+        self.temp = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        if self.guard == "cholesky":
+            return super().forward(x @ torch.linalg.cholesky(self.cov))
+        # NaN once temp moves 0.05 from 1 (the check's first move shifts it by about 0.15, its smaller one by 0.003)
+        return super().forward(x * torch.sqrt(1 - 20 * (self.temp - 1).abs()))
+
+
+@pytest.mark.parametrize("guard", ["cholesky", "sqrt"])
+def test_a_forward_that_fails_off_its_values_is_checked_with_a_smaller_move(guard):
+    model = Guarded(guard).double().eval()
+    traced = manifolds.trace_network(model, torch.randn(3, D, dtype=torch.float64))
+    assert traced.graph is None and "computes something else" in traced.failure, traced.failure
+
+
+def test_integer_parameters_global_hooks_rng_and_hook_computed_weights():
+    class Indexed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(D, D)
+            self.idx = nn.Parameter(torch.tensor([2, 0, 1, 3]), requires_grad=False)
+            self.mask = nn.Parameter(torch.tensor([True, False, True, True]), requires_grad=False)
+
+        def forward(self, x):
+            return self.a(x)[:, self.idx] * self.mask
+
+    assert manifolds.trace_network(Indexed(), torch.randn(3, D)).failure is None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        traced = manifolds.trace_network(Chain(), torch.randn(3, D))
+        assert traced.graph is None and "forward hooks are registered for every module" in traced.failure
+    finally:
+        handle.remove()
+
+    with pytest.warns(FutureWarning):  # the old weight_norm: a forward pre-hook computes `weight` from g and v
+        normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(D, D)), nn.ReLU(), nn.Linear(D, 2))
+    weight, x = normed[0].weight, torch.randn(3, D)
+    before, state = weight.clone(), torch.get_rng_state()
+    assert manifolds.trace_network(normed, x).failure is None
+    assert normed[0].weight is weight and torch.equal(weight, before)  # the hook's weight, not one of moved values
+    assert torch.equal(torch.get_rng_state(), state)  # the random generator as it was
