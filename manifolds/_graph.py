@@ -193,8 +193,58 @@ def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> str | None:
         eager = model(x.clone())
     if not _same_outputs(traced, eager):
         return _UNFAITHFUL.format(name=type(model).__name__)
+    with eval_mode(model):
+        stopped = _gradient_failure(model, graph, x)
+    if stopped is not None:
+        return stopped
     with eval_mode(model), torch.no_grad():
         return _moved_failure(model, graph, x, _finite(eager))
+
+
+def _gradient_failure(model: nn.Module, graph: fx.Graph, x: Tensor) -> str | None:
+    """Why the graph's derivatives are not the forward's, else ``None``: the gradients of one fixed random combination
+    of the outputs with respect to the trainable parameters, through the forward and through the graph. fx does not
+    record ``torch.no_grad()`` (nor ``set_grad_enabled``) inside a forward: the graph differentiates what the forward
+    holds constant, and products read from it would be those of another function than autograd's. Caller: eval
+    mode."""
+    params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and not p.is_meta]
+    if not params:
+        return None
+    gradients = []
+    with _seeded(x), torch.enable_grad():
+        for run in (model, _Run(model, graph).run):
+            torch.manual_seed(0)
+            leaves = [t for t in torch.utils._pytree.tree_leaves(run(x.clone()))
+                      if isinstance(t, Tensor) and t.is_floating_point()]  # fmt: skip
+            generator = torch.Generator(device=x.device).manual_seed(1)
+            total = sum((t * torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype)).sum()
+                        for t in leaves if t.requires_grad)  # fmt: skip
+            if not isinstance(total, Tensor):  # no output depends on a parameter
+                return None
+            try:
+                grads = torch.autograd.grad(total, params, allow_unused=True)
+            except RuntimeError as err:  # an in-place update of a tensor its backward needs: the graph has none
+                return _UNDIFFERENTIABLE.format(name=type(model).__name__, error=str(err).splitlines()[0])
+            gradients.append([None if g is None else g.detach() for g in grads])
+    for eager, traced in zip(*gradients):
+        if (eager is None) != (traced is None):
+            return _STOPPED.format(name=type(model).__name__)
+        if eager is not None and not _same_outputs(traced, eager):
+            return _STOPPED.format(name=type(model).__name__)
+    return None
+
+
+_STOPPED = (
+    "the graph torch.fx traced from the forward of {name} computes something else than the forward itself: other "
+    "derivatives (fx records an in-place update such as `h *= w` out of place, so an alias of h read after it sees the "
+    "old value, and does not record `torch.no_grad()` inside a forward); write updates out of place (`h = h * w`) and "
+    "hold constants with `.detach()`, which the graph keeps"
+)
+_UNDIFFERENTIABLE = (
+    "the graph torch.fx traced from the forward of {name} computes something else than the forward itself: autograd "
+    "cannot differentiate the forward ({error}) and can the graph (fx records an in-place update such as `h *= w` out "
+    "of place); write updates out of place (`h = h * w`)"
+)
 
 
 def _finite(outputs: object) -> bool:
