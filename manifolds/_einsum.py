@@ -83,9 +83,9 @@ def _subscripts(equation: str, operands: int) -> tuple[list[str], str] | str:
 
 def _plan(node: fx.Node) -> _Plan | str:
     """The matmul form of an einsum ``node`` (see the module docstring), else why there is none (a sentence's end).
-    Of the two operand orders, a matrix is the right factor of a batch of rows (``x @ W``); else the one whose product
-    already has the output's axis order is taken where there is one (``"bhjd,bhij->bhid"`` of values and weights is
-    ``weights @ values``, the order attention is read in)."""
+    Of the two operand orders, a matrix is the right factor of a batch of rows (``x @ W``); else the left factor holds
+    every batch axis, and the order whose product already has the output's axis order is taken where there is one
+    (``"bhjd,bhij->bhid"`` of values and weights is ``weights @ values``, the order attention is read in)."""
     parsed = _operands(node)
     if parsed is None:
         return "it is not an einsum call with positional operands"
@@ -126,21 +126,21 @@ def _ordered(a: fx.Node, sa: str, b: fx.Node, sb: str, out: str, sizes_a: dict, 
     that ``a`` holds beside the summed letter (``(..., m, k)`` or ``(..., k, m)``: ``"bhij"`` or ``"bhji"`` of attention
     weights times values), of the summed letter's size where two are (the query tokens, not the heads), else the
     output's last of ``a`` alone; the columns likewise of ``b``; the other output letters are the batch, in the output's
-    order. An
-    operand lacking a batch letter after one it has gets a size-1 axis there (``matmul`` broadcasts it; leading ones it
-    broadcasts by itself): a key without a heads axis read by every query head (multi-query attention)."""
+    order. An operand lacking a batch letter after one it has gets a size-1 axis there (``matmul`` broadcasts it;
+    leading ones it broadcasts by itself): a key without a heads axis read by every query head (multi-query
+    attention)."""
     k = [c for c in sa if c in sb and c not in out]
     rows = [c for c in out if c in sa and c not in sb]
     columns = [c for c in out if c in sb and c not in sa]
     if len(k) != 1 or not rows or not columns:
         return None
-    (c,) = k
+    (summed,) = k
 
     def next_to_k(letters: str, candidates: list[str], sizes: dict[str, int]) -> str:
         # written beside the summed letter first (a matrix's two axes), then of its size (the query tokens against the
         # key tokens they are summed with, not the heads), then the output's last
-        return max(candidates, key=lambda x: (abs(letters.index(x) - letters.index(c)) == 1, sizes[x] == sizes[c],
-                                              out.index(x)))  # fmt: skip
+        return max(candidates, key=lambda x: (abs(letters.index(x) - letters.index(summed)) == 1,
+                                              sizes[x] == sizes[summed], out.index(x)))  # fmt: skip
 
     m, n = next_to_k(sa, rows, sizes_a), next_to_k(sb, columns, sizes_b)
     batch = [c for c in out if c not in (m, n)]

@@ -186,19 +186,19 @@ def _record_shapes(model: nn.Module, graph: fx.Graph, x: Tensor) -> str | None:
     """Record every node's shape from one pass of ``graph`` on ``x``; returns why the graph does not compute what the
     model's own forward does on ``x`` (see `_same_outputs`), here or at moved parameters (`_moved_failure`), else
     ``None``. Both passes draw the same random numbers (a forward adding noise is compared as one function)."""
-    with eval_mode(model), torch.no_grad(), _seeded(x):  # as the objectives evaluate
-        torch.manual_seed(0)
-        traced = _Run(model, graph, shapes=True).run(x.clone())
-        torch.manual_seed(0)
-        eager = model(x.clone())
-    if not _same_outputs(traced, eager):
-        return _UNFAITHFUL.format(name=type(model).__name__)
-    with eval_mode(model):
+    with eval_mode(model):  # as the objectives evaluate
+        with torch.no_grad(), _seeded(x):
+            torch.manual_seed(0)
+            traced = _Run(model, graph, shapes=True).run(x.clone())
+            torch.manual_seed(0)
+            eager = model(x.clone())
+        if not _same_outputs(traced, eager):
+            return _UNFAITHFUL.format(name=type(model).__name__)
         stopped = _gradient_failure(model, graph, x)
-    if stopped is not None:
-        return stopped
-    with eval_mode(model), torch.no_grad():
-        return _moved_failure(model, graph, x, _finite(eager))
+        if stopped is not None:
+            return stopped
+        with torch.no_grad():
+            return _moved_failure(model, graph, x, _finite(eager))
 
 
 def _gradient_failure(model: nn.Module, graph: fx.Graph, x: Tensor) -> str | None:
@@ -266,7 +266,8 @@ def _moved_failure(model: nn.Module, graph: fx.Graph, x: Tensor, finite: bool) -
     ``h *= w`` as ``h * w``: where ``h`` is a view of a tensor read elsewhere, the forward changes that tensor too and
     the graph does not, which no comparison shows while ``w`` is all ones, or within rounding of them. A move under
     which the forward fails, or is not finite where it is at the model's own values (``finite``), is tried again 50
-    times smaller; where that fails too the graph cannot be checked and is refused. Caller: eval mode, no gradients."""
+    times smaller; where that fails too the graph cannot be checked and is refused. Caller: eval mode, no gradients,
+    and `_kept_attributes` around it (a weight a hook computes from the moved parameters is put back)."""
     params = [(name, p) for name, p in model.named_parameters()
               if p.numel() and p.is_floating_point() and not p.is_meta]  # fmt: skip
     if not params:
@@ -290,7 +291,7 @@ def _moved_failure(model: nn.Module, graph: fx.Graph, x: Tensor, finite: bool) -
             base = p.detach().flatten()[0] if name in constant else p.detach()
             value = base + size * noise[name]
             moved[name] = value.expand(p.shape) if name in constant else value
-        with _seeded(x), _swapped(model, moved), _kept_attributes(model):
+        with _seeded(x), _swapped(model, moved):  # what hooks compute from them: put back by `trace_network`
             torch.manual_seed(0)
             try:
                 eager = model(x.clone())
