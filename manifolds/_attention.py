@@ -80,6 +80,7 @@ from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
+from manifolds._same_forward import read_as
 from manifolds._structure import UnsupportedModelError, analyze
 
 _RESHAPES = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "swapaxes", "swapdims",
@@ -91,6 +92,8 @@ _MATMULS = {"matmul", "bmm"}
 _SDPA = "scaled_dot_product_attention"
 _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"}
 _POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_STEPS_TO_PROJECTION = 8  # reshapes, selections and dropouts walked from a tensor to the layer reading it
 _NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish", "softplus", "hardswish"}
 
@@ -340,14 +343,23 @@ class _Finder:
 
     def input_projection(self, user: fx.Node, node: fx.Node) -> _Projection | None:
         """The linear layer that ``user`` makes read ``node`` as its input (`reading_projection`), directly or through
-        a reshape keeping the features on the last axis (HuggingFace's ``Conv1D`` flattens the tokens first)."""
-        proj = self.reading_projection(user)
-        if proj is not None:
-            return proj if proj.data is node else None
-        if not self.keeps_features(user, node) or len(readers := self.users(user)) != 1:
-            return None
-        proj = self.reading_projection(readers[0])
-        return proj if proj is not None and proj.data is user else None
+        steps that each keep feature ``j`` feature ``j`` and that the next alone reads: reshapes keeping the features
+        on the last axis (HuggingFace's ``Conv1D`` flattens the tokens first), row selections (``x[:, 0]``) and
+        dropout layers (timm's ``head_drop``; the identity in eval mode, where every measure evaluates)."""
+        for _ in range(_STEPS_TO_PROJECTION):
+            proj = self.reading_projection(user)
+            if proj is not None:
+                return proj if proj.data is node else None
+            if not (self.keeps_features(user, node) or self.is_dropout(user, node)) or len(self.users(user)) != 1:
+                return None
+            node, user = user, self.users(user)[0]
+        return None
+
+    def is_dropout(self, user: fx.Node, node: fx.Node) -> bool:
+        """Whether ``user`` is a dropout layer (no hooks) applied to ``node`` alone."""
+        m = self.module(user)
+        return (type(m) in _DROPOUTS and not (m._forward_hooks or m._forward_pre_hooks) and user.args == (node,)
+                and not user.kwargs)  # fmt: skip
 
     def reads_as_input(self, user: fx.Node, node: fx.Node) -> bool:
         """Whether ``user`` takes ``node`` as the input of a layer whose columns can be divided: a linear layer
@@ -1124,7 +1136,7 @@ class _Finder:
                 self.pin(f"product 'einsum'{equation} (graph node '{node.name}')", 0,
                          f"no attention factor: the einsum is not read as a matrix product: {not_rewritten(node)}")
         for node in nodes:
-            if node.op == "call_module" and type(self.module(node)) in _NORMS:
+            if node.op == "call_module" and read_as(self.module(node)) in _NORMS:
                 self.norm(node)
                 continue
             if node.op in ("call_function", "call_method") and target_name(node) == "mul":

@@ -11,6 +11,7 @@ its children; any other model has no graph (``TracedNetwork.graph is None``, wit
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ _SPATIAL_GUESSES = tuple(dict.fromkeys((32, 28, 224, 64, 96, *range(1, 129))))
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if type(m) is nn.Identity and not (m._forward_hooks or m._forward_pre_hooks):
+            return False  # traced through (no node): a placeholder for an optional layer (timm's q_norm, ls1, norm)
         return isinstance(m, _LEAF_TYPES) or super().is_leaf_module(m, module_qualified_name)
 
 
@@ -410,10 +413,57 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
                     b.copy_(before)
 
 
+def _defaults(model: nn.Module) -> dict[str, object] | None:
+    """The forward's arguments after the input that have defaults (timm's ``attn_mask=None, is_causal=False``), at
+    those defaults: the toolkit calls ``model(x)``, so the graph is traced for that call; as placeholders they would
+    stand for values no pass gives (and ``attn_mask is not None`` would be true of one while tracing)."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: traced as it is
+        return None
+    defaults = {p.name: p.default for p in parameters[1:]
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}  # fmt: skip
+    return defaults or None
+
+
+def _traced_at_defaults(model: nn.Module) -> fx.Graph:
+    """fx's graph of ``model(x)``: the other arguments at their defaults where fx takes them so (`_defaults`), else as
+    placeholders (a default fx cannot hold as a constant)."""
+    defaults = _defaults(model)
+    if defaults:
+        try:
+            return _without_specialized(_Tracer().trace(model, concrete_args=defaults))
+        except Exception:  # tracing runs arbitrary user code: without the defaults, it may still trace
+            pass
+    return _Tracer().trace(model)
+
+
+def _without_specialized(graph: fx.Graph) -> fx.Graph:
+    """``graph`` without the placeholders of the arguments traced at their defaults (`_defaults`) and the checks fx
+    adds on them (``_assert_is_none``, ``_assert``): nothing else reads them, and the passes give the input alone."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][1:]
+    for placeholder in placeholders:
+        dependents, frontier = [], [placeholder]
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if user not in dependents:
+                    dependents.append(user)
+                    frontier.append(user)
+        if any(n.op == "output" for n in dependents) or any(
+            u not in dependents for n in dependents for u in n.users
+        ):
+            continue  # read by the computation: kept (a pass without it fails, as the forward would)
+        for node in sorted(dependents, key=lambda n: -list(graph.nodes).index(n)):
+            graph.erase_node(node)
+        graph.erase_node(placeholder)
+    return graph
+
+
 def _trace(model: nn.Module, example_input: Tensor | None) -> TracedNetwork:
     """`trace_network` itself, the buffers left to the caller."""
     try:
-        graph = _Tracer().trace(model)
+        graph = _traced_at_defaults(model)
         sequential = False
     except Exception as err:  # tracing runs arbitrary user code; any failure means "no fx graph"
         if not isinstance(model, nn.Sequential):

@@ -74,6 +74,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from manifolds._graph import is_metadata, target_name
+from manifolds._same_forward import read_as
 
 _AFFINE = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
@@ -938,7 +939,8 @@ def _plain_norm(module: nn.Module) -> bool:
     it (Gemma's ``(1 + weight)`` scale), and then none of a normalization's rules holds (it is an unknown operation)."""
     forward = type(module).forward
     return any(isinstance(module, base) and forward is base.forward for base in _NORM_BASES) or (
-        isinstance(module, nn.SyncBatchNorm) and forward is nn.SyncBatchNorm.forward)
+        isinstance(module, nn.SyncBatchNorm) and forward is nn.SyncBatchNorm.forward) or (
+        read_as(module) is nn.LayerNorm)  # a forward of its own that is nn.LayerNorm's (timm's LayerNorm)
 
 
 def _plain_affine(module: nn.Module) -> type[nn.Module] | None:

@@ -62,6 +62,7 @@ from torch import Tensor, fx, nn
 
 from manifolds._einsum import as_matrix_products
 from manifolds._graph import is_metadata, target_name
+from manifolds._same_forward import read_as
 from sharpness.products._rop import (
     _CONVS,
     ChunkState,
@@ -421,7 +422,7 @@ def _single_user(node: fx.Node) -> bool:
 def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
                keys: Mapping[str, str]):  # fmt: skip
     """A module call as a `_Layer` or `_Map`, or ``None`` where it is not supported. ``keys``: `parameter_keys`."""
-    name, kind, shape = str(node.target), type(module), node.args[0].meta["shape"]
+    name, kind, shape = str(node.target), read_as(module), node.args[0].meta["shape"]
     if kind is nn.Linear or kind in _CONVS:
         affine = _affine(name, module, params, keys)
         if affine is not None and kind is nn.Linear and len(shape) != 2:

@@ -1,0 +1,71 @@
+"""Whether a subclass of a torch normalization layer computes that layer's own forward.
+
+The readers of a traced graph read a module call by what it computes (torch's ``nn.LayerNorm``, say). A subclass may
+override ``forward`` with another computation (Gemma's ``(1 + weight)`` scale) and is then an unknown operation; many
+override it only to choose among kernels: timm's ``LayerNorm`` calls ``F.layer_norm`` exactly as ``nn.LayerNorm``
+does unless its fast-norm option is on. Such a forward is recognised by its fx graph: traced on the module itself, it
+must be, node for node (operations, targets, constants, wiring), the graph of the base class's forward on a twin
+with the same settings. Nothing numerical is compared, so nothing is accepted within a tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, fx, nn
+
+# The bases recognised, each with a twin of a module's settings built on the meta device (only traced, never run).
+_TWINS: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
+    nn.LayerNorm: lambda m: nn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine,
+                                         bias=getattr(m, "bias", None) is not None, device="meta"),  # fmt: skip
+}
+if hasattr(nn, "RMSNorm"):
+    _TWINS[nn.RMSNorm] = lambda m: nn.RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
+
+
+def read_as(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` is read as: a base of `_TWINS` where ``module`` is a subclass that inherits its forward or
+    overrides it with the same graph (see the module docstring), else its own class."""
+    kind = type(module)
+    for base, twin in _TWINS.items():
+        if isinstance(module, base) and kind is not base:
+            if kind.forward is base.forward:
+                return base
+            try:
+                same = _same(_signature(module), _signature(twin(module)))
+            except Exception:  # tracing runs the subclass's own code: what cannot be traced is not recognised
+                same = False
+            return base if same else kind
+    return kind
+
+
+def _signature(module: nn.Module) -> list[tuple]:
+    """``module``'s forward as fx traces it on the module: per node its operation, target (placeholders unnamed) and
+    arguments, other nodes given by their position."""
+    graph = fx.Tracer().trace(module)
+    position: dict[fx.Node, int] = {}
+    out = []
+    for i, node in enumerate(graph.nodes):
+        position[node] = i
+        arguments = fx.node.map_arg((node.args, node.kwargs), lambda n: _Position(position[n]))
+        out.append((node.op, None if node.op == "placeholder" else node.target, arguments))
+    return out
+
+
+class _Position(int):
+    """A node's position among the arguments of a signature (distinct from a constant of the same value)."""
+
+
+def _same(a: object, b: object) -> bool:
+    """Exact equality of two signatures or of parts of them: the same types throughout, containers item by item; a
+    tensor constant is never taken as equal (its values would have to be compared)."""
+    if type(a) is not type(b) or isinstance(a, Tensor):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+__all__ = ["read_as"]

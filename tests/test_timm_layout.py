@@ -1,0 +1,270 @@
+"""Vision transformers laid out as timm writes them (``tests/timm_like.py``, checked against logits timm 1.0.31 itself
+wrote: ``tests/data/make_timm_vit_tiny.py``): the placeholders timm leaves for optional layers (``nn.Identity``),
+dropout layers between the pooled features and the head, a forward taking ``attn_mask=None, is_causal=False``, and
+timm's own ``LayerNorm`` subclass. Before, the first three cost the value/output factors, the LayerNorm trades and the
+R-operator products, and a normalization subclass was an unknown operation; here the group is the one of
+`sharpness.HFViT` (per head GL(h) on query/key and value/output, every LayerNorm traded), checked with elements built
+by hand, against the dense quotient Hessian and the dense Hessian; subclasses that compute something else stay
+unknown.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from test_transformer_quotient import dense_quotient_spectrum, measure_value
+from timm_like import VisionTransformer
+from torch import nn
+
+import manifolds
+from manifolds._same_forward import read_as
+from sharpness import Objective, euclidean_sharpness
+from sharpness.products._reference import dense_hessian
+
+DATA = Path(__file__).parent / "data"
+FIXTURES = {"timm_vit_tiny": {}, "timm_vit_tiny_ls_avg": {"init_values": 0.5, "global_pool": "avg"}}
+LABELS = torch.tensor([0, 3, 9, 3, 1])
+WIDTH, HEADS, HD, DEPTH = 16, 2, 8, 2
+
+
+def _fixture(name: str):
+    state = load_file(str(DATA / f"{name}.safetensors"))
+    images, logits = state.pop("__images"), state.pop("__logits")
+    model = VisionTransformer(**FIXTURES[name]).double().eval()
+    model.load_state_dict(state)
+    return model, images, logits
+
+
+def _small(norm: type[nn.Module] = nn.LayerNorm, seed: int = 0, **options) -> tuple[nn.Module, torch.Tensor]:
+    """A ViT of 1 block, width 8, 2 heads, on 4x4 images in 2x2 patches (about 1,000 parameters: the dense references
+    are cheap), its parameters moved off the initialization, and its LayerNorms of class ``norm``."""
+    torch.manual_seed(seed)
+    model = VisionTransformer(image=4, patch=2, classes=3, dim=8, depth=1, heads=2, **options).double()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.LayerNorm and norm is not nn.LayerNorm:
+                setattr(parent, name, norm(child.normalized_shape[0], eps=child.eps).double())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.eval(), torch.randn(5, 1, 4, 4, dtype=torch.float64)
+
+
+def _hand_element(model: VisionTransformer, g: torch.Generator) -> dict:
+    """Per head ``A`` on the query/key rows of ``qkv`` and ``B`` on its value rows and the columns of ``proj``; every
+    LayerNorm's scale ``c`` traded against the columns of the layer reading it (``qkv``, ``fc1``, the head)."""
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dim, heads = model.head.in_features, model.blocks[0].attn.num_heads
+    hd = dim // heads
+
+    def gl():
+        return torch.eye(hd, dtype=torch.float64) + 0.5 * torch.randn(hd, hd, generator=g, dtype=torch.float64)
+
+    def trade(norm: str, readers: list[str]):
+        c = torch.exp(0.7 * torch.randn(dim, generator=g, dtype=torch.float64))
+        sd[f"{norm}.weight"], sd[f"{norm}.bias"] = sd[f"{norm}.weight"] * c, sd[f"{norm}.bias"] * c
+        for r in readers:
+            sd[f"{r}.weight"] = sd[f"{r}.weight"] / c
+
+    for i in range(len(model.blocks)):
+        p = f"blocks.{i}."
+        for h in range(heads):
+            a, b = gl(), gl()
+            for role, m in enumerate((a.T, torch.linalg.inv(a), b.T)):
+                rows = slice(role * dim + h * hd, role * dim + (h + 1) * hd)
+                for t in ("weight", "bias"):
+                    sd[f"{p}attn.qkv.{t}"][rows] = m @ sd[f"{p}attn.qkv.{t}"][rows]
+            cols = slice(h * hd, (h + 1) * hd)
+            sd[f"{p}attn.proj.weight"][:, cols] = sd[f"{p}attn.proj.weight"][:, cols] @ torch.linalg.inv(b).T
+        trade(p + "norm1", [p + "attn.qkv"])
+        trade(p + "norm2", [p + "mlp.fc1"])
+    trade("fc_norm" if model.global_pool == "avg" else "norm", ["head"])
+    return sd
+
+
+def _moved(model: nn.Module, state: dict) -> nn.Module:
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(state, strict=False)
+    return twin
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_layout_computes_timm_s_logits(name):
+    model, images, logits = _fixture(name)
+    with torch.no_grad():
+        assert (model(images) - logits).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_group_is_every_head_and_every_layernorm_and_hand_built_elements_keep_the_logits(name):
+    model, images, _ = _fixture(name)
+    sym = manifolds.transformer_symmetry(model, images)
+    kinds = [f.kind for f in sym.factors]
+    assert kinds.count("GL") == DEPTH * HEADS * 2 and kinds.count("diagonal") == 2 * DEPTH + 1, sym.describe()
+    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + (2 * DEPTH + 1) * WIDTH
+    assert "head.weight" in {b.name for f in sym.factors for b in f.blocks}  # through x[:, 0] or the mean, and dropout
+    fresh = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    for twin in (_moved(model, _hand_element(model, g)), sym.transformed(model, sym.random_element(1.0, g))):
+        with torch.no_grad():
+            assert (twin(fresh) - model(fresh)).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_invariant_measure_is_unchanged_by_a_hand_built_element_and_euclidean_sharpness_moves(name):
+    model, images, _ = _fixture(name)
+    loss, data = nn.CrossEntropyLoss(), (images, LABELS)
+    moved = _moved(model, _hand_element(model, torch.Generator().manual_seed(3)))
+    before, after = float(measure_value(model, loss, data)[0]), float(measure_value(moved, loss, data)[0])
+    assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+    e0 = euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
+    e1 = euclidean_sharpness(moved, loss, data, dtype=torch.float64, progress=False).value
+    assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
+
+
+@pytest.mark.parametrize("options", [{}, {"init_values": 0.5, "global_pool": "avg"}])
+def test_the_measure_equals_the_dense_quotient_reference_and_products_the_dense_hessian(options):
+    model, x = _small(**options)
+    loss, data = nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.dim == HEADS * 2 * 4 * 4 + 3 * 8, sym.describe()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, params), sym)
+    assert np.allclose(measure_value(model, loss, data, k=2), reference[::-1][:2], rtol=1e-8, atol=0)
+    obj = Objective(model, loss, data)
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ref = dense_hessian(obj) @ v
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-11 * float(ref.abs().max()))
+
+
+# -- LayerNorm subclasses: read as nn.LayerNorm only where their forward is its forward ---------------------------
+class KernelChoice(nn.LayerNorm):
+    """timm's ``LayerNorm``: a forward of its own that calls ``F.layer_norm`` as ``nn.LayerNorm`` does, unless a
+    faster kernel is chosen."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps=eps)
+        self.fast = False
+
+    def forward(self, x):
+        if self.fast:
+            return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class Shifted(nn.LayerNorm):
+    """Gemma's scale: ``(1 + weight)``, a scale that a trade of ``weight`` alone does not move by ``c``."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, 1 + self.weight, self.bias, self.eps)
+
+
+class Inherited(nn.LayerNorm):
+    pass
+
+
+def test_read_as_compares_the_forward_s_graph_exactly():
+    class OtherEps(nn.LayerNorm):
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, 2 * self.eps)
+
+    class Branching(nn.LayerNorm):  # fx cannot trace a branch on the data
+        def forward(self, x):
+            return super().forward(x) if bool(x.sum() > 0) else x
+
+    class Constant(nn.LayerNorm):  # a tensor argument: not compared by value, not accepted
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, torch.ones(self.normalized_shape), self.bias, self.eps)
+
+    assert read_as(KernelChoice(4)) is nn.LayerNorm and read_as(Inherited(4)) is nn.LayerNorm
+    assert read_as(nn.LayerNorm(4)) is nn.LayerNorm and read_as(nn.Linear(2, 2)) is nn.Linear
+    for kind in (Shifted, OtherEps, Branching, Constant):
+        assert read_as(kind(4)) is kind
+    fast = KernelChoice(4)
+    fast.fast = True  # the other branch: another computation (a float32 round trip)
+    assert read_as(fast) is KernelChoice
+
+
+@pytest.mark.parametrize("norm", [KernelChoice, Shifted])
+def test_a_layernorm_subclass_is_traded_and_read_only_where_it_computes_layernorm(norm):
+    model, x = _small(norm)
+    sym = manifolds.transformer_symmetry(model, x)
+    diagonal = [f for f in sym.factors if f.kind == "diagonal"]
+    assert len([f for f in sym.factors if f.kind == "GL"]) == HEADS * 2
+    assert len(diagonal) == (3 if norm is KernelChoice else 0), sym.describe()
+    loss, data = nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+    obj = Objective(model, loss, data)
+    assert obj.hvp_strategy() == ("rop" if norm is KernelChoice else "graph")
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ref = dense_hessian(obj) @ v
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-11 * float(ref.abs().max()))
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(6)))
+    with torch.no_grad():
+        assert (moved(x) - model(x)).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, KernelChoice, Shifted])
+def test_the_rescaling_rules_read_a_layernorm_subclass_as_layernorm_only_where_it_is_one(norm):
+    """A LayerNorm between ReLUs: its affine output scales pass the ReLU to the last layer's columns (6 free scales,
+    checked by hand), for ``nn.LayerNorm`` and a subclass computing it; none for another computation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), norm(6), nn.ReLU(), nn.Linear(6, 2)).double().eval()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert sym.dim == (0 if norm is Shifted else 6), sym.describe()
+    c = torch.exp(torch.randn(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[2].weight.mul_(c), twin[2].bias.mul_(c), twin[4].weight.div_(c)
+        moved = float((twin(x) - model(x)).abs().max())
+    assert moved < 1e-12 if norm is not Shifted else moved > 1e-3  # Gemma's (1 + weight) is not traded so
+
+
+# -- the trace: arguments at their defaults, identity placeholders ----------------------------------------------
+class Optional(nn.Module):
+    """A forward with arguments beyond the input, each with a default (timm's ``attn_mask=None, is_causal=False``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.skip = nn.Identity()
+
+    def forward(self, x, mask=None, scale: float = 2.0, causal=False):
+        if mask is not None or causal:  # a placeholder would take this branch while fx traces
+            x = x.masked_fill(mask, 0.0)
+        return self.b(torch.relu(self.skip(self.a(x)))) * scale
+
+
+def test_the_graph_is_traced_for_model_x_with_the_other_arguments_at_their_defaults():
+    model, x = Optional().double().eval(), torch.randn(5, 4, dtype=torch.float64)
+    traced = manifolds.trace_network(model, x)
+    assert traced.failure is None, traced.failure
+    nodes = list(traced.graph.nodes)
+    assert [n.op for n in nodes].count("placeholder") == 1
+    assert not any(n.op == "call_module" and n.target == "skip" for n in nodes)  # the placeholder layer: no node
+    assert "masked_fill" not in {str(n.target) for n in nodes}
+    assert manifolds.transformer_symmetry(model, x).dim == 6  # the hidden ReLU units, as without the extra arguments
+    obj = Objective(model, nn.MSELoss(), (x, torch.randn(5, 2, dtype=torch.float64)))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    ref = dense_hessian(obj) @ v
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+def test_an_identity_with_a_hook_stays_a_call_and_its_hook_runs():
+    model, x = Optional().double().eval(), torch.randn(5, 4, dtype=torch.float64)
+    model.skip.register_forward_hook(lambda module, args, out: 3 * out)
+    traced = manifolds.trace_network(model, x)
+    assert traced.failure is None, traced.failure
+    assert any(n.op == "call_module" and n.target == "skip" for n in traced.graph.nodes)
+    obj = Objective(model, nn.MSELoss(), (x, torch.randn(5, 2, dtype=torch.float64)))
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    ref = dense_hessian(obj) @ v
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
