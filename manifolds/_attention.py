@@ -79,6 +79,7 @@ from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum, not_re
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
+from manifolds._modules import kept_buffers
 from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
 from manifolds._same_forward import read_as
 from manifolds._structure import UnsupportedModelError, analyze
@@ -1200,7 +1201,14 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
         model: the network.
         traced: its [`manifolds.trace_network`][manifolds.trace_network] result (with shapes).
         example_input: one input batch (its first two samples are run once to read sizes).
+
+    The passes that read the tensors' values run the model's modules: their buffers are put back after them.
     """
+    with kept_buffers(model):
+        return _find_factors(model, traced, example_input)
+
+
+def _find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor) -> tuple[list[Factor], list[Pin]]:
     x = input_like(model, example_input)
     if x.shape[0] == 1:  # traced again on two samples, so that a reshape mixing the samples with the heads shows
         doubled = trace_network(model, torch.cat((x, x)))

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor, fx, nn
 
-from manifolds._modules import eval_mode
+from manifolds._modules import eval_mode, kept_buffers
 
 # Modules read as single nodes: their forward is known, so the tracer must not inline it.
 _LEAF_TYPES: tuple[type[nn.Module], ...] = (
@@ -40,7 +40,8 @@ _SPATIAL_GUESSES = tuple(dict.fromkeys((32, 28, 224, 64, 96, *range(1, 129))))
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if type(m) is nn.Identity and not (m._forward_hooks or m._forward_pre_hooks):
+        if type(m) is nn.Identity and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                                           or m._backward_pre_hooks):  # fmt: skip
             return False  # traced through (no node): a placeholder for an optional layer (timm's q_norm, ls1, norm)
         return isinstance(m, _LEAF_TYPES) or super().is_leaf_module(m, module_qualified_name)
 
@@ -401,16 +402,10 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     """
     # fx's tracing, the shape pass and the forward it is checked against all run the forward: one that updates
     # its buffers in place (a step counter, say) would leave them moved, so they are put back
-    buffers = [(b, b.clone()) for b in model.buffers()]
     device = next((t.device for t in model.parameters() if t.device.type == "cuda"), torch.device("cpu"))
-    try:  # the random generators as they were (a forward drawing numbers, a bare first pass)
-        with _seeded(torch.empty(0, device=device)), _kept_attributes(model):
-            return _trace(model, example_input)
-    finally:
-        with torch.no_grad():
-            for b, before in buffers:
-                if not torch.equal(b, before):
-                    b.copy_(before)
+    # the random generators as they were (a forward drawing numbers, a bare first pass)
+    with kept_buffers(model), _seeded(torch.empty(0, device=device)), _kept_attributes(model):
+        return _trace(model, example_input)
 
 
 def _defaults(model: nn.Module) -> dict[str, object] | None:

@@ -31,6 +31,20 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+@contextmanager
+def kept_buffers(model: nn.Module) -> Iterator[None]:
+    """Every buffer of ``model`` holds its values of before the block after it: a forward that updates its buffers in
+    place (a step counter, say) and runs for an analysis leaves them as found."""
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, before in buffers:
+                if not torch.equal(b, before):
+                    b.copy_(before)
+
+
 def tensor_aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every name of every parameter and buffer of ``module`` -> the names of all slots holding that tensor.
 

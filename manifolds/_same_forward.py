@@ -12,31 +12,59 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-# The bases recognised, each with a twin of a module's settings built on the meta device (only traced, never run).
-_TWINS: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
-    nn.LayerNorm: lambda m: nn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine,
-                                         bias=getattr(m, "bias", None) is not None, device="meta"),  # fmt: skip
+from manifolds._modules import eval_mode, kept_buffers
+
+# The bases recognised: a twin of a module's settings built on the meta device (only traced, never run), and the
+# stock computation on a module's own tensors.
+_TWINS: dict[type[nn.Module], tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module, Tensor], Tensor]]] = {
+    nn.LayerNorm: (
+        lambda m: nn.LayerNorm(
+            m.normalized_shape, m.eps, m.elementwise_affine, bias=getattr(m, "bias", None) is not None, device="meta"
+        ),  # fmt: skip
+        lambda m, x: F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps),
+    ),
 }
-if hasattr(nn, "RMSNorm"):
-    _TWINS[nn.RMSNorm] = lambda m: nn.RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
 
 
 def read_as(module: nn.Module) -> type[nn.Module]:
     """The class ``module`` is read as: a base of `_TWINS` where ``module`` is a subclass that inherits its forward or
-    overrides it with the same graph (see the module docstring), else its own class."""
+    overrides it with the same graph (see the module docstring) and computes the stock layer's values and derivatives
+    (`_same_derivatives`), else its own class."""
     kind = type(module)
-    for base, twin in _TWINS.items():
+    for base, (twin, stock) in _TWINS.items():
         if isinstance(module, base) and kind is not base:
-            if kind.forward is base.forward:
-                return base
             try:
-                same = _same(_signature(module), _signature(twin(module)))
+                same = kind.forward is base.forward or _same(_signature(module), _signature(twin(module)))
             except Exception:  # tracing runs the subclass's own code: what cannot be traced is not recognised
                 same = False
-            return base if same else kind
+            return base if same and _same_derivatives(module, stock) else kind
     return kind
+
+
+def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor]) -> bool:
+    """Whether calling ``module`` gives the values and the gradients (with respect to the input and the trainable
+    parameters, for a random combination of the outputs) of the ``stock`` computation on its tensors, on a random
+    input of two rows: fx does not record grad mode, so a forward under ``torch.no_grad()`` (or a ``__call__`` that
+    adds one) has the stock graph and other derivatives. Eval mode; the buffers are put back."""
+    param = next(module.parameters(), None)
+    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((2, *module.normalized_shape), generator=generator, dtype=torch.float64)
+    x = x.to(device=device, dtype=dtype).requires_grad_()
+    leaves = [x, *(p for p in module.parameters() if p.requires_grad)]
+    try:
+        with torch.enable_grad(), eval_mode(module), kept_buffers(module):
+            out, ref = module(x), stock(module, x)
+            weights = torch.randn(ref.shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+            mine = torch.autograd.grad((out * weights).sum(), leaves)
+            theirs = torch.autograd.grad((ref * weights).sum(), leaves)
+    except Exception:  # no gradient (a forward without one), or another failure: not the stock layer
+        return False
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip((out, *mine), (ref, *theirs)))
 
 
 def _signature(module: nn.Module) -> list[tuple]:

@@ -34,7 +34,7 @@ from torch import Tensor, fx, nn
 from manifolds._graph import TracedNetwork, input_like, is_metadata, sequential_calls, target_name, trace_network
 from manifolds._group import RescalingGroup, check_generator, check_scale
 from manifolds._group_discovery import discover
-from manifolds._modules import eval_mode
+from manifolds._modules import eval_mode, kept_buffers
 
 _LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
 
@@ -556,7 +556,13 @@ def analyze(model: nn.Module, example_input: Tensor | None = None) -> NetworkStr
 
 def analyze_traced(model: nn.Module, traced: TracedNetwork, example_input: Tensor | None = None) -> NetworkStructure:
     """`analyze` of a model already traced (``traced = trace_network(model, example_input)``), so that a caller
-    which first needed only the graph does not trace it again."""
+    which first needed only the graph does not trace it again. The analysis runs modules of the model (probes of its
+    layers): their buffers are put back after it."""
+    with kept_buffers(model):
+        return _analyze_traced(model, traced, example_input)
+
+
+def _analyze_traced(model: nn.Module, traced: TracedNetwork, example_input: Tensor | None) -> NetworkStructure:
     if isinstance(model, _LAYER_TYPES):
         chain = _trace_modules(model, [("", model)])
     elif traced.sequential:

@@ -10,6 +10,7 @@ from sharpness._hfvit import HFViT as HFViT
 from sharpness._llama import Llama as Llama
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
+from sharpness._timmvit import TimmViT as TimmViT
 from sharpness.measures import MEASURES as MEASURES
 from sharpness.measures import AdaptiveSharpness as AdaptiveSharpness
 from sharpness.measures import Ascent as Ascent
@@ -84,6 +85,7 @@ __all__ = [
     "Bert",
     "GPT2",
     "HFViT",
+    "TimmViT",
     "Llama",
     "GeodesicSharpness",
     "GSpaceLoss",

@@ -86,6 +86,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "mask), and labels y (N,)), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
         "images X (N, C, H, W)), "
+        "timmvit:heads=H[,eps=E,act=A,pool=token|avg] (a timm VisionTransformer checkpoint, DeiT's included, read "
+        "without timm; data: images X (N, C, H, W)), "
         "path/file.py:factory or pkg.mod:factory",
     )
     parser.add_argument("--checkpoint", required=True, help="state_dict as .pt/.pth (weights only) or .safetensors")
@@ -223,12 +225,14 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
     from sharpness._hfvit import HFViT
     from sharpness._llama import is_rotary_buffer, llama_from_spec
+    from sharpness._timmvit import timmvit_from_spec
 
     families = {
         "gpt2": (is_mask_buffer, gpt2_from_spec),
         "llama": (is_rotary_buffer, llama_from_spec),
         "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),
         "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),
+        "timmvit": (lambda key: False, timmvit_from_spec),
     }
     return families.get(name)
 

@@ -12,7 +12,9 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 of its checkpoint, the same way; `sharpness._llama`), ``bert:heads=H[,eps=E,act=A]`` or ``bert:config=PATH`` (a
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
 in, logits ``(N, C)`` out; `sharpness._bert`), ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
-``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`), or
+``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
+``timmvit:heads=H[,eps=E,act=A,pool=token|avg]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
+`sharpness._timmvit`), or
 ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
 
@@ -110,7 +112,7 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "bert", "hfvit"):
+    if spec.partition(":")[0] in ("gpt2", "llama", "bert", "hfvit", "timmvit"):
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -134,7 +136,7 @@ def build_model(spec: str) -> nn.Module:
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
-        "bert:heads=H, hfvit:heads=H, path/to/file.py:factory or package.module:factory"
+        "bert:heads=H, hfvit:heads=H, timmvit:heads=H, path/to/file.py:factory or package.module:factory"
     )
 
 

@@ -11,20 +11,24 @@ unknown.
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_transformer_quotient import dense_quotient_spectrum, measure_value
 from timm_like import VisionTransformer
 from torch import nn
 
 import manifolds
 from manifolds._same_forward import read_as
-from sharpness import Objective, euclidean_sharpness
+from sharpness import Objective, TimmViT, euclidean_sharpness
+from sharpness._cli import main as sharpness_main
+from sharpness._specs import SpecError
 from sharpness.products._reference import dense_hessian
 
 DATA = Path(__file__).parent / "data"
@@ -183,9 +187,19 @@ def test_read_as_compares_the_forward_s_graph_exactly():
         def forward(self, x):
             return F.layer_norm(x, self.normalized_shape, torch.ones(self.normalized_shape), self.bias, self.eps)
 
+    class NoGradient(nn.LayerNorm):  # the stock graph: fx does not record grad mode
+        def forward(self, x):
+            with torch.no_grad():
+                return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    class NoGradientCall(nn.LayerNorm):  # the stock forward, called without gradients
+        def __call__(self, *args, **kwargs):
+            with torch.no_grad():
+                return super().__call__(*args, **kwargs)
+
     assert read_as(KernelChoice(4)) is nn.LayerNorm and read_as(Inherited(4)) is nn.LayerNorm
     assert read_as(nn.LayerNorm(4)) is nn.LayerNorm and read_as(nn.Linear(2, 2)) is nn.Linear
-    for kind in (Shifted, OtherEps, Branching, Constant):
+    for kind in (Shifted, OtherEps, Branching, Constant, NoGradient, NoGradientCall):
         assert read_as(kind(4)) is kind
     fast = KernelChoice(4)
     fast.fast = True  # the other branch: another computation (a float32 round trip)
@@ -268,3 +282,112 @@ def test_an_identity_with_a_hook_stays_a_call_and_its_hook_runs():
     v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     ref = dense_hessian(obj) @ v
     torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+# -- sharpness.TimmViT: timm's checkpoints without timm ------------------------------------------------------------
+LAYOUTS = {"timm_vit_tiny": None, "timm_vit_tiny_ls_avg": None, "timm_deit_tiny_distilled": None,
+           "timm_vit_tiny_reg_gap": "avg"}  # fmt: skip
+
+
+def _checkpoint(name: str):
+    state = load_file(str(DATA / f"{name}.safetensors"))
+    return state, state.pop("__images"), state.pop("__logits")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_timmvit_computes_timm_s_logits_and_has_the_whole_group(name):
+    """A class token and final LayerNorm; LayerScale and the mean through fc_norm; DeiT's distillation token and
+    second head; registers, positions for the patches alone and the mean after the final LayerNorm (pool=avg)."""
+    state, images, logits = _checkpoint(name)
+    model = TimmViT.from_state_dict(state, heads=HEADS, pool=LAYOUTS[name])
+    with torch.no_grad():
+        assert (model(images) - logits).abs().max() <= 1e-12
+    sym = manifolds.transformer_symmetry(model, images)
+    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + (2 * DEPTH + 1) * WIDTH, sym.describe()
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
+    with torch.no_grad():
+        assert (moved(images) - model(images)).abs().max() < 1e-10
+    assert Objective(model, nn.CrossEntropyLoss(), (images, LABELS)).hvp_strategy() == "rop"
+
+
+def test_timmvit_refuses_what_does_not_fit_with_the_reason():
+    state, _, _ = _checkpoint("timm_vit_tiny")
+    headless = {k: v for k, v in state.items() if not k.startswith("head.")}
+    cases = {
+        "no classifier": (headless, "no 2-axis tensor head.weight"),
+        "qk_norm": ({**state, "blocks.0.attn.q_norm.weight": torch.ones(HD)}, "unknown ['blocks.0.attn.q_norm.weight"),
+        "heads": (state, "dim=16 is not a multiple of heads=3"),
+        "positions": ({**state, "pos_embed": torch.zeros(1, 19, WIDTH)}, "not one square grid"),
+    }
+    for what, (bad, message) in cases.items():
+        with pytest.raises(SpecError, match=re.escape(message)):
+            TimmViT.from_state_dict(bad, heads=3 if what == "heads" else HEADS)
+
+
+def test_the_command_line_measures_a_timm_checkpoint(tmp_path, capsys):
+    state, images, _ = _checkpoint("timm_vit_tiny")
+    save_file(state, str(tmp_path / "vit.safetensors"))
+    np.savez(tmp_path / "images.npz", X=images.numpy(), y=LABELS.numpy())
+    out = tmp_path / "r.json"
+    argv = ["compute", "--model", "timmvit:heads=2", "--checkpoint", str(tmp_path / "vit.safetensors"),
+            "--data", str(tmp_path / "images.npz"), "--metric", "symmetry", "--quiet", "--json", str(out)]  # fmt: skip
+    assert sharpness_main(argv) == 0
+    expected = measure_value(TimmViT.from_state_dict(state, heads=HEADS), nn.CrossEntropyLoss(), (images, LABELS))
+    assert json.loads(out.read_text())["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
+    np.savez(tmp_path / "wide.npz", X=images.reshape(5, 1, 4, 16).numpy(), y=LABELS.numpy())  # as many patches
+    for model, data, message in (("timmvit", "images.npz", "give the model's number of heads"),
+                                 ("timmvit:heads=2", "wide.npz", "the model takes images (N, 1, 8, 8)")):  # fmt: skip
+        bad = argv[:-2]
+        bad[bad.index("--model") + 1], bad[bad.index("--data") + 1] = model, str(tmp_path / data)
+        assert sharpness_main(bad) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
+def test_a_layernorm_without_gradients_is_not_differentiated_as_one():
+    """Its graph is LayerNorm's, its derivatives are not: the products are autograd's, the dense Hessian's."""
+
+    class NoGradient(nn.LayerNorm):
+        def forward(self, x):
+            with torch.no_grad():
+                return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), NoGradient(6), nn.Linear(6, 3)).double().eval()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    obj = Objective(model, nn.MSELoss(), (x, torch.randn(5, 3, dtype=torch.float64)))
+    assert obj.hvp_strategy() != "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    ref = dense_hessian(obj) @ v
+    torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+
+
+def test_an_identity_with_a_backward_hook_stays_a_call():
+    """A gradient reversal (a backward hook on an identity) is no forward computation: the graph keeps the call, so
+    the group of the function is found (before, tracing through dropped the hook and the graph was refused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Identity(), nn.Linear(6, 3)).double().eval()
+    model[2].register_full_backward_pre_hook(lambda module, grad_output: (-grad_output[0],))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    traced = manifolds.trace_network(model, x)
+    assert traced.failure is None and any(n.op == "call_module" and n.target == "2" for n in traced.graph.nodes)
+    assert manifolds.transformer_symmetry(model, x).dim == 6
+
+
+def test_the_analysis_leaves_a_counting_buffer_as_found():
+    """A LayerNorm subclass counting its calls in a buffer: finding the group runs its forward (the trace, probes of
+    the layers, the subclass check) and puts the count back each time; before, finding the group left it moved."""
+
+    class Counting(nn.LayerNorm):
+        def __init__(self, dim: int):
+            super().__init__(dim)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), Counting(6), nn.Linear(6, 3)).double().eval()
+    assert manifolds.transformer_symmetry(model, torch.randn(5, 4, dtype=torch.float64)).dim == 6
+    assert float(model[2].calls) == 0.0

@@ -1,9 +1,12 @@
-"""Writes ``timm_vit_tiny.safetensors`` and ``timm_vit_tiny_ls_avg.safetensors``: tiny random vision transformers made
-by timm's ``VisionTransformer`` (float64, parameters moved off the initialization; 8x8 one-channel images in 2x2
-patches, 2 pre-LayerNorm blocks of width 16 with 2 heads, 10 classes): the first as ``vit_tiny_patch16_224`` is
-configured (class token, final LayerNorm), the second with LayerScale (``init_values=0.5``) and the tokens' mean
-(``global_pool="avg"``, ``fc_norm``). Each holds images ``__images`` (N, 1, 8, 8) and timm's logits for them
-(``__logits``); ``tests/test_timm_layout.py`` checks ``tests/timm_like.py`` against them.
+"""Writes ``timm_vit_tiny.safetensors``, ``timm_vit_tiny_ls_avg``, ``timm_deit_tiny_distilled`` and
+``timm_vit_tiny_reg_gap``: tiny random vision transformers made by timm (float64, parameters moved off the
+initialization; 8x8 one-channel images in 2x2 patches, 2 pre-LayerNorm blocks of width 16 with 2 heads, 10 classes):
+the first as ``vit_tiny_patch16_224`` is configured (class token, final LayerNorm), the second with LayerScale
+(``init_values=0.5``) and the tokens' mean (``global_pool="avg"``, ``fc_norm``), the third DeiT's distilled model (a
+distillation token and a second head), the fourth with two register tokens, positions for the patches alone, the mean
+after the final LayerNorm and no query/key/value bias (as timm's ``*_reg4_gap_*`` models). Each holds images
+``__images`` (N, 1, 8, 8) and timm's logits for them
+(``__logits``); ``tests/test_timm_layout.py`` checks ``tests/timm_like.py`` and `sharpness.TimmViT` against them.
 
 Needs timm (not a dependency of this project): ``python tests/data/make_timm_vit_tiny.py OUT_DIR``. timm imports
 torchvision when it loads, and calls none of it for a ViT; where torchvision has no build (this project's CPU-only
@@ -54,9 +57,16 @@ from safetensors.torch import save_file  # noqa: E402
 
 out = Path(sys.argv[1])
 sizes = dict(pretrained=False, img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=2, num_heads=2)
-for name, extra in (("timm_vit_tiny", {}), ("timm_vit_tiny_ls_avg", {"init_values": 0.5, "global_pool": "avg"})):
+VARIANTS = (
+    ("timm_vit_tiny", "vit_tiny_patch16_224", {}),
+    ("timm_vit_tiny_ls_avg", "vit_tiny_patch16_224", {"init_values": 0.5, "global_pool": "avg"}),
+    ("timm_deit_tiny_distilled", "deit_tiny_distilled_patch16_224", {}),
+    ("timm_vit_tiny_reg_gap", "vit_tiny_patch16_224",  # as vit_base_patch16_reg4_gap_256
+     {"reg_tokens": 2, "no_embed_class": True, "global_pool": "avg", "fc_norm": False, "qkv_bias": False}),
+)
+for name, architecture, extra in VARIANTS:
     torch.manual_seed(0)
-    m = timm.create_model("vit_tiny_patch16_224", **sizes, **extra).double().eval()
+    m = timm.create_model(architecture, **sizes, **extra).double().eval()
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))  # LayerNorm weights off 1, a class token off 0, larger weights
@@ -65,6 +75,6 @@ for name, extra in (("timm_vit_tiny", {}), ("timm_vit_tiny_ls_avg", {"init_value
     with torch.no_grad():
         logits = m(images)
     sd["__images"], sd["__logits"] = images, logits
-    generator = f"timm {timm.__version__} VisionTransformer {extra or 'vit_tiny_patch16_224'}, float64"
+    generator = f"timm {timm.__version__} {architecture} {extra}, float64"
     save_file(sd, str(out / f"{name}.safetensors"), metadata={"generator": generator})
     print(name, tuple(logits.shape), float(logits.abs().max()))
