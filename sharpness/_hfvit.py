@@ -50,6 +50,27 @@ def renamed(key: str) -> str:
     return key
 
 
+def check_vit_options(image: int, patch: int, dim: int, heads: int, eps: float, act: str, act_name: str) -> None:
+    """Raises ``ValueError`` (one sentence) unless a vision transformer's sizes and options fit: ``heads`` divides the
+    width, the image holds at least one patch, ``act`` (the option ``act_name``) is known and ``eps`` positive."""
+    if not positive_integer(heads) or dim % heads:
+        raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+    if not positive_integer(patch) or not positive_integer(image) or image < patch:
+        raise ValueError(f"the image side {image} and the patch side {patch} must be positive, the image at least one "
+                         "patch")  # fmt: skip
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise ValueError(f"{act_name} {act!r} is not one of {', '.join(ACTIVATIONS)}")
+    if not positive_number(eps):
+        raise ValueError(f"eps={eps} must be a positive finite number")
+
+
+def check_images(images: Tensor, channels: int, side: int) -> None:
+    """Raises ``ValueError`` (one sentence) unless ``images`` are ``(N, channels, side, side)``: a vision transformer's
+    inputs (other sizes whose patch grid has as many patches would run, and mean something else)."""
+    if images.dim() != 4 or tuple(images.shape[1:]) != (channels, side, side):
+        raise ValueError(f"the model takes images (N, {channels}, {side}, {side}), not {tuple(images.shape)}")
+
+
 class ViTPatchEmbeddings(nn.Module):
     def __init__(self, channels: int, patch: int, dim: int):
         super().__init__()
@@ -149,15 +170,7 @@ class HFViT(nn.Module):
                  channels: int = 3, hidden: int | None = None, eps: float = 1e-12, act: str = "gelu",
                  qkv_bias: bool = True):  # fmt: skip
         super().__init__()
-        if not positive_integer(heads) or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if not positive_integer(patch) or not positive_integer(image) or image < patch:
-            raise ValueError(f"the image side {image} and the patch side {patch} must be positive, the image at least "
-                             "one patch")  # fmt: skip
-        if not isinstance(act, str) or act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
-        if not positive_number(eps):
-            raise ValueError(f"eps={eps} must be a positive finite number")
+        check_vit_options(image, patch, dim, heads, eps, act, "hidden_act")
         self.image = image
         self.vit = ViTBody(channels, patch, (image // patch) ** 2, dim, layers, heads,
                            4 * dim if hidden is None else hidden, eps, act, qkv_bias)  # fmt: skip
@@ -167,10 +180,7 @@ class HFViT(nn.Module):
         """Raises ``ValueError`` (one sentence) unless ``images`` are ``(N, C, image, image)`` with the model's
         channels, as HuggingFace's ``ViTForImageClassification`` refuses other sizes (other sizes whose patch grid has
         as many patches would run, and mean something else)."""
-        channels = self.vit.embeddings.patch_embeddings.projection.in_channels
-        if images.dim() != 4 or tuple(images.shape[1:]) != (channels, self.image, self.image):
-            raise ValueError(f"the model takes images (N, {channels}, {self.image}, {self.image}), not "
-                             f"{tuple(images.shape)}")  # fmt: skip
+        check_images(images, self.vit.embeddings.patch_embeddings.projection.in_channels, self.image)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.classifier(self.vit(images)[:, 0])

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._bert import ACTIVATIONS
+from sharpness._hfvit import ViTMLP, check_images, check_vit_options
 from sharpness._specs import SpecError, checkpoint_spec, load_fitting, positive_integer, positive_number
 
 POOLS = ("token", "avg")
@@ -58,20 +58,11 @@ class Attention(nn.Module):
         return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, tokens, dim))
 
 
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.fc1, self.fc2, self.act = nn.Linear(dim, hidden), nn.Linear(hidden, dim), act
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
-
-
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, qkv_bias: bool, layer_scale: bool):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
-        self.attn, self.mlp = Attention(dim, heads, qkv_bias), Mlp(dim, hidden, act)
+        self.attn, self.mlp = Attention(dim, heads, qkv_bias), ViTMLP(dim, hidden, act)  # timm's keys: fc1, fc2
         self.ls1 = LayerScale(dim) if layer_scale else nn.Identity()
         self.ls2 = LayerScale(dim) if layer_scale else nn.Identity()
 
@@ -115,15 +106,7 @@ class TimmViT(nn.Module):
                  registers: int = 0, distilled: bool = False, embed_prefix: bool = True, final_norm: bool | None = None,
                  fc_norm: bool | None = None):  # fmt: skip
         super().__init__()
-        if not positive_integer(heads) or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if not positive_integer(patch) or not positive_integer(image) or image < patch:
-            raise ValueError(f"the image side {image} and the patch side {patch} must be positive, the image at least "
-                             "one patch")  # fmt: skip
-        if not isinstance(act, str) or act not in ACTIVATIONS:
-            raise ValueError(f"act {act!r} is not one of {', '.join(ACTIVATIONS)}")
-        if not positive_number(eps):
-            raise ValueError(f"eps={eps} must be a positive finite number")
+        check_vit_options(image, patch, dim, heads, eps, act, "act")
         if pool not in POOLS or (pool == "token" and not class_token) or (distilled and not class_token):
             raise ValueError(f"pool={pool!r} must be one of {', '.join(POOLS)}; 'token' and distilled need the class "
                              "token")  # fmt: skip
@@ -151,10 +134,7 @@ class TimmViT(nn.Module):
     def check_inputs(self, images: Tensor) -> None:
         """Raises ``ValueError`` (one sentence) unless ``images`` are ``(N, C, image, image)`` with the model's
         channels (other sizes whose patch grid has as many patches would run, and mean something else)."""
-        channels = self.patch_embed.proj.in_channels
-        if images.dim() != 4 or tuple(images.shape[1:]) != (channels, self.image, self.image):
-            raise ValueError(f"the model takes images (N, {channels}, {self.image}, {self.image}), not "
-                             f"{tuple(images.shape)}")  # fmt: skip
+        check_images(images, self.patch_embed.proj.in_channels, self.image)
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.patch_embed.proj(images).flatten(2).transpose(1, 2)
