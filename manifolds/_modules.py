@@ -33,14 +33,23 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def kept_buffers(model: nn.Module) -> Iterator[None]:
-    """Every buffer of ``model`` holds its values of before the block after it: a forward that updates its buffers in
-    place (a step counter, say) and runs for an analysis leaves them as found."""
-    buffers = [(b, b.clone()) for b in model.buffers()]
+    """Every buffer of ``model`` is the tensor it was before the block, with its values and shape: a forward that
+    updates its buffers (a step counter, in place or reassigned) and runs for an analysis leaves them as found."""
+    kept = [
+        (m, name, b, b.clone())
+        for m in model.modules()
+        for name, b in m._buffers.items()
+        if b is not None and not b.is_meta
+    ]  # fmt: skip  (a meta tensor holds no values to move)
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, before in buffers:
+            for m, name, b, before in kept:
+                if m._buffers.get(name) is not b:  # reassigned (`self.step = self.step + 1`): the tensor it held
+                    m._buffers[name] = b
+                if b.shape != before.shape:  # resized in place
+                    b.resize_(before.shape)
                 if not torch.equal(b, before):
                     b.copy_(before)
 

@@ -86,7 +86,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "mask), and labels y (N,)), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
         "images X (N, C, H, W)), "
-        "timmvit:heads=H[,eps=E,act=A,pool=token|avg] (a timm VisionTransformer checkpoint, DeiT's included, read "
+        "timmvit:heads=H,pool=token|avg[,eps=E,act=A] (a timm VisionTransformer checkpoint, DeiT's included, read "
         "without timm; data: images X (N, C, H, W)), "
         "path/file.py:factory or pkg.mod:factory",
     )

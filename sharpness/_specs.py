@@ -13,7 +13,7 @@ of its checkpoint, the same way; `sharpness._llama`), ``bert:heads=H[,eps=E,act=
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
 in, logits ``(N, C)`` out; `sharpness._bert`), ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
 ``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
-``timmvit:heads=H[,eps=E,act=A,pool=token|avg]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
+``timmvit:heads=H,pool=token|avg[,eps=E,act=A]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
 `sharpness._timmvit`), or
 ``path/to/file.py:factory``
 / ``package.module:factory`` (a function returning an ``nn.Module``).
@@ -136,7 +136,7 @@ def build_model(spec: str) -> nn.Module:
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
-        "bert:heads=H, hfvit:heads=H, timmvit:heads=H, path/to/file.py:factory or package.module:factory"
+        "bert:heads=H, hfvit:heads=H, timmvit:heads=H,pool=token, path/to/file.py:factory or package.module:factory"
     )
 
 

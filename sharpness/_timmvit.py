@@ -15,8 +15,9 @@ prefix tokens, ``F`` the MLP's width, ``K`` the classes)::
 Each block is pre-LayerNorm (``x + ls1(proj(attn(norm1(x))))``, then ``x + ls2(fc2(act(fc1(norm2(x)))))``); attention
 cuts the fused ``qkv`` projection into heads and attends over all tokens with scale ``hd^-1/2``
 (``F.scaled_dot_product_attention``). The classifier reads the final LayerNorm's state of the class token
-(``pool="token"``), or the mean of the patch tokens through ``fc_norm`` (``pool="avg"``; timm's "gap" models take the
-mean after ``norm`` instead, and need ``pool=avg``: their keys are those of a class-token model); a distilled model
+(``pool="token"``), or the mean of the patch tokens (``pool="avg"``), each through ``norm`` and/or ``fc_norm`` as the
+checkpoint has them. The keys do not say which pooling a model uses (timm's ``global_pool``), so ``pool`` is always
+given; timm's max pooling is not modelled (its keys are an average-pooled model's). A distilled model
 averages its two heads, on the class and the distillation token, as timm's does in eval mode. ``qk_norm``,
 attention pooling and other layouts are refused (a key the model does not have).
 """
@@ -149,12 +150,12 @@ class TimmViT(nn.Module):
         return self.head(self.fc_norm(x))
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, act: str = "gelu",
-                        pool: str | None = None) -> TimmViT:  # fmt: skip
+    def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, pool: str, eps: float = 1e-6,
+                        act: str = "gelu") -> TimmViT:  # fmt: skip
         """The model of a timm ``VisionTransformer`` checkpoint's state dict, its sizes and options read off the
-        tensors (square images: the side from the number of patches; ``pool`` from ``fc_norm`` or ``norm``, unless
-        given; timm's "gap" models, the tokens' mean after ``norm`` without ``fc_norm``, need ``pool="avg"``); ``heads``
-        (``num_heads``), ``eps`` and ``act`` are in the model's definition, which no shape holds.
+        tensors (square images: the side from the number of patches; ``norm`` and ``fc_norm`` where the keys have
+        them); ``heads`` (``num_heads``), ``pool`` (``"token"`` or ``"avg"``: timm's ``global_pool``), ``eps`` and
+        ``act`` are in the model's definition, which no shape holds.
 
         Raises:
             SpecError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
@@ -163,6 +164,14 @@ class TimmViT(nn.Module):
             if state.get(key, torch.empty(0)).dim() != dims:
                 raise SpecError(f"the timm ViT state dict has no {dims}-axis tensor {key} (a VisionTransformer "
                                 "checkpoint with its classifier has one)")  # fmt: skip
+        for key in ("cls_token", "dist_token", "reg_token"):
+            if key in state and state[key].dim() != 3:
+                raise SpecError(f"the timm ViT state dict's {key} has shape {tuple(state[key].shape)}, not (1, k, "
+                                "width)")  # fmt: skip
+        if pool not in POOLS:
+            raise SpecError(f"give pool={' or pool='.join(POOLS)}: a timm checkpoint's keys do not say how its "
+                            "classifier pools the tokens (global_pool: the class token, or the mean of the patch "
+                            "tokens; timm's max pooling is not modelled)")  # fmt: skip
         dim, channels, patch, other = state["patch_embed.proj.weight"].shape
         registers = state["reg_token"].shape[1] if "reg_token" in state else 0
         prefix = int("cls_token" in state) + int("dist_token" in state) + registers
@@ -177,8 +186,6 @@ class TimmViT(nn.Module):
         side = math.isqrt(positions - (prefix if embed_prefix else 0))
         depth = len({int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))})
         fc1 = state.get("blocks.0.mlp.fc1.weight", torch.empty(0))
-        if pool is None:  # the keys cannot tell "token" from timm's "gap" models (the mean after `norm`): pool=avg
-            pool = "avg" if "fc_norm.weight" in state else "token"
         if not positive_integer(heads):
             raise SpecError(f"heads must be a positive integer, got {heads!r}")
         try:
@@ -198,16 +205,16 @@ def _square(n: int) -> bool:
 
 
 def timmvit_from_spec(spec: str, state: Mapping[str, Tensor]) -> TimmViT:
-    """The model of a ``timmvit:heads=H[,eps=E,act=A,pool=P]`` SPEC from its checkpoint's ``state``.
+    """The model of a ``timmvit:heads=H,pool=P[,eps=E,act=A]`` SPEC from its checkpoint's ``state``.
 
     Raises:
         SpecError: an unknown or malformed option, no ``heads``, or a state dict that does not fit.
     """
     options, config = checkpoint_spec(spec, "timmvit")
-    if config is not None or set(options) - {"heads", "eps", "act", "pool"} or "heads" not in options:
-        raise SpecError(f"model spec {spec!r}: give the model's number of heads (num_heads), e.g. timmvit:heads=6 for "
-                        "a ViT-S; the other options are eps (default 1e-6), act (default gelu) and pool (token or "
-                        "avg; default: avg where the checkpoint has fc_norm)")  # fmt: skip
+    if config is not None or set(options) - {"heads", "eps", "act", "pool"} or not {"heads", "pool"} <= set(options):
+        raise SpecError(f"model spec {spec!r}: give the model's number of heads (num_heads) and how it pools the "
+                        "tokens (global_pool: token or avg), e.g. timmvit:heads=6,pool=token for a ViT-S; the other "
+                        "options are eps (default 1e-6) and act (default gelu)")  # fmt: skip
     try:
         heads, eps = int(options["heads"]), float(options.get("eps", 1e-6))
     except ValueError:
@@ -215,7 +222,7 @@ def timmvit_from_spec(spec: str, state: Mapping[str, Tensor]) -> TimmViT:
     if heads < 1 or not positive_number(eps):
         raise SpecError(f"model spec {spec!r}: heads is a positive integer and eps a positive finite number")
     try:
-        return TimmViT.from_state_dict(state, heads, eps, options.get("act", "gelu"), options.get("pool"))
+        return TimmViT.from_state_dict(state, heads, options.get("pool"), eps, options.get("act", "gelu"))
     except ValueError as failure:
         raise SpecError(f"model spec {spec!r}: {failure}") from None
 

@@ -285,7 +285,7 @@ def test_an_identity_with_a_hook_stays_a_call_and_its_hook_runs():
 
 
 # -- sharpness.TimmViT: timm's checkpoints without timm ------------------------------------------------------------
-LAYOUTS = {"timm_vit_tiny": None, "timm_vit_tiny_ls_avg": None, "timm_deit_tiny_distilled": None,
+LAYOUTS = {"timm_vit_tiny": "token", "timm_vit_tiny_ls_avg": "avg", "timm_deit_tiny_distilled": "token",
            "timm_vit_tiny_reg_gap": "avg"}  # fmt: skip
 
 
@@ -318,10 +318,13 @@ def test_timmvit_refuses_what_does_not_fit_with_the_reason():
         "qk_norm": ({**state, "blocks.0.attn.q_norm.weight": torch.ones(HD)}, "unknown ['blocks.0.attn.q_norm.weight"),
         "heads": (state, "dim=16 is not a multiple of heads=3"),
         "positions": ({**state, "pos_embed": torch.zeros(1, 19, WIDTH)}, "not one square grid"),
+        "registers": ({**state, "reg_token": torch.zeros(WIDTH)}, "reg_token has shape (16,), not (1, k, width)"),
     }
+    with pytest.raises(SpecError, match="give pool=token or pool=avg"):  # max pooling has the keys of an average
+        TimmViT.from_state_dict(state, heads=HEADS, pool="max")
     for what, (bad, message) in cases.items():
         with pytest.raises(SpecError, match=re.escape(message)):
-            TimmViT.from_state_dict(bad, heads=3 if what == "heads" else HEADS)
+            TimmViT.from_state_dict(bad, heads=3 if what == "heads" else HEADS, pool="token")
 
 
 def test_the_command_line_measures_a_timm_checkpoint(tmp_path, capsys):
@@ -329,14 +332,18 @@ def test_the_command_line_measures_a_timm_checkpoint(tmp_path, capsys):
     save_file(state, str(tmp_path / "vit.safetensors"))
     np.savez(tmp_path / "images.npz", X=images.numpy(), y=LABELS.numpy())
     out = tmp_path / "r.json"
-    argv = ["compute", "--model", "timmvit:heads=2", "--checkpoint", str(tmp_path / "vit.safetensors"),
+    argv = ["compute", "--model", "timmvit:heads=2,pool=token", "--checkpoint", str(tmp_path / "vit.safetensors"),
             "--data", str(tmp_path / "images.npz"), "--metric", "symmetry", "--quiet", "--json", str(out)]  # fmt: skip
     assert sharpness_main(argv) == 0
-    expected = measure_value(TimmViT.from_state_dict(state, heads=HEADS), nn.CrossEntropyLoss(), (images, LABELS))
+    model = TimmViT.from_state_dict(state, heads=HEADS, pool="token")
+    expected = measure_value(model, nn.CrossEntropyLoss(), (images, LABELS))
     assert json.loads(out.read_text())["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
     np.savez(tmp_path / "wide.npz", X=images.reshape(5, 1, 4, 16).numpy(), y=LABELS.numpy())  # as many patches
-    for model, data, message in (("timmvit", "images.npz", "give the model's number of heads"),
-                                 ("timmvit:heads=2", "wide.npz", "the model takes images (N, 1, 8, 8)")):  # fmt: skip
+    cases = (
+        ("timmvit:heads=2", "images.npz", "and how it pools the tokens (global_pool: token or avg)"),
+        ("timmvit:heads=2,pool=token", "wide.npz", "the model takes images (N, 1, 8, 8)"),
+    )
+    for model, data, message in cases:
         bad = argv[:-2]
         bad[bad.index("--model") + 1], bad[bad.index("--data") + 1] = model, str(tmp_path / data)
         assert sharpness_main(bad) == 2
@@ -391,3 +398,27 @@ def test_the_analysis_leaves_a_counting_buffer_as_found():
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), Counting(6), nn.Linear(6, 3)).double().eval()
     assert manifolds.transformer_symmetry(model, torch.randn(5, 4, dtype=torch.float64)).dim == 6
     assert float(model[2].calls) == 0.0
+
+
+def test_a_reassigned_resized_or_meta_buffer_is_left_as_found_by_the_analysis():
+    """A forward that reassigns a buffer (``self.step = self.step + 1``) or resizes one, beside a buffer on the meta
+    device that no pass reads: the analysis puts back each tensor, its shape and values, and skips the meta one."""
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+            self.register_buffer("step", torch.zeros(()))
+            self.register_buffer("seen", torch.zeros(1))
+            self.register_buffer("spare", torch.empty(3, device="meta"))
+
+        def forward(self, x):
+            self.step = self.step + 1
+            self.seen.resize_(5).fill_(1.0)
+            return self.b(torch.relu(self.a(x)))
+
+    model = Stateful().double().eval()
+    step, seen = model.step, model.seen
+    assert manifolds.transformer_symmetry(model, torch.randn(5, 4, dtype=torch.float64)).dim == 6
+    assert model.step is step and float(step) == 0.0
+    assert model.seen is seen and tuple(seen.shape) == (1,) and float(seen[0]) == 0.0
