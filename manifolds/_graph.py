@@ -438,20 +438,17 @@ def _without_specialized(graph: fx.Graph) -> fx.Graph:
     adds on them (``_assert_is_none``, ``_assert``): nothing else reads them, and the passes give the input alone."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"][1:]
     for placeholder in placeholders:
-        dependents, frontier = [], [placeholder]
+        dependents, frontier = {placeholder}, [placeholder]
         while frontier:
-            node = frontier.pop()
-            for user in node.users:
+            for user in frontier.pop().users:
                 if user not in dependents:
-                    dependents.append(user)
+                    dependents.add(user)
                     frontier.append(user)
-        if any(n.op == "output" for n in dependents) or any(
-            u not in dependents for n in dependents for u in n.users
-        ):
+        if any(n.op == "output" or not set(n.users) <= dependents for n in dependents):
             continue  # read by the computation: kept (a pass without it fails, as the forward would)
-        for node in sorted(dependents, key=lambda n: -list(graph.nodes).index(n)):
-            graph.erase_node(node)
-        graph.erase_node(placeholder)
+        for node in reversed(list(graph.nodes)):  # users before what they read
+            if node in dependents:
+                graph.erase_node(node)
     return graph
 
 

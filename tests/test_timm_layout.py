@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from test_transformer_quotient import _with as _moved
 from test_transformer_quotient import dense_quotient_spectrum, measure_value
 from timm_like import VisionTransformer
 from torch import nn
@@ -90,12 +91,6 @@ def _hand_element(model: VisionTransformer, g: torch.Generator) -> dict:
         trade(p + "norm2", [p + "mlp.fc1"])
     trade("fc_norm" if model.global_pool == "avg" else "norm", ["head"])
     return sd
-
-
-def _moved(model: nn.Module, state: dict) -> nn.Module:
-    twin = copy.deepcopy(model)
-    twin.load_state_dict(state, strict=False)
-    return twin
 
 
 @pytest.mark.parametrize("name", FIXTURES)
