@@ -42,7 +42,8 @@ if [ "$DEVICE" = cuda ]; then
   PIECES=(--samples 1000 --rounds 5)
   TRANSFORMER=(--workloads T1 --sections 1 2 --quick)
   PROFILE=(--workload T1)
-  ATTENTION=(--rounds 9)
+  ATTENTION=(--forms sdpa gpt2 llama hfvit timmvit timm --rounds 9)  # timm: the image's own
+  PROJECTION=(--models vgg11_bn resnet20 --samples 32 --rounds 3 --symmetry)
 else
   SCALE=${GPU_RUN_SCALE:-50} TOTAL=${GPU_RUN_TOTAL:-300}
   DEVICE_TESTS=(tests/test_devices.py -k "test_products_on_the_device and mlp_bias")
@@ -58,7 +59,8 @@ else
   PIECES=(--samples 40 --rounds 1 --pieces 0,64)
   TRANSFORMER=(--workloads T1 --sections 1 --quick)
   PROFILE=(--workload T1 --lines 10)
-  ATTENTION=(--rounds 1 --samples 50)
+  ATTENTION=(--forms sdpa timmvit --rounds 1 --samples 50)
+  PROJECTION=(--models resnet20 --section projection)
 fi
 THREADS=$(nproc)  # all the cores (16 on the GPU machine): the CPU side of the runs
 DEADLINE=$((START + TOTAL))
@@ -133,7 +135,8 @@ EOF
 # against the CPU), then the compiled grids (torch.compile on the CPU); every failure, not the first, one line a test
 # In one process: the GPU machine's image has pytest-benchmark, whose warning under xdist is an error with the
 # project's warnings-as-errors setting (INTERNALERROR on 2026-11-26); the device tests take about 40 s alone.
-PYTEST=(python3 -m pytest -v --tb=short -p no:cacheprovider -p no:benchmark -p no:xdist --durations=5)
+# xdist stays loaded (tests/conftest.py implements one of its hooks), with no workers: -n 0.
+PYTEST=(python3 -m pytest -n 0 -v --tb=short -p no:cacheprovider -p no:benchmark --durations=5)
 step tests_devices 60 "${PYTEST[@]}" "${DEVICE_TESTS[@]}"
 step tests_compiled 90 "${PYTEST[@]}" "${COMPILE_TESTS[@]}"
 
@@ -156,8 +159,8 @@ step resnet_memory 22 python3 bench/resnet.py --device "$DEVICE" --section memor
   --json "$JSON/resnet_memory.json"
 step gspace 15 python3 bench/gspace.py --device "$DEVICE" --quick --threads 1 --json "$JSON/gspace.json"
 step connection 15 python3 bench/connection.py --device "$DEVICE" "${CONNECTION[@]}"
-step rop_attention 25 python3 bench/rop_attention.py --device "$DEVICE" --forms sdpa gpt2 llama "${ATTENTION[@]}" \
-  --json "$JSON/rop_attention.json"
+step rop_attention 40 python3 bench/rop_attention.py --device "$DEVICE" "${ATTENTION[@]}" --json "$JSON/rop_attention.json"
+step projection 90 python3 bench/projection.py --device "$DEVICE" "${PROJECTION[@]}"
 
 # --- results: one JSON file, and a summary
 python3 - "$JSON" "$OUT/bench.json" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -177,7 +180,7 @@ EOF
   keys='\bPASS\b|\bFAIL|ERROR|MISSED|\bmet\b|passed|failed|[Ee]rror|Traceback|not installed|cannot import|fastest peer'
   keys+='|reference '
   keys+='|HVP in memory|node-wise /|x a gradient|landscape\.evaluate_grid|random_plane \('
-  keys+='|G-SGD \(GOptimizer\)|^  (layer|node):'
+  keys+='|G-SGD \(GOptimizer\)|^  (layer|node):|auto = |/ euclidean|one projection'
   for name in "${RAN[@]}"; do
     lines=$(grep -E "$keys" "$WORK/steps/$name" 2>/dev/null | tail -n 14)
     if [ -n "$lines" ]; then printf '\n--- %s\n%s\n' "$name" "$lines"; fi

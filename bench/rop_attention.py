@@ -17,7 +17,10 @@ llama``): the same sizes with grouped-query attention (2 key/value heads for the
 RMSNorm and a SwiGLU MLP of 256, untied head; ``sharpness.Bert`` (``--forms bert``): vocabulary 512, width 64, 4 heads,
 2 post-LayerNorm blocks, 3 classes, on 128 padded sentence pairs of 32 tokens (ids, token types and attention mask);
 ``sharpness.HFViT`` (``--forms hfvit``): 32x32 images of 3 channels in 4x4 patches (64 tokens and the class token),
-width 64, 4 heads, 2 blocks, 10 classes, 128 images.
+width 64, 4 heads, 2 blocks, 10 classes, 128 images; ``sharpness.TimmViT`` (``--forms timmvit``): the same sizes in
+timm's layout (fused ``qkv``, SDPA, LayerScale on both branches); and timm's own ``VisionTransformer``
+(``--forms timm``, only where timm imports): ``timm.create_model("vit_tiny_patch16_224", ...)`` at the same sizes
+with LayerScale, which ``sharpness.TimmViT`` reads the state dict of.
 Prints, per attention form, the CPU time of one gradient and of one product by each strategy (minimum over the
 rounds), and their ratios.
 """
@@ -39,7 +42,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 
 from _workloads import add_device_argument, clock, device_label, use_device  # noqa: E402
 
-from sharpness import GPT2, Bert, HFViT, Llama, Objective  # noqa: E402
+from sharpness import GPT2, Bert, HFViT, Llama, Objective, TimmViT  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -91,12 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     forms = {"manual": "q @ k^T, softmax, @ v", "sdpa": "F.scaled_dot_product_attention",
              "mha": "nn.MultiheadAttention (reference)", "gpt2": "sharpness.GPT2, tied output layer",
              "llama": "sharpness.Llama, grouped-query attention", "bert": "sharpness.Bert, padded sentence pairs",
-             "hfvit": "sharpness.HFViT, conv patches and a class token"}  # fmt: skip
+             "hfvit": "sharpness.HFViT, conv patches and a class token",
+             "timmvit": "sharpness.TimmViT, timm's layout with LayerScale",
+             "timm": "timm's own VisionTransformer (timm.create_model), LayerScale"}  # fmt: skip
     parser.add_argument("--forms", nargs="+", choices=forms, default=list(forms), help="models to time (default: all)")
     parser.add_argument("--json", help="also write the figures here")
     add_device_argument(parser)
     args = parser.parse_args(argv)
     use_device(parser, args.device)
+    if "timm" in args.forms:
+        try:
+            import timm  # noqa: PLC0415 (optional: only this form needs it, and timm needs torchvision)
+        except ImportError as exc:
+            parser.error(f"--forms timm needs the timm package, which cannot be imported here ({exc})")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     on_cpu = args.device.type == "cpu"  # CPU time of one thread there; on a GPU, wall time once its work is done
@@ -111,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     types = ((torch.arange(32) >= lengths // 2) & (mask == 1)).long()
     tokens = torch.stack((torch.randint(1, 512, (128, 32), generator=g) * mask, types, mask), dim=1)
     pairs = tokens.to(args.device), torch.randint(0, 3, (128,), generator=g).to(args.device)
-    images = torch.randn(128, 3, 32, 32, generator=g).to(args.device), torch.randint(0, 10, (128,), generator=g).to(
-        args.device)
+    images = (
+        torch.randn(128, 3, 32, 32, generator=g).to(args.device),
+        torch.randint(0, 10, (128,), generator=g).to(args.device),
+    )
     figures = {}
     for form in args.forms:
         label = forms[form]
@@ -127,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), pairs)
         elif form == "hfvit":
             model = HFViT(image=32, patch=4, dim=64, layers=2, heads=4, classes=10, channels=3, hidden=256)
+            obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), images)
+        elif form == "timmvit":
+            model = TimmViT(image=32, patch=4, dim=64, depth=2, heads=4, classes=10, channels=3, layer_scale=True)
+            obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), images)
+        elif form == "timm":
+            model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, in_chans=3,
+                                      num_classes=10, embed_dim=64, depth=2, num_heads=4, init_values=0.1)  # fmt: skip
             obj = Objective(model.eval().to(args.device), nn.CrossEntropyLoss(), images)
         else:
             obj = Objective(TimmLike(form=form).eval().to(args.device), nn.CrossEntropyLoss(), (x, y))
