@@ -349,13 +349,26 @@ def _same_outputs(traced: object, eager: object) -> bool:
         if isinstance(a, Tensor) != isinstance(b, Tensor):
             return False
         if isinstance(a, Tensor) and a.is_floating_point():
-            scale = float(b.abs().max()) if b.numel() and torch.isfinite(b).all() else 1.0
-            if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale, equal_nan=True):
+            if a.shape != b.shape or not _close(a, b):
                 return False
         elif isinstance(a, Tensor):
             if not torch.equal(a, b):
                 return False
     return True
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    """``torch.allclose(a, b, rtol=1e-5, atol=1e-5 * max|b|, equal_nan=True)`` (``atol=1e-5`` where ``b`` is empty or
+    not finite). Finite tensors take one pass of few temporaries, a tenth of allclose's time on the CPU (the gradients
+    of a 100M-parameter model are compared once per trace); anything else, allclose itself."""
+    magnitude = b.abs()
+    top = magnitude.max() if b.numel() else None
+    if top is not None and bool(torch.isfinite(top)):  # max propagates nan and inf: b is finite
+        slack = (a - b).abs_().sub_(magnitude.mul_(1e-5)).max()  # nan or inf where a is not finite
+        if bool(slack <= 1e-5 * top):
+            return True
+    scale = float(top) if top is not None and bool(torch.isfinite(top)) else 1.0
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale, equal_nan=True)
 
 
 def _first_layer(model: nn.Module, graph: fx.Graph) -> nn.Module | None:

@@ -626,3 +626,19 @@ def test_a_forward_random_in_eval_mode_is_refused_as_random_not_as_mixing():
     x, y = torch.randn(10, 4, generator=torch.Generator().manual_seed(0)), torch.randint(0, 3, (10,))
     with pytest.raises(UnsupportedModelError, match="other outputs on each call with the same inputs"):
         Objective(_RandomInEval().eval(), nn.CrossEntropyLoss(), (x, y))
+
+
+def test_the_float32_check_s_distance_is_that_of_the_flat_vectors_whatever_the_pieces(monkeypatch):
+    """`float32_hessian_error` compares its two products piece by piece (no flat float64 copies): the same two
+    squared norms as the flat vectors give, with pieces that cut tensors anywhere."""
+    from sharpness.products import _boundary
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(shape, generator=g) for shape in [(5, 7), (3,), (11,), ()]]
+    b = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in a]
+    flat_a, flat_b = (torch.cat([t.double().reshape(-1) for t in ts]) for ts in (a, b))
+    want = (float((flat_a - flat_b).square().sum()), float(flat_b.square().sum()))
+    for piece in (1, 4, 1 << 22):
+        monkeypatch.setattr(_boundary, "_DISTANCE_PIECE", piece)
+        got = _boundary._squared_distance(a, b)
+        assert got == pytest.approx(want, rel=1e-14)

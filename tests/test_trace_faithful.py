@@ -264,3 +264,32 @@ def test_a_gradient_stopped_by_no_grad_is_refused_and_by_detach_is_read():
         obj = Objective(model, nn.MSELoss(), (x, y))
         v = torch.randn(obj.layout.size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(obj.hvp(v), dense_hessian(obj) @ v, rtol=1e-10, atol=1e-12)
+
+
+def test_the_fast_comparison_of_outputs_says_what_allclose_says():
+    """`manifolds._graph._close` (one pass for finite tensors) against its definition, ``torch.allclose`` with
+    ``atol = 1e-5 max|b|``, on pairs within, at and beyond the tolerance, and with nan and inf on either side."""
+    from manifolds._graph import _close
+
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(1000, generator=g, dtype=torch.float64)
+    scale = float(b.abs().max())
+    cases = []
+    for step in (0.0, 1e-7, 0.5e-5, 2e-5, 1e-3):  # the entry 17 moved by step (x the tolerance's scale below)
+        a = b.clone()
+        a[17] += step * (1.0 + scale)
+        cases.append((a, b))
+    nan, inf = float("nan"), float("inf")
+    for x, y in [(nan, nan), (nan, 1.0), (1.0, nan), (inf, inf), (inf, -inf), (inf, 1.0), (1.0, inf)]:
+        a, c = b.clone(), b.clone()
+        a[3], c[3] = x, y
+        cases.append((a, c))
+    cases += [(torch.zeros(0), torch.zeros(0)), (torch.zeros(3), torch.zeros(3)), (torch.ones(2), torch.zeros(2))]
+    verdicts = []
+    for a, c in cases:
+        top = c.abs().max() if c.numel() else torch.tensor(nan)
+        atol = 1e-5 * float(top) if bool(torch.isfinite(top)) else 1e-5
+        want = torch.allclose(a, c, rtol=1e-5, atol=atol, equal_nan=True)
+        assert _close(a, c) == want, (a[:20], c[:20])
+        verdicts.append(want)
+    assert verdicts[:5] == [True, True, True, False, False] and True in verdicts[5:] and False in verdicts[5:]
