@@ -79,7 +79,7 @@ from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum, not_re
 from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
-from manifolds._modules import kept_buffers
+from manifolds._modules import DROPOUTS, kept_buffers
 from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
 from manifolds._same_forward import read_as
 from manifolds._structure import UnsupportedModelError, analyze
@@ -93,7 +93,6 @@ _MATMULS = {"matmul", "bmm"}
 _SDPA = "scaled_dot_product_attention"
 _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"}
 _POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _STEPS_TO_PROJECTION = 8  # reshapes, selections and dropouts walked from a tensor to the layer reading it
 _NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish", "softplus", "hardswish"}
@@ -215,6 +214,7 @@ class _Finder:
         self.shared = {n for n, p in named if count[id(p)] > 1 or id(p) in direct}
         self.found = _Found()
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
+        self.layer_scaled: set[fx.Node] = set()  # products `h * w` whose w is traded against h's layer
         self.claimed: list[tuple[tuple[str, int], set[int], set[int] | None]] = []  # (parameter, axis), what a factor
         # moves along that axis, and the indices of the other axis it is restricted to (None: all)
         self._input_fed: dict[fx.Node, bool] = {}
@@ -359,7 +359,7 @@ class _Finder:
     def is_dropout(self, user: fx.Node, node: fx.Node) -> bool:
         """Whether ``user`` is a dropout layer (no hooks) applied to ``node`` alone."""
         m = self.module(user)
-        return (type(m) in _DROPOUTS and not (m._forward_hooks or m._forward_pre_hooks) and user.args == (node,)
+        return (type(m) in DROPOUTS and not (m._forward_hooks or m._forward_pre_hooks) and user.args == (node,)
                 and not user.kwargs)  # fmt: skip
 
     def reads_as_input(self, user: fx.Node, node: fx.Node) -> bool:
@@ -1023,23 +1023,78 @@ class _Finder:
             return
         self.found.factors.append(Factor("diagonal", size, tuple(blocks), f"affine scale of {where}", "c"))
 
-    def scale(self, node: fx.Node) -> None:
-        """``h * w`` (or ``w * h``) with ``w`` a parameter vector along the last axis that nothing else reads, ``h`` of
-        the product's shape: the affine scale of a normalization written by hand (LLaMA's ``RMSNorm``, ``weight *
-        hidden_states``), traded like an ``nn.RMSNorm``'s against the columns of the layers reading the product."""
+    def scaled(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """``(h, w)`` where ``node`` is ``h * w`` (or ``w * h``), ``w`` a ``get_attr`` vector along the last axis and
+        ``h`` a tensor of the product's shape computed from the input, else ``None``."""
         args = node.args
         if node.kwargs or len(args) != 2 or not all(isinstance(a, fx.Node) for a in args):
-            return
+            return None
         params = [a for a in args if a.op == "get_attr"]
         if len(params) != 1:
-            return
+            return None
         (weight,) = params
         h = args[1] if args[0] is weight else args[0]
         shape, own, size = node.meta.get("shape"), h.meta.get("shape"), weight.meta.get("shape")
         if shape is None or own is None or size is None or len(size) != 1 or tuple(shape) != tuple(own):
-            return
+            return None
         if not shape or shape[-1] != size[0] or not self.input_fed(h):
+            return None
+        return h, weight
+
+    def layer_scale(self, node: fx.Node) -> None:
+        """``y = h * w`` where the layers reading ``y`` cannot divide their columns (timm's ``LayerScale``: ``y`` is
+        added to the residual stream) and ``h`` is a linear layer's output that only this product reads (through
+        dropout layers, the identity in eval mode): ``w_j <- c_j w_j`` and the layer's row ``j`` and bias ``j`` ``<- /
+        c_j``. Found before the layers' own units (`mlp`), so that those rows are not pinned first; where the readers
+        can divide their columns, `scale` trades ``w`` forward instead."""
+        found = self.scaled(node)
+        if found is None:
             return
+        h, weight = found
+        size = weight.meta["shape"][0]
+        index = tuple(range(size))
+        try:
+            self.consumer_blocks(node, index)
+            return  # the readers take the trade (`scale`)
+        except _Fail:
+            pass
+        reader, source = node, h
+        for _ in range(_STEPS_TO_PROJECTION):  # back through dropout layers, each read by the next alone
+            if self.users(source) != [reader]:
+                return
+            proj = self.projection(source)
+            if proj is not None:
+                break
+            if not (source.args and isinstance(source.args[0], fx.Node) and self.is_dropout(source, source.args[0])):
+                return
+            reader, source = source, source.args[0]
+        else:
+            return
+        if not self.once(proj):
+            return
+        where = self.label(node)
+        try:
+            name = self.owned(weight, node)
+            blocks = (Block(name, 0, index, None, "T"), *self.linear_blocks(proj, index, "inv", True))
+            factor = Factor("diagonal", size, blocks, f"layer scale '{name}' at {where}", "c")
+            self.claim([factor])
+        except _Fail as failure:
+            self.pin(f"output of {where}", size, f"its layer scale cannot be traded: {failure}")
+            self.layer_scaled.add(node)  # (`scale` would only pin it again)
+            return
+        self.claimed_rows.add(proj.key)
+        self.layer_scaled.add(node)
+        self.found.factors.append(factor)
+
+    def scale(self, node: fx.Node) -> None:
+        """``h * w`` (or ``w * h``) with ``w`` a parameter vector along the last axis that nothing else reads, ``h`` of
+        the product's shape: the affine scale of a normalization written by hand (LLaMA's ``RMSNorm``, ``weight *
+        hidden_states``), traded like an ``nn.RMSNorm``'s against the columns of the layers reading the product."""
+        found = self.scaled(node)
+        if found is None or node in self.layer_scaled:
+            return
+        h, weight = found
+        size = weight.meta["shape"]
         if self.users(h) != [node]:  # fx records `h *= w` out of place: another reader of h would see h w
             self.pin(f"output of {self.label(node)}", size[0], "its elementwise scale cannot be traded: the scaled "
                      "tensor is read elsewhere too")  # fmt: skip
@@ -1136,6 +1191,9 @@ class _Finder:
                 equation = f" '{node.args[0]}'" if isinstance(node.args[0], str) else ""
                 self.pin(f"product 'einsum'{equation} (graph node '{node.name}')", 0,
                          f"no attention factor: the einsum is not read as a matrix product: {not_rewritten(node)}")
+        for node in nodes:
+            if node.op in ("call_function", "call_method") and target_name(node) == "mul":
+                self.layer_scale(node)
         for node in nodes:
             if node.op == "call_module" and read_as(self.module(node)) in _NORMS:
                 self.norm(node)

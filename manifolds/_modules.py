@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+# Dropout layers: the identity in eval mode, where every measure evaluates a model (`eval_mode`)
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:

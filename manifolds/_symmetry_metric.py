@@ -93,14 +93,22 @@ class _Plan:
             raise _refuse(f"{', '.join(both)} is moved both by a matrix factor and by the diagonal rescaling group")
 
         # -- rows moved by factors: one group per (factor, how) --------------------------------------------
+        # a diagonal factor's rows on a tensor whose columns a GL factor moves (an output projection's rows under a
+        # layer scale) form no row block of their own: they are weighed entry by entry, by the factor's reference,
+        # and the GL factor's column blocks carry those weights per row
+        gl_moved = {b.name for f in factors if f.kind == "GL" for b in f.blocks if b.axis == 1}
         row_owner = torch.full((n,), -1, dtype=torch.long)
         groups: list[tuple[int, str, Tensor]] = []  # (factor, how, (k, m) flat indices)
+        weighed: list[tuple[int, str, Tensor]] = []  # diagonal rows weighed entry by entry: (factor, how, (k, m))
         for fi, f in enumerate(factors):
             for how in dict.fromkeys(b.how for b in f.blocks if b.axis == 0):
-                parts = [_select(flat[b.name], b, shapes[b.name]) for b in f.blocks if b.axis == 0 and b.how == how]
-                index = torch.cat(parts, dim=1)
+                blocks = [b for b in f.blocks if b.axis == 0 and b.how == how]
+                index = torch.cat([_select(flat[b.name], b, shapes[b.name]) for b in blocks], dim=1)
                 if bool((row_owner[index] >= 0).any()):
                     raise _refuse(f"rows of {f.label} are also moved by another factor")
+                if f.kind == "diagonal" and any(b.name in gl_moved for b in blocks):
+                    weighed.append((fi, how, index))
+                    continue
                 row_owner[index] = len(groups)
                 groups.append((fi, how, index))
 
@@ -112,7 +120,21 @@ class _Plan:
         col_factor = torch.full((n,), -1, dtype=torch.long)
         col_j = torch.zeros(n, dtype=torch.long)
         col_power = torch.zeros(n, dtype=torch.long)
+
+        def weigh(fi: int, how: str, index: Tensor, j: Tensor, what: str) -> None:
+            """Entries ``index`` moved by diagonal factor ``fi`` (``how``), as its ``j``-th scale: weighed by its
+            reference (the reference scales as c^2 ("T") or c^-2, an entry as c or 1/c: the weight must scale as
+            1/s^2)."""
+            if fi not in ref_how:
+                raise _refuse(f"{factors[fi].label} moves {what} only, so no row block gives it a reference scale")
+            if bool((col_factor[index] >= 0).any()):
+                raise _refuse(f"{what} are moved by two diagonal factors")
+            col_factor[index] = fi
+            col_j[index] = j
+            col_power[index] = -1 if (how == "T") == (ref_how[fi] == "T") else 1
+
         gl_columns: list[Tensor] = []
+        column_entries: list[Tensor] = []  # entries of diagonal factors' column blocks
         for fi, f in enumerate(factors):
             for b in (b for b in f.blocks if b.axis == 1):
                 index = _select(flat[b.name], b, shapes[b.name])  # (rows, k)
@@ -121,16 +143,15 @@ class _Plan:
                         raise _refuse(f"{b.name} has columns moved by {f.label} and rows moved by another factor")
                     gl_columns.append(index)
                     continue
-                if fi not in ref_how:
-                    raise _refuse(f"{f.label} moves columns only, so no row block gives it a reference scale")
-                if bool((col_factor[index] >= 0).any()):
-                    raise _refuse(f"columns of {b.name} are moved by two diagonal factors")
-                col_factor[index] = fi
-                col_j[index] = torch.arange(f.size)[None, :]
-                # the reference scales as c^2 ("T") or c^-2; the column as c or 1/c: the weight must scale as 1/s^2
-                col_power[index] = -1 if (b.how == "T") == (ref_how[fi] == "T") else 1
+                weigh(fi, b.how, index, torch.arange(f.size)[None, :], f"columns of {b.name}")
+                column_entries.append(index.reshape(-1))
+        for fi, how, index in weighed:
+            weigh(fi, how, index, torch.arange(factors[fi].size)[:, None], f"rows of {factors[fi].label}")
         gl_entries = torch.cat([c.reshape(-1) for c in gl_columns]) if gl_columns else torch.zeros(0, dtype=torch.long)
-        if bool((col_factor[gl_entries] >= 0).any()):
+        scaled = torch.zeros(n, dtype=torch.bool)
+        for entries in column_entries:
+            scaled[entries] = True
+        if bool(scaled[gl_entries].any()):
             raise _refuse("columns moved by a GL factor are also scaled by a diagonal factor")
 
         # weight table: [1, r_0, ..., r_F, 1/r_0, ..., 1/r_F] with r_f the reference of diagonal factor f
@@ -153,6 +174,11 @@ class _Plan:
         # -- row blocks, their references, and the order references are computed in -------------------------
         rows: list[_Rows] = []
         deps: dict[int, set[int]] = {}
+        for columns in gl_columns:  # X (m, k) weighed column-wise is the row block X^T (k, m), rows weighing it
+            weights = weight_index(columns.T)
+            if bool((weights != weights[:1]).any()):
+                raise _refuse("the columns of a GL factor carry different row weights")
+            rows.append(_Rows(columns.T[None], weights[:1], None))
         for fi, how, index in groups:
             f = factors[fi]
             weights = weight_index(index)  # (k, m)
@@ -186,40 +212,29 @@ class _Plan:
         # blocks of one shape are stacked into one batch (the heads of a model alike): a few batched products per
         # shape instead of a few small ones per block, for the metric and for its derivatives
         self.rows = _stacked([r for r in rows if r.factor is None]) + [r for _, r in self.references]
-        self.gl_columns = [torch.stack(same) for same in _by_shape(gl_columns)]
 
         # -- everything else, entry-wise ------------------------------------------------------------------
         taken = torch.zeros(n, dtype=torch.bool)
         for r in self.rows:
             taken[r.index.reshape(-1)] = True
-        taken[gl_entries] = True
         self.entries = torch.nonzero(~taken).reshape(-1)
         self.entry_weight = weight_index(self.entries)
         node = torch.zeros(n, dtype=torch.bool)
         for name in diagonal_names:
             node[flat[name].reshape(-1)] = True
         self.entry_node = node[self.entries]
-        perm = torch.cat([r.index.reshape(-1) for r in self.rows] + [c.reshape(-1) for c in self.gl_columns]
-                         + [self.entries])
+        perm = torch.cat([r.index.reshape(-1) for r in self.rows] + [self.entries])
         if not torch.equal(torch.sort(perm).values, torch.arange(n)):
             raise _refuse("the factors' blocks overlap")  # each entry in exactly one block; a defect if reached
         self.perm = perm
         self.inverse = torch.argsort(perm)
         self.block_of = torch.empty(n, dtype=torch.long)  # metric block id of every entry (for sparsity)
         next_id = 0
-        for part in [*(r.index for r in self.rows), *self.gl_columns]:
+        for part in (r.index for r in self.rows):
             for blk in part:
                 self.block_of[blk.reshape(-1)] = next_id
                 next_id += 1
         self.block_of[self.entries] = next_id + torch.arange(self.entries.numel())
-
-
-def _by_shape(tensors: list[Tensor]) -> list[list[Tensor]]:
-    """``tensors`` grouped by shape, in order of first appearance."""
-    groups: dict[tuple[int, ...], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(tuple(t.shape), []).append(t)
-    return list(groups.values())
 
 
 def _stacked(rows: list[_Rows]) -> list[_Rows]:
@@ -250,26 +265,23 @@ class _Point:
         self.table = table  # [1, references, their inverses]: what the column weights are read from
         self.row_p = [table[..., r.weight][..., None, :] for r in plan.rows]  # (..., B, 1, m)
         self.row_s = [(w[..., r.index] * p) @ w[..., r.index].transpose(-1, -2) for r, p in zip(plan.rows, self.row_p)]
-        self.col_s = [w[..., c].transpose(-1, -2) @ w[..., c] for c in plan.gl_columns]  # (..., B, k, k)
         node = plan.entry_node.to(w.device)  # the plan is built once on the CPU; the point may be on a GPU
         we = torch.where(node, w[..., plan.entries], 1.0)  # no 1/0 in the branch not taken: its derivative would be nan
         self.entry_p = torch.where(node, 1.0 / (we * we), table[..., plan.entry_weight])
 
     def fields(self) -> tuple[Tensor, ...]:
-        """Every factor as one flat tuple: ``row_s``, ``row_p``, ``col_s`` (one per block batch), ``entry_p``."""
-        return (*self.row_s, *self.row_p, *self.col_s, self.entry_p)
+        """Every factor as one flat tuple: ``row_s``, ``row_p`` (one per block batch), ``entry_p``."""
+        return (*self.row_s, *self.row_p, self.entry_p)
 
-    def map(self, v: Tensor, row, col, entry) -> Tensor:
+    def map(self, v: Tensor, row, entry) -> Tensor:
         """Apply per-block maps to ``v`` (``(..., n)``) and put the pieces back in the flat order."""
-        return self.blockwise(v, row, col, entry, zip(self.row_s, self.row_p), self.col_s, self.entry_p)
+        return self.blockwise(v, row, entry, zip(self.row_s, self.row_p), self.entry_p)
 
-    def blockwise(self, v: Tensor, row, col, entry, row_args, col_args, entry_args) -> Tensor:
-        """`map` with other per-block arguments: ``row(x, *row_args[i])``, ``col(x, col_args[i])``,
-        ``entry(x, entry_args)``."""
+    def blockwise(self, v: Tensor, row, entry, row_args, entry_args) -> Tensor:
+        """`map` with other per-block arguments: ``row(x, *row_args[i])``, ``entry(x, entry_args)``."""
         plan = self.plan
         batch = torch.broadcast_shapes(v.shape[:-1], self.batch)
         pieces = [row(v[..., r.index], *a).reshape(*batch, -1) for r, a in zip(plan.rows, row_args)]
-        pieces += [col(v[..., c], a).reshape(*batch, -1) for c, a in zip(plan.gl_columns, col_args)]
         pieces.append(entry(v[..., plan.entries], entry_args))
         return torch.cat(pieces, dim=-1)[..., plan.inverse]
 
@@ -321,12 +333,7 @@ def symmetry_metric(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> M
 
 def _metric(plan: _Plan) -> Metric:
     def apply(w: Tensor, xi: Tensor) -> Tensor:
-        return _Point(plan, w).map(
-            xi,
-            lambda x, s, p: _solve(s, x * p),
-            lambda x, s: _solve(s, x.transpose(-1, -2)).transpose(-1, -2),
-            lambda x, p: x * p,
-        )
+        return _Point(plan, w).map(xi, lambda x, s, p: _solve(s, x * p), lambda x, p: x * p)
 
     def solve(w: Tensor, v: Tensor) -> Tensor:
         return _solver(_Point(plan, w))(v)
@@ -344,29 +351,28 @@ def _metric(plan: _Plan) -> Metric:
 
 def _solver(point: _Point):
     """``v -> G^-1 v`` at ``point``."""
-    return lambda v: point.map(v, lambda x, s, p: s @ (x / p), lambda x, s: x @ s, lambda x, p: x / p)
+    return lambda v: point.map(v, lambda x, s, p: s @ (x / p), lambda x, p: x / p)
 
 
 def _whitener(point: _Point, power: float):
     """``xi -> W xi`` (``power = -0.5``, ``W = G^{1/2}``) or ``zeta -> W^-1 zeta`` (``power = 0.5``) at ``point``, with
     the blocks' matrix roots taken once (a fixed point's maps are applied many times)."""
-    rows, cols, entry = _roots(point, power)
-    return lambda v: point.blockwise(v, lambda x, r, q: r @ (x * q), lambda x, r: x @ r, lambda x, q: x * q, rows,
-                                     cols, entry)  # fmt: skip
+    rows, entry = _roots(point, power)
+    return lambda v: point.blockwise(v, lambda x, r, q: r @ (x * q), lambda x, q: x * q, rows, entry)
 
 
-def _roots(point: _Point, power: float) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], Tensor]:
-    """The blocks' factors of ``G^-power``: ``(s^power, p^-power)`` per row batch, ``s^power`` per column batch and
-    ``p^-power`` on the entries (``power = -0.5``: ``W``, ``0.5``: ``W^-1``)."""
+def _roots(point: _Point, power: float) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    """The blocks' factors of ``G^-power``: ``(s^power, p^-power)`` per row batch and ``p^-power`` on the entries
+    (``power = -0.5``: ``W``, ``0.5``: ``W^-1``)."""
     rows = [(_sym_power(s, power), p.pow(-power)) for s, p in zip(point.row_s, point.row_p)]
-    return rows, [_sym_power(s, power) for s in point.col_s], point.entry_p.pow(-power)
+    return rows, point.entry_p.pow(-power)
 
 
 def _whitening_entries(point: _Point) -> tuple[Tensor, Tensor, Tensor]:
     """``W = G^{1/2}`` at one point ``(n,)`` as ``(row, column, value)`` triplets of a sparse ``n x n`` matrix (each
-    ``1-D``): ``k^2 m`` numbers per ``k x m`` row block, ``k^2 m`` per ``m x k`` column block, one per entry."""
+    ``1-D``): ``k^2 m`` numbers per ``k x m`` row block, one per entry."""
     plan = point.plan
-    rows, cols, entry = _roots(point, -0.5)
+    rows, entry = _roots(point, -0.5)
     out = []
     for r, (root, q) in zip(plan.rows, rows):  # (W x)[b, a, j] = sum_c root[b, a, c] q[b, j] x[b, c, j]
         idx = r.index.to(root.device)
@@ -374,12 +380,6 @@ def _whitening_entries(point: _Point) -> tuple[Tensor, Tensor, Tensor]:
         shape = (big, k, k, m)  # (block, a, c, j)
         out.append((idx[:, :, None, :].expand(shape), idx[:, None, :, :].expand(shape),
                     root[..., None] * q[:, None, :, :]))  # fmt: skip
-    for c, root in zip(plan.gl_columns, cols):  # (W x)[b, i, a] = sum_c x[b, i, c] root[b, c, a]
-        idx = c.to(root.device)
-        big, m, k = idx.shape
-        shape = (big, m, k, k)  # (block, i, a, c)
-        out.append((idx[..., None].expand(shape), idx[:, :, None, :].expand(shape),
-                    root.transpose(-1, -2)[:, None].expand(shape)))  # fmt: skip
     entries = plan.entries.to(entry.device)
     out.append((entries, entries, entry))
     return tuple(torch.cat([part[i].reshape(-1) for part in out]) for i in range(3))
@@ -389,27 +389,19 @@ def _derivative(plan: _Plan, w: Tensor, a: Tensor):
     """``xi -> DG(w)[a] xi`` for one point ``w`` and direction ``a`` (both ``(n,)``), with what does not depend on
     ``xi`` computed once: the factors' derivatives along ``a`` (one JVP), the blocks' inverses.
 
-    ``G`` is ``s^-1 (x p)`` on a row block, ``x s^-1`` on a column block and ``x p`` on an entry, so along ``a``
-    (``ds``, ``dp`` the factors' derivatives) its derivative is ``-s^-1 ds s^-1 (x p) + s^-1 (x dp)``, ``-x s^-1 ds
-    s^-1`` and ``x dp``.
+    ``G`` is ``s^-1 (x p)`` on a row block and ``x p`` on an entry, so along ``a`` (``ds``, ``dp`` the factors'
+    derivatives) its derivative is ``-s^-1 ds s^-1 (x p) + s^-1 (x dp)`` and ``x dp``.
     """
     point = _Point(plan, w)
     _, tangent = torch.func.jvp(lambda p: _Point(plan, p).fields(), (w,), (a,))
-    rows, cols = len(plan.rows), len(plan.gl_columns)
-    d_row_s, d_row_p, d_col_s = tangent[:rows], tangent[rows: 2 * rows], tangent[2 * rows: 2 * rows + cols]
+    rows = len(plan.rows)
+    d_row_s, d_row_p = tangent[:rows], tangent[rows: 2 * rows]
     row_inv = [torch.linalg.inv(s) for s in point.row_s]
-    col_inv = [torch.linalg.inv(s) for s in point.col_s]
     row_args = [(inv, inv @ ds @ inv, p, dp) for inv, ds, p, dp in zip(row_inv, d_row_s, point.row_p, d_row_p)]
-    col_args = [inv @ ds @ inv for inv, ds in zip(col_inv, d_col_s)]
 
     def apply(xi: Tensor) -> Tensor:
-        return point.blockwise(
-            xi,
-            lambda x, inv, t, p, dp: inv @ (x * dp) - t @ (x * p),
-            lambda x, t: -(x @ t),
-            lambda x, dp: x * dp,
-            row_args, col_args, tangent[-1],
-        )
+        return point.blockwise(xi, lambda x, inv, t, p, dp: inv @ (x * dp) - t @ (x * p), lambda x, dp: x * dp,
+                               row_args, tangent[-1])  # fmt: skip
 
     return apply
 
@@ -419,12 +411,12 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
     ``xi``, ``eta`` all ``(n,)``), in closed form, with what does not depend on the vector computed once.
 
     On a row block ``G u = Y = Z (U p)`` with ``Z = s^-1``, ``s = X diag(p) X^T``; along ``xi`` (block ``Xi``) and the
-    column weights' change ``dp``, ``ds = Xi P X^T + X P Xi^T + X dP X^T`` and ``d(G u) = Z (U dp) - Z ds Y``. On a
-    column block ``G u = Y = U Z`` (``Z = (X^T X)^-1``): ``d(G u) = -Y (Xi^T X + X^T Xi) Z``. On an entry ``u p``:
+    column weights' change ``dp``, ``ds = Xi P X^T + X P Xi^T + X dP X^T`` and ``d(G u) = Z (U dp) - Z ds Y``. On an
+    entry ``u p``:
     ``u dp``, with ``dp = -2 xi / w^3`` under the node metric. The weights ``p`` are read from the table of
     references ``r = sum x^2 p`` (and ``1 / r``), whose change ``dr = sum (2 x xi p + x^2 dp)`` is carried
     upstream first; ``A^T`` is the same chain read backwards (references downstream first), with the cotangent of
-    ``ds`` ``-Z H Y^T`` on a row block and ``-Y^T H Z`` on a column block.
+    ``ds`` ``-Z H Y^T``.
     """
     point = _Point(plan, w)
     table, refs = point.table, plan.n_refs
@@ -437,14 +429,8 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
         index, weight, s, p = (torch.cat(parts) for parts in zip(*same))
         z = _solve(s, torch.eye(s.shape[-1], dtype=s.dtype, device=s.device))
         rows.append((index, weight, w[index], u[index], z, _mm(z, u[index] * p), p))
-    perm = torch.cat([index.reshape(-1).cpu() for index, *_ in rows] + [c.reshape(-1) for c in plan.gl_columns]
-                     + [plan.entries])
+    perm = torch.cat([index.reshape(-1).cpu() for index, *_ in rows] + [plan.entries])
     inverse = torch.argsort(perm.to(dev))  # the flat order of the pieces, in the batches above
-    cols = []
-    for c, s in zip(plan.gl_columns, point.col_s):
-        z = torch.linalg.inv(s)
-        c = c.to(dev)
-        cols.append((c, w[c], z, u[c] @ z))
     node = plan.entry_node.to(w.device)
     entries = plan.entries.to(dev)
     ue = u[entries]
@@ -472,9 +458,6 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
             ds = (dx * p) @ x.transpose(-1, -2)
             ds = ds + ds.transpose(-1, -2) + (x * dp) @ x.transpose(-1, -2)
             pieces.append(_mm(z, ur * dp - _mm(ds, y)).reshape(-1))
-        for c, x, z, y in cols:
-            ds = xi[c].transpose(-1, -2) @ x
-            pieces.append(-((y @ (ds + ds.transpose(-1, -2))) @ z).reshape(-1))
         pieces.append(node_scale * xi[entries] + entry_u * dt[entry_weight])
         return torch.cat(pieces)[inverse]
 
@@ -486,9 +469,6 @@ def _jacobian(plan: _Plan, w: Tensor, u: Tensor):
             sym = zh @ y.transpose(-1, -2)  # Z H Y^T: minus the cotangent of ds
             pieces.append((-_mm(sym + sym.transpose(-1, -2), x) * p).reshape(-1))
             gt.index_add_(0, weight.reshape(-1), ((zh * ur) - x * _mm(sym, x)).sum(-2).reshape(-1))
-        for c, x, z, y in cols:
-            sym = y.transpose(-1, -2) @ eta[c] @ z
-            pieces.append(-(x @ (sym + sym.transpose(-1, -2))).reshape(-1))
         he = eta[entries]
         pieces.append(node_scale * he)
         gt.index_add_(0, entry_weight, entry_u * he)

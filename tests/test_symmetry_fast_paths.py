@@ -30,7 +30,12 @@ from sharpness.measures._geodesic import geodesic_sharpness
 
 
 def _quotient(name: str) -> SymmetryQuotient:
-    model, _, (x, _) = make(name)
+    if name == "timm_layer_scale":  # output projections whose rows a layer scale moves and columns GL factors
+        from test_timm_layout import _small  # noqa: PLC0415 (its models need tests/timm_like.py)
+
+        model, x = _small(init_values=0.5, global_pool="avg")
+    else:
+        model, _, (x, _) = make(name)
     return SymmetryQuotient(transformer_symmetry(model, x), _params(model))
 
 
@@ -38,7 +43,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-12) -> None:
     assert float((a - b).abs().max()) <= rtol * float(b.abs().max()), (float((a - b).abs().max()), float(b.abs().max()))
 
 
-@pytest.mark.parametrize("name", ["mha_post", "two_blocks"])
+@pytest.mark.parametrize("name", ["mha_post", "two_blocks", "timm_layer_scale"])
 def test_symmetry_jacobian_equals_autodiff(name):
     q = _quotient(name)
     g = torch.Generator().manual_seed(3)
@@ -48,7 +53,7 @@ def test_symmetry_jacobian_equals_autodiff(name):
     _close(backward(eta), q._dmetric_transpose(u, eta))  # A^T eta = grad_w <eta, G(w) u>
 
 
-@pytest.mark.parametrize("name", ["mha_pre", "two_blocks"])
+@pytest.mark.parametrize("name", ["mha_pre", "two_blocks", "timm_layer_scale"])
 def test_symmetry_connection_operator_equals_the_autodiff_covector(name):
     q = _quotient(name)
     g = torch.Generator().manual_seed(0)
@@ -90,8 +95,9 @@ def test_generic_connection_operator_equals_the_covector():
             _close(operator(xi), expected)
 
 
-def test_point_maps_equal_the_metric_functions():
-    q = _quotient("two_blocks")
+@pytest.mark.parametrize("name", ["two_blocks", "timm_layer_scale"])
+def test_point_maps_equal_the_metric_functions(name):
+    q = _quotient(name)
     m, w = q.metric, q.point
     xi = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     for mine, theirs in ((q.whiten, m.whiten), (q.unwhiten, m.unwhiten), (q.egrad2rgrad, m.solve)):

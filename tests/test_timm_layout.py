@@ -63,7 +63,8 @@ def _small(norm: type[nn.Module] = nn.LayerNorm, seed: int = 0, **options) -> tu
 
 def _hand_element(model: VisionTransformer, g: torch.Generator) -> dict:
     """Per head ``A`` on the query/key rows of ``qkv`` and ``B`` on its value rows and the columns of ``proj``; every
-    LayerNorm's scale ``c`` traded against the columns of the layer reading it (``qkv``, ``fc1``, the head)."""
+    LayerNorm's scale ``c`` traded against the columns of the layer reading it (``qkv``, ``fc1``, the head); every
+    LayerScale ``gamma`` times ``c`` against the rows and bias of the layer it scales (``proj``, ``fc2``) over ``c``."""
     sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     dim, heads = model.head.in_features, model.blocks[0].attn.num_heads
     hd = dim // heads
@@ -89,6 +90,12 @@ def _hand_element(model: VisionTransformer, g: torch.Generator) -> dict:
             sd[f"{p}attn.proj.weight"][:, cols] = sd[f"{p}attn.proj.weight"][:, cols] @ torch.linalg.inv(b).T
         trade(p + "norm1", [p + "attn.qkv"])
         trade(p + "norm2", [p + "mlp.fc1"])
+        for scale, layer in (("ls1", "attn.proj"), ("ls2", "mlp.fc2")):
+            if f"{p}{scale}.gamma" in sd:
+                c = torch.exp(0.7 * torch.randn(dim, generator=g, dtype=torch.float64))
+                sd[f"{p}{scale}.gamma"] = sd[f"{p}{scale}.gamma"] * c
+                sd[f"{p}{layer}.weight"] = sd[f"{p}{layer}.weight"] / c[:, None]
+                sd[f"{p}{layer}.bias"] = sd[f"{p}{layer}.bias"] / c
     trade("fc_norm" if model.global_pool == "avg" else "norm", ["head"])
     return sd
 
@@ -105,8 +112,9 @@ def test_the_group_is_every_head_and_every_layernorm_and_hand_built_elements_kee
     model, images, _ = _fixture(name)
     sym = manifolds.transformer_symmetry(model, images)
     kinds = [f.kind for f in sym.factors]
-    assert kinds.count("GL") == DEPTH * HEADS * 2 and kinds.count("diagonal") == 2 * DEPTH + 1, sym.describe()
-    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + (2 * DEPTH + 1) * WIDTH
+    diagonal = 2 * DEPTH + 1 + (2 * DEPTH if "init_values" in FIXTURES[name] else 0)  # LayerNorms, LayerScales
+    assert kinds.count("GL") == DEPTH * HEADS * 2 and kinds.count("diagonal") == diagonal, sym.describe()
+    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + diagonal * WIDTH
     assert "head.weight" in {b.name for f in sym.factors for b in f.blocks}  # through x[:, 0] or the mean, and dropout
     fresh = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     g = torch.Generator().manual_seed(2)
@@ -132,7 +140,7 @@ def test_the_measure_equals_the_dense_quotient_reference_and_products_the_dense_
     model, x = _small(**options)
     loss, data = nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
     sym = manifolds.transformer_symmetry(model, x)
-    assert sym.dim == HEADS * 2 * 4 * 4 + 3 * 8, sym.describe()
+    assert sym.dim == HEADS * 2 * 4 * 4 + (5 if options else 3) * 8, sym.describe()  # 2 LayerScales with options
     params = {n: p.detach() for n, p in model.named_parameters()}
     reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, params), sym)
     assert np.allclose(measure_value(model, loss, data, k=2), reference[::-1][:2], rtol=1e-8, atol=0)
@@ -298,7 +306,8 @@ def test_timmvit_computes_timm_s_logits_and_has_the_whole_group(name):
     with torch.no_grad():
         assert (model(images) - logits).abs().max() <= 1e-12
     sym = manifolds.transformer_symmetry(model, images)
-    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + (2 * DEPTH + 1) * WIDTH, sym.describe()
+    scales = 2 * DEPTH if "_ls" in name else 0  # LayerScale on both branches of every block
+    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + (2 * DEPTH + 1 + scales) * WIDTH, sym.describe()
     moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
     with torch.no_grad():
         assert (moved(images) - model(images)).abs().max() < 1e-10
@@ -417,3 +426,31 @@ def test_a_reassigned_resized_or_meta_buffer_is_left_as_found_by_the_analysis():
     assert manifolds.transformer_symmetry(model, torch.randn(5, 4, dtype=torch.float64)).dim == 6
     assert model.step is step and float(step) == 0.0
     assert model.seen is seen and tuple(seen.shape) == (1,) and float(seen[0]) == 0.0
+
+
+def test_the_metric_weighs_an_output_projection_under_a_layer_scale_by_gamma_squared():
+    """``proj``'s rows move with ``ls1.gamma`` (a diagonal factor) and its head columns with the value/output GL
+    factors: the metric on a head's columns is ``tr((X^T Q X)^-1 xi^T Q xi)`` with ``Q = diag(gamma^2)``, and on the
+    bias ``sum gamma_j^2 xi_j^2`` (explicit formulas; invariant since ``gamma^2`` scales as the rows' inverse
+    squares)."""
+    model, x = _small(init_values=0.5, global_pool="avg")
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    metric = manifolds.symmetry_metric(manifolds.transformer_symmetry(model, x), params)
+    layout = manifolds.ParamLayout.from_tensors(params)
+    w, q = layout.flatten(params), params["blocks.0.ls1.gamma"] ** 2
+    g = torch.Generator().manual_seed(5)
+
+    def form(name: str, where, entries: torch.Tensor) -> float:
+        xi = {n: torch.zeros_like(p) for n, p in params.items()}
+        xi[name][where] = entries
+        v = layout.flatten(xi)
+        return float(v @ metric.apply(w, v))
+
+    weight = params["blocks.0.attn.proj.weight"]
+    for h in range(HEADS):
+        cols = slice(4 * h, 4 * (h + 1))
+        X, xi = weight[:, cols], torch.randn(8, 4, generator=g, dtype=torch.float64)
+        want = torch.trace(torch.linalg.solve(X.T @ (q[:, None] * X), xi.T @ (q[:, None] * xi)))
+        assert form("blocks.0.attn.proj.weight", (slice(None), cols), xi) == pytest.approx(float(want), rel=1e-12)
+    xi = torch.randn(8, generator=g, dtype=torch.float64)
+    assert form("blocks.0.attn.proj.bias", slice(None), xi) == pytest.approx(float((q * xi**2).sum()), rel=1e-12)

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from manifolds import module_chain
+from manifolds._modules import DROPOUTS
 from sharpness.products._layout import layout
 
 _CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 _POOLS = {nn.MaxPool1d: F.max_pool1d, nn.MaxPool2d: F.max_pool2d, nn.MaxPool3d: F.max_pool3d}
 _CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -286,7 +286,7 @@ def _piecewise_linear(module: nn.Module) -> _Slope | _MaxPool | _Reshape | _Iden
                         module.ceil_mode)  # fmt: skip
     if kind is nn.Flatten:
         return _Reshape(module)
-    if kind is nn.Identity or kind in _DROPOUTS:
+    if kind is nn.Identity or kind in DROPOUTS:
         return _Identity()
     return None
 

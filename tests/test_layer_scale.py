@@ -1,0 +1,153 @@
+"""LayerScale (``y = h * gamma`` added to the residual stream, CaiT / DeiT III / timm's ``init_values``): the scale is
+traded against the rows and bias of the layer that computes ``h``, also where that layer's columns are moved by the
+value/output GL factors of attention (an output projection) or divided by ReLU units (an MLP's second layer).
+
+Checked on tiny float64 blocks with references that share none of the library's code: outputs under hand-built and
+random group elements, the metric's value under hand-built elements (moved with the point and the tangents), and the
+measure against the dense generalized eigenproblem of `test_transformer_quotient`; and what is not traded says why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_transformer_quotient import _form, _params, _pushed, dense_quotient_spectrum, measure_value
+from test_transformer_quotient import _with as _moved
+from torch import nn
+
+import manifolds
+
+D, H, HD, FF = 8, 2, 4, 12
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj, self.drop = nn.Linear(D, 3 * D), nn.Linear(D, D), nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+        a = (q @ k.transpose(-2, -1) * HD**-0.5).softmax(dim=-1) @ v
+        return self.drop(self.proj(a.transpose(1, 2).reshape(b, t, D)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm, attention and a ReLU MLP, each branch scaled by its own ``gamma`` before the residual sum."""
+
+    def __init__(self, shared: bool = False, leak: bool = False):
+        super().__init__()
+        self.leak = leak
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = Attention()
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.gamma1 = nn.Parameter(torch.full((D,), 0.5))
+        self.gamma2 = self.gamma1 if shared else nn.Parameter(torch.full((D,), 0.5))
+
+    def forward(self, x):
+        h = self.attn(self.ln1(x))
+        x = x + h * self.gamma1 + (h.mean(-1, keepdim=True) if self.leak else 0.0)
+        return x + self.fc2(torch.relu(self.fc1(self.ln2(x)))) * self.gamma2
+
+
+class Net(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.block, self.norm, self.head = Block(**options), nn.LayerNorm(D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(self.block(x)).mean(dim=1))
+
+
+def _make(seed: int = 0, **options):
+    torch.manual_seed(seed)
+    model = Net(**options).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(5, 4, D, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+
+
+def _hand_element(model: Net, g: torch.Generator) -> dict:
+    """``gamma1 * c``, ``proj`` rows and bias ``/ c``; ``gamma2 * d``, ``fc2`` rows and bias ``/ d``; per head ``B`` on
+    the value rows of ``qkv`` and ``B^-T`` on ``proj``'s head columns; ReLU units ``u`` on ``fc1`` rows, ``fc2`` columns
+    ``/ u``."""
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def positive(k):
+        return torch.exp(0.7 * torch.randn(k, generator=g, dtype=torch.float64))
+
+    for gamma, layer in (("block.gamma1", "block.attn.proj"), ("block.gamma2", "block.fc2")):
+        c = positive(D)
+        sd[gamma] = sd[gamma] * c
+        sd[f"{layer}.weight"], sd[f"{layer}.bias"] = sd[f"{layer}.weight"] / c[:, None], sd[f"{layer}.bias"] / c
+    for h in range(H):
+        b = torch.eye(HD, dtype=torch.float64) + 0.5 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
+        rows, cols = slice(2 * D + h * HD, 2 * D + (h + 1) * HD), slice(h * HD, (h + 1) * HD)
+        for t in ("weight", "bias"):
+            sd[f"block.attn.qkv.{t}"][rows] = b.T @ sd[f"block.attn.qkv.{t}"][rows]
+        sd["block.attn.proj.weight"][:, cols] = sd["block.attn.proj.weight"][:, cols] @ torch.linalg.inv(b).T
+    u = positive(FF)
+    sd["block.fc1.weight"], sd["block.fc1.bias"] = sd["block.fc1.weight"] * u[:, None], sd["block.fc1.bias"] * u
+    sd["block.fc2.weight"] = sd["block.fc2.weight"] / u
+    return sd
+
+
+def _layer_scales(sym) -> list[str]:
+    return [f.label for f in sym.factors if f.label.startswith("layer scale")]
+
+
+def test_both_layer_scales_are_traded_and_elements_keep_the_outputs():
+    model, _, (x, _) = _make()
+    sym = manifolds.transformer_symmetry(model, x)
+    assert len(_layer_scales(sym)) == 2, sym.describe()
+    moved = {b.name for f in sym.factors if f.label.startswith("layer scale") for b in f.blocks}
+    assert moved == {"block.gamma1", "block.attn.proj.weight", "block.attn.proj.bias", "block.gamma2",
+                     "block.fc2.weight", "block.fc2.bias"}  # fmt: skip
+    # 2 heads x (query/key + value/output) GL(4), 3 LayerNorm trades (the last one through the mean), 2 layer scales,
+    # the ReLU units
+    assert sym.dim == 4 * HD * HD + 3 * D + 2 * D + FF, sym.describe()
+    fresh = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    for twin in (_moved(model, _hand_element(model, g)), sym.transformed(model, sym.random_element(1.0, g))):
+        with torch.no_grad():
+            assert (twin(fresh) - model(fresh)).abs().max() < 1e-12
+
+
+def test_the_metric_is_invariant_and_the_measure_equals_the_dense_reference():
+    model, loss, data = _make()
+    sym = manifolds.transformer_symmetry(model, data[0])
+    params = _params(model)
+    layout = manifolds.ParamLayout.from_tensors(params)
+    metric = manifolds.symmetry_metric(sym, params)
+    g = torch.Generator().manual_seed(3)
+    xi, eta = ({n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2))
+    before = _form(metric, layout, params, xi, eta)
+    for element in (sym.random_element(1.0, g),):
+        after = _form(metric, layout, sym.act(params, element), _pushed(sym, element, xi), _pushed(sym, element, eta))
+        assert after == pytest.approx(before, rel=1e-10)
+    moved = _moved(model, _hand_element(model, g))
+    reference = dense_quotient_spectrum(model, loss, data, metric, sym)
+    got = measure_value(model, loss, data, k=2)
+    assert np.allclose(got, reference[::-1][:2], rtol=1e-8, atol=0), (got, reference[::-1][:2])
+    assert np.allclose(measure_value(moved, loss, data, k=2), got, rtol=1e-8, atol=0)
+
+
+def test_a_layer_output_read_elsewhere_or_a_shared_gamma_is_not_traded_and_says_why():
+    model, _, (x, _) = _make(leak=True)  # proj's output also feeds a mean added to the residual stream
+    sym = manifolds.transformer_symmetry(model, x)
+    assert [label.split(" at ")[0] for label in _layer_scales(sym)] == ["layer scale 'block.gamma2'"], sym.describe()
+    assert "elementwise scale cannot be traded: the scaled tensor is read elsewhere too" in sym.describe()
+    model, _, (x, _) = _make(shared=True)  # one gamma for both branches: no trade may move it for one alone
+    sym = manifolds.transformer_symmetry(model, x)
+    assert _layer_scales(sym) == [], sym.describe()
+    assert sym.describe().count("its layer scale cannot be traded: the parameter 'block.gamma") == 2, sym.describe()
+    assert sym.describe().count("is also read elsewhere") == 2, sym.describe()
+    for options in ({"leak": True}, {"shared": True}):  # what is found still holds
+        model, _, (x, _) = _make(**options)
+        sym = manifolds.transformer_symmetry(model, x)
+        twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(4)))
+        with torch.no_grad():
+            assert (twin(x) - model(x)).abs().max() < 1e-12
