@@ -19,6 +19,13 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
 * **Normalization affine scale** (positive diagonal, one scale per feature): ``gamma_j, beta_j <- c_j gamma_j,
   c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
   reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
+* **Layer scale** (positive diagonal): ``y = h * w`` whose readers cannot take the elementwise trade below (timm's
+  ``LayerScale``: ``y`` is added to the residual stream), ``h`` a linear layer's output read only by the product
+  (through dropout layers): ``w_j <- c_j w_j`` and the layer's row ``j`` and bias ``j`` ``<- / c_j``.
+* **Query/key normalization scales** (positive diagonal): where the query and the key are each normalized (a LayerNorm
+  or RMSNorm module with affine parameters, per head or over the whole width) and reach the scores through reshapes
+  and constant factors only, with feature ``j`` of every query row meeting feature ``j`` of every key row: the query
+  normalization's scale and shift ``<- c (.)``, the key's ``<- (.) / c``. The query/key GL(hd) is pinned there.
 * **Elementwise scale read directly** (positive diagonal): ``y = h * w`` with ``w`` a parameter vector on the last
   axis that nothing else reads (a normalization written by hand: HuggingFace's LLaMA ``RMSNorm``): ``w_j <- c_j w_j``
   and column ``j`` of every layer reading ``y`` ``<- / c_j``.
@@ -57,7 +64,8 @@ that commutes with every position's map (`manifolds._rotary`): the operations th
 heads tensor alone, with constant (buffer- and shape-derived) other inputs, and act linearly on each row.
 
 What pins (no factor, with the reason recorded): anything else between a projection and the product
-(per-head norms, a learned per-position map, one piece of a fused projection read twice, a repeated query head), a
+(per-head norms, which trade their scales instead, a learned per-position map, one piece of a fused projection read
+twice, a repeated query head), a
 projection or normalized output read by anything else (a residual addition), a Linear or module called more than once
 for a diagonal trade, shared parameters, GELU / SiLU / tanh / softmax after a Linear (not positively
 homogeneous). Pinning only shrinks the group, so it is always safe.
@@ -215,6 +223,7 @@ class _Finder:
         self.found = _Found()
         self.claimed_rows: set[str] = set()  # Linear modules whose output features some factor moves
         self.layer_scaled: set[fx.Node] = set()  # products `h * w` whose w is traded against h's layer
+        self.score_norms: set[fx.Node] = set()  # query/key normalizations whose scales are traded against each other
         self.claimed: list[tuple[tuple[str, int], set[int], set[int] | None]] = []  # (parameter, axis), what a factor
         # moves along that axis, and the indices of the other axis it is restricted to (None: all)
         self._input_fed: dict[fx.Node, bool] = {}
@@ -859,6 +868,76 @@ class _Finder:
     def pin(self, where: str, channels: int, reason: str) -> None:
         self.found.pins.append(Pin(where, channels, reason))
 
+    def score_norm(self, node: fx.Node, role: str) -> tuple[fx.Node, list[fx.Node]]:
+        """The normalization (`_NORMS`, called as a module) whose output reaches ``node`` through reshapes and constant
+        factors only, each read once, and those steps in order from it; else `_Fail`."""
+        chain: list[fx.Node] = []
+        current = node
+        while True:
+            if len(self.users(current)) != 1:
+                raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
+            if current.op == "call_module" and read_as(self.module(current)) in _NORMS:
+                chain.reverse()
+                return current, chain
+            source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
+            if source is None:
+                raise _Fail(f"the {role} is not a normalization's output reshaped ({self.label(current)} is between)")
+            chain.append(current)
+            current = source
+
+    def norm_pair(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
+        """Scores ``q k^T`` of a normalized query and key (timm's ``qk_norm``, ViT-22B): ``LN_q``'s scale and shift
+        ``* c`` and ``LN_k``'s ``/ c`` keep every score, where feature ``j`` of every query row meets feature ``j`` of
+        every key row (read off the replayed feature indices); a diagonal factor over the normalized features."""
+        qn, chain_q = self.score_norm(q, "query")
+        kn, chain_k = self.score_norm(k, "key")
+        mq, mk = self.module(qn), self.module(kn)
+        size = tuple(mq.normalized_shape)
+        if qn is kn or len(size) != 1 or tuple(mk.normalized_shape) != size or mq.weight is None or mk.weight is None:
+            raise _Fail("the query and key normalizations are not two with affine scales over the same features")
+        for n, m in ((qn, mq), (kn, mk)):
+            if m._forward_hooks or m._forward_pre_hooks:
+                raise _Fail(f"{self.label(n)} has forward hooks")
+            if self.calls[str(n.target)] != 1:
+                raise _Fail(f"{self.label(n)} is called more than once")
+        pq = self.replay(chain_q, self.feature_probe(qn))
+        pk = self.replay(chain_k, self.feature_probe(kn))
+        if not k_features_last:
+            pk = pk.transpose(-2, -1)
+        if repeat > 1:
+            pk = _interleaved(pk, repeat)
+        batch = _broadcast(pq.shape[:-2], pk.shape[:-2])
+        if batch is None or pq.shape[-1] != pk.shape[-1] or pq.dim() < 2:
+            raise _Fail("the normalized query and key do not meet feature by feature")
+        pq, pk = pq.expand(*batch, *pq.shape[-2:]), pk.expand(*batch, *pk.shape[-2:])
+        gq, gk = self.groups(pq, True, "query"), self.groups(pk, True, "key")
+        if not torch.equal(gq, gk):
+            raise _Fail("the normalized query and key do not meet feature by feature")
+        index = tuple(range(size[0]))
+        blocks = [Block(self.param(str(n.target), p), 0, index, None, how)
+                  for n, how in ((qn, "T"), (kn, "inv")) for p in ("weight", "bias")
+                  if getattr(self.module(n), p, None) is not None]  # fmt: skip
+        factor = Factor("diagonal", size[0], tuple(blocks), f"attention at {where}: query/key normalization scales",
+                        "c")  # fmt: skip
+        self.claim([factor])
+        self.score_norms |= {qn, kn}
+        self.found.factors.append(factor)
+
+    def scores(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
+        """The query/key factors of scores ``q k^T`` (`query_key`), or, where the query and key are normalized before
+        the product, the trade between the normalizations' scales (`norm_pair`), which then also pins the
+        projections' factors (with `query_key`'s reason); `_Fail` with both reasons where neither holds."""
+        try:
+            self.query_key(where, q, k, k_features_last, repeat)
+            return
+        except _Fail as failure:
+            first = failure
+        try:
+            self.norm_pair(where, q, k, k_features_last, repeat)
+        except _Fail as failure:
+            raise _Fail(f"{first}; as normalized query and key: {failure}") from None
+        self.pin(f"query/key of {where}", 0, f"no query/key factor: {first}")
+
     # -- patterns --------------------------------------------------------------------------------------------
     def matmul(self, node: fx.Node) -> None:
         if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
@@ -871,7 +950,7 @@ class _Finder:
             self.pin(f"product {where}", 0, "no attention factor: one tensor is both factors of the product")
             return
         try:
-            self.query_key(where, a, b, k_features_last=False)
+            self.scores(where, a, b, k_features_last=False)
             return
         except _Fail as qk_failure:
             first = str(qk_failure)
@@ -904,7 +983,7 @@ class _Finder:
                 return
             repeat = shapes[0][-3] // shapes[1][-3]
         try:
-            self.query_key(where, q, k, k_features_last=True, repeat=repeat)
+            self.scores(where, q, k, k_features_last=True, repeat=repeat)
         except _Fail as failure:
             self.pin(f"query/key of {where}", 0, f"no query/key factor: {failure}")
         try:
@@ -1059,15 +1138,16 @@ class _Finder:
         except _Fail:
             pass
         reader, source = node, h
-        for _ in range(_STEPS_TO_PROJECTION):  # back through dropout layers, each read by the next alone
+        for _ in range(_STEPS_TO_PROJECTION):  # back through dropout layers and reshapes, each read by the next alone
             if self.users(source) != [reader]:
                 return
             proj = self.projection(source)
             if proj is not None:
                 break
-            if not (source.args and isinstance(source.args[0], fx.Node) and self.is_dropout(source, source.args[0])):
-                return
-            reader, source = source, source.args[0]
+            data = source.args[0] if source.args and isinstance(source.args[0], fx.Node) else None
+            if data is None or not (self.is_dropout(source, data) or self.keeps_features(source, data)):
+                return  # (GPT-2's Conv1D views its addmm back: a reshape keeping the features)
+            reader, source = source, data
         else:
             return
         if not self.once(proj):
@@ -1075,6 +1155,10 @@ class _Finder:
         where = self.label(node)
         try:
             name = self.owned(weight, node)
+            zeros = int((attribute(self.model, weight) == 0).sum())
+            if zeros:  # the trade holds, but its orbit degenerates there: no invariant metric is defined
+                raise _Fail(f"'{name}' has {zeros} zero entr{'y' if zeros == 1 else 'ies'} (a zero-initialised "
+                            "scale), where the metric of the trade is undefined")  # fmt: skip
             blocks = (Block(name, 0, index, None, "T"), *self.linear_blocks(proj, index, "inv", True))
             factor = Factor("diagonal", size, blocks, f"layer scale '{name}' at {where}", "c")
             self.claim([factor])
@@ -1196,7 +1280,8 @@ class _Finder:
                 self.layer_scale(node)
         for node in nodes:
             if node.op == "call_module" and read_as(self.module(node)) in _NORMS:
-                self.norm(node)
+                if node not in self.score_norms:
+                    self.norm(node)
                 continue
             if node.op in ("call_function", "call_method") and target_name(node) == "mul":
                 self.scale(node)

@@ -286,6 +286,16 @@ class _Point:
         return torch.cat(pieces, dim=-1)[..., plan.inverse]
 
 
+def singular_blocks(plan: _Plan, w: Tensor) -> Tensor:
+    """``(n,)`` flags of the entries of ``w`` (``(n,)``) in row blocks whose Gram matrix ``X P X^T`` is singular at
+    ``w`` (rows of zero weighted norm, or linearly dependent ones), where the metric is undefined."""
+    flags = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+    for r, s in zip(plan.rows, _Point(plan, w).row_s):
+        singular = torch.linalg.matrix_rank(s) < s.shape[-1]  # (B,)
+        flags[r.index.to(w.device)[singular].reshape(-1)] = True
+    return flags
+
+
 def _solve(s: Tensor, x: Tensor) -> Tensor:
     """``s^-1 x`` for a batch of small SPD ``s`` and matrices ``x`` (broadcast over the batch); ``1 x 1`` blocks (units)
     by division, not LAPACK."""

@@ -37,7 +37,7 @@ from manifolds._layout import ParamLayout
 from manifolds._matrix_group import MatrixSymmetry, _grid
 from manifolds._node_symmetry import NodeSymmetry
 from manifolds._structure import UnsupportedModelError, name_list
-from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener, _whitening_entries
+from manifolds._symmetry_metric import _metric, _Plan, _Point, _solver, _whitener, _whitening_entries, singular_blocks
 
 _PROBE_ENTRIES = 1 << 22  # probes per batch of the Gram build: about this many numbers (32 MiB in float64) at once
 
@@ -75,7 +75,10 @@ class SymmetryQuotient(MetricQuotient):
         self._plan = plan if default_metric else None  # the default metric's maps are frozen at the point (_factors)
         metric = metric or _metric(plan)
         w = self.layout.flatten(self.params)
-        bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
+        try:
+            bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
+        except torch.linalg.LinAlgError:  # a block's Gram matrix is singular (rows of zero weight): say which
+            bad = singular_blocks(plan, w)
         if bool(bad.any()):
             names = [name for name, flags in self.layout.blocks(bad) if bool(flags.any())]
             raise UnsupportedModelError(

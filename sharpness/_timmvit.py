@@ -7,19 +7,21 @@ prefix tokens, ``F`` the MLP's width, ``K`` the classes)::
     have no position (timm's no_embed_class: DeiT III); cls_token (1, 1, D); reg_token (1, R, D) (registers);
     dist_token (1, 1, D) and head_dist.weight, .bias (DeiT's distilled models)
     blocks.i.norm1.weight, .bias; blocks.i.attn.qkv.weight (3D, D), .bias (3D,) where the model has one;
+    blocks.i.attn.q_norm.weight (hd,), .bias, blocks.i.attn.k_norm.weight, .bias (qk_norm, where the model has it);
     blocks.i.attn.proj.weight (D, D), .bias; blocks.i.ls1.gamma (D,) (LayerScale, where the model has it);
     blocks.i.norm2.weight, .bias; blocks.i.mlp.fc1.weight (F, D), .bias; blocks.i.mlp.fc2.weight (D, F), .bias;
     blocks.i.ls2.gamma; norm.weight, .bias (the class token's classifier) or fc_norm.weight, .bias (the tokens' mean);
     head.weight (K, D), .bias (K,)
 
 Each block is pre-LayerNorm (``x + ls1(proj(attn(norm1(x))))``, then ``x + ls2(fc2(act(fc1(norm2(x)))))``); attention
-cuts the fused ``qkv`` projection into heads and attends over all tokens with scale ``hd^-1/2``
+cuts the fused ``qkv`` projection into heads, normalizes each head's query and key (a LayerNorm over the head's
+features, shared by the heads, where the model has ``qk_norm``), and attends over all tokens with scale ``hd^-1/2``
 (``F.scaled_dot_product_attention``). The classifier reads the final LayerNorm's state of the class token
 (``pool="token"``), or the mean of the patch tokens (``pool="avg"``), each through ``norm`` and/or ``fc_norm`` as the
 checkpoint has them. The keys do not say which pooling a model uses (timm's ``global_pool``), so ``pool`` is always
 given; timm's max pooling is not modelled (its keys are an average-pooled model's). A distilled model
-averages its two heads, on the class and the distillation token, as timm's does in eval mode. ``qk_norm``,
-attention pooling and other layouts are refused (a key the model does not have).
+averages its two heads, on the class and the distillation token, as timm's does in eval mode. Attention pooling and
+other layouts are refused (a key the model does not have).
 """
 
 from __future__ import annotations
@@ -48,22 +50,27 @@ class LayerScale(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, qkv_bias: bool):
+    def __init__(self, dim: int, heads: int, qkv_bias: bool, qk_norm: bool, eps: float):
         super().__init__()
         self.heads = heads
         self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=qkv_bias), nn.Linear(dim, dim)
+        norm = (lambda: nn.LayerNorm(dim // heads, eps=eps)) if qk_norm else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x: Tensor) -> Tensor:
         n, tokens, dim = x.shape
         q, k, v = self.qkv(x).reshape(n, tokens, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
         return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, tokens, dim))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, qkv_bias: bool, layer_scale: bool):
+    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, qkv_bias: bool, layer_scale: bool,
+                 qk_norm: bool):  # fmt: skip
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
-        self.attn, self.mlp = Attention(dim, heads, qkv_bias), ViTMLP(dim, hidden, act)  # timm's keys: fc1, fc2
+        self.attn = Attention(dim, heads, qkv_bias, qk_norm, eps)
+        self.mlp = ViTMLP(dim, hidden, act)  # timm's keys: fc1, fc2
         self.ls1 = LayerScale(dim) if layer_scale else nn.Identity()
         self.ls2 = LayerScale(dim) if layer_scale else nn.Identity()
 
@@ -97,6 +104,8 @@ class TimmViT(nn.Module):
         registers: register tokens after it (``reg_tokens``).
         distilled: DeiT's distillation token and second head.
         embed_prefix: whether the position table covers the prefix tokens too (timm's ``not no_embed_class``).
+        qk_norm: whether each head's query and key pass a LayerNorm over the head's features (``q_norm``,
+            ``k_norm``, with ``eps``) before the product.
 
     Inputs are images ``(N, C, image, image)`` (`check_inputs`); outputs are logits ``(N, K)``.
     """
@@ -105,7 +114,7 @@ class TimmViT(nn.Module):
                  channels: int = 3, hidden: int | None = None, eps: float = 1e-6, act: str = "gelu",
                  qkv_bias: bool = True, layer_scale: bool = False, pool: str = "token", class_token: bool = True,
                  registers: int = 0, distilled: bool = False, embed_prefix: bool = True, final_norm: bool | None = None,
-                 fc_norm: bool | None = None):  # fmt: skip
+                 fc_norm: bool | None = None, qk_norm: bool = False):  # fmt: skip
         super().__init__()
         check_vit_options(image, patch, dim, heads, eps, act, "act")
         if pool not in POOLS or (pool == "token" and not class_token) or (distilled and not class_token):
@@ -122,7 +131,7 @@ class TimmViT(nn.Module):
         positions = (image // patch) ** 2 + (self.prefix if embed_prefix else 0)
         self.pos_embed = nn.Parameter(torch.zeros(1, positions, dim))
         self.blocks = nn.Sequential(*(Block(dim, heads, 4 * dim if hidden is None else hidden, eps, act, qkv_bias,
-                                            layer_scale) for _ in range(depth)))  # fmt: skip
+                                            layer_scale, qk_norm) for _ in range(depth)))  # fmt: skip
         final_norm, fc_norm = (
             pool == "token" if final_norm is None else final_norm,
             pool == "avg" if fc_norm is None else fc_norm,
@@ -192,7 +201,8 @@ class TimmViT(nn.Module):
             model = cls(side * patch, patch, dim, depth, heads, state["head.weight"].shape[0], channels,
                         fc1.shape[0] if fc1.dim() == 2 else 4 * dim, eps, act, "blocks.0.attn.qkv.bias" in state,
                         "blocks.0.ls1.gamma" in state, pool, "cls_token" in state, registers, "dist_token" in state,
-                        embed_prefix, "norm.weight" in state, "fc_norm.weight" in state)  # fmt: skip
+                        embed_prefix, "norm.weight" in state, "fc_norm.weight" in state,
+                        "blocks.0.attn.q_norm.weight" in state)  # fmt: skip
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         return load_fitting(

@@ -151,3 +151,45 @@ def test_a_layer_output_read_elsewhere_or_a_shared_gamma_is_not_traded_and_says_
         twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(4)))
         with torch.no_grad():
             assert (twin(x) - model(x)).abs().max() < 1e-12
+
+
+def test_a_zero_initialised_layer_scale_is_not_traded_and_the_measure_is_defined():
+    """gamma = 0 (ReZero, adaLN-zero at initialization): the trade still keeps the outputs, but its metric (weights
+    gamma^2) is undefined there; the factor is pinned with the reason and the measure is taken on the rest."""
+    model, loss, data = _make()
+    with torch.no_grad():
+        model.block.gamma1.zero_()
+    sym = manifolds.transformer_symmetry(model, data[0])
+    assert [label.split(" at ")[0] for label in _layer_scales(sym)] == ["layer scale 'block.gamma2'"], sym.describe()
+    assert "'block.gamma1' has 8 zero entries (a zero-initialised scale)" in sym.describe()
+    value = measure_value(model, loss, data)
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(5)))
+    assert bool(torch.isfinite(value).all()) and np.allclose(measure_value(moved, loss, data), value, rtol=1e-8, atol=0)
+
+
+class Conv1DBlock(nn.Module):
+    """GPT-2's ``Conv1D`` (``addmm`` on the flattened tokens, viewed back) scaled by ``gamma`` into the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, 3)
+        self.weight, self.bias = nn.Parameter(torch.randn(D, D)), nn.Parameter(torch.randn(D))
+        self.gamma = nn.Parameter(torch.full((D,), 0.5))
+
+    def forward(self, x):
+        h = self.ln(x)
+        h = torch.addmm(self.bias, h.view(-1, D), self.weight).view(x.shape)
+        return self.head((x + h * self.gamma).mean(dim=1))
+
+
+def test_a_conv1d_layer_viewed_back_takes_the_trade_on_its_stored_columns():
+    torch.manual_seed(0)
+    model = Conv1DBlock().double().eval()
+    x = torch.randn(5, 4, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    (factor,) = [f for f in sym.factors if f.label.startswith("layer scale")]
+    weight = next(b for b in factor.blocks if b.name == "weight")
+    assert weight.transposed and weight.stored_axis == 1, sym.describe()  # W stored (in, out): its columns move
+    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(6)))
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12

@@ -33,7 +33,8 @@ from sharpness._specs import SpecError
 from sharpness.products._reference import dense_hessian
 
 DATA = Path(__file__).parent / "data"
-FIXTURES = {"timm_vit_tiny": {}, "timm_vit_tiny_ls_avg": {"init_values": 0.5, "global_pool": "avg"}}
+FIXTURES = {"timm_vit_tiny": {}, "timm_vit_tiny_ls_avg": {"init_values": 0.5, "global_pool": "avg"},
+            "timm_vit_tiny_qknorm": {"qk_norm": True}}
 LABELS = torch.tensor([0, 3, 9, 3, 1])
 WIDTH, HEADS, HD, DEPTH = 16, 2, 8, 2
 
@@ -64,7 +65,9 @@ def _small(norm: type[nn.Module] = nn.LayerNorm, seed: int = 0, **options) -> tu
 def _hand_element(model: VisionTransformer, g: torch.Generator) -> dict:
     """Per head ``A`` on the query/key rows of ``qkv`` and ``B`` on its value rows and the columns of ``proj``; every
     LayerNorm's scale ``c`` traded against the columns of the layer reading it (``qkv``, ``fc1``, the head); every
-    LayerScale ``gamma`` times ``c`` against the rows and bias of the layer it scales (``proj``, ``fc2``) over ``c``."""
+    LayerScale ``gamma`` times ``c`` against the rows and bias of the layer it scales (``proj``, ``fc2``) over ``c``.
+    With ``qk_norm`` the query/key ``A`` is no symmetry: ``q_norm``'s scale and shift times ``c``, ``k_norm``'s over
+    ``c`` instead."""
     sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     dim, heads = model.head.in_features, model.blocks[0].attn.num_heads
     hd = dim // heads
@@ -80,8 +83,14 @@ def _hand_element(model: VisionTransformer, g: torch.Generator) -> dict:
 
     for i in range(len(model.blocks)):
         p = f"blocks.{i}."
+        normed = f"{p}attn.q_norm.weight" in sd
+        if normed:
+            c = torch.exp(0.7 * torch.randn(hd, generator=g, dtype=torch.float64))
+            for t in ("weight", "bias"):
+                sd[f"{p}attn.q_norm.{t}"], sd[f"{p}attn.k_norm.{t}"] = (sd[f"{p}attn.q_norm.{t}"] * c,
+                                                                        sd[f"{p}attn.k_norm.{t}"] / c)  # fmt: skip
         for h in range(heads):
-            a, b = gl(), gl()
+            a, b = torch.eye(hd, dtype=torch.float64) if normed else gl(), gl()
             for role, m in enumerate((a.T, torch.linalg.inv(a), b.T)):
                 rows = slice(role * dim + h * hd, role * dim + (h + 1) * hd)
                 for t in ("weight", "bias"):
@@ -112,9 +121,12 @@ def test_the_group_is_every_head_and_every_layernorm_and_hand_built_elements_kee
     model, images, _ = _fixture(name)
     sym = manifolds.transformer_symmetry(model, images)
     kinds = [f.kind for f in sym.factors]
-    diagonal = 2 * DEPTH + 1 + (2 * DEPTH if "init_values" in FIXTURES[name] else 0)  # LayerNorms, LayerScales
-    assert kinds.count("GL") == DEPTH * HEADS * 2 and kinds.count("diagonal") == diagonal, sym.describe()
-    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + diagonal * WIDTH
+    scales = 2 * DEPTH if "init_values" in FIXTURES[name] else 0  # LayerScales
+    normed = DEPTH if "qk_norm" in FIXTURES[name] else 0  # query/key normalizations traded for the query/key GL
+    diagonal = 2 * DEPTH + 1 + scales + normed  # and the LayerNorms
+    assert kinds.count("GL") == DEPTH * HEADS * (2 - bool(normed)) and kinds.count("diagonal") == diagonal, \
+        sym.describe()  # fmt: skip
+    assert sym.dim == DEPTH * HEADS * (2 - bool(normed)) * HD * HD + (2 * DEPTH + 1 + scales) * WIDTH + normed * HD
     assert "head.weight" in {b.name for f in sym.factors for b in f.blocks}  # through x[:, 0] or the mean, and dropout
     fresh = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     g = torch.Generator().manual_seed(2)
@@ -135,12 +147,14 @@ def test_the_invariant_measure_is_unchanged_by_a_hand_built_element_and_euclidea
     assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
 
 
-@pytest.mark.parametrize("options", [{}, {"init_values": 0.5, "global_pool": "avg"}])
+@pytest.mark.parametrize("options", [{}, {"init_values": 0.5, "global_pool": "avg"}, {"qk_norm": True}])
 def test_the_measure_equals_the_dense_quotient_reference_and_products_the_dense_hessian(options):
     model, x = _small(**options)
     loss, data = nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
     sym = manifolds.transformer_symmetry(model, x)
-    assert sym.dim == HEADS * 2 * 4 * 4 + (5 if options else 3) * 8, sym.describe()  # 2 LayerScales with options
+    # per head GL(4) on query/key (none with qk_norm: its scales, 4) and value/output; 3 LayerNorms, 2 LayerScales
+    expected = HEADS * 2 * 4 * 4 + (5 if "init_values" in options else 3) * 8
+    assert sym.dim == (expected - HEADS * 4 * 4 + 4 if "qk_norm" in options else expected), sym.describe()
     params = {n: p.detach() for n, p in model.named_parameters()}
     reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, params), sym)
     assert np.allclose(measure_value(model, loss, data, k=2), reference[::-1][:2], rtol=1e-8, atol=0)
@@ -289,7 +303,7 @@ def test_an_identity_with_a_hook_stays_a_call_and_its_hook_runs():
 
 # -- sharpness.TimmViT: timm's checkpoints without timm ------------------------------------------------------------
 LAYOUTS = {"timm_vit_tiny": "token", "timm_vit_tiny_ls_avg": "avg", "timm_deit_tiny_distilled": "token",
-           "timm_vit_tiny_reg_gap": "avg"}  # fmt: skip
+           "timm_vit_tiny_reg_gap": "avg", "timm_vit_tiny_qknorm": "token"}  # fmt: skip
 
 
 def _checkpoint(name: str):
@@ -300,14 +314,17 @@ def _checkpoint(name: str):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_timmvit_computes_timm_s_logits_and_has_the_whole_group(name):
     """A class token and final LayerNorm; LayerScale and the mean through fc_norm; DeiT's distillation token and
-    second head; registers, positions for the patches alone and the mean after the final LayerNorm (pool=avg)."""
+    second head; registers, positions for the patches alone and the mean after the final LayerNorm (pool=avg); each
+    head's query and key normalized (qk_norm: their scales traded instead of the query/key GL)."""
     state, images, logits = _checkpoint(name)
     model = TimmViT.from_state_dict(state, heads=HEADS, pool=LAYOUTS[name])
     with torch.no_grad():
         assert (model(images) - logits).abs().max() <= 1e-12
     sym = manifolds.transformer_symmetry(model, images)
     scales = 2 * DEPTH if "_ls" in name else 0  # LayerScale on both branches of every block
-    assert sym.dim == DEPTH * HEADS * 2 * HD * HD + (2 * DEPTH + 1 + scales) * WIDTH, sym.describe()
+    gl = DEPTH * HEADS * (1 if "qknorm" in name else 2) * HD * HD
+    normed = DEPTH * HD if "qknorm" in name else 0
+    assert sym.dim == gl + (2 * DEPTH + 1 + scales) * WIDTH + normed, sym.describe()
     moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
     with torch.no_grad():
         assert (moved(images) - model(images)).abs().max() < 1e-10
@@ -319,7 +336,8 @@ def test_timmvit_refuses_what_does_not_fit_with_the_reason():
     headless = {k: v for k, v in state.items() if not k.startswith("head.")}
     cases = {
         "no classifier": (headless, "no 2-axis tensor head.weight"),
-        "qk_norm": ({**state, "blocks.0.attn.q_norm.weight": torch.ones(HD)}, "unknown ['blocks.0.attn.q_norm.weight"),
+        "qk_norm": ({**state, "blocks.0.attn.q_norm.weight": torch.ones(HD)}, "missing ['blocks.0.attn.k_norm.bias'"),
+        "attention pooling": ({**state, "attn_pool.latent": torch.zeros(1, 1, WIDTH)}, "unknown ['attn_pool.latent'"),
         "heads": (state, "dim=16 is not a multiple of heads=3"),
         "positions": ({**state, "pos_embed": torch.zeros(1, 19, WIDTH)}, "not one square grid"),
         "registers": ({**state, "reg_token": torch.zeros(WIDTH)}, "reg_token has shape (16,), not (1, k, width)"),

@@ -405,3 +405,14 @@ def test_frozen_attention_projections_cut_the_attention_claim():
     result = MEASURES["symmetry"].sharpness(obj, k=1, solver=Solver(tol=1e-10), progress=False)
     assert "attention" not in result.info["invariant_under"]
     assert "normalization" in result.info["invariant_under"]
+
+
+def test_a_factor_s_rows_of_zero_norm_are_refused_naming_them():
+    """A query head whose first row and bias are zero: its block's Gram matrix is singular, so the metric is
+    undefined there; the refusal names the tensors (it was a raw LinAlgError from the block solve)."""
+    model, loss, data = make("hand_pre")
+    with torch.no_grad():
+        model.blocks[0].q.weight[0].zero_()
+        model.blocks[0].q.bias[0] = 0.0
+    with pytest.raises(manifolds.UnsupportedModelError, match=r"undefined at this point: blocks\.0\.q\.weight"):
+        measure_value(model, loss, data)

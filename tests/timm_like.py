@@ -27,11 +27,14 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, qkv_bias: bool):
+    def __init__(self, dim: int, heads: int, qkv_bias: bool, qk_norm: bool = False):
         super().__init__()
         self.num_heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
+        if qk_norm:
+            self.q_norm, self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6), nn.LayerNorm(self.head_dim, eps=1e-6)
+        else:
+            self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
         self.attn_drop = nn.Dropout(0.0)
         self.norm = nn.Identity()
         self.proj = nn.Linear(dim, dim)
@@ -67,10 +70,11 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, qkv_bias: bool, init_values: float | None):
+    def __init__(self, dim: int, heads: int, hidden: int, qkv_bias: bool, init_values: float | None,
+                 qk_norm: bool = False):  # fmt: skip
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads, qkv_bias)
+        self.attn = Attention(dim, heads, qkv_bias, qk_norm)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
@@ -92,14 +96,14 @@ class VisionTransformer(nn.Module):
 
     def __init__(self, image: int = 8, patch: int = 2, channels: int = 1, classes: int = 10, dim: int = 16,
                  depth: int = 2, heads: int = 2, qkv_bias: bool = True, init_values: float | None = None,
-                 global_pool: str = "token"):  # fmt: skip
+                 global_pool: str = "token", qk_norm: bool = False):  # fmt: skip
         super().__init__()
         self.global_pool = global_pool
         self.patch_embed = PatchEmbed(channels, patch, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(0.02 * torch.randn(1, (image // patch) ** 2 + 1, dim))
         self.pos_drop, self.patch_drop, self.norm_pre = nn.Dropout(0.0), nn.Identity(), nn.Identity()
-        self.blocks = nn.Sequential(*(Block(dim, heads, 4 * dim, qkv_bias, init_values) for _ in range(depth)))
+        self.blocks = nn.Sequential(*(Block(dim, heads, 4 * dim, qkv_bias, init_values, qk_norm) for _ in range(depth)))
         avg = global_pool == "avg"
         self.norm = nn.Identity() if avg else nn.LayerNorm(dim, eps=1e-6)
         self.fc_norm = nn.LayerNorm(dim, eps=1e-6) if avg else nn.Identity()

@@ -642,7 +642,7 @@ def float32_hessian_error(
     generator = torch.Generator().manual_seed(0)
     # drawn in float32 and widened exactly (both products see one direction): a quarter of float64's drawing time,
     # which on a model of 100M parameters is seconds of a check run once per objective
-    direction = [torch.randn(t.shape, generator=generator) for t in params.values()]
+    direction = [torch.randn(t.shape, generator=generator, dtype=torch.float32) for t in params.values()]
     products = []
     for dtype in (torch.float32, torch.float64):
         p = {k: t.detach().to(device, dtype) for k, t in params.items()}

@@ -1,0 +1,130 @@
+"""Query/key normalization (timm's ``qk_norm``, ViT-22B, OLMo 2's full-width norms): the normalization breaks the
+query/key GL(h) of the heads, and leaves a trade between the two normalizations' affine scales (``LN_q``'s scale and
+shift times ``c``, ``LN_k``'s over ``c``) wherever feature ``j`` of every query row meets feature ``j`` of every key
+row. Checked on tiny float64 models, written with ``F.scaled_dot_product_attention`` and with ``q @ k^T``: outputs
+under hand-built and random elements, the metric's invariance, the measure against the dense quotient reference; the
+cases without the trade say why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_transformer_quotient import _form, _params, _pushed, dense_quotient_spectrum, measure_value
+from test_transformer_quotient import _with as _moved
+from torch import nn
+
+import manifolds
+
+D, H, HD = 8, 2, 4
+
+
+class Attention(nn.Module):
+    """Fused ``qkv``; ``norms``: ``"head"`` (one LayerNorm per role over a head's features), ``"width"`` (over all
+    features, before the heads are split), ``"shared"`` (one LayerNorm for both), ``"query"`` (the query alone),
+    ``"plain"`` (no affine parameters)."""
+
+    def __init__(self, form: str, norms: str):
+        super().__init__()
+        self.form, self.norms = form, norms
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        size = D if norms == "width" else HD
+        self.q_norm = nn.LayerNorm(size, elementwise_affine=norms != "plain")
+        self.k_norm = self.q_norm if norms == "shared" else nn.LayerNorm(size, elementwise_affine=norms != "plain")
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        if self.norms == "width":
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = (z.reshape(b, t, H, HD).transpose(1, 2) for z in (q, k, v))
+        else:
+            q, k, v = self.qkv(x).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+            q = self.q_norm(q)
+            k = k if self.norms == "query" else self.k_norm(k)
+        if self.form == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v)
+        else:
+            a = (q * HD**-0.5 @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        return self.proj(a.transpose(1, 2).reshape(b, t, D))
+
+
+class Net(nn.Module):
+    def __init__(self, form: str = "sdpa", norms: str = "head"):
+        super().__init__()
+        self.ln, self.attn, self.head = nn.LayerNorm(D), Attention(form, norms), nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head((x + self.attn(self.ln(x))).mean(dim=1))
+
+
+def _make(seed: int = 0, **options):
+    torch.manual_seed(seed)
+    model = Net(**options).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(5, 4, D, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+
+
+def _traded(sym) -> list:
+    return [f for f in sym.factors if f.label.endswith("query/key normalization scales")]
+
+
+@pytest.mark.parametrize("form", ["sdpa", "matmul"])
+@pytest.mark.parametrize("norms", ["head", "width"])
+def test_the_normalizations_scales_are_traded_and_keep_the_outputs(form, norms):
+    model, _, (x, _) = _make(form=form, norms=norms)
+    sym = manifolds.transformer_symmetry(model, x)
+    (factor,) = _traded(sym)
+    size = D if norms == "width" else HD
+    assert factor.size == size and {b.name for b in factor.blocks} == {
+        f"attn.{r}_norm.{p}" for r in "qk" for p in ("weight", "bias")
+    }, sym.describe()
+    assert not [f for f in sym.factors if "query/key:" in f.label]  # the heads' GL(h) is gone
+    # by hand: q_norm's scale and shift times c, k_norm's over c
+    g = torch.Generator().manual_seed(1)
+    c = torch.exp(0.7 * torch.randn(size, generator=g, dtype=torch.float64))
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in ("weight", "bias"):
+        sd[f"attn.q_norm.{p}"], sd[f"attn.k_norm.{p}"] = sd[f"attn.q_norm.{p}"] * c, sd[f"attn.k_norm.{p}"] / c
+    fresh = torch.randn(3, 4, D, generator=g, dtype=torch.float64)
+    for twin in (_moved(model, sd), sym.transformed(model, sym.random_element(1.0, g))):
+        with torch.no_grad():
+            assert (twin(fresh) - model(fresh)).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("form", ["sdpa", "matmul"])
+def test_the_metric_is_invariant_and_the_measure_equals_the_dense_reference(form):
+    model, loss, data = _make(form=form)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    params = _params(model)
+    layout = manifolds.ParamLayout.from_tensors(params)
+    metric = manifolds.symmetry_metric(sym, params)
+    g = torch.Generator().manual_seed(3)
+    xi, eta = ({n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2))
+    element = sym.random_element(1.0, g)
+    after = _form(metric, layout, sym.act(params, element), _pushed(sym, element, xi), _pushed(sym, element, eta))
+    assert after == pytest.approx(_form(metric, layout, params, xi, eta), rel=1e-10)
+    reference = dense_quotient_spectrum(model, loss, data, metric, sym)
+    got = measure_value(model, loss, data, k=2)
+    assert np.allclose(got, reference[::-1][:2], rtol=1e-8, atol=0), (got, reference[::-1][:2])
+    moved = sym.transformed(model, element)
+    assert np.allclose(measure_value(moved, loss, data, k=2), got, rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("norms,why", [
+    ("shared", "as normalized query and key: module 'attn.q_norm' (LayerNorm) is called more than once"),
+    ("plain", "as normalized query and key: the query and key normalizations are not two with affine scales"),
+    ("query", "as normalized query and key: the key 'unbind' (graph node 'unbind') is also read elsewhere"),
+])  # fmt: skip
+def test_no_trade_without_two_affine_normalizations_meeting_feature_by_feature(norms, why):
+    model, _, (x, _) = _make(norms=norms)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert _traded(sym) == [] and why in sym.describe(), sym.describe()
+    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(4)))
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12
