@@ -128,3 +128,33 @@ def test_no_trade_without_two_affine_normalizations_meeting_feature_by_feature(n
     twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(4)))
     with torch.no_grad():
         assert (twin(x) - model(x)).abs().max() < 1e-12
+
+
+class GroupedQuery(nn.Module):
+    """4 query heads reading 2 key/value heads (SDPA's ``enable_gqa``), each side normalized per head."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(D, 4 * 2), nn.Linear(D, 2 * 2 * 2), nn.Linear(4 * 2, D)
+        self.q_norm, self.k_norm, self.head = nn.LayerNorm(2), nn.LayerNorm(2), nn.Linear(D, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x).view(b, t, 4, 2).transpose(1, 2))
+        k, v = self.kv(x).view(b, t, 2, 2, 2).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, self.k_norm(k), v, enable_gqa=True)
+        return self.head((x + self.o(a.transpose(1, 2).reshape(b, t, 8))).mean(1))
+
+
+def test_grouped_query_heads_share_the_normalizations_trade():
+    torch.manual_seed(0)
+    model = GroupedQuery().double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(3, 5, D, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert [f.size for f in _traded(sym)] == [2] and sym.dim == 2 * 2 * 2 + 2, sym.describe()  # 2 value/output GL(2)
+    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12
