@@ -161,6 +161,9 @@ step gspace 15 python3 bench/gspace.py --device "$DEVICE" --quick --threads 1 --
 step connection 15 python3 bench/connection.py --device "$DEVICE" "${CONNECTION[@]}"
 step rop_attention 40 python3 bench/rop_attention.py --device "$DEVICE" "${ATTENTION[@]}" --json "$JSON/rop_attention.json"
 step projection 90 python3 bench/projection.py --device "$DEVICE" "${PROJECTION[@]}"
+if python3 -c "import timm" 2>/dev/null; then  # the GPU machine's image has timm (and torchvision)
+  step timm_check 30 python3 bench/timm_check.py --device "$DEVICE"
+fi
 
 # --- results: one JSON file, and a summary
 python3 - "$JSON" "$OUT/bench.json" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -180,7 +183,7 @@ EOF
   keys='\bPASS\b|\bFAIL|ERROR|MISSED|\bmet\b|passed|failed|[Ee]rror|Traceback|not installed|cannot import|fastest peer'
   keys+='|reference '
   keys+='|HVP in memory|node-wise /|x a gradient|landscape\.evaluate_grid|random_plane \('
-  keys+='|G-SGD \(GOptimizer\)|^  (layer|node):|auto = |/ euclidean|one projection'
+  keys+='|G-SGD \(GOptimizer\)|^  (layer|node):|auto = |/ euclidean|one projection|group of dimension'
   for name in "${RAN[@]}"; do
     lines=$(grep -E "$keys" "$WORK/steps/$name" 2>/dev/null | tail -n 14)
     if [ -n "$lines" ]; then printf '\n--- %s\n%s\n' "$name" "$lines"; fi
