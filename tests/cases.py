@@ -23,6 +23,18 @@ def mlp(widths: list[int], bias: bool = True, activation: type[nn.Module] = nn.R
     return nn.Sequential(*layers)
 
 
+def token_classification(model: nn.Module, width: int, seed: int = 0):
+    """``model`` in float64 eval mode with its parameters moved off the initialization (``+ 0.3 N(0, 1)``: LayerNorm
+    scales off 1, biases off 0), cross-entropy, and 5 samples of 4 tokens of ``width`` features in 3 classes."""
+    torch.manual_seed(seed)
+    model = model.double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(5, 4, width, dtype=torch.float64)
+    return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+
+
 def small_cnn(bias: bool = True) -> nn.Sequential:
     """Input 1x6x6: conv3x3(2) relu maxpool2 conv3x3 pad1 (3) relu flatten linear(12,4) relu linear(4,3)."""
     return nn.Sequential(

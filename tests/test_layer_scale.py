@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cases import token_classification
 from test_transformer_quotient import _form, _params, _pushed, dense_quotient_spectrum, measure_value
 from test_transformer_quotient import _with as _moved
 from torch import nn
@@ -62,12 +63,7 @@ class Net(nn.Module):
 
 def _make(seed: int = 0, **options):
     torch.manual_seed(seed)
-    model = Net(**options).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    x = torch.randn(5, 4, D, dtype=torch.float64)
-    return model, nn.CrossEntropyLoss(), (x, torch.tensor([0, 1, 2, 1, 0]))
+    return token_classification(Net(**options), D, seed)
 
 
 def _hand_element(model: Net, g: torch.Generator) -> dict:
