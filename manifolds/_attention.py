@@ -902,6 +902,8 @@ class _Finder:
                 raise _Fail(f"{self.label(n)} is called more than once")
         pq = self.replay(chain_q, self.feature_probe(qn))
         pk = self.replay(chain_k, self.feature_probe(kn))
+        if pq.dim() < 2 or pk.dim() < 2:
+            raise _Fail("the normalized query or key has fewer than two axes")
         if not k_features_last:
             pk = pk.transpose(-2, -1)
         if repeat > 1:
@@ -913,6 +915,13 @@ class _Finder:
         gq, gk = self.groups(pq, True, "query"), self.groups(pk, True, "key")
         if not torch.equal(gq, gk):
             raise _Fail("the normalized query and key do not meet feature by feature")
+        for n, m in ((qn, mq), (kn, mk)):  # the metric weighs feature j by |(gamma_j, beta_j)|^2: undefined at 0
+            bias = getattr(m, "bias", None)  # nn.RMSNorm has none
+            pair = torch.stack([m.weight.detach(), *([] if bias is None else [bias.detach()])])
+            zeros = int((pair == 0).all(0).sum())
+            if zeros:
+                raise _Fail(f"{self.label(n)} has {zeros} feature(s) of zero scale and shift, where the metric of the "
+                            "trade is undefined")  # fmt: skip
         index = tuple(range(size[0]))
         blocks = [Block(self.param(str(n.target), p), 0, index, None, how)
                   for n, how in ((qn, "T"), (kn, "inv")) for p in ("weight", "bias")

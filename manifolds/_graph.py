@@ -349,7 +349,7 @@ def _same_outputs(traced: object, eager: object) -> bool:
         if isinstance(a, Tensor) != isinstance(b, Tensor):
             return False
         if isinstance(a, Tensor) and a.is_floating_point():
-            if a.shape != b.shape or not _close(a, b):
+            if a.shape != b.shape or a.dtype != b.dtype or not _close(a, b):
                 return False
         elif isinstance(a, Tensor):
             if not torch.equal(a, b):

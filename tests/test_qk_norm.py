@@ -154,3 +154,50 @@ def test_grouped_query_heads_share_the_normalizations_trade():
     twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(1)))
     with torch.no_grad():
         assert (twin(x) - model(x)).abs().max() < 1e-12
+
+
+class RMSQueryKey(nn.Module):
+    """timm's layout with per-head ``nn.RMSNorm`` (no shift) on the query and the key."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj, self.head = nn.Linear(D, 3 * D), nn.Linear(D, D), nn.Linear(D, 3)
+        self.q_norm, self.k_norm = nn.RMSNorm(HD), nn.RMSNorm(HD)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return self.head((x + self.proj(a.transpose(1, 2).reshape(b, t, D))).mean(1))
+
+
+def test_rms_norms_trade_their_scales_unless_one_is_zero_where_the_metric_is_undefined():
+    model, loss, data = token_classification(RMSQueryKey(), D)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    assert [f.size for f in _traded(sym)] == [HD], sym.describe()
+    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(2)))
+    assert np.allclose(measure_value(twin, loss, data), measure_value(model, loss, data), rtol=1e-8, atol=0)
+    with torch.no_grad():
+        model.k_norm.weight[1] = 0.0  # the trade still keeps the outputs; its metric divides by the scale
+    sym = manifolds.transformer_symmetry(model, data[0])
+    assert _traded(sym) == [] and "has 1 feature(s) of zero scale and shift" in sym.describe(), sym.describe()
+    assert bool(torch.isfinite(measure_value(model, loss, data)).all())
+
+
+class VectorKey(nn.Module):
+    """A normalized query against one normalized key vector (attention pooling by hand): no heads, no trade."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.v, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 3)
+        self.q_norm, self.k_norm = nn.LayerNorm(D), nn.LayerNorm(D)
+
+    def forward(self, x):
+        k = self.k_norm(self.b(x[:, 0]))[0]  # (D,)
+        return self.head(((self.q_norm(self.a(x)) @ k).softmax(-1)[..., None] * self.v(x)).sum(1))
+
+
+def test_a_key_of_one_axis_pins_with_the_reason():
+    model, _, (x, _) = token_classification(VectorKey(), D)
+    sym = manifolds.transformer_symmetry(model, x)  # was an IndexError from the probe's transpose
+    assert _traded(sym) == [] and "fewer than two axes" in sym.describe(), sym.describe()

@@ -295,3 +295,25 @@ def test_the_fast_comparison_of_outputs_says_what_allclose_says():
     assert verdicts[:5] == [True, True, True, False, False] and True in verdicts[5:] and False in verdicts[5:]
     with pytest.raises(RuntimeError):  # outputs of two dtypes: allclose raises, and so does the fast path
         _close(b.float(), b)
+
+
+class Autocast(nn.Module):
+    """A forward under bfloat16 autocast: its output is bfloat16, fx's graph (which drops the context) float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 2)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.a(x)
+
+
+def test_a_graph_whose_outputs_have_another_dtype_is_unfaithful_not_a_failing_forward():
+    with torch.no_grad():
+        model = Autocast().float().eval()  # float32: autocast casts it to bfloat16 (the suite's default is float64)
+        model.a.weight.copy_(torch.randint(-2, 3, model.a.weight.shape))
+        model.a.bias.zero_()
+    x = torch.randint(-2, 3, (5, D)).float()  # exact in bfloat16: only the dtype differs
+    traced = manifolds.trace_network(model, x)
+    assert traced.failure is not None and "computes something else than the forward itself" in traced.failure
