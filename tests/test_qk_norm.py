@@ -201,3 +201,19 @@ def test_a_key_of_one_axis_pins_with_the_reason():
     model, _, (x, _) = token_classification(VectorKey(), D)
     sym = manifolds.transformer_symmetry(model, x)  # was an IndexError from the probe's transpose
     assert _traded(sym) == [] and "fewer than two axes" in sym.describe(), sym.describe()
+
+
+def test_verify_draws_the_normalizations_trade_as_a_normalization_rescaling():
+    """The trade moves normalization scales entry by entry, so `verify`'s "normalization" kind draws it (before, a
+    network whose only normalization trade is this one had nothing to draw there), and adaptive sharpness, which claims
+    that kind, holds under it."""
+    from sharpness import Rescalings, Solver, verify_invariance  # noqa: PLC0415
+
+    model, loss, data = token_classification(RMSQueryKey(), D)
+    rep = verify_invariance(model, loss, data, ["symmetry"], balls=0.05,
+                            rescalings=Rescalings(("normalization",), trials=1), solver=Solver(tol=1e-9),
+                            progress=False)  # fmt: skip
+    assert rep.kinds == ("normalization",) and rep.group["normalization_factors"] >= 1, rep.table()
+    for m in ("symmetry", "geodesic", "adaptive"):
+        assert rep.verdict(m, "normalization") == "invariant", rep.table()
+    assert rep.outcome == "passed"

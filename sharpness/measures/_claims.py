@@ -26,10 +26,14 @@ FACTOR_KINDS = {
 
 def factor_claim(factor) -> str | None:
     """The claim kind a factor of `manifolds.transformer_symmetry` belongs to: ``"attention"`` (a head's GL
-    factor), ``"normalization"`` (a normalization's affine scale trade) or ``None`` (token-wise units only)."""
+    factor), ``"normalization"`` (a normalization's affine scale trade: a LayerNorm or RMSNorm module, a scale
+    written by hand as ``h * w``, the query and key normalizations' scales traded against each other) or ``None``
+    (token-wise units, layer scales: drawn with the whole group)."""
     if factor.kind == "GL":
         return "attention"
-    return "normalization" if factor.label.startswith("affine scale") else None
+    label = factor.label
+    traded = label.startswith(("affine scale", "elementwise scale")) or label.endswith("normalization scales")
+    return "normalization" if traded else None
 
 
 def symmetry_unknown(failure: str) -> str:
