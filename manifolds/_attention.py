@@ -84,7 +84,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum, not_rewritten
-from manifolds._graph import TracedNetwork, input_like, is_metadata, target_name, trace_network
+from manifolds._graph import TracedNetwork, input_like, is_metadata, reads_metadata_only, target_name, trace_network
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._modules import DROPOUTS, kept_buffers
@@ -232,7 +232,7 @@ class _Finder:
 
     # -- graph helpers ---------------------------------------------------------------------------------------
     def users(self, node: fx.Node) -> list[fx.Node]:
-        return [u for u in node.users if not is_metadata(u)]
+        return [u for u in node.users if not reads_metadata_only(u, node)]
 
     def module(self, node: fx.Node) -> nn.Module | None:
         return self.model.get_submodule(str(node.target)) if node.op == "call_module" else None

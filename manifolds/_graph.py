@@ -543,6 +543,15 @@ def target_name(node: fx.Node) -> str:
     return name
 
 
+def reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` reads only the shape, dtype or device of ``node``: a metadata read (`is_metadata`), or the
+    tensor whose dtype ``x.type_as(node)`` takes (timm's rotary attention casts the rotated query to the value's)."""
+    if is_metadata(user):
+        return True
+    return (user.op == "call_method" and user.target == "type_as" and len(user.args) == 2 and not user.kwargs
+            and user.args[1] is node and user.args[0] is not node)  # fmt: skip
+
+
 def is_metadata(node: fx.Node) -> bool:
     """Whether the node reads a tensor's shape, dtype or device (``x.size(0)``, ``x.shape``) and not its values."""
     if node.op == "call_method":

@@ -37,7 +37,7 @@ from scipy.linalg import qr
 from scipy.sparse.csgraph import connected_components
 from torch import Tensor, fx, nn
 
-from manifolds._graph import target_name
+from manifolds._graph import reads_metadata_only, target_name
 
 MAX_REGION_NODES = 64  # operations searched between the heads tensor and the product
 MAX_MAP_ENTRIES = 1 << 24  # numbers of the per-row maps of the example input (128 MiB in float64)
@@ -78,7 +78,7 @@ def find_region(end: fx.Node, data_fed: Callable[[fx.Node], bool], users: Callab
         if len(order) >= MAX_REGION_NODES:
             break
         for a in node.all_input_nodes:
-            if a not in seen and data_fed(a):
+            if a not in seen and data_fed(a) and not reads_metadata_only(node, a):
                 seen.add(a)
                 order.append(a)
     position = {n: i for i, n in enumerate(end.graph.nodes)}
@@ -90,7 +90,8 @@ def find_region(end: fx.Node, data_fed: Callable[[fx.Node], bool], users: Callab
                 between.add(node)
         if end not in between:
             continue
-        inputs_ok = all(a is start or a in between or not data_fed(a) for n in between for a in n.all_input_nodes)
+        inputs_ok = all(a is start or a in between or not data_fed(a) or reads_metadata_only(n, a)
+                        for n in between for a in n.all_input_nodes)  # fmt: skip
         readers_ok = all(u in between for n in (start, *between) if n is not end for u in users(n))
         if inputs_ok and readers_ok:
             return Region(start, end, tuple(n for n in above if n in between))
@@ -134,7 +135,7 @@ def check_region(region: Region, model: nn.Module, data_fed: Callable[[fx.Node],
         elif name not in _LINEAR and name not in _CASTS:
             raise RegionError(f"'{node.name}' ({name}) is not known to be linear")
         for a in node.all_input_nodes:
-            if a in inside:
+            if a in inside or reads_metadata_only(node, a):  # (the dtype `type_as` copies: not a value)
                 continue
             if param_fed(a):
                 raise RegionError(f"'{node.name}' reads '{a.name}', which is computed from parameters")
@@ -154,6 +155,10 @@ def _run(region: Region, probe: Tensor, constants: Mapping[fx.Node, object], mod
         return env[n] if n in env else constants[n]
 
     for node in region.nodes:
+        if node.op == "call_method" and node.target == "type_as" and node.args[1] not in env \
+                and node.args[1] not in constants:  # fmt: skip
+            env[node] = value(node.args[0])  # the cast to a data tensor's (floating) dtype: the identity on probes
+            continue
         args = fx.node.map_arg(node.args, value)
         kwargs = fx.node.map_arg(node.kwargs, value)
         if node.op != "call_module" and target_name(node) in _CASTS:

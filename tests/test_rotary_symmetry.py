@@ -661,3 +661,35 @@ def test_a_small_leak_between_heads_beside_large_entries_pins_query_key():
     sym = manifolds.transformer_symmetry(model, x)
     assert not _query_key(sym), sym.describe()
     assert any("mixes the features of different heads" in p.reason for p in sym.pins), sym.describe()
+
+
+class PrefixKept(RopeBlock):
+    """timm's EVA attention: the first token (a class token) is not rotated (``cat`` of it and the rotated rest along
+    the tokens), and the result is cast with ``.type_as(v)``, which reads only the value's dtype."""
+
+    def __init__(self):
+        super().__init__("rotate_half")
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, t, H, HD).transpose(1, 2) for m in (self.q, self.k, self.v))
+        cos, sin = self.cos[1:], self.sin[1:]
+        q, k = (torch.cat([u[:, :, :1], u[:, :, 1:] * cos + _rotate_half(u[:, :, 1:]) * sin], dim=2).type_as(v)
+                for u in (q, k))  # fmt: skip
+        a = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.relu(self.fc1(self.ln2(x))))
+
+
+def test_a_cast_to_the_value_s_dtype_and_an_unrotated_prefix_token_keep_the_rotary_factors():
+    """``.type_as(v)`` reads the value's dtype, not its entries: the value keeps its factor and the rotary map its
+    region (before, both pinned: the value was "read elsewhere"); the unrotated token's map is the identity, which
+    every matrix commutes with, so the factor is the commutant of the other tokens' rotations."""
+    model, x, sym = _analyzed(PrefixKept())
+    qk = _query_key(sym)
+    assert len(qk) == H and all(f.dim == HD for f in qk), sym.describe()  # a I + b J per rotated pair
+    assert len([f for f in sym.factors if "value/output" in f.label]) == H, sym.describe()
+    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12
