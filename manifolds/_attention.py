@@ -895,11 +895,8 @@ class _Finder:
         size = tuple(mq.normalized_shape)
         if qn is kn or len(size) != 1 or tuple(mk.normalized_shape) != size or mq.weight is None or mk.weight is None:
             raise _Fail("the query and key normalizations are not two with affine scales over the same features")
-        for n, m in ((qn, mq), (kn, mk)):
-            if m._forward_hooks or m._forward_pre_hooks:
-                raise _Fail(f"{self.label(n)} has forward hooks")
-            if self.calls[str(n.target)] != 1:
-                raise _Fail(f"{self.label(n)} is called more than once")
+        for n in (qn, kn):
+            self.called_once(n, self.label(n))
         pq = self.replay(chain_q, self.feature_probe(qn))
         pk = self.replay(chain_k, self.feature_probe(kn))
         if pq.dim() < 2 or pk.dim() < 2:
@@ -1086,6 +1083,15 @@ class _Finder:
                 blocks.append(Block(self.param(name, f"{role[0]}_proj_weight"), 1, index, None, "inv"))
         return blocks
 
+    def called_once(self, node: fx.Node, subject: str) -> None:
+        """`_Fail` (``subject`` says what) unless the module call ``node`` has no forward hooks and is its only call:
+        a trade of its parameters must act on one call, as the forward computes it."""
+        m = self.module(node)
+        if m._forward_hooks or m._forward_pre_hooks:
+            raise _Fail(f"{subject} has forward hooks")
+        if self.calls[str(node.target)] != 1:
+            raise _Fail(f"{subject} is called more than once")
+
     def norm(self, node: fx.Node) -> None:
         m = self.module(node)
         where = self.label(node)
@@ -1096,10 +1102,7 @@ class _Finder:
         size = m.normalized_shape[0]
         index = tuple(range(size))
         try:
-            if m._forward_hooks or m._forward_pre_hooks:
-                raise _Fail("it has forward hooks")
-            if self.calls[str(node.target)] != 1:
-                raise _Fail("it is called more than once")
+            self.called_once(node, "it")
             own = [
                 Block(self.param(str(node.target), p), 0, index, None, "T")
                 for p in ("weight", "bias")

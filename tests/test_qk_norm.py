@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases import token_classification
-from test_transformer_quotient import _form, _params, _pushed, dense_quotient_spectrum, measure_value
 from test_transformer_quotient import _with as _moved
+from test_transformer_quotient import assert_keeps_outputs, assert_quotient_matches_dense, measure_value
 from torch import nn
 
 import manifolds
@@ -97,17 +97,7 @@ def test_the_normalizations_scales_are_traded_and_keep_the_outputs(form, norms):
 def test_the_metric_is_invariant_and_the_measure_equals_the_dense_reference(form):
     model, loss, data = _make(form=form)
     sym = manifolds.transformer_symmetry(model, data[0])
-    params = _params(model)
-    layout = manifolds.ParamLayout.from_tensors(params)
-    metric = manifolds.symmetry_metric(sym, params)
-    g = torch.Generator().manual_seed(3)
-    xi, eta = ({n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2))
-    element = sym.random_element(1.0, g)
-    after = _form(metric, layout, sym.act(params, element), _pushed(sym, element, xi), _pushed(sym, element, eta))
-    assert after == pytest.approx(_form(metric, layout, params, xi, eta), rel=1e-10)
-    reference = dense_quotient_spectrum(model, loss, data, metric, sym)
-    got = measure_value(model, loss, data, k=2)
-    assert np.allclose(got, reference[::-1][:2], rtol=1e-8, atol=0), (got, reference[::-1][:2])
+    got, element = assert_quotient_matches_dense(model, loss, data, sym, torch.Generator().manual_seed(3))
     moved = sym.transformed(model, element)
     assert np.allclose(measure_value(moved, loss, data, k=2), got, rtol=1e-8, atol=0)
 
@@ -121,9 +111,7 @@ def test_no_trade_without_two_affine_normalizations_meeting_feature_by_feature(n
     model, _, (x, _) = _make(norms=norms)
     sym = manifolds.transformer_symmetry(model, x)
     assert _traded(sym) == [] and why in sym.describe(), sym.describe()
-    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(4)))
-    with torch.no_grad():
-        assert (twin(x) - model(x)).abs().max() < 1e-12
+    assert_keeps_outputs(model, sym, x, seed=4)
 
 
 class GroupedQuery(nn.Module):
@@ -151,9 +139,7 @@ def test_grouped_query_heads_share_the_normalizations_trade():
     x = torch.randn(3, 5, D, dtype=torch.float64)
     sym = manifolds.transformer_symmetry(model, x)
     assert [f.size for f in _traded(sym)] == [2] and sym.dim == 2 * 2 * 2 + 2, sym.describe()  # 2 value/output GL(2)
-    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(1)))
-    with torch.no_grad():
-        assert (twin(x) - model(x)).abs().max() < 1e-12
+    assert_keeps_outputs(model, sym, x, seed=1)
 
 
 class RMSQueryKey(nn.Module):

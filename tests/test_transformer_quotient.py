@@ -245,6 +245,30 @@ def _pushed(symmetry, element, tangent):
     return symmetry.act(tangent, element)  # the action is linear in the parameters: it is its own differential
 
 
+def assert_keeps_outputs(model, symmetry, x, seed: int) -> None:
+    """A random element of ``symmetry`` (seeded) moves ``model``'s outputs on ``x`` by less than 1e-12."""
+    twin = symmetry.transformed(model, symmetry.random_element(1.0, torch.Generator().manual_seed(seed)))
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12
+
+
+def assert_quotient_matches_dense(model, loss, data, symmetry, g: torch.Generator):
+    """The symmetry metric's form is unchanged (1e-10) when a random element moves the point and two random tangents,
+    and the measure's top two eigenvalues equal the dense reference's (1e-8); returns them and the element."""
+    params = _params(model)
+    layout = manifolds.ParamLayout.from_tensors(params)
+    metric = manifolds.symmetry_metric(symmetry, params)
+    xi, eta = ({n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()} for _ in range(2))
+    element = symmetry.random_element(1.0, g)
+    after = _form(metric, layout, symmetry.act(params, element), _pushed(symmetry, element, xi),
+                  _pushed(symmetry, element, eta))  # fmt: skip
+    assert after == pytest.approx(_form(metric, layout, params, xi, eta), rel=1e-10)
+    reference = dense_quotient_spectrum(model, loss, data, metric, symmetry)
+    got = measure_value(model, loss, data, k=2)
+    assert np.allclose(got, reference[::-1][:2], rtol=1e-8, atol=0), (got, reference[::-1][:2])
+    return got, element
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_metric_is_invariant_under_random_and_hand_built_elements(name):
     model, _, (x, _) = make(name)
