@@ -84,7 +84,15 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum, not_rewritten
-from manifolds._graph import TracedNetwork, input_like, is_metadata, reads_metadata_only, target_name, trace_network
+from manifolds._graph import (
+    TracedNetwork,
+    input_like,
+    is_metadata,
+    linear_arguments,
+    reads_metadata_only,
+    target_name,
+    trace_network,
+)
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
 from manifolds._modules import DROPOUTS, kept_buffers
@@ -110,13 +118,15 @@ _NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish",
 class _Projection:
     """A node computing ``x W^T + b`` along the last axis of its data input ``x``: an ``nn.Linear`` call, or a
     function of parameters read directly (``F.linear(x, W, b)``; ``x @ W``, ``x @ W + b`` and HuggingFace's
-    ``Conv1D``, ``torch.addmm(b, x, W)``, whose ``W`` is stored ``(in, out)``, ``transposed``).
+    ``Conv1D``, ``torch.addmm(b, x, W)``, whose ``W`` is stored ``(in, out)``, ``transposed``). A function's bias
+    may be concatenated in the forward from parameters and buffers (`_bias_pieces`).
 
     Attributes:
         node: the node whose output is the layer's output.
         data: the node ``x``.
         module: the Linear's name (a module call), else ``None``.
-        weight, bias: the ``get_attr`` nodes of a function's parameters (``bias`` ``None`` where there is none).
+        weight, bias: the ``get_attr`` nodes of a function's parameters (``bias`` ``None`` where there is none, or
+            the ``cat`` node of a bias concatenated from pieces).
         transposed: ``W`` is stored ``(in, out)``.
         inner: the product ``x @ W`` of ``x @ W + b`` (``node`` is the addition), else ``None``.
         through: the transpose the layer reads ``W`` by (``x @ W.T``, ``F.linear(x, W.t())``), else ``None``.
@@ -278,13 +288,16 @@ class _Finder:
         (`owned`). ``x @ W`` whose only reader adds a bias vector is left to that addition."""
         if self.plain_linear(node):
             return _Projection(node, node.args[0], module=str(node.target)) if len(node.args) == 1 else None
-        if node.op != "call_function" or node.kwargs:
-            return None
         name, args, inner = target_name(node), node.args, None
+        if node.op != "call_function" or (node.kwargs and name != "linear"):
+            return None
         if name == "addmm" and len(args) == 3:
             bias, data, weight, transposed = args[0], args[1], args[2], True
-        elif name == "linear" and len(args) in (2, 3):
-            data, weight, bias, transposed = args[0], args[1], (args[2] if len(args) == 3 else None), False
+        elif name == "linear":
+            given = linear_arguments(node)
+            if given is None:
+                return None
+            (data, weight, bias), transposed = given, False
         elif name in ("add", "matmul") and len(args) == 2:
             if name == "add":  # x @ W + b
                 inner = next((a for a in args if isinstance(a, fx.Node) and a.op != "get_attr"), None)
@@ -311,7 +324,8 @@ class _Finder:
                 return None
         if not (isinstance(data, fx.Node) and isinstance(weight, fx.Node) and weight.op == "get_attr"):
             return None
-        if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
+        if bias is not None and not (isinstance(bias, fx.Node)
+                                     and (bias.op == "get_attr" or _bias_pieces(bias) is not None)):  # fmt: skip
             return None
         shape = weight.meta.get("shape")
         if shape is None or len(shape) != 2 or data.op == "get_attr":
@@ -651,11 +665,41 @@ class _Finder:
             weight = self.owned(proj.weight, proj.through or proj.reader)
             if proj.through is not None and self.users(proj.through) != [proj.reader]:
                 raise _Fail(f"the transpose of the parameter '{weight}' is also read elsewhere")
-            bias = None if proj.bias is None else self.owned(proj.bias, proj.node)
+            if not rows or proj.bias is None:  # the columns leave the bias as it is
+                bias = None
+            elif proj.bias.op != "get_attr":
+                return [Block(weight, 0, index, None, how, proj.transposed), *self.bias_piece(proj, index, how)]
+            else:
+                bias = self.owned(proj.bias, proj.node)
         blocks = [Block(weight, 0 if rows else 1, index, None, how, proj.transposed)]
         if rows and bias is not None:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
+
+    def bias_piece(self, proj: _Projection, index: tuple[int, ...], how: str) -> list[Block]:
+        """The block of the output features ``index`` in a bias concatenated from pieces (`_bias_pieces`): the rows
+        of the one piece holding them all where it is a parameter, none where it is a buffer that is zero there (BEiT's
+        and EVA's key bias: moved rows of zeros stay zeros); else `_Fail`."""
+        cat = proj.bias
+        if self.users(cat) != [proj.node]:
+            raise _Fail(f"the bias {self.label(cat)} of {self.label(proj.node)} is also read elsewhere")
+        start = 0
+        for piece in _bias_pieces(cat):
+            size = piece.meta["shape"][0]
+            inside = tuple(i - start for i in index if start <= i < start + size)
+            start += size
+            if not inside:
+                continue
+            if len(inside) != len(index):
+                raise _Fail(f"the rows one factor moves span two pieces of the bias {self.label(cat)}")
+            tensor = attribute(self.model, piece)
+            if id(tensor) in self.param_name:
+                return [Block(self.owned(piece, cat), 0, inside, None, how)]
+            if not bool((tensor[list(inside)] == 0).all()):  # a fixed bias of moved rows would have to move too
+                raise _Fail(f"the bias {self.label(cat)} holds the buffer '{piece.target}', nonzero at rows a factor "
+                            "would move")  # fmt: skip
+            return []
+        raise _Fail(f"the bias {self.label(cat)} does not hold the rows a factor moves")
 
     def replayed(self, linear: fx.Node, chain: Sequence[fx.Node], where: tuple | None, features_last: bool,
                  role: str):  # fmt: skip
@@ -1302,6 +1346,21 @@ class _Finder:
             if proj is not None and proj.key not in self.claimed_rows:  # a layer no attention claimed: units
                 self.mlp(node)
         return self.found
+
+
+def _bias_pieces(node: fx.Node) -> list[fx.Node] | None:
+    """The ``get_attr`` nodes of 1-D tensors a bias vector is concatenated from in the forward (BEiT's and EVA's
+    ``torch.cat((q_bias, k_bias, v_bias))``, the key's a buffer of zeros), else ``None``."""
+    if node.op != "call_function" or target_name(node) != "cat" or len(node.args) > 2 \
+            or set(node.kwargs) - {"tensors", "dim"}:  # fmt: skip
+        return None
+    given = dict(zip(("tensors", "dim"), node.args)) | dict(node.kwargs)
+    parts, dim = given.get("tensors"), given.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or isinstance(dim, bool) or dim not in (0, -1):
+        return None
+    if not all(isinstance(p, fx.Node) and p.op == "get_attr" and len(p.meta.get("shape") or ()) == 1 for p in parts):
+        return None
+    return list(parts)
 
 
 def _interleaved(probe: Tensor, repeat: int) -> Tensor:

@@ -543,6 +543,18 @@ def target_name(node: fx.Node) -> str:
     return name
 
 
+def linear_arguments(node: fx.Node) -> tuple[object, object, object] | None:
+    """The input, weight and bias (``None`` where there is none) of an ``F.linear`` call, given by position or by name
+    (timm's BEiT and EVA call ``F.linear(input=x, weight=W, bias=b)``); ``None`` for other arguments."""
+    names = ("input", "weight", "bias")
+    if len(node.args) > 3 or set(node.kwargs) - set(names[len(node.args) :]):
+        return None
+    given = dict(zip(names, node.args)) | dict(node.kwargs)
+    if "input" not in given or "weight" not in given:
+        return None
+    return given["input"], given["weight"], given.get("bias")
+
+
 def reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:
     """Whether ``user`` reads only the shape, dtype or device of ``node``: a metadata read (`is_metadata`), or the
     tensor whose dtype ``x.type_as(node)`` takes (timm's rotary attention casts the rotated query to the value's)."""

@@ -293,3 +293,63 @@ def test_an_in_place_write_into_a_view_read_through_its_base_is_not_read(act):
     x, y = _data((6,), n=7)
     obj = _autograd_exact(_perturbed(InPlaceOnAView(act)), x, y)
     assert obj._rop is None
+
+
+class EvaBlock(nn.Module):
+    """timm's EVA attention (EVA-02, its rotary ViTs): the bias of one bias-free ``qkv`` Linear concatenated in the
+    forward from the query and value biases and a zero key buffer, passed to ``F.linear`` by name; the first token
+    left unrotated, the others rotated by pairs interleaved with ``stack``, cast back with ``.to(dtype=...)`` and
+    ``.type_as(v)``. ``round_trip``: the rotation computed in float32, the pairs turned by a matrix product, and
+    cast back (the tangents and errors cast with it)."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, tokens: int = 3, round_trip: bool = False):
+        super().__init__()
+        self.heads, self.hd, self.round_trip = heads, dim // heads, round_trip
+        self.n1 = nn.LayerNorm(dim)
+        self.qkv, self.o = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.q_bias, self.v_bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
+        self.register_buffer("k_bias", torch.zeros(dim), persistent=False)
+        angles = torch.outer(torch.arange(tokens - 1.0), 1.0 / (10000 ** (torch.arange(0.0, self.hd, 2) / self.hd)))
+        angles = angles.repeat_interleave(2, dim=-1)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+        self.register_buffer("turn", torch.zeros(self.hd, self.hd))  # row vectors: the pair (a, b) to (-b, a)
+        for i in range(0, self.hd, 2):
+            self.turn[i + 1, i], self.turn[i, i + 1] = -1.0, 1.0
+
+    def _rope(self, u):
+        rest = u[:, :, 1:]
+        if self.round_trip:
+            rest = rest.to(torch.float32)
+        if self.round_trip:  # the pairs turned by a float32 matrix (a matrix product promotes no dtype)
+            turned = rest @ self.turn.to(rest.dtype)
+        else:
+            turned = torch.stack([-rest[..., 1::2], rest[..., ::2]], -1).reshape(rest.shape)
+        rotated = (rest * self.cos.to(rest.dtype) + turned * self.sin.to(rest.dtype)).to(dtype=u.dtype)
+        return torch.cat([u[:, :, :1], rotated], dim=2)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        qkv = F.linear(input=self.n1(x), weight=self.qkv.weight, bias=bias)
+        q, k, v = qkv.reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(self._rope(q).type_as(v), self._rope(k).type_as(v), v)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+def test_eva_attention_equals_forward_over_reverse():
+    x, y = _data((6,), n=5)
+    _exact(_perturbed(Tokens(nn.Sequential(EvaBlock()), features=2, dim=8)), x, y)
+
+
+def test_a_float32_round_trip_casts_the_tangents_and_errors_too():
+    """Both products see the float32 rounding of the rotation, each in its own order of operations: they agree to
+    float32's precision. A tangent or error left in float64 would meet the float32 matrix in a product, which
+    promotes no dtype."""
+    x, y = _data((6,), n=5)
+    model = _perturbed(Tokens(nn.Sequential(EvaBlock(round_trip=True)), features=2, dim=8))
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    reference = obj.hvp(v, "double_backward")
+    torch.testing.assert_close(obj.hvp(v), reference, rtol=0, atol=1e-5 * float(reference.abs().max()))

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from manifolds._einsum import as_matrix_products
-from manifolds._graph import is_metadata, target_name
+from manifolds._graph import is_metadata, linear_arguments, target_name
 from manifolds._same_forward import read_as
 from sharpness.products._rop import (
     _CONVS,
@@ -592,13 +592,24 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         if before[:1] != after[:1] or torch.Size(before[1:]).numel() != torch.Size(after[1:]).numel():
             return None  # the samples must stay apart
         return _Map("view", call=_caller(node)), [first]
+    if name in ("type_as", "to") and first is not None and _cast_only(node, shapes):
+        return _Map("cast", call=_caller(node)), [first]
+    if name == "stack":  # along a new axis other than the samples' (timm's rotary maps interleave pairs so)
+        parts, dim = args[0], _argument(node, 1, "dim", 0)
+        if len(args) > 2 or set(node.kwargs) - {"dim"} or not isinstance(parts, (list, tuple)) or \
+                not isinstance(dim, int) or not all(isinstance(p, fx.Node) and p in shapes for p in parts):  # fmt: skip
+            return None
+        dim %= len(shapes[parts[0]]) + 1
+        return (_Map("stack", dim=dim), list(parts)) if dim else None
     if name == "cat":
         parts, dim = args[0], _argument(node, 1, "dim", 0)
         if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or \
                 not all(isinstance(p, fx.Node) and p in shapes for p in parts):  # fmt: skip
             return None
         dim %= len(shapes[parts[0]])
-        return (_Map("cat", dim=dim), list(parts)) if dim else None
+        if dim == 0 and not all(p.op == "get_attr" for p in parts):  # the samples' axis, unless no part has one
+            return None  # (parameters and buffers joined: BEiT's and EVA's qkv bias)
+        return _Map("cat", dim=dim), list(parts)
     if target in _ADD | _SUB and len(args) == 2 and not node.kwargs.keys() - {"alpha"}:
         sign = -1.0 if target in _SUB else 1.0
         alpha = node.kwargs.get("alpha", 1)
@@ -665,6 +676,21 @@ _NUMBER_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv,
                      operator.pow, operator.neg, math.sqrt, math.floor, math.ceil, int, float}  # fmt: skip
 
 
+def _cast_only(node: fx.Node, shapes: Mapping[fx.Node, tuple]) -> bool:
+    """Whether ``node`` changes at most its tensor's dtype: ``x.type_as(y)`` (``y`` read for its dtype only), or
+    ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor (``x.to(q.dtype)``)."""
+    if node.op != "call_method":
+        return False
+    if node.target == "type_as":
+        return len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], fx.Node) and node.args[1] in shapes
+    given = [*node.args[1:], *node.kwargs.values()]
+    if len(given) != 1 or set(node.kwargs) - {"dtype"}:
+        return False
+    dtype = given[0]
+    return isinstance(dtype, torch.dtype) or (isinstance(dtype, fx.Node) and dtype.op == "call_function"
+                                              and dtype.target is getattr and dtype.args[1:] == ("dtype",))  # fmt: skip
+
+
 def _shape_number(node: object, shapes: Mapping[fx.Node, tuple]) -> bool:
     """Whether ``node`` (a graph node or a literal) is a number computed from the sizes of a tensor's axes other than
     the samples' (``k.size(-1)``, ``x.shape[-1] // 2``, ``1 / math.sqrt(q.size(-1))``): the same for every chunk of
@@ -726,6 +752,15 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
     inputs; ``None`` where ``node`` is none of them or is called in a way not supported (a dtype, a mask, dropout,
     operands of ``matmul`` with fewer than two axes)."""
     args, kwargs = node.args, node.kwargs
+    if name == "linear":  # by position or by name (timm's BEiT and EVA: F.linear(input=x, weight=W, bias=b))
+        given = linear_arguments(node)
+        tensors = [] if given is None else [a for a in given if a is not None]
+        if given is None or not all(isinstance(a, fx.Node) and a in shapes for a in tensors):
+            return None
+        x, weight, bias = (shapes[a] if a is not None else None for a in given)
+        if len(x) >= 2 and len(weight) == 2 and bias in (None, (weight[0],)):  # a vector input is refused: no batch
+            return _Affine(linear=True), tensors
+        return None
     first = args[0] if args and isinstance(args[0], fx.Node) and args[0] in shapes else None
     if first is None:
         return None
@@ -761,10 +796,6 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         return _Map("index", call=_index_caller(node)), [first]
     if name in ("matmul", "bmm") and len(args) == 2 and not kwargs and args[1] in shapes:
         return (_MatMul(), [first, args[1]]) if min(ndim, len(shapes[args[1]])) >= 2 else None
-    if name == "linear" and len(args) in (2, 3) and not kwargs and all(a in shapes for a in args[1:]):
-        weight, bias = shapes[args[1]], (shapes[args[2]] if len(args) == 3 else None)
-        if ndim >= 2 and len(weight) == 2 and bias in (None, (weight[0],)):  # a vector input is refused: no batch
-            return _Affine(linear=True), [first, *args[1:]]
     if name == "addmm" and len(args) == 3 and not kwargs and all(a in shapes for a in args[1:]):
         bias, x, weight = (shapes[a] for a in args)
         if len(x) == 2 and len(weight) == 2 and bias == (weight[1],):  # a 2-D bias is not one per output feature

@@ -332,19 +332,19 @@ class _Norm:
 class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
-    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "permute", "piece", "index", "expand",
-    # "masked"
+    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "stack", "permute", "piece", "index",
+    # "expand", "masked", "cast" (a change of dtype: tangents and errors cast too)
     # _Slope / _MaxPool, the linear function (pools, means), the axes' order ("permute"), (unbind/chunk/split, the
     # piece taken) of a cut along axis ``dim`` ("piece"), a basic index (ints, slices, None, ...; "index", or with
     # numbers computed from shapes: ``call`` fills them in), or the
     # slot of the mask among the call's inputs ("masked"), or (the slot of a factor computed from shapes among the
     # call's inputs, whether it divides) ("scale")
     impl: object = None
-    # the forward for "view", "scale", "expand" and "masked", the cut for "piece" (the original call, its other
+    # the forward for "view", "scale", "expand", "masked" and "cast", the cut for "piece" (the original call, its other
     # arguments bound), the index for "index" where it has numbers computed from shapes
     call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
-    dim: int = 1  # "cat"
+    dim: int = 1  # "cat", "stack"
     means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, object]:
@@ -373,6 +373,11 @@ class _Map:
             return out, (xs[0].shape, out.shape)
         if kind == "masked":  # the mask, among the call's inputs
             return self.call(args), args[self.impl]
+        if kind == "cast":
+            out = self.call(args)
+            return out, (xs[0].dtype, out.dtype)
+        if kind == "stack":
+            return torch.stack(xs, dim=self.dim), None
         if kind == "index":  # the index, with its numbers computed from shapes filled in where it has some
             index = self.impl if self.call is None else self.call(args)
             return xs[0][index], (xs[0].shape, index)
@@ -414,7 +419,12 @@ class _Map:
                     t = torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=layout(like)).zero_()
                 parts.append(t)
             return torch.cat(parts, dim=self.dim)
+        if kind == "stack":
+            like = next(t for t in xdots if t is not None)
+            return torch.stack([torch.zeros_like(like) if t is None else t for t in xdots], dim=self.dim)
         h = xdots[0]
+        if kind == "cast":
+            return h.to(saved[1])
         if kind in ("slope", "maxpool"):
             return self.impl.tangent(h, saved)
         if kind == "linear":
@@ -443,6 +453,10 @@ class _Map:
         if kind == "cat":
             parts = torch.split(g, saved, dim=self.dim)
             return [p if n else None for p, n in zip(parts, need)]
+        if kind == "stack":
+            return [p if n else None for p, n in zip(g.unbind(self.dim), need)]
+        if kind == "cast":
+            return [g.to(saved[0])]
         if kind in ("slope", "maxpool"):
             return [self.impl.adjoint(g, saved)]
         if kind == "linear" and self.means:  # the error spread evenly over the averaged axes
