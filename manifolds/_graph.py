@@ -137,7 +137,8 @@ def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
 
 class _Run(fx.Interpreter):
     """``graph`` run on ``model`` itself (its modules called as the forward calls them, ``""`` a bare layer), recording
-    every tensor's shape in ``node.meta["shape"]`` where ``shapes``."""
+    every tensor's shape in ``node.meta["shape"]`` and whether it is of a floating dtype in ``node.meta["floating"]``
+    where ``shapes``."""
 
     def __init__(self, model: nn.Module, graph: fx.Graph, shapes: bool = False):
         super().__init__(model, graph=graph)
@@ -147,6 +148,7 @@ class _Run(fx.Interpreter):
         out = super().run_node(n)
         if self.shapes and isinstance(out, Tensor):
             n.meta["shape"] = tuple(out.shape)
+            n.meta["floating"] = out.is_floating_point()
         return out
 
     def call_module(self, target, args, kwargs):

@@ -353,3 +353,50 @@ def test_a_float32_round_trip_casts_the_tangents_and_errors_too():
     v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     reference = obj.hvp(v, "double_backward")
     torch.testing.assert_close(obj.hvp(v), reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
+
+
+class Cast(nn.Module):
+    """A gate cast to integers or booleans and back (``cast``): the cast's derivative is zero, so its tangent must
+    be dropped, not rounded; ``idx`` a long buffer whose dtype ``type_as`` and ``to`` read."""
+
+    def __init__(self, cast):
+        super().__init__()
+        self.a, self.b, self.head, self.cast = nn.Linear(6, 4), nn.Linear(6, 4), nn.Linear(4, 3), cast
+        self.register_buffer("idx", torch.zeros(4, dtype=torch.long))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x)) * self.cast(self, 3 * self.b(x)).to(x.dtype))
+
+
+CASTS = {
+    "to(torch.int64)": lambda m, h: h.to(torch.int64),
+    "to(dtype=torch.bool)": lambda m, h: h.to(dtype=torch.bool),
+    "type_as(a long buffer)": lambda m, h: h.type_as(m.idx),
+    "to(a long buffer's dtype)": lambda m, h: h.to(m.idx.dtype),
+}
+
+
+@pytest.mark.parametrize("name", list(CASTS))
+def test_a_cast_to_integers_or_booleans_is_not_read_as_a_cast_of_the_tangent(name):
+    x, y = _data((6,), n=7)
+    obj = Objective(_perturbed(Cast(CASTS[name])), CE, (x, y))
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    reference = obj.hvp(v, "double_backward")
+    torch.testing.assert_close(obj.hvp(v), reference, rtol=0, atol=1e-12 * float(reference.abs().max()))
+
+
+class Joined(nn.Module):
+    """``torch.stack`` and ``torch.cat`` with their tensors given by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 4), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.head(torch.cat(tensors=[torch.stack(tensors=[h, h * h], dim=-1).flatten(1), h * 2, h], dim=1))
+
+
+def test_stack_and_cat_with_their_tensors_by_keyword_equal_forward_over_reverse():
+    x, y = _data((6,), n=7)
+    _exact(_perturbed(Joined()), x, y)

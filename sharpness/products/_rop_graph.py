@@ -595,15 +595,16 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if name in ("type_as", "to") and first is not None and _cast_only(node, shapes):
         return _Map("cast", call=_caller(node)), [first]
     if name == "stack":  # along a new axis other than the samples' (timm's rotary maps interleave pairs so)
-        parts, dim = args[0], _argument(node, 1, "dim", 0)
-        if len(args) > 2 or set(node.kwargs) - {"dim"} or not isinstance(parts, (list, tuple)) or \
-                not isinstance(dim, int) or not all(isinstance(p, fx.Node) and p in shapes for p in parts):  # fmt: skip
+        parts, dim = _argument(node, 0, "tensors", None), _argument(node, 1, "dim", 0)
+        if len(args) > 2 or set(node.kwargs) - {"tensors", "dim"} or not isinstance(parts, (list, tuple)) \
+                or not parts or not isinstance(dim, int) \
+                or not all(isinstance(p, fx.Node) and p in shapes for p in parts):  # fmt: skip
             return None
         dim %= len(shapes[parts[0]]) + 1
         return (_Map("stack", dim=dim), list(parts)) if dim else None
     if name == "cat":
-        parts, dim = args[0], _argument(node, 1, "dim", 0)
-        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or \
+        parts, dim = _argument(node, 0, "tensors", None), _argument(node, 1, "dim", 0)
+        if not isinstance(parts, (list, tuple)) or not parts or not isinstance(dim, int) or \
                 not all(isinstance(p, fx.Node) and p in shapes for p in parts):  # fmt: skip
             return None
         dim %= len(shapes[parts[0]])
@@ -677,9 +678,10 @@ _NUMBER_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv,
 
 
 def _cast_only(node: fx.Node, shapes: Mapping[fx.Node, tuple]) -> bool:
-    """Whether ``node`` changes at most its tensor's dtype: ``x.type_as(y)`` (``y`` read for its dtype only), or
-    ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor (``x.to(q.dtype)``)."""
-    if node.op != "call_method":
+    """Whether ``node`` changes at most its floating tensor's floating dtype: ``x.type_as(y)`` (``y`` read for its dtype
+    only), or ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor (``x.to(q.dtype)``). A
+    cast to integers or booleans, whose derivative is zero, is not one (its tangent would be rounded, not dropped)."""
+    if node.op != "call_method" or node.meta.get("floating") is not True:
         return False
     if node.target == "type_as":
         return len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], fx.Node) and node.args[1] in shapes
@@ -687,8 +689,10 @@ def _cast_only(node: fx.Node, shapes: Mapping[fx.Node, tuple]) -> bool:
     if len(given) != 1 or set(node.kwargs) - {"dtype"}:
         return False
     dtype = given[0]
-    return isinstance(dtype, torch.dtype) or (isinstance(dtype, fx.Node) and dtype.op == "call_function"
-                                              and dtype.target is getattr and dtype.args[1:] == ("dtype",))  # fmt: skip
+    if isinstance(dtype, torch.dtype):
+        return dtype.is_floating_point
+    return isinstance(dtype, fx.Node) and dtype.op == "call_function" and dtype.target is getattr \
+        and dtype.args[1:] == ("dtype",)  # fmt: skip (floating: the node's own output is, as recorded)
 
 
 def _shape_number(node: object, shapes: Mapping[fx.Node, tuple]) -> bool:
