@@ -1,7 +1,8 @@
 """timm's own vision transformers (``timm.create_model``), where timm imports: the symmetry group the toolkit finds, the
 outputs under a random element of it, the symmetry measure and Euclidean sharpness before and after, and one product
-against autograd's (double backward). A check of what the tests check on ``tests/timm_like.py`` (timm's layout
-without timm), run on timm itself; not a timing.
+against autograd's (double backward), and the symmetry measure after a shift of the key bias (which no output reads).
+A check of what the tests check on ``tests/timm_like.py`` (timm's layout without timm), run on timm itself; not a
+timing.
 
 Run by hand, never from the tests (timm is not a dependency; it imports torchvision)::
 
@@ -17,6 +18,7 @@ sizes (the survey recorded in docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -49,9 +51,11 @@ def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, label: str) -> str
         out = model(x)
         change = float((moved(x) - out).abs().max() / out.abs().max())
     solver = Solver(tol=1e-12)
+    shifted = _key_bias_shifted(model)
     values = [float(MEASURES["symmetry"].sharpness(Objective(m, loss, (x, y), dtype=torch.float64), k=1,
                                                    solver=solver, progress=False).eigenvalues[0])
-              for m in (model, moved)]  # fmt: skip
+              for m in (model, moved, *([shifted] if shifted is not None else []))]  # fmt: skip
+    key = "no key bias" if shifted is None else f"key bias shifted {abs(values[2] / values[0] - 1):.1e}"
     euclid = [euclidean_sharpness(m, loss, (x, y), dtype=torch.float64, progress=False).value
               for m in (model, moved)]  # fmt: skip
     obj = Objective(model, loss, (x, y), dtype=torch.float64)
@@ -60,8 +64,20 @@ def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, label: str) -> str
     error = float((obj.hvp(v) - reference).abs().max() / reference.abs().max())
     return (f"{label}: {obj.layout.size:,} parameters, group of dimension {sym.dim} ({len(sym.factors)} factors), "
             f"outputs moved by {change:.1e} (relative); symmetry measure {values[0]:.10g} -> {values[1]:.10g} "
-            f"(relative {abs(values[1] / values[0] - 1):.1e}); Euclidean {euclid[0]:.4g} -> {euclid[1]:.4g}; product "
-            f"'{obj.hvp_strategy()}' {error:.1e} from autograd's")  # fmt: skip
+            f"(relative {abs(values[1] / values[0] - 1):.1e}; {key}); Euclidean {euclid[0]:.4g} -> {euclid[1]:.4g}; "
+            f"product '{obj.hvp_strategy()}' {error:.1e} from autograd's")  # fmt: skip
+
+
+def _key_bias_shifted(model: nn.Module) -> nn.Module | None:
+    """A copy with the key rows of every fused ``qkv`` bias moved by ``N(0, 1)`` (the same function: the softmax over
+    the keys ignores them), or ``None`` where there are none."""
+    twin = copy.deepcopy(model)
+    biases = [p for n, p in twin.named_parameters() if n.endswith("attn.qkv.bias")]
+    with torch.no_grad():
+        for p in biases:
+            width = p.shape[0] // 3
+            p[width : 2 * width] += torch.randn(width, generator=torch.Generator().manual_seed(2)).to(p)
+    return twin if biases else None
 
 
 def _perturbed(model: nn.Module, scale: float, device: torch.device) -> nn.Module:

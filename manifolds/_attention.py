@@ -111,6 +111,9 @@ _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"
 _POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
 _STEPS_TO_PROJECTION = 8  # reshapes, selections and dropouts walked from a tensor to the layer reading it
 _NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+# said of a query/key factor that leaves the keys' bias alone (`_Finder.query_key`): the keys are what the softmax runs
+# along
+_UNMOVED = " (the keys' bias {} unmoved, since the softmax along the keys ignores the shift of the scores it adds)"
 _NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish", "softplus", "hardswish"}
 
 
@@ -656,25 +659,40 @@ class _Finder:
             groups.setdefault(head[1], []).append(head)
         return list(groups.values())
 
-    def linear_blocks(self, proj: _Projection, index: tuple[int, ...], how: str, rows: bool) -> list[Block]:
-        """The blocks of ``proj``'s output features ``index`` (``rows``: its weight's rows and its bias) or of its input
-        features (its weight's columns)."""
+    def linear_blocks(self, proj: _Projection, index: tuple[int, ...], how: str, rows: bool,
+                      bias_moves: bool = True) -> list[Block]:  # fmt: skip
+        """The blocks of ``proj``'s output features ``index`` (``rows``: its weight's rows and, unless not
+        ``bias_moves``, its bias) or of its input features (its weight's columns)."""
+        rows_of_bias = rows and bias_moves
         if proj.module is not None:
-            weight, bias = self.param(proj.module, "weight"), self.param(proj.module, "bias")
+            weight = self.param(proj.module, "weight")
+            bias = self.param(proj.module, "bias") if rows_of_bias else None
         else:
             weight = self.owned(proj.weight, proj.through or proj.reader)
             if proj.through is not None and self.users(proj.through) != [proj.reader]:
                 raise _Fail(f"the transpose of the parameter '{weight}' is also read elsewhere")
-            if not rows or proj.bias is None:  # the columns leave the bias as it is
+            if not rows_of_bias or proj.bias is None:  # the columns leave the bias as it is
                 bias = None
             elif proj.bias.op != "get_attr":
                 return [Block(weight, 0, index, None, how, proj.transposed), *self.bias_piece(proj, index, how)]
             else:
                 bias = self.owned(proj.bias, proj.node)
         blocks = [Block(weight, 0 if rows else 1, index, None, how, proj.transposed)]
-        if rows and bias is not None:
+        if bias is not None:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
+
+    def bias_label(self, proj: _Projection) -> str:
+        """``proj``'s bias by name (its parameter, or the node concatenating it)."""
+        if proj.module is not None:
+            return f"'{proj.module}.bias'"
+        return f"'{proj.bias.target}'" if proj.bias.op == "get_attr" else self.label(proj.bias)
+
+    def has_bias(self, proj: _Projection) -> bool:
+        """Whether ``proj`` adds a bias (a buffer piece of a concatenated one counts: it is not known to be zero)."""
+        if proj.module is not None:
+            return self.model.get_submodule(proj.module).bias is not None
+        return proj.bias is not None
 
     def bias_piece(self, proj: _Projection, index: tuple[int, ...], how: str) -> list[Block]:
         """The block of the output features ``index`` in a bias concatenated from pieces (`_bias_pieces`): the rows
@@ -813,9 +831,16 @@ class _Finder:
                 raise _Fail(f"the query/key position maps: {failure}") from None
         return self.commutants[key]
 
-    def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
+    def query_key(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1,
+                  unread: int | None = None) -> None:  # fmt: skip
         """The query/key factors of scores ``q k^T``; ``repeat``: SDPA's ``enable_gqa`` reads each key head for that
-        many consecutive query heads (``repeat_interleave`` along the heads' axis), replayed on the key's features."""
+        many consecutive query heads (``repeat_interleave`` along the heads' axis), replayed on the key's features.
+
+        ``unread``: the side (0 ``q``, 1 ``k``) whose rows a softmax of the scores runs along, through steps that keep
+        a shift along them a shift (`softmax_side`): the keys. Where no position map acts on them, the key bias is not
+        read by the output at all: ``b_k -> b_k + u`` adds ``q . u`` to every score of query ``q``. The factors leave
+        it unmoved (``q' . k' = q . k + q . A b_k`` is still such a shift), so neither the metric nor the measure
+        depends on it, and a shift of it, which keeps the network's function, keeps the measure."""
         regions_q: list = []
         regions_k: list = []
         lq, chain_q = self.back(q, "query", regions_q)
@@ -840,11 +865,14 @@ class _Finder:
         # the maps were read on the example's tokens only (one row per token): say so where the claim rests on them
         read = "" if not sides else f" (position maps read on {len(self.head_rows(groups[0][0], *sides[0]))} tokens)"
         factors = []
+        keys, key_regions = (lq, regions_q) if unread == 0 else (lk, regions_k)
+        unread = unread if unread is not None and not key_regions and self.has_bias(keys) else None
+        unmoved = "" if unread is None else _UNMOVED.format(self.bias_label(keys))
         for h, (pairs, algebra) in enumerate(zip(groups, algebras)):
-            queries = [b for gq, _ in pairs for b in self.linear_blocks(lq, gq, "T", True)]
+            queries = [b for gq, _ in pairs for b in self.linear_blocks(lq, gq, "T", True, bias_moves=unread != 0)]
             shared = "" if len(pairs) == 1 else f" (key head shared by {len(pairs)} query heads)"
-            blocks = tuple(queries + self.linear_blocks(lk, pairs[0][1], "inv", True))
-            label = f"attention at {where}, head {h}: query/key" + shared + read
+            blocks = tuple(queries + self.linear_blocks(lk, pairs[0][1], "inv", True, bias_moves=unread != 1))
+            label = f"attention at {where}, head {h}: query/key" + shared + read + unmoved
             factors.append(Factor("GL", len(pairs[0][0]), blocks, label, "A", algebra))
         self.claim(factors)
         self.found.factors.extend(factors)  # only once every head's blocks are known
@@ -973,12 +1001,13 @@ class _Finder:
         self.score_norms |= {qn, kn}
         self.found.factors.append(factor)
 
-    def scores(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
+    def scores(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1,
+               unread: int | None = None) -> None:  # fmt: skip
         """The query/key factors of scores ``q k^T`` (`query_key`), or, where the query and key are normalized before
         the product, the trade between the normalizations' scales (`norm_pair`), which then also pins the
         projections' factors (with `query_key`'s reason); `_Fail` with both reasons where neither holds."""
         try:
-            self.query_key(where, q, k, k_features_last, repeat)
+            self.query_key(where, q, k, k_features_last, repeat, unread)
             return
         except _Fail as failure:
             first = failure
@@ -987,6 +1016,60 @@ class _Finder:
         except _Fail as failure:
             raise _Fail(f"{first}; as normalized query and key: {failure}") from None
         self.pin(f"query/key of {where}", 0, f"no query/key factor: {first}")
+
+    def softmax_side(self, node: fx.Node) -> int | None:
+        """Which operand of the scores ``node = a @ b^T`` ``(..., rows of a, rows of b)`` a softmax runs along the rows
+        of (1: ``b``'s, the last axis, as attention's keys; 0: ``a``'s, an einsum whose product puts the keys first),
+        reached through steps each read alone that keep a shift of every score along that axis a shift: multiplying or
+        dividing by a number, adding or subtracting what does not depend on the data (a mask, a position bias),
+        ``masked_fill`` by a mask of that kind with a number, ``torch.where(mask, scores, constant)`` and transposes
+        (which move the axes); else ``None``. That operand's bias then adds such a shift only, which the softmax
+        ignores."""
+        shape = node.meta.get("shape")
+        if shape is None or len(shape) < 2:
+            return None
+        ndim = len(shape)
+        axes = [ndim - 2, ndim - 1]  # where the rows of a and of b are
+        current = node
+        for _ in range(_STEPS_TO_PROJECTION):
+            users = self.users(current)
+            if len(users) != 1 or len(current.meta.get("shape") or ()) != ndim:
+                return None
+            (user,) = users
+            name, args, kwargs = target_name(user), user.args, user.kwargs
+            constant = lambda a: not isinstance(a, fx.Node) or a not in self.record.data_fed  # noqa: E731
+            if name in ("softmax", "log_softmax") and args and args[0] is current:
+                given = dict(zip(("input", "dim"), args)) | dict(kwargs)
+                dim = given.get("dim")
+                if not isinstance(dim, int) or isinstance(dim, bool) or dim % ndim not in axes:
+                    return None
+                return axes.index(dim % ndim)
+            if name in ("transpose", "swapaxes", "permute") and args and args[0] is current and not kwargs \
+                    and all(isinstance(a, int) and not isinstance(a, bool) for a in args[1:]):  # fmt: skip
+                order = list(range(ndim))
+                if name == "permute":
+                    order = [a % ndim for a in args[1:]]
+                elif len(args) == 3:
+                    i, j = args[1] % ndim, args[2] % ndim
+                    order[i], order[j] = j, i
+                if sorted(order) != list(range(ndim)):
+                    return None
+                axes = [order.index(a) for a in axes]
+            elif name in _SCALINGS and self.data_arg(user) is current:
+                pass
+            elif name in ("add", "sub") and len(args) == 2 and not kwargs and current in args \
+                    and all(constant(a) for a in args if a is not current):  # fmt: skip
+                pass  # (`m - scores` turns a shift around: still a shift)
+            elif name == "masked_fill" and len(args) == 3 and not kwargs and args[0] is current \
+                    and constant(args[1]) and not isinstance(args[2], fx.Node):  # fmt: skip
+                pass
+            elif name == "where" and len(args) == 3 and not kwargs and args[1] is current \
+                    and constant(args[0]) and constant(args[2]):  # fmt: skip
+                pass
+            else:
+                return None
+            current = user
+        return None
 
     # -- patterns --------------------------------------------------------------------------------------------
     def matmul(self, node: fx.Node) -> None:
@@ -1000,7 +1083,7 @@ class _Finder:
             self.pin(f"product {where}", 0, "no attention factor: one tensor is both factors of the product")
             return
         try:
-            self.scores(where, a, b, k_features_last=False)
+            self.scores(where, a, b, k_features_last=False, unread=self.softmax_side(node))
             return
         except _Fail as qk_failure:
             first = str(qk_failure)
@@ -1033,7 +1116,7 @@ class _Finder:
                 return
             repeat = shapes[0][-3] // shapes[1][-3]
         try:
-            self.scores(where, q, k, k_features_last=True, repeat=repeat)
+            self.scores(where, q, k, k_features_last=True, repeat=repeat, unread=1)
         except _Fail as failure:
             self.pin(f"query/key of {where}", 0, f"no query/key factor: {failure}")
         try:
@@ -1067,11 +1150,15 @@ class _Finder:
             self.pin(where, 0, str(failure))
             return
 
+        # the key bias shifts all of a query's scores alike, which the softmax ignores (see `query_key`), unless
+        # add_zero_attn appends a key of zeros that it does not shift
+        unread = bias is not None and not m.add_zero_attn
+
         def rows(i: int, h: int, how: str) -> list[Block]:
             weight, offset = weights[i]
             index = tuple(range(offset + h * hd, offset + (h + 1) * hd))
             blocks = [Block(weight, 0, index, None, how)]
-            if bias is not None:
+            if bias is not None and not (i == 1 and unread):
                 blocks.append(Block(bias, 0, tuple(range(i * e + h * hd, i * e + (h + 1) * hd)), None, how))
             return blocks
 
@@ -1079,7 +1166,8 @@ class _Finder:
             label = f"attention {where}, head {h}"
             if m.bias_k is None:
                 blocks = rows(0, h, "T") + rows(1, h, "inv")
-                self.found.factors.append(Factor("GL", hd, tuple(blocks), f"{label}: query/key", "A"))
+                name_qk = f"{label}: query/key" + (_UNMOVED.format(f"'{bias}' (its key rows)") if unread else "")
+                self.found.factors.append(Factor("GL", hd, tuple(blocks), name_qk, "A"))
             if m.bias_v is None:
                 cols = Block(out, 1, tuple(range(h * hd, (h + 1) * hd)), None, "invT")
                 self.found.factors.append(Factor("GL", hd, (*rows(2, h, "T"), cols), f"{label}: value/output", "B"))

@@ -1,7 +1,8 @@
 """A projection's bias put together in the forward (timm's BEiT, EVA-02 and its rotary ViTs): one bias-free ``qkv``
 Linear whose weight is read directly, ``F.linear(input=x, weight=qkv.weight, bias=torch.cat((q_bias, k_bias,
 v_bias)))``, the key's bias a buffer of zeros. The query and value biases are parameters the attention's GL factors
-move with their rows; the zero key bias stays zero under any of them (``A^-1 0 = 0``), so it needs no block.
+move with their rows. The key's is not read by the output at all (`test_key_bias`), so no factor moves it; a buffer
+piece a factor would have to move must be zero there, which stays zero (``B^T 0 = 0``).
 
 Checked on a tiny float64 block with references that share none of the library's code: outputs and the measure under
 a hand-built element, the measure against the dense generalized eigenproblem of `test_transformer_quotient`, products
@@ -28,12 +29,22 @@ D, H, HD, FF = 8, 2, 4, 12
 class Attention(nn.Module):
     """BEiT's attention: the bias of the bias-free ``qkv`` Linear concatenated from pieces in the forward."""
 
-    def __init__(self, key_bias: str = "zero", pieces: tuple[int, ...] = (D, D, D), read_twice: bool = False):
+    def __init__(
+        self,
+        key_bias: str = "zero",
+        pieces: tuple[int, ...] = (D, D, D),
+        read_twice: bool = False,
+        value_buffer: bool = False,
+    ):
         super().__init__()
         self.qkv, self.proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
         self.key_bias, self.read_twice = key_bias, read_twice
         if pieces == (D, D, D):
-            self.q_bias, self.v_bias = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+            self.q_bias = nn.Parameter(torch.randn(D))
+            if value_buffer:  # a fixed value bias, which the value/output factors would have to move
+                self.register_buffer("v_bias", torch.ones(D), persistent=False)
+            else:
+                self.v_bias = nn.Parameter(torch.randn(D))
             self.register_buffer("k_bias", torch.zeros(D) if key_bias == "zero" else torch.ones(D), persistent=False)
             self.pieces = None
         else:  # parameters cut across the heads' rows
@@ -133,7 +144,7 @@ def test_the_measure_equals_the_dense_reference():
 
 
 @pytest.mark.parametrize("options,pinned,why", [
-    ({"key_bias": "ones"}, "query/key", "holds the buffer 'attn.k_bias', nonzero at rows a factor would move"),
+    ({"value_buffer": True}, "value/output", "holds the buffer 'attn.v_bias', nonzero at rows a factor would move"),
     ({"pieces": (6, 18)}, "query/key", "the rows one factor moves span two pieces of the bias"),
     ({"read_twice": True}, "query/key", "is also read elsewhere"),
 ])  # fmt: skip
@@ -145,9 +156,9 @@ def test_pieces_that_cannot_move_with_the_rows_pin_with_the_reason(options, pinn
     assert_keeps_outputs(model, sym, x, seed=5)
 
 
-def test_a_nonzero_key_buffer_keeps_the_value_output_factors():
-    model, _, (x, _) = _make(key_bias="ones")
-    assert len([f for f in _attention(manifolds.transformer_symmetry(model, x)) if "value/output" in f.label]) == H
+def test_a_nonzero_value_buffer_keeps_the_query_key_factors():
+    model, _, (x, _) = _make(value_buffer=True)
+    assert len([f for f in _attention(manifolds.transformer_symmetry(model, x)) if "query/key" in f.label]) == H
 
 
 @pytest.mark.parametrize("options", [{}, {"pieces": (6, 18)}])

@@ -400,3 +400,35 @@ class Joined(nn.Module):
 def test_stack_and_cat_with_their_tensors_by_keyword_equal_forward_over_reverse():
     x, y = _data((6,), n=7)
     _exact(_perturbed(Joined()), x, y)
+
+
+class Parallel(nn.Module):
+    """Two branches added as timm's parallel blocks add them, ``torch.stack(branches).sum(0)`` (``how``), or summed
+    along another axis or kept (the stack then read as it is)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a, self.b, self.head = how, nn.Linear(6, 4), nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        branches = [torch.tanh(self.a(x)), self.b(x) * self.b(x)]
+        if self.how == "sum(0)":
+            h = torch.stack(branches).sum(0)
+        elif self.how == "sum(dim=0)":
+            h = torch.stack(branches, dim=0).sum(dim=0)
+        elif self.how == "sum(0, keepdim=True)":
+            h = torch.stack(branches).sum(0, keepdim=True)[0]
+        else:  # along the features: the first axis is the samples'
+            h = torch.stack(branches, dim=-1).sum(-1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["sum(0)", "sum(dim=0)", "sum(0, keepdim=True)", "sum(-1)"])
+def test_branches_stacked_and_summed_equal_forward_over_reverse(how):
+    x, y = _data((6,), n=7)
+    model = _perturbed(Parallel(how))
+    if how == "sum(0, keepdim=True)":  # not read (the stack alone along the samples' axis is not): autograd's
+        obj = Objective(model, CE, (x, y))
+        assert obj._rop is None and obj.hvp_strategy() == "graph"
+        return
+    _exact(model, x, y)

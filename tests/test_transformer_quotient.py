@@ -149,7 +149,8 @@ def _rows(sd, name, rows, m):
 
 
 def hand_element(model, g) -> dict:
-    """Per head ``A`` on query/key and ``B`` on value/output, the pre-LN LayerNorm trades and the ReLU units."""
+    """Per head ``A`` on query/key (the key bias left alone) and ``B`` on value/output, the pre-LN LayerNorm trades
+    and the ReLU units."""
     sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     for i, block in enumerate(model.blocks):
         p = f"blocks.{i}."
@@ -161,12 +162,14 @@ def hand_element(model, g) -> dict:
                 for role, m in enumerate((a.T, torch.linalg.inv(a), b.T)):
                     rows = slice(role * D + h * HD, role * D + (h + 1) * HD)
                     _rows(sd, p + packed + "weight", rows, m)
-                    _rows(sd, p + packed + "bias", rows, m)
+                    if role != 1:  # the key bias is not read (the softmax ignores the shift it adds): unmoved
+                        _rows(sd, p + packed + "bias", rows, m)
                 out = p + ("attn.out_proj.weight" if isinstance(block, MHABlock) else "proj.weight")
             else:
                 for role, m in zip("qkv", (a.T, torch.linalg.inv(a), b.T)):
                     _rows(sd, f"{p}{role}.weight", head, m)
-                    _rows(sd, f"{p}{role}.bias", head, m)
+                    if role != "k":
+                        _rows(sd, f"{p}{role}.bias", head, m)
                 out = p + "o.weight"
             w = sd[out].clone()
             w[:, head] = w[:, head] @ torch.linalg.inv(b).T

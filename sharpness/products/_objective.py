@@ -712,13 +712,13 @@ class Objective:
         if strategy == "rop" and (autograd or self._rop is None):
             raise ValueError(
                 "the 'rop' HVP strategy needs a model built from Linear/ConvNd layers, eval-mode BatchNorm, ReLU, "
-                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums and concatenation, "
-                "LayerNorm, RMSNorm, smooth elementwise functions (GELU, tanh, sigmoid, SiLU, softplus, exp, log, "
-                "powers), elementwise products, softmax and log_softmax, self-attention by nn.MultiheadAttention or "
-                "written by hand (matmul, einsum, scaled_dot_product_attention, transpose/permute, unbind/chunk/split, "
-                "indexing), token embeddings (nn.Embedding, F.embedding; tied output layers too) and parameters "
-                "added outside modules "
-                "(torch.fx-traceable, no hooks), differentiated in all its layers' parameters; use 'graph', "
+                "LeakyReLU, max/average pooling, flatten/view, Identity, dropout, residual sums, concatenation and "
+                "stacking, LayerNorm, RMSNorm, smooth elementwise functions (GELU, tanh, sigmoid, SiLU, softplus, exp, "
+                "log, powers), elementwise products, softmax and log_softmax, self-attention by nn.MultiheadAttention "
+                "or written by hand (matmul, einsum, scaled_dot_product_attention, transpose/permute, "
+                "unbind/chunk/split, indexing, floating dtype casts), token embeddings (nn.Embedding, F.embedding; "
+                "tied output layers too) and parameters added outside modules (torch.fx-traceable, no hooks), "
+                "differentiated in all its layers' parameters; use 'graph', "
                 "'double_backward' or 'jvp'"
             )
         self._check_embedding_calls()

@@ -901,6 +901,29 @@ def _merged_affines(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[
     return found
 
 
+def _stacked_sums(nodes: list[fx.Node], shapes: dict[fx.Node, tuple]) -> dict[fx.Node, tuple]:
+    """``torch.stack(parts).sum(0)`` (timm's parallel blocks add their branches so): the stack along a new first axis,
+    read by that sum alone, as nothing (``(None, [], [])``) and the sum as the sum of the parts (a stack along the
+    first axis is refused alone: it would be read as the samples')."""
+    found: dict[fx.Node, tuple] = {}
+    for node in nodes:
+        if target_name(node) != "sum" or node.op not in ("call_function", "call_method") or node not in shapes:
+            continue
+        stack = node.args[0] if node.args else None
+        dims = _argument(node, 1, "dim", None)
+        if not isinstance(stack, fx.Node) or target_name(stack) != "stack" or stack.op != "call_function" \
+                or list(stack.users) != [node] or dims not in (0, (0,), [0]) or len(node.args) > 2 \
+                or set(node.kwargs) - {"dim"} or _argument(stack, 1, "dim", 0) != 0 \
+                or set(stack.kwargs) - {"tensors", "dim"} or len(stack.args) > 2:  # fmt: skip
+            continue
+        parts = _argument(stack, 0, "tensors", None)
+        if not isinstance(parts, (list, tuple)) or not parts or \
+                not all(isinstance(p, fx.Node) and shapes.get(p) == shapes[node] for p in parts):  # fmt: skip
+            continue
+        found[stack], found[node] = (None, [], []), (_Map("sum", factors=(1.0,) * len(parts)), list(parts), [])
+    return found
+
+
 def _constant(model: nn.Module, name: str) -> Tensor | None:
     """The tensor fx kept on ``model`` under ``name`` while tracing (``_tensor_constant0``: one computed from buffers
     alone, ``3.0 * self.mask`` say), or ``None``."""
@@ -963,7 +986,7 @@ def rop_graph(
     shapes = {n: n.meta["shape"] for n in nodes if "shape" in n.meta}
     keys = parameter_keys(model, params)
     attention = _attention_outputs(model, nodes, shapes, params)
-    pieces = _pieces(nodes, shapes) | _merged_affines(nodes, shapes)
+    pieces = _pieces(nodes, shapes) | _merged_affines(nodes, shapes) | _stacked_sums(nodes, shapes)
     read: dict[fx.Node, tuple] = {}  # node -> (op, tensor input nodes, call input nodes)
     fixed: set[fx.Node] = set()  # calls read only where no parameter moves their inputs
     output = None
