@@ -1,6 +1,7 @@
 """timm's own vision transformers (``timm.create_model``), where timm imports: the symmetry group the toolkit finds, the
 outputs under a random element of it, the symmetry measure and Euclidean sharpness before and after, and one product
-against autograd's (double backward), and the symmetry measure after a shift of the key bias (which no output reads).
+against autograd's (double backward), and the symmetry measure after shifts of the key bias (which no output reads) and
+of the value bias against the output bias (which keeps the function).
 A check of what the tests check on ``tests/timm_like.py`` (timm's layout without timm), run on timm itself; not a
 timing.
 
@@ -51,11 +52,11 @@ def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, label: str) -> str
         out = model(x)
         change = float((moved(x) - out).abs().max() / out.abs().max())
     solver = Solver(tol=1e-12)
-    shifted = _key_bias_shifted(model)
+    shifted = _biases_shifted(model)
     values = [float(MEASURES["symmetry"].sharpness(Objective(m, loss, (x, y), dtype=torch.float64), k=1,
                                                    solver=solver, progress=False).eigenvalues[0])
               for m in (model, moved, *([shifted] if shifted is not None else []))]  # fmt: skip
-    key = "no key bias" if shifted is None else f"key bias shifted {abs(values[2] / values[0] - 1):.1e}"
+    key = "no qkv bias" if shifted is None else f"key and value biases shifted {abs(values[2] / values[0] - 1):.1e}"
     euclid = [euclidean_sharpness(m, loss, (x, y), dtype=torch.float64, progress=False).value
               for m in (model, moved)]  # fmt: skip
     obj = Objective(model, loss, (x, y), dtype=torch.float64)
@@ -68,16 +69,23 @@ def check(model: nn.Module, x: torch.Tensor, y: torch.Tensor, label: str) -> str
             f"product '{obj.hvp_strategy()}' {error:.1e} from autograd's")  # fmt: skip
 
 
-def _key_bias_shifted(model: nn.Module) -> nn.Module | None:
-    """A copy with the key rows of every fused ``qkv`` bias moved by ``N(0, 1)`` (the same function: the softmax over
-    the keys ignores them), or ``None`` where there are none."""
+def _biases_shifted(model: nn.Module) -> nn.Module | None:
+    """A copy with the key rows of every fused ``qkv`` bias moved by ``N(0, 1)``, and its value rows by ``u = N(0, 1)``
+    with ``-W_proj u`` added to the output projection's bias: the same function (the softmax ignores the first, the
+    weights' rows sum to one for the second); ``None`` where there are no such biases."""
     twin = copy.deepcopy(model)
-    biases = [p for n, p in twin.named_parameters() if n.endswith("attn.qkv.bias")]
+    g = torch.Generator().manual_seed(2)
+    attentions = [m for m in twin.modules() if isinstance(getattr(m, "qkv", None), nn.Linear)
+                  and m.qkv.bias is not None and isinstance(getattr(m, "proj", None), nn.Linear)]  # fmt: skip
     with torch.no_grad():
-        for p in biases:
-            width = p.shape[0] // 3
-            p[width : 2 * width] += torch.randn(width, generator=torch.Generator().manual_seed(2)).to(p)
-    return twin if biases else None
+        for m in attentions:
+            width = m.qkv.bias.shape[0] // 3
+            m.qkv.bias[width : 2 * width] += torch.randn(width, generator=g).to(m.qkv.bias)
+            if m.proj.bias is not None:
+                u = torch.randn(width, generator=g).to(m.qkv.bias)
+                m.qkv.bias[2 * width :] += u
+                m.proj.bias -= m.proj.weight @ u
+    return twin if attentions else None
 
 
 def _perturbed(model: nn.Module, scale: float, device: torch.device) -> nn.Module:

@@ -111,9 +111,8 @@ _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"
 _POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
 _STEPS_TO_PROJECTION = 8  # reshapes, selections and dropouts walked from a tensor to the layer reading it
 _NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
-# said of a query/key factor that leaves the keys' bias alone (`_Finder.query_key`): the keys are what the softmax runs
-# along
-_UNMOVED = " (the keys' bias {} unmoved, since the softmax along the keys ignores the shift of the scores it adds)"
+# said of a query/key factor that leaves the bias of the side the softmax runs along (the keys) alone (`query_key`)
+_UNMOVED = " (the bias {} unmoved, since the softmax along its rows ignores the shift of the scores it adds)"
 _NON_HOMOGENEOUS = {"gelu", "silu", "tanh", "sigmoid", "softmax", "elu", "mish", "softplus", "hardswish"}
 
 
@@ -229,6 +228,7 @@ class _Finder:
         count = self.name_count = Counter(id(p) for _, p in named)
         self.getattr_reads = Counter(id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr")
         self.param_name = {id(p): n for n, p in named}
+        self.parameters = dict(named)
         # a parameter under several names, or also read directly by the forward (a get_attr node), moves with
         # whatever else reads it: no factor may claim it alone
         direct = {id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr"}
@@ -664,6 +664,8 @@ class _Finder:
         """The blocks of ``proj``'s output features ``index`` (``rows``: its weight's rows and, unless not
         ``bias_moves``, its bias) or of its input features (its weight's columns)."""
         rows_of_bias = rows and bias_moves
+        if rows and not bias_moves:
+            self.unmoved_bias(proj)
         if proj.module is not None:
             weight = self.param(proj.module, "weight")
             bias = self.param(proj.module, "bias") if rows_of_bias else None
@@ -681,6 +683,45 @@ class _Finder:
         if bias is not None:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
+
+    def unmoved_bias(self, proj: _Projection) -> None:
+        """Fails unless ``proj``'s bias, which a factor leaves unmoved as the output does not read it, is read by
+        ``proj`` alone (read elsewhere, a shift of it would show there)."""
+        if proj.module is not None:
+            self.param(proj.module, "bias")
+        elif proj.bias is not None and proj.bias.op == "get_attr":
+            self.owned(proj.bias, proj.node)
+        elif proj.bias is not None and self.users(proj.bias) != [proj.node]:
+            raise _Fail(f"the bias {self.label(proj.bias)} of {self.label(proj.node)} is also read elsewhere")
+
+    def param_dim(self, name: str) -> int:
+        """The number of axes of the parameter ``name``."""
+        return self.parameters[name].dim()
+
+    def output_bias(self, proj: _Projection) -> str | None:
+        """The name of ``proj``'s bias where it is a parameter that only ``proj`` reads, else ``None``."""
+        try:
+            if proj.module is not None:
+                return self.param(proj.module, "bias")
+            return self.owned(proj.bias, proj.node) if proj.bias is not None and proj.bias.op == "get_attr" else None
+        except _Fail:
+            return None
+
+    def rows_sum_to_one(self, weights: fx.Node) -> bool:
+        """Whether ``weights`` (the first operand of ``weights @ v``) is a softmax over its last axis, directly or
+        through dropout layers (the identity in eval mode, where every measure evaluates): every row sums to one."""
+        for _ in range(_STEPS_TO_PROJECTION):
+            if target_name(weights) == "softmax" and weights.args:
+                given = dict(zip(("input", "dim", "_stacklevel", "dtype"), weights.args)) | dict(weights.kwargs)
+                dim, shape = given.get("dim"), weights.meta.get("shape")
+                return isinstance(dim, int) and not isinstance(dim, bool) and shape is not None and len(shape) > 0 \
+                    and dim % len(shape) == len(shape) - 1 and given.get("dtype") is None \
+                    and set(given) <= {"input", "dim", "_stacklevel", "dtype"}  # fmt: skip
+            source = weights.args[0] if weights.args else None
+            if not (isinstance(source, fx.Node) and self.is_dropout(weights, source)):
+                return False
+            weights = source
+        return False
 
     def bias_label(self, proj: _Projection) -> str:
         """``proj``'s bias by name (its parameter, or the node concatenating it)."""
@@ -878,10 +919,16 @@ class _Finder:
         self.found.factors.extend(factors)  # only once every head's blocks are known
         self.claimed_rows |= {lq.key, lk.key}
 
-    def value_output(self, where: str, v: fx.Node, out: fx.Node, repeat: int = 1, features_last: bool = True) -> None:
+    def value_output(self, where: str, v: fx.Node, out: fx.Node, repeat: int = 1, features_last: bool = True,
+                     rows_sum_to_one: bool = False) -> None:  # fmt: skip
         """The value/output factors of ``out = P v`` merged into an output projection; ``repeat`` as in
         `query_key`. ``features_last=False``: ``out = v^T P^T`` instead, ``v`` the value's transpose ``(..., hd,
-        tokens)`` and the output ``(..., hd, tokens)``."""
+        tokens)`` and the output ``(..., hd, tokens)``.
+
+        ``rows_sum_to_one``: every row of ``P`` sums to one (a softmax over the keys). Then adding ``u`` to a value
+        head's bias adds ``u`` to every row of the head's output, which the output projection turns into ``Wo_h u``
+        for each query head reading it: subtracting that from the output bias keeps the function. Each factor then
+        records the value bias and the output bias (`Factor.absorption`), where both are parameters."""
         lv, chain_v = self.back(v, "value")
         lo, chain_o = self.forward(out)
         pv = self.replay(chain_v, self.feature_probe(lv.node))
@@ -925,14 +972,17 @@ class _Finder:
         ordered = rows.sort(dim=1).values
         if bool((ordered[:, 1:] == ordered[:, :-1]).any()) or not all(readers):
             raise _Fail("the merged heads do not cover the output projection's inputs once each")
+        output_bias = self.output_bias(lo) if rows_sum_to_one else None
         factors = []
         for h, gv in enumerate(heads):
             blocks_h = self.linear_blocks(lv, gv, "T", True)
+            value_bias = next((b for b in blocks_h if self.param_dim(b.name) == 1), None)
             for cols in readers[h]:
                 blocks_h += self.linear_blocks(lo, cols, "invT", False)
             shared = "" if len(readers[h]) == 1 else f" (value head shared by {len(readers[h])} query heads)"
+            absorption = None if value_bias is None or output_bias is None else (value_bias, output_bias)
             factors.append(Factor("GL", hd, tuple(blocks_h), f"attention at {where}, head {h}: value/output" + shared,
-                                  "B"))  # fmt: skip
+                                  "B", absorption=absorption))  # fmt: skip
         self.claim(factors)
         self.found.factors.extend(factors)
         self.claimed_rows.add(lv.key)
@@ -1017,12 +1067,20 @@ class _Finder:
             raise _Fail(f"{first}; as normalized query and key: {failure}") from None
         self.pin(f"query/key of {where}", 0, f"no query/key factor: {first}")
 
+    def minus_infinity(self, value: object) -> bool:
+        """Whether ``value`` (a number, or a node whose value does not depend on the data) is ``-inf`` throughout:
+        entries filled so weigh nothing in a softmax, whatever the others are shifted by."""
+        if isinstance(value, fx.Node):
+            value = self.record.constants.get(value) if value not in self.record.data_fed else None
+            return isinstance(value, Tensor) and value.numel() > 0 and bool((value == float("-inf")).all())
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == float("-inf")
+
     def softmax_side(self, node: fx.Node) -> int | None:
         """Which operand of the scores ``node = a @ b^T`` ``(..., rows of a, rows of b)`` a softmax runs along the rows
         of (1: ``b``'s, the last axis, as attention's keys; 0: ``a``'s, an einsum whose product puts the keys first),
         reached through steps each read alone that keep a shift of every score along that axis a shift: multiplying or
         dividing by a number, adding or subtracting what does not depend on the data (a mask, a position bias),
-        ``masked_fill`` by a mask of that kind with a number, ``torch.where(mask, scores, constant)`` and transposes
+        ``masked_fill`` by a mask of that kind with ``-inf``, ``torch.where(mask, scores, -inf)`` and transposes
         (which move the axes); else ``None``. That operand's bias then adds such a shift only, which the softmax
         ignores."""
         shape = node.meta.get("shape")
@@ -1061,10 +1119,10 @@ class _Finder:
                     and all(constant(a) for a in args if a is not current):  # fmt: skip
                 pass  # (`m - scores` turns a shift around: still a shift)
             elif name == "masked_fill" and len(args) == 3 and not kwargs and args[0] is current \
-                    and constant(args[1]) and not isinstance(args[2], fx.Node):  # fmt: skip
-                pass
+                    and constant(args[1]) and self.minus_infinity(args[2]):  # fmt: skip
+                pass  # (a finite fill stays put while the rest shifts: the softmax would see it)
             elif name == "where" and len(args) == 3 and not kwargs and args[1] is current \
-                    and constant(args[0]) and constant(args[2]):  # fmt: skip
+                    and constant(args[0]) and self.minus_infinity(args[2]):  # fmt: skip
                 pass
             else:
                 return None
@@ -1088,7 +1146,7 @@ class _Finder:
         except _Fail as qk_failure:
             first = str(qk_failure)
         try:
-            self.value_output(where, b, node)
+            self.value_output(where, b, node, rows_sum_to_one=self.rows_sum_to_one(a))
             return
         except _Fail as vo_failure:
             second = str(vo_failure)
@@ -1120,7 +1178,7 @@ class _Finder:
         except _Fail as failure:
             self.pin(f"query/key of {where}", 0, f"no query/key factor: {failure}")
         try:
-            self.value_output(where, v, node, repeat=repeat)
+            self.value_output(where, v, node, repeat=repeat, rows_sum_to_one=True)
         except _Fail as failure:
             self.pin(f"value/output of {where}", 0, f"no value/output factor: {failure}")
 
@@ -1146,6 +1204,7 @@ class _Finder:
                 weights = [(self.param(name, f"{p}_proj_weight"), 0) for p in "qkv"]
             bias = self.param(name, "in_proj_bias")
             out = self.param(name, "out_proj.weight")
+            out_bias = self.param(name, "out_proj.bias")
         except _Fail as failure:
             self.pin(where, 0, str(failure))
             return
@@ -1170,7 +1229,11 @@ class _Finder:
                 self.found.factors.append(Factor("GL", hd, tuple(blocks), name_qk, "A"))
             if m.bias_v is None:
                 cols = Block(out, 1, tuple(range(h * hd, (h + 1) * hd)), None, "invT")
-                self.found.factors.append(Factor("GL", hd, (*rows(2, h, "T"), cols), f"{label}: value/output", "B"))
+                value = rows(2, h, "T")
+                # add_zero_attn appends a value of zeros that a value bias does not reach: no absorption then
+                absorption = (value[1], out_bias) if len(value) == 2 and out_bias is not None and unread else None
+                self.found.factors.append(Factor("GL", hd, (*value, cols), f"{label}: value/output", "B",
+                                                 absorption=absorption))  # fmt: skip
         if m.bias_k is not None:
             self.pin(where, 2 * e, "add_bias_kv appends key and value rows that no projection moves")
 

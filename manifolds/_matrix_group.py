@@ -115,6 +115,9 @@ class Factor:
             query's and key's rotary position maps, `manifolds._rotary`), a basis of its Lie algebra, each element a
             ``k x k`` matrix given by its nonzero entries ``(row, column, value)``. The factor's coordinates are then
             the coefficients on this basis.
+        absorption: for a value/output factor whose attention weights sum to one over the keys, ``(the value bias
+            block, the output bias's name)``: adding ``u`` to the head's value bias and ``-Wo_h u`` to the output bias
+            keeps the function (`manifolds._absorption`); else ``None``.
     """
 
     kind: str
@@ -123,6 +126,7 @@ class Factor:
     label: str
     symbol: str
     algebra: tuple[tuple[tuple[int, int, float], ...], ...] | None = None
+    absorption: tuple[Block, str] | None = None
 
     @property
     def dim(self) -> int:

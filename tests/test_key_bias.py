@@ -65,7 +65,7 @@ def test_a_shift_of_the_key_bias_keeps_the_outputs_and_the_measure(name):
     key_rows = [b for f in sym.factors if "query/key" in f.label for b in f.blocks
                 if b.name in keys and (keys[b.name] == slice(None) or b.index[0] >= D)]  # fmt: skip
     assert key_rows == [], key_rows
-    assert all("the keys' bias" in f.label for f in sym.factors if "query/key" in f.label), sym.describe()
+    assert all("unmoved, since the softmax" in f.label for f in sym.factors if "query/key" in f.label), sym.describe()
 
 
 def test_scores_stored_transposed_by_an_einsum_leave_the_key_bias_unmoved_too():
@@ -73,25 +73,35 @@ def test_scores_stored_transposed_by_an_einsum_leave_the_key_bias_unmoved_too():
     model, x = make_einsum("scores_transposed")
     sym = manifolds.transformer_symmetry(model, x)
     qk = [f for f in sym.factors if "query/key" in f.label]
-    assert qk and all("the keys' bias 'k.bias' unmoved" in f.label for f in qk), sym.describe()
+    assert qk and all("the bias 'k.bias' unmoved" in f.label for f in qk), sym.describe()
     assert not any(b.name == "k.bias" for f in qk for b in f.blocks)
 
 
 class Hand(nn.Module):
-    """Attention by hand whose key bias the output reads: a softmax over the queries, or the scores also added to
-    the output; or (``"transposed"``) does not read: the scores transposed to ``(keys, queries)`` before a softmax
-    over the keys."""
+    """Attention by hand whose key bias the output reads: a softmax over the queries, the scores also added to the
+    output, masked scores filled with a finite number (which a shift of the others does not move), the bias also
+    added to the output; or does not read: the scores transposed to ``(keys, queries)`` before a softmax over the
+    keys, masked with ``-inf`` (``masked_fill``, ``torch.where``) or a constant added."""
 
     def __init__(self, how: str):
         super().__init__()
         self.how = how
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
         self.head = nn.Linear(D, 3)
+        self.register_buffer("causal", torch.ones(4, 4).tril().bool())
+        self.register_buffer("offset", torch.randn(4, 4))
 
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = (m(x).view(b, t, H, D // H).transpose(1, 2) for m in (self.q, self.k, self.v))
         s = q @ k.transpose(-2, -1)
+        s = {"masked_fill 0": lambda: s.masked_fill(~self.causal, 0.0),
+             "where -2": lambda: torch.where(self.causal, s, torch.tensor(-2.0, dtype=s.dtype)),
+             "masked_fill -inf": lambda: s.masked_fill(~self.causal, float("-inf")),
+             "where -inf": lambda: torch.where(self.causal, s, torch.tensor(float("-inf"), dtype=s.dtype)),
+             "offset": lambda: s + self.offset}.get(self.how, lambda: s)()  # fmt: skip
+        if self.how == "bias read":
+            v = v + self.k.bias.view(1, H, 1, D // H)
         if self.how == "transposed":
             a = (s.transpose(-1, -2) * 0.5).softmax(dim=-2).transpose(-2, -1) @ v
         else:
@@ -99,21 +109,34 @@ class Hand(nn.Module):
         out = self.o(a.transpose(1, 2).reshape(b, t, D))
         if self.how == "scores read":
             out = out + s.mean(dim=(1, 3))[..., None]
-        return self.head(out[:, 0])  # (a mean over the tokens would undo a softmax over them)
+        return self.head(torch.tanh(out[:, 0]))  # (a mean over the tokens would undo a softmax over them)
 
 
-def test_scores_transposed_before_the_softmax_leave_the_key_bias_unmoved():
+def test_the_key_bias_read_by_the_output_itself_is_not_claimed_unread():
     torch.manual_seed(0)
-    model, _, (x, _) = token_classification(Hand("transposed"), D)
+    model, _, (x, _) = token_classification(Hand("bias read"), D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not [f for f in sym.factors if "query/key" in f.label], sym.describe()
+    assert "the parameter 'k.bias' is also read outside its module" in sym.describe(), sym.describe()
+
+
+@pytest.mark.parametrize("how", ["transposed", "masked_fill -inf", "where -inf", "offset"])
+def test_scores_transposed_masked_or_offset_before_the_softmax_leave_the_key_bias_unmoved(how):
+    torch.manual_seed(0)
+    model, loss, data = token_classification(Hand(how), D)
+    x = data[0]
     with torch.no_grad():
         assert (_shifted(model, seed=2)(x) - model(x)).abs().max() < 1e-12
     sym = manifolds.transformer_symmetry(model, x)
     qk = [f for f in sym.factors if "query/key" in f.label]
-    assert len(qk) == H and all("the keys' bias 'k.bias' unmoved" in f.label for f in qk), sym.describe()
+    assert len(qk) == H and all("the bias 'k.bias' unmoved" in f.label for f in qk), sym.describe()
     assert {b.name for f in qk for b in f.blocks} == {"q.weight", "q.bias", "k.weight"}
     twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
     with torch.no_grad():
         assert (twin(x) - model(x)).abs().max() < 1e-12
+    before = measure_value(model, loss, data, k=2)
+    for moved in (twin, _shifted(model, seed=4)):
+        assert np.allclose(measure_value(moved, loss, data, k=2), before, rtol=1e-8, atol=0)
 
 
 class Rotary(nn.Module):
@@ -140,6 +163,8 @@ class ZeroKey(nn.Module):
 READ = {
     "softmax over the queries": lambda: Hand("over queries"),
     "scores read elsewhere": lambda: Hand("scores read"),
+    "masked_fill with 0": lambda: Hand("masked_fill 0"),
+    "torch.where with -2": lambda: Hand("where -2"),
     "rotary position map on the key": Rotary,
     "add_zero_attn": ZeroKey,
 }
@@ -157,7 +182,7 @@ def test_where_the_output_reads_the_key_bias_it_moves_with_the_factor(name):
         sym.describe()  # fmt: skip
     assert all(any(b.name.endswith(("k.bias", "in_proj_bias")) for b in f.blocks) for f in qk), sym.describe()
     if name == "softmax over the queries":  # the softmax runs along the queries' rows: theirs is the unread bias
-        assert all("the keys' bias 'q.bias' unmoved" in f.label for f in qk), sym.describe()
+        assert all("the bias 'q.bias' unmoved" in f.label for f in qk), sym.describe()
     twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
     with torch.no_grad():
         assert (twin(x) - model(x)).abs().max() < 1e-12

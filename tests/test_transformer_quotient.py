@@ -200,11 +200,30 @@ def _loss_fn(model, loss, data, layout):
     return f
 
 
+def representative(model, symmetry):
+    """A copy of ``model`` with the value biases of the factors recording one (``Factor.absorption``) moved into the
+    output bias, ``bo <- bo + Wo_h bv_h``, ``bv_h <- 0``: where the symmetry measure is taken (the same function)."""
+    params = _params(model)
+    sd = {n: p.clone() for n, p in params.items()}
+    for f in symmetry.factors:
+        if f.absorption is None or f.absorption[0].name not in params or f.absorption[1] not in params:
+            continue
+        (value, output), rows = f.absorption, list(f.absorption[0].index)
+        for b in f.blocks:
+            if b.axis == 1:  # the output projection's columns reading the head, as the (out, in) matrix
+                w = params[b.name].T if b.transposed else params[b.name]
+                sd[output] = sd[output] + w[:, list(b.index)] @ params[value.name][rows]
+        sd[value.name][rows] = 0.0
+    return _with(model, sd)
+
+
 def dense_quotient_spectrum(model, loss, data, metric: Metric, symmetry) -> np.ndarray:
-    """Eigenvalues of ``xi^T (H - B) xi`` relative to ``G`` on the ``G``-orthogonal complement of the orbit.
+    """Eigenvalues of ``xi^T (H - B) xi`` relative to ``G`` on the ``G``-orthogonal complement of the orbit, at the
+    point with the value biases absorbed (`representative`), where the measure is taken.
 
     ``B_ij = g_k Gamma^k_ij = 1/2 (d_i (G u)_j + d_j (G u)_i - (d_u G)_ij)`` with ``u = G^-1 g``: the first two
     from the Jacobian of ``w -> G(w) u``, the last the derivative of the dense ``G(w)`` along ``u``."""
+    model = representative(model, symmetry)
     params = _params(model)
     layout = manifolds.ParamLayout.from_tensors(params)
     w = layout.flatten(params)

@@ -232,7 +232,9 @@ def geodesic_sharpness(
         rho: radius ``> 0`` of the ball in the metric, ``||xi||_g``.
         metric: ``"node"`` (default; invariant under node-, channel- and layer-wise rescaling), ``"layer"``
             (layer-wise only), ``"symmetry"`` (`manifolds.symmetry_metric`: invariant under the whole group,
-            attention heads' ``GL(h)`` and normalization trades included) or ``"euclidean"``
+            attention heads' ``GL(h)`` and normalization trades included; the ball is centred at the point with the
+            attention's value biases absorbed into the output biases, the same function: see the symmetry measure,
+            and ``velocity`` is a tangent there) or ``"euclidean"``
             (flat metric: straight lines, nothing projected, not
             invariant), by name or measure object (e.g. ``Layer(zero_blocks="error")``).
         order: ``2`` (second-order geodesics, the paper's measure) or ``1`` (``w + xi``).
@@ -273,6 +275,8 @@ def geodesic_sharpness(
     ascent = ascent or Ascent()
     generator = torch.Generator().manual_seed(ascent.seed)
     obj = build_objective(model, loss_fn, data, objective, dtype=dtype)
+    if measure.name == "symmetry":  # centred at the value biases' representative (the same function), as the measure
+        obj = measure.representative(obj)
     ball, geometry = geodesic_ball(obj, measure, order, horizontal)
     solved: list[EigenResult] = []
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from manifolds import MatrixSymmetry, SymmetryQuotient
+from manifolds._absorption import absorbed, to_point
 from manifolds._attention import required_symmetry  # the objective's structure holds the group
 from sharpness.measures._measure import CurvatureOperator, Measure
 from sharpness.measures._quotient import QuotientMeasure
@@ -32,6 +33,10 @@ class Symmetry(QuotientMeasure):
     factor moving one is left out, see `manifolds.MatrixSymmetry.restricted`). Where that group has dimension 0
     the value is the top eigenvalue of the Riemannian Hessian of the metric alone and is invariant under nothing:
     ``info["symmetry_group_dim"]`` (the dimension of the group quotiented) says which case holds.
+    The value biases of softmax attention are taken absorbed into the output bias (`representative`): adding ``u``
+    to a head's value bias and ``-Wo_h u`` to the output bias keeps the function, a translation no matrix factor
+    expresses, so the measure is taken at the one point of that orbit with zero value biases (the same function),
+    and is invariant under the translations too; eigenvectors are carried back to the point given.
     Every product of the measure runs attention with the math kernel of ``scaled_dot_product_attention``
     (PyTorch's default CPU kernel has no second derivative). It has no metric ball yet (no epsilon-sharpness).
     Units: dimensionless, as the node measure.
@@ -53,10 +58,25 @@ class Symmetry(QuotientMeasure):
     def quotient(self, objective: Objective) -> SymmetryQuotient:
         return SymmetryQuotient(self.group(objective), objective.params)
 
+    def representative(self, objective: Objective) -> Objective:
+        """``objective`` at the point of its orbit under the value-bias translations with zero value biases (the
+        same function; `manifolds._absorption`), or ``objective`` itself where there is none to move."""
+        moved = absorbed(self.group(objective), objective.params)
+        return objective if moved is None else objective.with_params(moved)
+
     def operator(self, objective: Objective, hvp: str = "auto") -> CurvatureOperator:
+        point = self.representative(objective)
         with _math_attention():
-            bound = super().operator(objective, hvp)
+            bound = super().operator(point, hvp)
         bound.info["symmetry_group_dim"] = self.group(objective).dim
+        if point is not objective:
+            layout, group, params, back = objective.layout, self.group(objective), objective.params, bound.to_parameters
+
+            def to_parameters(vectors: Tensor) -> Tensor:  # tangents at the representative, carried to the point
+                return layout.flatten(to_point(group, params, layout.unflatten(back(vectors))))
+
+            bound.to_parameters = to_parameters
+            bound.info["value_biases_absorbed"] = True
         inner = bound.operator
 
         def matvec(v: Tensor) -> Tensor:

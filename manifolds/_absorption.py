@@ -1,0 +1,92 @@
+"""The value bias of attention absorbed into the output bias: the representative of a translation orbit.
+
+Every row of softmax attention weights ``P`` sums to one, so adding ``u`` to a value head's bias adds ``u`` to every
+row of the head's output ``P v``, which the output projection turns into ``Wo_h u`` (``Wo_h`` its columns reading
+the head, summed over the query heads reading a shared value head). Hence
+
+    ``bv_h <- bv_h + u``,   ``bo <- bo - Wo_h u``
+
+keeps the network's function, for every ``u``: a translation, mixed with the output projection's columns, that no
+matrix factor on parameter blocks can express. The network depends on ``bv_h`` and ``bo`` only through
+``bo + Wo_h bv_h``. Each orbit of these translations holds exactly one point with ``bv_h = 0``, reached by
+``bo <- bo + Wo_h bv_h``, ``bv_h <- 0``; the matrix factors map such points to such points (``bv_h = 0`` stays zero
+under ``B^T``, and ``bo + Wo_h bv_h`` is kept by ``Wo_h B^-T B^T bv_h``, scaled with ``bo`` by a layer scale). A
+measure taken at that representative is therefore the same for every point of the orbit (a gauge, fixed, as the
+minimum-norm measure fixes the rescaling's), and stays invariant under the rest of the group.
+
+Which factors allow it is recorded by the group finder (`Factor.absorption`: the value bias block and the output
+bias's name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from manifolds._matrix_group import Block, MatrixSymmetry
+
+
+def _moves(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> list[tuple[Block, str, list[Block]]]:
+    """``(value bias block, output bias name, output column blocks)`` of every factor whose translation can move
+    ``params``: both biases among them (a frozen one stays as it is) and the value bias not already zero."""
+    found = []
+    for factor in symmetry.factors:
+        if factor.absorption is None:
+            continue
+        value, output = factor.absorption
+        if value.name not in params or output not in params:
+            continue
+        if not bool(params[value.name][list(value.index)].ne(0).any()):
+            continue
+        columns = [b for b in factor.blocks if b.axis == 1 and b.how == "invT"]
+        found.append((value, output, columns))
+    return found
+
+
+def absorbed(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+    """``params`` at the representative of their translation orbit: every value bias ``symmetry``'s factors allow
+    moved into the output bias (``bo <- bo + Wo_h bv_h``, ``bv_h <- 0``), new tensors for those changed; ``None``
+    where nothing moves (no such factor, a frozen bias, or the value biases already zero).
+
+    Args:
+        symmetry: the group (`manifolds.transformer_symmetry`, restricted to the trainable parameters).
+        params: the point, ``{name: tensor}``; the column blocks' tensors must be among them or equal the model's.
+    """
+    moves = _moves(symmetry, params)
+    if not moves:
+        return None
+    out = dict(params)
+    shifts: dict[str, Tensor] = {}
+    for value, output, columns in moves:  # every shift from the original values, then applied
+        u = params[value.name][list(value.index)]
+        for block in columns:
+            w = params[block.name].T if block.transposed else params[block.name]  # (out, in)
+            shift = w[:, list(block.index)] @ u
+            shifts[output] = shift if output not in shifts else shifts[output] + shift
+    for value, _, _ in moves:
+        if out[value.name] is params[value.name]:
+            out[value.name] = params[value.name].clone()
+        out[value.name][list(value.index)] = 0
+    for output, shift in shifts.items():
+        out[output] = params[output] + shift
+    return out
+
+
+def to_point(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: Mapping[str, Tensor]) -> dict:
+    """Tangent vectors at the representative (`absorbed`) carried to ``params`` by the translation's differential:
+    ``dbo <- dbo - dWo_h bv_h`` with ``bv_h`` the value bias at ``params`` (the translation moves ``bo`` by
+    ``-Wo_h u``, which varies with ``Wo_h``). ``tangents`` may hold a leading batch axis."""
+    out = dict(tangents)
+    for value, output, columns in _moves(symmetry, params):
+        u = params[value.name][list(value.index)]
+        for block in columns:
+            d = tangents[block.name]
+            if block.transposed:  # stored (..., in, out): the (out, in) matrix of each vector
+                d = d.transpose(-1, -2)
+            out[output] = out[output] - torch.einsum("...oi,i->...o", d[..., list(block.index)], u)
+    return out
+
+
+__all__ = ["absorbed", "to_point"]
