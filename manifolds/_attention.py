@@ -1426,6 +1426,12 @@ class _Finder:
                 raise _Fail(f"it feeds {self.label(bad)}")
             index = tuple(range(size))
             blocks = self.linear_blocks(proj, index, "T", True) + self.consumer_blocks(current, index)
+            rows = blocks[0]  # the weight's rows; a GL factor moving its columns (attention's output projection)
+            # would leave the metric a tensor moved on both sides by factors it weighs one way each
+            if any(f.kind == "GL" and b.name == rows.name and b.stored_axis != rows.stored_axis
+                   for f in self.found.factors for b in f.blocks):  # fmt: skip
+                raise _Fail("its inputs are moved by attention's value/output factors, which the metric weighs on "
+                            "their own")  # fmt: skip
             factor = Factor("diagonal", size, tuple(blocks), f"units of {where}", "c")
             # both sides of a product of two homogeneous units (ReGLU's relu(w1 x) * w3 x) would divide the same
             # columns of the reader; the metric weighs a column by one factor, so the first found keeps them

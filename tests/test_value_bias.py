@@ -143,3 +143,30 @@ def test_geodesic_sharpness_on_the_symmetry_metric_is_unchanged_by_the_translati
                                  dtype=torch.float64, progress=False).value
               for m in (model, _shifted(model, seed=4))]  # fmt: skip
     assert values[0] > 0 and values[1] == pytest.approx(values[0], rel=1e-6), values
+
+
+class FirstToken(nn.Module):
+    """The output projection read by the head through the first token alone: a Linear after a Linear, whose units
+    could be traded, but the value/output factors already move the output projection's inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, H, D // H).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+        return self.head(self.o(a.transpose(1, 2).reshape(b, t, D))[:, 0])
+
+
+def test_an_output_projection_read_by_a_linear_keeps_its_factors_and_is_measured():
+    """Before, its units were traded too, and the metric refused the tensor moved on both sides."""
+    torch.manual_seed(0)
+    model, loss, data = token_classification(FirstToken(), D)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    assert len([f for f in sym.factors if "value/output" in f.label]) == H, sym.describe()
+    assert "its inputs are moved by attention's value/output factors" in sym.describe(), sym.describe()
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, _params(model)), sym)
+    assert np.allclose(_symmetry(model, loss, data).eigenvalues, reference[::-1][:2], rtol=1e-8, atol=0)
