@@ -89,4 +89,47 @@ def to_point(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: M
     return out
 
 
-__all__ = ["absorbed", "to_point"]
+def random_shifts(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], scale: float, generator: torch.Generator,
+                  dtype: torch.dtype) -> list[Tensor]:  # fmt: skip
+    """Random shifts for `shifted`, drawn on the CPU: one ``u ~ N(0, scale^2)`` per value head whose bias the
+    output bias can absorb and per unread key bias (`Factor.unread`), where the tensors are among ``params``."""
+    out = []
+    for factor in symmetry.factors:
+        for name, entries, other in _shiftable(factor):
+            if name in params and (other is None or other in params):
+                out.append(scale * torch.randn(len(entries), generator=generator, dtype=dtype))
+    return out
+
+
+def shifted(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], shifts: list[Tensor]) -> dict[str, Tensor]:
+    """``params`` moved by the translations that keep the function: ``bv_h + u`` with ``bo - Wo_h u`` (the output
+    projection's columns read at ``params``), and ``bk_h + u`` where the key bias is not read; ``shifts`` from
+    `random_shifts` (the same order), on any device."""
+    out = dict(params)
+    moves = iter(shifts)
+    for factor in symmetry.factors:
+        for name, entries, other in _shiftable(factor):
+            if name not in params or (other is not None and other not in params):
+                continue
+            u = next(moves).to(params[name])
+            out[name] = out[name].clone()
+            out[name][list(entries)] += u
+            if other is not None:
+                for block in factor.blocks:
+                    if block.axis == 1 and block.how == "invT":
+                        w = params[block.name].T if block.transposed else params[block.name]  # (out, in)
+                        out[other] = out[other] - w[:, list(block.index)] @ u
+    return out
+
+
+def _shiftable(factor) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """``(bias, entries, output bias or None)`` of the translations a factor records."""
+    found = []
+    if factor.absorption is not None:
+        found.append((factor.absorption[0].name, factor.absorption[0].index, factor.absorption[1]))
+    if factor.unread is not None:
+        found.append((*factor.unread, None))
+    return found
+
+
+__all__ = ["absorbed", "random_shifts", "shifted", "to_point"]

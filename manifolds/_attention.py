@@ -698,7 +698,7 @@ class _Finder:
         """The number of axes of the parameter ``name``."""
         return self.parameters[name].dim()
 
-    def output_bias(self, proj: _Projection) -> str | None:
+    def own_bias(self, proj: _Projection) -> str | None:
         """The name of ``proj``'s bias where it is a parameter that only ``proj`` reads, else ``None``."""
         try:
             if proj.module is not None:
@@ -909,12 +909,15 @@ class _Finder:
         keys, key_regions = (lq, regions_q) if unread == 0 else (lk, regions_k)
         unread = unread if unread is not None and not key_regions and self.has_bias(keys) else None
         unmoved = "" if unread is None else _UNMOVED.format(self.bias_label(keys))
+        bias = None if unread is None else self.own_bias(keys)  # its name, where it is a parameter read there alone
         for h, (pairs, algebra) in enumerate(zip(groups, algebras)):
             queries = [b for gq, _ in pairs for b in self.linear_blocks(lq, gq, "T", True, bias_moves=unread != 0)]
             shared = "" if len(pairs) == 1 else f" (key head shared by {len(pairs)} query heads)"
             blocks = tuple(queries + self.linear_blocks(lk, pairs[0][1], "inv", True, bias_moves=unread != 1))
             label = f"attention at {where}, head {h}: query/key" + shared + read + unmoved
-            factors.append(Factor("GL", len(pairs[0][0]), blocks, label, "A", algebra))
+            entries = pairs[0][1] if unread == 1 else tuple(i for gq, _ in pairs for i in gq)
+            factors.append(Factor("GL", len(pairs[0][0]), blocks, label, "A", algebra,
+                                  unread=None if bias is None else (bias, tuple(entries))))  # fmt: skip
         self.claim(factors)
         self.found.factors.extend(factors)  # only once every head's blocks are known
         self.claimed_rows |= {lq.key, lk.key}
@@ -972,7 +975,7 @@ class _Finder:
         ordered = rows.sort(dim=1).values
         if bool((ordered[:, 1:] == ordered[:, :-1]).any()) or not all(readers):
             raise _Fail("the merged heads do not cover the output projection's inputs once each")
-        output_bias = self.output_bias(lo) if rows_sum_to_one else None
+        output_bias = self.own_bias(lo) if rows_sum_to_one else None
         factors = []
         for h, gv in enumerate(heads):
             blocks_h = self.linear_blocks(lv, gv, "T", True)
@@ -1226,7 +1229,9 @@ class _Finder:
             if m.bias_k is None:
                 blocks = rows(0, h, "T") + rows(1, h, "inv")
                 name_qk = f"{label}: query/key" + (_UNMOVED.format(f"'{bias}' (its key rows)") if unread else "")
-                self.found.factors.append(Factor("GL", hd, tuple(blocks), name_qk, "A"))
+                rows_k = tuple(range(e + h * hd, e + (h + 1) * hd))
+                self.found.factors.append(Factor("GL", hd, tuple(blocks), name_qk, "A",
+                                                 unread=(bias, rows_k) if unread else None))  # fmt: skip
             if m.bias_v is None:
                 cols = Block(out, 1, tuple(range(h * hd, (h + 1) * hd)), None, "invT")
                 value = rows(2, h, "T")

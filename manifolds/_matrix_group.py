@@ -118,6 +118,8 @@ class Factor:
         absorption: for a value/output factor whose attention weights sum to one over the keys, ``(the value bias
             block, the output bias's name)``: adding ``u`` to the head's value bias and ``-Wo_h u`` to the output bias
             keeps the function (`manifolds._absorption`); else ``None``.
+        unread: for a query/key factor that leaves the keys' bias unmoved because the output does not read it,
+            ``(its name, the head's entries)`` (a parameter; ``None`` otherwise): any shift of them keeps the function.
     """
 
     kind: str
@@ -127,6 +129,7 @@ class Factor:
     symbol: str
     algebra: tuple[tuple[tuple[int, int, float], ...], ...] | None = None
     absorption: tuple[Block, str] | None = None
+    unread: tuple[str, tuple[int, ...]] | None = None
 
     @property
     def dim(self) -> int:

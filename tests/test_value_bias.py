@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 from cases import token_classification
-from test_transformer_quotient import CASES, D, _params, dense_quotient_spectrum, make, measure_value
+from test_transformer_quotient import CASES, D, _params, _with, dense_quotient_spectrum, make, measure_value
 from torch import nn
 
 import manifolds
+from manifolds._absorption import random_shifts, shifted
 from sharpness import MEASURES, Objective, Solver, geodesic_sharpness
 from sharpness.measures import Ascent
+from sharpness.measures._draws import Draws
 
 H = 2
 
@@ -170,3 +172,25 @@ def test_an_output_projection_read_by_a_linear_keeps_its_factors_and_is_measured
     assert "its inputs are moved by attention's value/output factors" in sym.describe(), sym.describe()
     reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, _params(model)), sym)
     assert np.allclose(_symmetry(model, loss, data).eigenvalues, reference[::-1][:2], rtol=1e-8, atol=0)
+
+
+def test_verify_draws_the_biases_translations_with_the_attention_factors():
+    """`verify_invariance`'s attention copies add random translations of the value bias against the output bias and
+    of the unread key bias: the outputs and the symmetry measure stay, each translated bias moves."""
+    model, loss, data = make("hand_pre")
+    sym = manifolds.transformer_symmetry(model, data[0])
+    params = _params(model)
+    shifts = random_shifts(sym, params, 1.0, torch.Generator().manual_seed(5), torch.float64)
+    assert len(shifts) == 2 * H  # a value head and a key head each, per head
+    twin = _with(model, shifted(sym, params, shifts))
+    moved = dict(twin.named_parameters())
+    for name in ("blocks.0.v.bias", "blocks.0.k.bias", "blocks.0.o.bias"):
+        assert (moved[name] - params[name]).abs().min() > 1e-3, name
+    with torch.no_grad():
+        assert (twin(data[0]) - model(data[0])).abs().max() < 1e-12
+    assert np.allclose(measure_value(twin, loss, data, k=2), measure_value(model, loss, data, k=2), rtol=1e-8, atol=0)
+    draws = Draws(manifolds.analyze(model, data[0]), params, ("attention",))  # what verify_invariance draws from
+    drawn = draws.draw("attention", params, 1.0, torch.Generator().manual_seed(6), lambda t: None)
+    assert (drawn["blocks.0.k.bias"] - params["blocks.0.k.bias"]).abs().min() > 1e-3  # no factor moves it
+    with torch.no_grad():
+        assert (_with(model, drawn)(data[0]) - model(data[0])).abs().max() < 1e-12

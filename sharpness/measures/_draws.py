@@ -7,7 +7,9 @@ kind               what moves (everything else stays)                           
 =================  ==========================================================================  =====================
 ``node``           every free class of the diagonal rescaling group (``analyze(model).group``)  ``node``
 ``layer``          every free module-output class (``analyze(model).layer_group``)              ``layer``
-``attention``      every attention head's ``GL(h)`` factors, query/key and value/output         ``attention``
+``attention``      every attention head's ``GL(h)`` factors, query/key and value/output, and   ``attention``
+                   the biases' translations that keep the function (an unread key bias, a
+                   value bias against the output bias, ``u ~ N(0, scale^2)``)
 ``normalization``  every LayerNorm/RMSNorm affine scale traded against the layers reading it    ``normalization``
 ``group``          all of it at once: an element of the whole group (``analyze(model).symmetry``)  all four
 =================  ==========================================================================  =====================
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from manifolds import MatrixSymmetry, NetworkStructure, RescalingGroup, SymmetryElement, UnsupportedModelError
+from manifolds._absorption import random_shifts, shifted
 from sharpness.measures._claims import FACTOR_KINDS, factor_claim, first_line, symmetry_unknown, untestable_kinds
 
 DIAGONAL_KINDS = ("node", "layer")
@@ -113,7 +116,13 @@ class Draws:
             )
         for t in (element.log_scales, *element.matrices):
             broadcast(t)
-        return self.symmetry.act(params, element)
+        moved = self.symmetry.act(params, element)
+        if kind in ("attention", "group"):  # and the attention biases' translations (`manifolds._absorption`)
+            shifts = random_shifts(self.symmetry, moved, scale, generator, dtype)
+            for t in shifts:
+                broadcast(t)
+            moved = shifted(self.symmetry, moved, shifts)
+        return moved
 
     def summary(self) -> dict:
         """JSON-ready counts of the factors the copies were drawn from (added to the report's ``group``)."""
