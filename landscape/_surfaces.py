@@ -52,6 +52,7 @@ from landscape._grid import check_compile, evaluate_grid, evaluate_points, grid_
 from landscape._settings import DirectionSpec, Grid, as_direction_spec
 from landscape._surface import Surface
 from manifolds import GSpace
+from manifolds._absorption import from_representative, to_representative
 from sharpness import (
     Measure,
     Objective,
@@ -188,13 +189,37 @@ def _geodesic_chart(objective: Objective, d: Directions, measure: Measure, radiu
             f"geodesic planes need invariant-eigen directions of a quotient metric, got {d.info.get('metric')!r} "
             f"directions under the {measure.name!r} measure"
         )
-    quotient = measure.quotient(objective)
-    point_fn = quotient.geodesic_map(d.vectors.to(objective.device, objective.dtype), radius)
+    vectors = d.vectors.to(objective.device, objective.dtype)
+    representative = getattr(measure, "representative", None)  # the symmetry measure's: value biases absorbed
+    centre = objective if representative is None else representative(objective)
+    quotient = measure.quotient(centre)
+    if centre is objective:
+        point_fn = quotient.geodesic_map(vectors, radius)
+    else:  # the geodesics of the representative, carried back by the translation (the same function at every
+        # point), as the directions were carried from there
+        point_fn = _carried_back(quotient, measure.group(objective), objective, vectors, radius)
     info = {"path": "geodesic", "path_metric": measure.name,
             "path_detail": f"theta(a, b) = Exp_theta(a ξ1 + b ξ2): {getattr(point_fn, 'detail', quotient.geodesic)}"}
     if hasattr(point_fn, "steps"):  # integrated numerically: how, and how well
         info |= {"geodesic_steps": point_fn.steps, "geodesic_error": point_fn.error, "geodesic_method": "rk4"}
     return Chart(d, "geodesic", point_fn, info)
+
+
+def _carried_back(quotient, group, objective: Objective, vectors: Tensor, radius: float):
+    """The geodesic map at the representative of ``objective``'s point (`manifolds._absorption`) of ``vectors``
+    carried there, its points carried back: ``(B, k) -> (B, n)``, with the map's ``steps``, ``error`` and
+    ``detail``."""
+    layout, params = objective.layout, objective.params
+    at_representative = layout.flatten(to_representative(group, params, layout.unflatten(vectors)))
+    inner = quotient.geodesic_map(at_representative, radius)
+
+    def carried(coords: Tensor) -> Tensor:
+        return layout.flatten(from_representative(group, params, layout.unflatten(inner(coords))))
+
+    for name in ("steps", "error", "detail"):
+        if hasattr(inner, name):
+            setattr(carried, name, getattr(inner, name))
+    return carried
 
 
 def make_chart(objective: Objective, spec: DirectionSpec, k: int, progress: bool | None = None,

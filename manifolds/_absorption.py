@@ -78,6 +78,34 @@ def to_point(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: M
     """Tangent vectors at the representative (`absorbed`) carried to ``params`` by the translation's differential:
     ``dbo <- dbo - dWo_h bv_h`` with ``bv_h`` the value bias at ``params`` (the translation moves ``bo`` by
     ``-Wo_h u``, which varies with ``Wo_h``). ``tangents`` may hold a leading batch axis."""
+    return _carried(symmetry, params, tangents, -1.0)
+
+
+def to_representative(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: Mapping[str, Tensor]) -> dict:
+    """The inverse of `to_point`: tangent vectors at ``params`` carried to the representative."""
+    return _carried(symmetry, params, tangents, 1.0)
+
+
+def from_representative(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], points: Mapping[str, Tensor]) -> dict:
+    """Points near the representative of ``params`` (``{name: (..., *shape)}``) moved by the translation that takes
+    the representative back to ``params``: ``bv_h + u`` and ``bo - Wo_h u`` with ``u`` the value bias at ``params``
+    and ``Wo_h`` each point's own (the same function at every point)."""
+    out = dict(points)
+    for value, output, columns in _moves(symmetry, params):
+        u = params[value.name][list(value.index)]
+        moved = out[value.name].clone()
+        moved[..., list(value.index)] += u
+        out[value.name] = moved
+        for block in columns:
+            w = out[block.name]
+            if block.transposed:  # stored (..., in, out): the (out, in) matrix of each point
+                w = w.transpose(-1, -2)
+            out[output] = out[output] - torch.einsum("...oi,i->...o", w[..., list(block.index)], u)
+    return out
+
+
+def _carried(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: Mapping[str, Tensor], sign: float):
+    """``dbo <- dbo + sign dWo_h bv_h`` for every absorbed value head (`to_point`, `to_representative`)."""
     out = dict(tangents)
     for value, output, columns in _moves(symmetry, params):
         u = params[value.name][list(value.index)]
@@ -85,7 +113,7 @@ def to_point(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: M
             d = tangents[block.name]
             if block.transposed:  # stored (..., in, out): the (out, in) matrix of each vector
                 d = d.transpose(-1, -2)
-            out[output] = out[output] - torch.einsum("...oi,i->...o", d[..., list(block.index)], u)
+            out[output] = out[output] + sign * torch.einsum("...oi,i->...o", d[..., list(block.index)], u)
     return out
 
 
@@ -132,4 +160,4 @@ def _shiftable(factor) -> list[tuple[str, tuple[int, ...], str | None]]:
     return found
 
 
-__all__ = ["absorbed", "random_shifts", "shifted", "to_point"]
+__all__ = ["absorbed", "from_representative", "random_shifts", "shifted", "to_point", "to_representative"]

@@ -707,6 +707,22 @@ class _Finder:
         except _Fail:
             return None
 
+    def sdpa_rows_sum_to_one(self, bound: dict) -> bool:
+        """Whether every row of ``F.scaled_dot_product_attention``'s weights sums to one: no dropout, and a mask that
+        leaves every query a key (a boolean mask with a row all ``False`` gives that row zeros, not weights summing to
+        one), read off its value where it does not depend on the data (else unknown: ``False``)."""
+        if bound.get("dropout_p", 0.0) not in (0, 0.0):
+            return False
+        mask = bound.get("attn_mask")
+        if mask is None:
+            return True
+        value = self.record.constants.get(mask) if isinstance(mask, fx.Node) and mask not in self.record.data_fed \
+            else None  # fmt: skip
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            return False
+        kept = value if value.dtype == torch.bool else torch.isfinite(value) if value.is_floating_point() else None
+        return kept is not None and bool(kept.any(dim=-1).all())
+
     def rows_sum_to_one(self, weights: fx.Node) -> bool:
         """Whether ``weights`` (the first operand of ``weights @ v``) is a softmax over its last axis, directly or
         through dropout layers (the identity in eval mode, where every measure evaluates): every row sums to one."""
@@ -975,7 +991,9 @@ class _Finder:
         ordered = rows.sort(dim=1).values
         if bool((ordered[:, 1:] == ordered[:, :-1]).any()) or not all(readers):
             raise _Fail("the merged heads do not cover the output projection's inputs once each")
-        output_bias = self.own_bias(lo) if rows_sum_to_one else None
+        # a constant factor on the way (`v * 2`, `(P v) / 4`) would scale the value bias's share of the output too
+        scaled = any(target_name(n) in _SCALINGS for n in (*chain_v, *chain_o))
+        output_bias = self.own_bias(lo) if rows_sum_to_one and not scaled else None
         factors = []
         for h, gv in enumerate(heads):
             blocks_h = self.linear_blocks(lv, gv, "T", True)
@@ -1181,7 +1199,7 @@ class _Finder:
         except _Fail as failure:
             self.pin(f"query/key of {where}", 0, f"no query/key factor: {failure}")
         try:
-            self.value_output(where, v, node, repeat=repeat, rows_sum_to_one=True)
+            self.value_output(where, v, node, repeat=repeat, rows_sum_to_one=self.sdpa_rows_sum_to_one(bound))
         except _Fail as failure:
             self.pin(f"value/output of {where}", 0, f"no value/output factor: {failure}")
 

@@ -6,6 +6,7 @@ by default. Sizes are small enough for dense ``torch.func.hessian`` references (
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,15 @@ def mlp(widths: list[int], bias: bool = True, activation: type[nn.Module] = nn.R
         if i < len(widths) - 2:
             layers.append(activation())
     return nn.Sequential(*layers)
+
+
+def moved_copy(model: nn.Module, seed: int, move) -> nn.Module:
+    """A copy of ``model`` whose parameters ``move(params, generator)`` changes in place (``{name: parameter}``, no
+    gradients recorded; the generator seeded with ``seed``)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        move(dict(twin.named_parameters()), torch.Generator().manual_seed(seed))
+    return twin
 
 
 def token_classification(model: nn.Module, width: int, seed: int = 0):

@@ -385,8 +385,10 @@ def test_multi_query_attention_shares_one_factor_across_the_query_heads(style):
     labels = [f.label for f in sym.factors if f.kind == "GL"]
     assert any("query/key (key head shared by 2 query heads)" in s for s in labels), sym.describe()
     assert any("value/output (value head shared by 2 query heads)" in s for s in labels), sym.describe()
-    # one GL(4) on query/key, one on value/output, and o's units traded against the head (a linear path): 16 + 16 + 8
-    assert sym.dim == 2 * HD * HD + D, sym.describe()
+    # one GL(4) on query/key and one on value/output: 16 + 16; o's units, which the head reads on a linear path, are
+    # pinned (the value/output factors move o's inputs, and the metric weighs a tensor's rows or columns, not both)
+    assert sym.dim == 2 * HD * HD, sym.describe()
+    assert "its inputs are moved by attention's value/output factors" in sym.describe(), sym.describe()
     _elements_keep_the_function(sym, model, x, 13)
 
 

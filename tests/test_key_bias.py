@@ -12,12 +12,10 @@ moved the key bias and weighed it in the metric (10.60 -> 11.75 on ``hand_pre``,
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
-from cases import token_classification
+from cases import moved_copy, token_classification
 from test_concatenated_bias import Net as ConcatenatedNet
 from test_einsum_attention import make as make_einsum
 from test_rotary_symmetry import RopeBlock
@@ -41,14 +39,14 @@ def _key_biases(model: nn.Module) -> list[tuple[str, slice]]:
 
 
 def _shifted(model: nn.Module, seed: int, scale: float = 3.0) -> nn.Module:
-    twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    params = dict(twin.named_parameters())
-    with torch.no_grad():
-        for name, where in _key_biases(twin):
+    """Every key bias moved by ``scale N(0, 1)`` per entry."""
+
+    def move(params, g):
+        for name, where in _key_biases(model):
             part = params[name][where]
             part.add_(scale * torch.randn(part.shape, generator=g, dtype=part.dtype))
-    return twin
+
+    return moved_copy(model, seed, move)
 
 
 @pytest.mark.parametrize("name", list(CASES))

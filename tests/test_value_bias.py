@@ -11,17 +11,18 @@ zeros), or the output bias is frozen, nothing is absorbed and a shift moves the 
 
 from __future__ import annotations
 
-import copy
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from cases import token_classification
+from cases import moved_copy, token_classification
 from test_transformer_quotient import CASES, D, _params, _with, dense_quotient_spectrum, make, measure_value
 from torch import nn
 
 import manifolds
-from manifolds._absorption import random_shifts, shifted
+from landscape import DirectionSpec, Grid, loss_plane
+from manifolds._absorption import absorbed, random_shifts, shifted
 from sharpness import MEASURES, Objective, Solver, geodesic_sharpness
 from sharpness.measures import Ascent
 from sharpness.measures._draws import Draws
@@ -47,15 +48,14 @@ def _pairs(model: nn.Module) -> list[tuple[str, slice, str, str]]:
 
 def _shifted(model: nn.Module, seed: int, scale: float = 3.0) -> nn.Module:
     """``bv <- bv + u``, ``bo <- bo - Wo u`` with ``u = scale N(0, 1)``, in every attention."""
-    twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    params = dict(twin.named_parameters())
-    with torch.no_grad():
-        for value, where, weight, output in _pairs(twin):
+
+    def move(params, g):
+        for value, where, weight, output in _pairs(model):
             u = scale * torch.randn(D, generator=g, dtype=torch.float64)
             params[value][where] += u
             params[output] -= params[weight] @ u
-    return twin
+
+    return moved_copy(model, seed, move)
 
 
 def _symmetry(model, loss, data):
@@ -194,3 +194,99 @@ def test_verify_draws_the_biases_translations_with_the_attention_factors():
     assert (drawn["blocks.0.k.bias"] - params["blocks.0.k.bias"]).abs().min() > 1e-3  # no factor moves it
     with torch.no_grad():
         assert (_with(model, drawn)(data[0]) - model(data[0])).abs().max() < 1e-12
+
+
+def _absorbed_outputs_differ(model: nn.Module, x: torch.Tensor) -> tuple[int, float]:
+    """How many value/output factors record an absorption, and how far the outputs at `absorbed`'s point are from
+    the model's own (the same function where the claim holds)."""
+    sym = manifolds.transformer_symmetry(model, x)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    moved = absorbed(sym, params)
+    count = sum(f.absorption is not None for f in sym.factors)
+    if moved is None:
+        return count, 0.0
+    with torch.no_grad():
+        return count, float((torch.func.functional_call(model, moved, (x,)) - model(x)).abs().max())
+
+
+def _models():
+    from test_concatenated_bias import _make as concatenated
+    from test_raw_projections import make as raw
+    from test_timm_layout import _small
+
+    yield from ((f"quotient {name}", *make(name)[::2]) for name in CASES)
+    yield from ((f"raw {name}", *raw(name)[::2]) for name in ("gpt2", "gpt2_sdpa", "raw", "raw_rms"))
+    yield "BEiT's concatenated bias", *concatenated()[::2]
+    yield "timm's layout", *_small(qkv_bias=True)
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_the_absorbed_point_is_the_same_function(case):
+    name, model, data = list(_models())[case]
+    x = data[0] if isinstance(data, tuple) else data
+    count, difference = _absorbed_outputs_differ(model, x)
+    assert count > 0 and difference < 1e-12, (name, count, difference)
+
+
+class Scaled(nn.Module):
+    """Softmax attention with a constant factor on the value (``"value"``) or on the heads' output (``"output"``),
+    or by SDPA with a boolean mask (``"mask"``: a query that sees no key, whose output SDPA makes zeros; ``"kept"``:
+    every query sees a key) or with dropout."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.head = nn.Linear(D, 3)
+        mask = torch.ones(4, 4, dtype=torch.bool).tril()
+        if how == "mask":
+            mask[0] = False
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, H, D // H).transpose(1, 2) for m in (self.q, self.k, self.v))
+        if self.how in ("mask", "kept"):
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        elif self.how == "dropout":
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        else:
+            a = (q @ k.transpose(-2, -1)).softmax(-1) @ (v * 2.0 if self.how == "value" else v)
+            a = a * 3.0 if self.how == "output" else a
+        return self.head(torch.tanh(self.o(a.transpose(1, 2).reshape(b, t, D))).mean(1))
+
+
+@pytest.mark.parametrize("how,absorbs", [("value", False), ("output", False), ("mask", False), ("dropout", False),
+                                         ("kept", True)])  # fmt: skip
+def test_no_absorption_where_the_value_bias_reaches_the_output_otherwise(how, absorbs):
+    torch.manual_seed(0)
+    model, _, (x, _) = token_classification(Scaled(how), D)
+    count, difference = _absorbed_outputs_differ(model, x)
+    assert count == (H if absorbs else 0) and difference < 1e-12, (count, difference)
+    if how != "dropout":  # a translation there changes the outputs: there is none to absorb
+        with torch.no_grad():
+            moved = _shifted(model, seed=7)(x) - model(x)
+        assert (moved.abs().max() < 1e-12) == absorbs
+
+
+@pytest.mark.parametrize("path", ["straight", "geodesic"])
+def test_planes_along_the_symmetry_eigenvectors_are_the_same_on_the_orbit(path):
+    """The eigenvectors are the representative's carried to each point, and geodesic planes follow the
+    representative's geodesics carried back: the surfaces of a point and of its translation agree (before, the
+    geodesic ones differed by up to 0.45)."""
+    model, loss, data = make("hand_pre")
+    spec = DirectionSpec(kind="invariant-eigen", metric="symmetry", path=path)
+    a, b = (np.asarray(loss_plane(m, loss, data, spec, grid=Grid(span=0.5, steps=3), dtype=torch.float64,
+                                  progress=False).loss) for m in (model, _shifted(model, seed=3)))  # fmt: skip
+    assert np.allclose(a, b, rtol=1e-10, atol=1e-12), np.abs(a - b).max()
+
+
+def test_a_model_in_training_mode_is_warned_about_once():
+    """The representative is the objective at other parameters: it does not repeat the objective's warning."""
+    model, loss, data = make("hand_pre")
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _symmetry(model, loss, data)
+    assert result.info.get("value_biases_absorbed") and model.training
+    assert sum("is in training mode" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]

@@ -36,7 +36,8 @@ class Symmetry(QuotientMeasure):
     The value biases of softmax attention are taken absorbed into the output bias (`representative`): adding ``u``
     to a head's value bias and ``-Wo_h u`` to the output bias keeps the function, a translation no matrix factor
     expresses, so the measure is taken at the one point of that orbit with zero value biases (the same function),
-    and is invariant under the translations too; eigenvectors are carried back to the point given.
+    and is invariant under the translations too. Eigenvectors are then the representative's (horizontal and of unit
+    length there), carried to the point given by the translation's differential.
     Every product of the measure runs attention with the math kernel of ``scaled_dot_product_attention``
     (PyTorch's default CPU kernel has no second derivative). It has no metric ball yet (no epsilon-sharpness).
     Units: dimensionless, as the node measure.

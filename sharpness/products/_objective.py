@@ -466,18 +466,20 @@ class Objective:
 
     def with_params(self, params: Mapping[str, Tensor]) -> Objective:
         """The same model, loss and data evaluated at other parameter values (same names and shapes)."""
-        twin = Objective(
-            self.model,
-            self.loss_fn,
-            self.data,
-            chunk_size=self.data.chunk_size,
-            dtype=self.dtype,
-            device=self.device,
-            reduction=self.reduction,
-            memory_budget=self.memory_budget,
-            params=params,
-            distributed=self.comm,
-        )
+        with warnings.catch_warnings():  # this objective said so already when it was built
+            warnings.filterwarnings("ignore", message=".* is in training mode", category=UserWarning)
+            twin = Objective(
+                self.model,
+                self.loss_fn,
+                self.data,
+                chunk_size=self.data.chunk_size,
+                dtype=self.dtype,
+                device=self.device,
+                reduction=self.reduction,
+                memory_budget=self.memory_budget,
+                params=params,
+                distributed=self.comm,
+            )
         twin._structure, twin._traced = self._structure, self._traced
         return twin
 
