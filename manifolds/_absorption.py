@@ -28,6 +28,23 @@ from torch import Tensor
 from manifolds._matrix_group import Block, MatrixSymmetry
 
 
+def _columns(factor) -> list[Block]:
+    """The output projection's column blocks a value/output factor moves (those reading its value head)."""
+    return [b for b in factor.blocks if b.axis == 1 and b.how == "invT"]
+
+
+def _output_shift(columns: list[Block], tensors: Mapping[str, Tensor], u: Tensor) -> Tensor:
+    """``Wo_h u``: the output projection's ``columns`` of ``tensors`` (each read as its ``(out, in)`` matrix, a
+    leading batch axis kept) times the value bias shift ``u``, summed over the blocks."""
+    total = 0
+    for block in columns:
+        w = tensors[block.name]
+        if block.transposed:  # stored (..., in, out)
+            w = w.transpose(-1, -2)
+        total = total + torch.einsum("...oi,i->...o", w[..., list(block.index)], u)
+    return total
+
+
 def _moves(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> list[tuple[Block, str, list[Block]]]:
     """``(value bias block, output bias name, output column blocks)`` of every factor whose translation can move
     ``params``: both biases among them (a frozen one stays as it is) and the value bias not already zero."""
@@ -40,8 +57,7 @@ def _moves(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> list[tuple
             continue
         if not bool(params[value.name][list(value.index)].ne(0).any()):
             continue
-        columns = [b for b in factor.blocks if b.axis == 1 and b.how == "invT"]
-        found.append((value, output, columns))
+        found.append((value, output, _columns(factor)))
     return found
 
 
@@ -60,11 +76,7 @@ def absorbed(symmetry: MatrixSymmetry, params: Mapping[str, Tensor]) -> dict[str
     out = dict(params)
     shifts: dict[str, Tensor] = {}
     for value, output, columns in moves:  # every shift from the original values, then applied
-        u = params[value.name][list(value.index)]
-        for block in columns:
-            w = params[block.name].T if block.transposed else params[block.name]  # (out, in)
-            shift = w[:, list(block.index)] @ u
-            shifts[output] = shift if output not in shifts else shifts[output] + shift
+        shifts[output] = shifts.get(output, 0) + _output_shift(columns, params, params[value.name][list(value.index)])
     for value, _, _ in moves:
         if out[value.name] is params[value.name]:
             out[value.name] = params[value.name].clone()
@@ -96,11 +108,7 @@ def from_representative(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], 
         moved = out[value.name].clone()
         moved[..., list(value.index)] += u
         out[value.name] = moved
-        for block in columns:
-            w = out[block.name]
-            if block.transposed:  # stored (..., in, out): the (out, in) matrix of each point
-                w = w.transpose(-1, -2)
-            out[output] = out[output] - torch.einsum("...oi,i->...o", w[..., list(block.index)], u)
+        out[output] = out[output] - _output_shift(columns, points, u)  # each point's own Wo_h
     return out
 
 
@@ -108,12 +116,7 @@ def _carried(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], tangents: M
     """``dbo <- dbo + sign dWo_h bv_h`` for every absorbed value head (`to_point`, `to_representative`)."""
     out = dict(tangents)
     for value, output, columns in _moves(symmetry, params):
-        u = params[value.name][list(value.index)]
-        for block in columns:
-            d = tangents[block.name]
-            if block.transposed:  # stored (..., in, out): the (out, in) matrix of each vector
-                d = d.transpose(-1, -2)
-            out[output] = out[output] + sign * torch.einsum("...oi,i->...o", d[..., list(block.index)], u)
+        out[output] = out[output] + sign * _output_shift(columns, tangents, params[value.name][list(value.index)])
     return out
 
 
@@ -143,10 +146,7 @@ def shifted(symmetry: MatrixSymmetry, params: Mapping[str, Tensor], shifts: list
             out[name] = out[name].clone()
             out[name][list(entries)] += u
             if other is not None:
-                for block in factor.blocks:
-                    if block.axis == 1 and block.how == "invT":
-                        w = params[block.name].T if block.transposed else params[block.name]  # (out, in)
-                        out[other] = out[other] - w[:, list(block.index)] @ u
+                out[other] = out[other] - _output_shift(_columns(factor), params, u)
     return out
 
 

@@ -228,7 +228,6 @@ class _Finder:
         count = self.name_count = Counter(id(p) for _, p in named)
         self.getattr_reads = Counter(id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr")
         self.param_name = {id(p): n for n, p in named}
-        self.parameters = dict(named)
         # a parameter under several names, or also read directly by the forward (a get_attr node), moves with
         # whatever else reads it: no factor may claim it alone
         direct = {id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr"}
@@ -664,8 +663,8 @@ class _Finder:
         """The blocks of ``proj``'s output features ``index`` (``rows``: its weight's rows and, unless not
         ``bias_moves``, its bias) or of its input features (its weight's columns)."""
         rows_of_bias = rows and bias_moves
-        if rows and not bias_moves:
-            self.unmoved_bias(proj)
+        if rows and not bias_moves:  # left unmoved as the output does not read it: read elsewhere, a shift would show
+            self.bias_name(proj)
         if proj.module is not None:
             weight = self.param(proj.module, "weight")
             bias = self.param(proj.module, "bias") if rows_of_bias else None
@@ -678,32 +677,29 @@ class _Finder:
             elif proj.bias.op != "get_attr":
                 return [Block(weight, 0, index, None, how, proj.transposed), *self.bias_piece(proj, index, how)]
             else:
-                bias = self.owned(proj.bias, proj.node)
+                bias = self.bias_name(proj)
         blocks = [Block(weight, 0 if rows else 1, index, None, how, proj.transposed)]
         if bias is not None:
             blocks.append(Block(bias, 0, index, None, how))
         return blocks
 
-    def unmoved_bias(self, proj: _Projection) -> None:
-        """Fails unless ``proj``'s bias, which a factor leaves unmoved as the output does not read it, is read by
-        ``proj`` alone (read elsewhere, a shift of it would show there)."""
+    def bias_name(self, proj: _Projection) -> str | None:
+        """The name of ``proj``'s bias parameter (``None`` where there is none, or it is concatenated from pieces);
+        `_Fail` where the bias is also read elsewhere."""
         if proj.module is not None:
-            self.param(proj.module, "bias")
-        elif proj.bias is not None and proj.bias.op == "get_attr":
-            self.owned(proj.bias, proj.node)
-        elif proj.bias is not None and self.users(proj.bias) != [proj.node]:
+            return self.param(proj.module, "bias")
+        if proj.bias is None:
+            return None
+        if proj.bias.op == "get_attr":
+            return self.owned(proj.bias, proj.node)
+        if self.users(proj.bias) != [proj.node]:
             raise _Fail(f"the bias {self.label(proj.bias)} of {self.label(proj.node)} is also read elsewhere")
-
-    def param_dim(self, name: str) -> int:
-        """The number of axes of the parameter ``name``."""
-        return self.parameters[name].dim()
+        return None
 
     def own_bias(self, proj: _Projection) -> str | None:
         """The name of ``proj``'s bias where it is a parameter that only ``proj`` reads, else ``None``."""
         try:
-            if proj.module is not None:
-                return self.param(proj.module, "bias")
-            return self.owned(proj.bias, proj.node) if proj.bias is not None and proj.bias.op == "get_attr" else None
+            return self.bias_name(proj)
         except _Fail:
             return None
 
@@ -756,8 +752,7 @@ class _Finder:
         of the one piece holding them all where it is a parameter, none where it is a buffer that is zero there (BEiT's
         and EVA's key bias: moved rows of zeros stay zeros); else `_Fail`."""
         cat = proj.bias
-        if self.users(cat) != [proj.node]:
-            raise _Fail(f"the bias {self.label(cat)} of {self.label(proj.node)} is also read elsewhere")
+        self.bias_name(proj)  # read by the layer alone
         start = 0
         for piece in _bias_pieces(cat):
             size = piece.meta["shape"][0]
@@ -997,7 +992,7 @@ class _Finder:
         factors = []
         for h, gv in enumerate(heads):
             blocks_h = self.linear_blocks(lv, gv, "T", True)
-            value_bias = next((b for b in blocks_h if self.param_dim(b.name) == 1), None)
+            value_bias = blocks_h[1] if len(blocks_h) > 1 else None  # after the weight's rows: the bias's
             for cols in readers[h]:
                 blocks_h += self.linear_blocks(lo, cols, "invT", False)
             shared = "" if len(readers[h]) == 1 else f" (value head shared by {len(readers[h])} query heads)"

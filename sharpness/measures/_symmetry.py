@@ -69,9 +69,10 @@ class Symmetry(QuotientMeasure):
         point = self.representative(objective)
         with _math_attention():
             bound = super().operator(point, hvp)
-        bound.info["symmetry_group_dim"] = self.group(objective).dim
+        group = self.group(objective)
+        bound.info["symmetry_group_dim"] = group.dim
         if point is not objective:
-            layout, group, params, back = objective.layout, self.group(objective), objective.params, bound.to_parameters
+            layout, params, back = objective.layout, objective.params, bound.to_parameters
 
             def to_parameters(vectors: Tensor) -> Tensor:  # tangents at the representative, carried to the point
                 return layout.flatten(to_point(group, params, layout.unflatten(back(vectors))))
