@@ -86,6 +86,7 @@ from torch.utils._pytree import tree_leaves
 from manifolds._einsum import EINSUM_META, as_matrix_products, is_einsum, not_rewritten
 from manifolds._graph import (
     TracedNetwork,
+    floating_cast,
     input_like,
     is_metadata,
     linear_arguments,
@@ -721,16 +722,20 @@ class _Finder:
 
     def rows_sum_to_one(self, weights: fx.Node) -> bool:
         """Whether ``weights`` (the first operand of ``weights @ v``) is a softmax over its last axis, directly or
-        through dropout layers (the identity in eval mode, where every measure evaluates): every row sums to one."""
+        through dropout layers (the identity in eval mode, where every measure evaluates) and casts to floating dtypes
+        (HuggingFace's eager attention: ``softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)``): every row sums to
+        one, to the rounding of the dtype it is held in."""
         for _ in range(_STEPS_TO_PROJECTION):
             if target_name(weights) == "softmax" and weights.args:
                 given = dict(zip(("input", "dim", "_stacklevel", "dtype"), weights.args)) | dict(weights.kwargs)
-                dim, shape = given.get("dim"), weights.meta.get("shape")
+                dim, shape, dtype = given.get("dim"), weights.meta.get("shape"), given.get("dtype")
                 return isinstance(dim, int) and not isinstance(dim, bool) and shape is not None and len(shape) > 0 \
-                    and dim % len(shape) == len(shape) - 1 and given.get("dtype") is None \
+                    and dim % len(shape) == len(shape) - 1 \
+                    and (dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point) \
                     and set(given) <= {"input", "dim", "_stacklevel", "dtype"}  # fmt: skip
             source = weights.args[0] if weights.args else None
-            if not (isinstance(source, fx.Node) and self.is_dropout(weights, source)):
+            if not isinstance(source, fx.Node) or \
+                    not (self.is_dropout(weights, source) or floating_cast(weights) is source):  # fmt: skip
                 return False
             weights = source
         return False

@@ -566,6 +566,30 @@ def reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:
             and user.args[1] is node and user.args[0] is not node)  # fmt: skip
 
 
+def floating_cast(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` casts to a floating dtype, else ``None``: ``x.type_as(y)`` (``y`` a tensor,
+    read for its dtype only), or ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor
+    (``x.to(q.dtype)``), the output recorded floating (`_Run`). A cast to integers or booleans is not one: it rounds."""
+    if node.op != "call_method" or node.meta.get("floating") is not True or not node.args:
+        return None
+    source = node.args[0]
+    if not isinstance(source, fx.Node):
+        return None
+    if node.target == "type_as":
+        return source if len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], fx.Node) else None
+    if node.target != "to":
+        return None
+    given = [*node.args[1:], *node.kwargs.values()]
+    if len(given) != 1 or set(node.kwargs) - {"dtype"}:
+        return None
+    dtype = given[0]
+    if isinstance(dtype, torch.dtype):
+        return source if dtype.is_floating_point else None
+    read_off = isinstance(dtype, fx.Node) and dtype.op == "call_function" and dtype.target is getattr \
+        and dtype.args[1:] == ("dtype",)  # fmt: skip (floating: the node's own output is, as recorded)
+    return source if read_off else None
+
+
 def is_metadata(node: fx.Node) -> bool:
     """Whether the node reads a tensor's shape, dtype or device (``x.size(0)``, ``x.shape``) and not its values."""
     if node.op == "call_method":

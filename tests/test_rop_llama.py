@@ -432,3 +432,37 @@ def test_branches_stacked_and_summed_equal_forward_over_reverse(how):
         assert obj._rop is None and obj.hvp_strategy() == "graph"
         return
     _exact(model, x, y)
+
+
+class EagerAttention(nn.Module):
+    """HuggingFace's eager attention: ``softmax(scores, dim=-1, dtype=...)`` in a dtype of its own, cast back with
+    ``.to(q.dtype)`` before the product with the values."""
+
+    def __init__(self, dtype: torch.dtype, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.dtype, self.heads, self.hd = dtype, heads, dim // heads
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.softmax(q @ k.transpose(-2, -1) * self.hd**-0.5, dim=-1, dtype=self.dtype).to(q.dtype)
+        return x + self.o((a @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_a_softmax_in_the_models_own_dtype_equals_forward_over_reverse():
+    x, y = _data((6,), n=5)
+    _exact(_perturbed(Tokens(nn.Sequential(EagerAttention(torch.float64)), features=2, dim=8)), x, y)
+
+
+def test_a_softmax_in_float32_inside_a_float64_model_casts_the_tangents_and_errors():
+    """The R-operator's product and autograd's both see the float32 softmax, each in its own order of operations: they
+    agree to float32's precision (a tangent or error left in float64 would give float64 weights to the product)."""
+    x, y = _data((6,), n=5)
+    model = _perturbed(Tokens(nn.Sequential(EagerAttention(torch.float32)), features=2, dim=8))
+    obj = Objective(model, CE, (x, y))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    reference = obj.hvp(v, "double_backward")
+    error = float((obj.hvp(v) - reference).abs().max() / reference.abs().max())
+    assert 1e-12 < error < 1e-5, error  # float32's rounding is seen, and no more

@@ -229,9 +229,10 @@ def test_the_absorbed_point_is_the_same_function(case):
 
 
 class Scaled(nn.Module):
-    """Softmax attention with a constant factor on the value (``"value"``) or on the heads' output (``"output"``),
-    or by SDPA with a boolean mask (``"mask"``: a query that sees no key, whose output SDPA makes zeros; ``"kept"``:
-    every query sees a key) or with dropout."""
+    """Softmax attention with a constant factor on the value (``"value"``) or on the heads' output (``"output"``), a
+    softmax computed in a dtype of its own and cast back (``"cast"``, as HuggingFace's eager attention), weights cast to
+    integers (``"int"``), or by SDPA with a boolean mask (``"mask"``: a query that sees no key, whose output SDPA makes
+    zeros; ``"kept"``: every query sees a key) or with dropout."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -250,6 +251,10 @@ class Scaled(nn.Module):
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
         elif self.how == "dropout":
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        elif self.how == "cast":  # HuggingFace's eager attention: the softmax in a dtype of its own, cast back
+            a = torch.nn.functional.softmax(q @ k.transpose(-2, -1), dim=-1, dtype=torch.float64).to(q.dtype) @ v
+        elif self.how == "int":  # weights rounded to integers (zeros here): their rows need not sum to one
+            a = (q @ k.transpose(-2, -1)).softmax(-1).to(torch.int64).to(q.dtype) @ v
         else:
             a = (q @ k.transpose(-2, -1)).softmax(-1) @ (v * 2.0 if self.how == "value" else v)
             a = a * 3.0 if self.how == "output" else a
@@ -257,13 +262,13 @@ class Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("how,absorbs", [("value", False), ("output", False), ("mask", False), ("dropout", False),
-                                         ("kept", True)])  # fmt: skip
+                                         ("kept", True), ("cast", True), ("int", False)])  # fmt: skip
 def test_no_absorption_where_the_value_bias_reaches_the_output_otherwise(how, absorbs):
     torch.manual_seed(0)
     model, _, (x, _) = token_classification(Scaled(how), D)
     count, difference = _absorbed_outputs_differ(model, x)
     assert count == (H if absorbs else 0) and difference < 1e-12, (count, difference)
-    if how != "dropout":  # a translation there changes the outputs: there is none to absorb
+    if how not in ("dropout", "int"):  # a translation there changes the outputs (int: zero weights, no outputs)
         with torch.no_grad():
             moved = _shifted(model, seed=7)(x) - model(x)
         assert (moved.abs().max() < 1e-12) == absorbs

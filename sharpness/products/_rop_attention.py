@@ -165,30 +165,37 @@ class _Affine(_Smooth):
 @dataclass(frozen=True)
 class _Softmax(_Smooth):
     """The softmax along ``dim`` (the last axis for attention's scores; the classes' axis of a classifier's
-    probabilities); keeps the probabilities ``A`` and the centred error ``delta - <A, delta>``."""
+    probabilities); keeps the probabilities ``A`` and the centred error ``delta - <A, delta>``. With ``dtype``, the
+    softmax is computed in that dtype (``softmax(s, dim=-1, dtype=torch.float32)``, HuggingFace's eager attention):
+    the input's tangent is cast to it, and the errors back to the input's dtype (no-ops where the two agree)."""
 
     dim: int = -1
+    dtype: torch.dtype | None = None
 
     inner = True  # Adot, the output's tangent, read by backward
 
-    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, Tensor]:
-        a = torch.softmax(xs[0], dim=self.dim)
-        return a, a
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, torch.dtype]]:
+        a = torch.softmax(xs[0], dim=self.dim, dtype=self.dtype)
+        return a, (a, xs[0].dtype)
 
-    def tangent(self, xdots: list[Tensor | None], saved: Tensor) -> tuple[Tensor, Tensor]:
-        a_dot = _softmax_jacobian(saved, xdots[0], self.dim)
+    def tangent(self, xdots: list[Tensor | None], saved: tuple) -> tuple[Tensor, Tensor]:
+        a, _ = saved
+        a_dot = _softmax_jacobian(a, xdots[0].to(a.dtype), self.dim)
         return a_dot, a_dot
 
-    def adjoint(self, g: Tensor, saved: Tensor, need: list[bool]) -> list[Tensor]:
-        return [_softmax_jacobian(saved, g, self.dim)]
+    def adjoint(self, g: Tensor, saved: tuple, need: list[bool]) -> list[Tensor]:
+        a, dtype = saved
+        return [_softmax_jacobian(a, g, self.dim).to(dtype)]
 
-    def errors(self, g: Tensor, saved: Tensor, need: list[bool]) -> tuple[Tensor, list[Tensor | None]]:
-        e = _centred(saved, g, self.dim)
-        return e, [saved * e if need[0] else None]
+    def errors(self, g: Tensor, saved: tuple, need: list[bool]) -> tuple[Tensor, list[Tensor | None]]:
+        a, dtype = saved
+        e = _centred(a, g, self.dim)
+        return e, [(a * e).to(dtype) if need[0] else None]
 
-    def backward(self, g_dot: Tensor, e: Tensor, xdots: list[Tensor | None], saved: Tensor, need: list[bool],
+    def backward(self, g_dot: Tensor, e: Tensor, xdots: list[Tensor | None], saved: tuple, need: list[bool],
                  inner: Tensor) -> list[Tensor]:  # fmt: skip
-        return [_softmax_backward(saved, inner, g_dot * saved, e, self.dim)]
+        a, dtype = saved
+        return [_softmax_backward(a, inner, g_dot * a, e, self.dim).to(dtype)]
 
 
 def _mask_reader(args: list) -> None:

@@ -25,7 +25,7 @@ operation is, at the current point, either
   (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``, or a
   two-operand ``einsum`` that is one matrix product per batch entry, read as permutes and a ``matmul``:
   `manifolds._einsum`), the
-  softmax over any axis but the samples', and ``F.scaled_dot_product_attention`` without dropout (a constant
+  softmax over any axis but the samples' (also in a dtype of its own, ``softmax(s, dim=-1, dtype=...)``), and ``F.scaled_dot_product_attention`` without dropout (a constant
   ``attn_mask`` allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered;
   and the log-softmax over any axis but the samples' (a classifier's, read by ``NLLLoss``: a loss linear in its
   input, whose curvature all comes through the log-softmax).
@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from manifolds._einsum import as_matrix_products
-from manifolds._graph import is_metadata, linear_arguments, target_name
+from manifolds._graph import floating_cast, is_metadata, linear_arguments, target_name
 from manifolds._same_forward import read_as
 from sharpness.products._rop import (
     _CONVS,
@@ -678,21 +678,12 @@ _NUMBER_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv,
 
 
 def _cast_only(node: fx.Node, shapes: Mapping[fx.Node, tuple]) -> bool:
-    """Whether ``node`` changes at most its floating tensor's floating dtype: ``x.type_as(y)`` (``y`` read for its dtype
-    only), or ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor (``x.to(q.dtype)``). A
-    cast to integers or booleans, whose derivative is zero, is not one (its tangent would be rounded, not dropped)."""
-    if node.op != "call_method" or node.meta.get("floating") is not True:
+    """Whether ``node`` changes at most its floating tensor's floating dtype (`manifolds._graph.floating_cast`), the
+    tensor ``x.type_as(y)`` reads the dtype of being one the products know. A cast to integers or booleans, whose
+    derivative is zero, is not one (its tangent would be rounded, not dropped)."""
+    if floating_cast(node) is None:
         return False
-    if node.target == "type_as":
-        return len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], fx.Node) and node.args[1] in shapes
-    given = [*node.args[1:], *node.kwargs.values()]
-    if len(given) != 1 or set(node.kwargs) - {"dtype"}:
-        return False
-    dtype = given[0]
-    if isinstance(dtype, torch.dtype):
-        return dtype.is_floating_point
-    return isinstance(dtype, fx.Node) and dtype.op == "call_function" and dtype.target is getattr \
-        and dtype.args[1:] == ("dtype",)  # fmt: skip (floating: the node's own output is, as recorded)
+    return node.target != "type_as" or node.args[1] in shapes
 
 
 def _shape_number(node: object, shapes: Mapping[fx.Node, tuple]) -> bool:
@@ -805,9 +796,11 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         if len(x) == 2 and len(weight) == 2 and bias == (weight[1],):  # a 2-D bias is not one per output feature
             return _Affine(linear=False), [args[1], args[2], args[0]]
     if name in ("softmax", "log_softmax"):
-        if len(args) > 2 or set(kwargs) - {"dim", "_stacklevel", "dtype"} or kwargs.get("dtype") is not None:
-            return None
-        op = _normalization(name, _argument(node, 1, "dim", None), ndim)
+        dtype = kwargs.get("dtype")
+        if len(args) > 2 or set(kwargs) - {"dim", "_stacklevel", "dtype"} or \
+                not (dtype is None or name == "softmax" and isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            return None  # fmt: skip
+        op = _normalization(name, _argument(node, 1, "dim", None), ndim, dtype)
         return None if op is None else (op, [first])
     if name == "scaled_dot_product_attention":
         tensors = args[:3]
@@ -834,15 +827,17 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
     return None
 
 
-def _normalization(name: str, dim: object, ndim: int) -> _Softmax | _LogSoftmax | None:
-    """``softmax`` or ``log_softmax`` along the axis ``dim`` of a tensor of ``ndim`` axes, or ``None`` where ``dim`` is
-    not an axis other than the samples' (``None``, torch's implicit axis, is refused: which one it takes depends on
-    the number of axes)."""
+def _normalization(
+    name: str, dim: object, ndim: int, dtype: torch.dtype | None = None
+) -> _Softmax | _LogSoftmax | None:
+    """``softmax`` (computed in ``dtype`` where given) or ``log_softmax`` along the axis ``dim`` of a tensor of ``ndim``
+    axes, or ``None`` where ``dim`` is not an axis other than the samples' (``None``, torch's implicit axis, is
+    refused: which one it takes depends on the number of axes)."""
     axis = _axis(dim, ndim)
     if axis is None or axis == 0:
         return None
     axis = -1 if axis == ndim - 1 else axis
-    return _Softmax(axis) if name == "softmax" else _LogSoftmax(axis)
+    return _Softmax(axis, dtype) if name == "softmax" else _LogSoftmax(axis)
 
 
 def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
