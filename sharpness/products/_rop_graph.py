@@ -25,7 +25,8 @@ operation is, at the current point, either
   (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``, or a
   two-operand ``einsum`` that is one matrix product per batch entry, read as permutes and a ``matmul``:
   `manifolds._einsum`), the
-  softmax over any axis but the samples' (also in a dtype of its own, ``softmax(s, dim=-1, dtype=...)``), and ``F.scaled_dot_product_attention`` without dropout (a constant
+  softmax over any axis but the samples' (also in a dtype of its own, ``softmax(s, dim=-1, dtype=...)``), and
+  ``F.scaled_dot_product_attention`` without dropout (a constant
   ``attn_mask`` allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered;
   and the log-softmax over any axis but the samples' (a classifier's, read by ``NLLLoss``: a loss linear in its
   input, whose curvature all comes through the log-softmax).
