@@ -551,13 +551,15 @@ class _Finder:
             chain.append(current)
             current = source
 
-    def position_region(self, end: fx.Node, role: str) -> Region:
-        """The position-wise map ending at ``end`` (`manifolds._rotary.find_region`), checked (`checked_region`)."""
+    def position_region(self, end: fx.Node, role: str, norms: bool = False) -> Region:
+        """The position-wise map ending at ``end`` (`manifolds._rotary.find_region`), checked (`checked_region`);
+        ``norms``: it may start at a normalization's output (`score_norm`'s walk), not only at a projection's."""
         shape = end.meta.get("shape")
 
         def may_start(n: fx.Node) -> bool:  # where `back` goes on, with the map keeping the shape
             on = self.projection(n) is not None or (n.op in ("call_method", "call_function")
                                                     and self.data_arg(n) is not None)  # fmt: skip
+            on = on or (norms and self.is_norm(n))
             return on and shape is not None and tuple(n.meta.get("shape", ())) == tuple(shape)
 
         try:
@@ -1011,37 +1013,60 @@ class _Finder:
     def pin(self, where: str, channels: int, reason: str) -> None:
         self.found.pins.append(Pin(where, channels, reason))
 
-    def score_norm(self, node: fx.Node, role: str) -> tuple[fx.Node, list[fx.Node]]:
+    def is_norm(self, node: fx.Node) -> bool:
+        """Whether ``node`` calls a normalization module (`_NORMS`)."""
+        return node.op == "call_module" and read_as(self.module(node)) in _NORMS
+
+    def score_norm(self, node: fx.Node, role: str, regions: list | None = None) -> tuple[fx.Node, list[fx.Node]]:
         """The normalization (`_NORMS`, called as a module) whose output reaches ``node`` through reshapes and constant
-        factors only, each read once, and those steps in order from it; else `_Fail`."""
+        factors only, each read once, and those steps in order from it; else `_Fail`. Given ``regions`` (a list), one
+        position-wise linear map (rotary embeddings: `manifolds._rotary`) may sit between them, appended as in
+        `back`."""
         chain: list[fx.Node] = []
         current = node
+        region = None
+        after = 0  # steps between the region and `node`
         while True:
-            if len(self.users(current)) != 1:
+            if len(self.users(current)) != 1 and not (region is not None and current is region.start):
                 raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
-            if current.op == "call_module" and read_as(self.module(current)) in _NORMS:
+            if self.is_norm(current):
                 chain.reverse()
+                if region is not None:
+                    regions.append((region, len(chain) - after))
                 return current, chain
             source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
+            if source is None and regions is not None and region is None:
+                region = self.position_region(current, role, norms=True)
+                after = len(chain)
+                current = region.start
+                continue
             if source is None:
                 raise _Fail(f"the {role} is not a normalization's output reshaped ({self.label(current)} is between)")
             chain.append(current)
             current = source
 
     def norm_pair(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
-        """Scores ``q k^T`` of a normalized query and key (timm's ``qk_norm``, ViT-22B): ``LN_q``'s scale and shift
-        ``* c`` and ``LN_k``'s ``/ c`` keep every score, where feature ``j`` of every query row meets feature ``j`` of
-        every key row (read off the replayed feature indices); a diagonal factor over the normalized features."""
-        qn, chain_q = self.score_norm(q, "query")
-        kn, chain_k = self.score_norm(k, "key")
+        """Scores ``q k^T`` of a normalized query and key (timm's ``qk_norm``, ViT-22B, Qwen3): ``LN_q``'s scale and
+        shift ``* c`` and ``LN_k``'s ``/ c`` keep every score, where feature ``j`` of every query row meets feature
+        ``j`` of every key row (read off the replayed feature indices); a diagonal factor over the normalized features.
+
+        With rotary embeddings between the normalizations and the product (Qwen3: ``R_t`` per position ``t``, rows
+        ``q_t R_t``), ``(q_t C R_t)(k_s C^-1 R_s)^T = q_t R_t R_s^T k_s^T`` holds for every pair of positions exactly
+        when the diagonal ``C`` commutes with every map: ``c_i = c_j`` wherever a map mixes features ``i`` and ``j``
+        (a rotated pair). The features are tied so (read off the maps of both sides), one scale per tied set."""
+        regions_q: list = []
+        regions_k: list = []
+        qn, chain_q = self.score_norm(q, "query", regions_q)
+        kn, chain_k = self.score_norm(k, "key", regions_k)
         mq, mk = self.module(qn), self.module(kn)
         size = tuple(mq.normalized_shape)
         if qn is kn or len(size) != 1 or tuple(mk.normalized_shape) != size or mq.weight is None or mk.weight is None:
             raise _Fail("the query and key normalizations are not two with affine scales over the same features")
         for n in (qn, kn):
             self.called_once(n, self.label(n))
-        pq = self.replay(chain_q, self.feature_probe(qn))
-        pk = self.replay(chain_k, self.feature_probe(kn))
+        pq, _, start_q, maps_q = self.replayed(qn, chain_q, regions_q[0] if regions_q else None, True, "query")
+        pk, _, start_k, maps_k = self.replayed(kn, chain_k, regions_k[0] if regions_k else None, k_features_last,
+                                               "key")  # fmt: skip
         if pq.dim() < 2 or pk.dim() < 2:
             raise _Fail("the normalized query or key has fewer than two axes")
         if not k_features_last:
@@ -1062,15 +1087,21 @@ class _Finder:
             if zeros:
                 raise _Fail(f"{self.label(n)} has {zeros} feature(s) of zero scale and shift, where the metric of the "
                             "trade is undefined")  # fmt: skip
-        index = tuple(range(size[0]))
-        blocks = [Block(self.param(str(n.target), p), 0, index, None, how)
-                  for n, how in ((qn, "T"), (kn, "inv")) for p in ("weight", "bias")
-                  if getattr(self.module(n), p, None) is not None]  # fmt: skip
-        factor = Factor("diagonal", size[0], tuple(blocks), f"attention at {where}: query/key normalization scales",
-                        "c")  # fmt: skip
-        self.claim([factor])
+        tied = _tied_features(size[0], [(start_q, maps_q), (start_k, maps_k)])
+        factors = []
+        for sets in tied:  # one factor per size of the tied sets: member r of every set is block r of each tensor
+            blocks = [Block(self.param(str(n.target), p), 0, tuple(t[r] for t in sets), None, how)
+                      for n, how in ((qn, "T"), (kn, "inv")) for p in ("weight", "bias")
+                      if getattr(self.module(n), p, None) is not None for r in range(len(sets[0]))]  # fmt: skip
+            label = f"attention at {where}: query/key normalization scales"
+            if maps_q is not None or maps_k is not None:  # the claim rests on the maps of the example's positions
+                tokens = (q.meta.get("shape") or (None, None))[-2]
+                label += f" (position maps read on {tokens} tokens"
+                label += ")" if len(sets[0]) == 1 else f"; tied in sets of {len(sets[0])} by them)"
+            factors.append(Factor("diagonal", len(sets), tuple(blocks), label, "c"))
+        self.claim(factors)
         self.score_norms |= {qn, kn}
-        self.found.factors.append(factor)
+        self.found.factors.extend(factors)
 
     def scores(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1,
                unread: int | None = None) -> None:  # fmt: skip
@@ -1549,6 +1580,37 @@ def _interleaved(probe: Tensor, repeat: int) -> Tensor:
     if probe.dim() < 3:
         raise _Fail("enable_gqa on tensors without a heads axis")
     return probe.repeat_interleave(repeat, dim=-3)
+
+
+def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None]]) -> list[list[tuple[int, ...]]]:
+    """The ``size`` normalized features in sets that a diagonal scaling must scale alike to commute with every position
+    map: features ``i`` and ``j`` are tied where a map of a side (``(rows, hd)`` features and ``(rows, hd, hd)`` maps,
+    `replayed`; ``None``: no maps) mixes them. The sets (each sorted), gathered by size, smallest sets first: one
+    list per size, in order of their first feature."""
+    parent = list(range(size))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for features, maps in sides:
+        if maps is None:
+            continue
+        scale = float(maps.abs().max()) if maps.numel() else 0.0
+        mixed = (maps.abs() > 1e-12 * scale) | (maps.abs() > 1e-12 * scale).transpose(-2, -1)
+        for row, i, j in mixed.nonzero().tolist():
+            a, b = root(int(features[row, i])), root(int(features[row, j]))
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    sets: dict[int, list[int]] = {}
+    for i in range(size):
+        sets.setdefault(root(i), []).append(i)
+    by_size: dict[int, list[tuple[int, ...]]] = {}
+    for members in sets.values():
+        by_size.setdefault(len(members), []).append(tuple(members))
+    return [by_size[k] for k in sorted(by_size)]
 
 
 def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...] | None:

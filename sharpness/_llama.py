@@ -7,14 +7,16 @@ a weight. Attention projects queries, keys and values (``K`` key/value heads sha
 heads: grouped-query attention, HuggingFace's ``repeat_kv``), turns each head's queries and keys by rotary position
 embeddings (``q cos + rotate_half(q) sin``, angles ``t / theta^(2i / hd)`` computed in float32 as HuggingFace computes
 them, scaled as ``rope_scaling`` says: linear, LLaMA 3.1's, dynamic NTK, YaRN or LongRoPE, `rope`), and attends
-causally with scale ``hd^-1/2``; the MLP is ``down(silu(gate(x)) * up(x))``. The logits are the final RMSNorm's output
-times ``lm_head``, which may share the token table (``tie_word_embeddings``).
+causally with scale ``hd^-1/2``; Qwen3 first normalizes each head's queries and keys by an RMSNorm with a weight over
+the head's features (``q_norm``, ``k_norm``, shared by the heads); the MLP is ``down(silu(gate(x)) * up(x))``. The
+logits are the final RMSNorm's output times ``lm_head``, which may share the token table (``tie_word_embeddings``).
 
 State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``hd`` the head size, ``F`` the MLP's)::
 
     model.embed_tokens.weight (V, D)
     model.layers.i.input_layernorm.weight (D,); model.layers.i.post_attention_layernorm.weight (D,)
     model.layers.i.self_attn.q_proj.weight (H hd, D); k_proj.weight, v_proj.weight (K hd, D); o_proj.weight (D, H hd)
+    model.layers.i.self_attn.q_norm.weight, k_norm.weight (hd,) (Qwen3 only)
     model.layers.i.mlp.gate_proj.weight, up_proj.weight (F, D); down_proj.weight (D, F)
     model.norm.weight (D,); lm_head.weight (V, D), absent where it is the token table
 
@@ -211,7 +213,8 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope: Rope, bias: Mapping[str, bool],
-                 window: int | None = None):  # fmt: skip
+                 window: int | None = None, qk_norm: float | None = None):  # fmt: skip
+        """``qk_norm``: the epsilon of Qwen3's RMSNorms of each head's queries and keys; ``None``: none."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
         self.register_buffer("inv_freq", rope.inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
@@ -222,6 +225,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
         self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
         self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias.get("o_proj", False))
+        self.qk_norm = qk_norm is not None
+        if self.qk_norm:
+            self.q_norm, self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm), nn.RMSNorm(head_dim, eps=qk_norm)
 
     def _apply(self, fn, recurse=True):
         """As `nn.Module._apply`, but the rotary frequencies keep their float32 values (as transformers keeps them):
@@ -247,8 +253,10 @@ class LlamaAttention(nn.Module):
             return torch.where(positions[-1:] + 1 > self.original, self.long_inv_freq, self.inv_freq)
         return self.inv_freq
 
-    def _heads(self, t: Tensor, n: int) -> Tensor:
-        return t.view(t.size(0), t.size(1), n, self.head_dim).transpose(1, 2)
+    def _heads(self, t: Tensor, n: int, norm: nn.Module | None = None) -> Tensor:
+        """``(N, T, n hd)`` -> ``(N, n, T, hd)``, each head's features normalized by ``norm`` on the way (Qwen3's)."""
+        t = t.view(t.size(0), t.size(1), n, self.head_dim)
+        return (t if norm is None else norm(t)).transpose(1, 2)
 
     def _repeat(self, t: Tensor) -> Tensor:
         """HuggingFace's ``repeat_kv``: each key/value head read by its group of query heads."""
@@ -259,8 +267,8 @@ class LlamaAttention(nn.Module):
         return t[:, :, None, :, :].expand(b, self.kv_heads, groups, length, hd).reshape(b, self.heads, length, hd)
 
     def forward(self, x: Tensor) -> Tensor:
-        q = self._heads(self.q_proj(x), self.heads)
-        k = self._heads(self.k_proj(x), self.kv_heads)
+        q = self._heads(self.q_proj(x), self.heads, self.q_norm if self.qk_norm else None)
+        k = self._heads(self.k_proj(x), self.kv_heads, self.k_norm if self.qk_norm else None)
         v = self._heads(self.v_proj(x), self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
         positions = torch.arange(x.size(1), dtype=torch.float32, device=x.device)
@@ -297,9 +305,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], window: int | None):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], window: int | None, qk_norm: bool):  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, eps if qk_norm else None)
         self.mlp = LlamaMLP(dim, hidden, bias)
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
 
@@ -310,11 +318,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None]):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], qk_norm: bool):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
         block = (dim, heads, kv_heads, head_dim, hidden, eps, rope, bias)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window) for window in windows)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, qk_norm) for window in windows)
         self.norm = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -347,6 +355,7 @@ class Llama(nn.Module):
             attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
+        qk_norm: Qwen3's RMSNorms of each head's queries and keys (``q_norm``, ``k_norm``, with ``eps``).
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
             ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets).
 
@@ -360,7 +369,7 @@ class Llama(nn.Module):
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
                  rope_scaling: Mapping[str, object] | None = None,
                  sliding_window: int | Sequence[int | None] | None = None,
-                 max_positions: int | None = None):  # fmt: skip
+                 max_positions: int | None = None, qk_norm: bool = False):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
@@ -382,7 +391,7 @@ class Llama(nn.Module):
         self.classes_last = classes_last
         rotary = rope(head_dim, theta, rope_scaling, max_positions)
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
-                               rotary, dict(bias or {}), windows)  # fmt: skip
+                               rotary, dict(bias or {}), windows, qk_norm)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -404,8 +413,9 @@ class Llama(nn.Module):
                         max_positions: int | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
-        tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, and biases where the
-        checkpoint has them. ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
+        tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, biases where the
+        checkpoint has them, and Qwen3's query/key RMSNorms where it has ``self_attn.q_norm.weight``. ``heads``
+        (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
         (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
         (`from_config` reads them there), and so are the sliding windows and ``max_position_embeddings``
         (``max_positions``, which dynamic, YaRN and LongRoPE scalings read). ``tied``
@@ -442,6 +452,7 @@ class Llama(nn.Module):
         if k_rows % head_dim:
             raise SpecError(f"k_proj has {k_rows} rows, not a multiple of the head size {head_dim}")
         bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
+        qk_norm = any(k.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")) for k in tensors)
         head = tensors.pop("lm_head.weight", None)
         same = head is None or (head.shape == table.shape and torch.equal(head, table))
         if tied is None:
@@ -453,7 +464,7 @@ class Llama(nn.Module):
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
                         head_dim, eps, theta, tied, bias, classes_last, rope_scaling, sliding_window,
-                        max_positions)  # fmt: skip
+                        max_positions, qk_norm)  # fmt: skip
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:
@@ -513,8 +524,9 @@ class Llama(nn.Module):
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:
     """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's
     ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others (Qwen2,
-    Ministral) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen's classes have one
-    only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from ``max_window_layers`` on.
+    Ministral, Qwen3) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen's classes
+    have one only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from
+    ``max_window_layers`` on.
     A config without ``sliding_window`` has their default, 4096 tokens.
 
     Raises:
@@ -523,8 +535,8 @@ def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | No
     kind = config.get("model_type")
     if kind == "llama":
         return None
-    window = config.get("sliding_window", 4096 if kind in ("mistral", "ministral", "qwen2") else None)
-    qwen = kind == "qwen2" or (kind is None and "use_sliding_window" in config)  # Mistral's classes read no flag
+    window = config.get("sliding_window", 4096 if kind in ("mistral", "ministral", "qwen2", "qwen3") else None)
+    qwen = kind in ("qwen2", "qwen3") or (kind is None and "use_sliding_window" in config)  # Mistral's read no flag
     if qwen:
         use = config.get("use_sliding_window", False)
         if not isinstance(use, bool):

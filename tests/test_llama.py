@@ -28,7 +28,8 @@ ROPE = ("llama_tiny_rope_hf.safetensors", 2, 10000.0)  # LLaMA 3.1's scaled rota
 MISTRAL = ("mistral_tiny_hf.safetensors", 2, 10000.0)  # a sliding window of 3 tokens on inputs of 9; its config.json
 QWEN2 = ("qwen2_tiny_hf.safetensors", 2, 10000.0)  # the window on the second block only; query/key/value biases
 MINISTRAL = ("ministral_tiny_hf.safetensors", 2, 10000.0)  # the window on the first block only (layer_types)
-WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL)  # read from their config.json
+QWEN3 = ("qwen3_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms per head; heads of 12 on a width of 16
+WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3)  # read from their config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -48,8 +49,9 @@ def _config(which=ROPE) -> dict:
     return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL],
-                         ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window"])
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3],
+                         ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window",
+                              "qwen3"])  # fmt: skip
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -62,8 +64,8 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
     attention = model.model.layers[0].self_attn
-    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8)}.get(which[0], (2, 1, 8))
-    assert (attention.heads, attention.kv_heads, attention.head_dim) == sizes
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12)}.get(which[0], (2, 1, 8))
+    assert (attention.heads, attention.kv_heads, attention.head_dim, attention.qk_norm) == (*sizes, which is QWEN3)
     biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
     assert biased == (which is TIED or which is QWEN2, which is TIED)
     windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None]}.get(which[0], [None, None])
@@ -297,7 +299,37 @@ def test_the_group_and_the_invariant_measure(which):
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2], ids=["gqa", "tied", "mistral_window", "qwen2_window"])
+def test_qwen3_s_query_key_norms_are_traded_in_rotated_pairs():
+    """Qwen3 normalizes each head's queries and keys (an RMSNorm of 12 features, shared by the heads) before the rotary
+    embedding: the query/key GL(hd) is gone, and the two norms' scales trade, ``q_norm * c`` against ``k_norm / c``,
+    with ``c`` one number per pair ``(j, j + 6)`` that ``rotate_half`` turns (6 per block); value/output keeps GL(12).
+    By hand: a ``c`` constant on the pairs keeps the logits, one that is not moves them."""
+    state, ids, _ = _checkpoint(QWEN3)
+    model = _model(QWEN3, classes_last=False)
+    sym = manifolds.transformer_symmetry(model, ids)
+    traded = [f for f in sym.factors if "query/key normalization scales" in f.label]
+    assert [f.size for f in traded] == [6] * LAYERS and not [f for f in sym.factors if "query/key:" in f.label]
+    assert all({(b.name.rsplit(".", 2)[-2], b.index) for b in f.blocks} == {
+        (n, tuple(range(6))) for n in ("q_norm", "k_norm")} | {(n, tuple(range(6, 12))) for n in ("q_norm", "k_norm")}
+        for f in traded), sym.describe()  # fmt: skip
+    assert sym.dim == LAYERS * (6 + 12 * 12 + 2 * WIDTH + MLP) + WIDTH, sym.describe()
+    g = torch.Generator().manual_seed(2)
+    c = torch.exp(0.5 * torch.randn(6, generator=g, dtype=torch.float64)).repeat(2)
+    params = dict(model.named_parameters())
+    for tied, limit in ((c, 1e-10), (c * torch.linspace(0.5, 1.5, 12, dtype=torch.float64), None)):
+        twin = _model(QWEN3, classes_last=False)
+        with torch.no_grad():
+            for i in range(LAYERS):
+                attn = twin.model.layers[i].self_attn
+                attn.q_norm.weight.copy_(params[f"model.layers.{i}.self_attn.q_norm.weight"] * tied)
+                attn.k_norm.weight.copy_(params[f"model.layers.{i}.self_attn.k_norm.weight"] / tied)
+            moved = float((twin(ids) - model(ids)).abs().max())
+        assert moved < limit if limit else moved > 1e-3, moved
+    check_a_random_element(model, sym, ids)
+
+
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3],
+                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3"])
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
@@ -334,19 +366,20 @@ def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, t
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-def test_the_command_line_reads_the_checkpoint_s_config(tmp_path):
-    state, _, _ = _checkpoint(ROPE)
+@pytest.mark.parametrize("which", [ROPE, QWEN3], ids=["llama3_rope", "qwen3"])
+def test_the_command_line_reads_the_checkpoint_s_config(tmp_path, which):
+    state, _, _ = _checkpoint(which)
     save_file(state, str(tmp_path / "model.safetensors"))
     X = torch.randint(0, 29, (6, 7), generator=torch.Generator().manual_seed(0))
     np.savez(tmp_path / "tokens.npz", X=X.numpy(), y=torch.roll(X, -1, dims=1).numpy())
     out = tmp_path / "r.json"
-    argv = ["compute", "--model", f"llama:config={DATA / 'llama_tiny_rope_hf.json'}", "--checkpoint",
+    argv = ["compute", "--model", f"llama:config={DATA / which[0].replace('.safetensors', '.json')}", "--checkpoint",
             str(tmp_path / "model.safetensors"), "--data", str(tmp_path / "tokens.npz"), "--metric", "euclidean",
             "--quiet", "--json", str(out)]  # fmt: skip
     assert sharpness_main(argv) == 0
     data = (X, torch.roll(X, -1, dims=1))
-    expected = euclidean_sharpness(_model(ROPE, classes_last=False), nn.CrossEntropyLoss(), data, dtype=torch.float64,
-                                   progress=False).value  # fmt: skip
+    expected = euclidean_sharpness(_model(which, classes_last=False), nn.CrossEntropyLoss(), data,
+                                   dtype=torch.float64, progress=False).value  # fmt: skip
     assert json.loads(out.read_text())["measures"]["euclidean"]["value"] == pytest.approx(expected, rel=1e-6)
 
 

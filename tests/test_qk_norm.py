@@ -53,9 +53,10 @@ class Attention(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, form: str = "sdpa", norms: str = "head"):
+    def __init__(self, form: str = "sdpa", norms: str = "head", **rotary):
         super().__init__()
-        self.ln, self.attn, self.head = nn.LayerNorm(D), Attention(form, norms), nn.Linear(D, 3)
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, 3)
+        self.attn = Rotary(**rotary) if rotary else Attention(form, norms)
 
     def forward(self, x):
         return self.head((x + self.attn(self.ln(x))).mean(dim=1))
@@ -67,7 +68,7 @@ def _make(seed: int = 0, **options):
 
 
 def _traded(sym) -> list:
-    return [f for f in sym.factors if f.label.endswith("query/key normalization scales")]
+    return [f for f in sym.factors if "query/key normalization scales" in f.label]
 
 
 @pytest.mark.parametrize("form", ["sdpa", "matmul"])
@@ -203,3 +204,94 @@ def test_verify_draws_the_normalizations_trade_as_a_normalization_rescaling():
     for m in ("symmetry", "geodesic", "adaptive"):
         assert rep.verdict(m, "normalization") == "invariant", rep.table()
     assert rep.outcome == "passed"
+
+
+class Rotary(nn.Module):
+    """Qwen3's layout written by hand: per-head LayerNorms of the query and the key (``affine``, or RMSNorms without
+    a shift: ``"rms"``), then rotary embeddings on each head's features, turned in pairs ``(j, j + hd/2)``
+    (``"half"``, LLaMA's ``rotate_half``) or ``(2j, 2j + 1)`` (``"pairs"``, GPT-J's), then SDPA; heads of 4 features
+    (``partial``: only the first 2 of them rotated, the others left as they are)."""
+
+    def __init__(self, style: str = "half", norm: str = "layer", partial: bool = False):
+        super().__init__()
+        self.style, self.partial = style, partial
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        make = (lambda: nn.RMSNorm(HD)) if norm == "rms" else (lambda: nn.LayerNorm(HD))
+        self.q_norm, self.k_norm = make(), make()
+        width = 2 if partial else HD
+        angles = torch.arange(4.0)[:, None] * 10000.0 ** (-torch.arange(0, width, 2.0) / width)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def _turned(self, u):
+        if self.partial:
+            return torch.cat([self._pairs(u[..., :2], self.cos, self.sin), u[..., 2:]], dim=-1)
+        return self._pairs(u, self.cos, self.sin)
+
+    def _pairs(self, u, cos, sin):
+        if self.style == "half":
+            half = u.shape[-1] // 2
+            turned = torch.cat((-u[..., half:], u[..., :half]), dim=-1)
+            return u * torch.cat((cos, cos), -1) + turned * torch.cat((sin, sin), -1)
+        turned = torch.stack((-u[..., 1::2], u[..., ::2]), dim=-1).flatten(-2)  # GPT-J's rotate_every_two
+        return u * cos.repeat_interleave(2, -1) + turned * sin.repeat_interleave(2, -1)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self._turned(self.q_norm(q)), self._turned(self.k_norm(k))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(a.transpose(1, 2).reshape(b, t, D))
+
+
+def _scaled_pairs(model: nn.Module, c: torch.Tensor) -> nn.Module:
+    """``model`` with ``q_norm``'s scale (and shift) times ``c`` and ``k_norm``'s over ``c``, written by hand."""
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name in [n for n in sd if ".q_norm." in n]:
+        sd[name], other = sd[name] * c, name.replace(".q_norm.", ".k_norm.")
+        sd[other] = sd[other] / c
+    return _moved(model, sd)
+
+
+@pytest.mark.parametrize("style,pairs", [("half", ((0, 2), (1, 3))), ("pairs", ((0, 1), (2, 3)))])
+def test_rotary_embeddings_tie_the_normalizations_scales_in_their_rotated_pairs(style, pairs):
+    """``(q C R_t)(k C^-1 R_s)^T = q R_t R_s^T k^T`` for every pair of positions exactly when ``C`` commutes with the
+    rotations: one scale per rotated pair. A scale differing within a pair moves the outputs."""
+    model, loss, data = _make(style=style)
+    x = data[0]
+    sym = manifolds.transformer_symmetry(model, x)
+    (factor,) = _traded(sym)
+    assert factor.size == 2 and "tied in sets of 2" in factor.label, sym.describe()
+    moved = {(b.name, b.index) for b in factor.blocks}
+    assert moved == {(f"attn.{r}_norm.{p}", tuple(pair[i] for pair in pairs)) for r in "qk" for p in ("weight", "bias")
+                     for i in (0, 1)}, moved  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    fresh = torch.randn(3, 4, D, generator=g, dtype=torch.float64)
+    c = torch.exp(0.7 * torch.randn(2, generator=g, dtype=torch.float64))
+    tied = torch.empty(HD, dtype=torch.float64)
+    for value, pair in zip(c, pairs):
+        tied[list(pair)] = value
+    untied = tied.clone()
+    untied[pairs[0][0]] *= 2.0
+    with torch.no_grad():
+        assert (_scaled_pairs(model, tied)(fresh) - model(fresh)).abs().max() < 1e-12
+        assert (_scaled_pairs(model, untied)(fresh) - model(fresh)).abs().max() > 1e-3
+    assert_keeps_outputs(model, sym, x, seed=8)
+
+
+def test_rotary_normalization_trade_metric_is_invariant_and_the_measure_equals_the_dense_reference():
+    model, loss, data = _make(style="half", norm="rms")
+    sym = manifolds.transformer_symmetry(model, data[0])
+    assert [f.size for f in _traded(sym)] == [2], sym.describe()
+    got, element = assert_quotient_matches_dense(model, loss, data, sym, torch.Generator().manual_seed(9))
+    moved = sym.transformed(model, element)
+    assert np.allclose(measure_value(moved, loss, data, k=2), got, rtol=1e-8, atol=0)
+
+
+def test_features_no_rotation_touches_keep_a_scale_each():
+    """Partial rotary: the rotated pair shares one scale, the two features left as they are one each."""
+    model, _, (x, _) = _make(style="half", partial=True)
+    sym = manifolds.transformer_symmetry(model, x)
+    sizes = sorted((f.size, len(f.blocks)) for f in _traded(sym))
+    assert sizes == [(1, 8), (2, 4)], sym.describe()  # one tied pair (2 blocks a tensor), two free features
+    assert_keeps_outputs(model, sym, x, seed=10)
