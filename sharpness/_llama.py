@@ -8,7 +8,8 @@ heads: grouped-query attention, HuggingFace's ``repeat_kv``), turns each head's 
 embeddings (``q cos + rotate_half(q) sin``, angles ``t / theta^(2i / hd)`` computed in float32 as HuggingFace computes
 them, scaled as ``rope_scaling`` says: linear, LLaMA 3.1's, dynamic NTK, YaRN or LongRoPE, `rope`), and attends
 causally with scale ``hd^-1/2``; Qwen3 first normalizes each head's queries and keys by an RMSNorm with a weight over
-the head's features (``q_norm``, ``k_norm``, shared by the heads); the MLP is ``down(silu(gate(x)) * up(x))``. The
+the head's features (``q_norm``, ``k_norm``, shared by the heads), OLMo 2 the queries and the keys over all their
+features before the heads are split; the MLP is ``down(silu(gate(x)) * up(x))``. The
 logits are the final RMSNorm's output times ``lm_head``, which may share the token table (``tie_word_embeddings``).
 
 State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, ``hd`` the head size, ``F`` the MLP's)::
@@ -16,10 +17,12 @@ State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, `
     model.embed_tokens.weight (V, D)
     model.layers.i.input_layernorm.weight (D,); model.layers.i.post_attention_layernorm.weight (D,)
     model.layers.i.self_attn.q_proj.weight (H hd, D); k_proj.weight, v_proj.weight (K hd, D); o_proj.weight (D, H hd)
-    model.layers.i.self_attn.q_norm.weight, k_norm.weight (hd,) (Qwen3 only)
+    model.layers.i.self_attn.q_norm.weight, k_norm.weight (hd,) (Qwen3 only), or (H hd,), (K hd,) (OLMo 2 only)
     model.layers.i.mlp.gate_proj.weight, up_proj.weight (F, D); down_proj.weight (D, F)
     model.norm.weight (D,); lm_head.weight (V, D), absent where it is the token table
 
+OLMo 2's blocks put their norms on the branches' outputs, ``x + post_attention_layernorm(attn(x))`` then ``x +
+post_feedforward_layernorm(mlp(x))``: ``post_feedforward_layernorm.weight`` (D,) in place of ``input_layernorm``.
 Biases where the checkpoint has them (``attention_bias``, ``mlp_bias``, or Qwen2's query/key/value biases): each
 projection has a bias exactly where its ``.bias`` key is present.
 """
@@ -213,8 +216,9 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope: Rope, bias: Mapping[str, bool],
-                 window: int | None = None, qk_norm: float | None = None):  # fmt: skip
-        """``qk_norm``: the epsilon of Qwen3's RMSNorms of each head's queries and keys; ``None``: none."""
+                 window: int | None = None, qk_norm: str | None = None, eps: float = 1e-6):  # fmt: skip
+        """``qk_norm``: RMSNorms (with ``eps``) of the queries and keys, over each head's features (``"head"``, Qwen3's)
+        or over all of them before the heads are split (``"width"``, OLMo 2's); ``None``: none."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
         self.register_buffer("inv_freq", rope.inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
@@ -225,9 +229,12 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
         self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
         self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias.get("o_proj", False))
-        self.qk_norm = qk_norm is not None
-        if self.qk_norm:
-            self.q_norm, self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm), nn.RMSNorm(head_dim, eps=qk_norm)
+        if qk_norm not in (None, "head", "width"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'width', got {qk_norm!r}")
+        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            q_size, k_size = (head_dim, head_dim) if qk_norm == "head" else (heads * head_dim, kv_heads * head_dim)
+            self.q_norm, self.k_norm = nn.RMSNorm(q_size, eps=eps), nn.RMSNorm(k_size, eps=eps)
 
     def _apply(self, fn, recurse=True):
         """As `nn.Module._apply`, but the rotary frequencies keep their float32 values (as transformers keeps them):
@@ -267,8 +274,11 @@ class LlamaAttention(nn.Module):
         return t[:, :, None, :, :].expand(b, self.kv_heads, groups, length, hd).reshape(b, self.heads, length, hd)
 
     def forward(self, x: Tensor) -> Tensor:
-        q = self._heads(self.q_proj(x), self.heads, self.q_norm if self.qk_norm else None)
-        k = self._heads(self.k_proj(x), self.kv_heads, self.k_norm if self.qk_norm else None)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "width":  # OLMo 2: over all the features, before the heads are split
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self._heads(q, self.heads, self.q_norm if self.qk_norm == "head" else None)
+        k = self._heads(k, self.kv_heads, self.k_norm if self.qk_norm == "head" else None)
         v = self._heads(self.v_proj(x), self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
         positions = torch.arange(x.size(1), dtype=torch.float32, device=x.device)
@@ -305,24 +315,37 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], window: int | None, qk_norm: bool):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], window: int | None, qk_norm: str | None,
+                 post_norms: bool):  # fmt: skip
+        """``post_norms``: OLMo 2's block, ``x + post_attention_layernorm(attn(x))`` then ``x +
+        post_feedforward_layernorm(mlp(x))`` (the norms on the branches' outputs), instead of LLaMA's ``x +
+        attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``."""
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, eps if qk_norm else None)
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, qk_norm, eps)
         self.mlp = LlamaMLP(dim, hidden, bias)
-        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+        self.post_norms = post_norms
+        if post_norms:
+            self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
+        else:
+            self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], qk_norm: bool):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], qk_norm: str | None,
+                 post_norms: bool):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
         block = (dim, heads, kv_heads, head_dim, hidden, eps, rope, bias)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, qk_norm) for window in windows)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, qk_norm, post_norms) for window in windows)
         self.norm = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -355,7 +378,11 @@ class Llama(nn.Module):
             attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
-        qk_norm: Qwen3's RMSNorms of each head's queries and keys (``q_norm``, ``k_norm``, with ``eps``).
+        qk_norm: RMSNorms of the queries and keys (``q_norm``, ``k_norm``, with ``eps``): over each head's features
+            (``"head"``, Qwen3's, shared by the heads) or over all of them before the heads are split (``"width"``,
+            OLMo 2's); ``None``: none.
+        post_norms: OLMo 2's blocks, ``x + post_attention_layernorm(attn(x))`` then ``x +
+            post_feedforward_layernorm(mlp(x))``, instead of LLaMA's pre-norm blocks.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
             ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets).
 
@@ -369,7 +396,8 @@ class Llama(nn.Module):
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
                  rope_scaling: Mapping[str, object] | None = None,
                  sliding_window: int | Sequence[int | None] | None = None,
-                 max_positions: int | None = None, qk_norm: bool = False):  # fmt: skip
+                 max_positions: int | None = None, qk_norm: str | None = None,
+                 post_norms: bool = False):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
@@ -391,7 +419,7 @@ class Llama(nn.Module):
         self.classes_last = classes_last
         rotary = rope(head_dim, theta, rope_scaling, max_positions)
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
-                               rotary, dict(bias or {}), windows, qk_norm)  # fmt: skip
+                               rotary, dict(bias or {}), windows, qk_norm, post_norms)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -414,7 +442,9 @@ class Llama(nn.Module):
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
         tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, biases where the
-        checkpoint has them, and Qwen3's query/key RMSNorms where it has ``self_attn.q_norm.weight``. ``heads``
+        checkpoint has them, query/key RMSNorms where it has ``self_attn.q_norm.weight`` (over a head's features,
+        Qwen3's, where it has that size, else over all of them, OLMo 2's), and OLMo 2's blocks (norms on the branches'
+        outputs) where it has ``post_feedforward_layernorm.weight``. ``heads``
         (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
         (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
         (`from_config` reads them there), and so are the sliding windows and ``max_position_embeddings``
@@ -452,7 +482,9 @@ class Llama(nn.Module):
         if k_rows % head_dim:
             raise SpecError(f"k_proj has {k_rows} rows, not a multiple of the head size {head_dim}")
         bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
-        qk_norm = any(k.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")) for k in tensors)
+        norm = tensors.get(first + "self_attn.q_norm.weight")
+        qk_norm = None if norm is None else "head" if norm.shape == (head_dim,) else "width"
+        post_norms = first + "post_feedforward_layernorm.weight" in tensors
         head = tensors.pop("lm_head.weight", None)
         same = head is None or (head.shape == table.shape and torch.equal(head, table))
         if tied is None:
@@ -464,7 +496,7 @@ class Llama(nn.Module):
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
                         head_dim, eps, theta, tied, bias, classes_last, rope_scaling, sliding_window,
-                        max_positions, qk_norm)  # fmt: skip
+                        max_positions, qk_norm, post_norms)  # fmt: skip
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:

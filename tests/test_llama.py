@@ -29,7 +29,8 @@ MISTRAL = ("mistral_tiny_hf.safetensors", 2, 10000.0)  # a sliding window of 3 t
 QWEN2 = ("qwen2_tiny_hf.safetensors", 2, 10000.0)  # the window on the second block only; query/key/value biases
 MINISTRAL = ("ministral_tiny_hf.safetensors", 2, 10000.0)  # the window on the first block only (layer_types)
 QWEN3 = ("qwen3_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms per head; heads of 12 on a width of 16
-WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3)  # read from their config.json
+OLMO2 = ("olmo2_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms over the width; norms on the branches' outputs
+WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2)  # read from their config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -49,9 +50,9 @@ def _config(which=ROPE) -> dict:
     return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3],
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2],
                          ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window",
-                              "qwen3"])  # fmt: skip
+                              "qwen3", "olmo2"])  # fmt: skip
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -64,8 +65,10 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
     attention = model.model.layers[0].self_attn
-    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12)}.get(which[0], (2, 1, 8))
-    assert (attention.heads, attention.kv_heads, attention.head_dim, attention.qk_norm) == (*sizes, which is QWEN3)
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12), OLMO2[0]: (2, 2, 8)}.get(which[0], (2, 1, 8))
+    norms = {QWEN3[0]: "head", OLMO2[0]: "width"}.get(which[0])
+    assert (attention.heads, attention.kv_heads, attention.head_dim, attention.qk_norm) == (*sizes, norms)
+    assert model.model.layers[0].post_norms == (which is OLMO2)
     biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
     assert biased == (which is TIED or which is QWEN2, which is TIED)
     windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None]}.get(which[0], [None, None])
@@ -299,25 +302,36 @@ def test_the_group_and_the_invariant_measure(which):
     check_a_random_element(model, sym, ids)
 
 
-def test_qwen3_s_query_key_norms_are_traded_in_rotated_pairs():
-    """Qwen3 normalizes each head's queries and keys (an RMSNorm of 12 features, shared by the heads) before the rotary
-    embedding: the query/key GL(hd) is gone, and the two norms' scales trade, ``q_norm * c`` against ``k_norm / c``,
-    with ``c`` one number per pair ``(j, j + 6)`` that ``rotate_half`` turns (6 per block); value/output keeps GL(12).
-    By hand: a ``c`` constant on the pairs keeps the logits, one that is not moves them."""
-    state, ids, _ = _checkpoint(QWEN3)
-    model = _model(QWEN3, classes_last=False)
+@pytest.mark.parametrize("which, pairs", [(QWEN3, [tuple(range(6))]), (OLMO2, [(0, 1, 2, 3), (8, 9, 10, 11)])],
+                         ids=["qwen3", "olmo2"])
+def test_query_key_norms_are_traded_in_rotated_pairs(which, pairs):
+    """Qwen3 normalizes each head's queries and keys (an RMSNorm of 12 features, shared by the heads), OLMo 2 the
+    queries and the keys over all their features before the heads are split; then both turn them by the rotary
+    embedding. The query/key GL(hd) is gone, and the two norms' scales trade, ``q_norm * c`` against ``k_norm / c``,
+    with ``c`` one number per pair of features ``rotate_half`` turns together (``j`` and ``j + hd/2`` of a head): 6
+    per block for Qwen3, 8 for OLMo 2's two heads of 8. Value/output keeps GL(hd) per key/value head. By hand: a ``c``
+    constant on the pairs keeps the logits, one that is not moves them."""
+    state, ids, _ = _checkpoint(which)
+    model = _model(which, classes_last=False)
     sym = manifolds.transformer_symmetry(model, ids)
     traded = [f for f in sym.factors if "query/key normalization scales" in f.label]
-    assert [f.size for f in traded] == [6] * LAYERS and not [f for f in sym.factors if "query/key:" in f.label]
-    assert all({(b.name.rsplit(".", 2)[-2], b.index) for b in f.blocks} == {
-        (n, tuple(range(6))) for n in ("q_norm", "k_norm")} | {(n, tuple(range(6, 12))) for n in ("q_norm", "k_norm")}
-        for f in traded), sym.describe()  # fmt: skip
-    assert sym.dim == LAYERS * (6 + 12 * 12 + 2 * WIDTH + MLP) + WIDTH, sym.describe()
+    hd = model.model.layers[0].self_attn.head_dim
+    firsts = tuple(i for block in pairs for i in block)  # the first feature of each pair
+    assert [f.size for f in traded] == [len(firsts)] * LAYERS
+    assert not [f for f in sym.factors if "query/key:" in f.label]
+    expected = {(n, index) for n in ("q_norm", "k_norm") for index in (firsts, tuple(i + hd // 2 for i in firsts))}
+    assert all({(b.name.rsplit(".", 2)[-2], b.index) for b in f.blocks} == expected for f in traded), sym.describe()
+    kv_heads, final = model.model.layers[0].self_attn.kv_heads, WIDTH
+    norms = 0 if which is OLMO2 else 2 * WIDTH  # OLMo 2's block norms sit on the branches' outputs: pinned
+    assert sym.dim == LAYERS * (len(firsts) + kv_heads * hd * hd + norms + MLP) + final, sym.describe()
     g = torch.Generator().manual_seed(2)
-    c = torch.exp(0.5 * torch.randn(6, generator=g, dtype=torch.float64)).repeat(2)
+    size = model.model.layers[0].self_attn.q_norm.weight.numel()
+    c = torch.ones(size, dtype=torch.float64)
+    for i in firsts:
+        c[i] = c[i + hd // 2] = float(torch.exp(0.5 * torch.randn((), generator=g, dtype=torch.float64)))
     params = dict(model.named_parameters())
-    for tied, limit in ((c, 1e-10), (c * torch.linspace(0.5, 1.5, 12, dtype=torch.float64), None)):
-        twin = _model(QWEN3, classes_last=False)
+    for tied, limit in ((c, 1e-10), (c * torch.linspace(0.5, 1.5, size, dtype=torch.float64), None)):
+        twin = _model(which, classes_last=False)
         with torch.no_grad():
             for i in range(LAYERS):
                 attn = twin.model.layers[i].self_attn
@@ -328,8 +342,8 @@ def test_qwen3_s_query_key_norms_are_traded_in_rotated_pairs():
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3],
-                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3"])
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2],
+                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3", "olmo2"])
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
@@ -366,7 +380,7 @@ def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, t
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-@pytest.mark.parametrize("which", [ROPE, QWEN3], ids=["llama3_rope", "qwen3"])
+@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2], ids=["llama3_rope", "qwen3", "olmo2"])
 def test_the_command_line_reads_the_checkpoint_s_config(tmp_path, which):
     state, _, _ = _checkpoint(which)
     save_file(state, str(tmp_path / "model.safetensors"))

@@ -1,6 +1,6 @@
 """Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors``, ``llama_tiny_rope_hf.safetensors``,
-``mistral_tiny_hf.safetensors``, ``qwen2_tiny_hf.safetensors``, ``ministral_tiny_hf.safetensors`` and
-``qwen3_tiny_hf.safetensors``: tiny random
+``mistral_tiny_hf.safetensors``, ``qwen2_tiny_hf.safetensors``, ``ministral_tiny_hf.safetensors``,
+``qwen3_tiny_hf.safetensors`` and ``olmo2_tiny_hf.safetensors``: tiny random
 decoders made by HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the initialization),
 each with an input and the logits the model gives for it (keys ``__input_ids``, ``__logits``).
 
@@ -14,7 +14,8 @@ each with an input and the logits the model gives for it (keys ``__input_ids``, 
 - The fifth a ``Qwen2ForCausalLM`` (query/key/value biases) with that window on its second block only
   (``use_sliding_window``, ``max_window_layers=1``), the sixth a ``MinistralForCausalLM`` with it on its first block
   only (``layer_types``), the seventh a ``Qwen3ForCausalLM`` (query/key RMSNorms per head, heads of 12 features on a
-  width of 16).
+  width of 16), the eighth an ``Olmo2ForCausalLM`` (query/key RMSNorms over the whole width, norms on the blocks'
+  branches' outputs).
 
 All but the first two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``, ...). HuggingFace's RMSNorm
 and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
@@ -35,6 +36,8 @@ from transformers import (
     MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -60,13 +63,15 @@ CONFIGS[MISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_e
 # Qwen2 (query/key/value biases) with the window on the second block only (max_window_layers=1), and Ministral with
 # the window on the first block only (layer_types)
 QWEN2, MINISTRAL = "qwen2_tiny_hf.safetensors", "ministral_tiny_hf.safetensors"
-QWEN3 = "qwen3_tiny_hf.safetensors"  # after the scaled ones below (each file's seed is its place in CONFIGS)
+QWEN3, OLMO2 = "qwen3_tiny_hf.safetensors", "olmo2_tiny_hf.safetensors"  # after the scaled ones below (each file's
+# seed is its place in CONFIGS)
 CONFIGS[QWEN2] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3,
                       use_sliding_window=True, max_window_layers=1)
 CONFIGS[MINISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3,
                           layer_types=["sliding_attention", "full_attention"], head_dim=8)  # its config has no default
 CLASSES = {MISTRAL: (MistralConfig, MistralForCausalLM), QWEN2: (Qwen2Config, Qwen2ForCausalLM),
-           MINISTRAL: (MinistralConfig, MinistralForCausalLM), QWEN3: (Qwen3Config, Qwen3ForCausalLM)}
+           MINISTRAL: (MinistralConfig, MinistralForCausalLM), QWEN3: (Qwen3Config, Qwen3ForCausalLM),
+           OLMO2: (Olmo2Config, Olmo2ForCausalLM)}
 # the rope scalings that depend on the sequence's length or scale cos and sin: YaRN (original context 4 of 16),
 # dynamic NTK (the base grows past max_position_embeddings=6) and LongRoPE (long factors past an original context of 6);
 # each also with the logits of the first 5 tokens (keys __short_logits), under 6 positions
@@ -84,6 +89,9 @@ for name, options in SCALED.items():
 # Qwen3: an RMSNorm over each head's features on the queries and on the keys (q_norm, k_norm) before the rotary
 # embedding, and heads of 12 features, not the width over the heads
 CONFIGS[QWEN3] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, head_dim=12)
+# OLMo 2: RMSNorms of the queries and of the keys over all their features, before the heads are split, and the blocks'
+# norms on the branches' outputs (post_attention_layernorm, post_feedforward_layernorm)
+CONFIGS[OLMO2] = dict(num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
 WRITE = set(sys.argv[2:]) or set(CONFIGS)  # the files to write (default: all)
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
