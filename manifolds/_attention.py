@@ -1586,7 +1586,8 @@ def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None
     """The ``size`` normalized features in sets that a diagonal scaling must scale alike to commute with every position
     map: features ``i`` and ``j`` are tied where a map of a side (``(rows, hd)`` features and ``(rows, hd, hd)`` maps,
     `replayed`; ``None``: no maps) mixes them. The sets (each sorted), gathered by size, smallest sets first: one
-    list per size, in order of their first feature."""
+    list per size, in order of their first feature. `_Fail` where a side's maps mix no features at all (an example of
+    one token: its rotation is the identity, which tells nothing of the others)."""
     parent = list(range(size))
 
     def root(i: int) -> int:
@@ -1598,8 +1599,12 @@ def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None
     for features, maps in sides:
         if maps is None:
             continue
-        scale = float(maps.abs().max()) if maps.numel() else 0.0
-        mixed = (maps.abs() > 1e-12 * scale) | (maps.abs() > 1e-12 * scale).transpose(-2, -1)
+        # relative to each row's own map: a row scaled far beyond the others must not hide their rotations
+        entries = maps.abs() > 1e-12 * maps.abs().amax(dim=(-2, -1), keepdim=True)
+        mixed = (entries | entries.transpose(-2, -1)) & ~torch.eye(maps.shape[-1], dtype=torch.bool)
+        if not bool(mixed.any()):
+            raise _Fail("its position maps on the example's tokens mix no features (every diagonal scaling commutes "
+                        "with them, but maps of tokens beyond the example need not): pass an example with more tokens")
         for row, i, j in mixed.nonzero().tolist():
             a, b = root(int(features[row, i])), root(int(features[row, j]))
             if a != b:

@@ -219,14 +219,14 @@ class Rotary(nn.Module):
         make = (lambda: nn.RMSNorm(HD)) if norm == "rms" else (lambda: nn.LayerNorm(HD))
         self.q_norm, self.k_norm = make(), make()
         width = 2 if partial else HD
-        angles = torch.arange(4.0)[:, None] * 10000.0 ** (-torch.arange(0, width, 2.0) / width)
-        self.register_buffer("cos", angles.cos())
-        self.register_buffer("sin", angles.sin())
+        self.register_buffer("freq", 10000.0 ** (-torch.arange(0, width, 2.0) / width))
 
     def _turned(self, u):
+        angles = torch.arange(u.shape[-2], dtype=u.dtype)[:, None] * self.freq  # the sequence's positions
+        cos, sin = angles.cos(), angles.sin()
         if self.partial:
-            return torch.cat([self._pairs(u[..., :2], self.cos, self.sin), u[..., 2:]], dim=-1)
-        return self._pairs(u, self.cos, self.sin)
+            return torch.cat([self._pairs(u[..., :2], cos, sin), u[..., 2:]], dim=-1)
+        return self._pairs(u, cos, sin)
 
     def _pairs(self, u, cos, sin):
         if self.style == "half":
@@ -295,3 +295,41 @@ def test_features_no_rotation_touches_keep_a_scale_each():
     sizes = sorted((f.size, len(f.blocks)) for f in _traded(sym))
     assert sizes == [(1, 8), (2, 4)], sym.describe()  # one tied pair (2 blocks a tensor), two free features
     assert_keeps_outputs(model, sym, x, seed=10)
+
+
+def test_an_example_of_one_token_tells_nothing_of_the_rotations_and_the_trade_is_left_out():
+    """At one token every rotary map is the identity, which every diagonal commutes with; tokens beyond the example
+    would untie nothing the trade may move. Before, the trade was claimed feature by feature and moved a longer input's
+    outputs by 0.96 (review, session 33). With two tokens the pairs are read."""
+    model, _, (x, _) = _make(style="half")
+    sym = manifolds.transformer_symmetry(model, x[:, :1])
+    assert _traded(sym) == [] and "mix no features" in sym.describe(), sym.describe()
+    sym = manifolds.transformer_symmetry(model, x[:, :2])
+    assert [f.size for f in _traded(sym)] == [2], sym.describe()
+    assert_keeps_outputs(model, sym, x, seed=11)
+
+
+class ScaledRows(Rotary):
+    """The rotary maps times a constant per head and position, ``1e13`` for one of them: ties are read relative to
+    each row's own map (before, relative to the largest map, which hid every other row's rotation)."""
+
+    def __init__(self):
+        super().__init__()
+        scale = torch.ones(H, 4, 1)
+        scale[1, 0] = 1e13
+        self.register_buffer("scale", scale)
+
+    def _turned(self, u):
+        return super()._turned(u) * self.scale  # examples of 4 tokens
+
+
+def test_ties_are_read_relative_to_each_row_s_map():
+    torch.manual_seed(0)
+    model, _, (x, _) = token_classification(Net(), D)
+    model.attn = ScaledRows().double().eval()
+    with torch.no_grad():
+        for p in model.attn.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    sym = manifolds.transformer_symmetry(model, x)
+    assert [f.size for f in _traded(sym)] == [2], sym.describe()
+    assert_keeps_outputs(model, sym, x, seed=12)

@@ -466,3 +466,29 @@ def test_a_softmax_in_float32_inside_a_float64_model_casts_the_tangents_and_erro
     reference = obj.hvp(v, "double_backward")
     error = float((obj.hvp(v) - reference).abs().max() / reference.abs().max())
     assert 1e-12 < error < 1e-5, error  # float32's rounding is seen, and no more
+
+
+class Promoted(nn.Module):
+    """A float32 tensor added to a float64 constant (the sum promotes it), then multiplied by a float64 matrix: the
+    tangent must take the sum's dtype as the value does (before, it stayed float32 and the product raised). ``how``:
+    the float32 tensor cast by ``.to`` or computed by ``softmax(..., dtype=torch.float32)``."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a, self.head = how, nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        narrow = h.softmax(-1).to(torch.float32) if self.how == "to" else F.softmax(h, -1, dtype=torch.float32)
+        return self.head(narrow + torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("how", ["to", "softmax"])
+def test_a_narrow_tensor_promoted_by_a_sum_keeps_its_tangent_in_the_sum_s_dtype(how):
+    x, y = _data((6,), n=7)
+    obj = Objective(_perturbed(Promoted(how)), CE, (x, y))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    reference = obj.hvp(v, "double_backward")
+    error = float((obj.hvp(v) - reference).abs().max() / reference.abs().max())
+    assert error < 1e-6, error  # float32's rounding of the softmax, seen by both

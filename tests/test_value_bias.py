@@ -274,6 +274,25 @@ def test_no_absorption_where_the_value_bias_reaches_the_output_otherwise(how, ab
         assert (moved.abs().max() < 1e-12) == absorbs
 
 
+def test_a_softmax_in_float32_inside_a_float64_model_absorbs_to_float32_s_rounding():
+    """HuggingFace's eager attention computes the softmax in float32 whatever the model's dtype: its rows sum to one to
+    float32's rounding, so in a float64 model the translation (and the representative) keeps the outputs to that
+    rounding only (measured 2.5e-8), as the attention factors do there; the same softmax in float64 keeps them to
+    1e-12 (`test_no_absorption_where_the_value_bias_reaches_the_output_otherwise`)."""
+
+    class Float32Softmax(Scaled):
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (m(x).view(b, t, H, D // H).transpose(1, 2) for m in (self.q, self.k, self.v))
+            p = torch.nn.functional.softmax(q @ k.transpose(-2, -1), dim=-1, dtype=torch.float32).to(q.dtype)
+            return self.head(torch.tanh(self.o((p @ v).transpose(1, 2).reshape(b, t, D))).mean(1))
+
+    torch.manual_seed(0)
+    model, _, (x, _) = token_classification(Float32Softmax("cast"), D)
+    count, difference = _absorbed_outputs_differ(model, x)
+    assert count == H and 1e-12 < difference < 1e-6, (count, difference)
+
+
 @pytest.mark.parametrize("path", ["straight", "geodesic"])
 def test_planes_along_the_symmetry_eigenvectors_are_the_same_on_the_orbit(path):
     """The eigenvectors are the representative's carried to each point, and geodesic planes follow the

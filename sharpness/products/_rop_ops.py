@@ -392,17 +392,25 @@ class _Map:
                 whole = not (out.is_floating_point() or x.is_floating_point()) and float(f).is_integer()
                 out = out.add(x, alpha=int(f) if whole else f)
             # a parameter broadcast over the samples (fewer axes): each input's shape, for its error's sum
-            return out, (None if all(x.shape == out.shape for x in xs) else (out.shape, *(x.shape for x in xs)))
+            shapes = None if all(x.shape == out.shape for x in xs) else (out.shape, *(x.shape for x in xs))
+            # inputs of other dtypes (a float32 tensor plus a float64 constant): the tangent takes the sum's dtype,
+            # as the value does, and each input's error its input's
+            dtypes = None if all(x.dtype == out.dtype for x in xs) else (out.dtype, *(x.dtype for x in xs))
+            return out, (shapes, dtypes)
         return torch.cat(xs, dim=self.dim), [x.shape[self.dim] for x in xs]
 
     def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
         """The output's tangent from the inputs' (``None`` for inputs that do not move; at least one moves)."""
         kind = self.kind
         if kind == "sum":
+            shapes, dtypes = saved
             terms = [(t, f) for t, f in zip(xdots, self.factors) if t is not None]
             (t, f), rest = terms[0], terms[1:]
-            if saved is not None and t.shape != saved[0] and not rest:
-                return t.mul(f).expand(saved[0]).contiguous()
+            if dtypes is not None:
+                terms = [(t.to(dtypes[0]), f) for t, f in terms]
+                (t, f), rest = terms[0], terms[1:]
+            if shapes is not None and t.shape != shapes[0] and not rest:
+                return t.mul(f).expand(shapes[0]).contiguous()
             if not rest:
                 return t if f == 1.0 else t * f
             out = torch.add(t, rest[0][0], alpha=rest[0][1]) if f == 1.0 else torch.add(t * f, rest[0][0],
@@ -447,9 +455,11 @@ class _Map:
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
         kind = self.kind
         if kind == "sum":
-            shapes = saved[1:] if saved is not None else (g.shape,) * len(need)
-            return [(g if f == 1.0 else g * f).sum_to_size(shape) if n else None
-                    for n, f, shape in zip(need, self.factors, shapes)]  # fmt: skip
+            shapes, dtypes = saved
+            shapes = shapes[1:] if shapes is not None else (g.shape,) * len(need)
+            dtypes = dtypes[1:] if dtypes is not None else (g.dtype,) * len(need)
+            return [(g if f == 1.0 else g * f).sum_to_size(shape).to(dtype) if n else None
+                    for n, f, shape, dtype in zip(need, self.factors, shapes, dtypes)]  # fmt: skip
         if kind == "cat":
             parts = torch.split(g, saved, dim=self.dim)
             return [p if n else None for p, n in zip(parts, need)]
