@@ -467,21 +467,25 @@ class _Finder:
                 return tensors[0]
         return None
 
-    def piece_index(self, node: fx.Node) -> int | None:
+    def piece_index(self, node: fx.Node) -> int | tuple | None:
         """The index of a ``getitem`` taking one piece by a constant integer ``>= 0`` (``qkv[0]``, the first output
-        of ``unbind``), else ``None``."""
+        of ``unbind``), or by a constant slice of the last axis alone (``qkv[..., :q_rows]``, Phi-3's cut of its fused
+        projection; a tuple), else ``None``."""
         if node.op != "call_function" or target_name(node) != "getitem" or node.kwargs or len(node.args) != 2:
             return None
         index = node.args[1]
-        return index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else None
+        if isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+            return index
+        return index if _last_axis_slice(index, node.args[0]) else None
 
     def cut_into_pieces(self, node: fx.Node) -> bool:
         """Whether every reader of ``node`` takes a piece of it: ``getitem`` nodes of distinct integer indices (the
-        pieces of a split, or entries along the first axis); that the pieces hold disjoint features of the Linear
-        they come from is checked once the Linear is known (`disjoint_pieces`)."""
+        pieces of a split, or entries along the first axis) or of distinct slices of the last axis; that the pieces
+        hold disjoint features of the Linear they come from is checked once the Linear is known
+        (`disjoint_pieces`)."""
         users = self.users(node)
         indices = [self.piece_index(u) for u in users]
-        return all(i is not None for i in indices) and len(set(indices)) == len(indices)
+        return all(i is not None for i in indices) and len(set(map(repr, indices))) == len(indices)
 
     def disjoint_pieces(self, linear: fx.Node, chain: Sequence[fx.Node], cut: fx.Node) -> None:
         """Fails unless the pieces the readers of ``cut`` take hold disjoint sets of ``linear``'s features (a cut
@@ -1458,16 +1462,47 @@ class _Finder:
 
     def mlp(self, node: fx.Node) -> None:
         """A Linear whose output reaches only Linears through ReLU / LeakyReLU / dropout and elementwise products with
-        tensors computed without it (a gated unit): unit scalings."""
+        tensors computed without it (a gated unit): unit scalings. An output cut along its features into pieces
+        (``chunk``, ``split``; Phi-3's ``gate, up = gate_up_proj(x).chunk(2, dim=-1)``) has its pieces' units found
+        one piece at a time (`mlp_pieces`)."""
+        if self.mlp_pieces(node):
+            return
+        self.units(node, node, tuple(range(node.meta.get("shape", (0,))[-1])))
+
+    def mlp_pieces(self, node: fx.Node) -> bool:
+        """Where ``node`` (a Linear's output) is read by one ``chunk``/``split`` along its last axis alone, whose
+        readers each take one piece (distinct ``getitem`` indices), the units of each piece (`units`: rows of the
+        Linear, gated by a product with another piece if need be), and ``True``; else ``False``."""
+        users = self.users(node)
+        if len(users) != 1 or target_name(users[0]) not in ("chunk", "split") or self.data_arg(users[0]) is not node:
+            return False
+        cut = users[0]
+        dim = cut.kwargs.get("dim", cut.args[2] if len(cut.args) > 2 else 0)
+        shape = node.meta.get("shape")
+        if not isinstance(dim, int) or isinstance(dim, bool) or shape is None or dim % len(shape) != len(shape) - 1 \
+                or not self.cut_into_pieces(cut):  # fmt: skip
+            return False
+        probe = self.feature_probe(node)
+        for piece in self.users(cut):
+            rows = self.replay([cut, piece], probe)[(0,) * (len(shape) - 1)].long().tolist()
+            self.units(node, piece, tuple(rows), cut)
+        return True
+
+    def units(self, node: fx.Node, start: fx.Node, rows: tuple[int, ...], cut: fx.Node | None = None) -> None:
+        """The unit scalings of ``rows`` of the Linear computing ``node``, whose features reach Linears from ``start``
+        (``node`` itself, or a piece of it cut by ``cut``) only through positively homogeneous maps, gated products
+        and selections that keep the features, else a pin with the reason."""
         proj, where = self.projection(node), self.label(node)
-        size = node.meta.get("shape", (0,))[-1]
-        current = node
+        if start is not node:
+            where += f" (rows {rows[0]}:{rows[-1] + 1})" if rows == tuple(range(rows[0], rows[-1] + 1)) else ""
+        size = len(rows)
+        current = start
         try:
             if not self.once(proj):
                 raise _Fail("it is called more than once")
             while True:
                 users = self.users(current)
-                if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node)
+                if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node, cut)
                                         or self.keeps_features(users[0], current)):  # fmt: skip
                     current = users[0]
                     continue
@@ -1478,8 +1513,7 @@ class _Finder:
                 if kind.lower() in _NON_HOMOGENEOUS:
                     raise _Fail(f"it feeds {self.label(bad)}, which is not positively homogeneous")
                 raise _Fail(f"it feeds {self.label(bad)}")
-            index = tuple(range(size))
-            blocks = self.linear_blocks(proj, index, "T", True) + self.consumer_blocks(current, index)
+            blocks = self.linear_blocks(proj, rows, "T", True) + self.consumer_blocks(current, tuple(range(size)))
             rows = blocks[0]  # the weight's rows; a GL factor moving its columns (attention's output projection)
             # would leave the metric a tensor moved on both sides by factors it weighs one way each
             if any(f.kind == "GL" and b.name == rows.name and b.stored_axis != rows.stored_axis
@@ -1495,6 +1529,18 @@ class _Finder:
             return
         self.found.factors.append(factor)
 
+    def piece_of(self, node: fx.Node, cut: fx.Node) -> fx.Node | None:
+        """The reader of ``cut`` (a piece) that ``node`` is computed from, following single tensor arguments back."""
+        current = node
+        while isinstance(current, fx.Node):
+            if current.args[:1] == (cut,):
+                return current
+            sources = [a for a in current.all_input_nodes if a not in self.values]
+            if len(sources) != 1:
+                return None
+            current = sources[0]
+        return None
+
     def positive(self, user: fx.Node, source: fx.Node) -> bool:
         """Whether ``user`` commutes with a positive scaling of its only tensor input ``source``, feature-wise."""
         if user.args[:1] != (source,):
@@ -1505,10 +1551,12 @@ class _Finder:
         extra = [a for a in list(user.args[1:]) + list(user.kwargs.values()) if isinstance(a, fx.Node)]
         return target_name(user) in _POSITIVE and not extra
 
-    def gated(self, user: fx.Node, source: fx.Node, linear: fx.Node) -> bool:
+    def gated(self, user: fx.Node, source: fx.Node, linear: fx.Node, cut: fx.Node | None = None) -> bool:
         """Whether ``user`` multiplies ``source`` elementwise by a tensor computed without ``linear`` (SwiGLU's
         ``silu(w1 x) * w3 x``, read from ``w3``'s side): ``(c h) g = c (h g)`` feature by feature, where ``h`` is not
-        broadcast (its shape is the product's)."""
+        broadcast (its shape is the product's). With ``cut`` (``source`` a piece of ``linear``'s output cut there), the
+        gate may read the other pieces of that cut, which hold other rows of the Linear (Phi-3's fused gate and up
+        projections)."""
         if target_name(user) != "mul" or user.kwargs or len(user.args) != 2 or user.args.count(source) != 1:
             return False
         other = user.args[1] if user.args[0] is source else user.args[0]
@@ -1518,10 +1566,13 @@ class _Finder:
         if self.users(other) != [user]:  # fx records `g *= h` out of place: another reader of g would see g h
             return False
         todo, seen = [other], {other}
-        while todo:  # `other` must not read `linear`'s output (h * h is no gate)
+        while todo:  # `other` must not read `linear`'s output (h * h is no gate), but for other pieces of it
             n = todo.pop()
             if n is linear:
                 return False
+            if cut is not None and n.args[:1] == (cut,) and target_name(n) == "getitem" and n is not self.piece_of(
+                    source, cut):  # fmt: skip
+                continue
             for a in n.all_input_nodes:
                 if a not in seen:
                     seen.add(a)
@@ -1580,6 +1631,22 @@ def _interleaved(probe: Tensor, repeat: int) -> Tensor:
     if probe.dim() < 3:
         raise _Fail("enable_gqa on tensors without a heads axis")
     return probe.repeat_interleave(repeat, dim=-3)
+
+
+def _last_axis_slice(index: object, source: object) -> bool:
+    """Whether ``index`` takes a constant slice of the last axis of ``source`` (a node of known shape) and every entry
+    of the others: ``(..., slice(a, b))`` or full slices before one such slice, with integer bounds and no step."""
+    shape = source.meta.get("shape") if isinstance(source, fx.Node) else None
+    if shape is None or not isinstance(index, tuple) or not index:
+        return False
+    *before, last = index
+    full = slice(None)
+    if before == [Ellipsis]:
+        pass
+    elif len(before) != len(shape) - 1 or any(not isinstance(b, slice) or b != full for b in before):
+        return False
+    return isinstance(last, slice) and last.step is None and all(
+        b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in (last.start, last.stop))
 
 
 def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None]]) -> list[list[tuple[int, ...]]]:

@@ -47,7 +47,31 @@ from sharpness._specs import (
     positive_number,
 )
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a family's blocks differ from LLaMA's.
+
+    Attributes:
+        qk_norm: RMSNorms of the queries and keys (``q_norm``, ``k_norm``): over each head's features (``"head"``,
+            Qwen3's, shared by the heads) or over all of them before the heads are split (``"width"``, OLMo 2's);
+            ``None``: none.
+        post_norms: OLMo 2's blocks, ``x + post_attention_layernorm(attn(x))`` then ``x +
+            post_feedforward_layernorm(mlp(x))`` (the norms on the branches' outputs), instead of LLaMA's ``x +
+            attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``.
+        fused: Phi-3's projections: one ``qkv_proj`` whose rows are the queries', keys' and values' (cut by slices),
+            and one ``gate_up_proj`` whose first half of rows is the gate's (cut by ``chunk``).
+    """
+
+    qk_norm: str | None = None
+    post_norms: bool = False
+    fused: bool = False
+
+    def __post_init__(self):
+        if self.qk_norm not in (None, "head", "width"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'width', got {self.qk_norm!r}")
 
 
 def is_rotary_buffer(key: str) -> bool:
@@ -216,22 +240,23 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope: Rope, bias: Mapping[str, bool],
-                 window: int | None = None, qk_norm: str | None = None, eps: float = 1e-6):  # fmt: skip
-        """``qk_norm``: RMSNorms (with ``eps``) of the queries and keys, over each head's features (``"head"``, Qwen3's)
-        or over all of them before the heads are split (``"width"``, OLMo 2's); ``None``: none."""
+                 window: int | None = None, layout: Layout = Layout(), eps: float = 1e-6):  # fmt: skip
+        """``layout``: the family's query/key norms (with ``eps``) and fused projections."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
         self.register_buffer("inv_freq", rope.inv_freq.clone(), persistent=False)  # float32 values, as HuggingFace's
         if rope.long_inv_freq is not None:
             self.register_buffer("long_inv_freq", rope.long_inv_freq.clone(), persistent=False)
         self.original, self.dynamic, self.attention_factor = rope.original, rope.dynamic, rope.attention_factor
-        self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias.get("q_proj", False))
-        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
-        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
+        self.fused = layout.fused
+        if self.fused:
+            self.qkv_proj = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=bias.get("qkv_proj", False))
+        else:
+            self.q_proj = nn.Linear(dim, heads * head_dim, bias=bias.get("q_proj", False))
+            self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("k_proj", False))
+            self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=bias.get("v_proj", False))
         self.o_proj = nn.Linear(heads * head_dim, dim, bias=bias.get("o_proj", False))
-        if qk_norm not in (None, "head", "width"):
-            raise ValueError(f"qk_norm must be None, 'head' or 'width', got {qk_norm!r}")
-        self.qk_norm = qk_norm
+        qk_norm = self.qk_norm = layout.qk_norm
         if qk_norm is not None:
             q_size, k_size = (head_dim, head_dim) if qk_norm == "head" else (heads * head_dim, kv_heads * head_dim)
             self.q_norm, self.k_norm = nn.RMSNorm(q_size, eps=eps), nn.RMSNorm(k_size, eps=eps)
@@ -274,12 +299,17 @@ class LlamaAttention(nn.Module):
         return t[:, :, None, :, :].expand(b, self.kv_heads, groups, length, hd).reshape(b, self.heads, length, hd)
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k = self.q_proj(x), self.k_proj(x)
+        if self.fused:  # Phi-3: the rows of one projection, cut as transformers cuts them
+            qkv = self.qkv_proj(x)
+            queries, keys = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = qkv[..., :queries], qkv[..., queries : queries + keys], qkv[..., queries + keys :]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "width":  # OLMo 2: over all the features, before the heads are split
             q, k = self.q_norm(q), self.k_norm(k)
         q = self._heads(q, self.heads, self.q_norm if self.qk_norm == "head" else None)
         k = self._heads(k, self.kv_heads, self.k_norm if self.qk_norm == "head" else None)
-        v = self._heads(self.v_proj(x), self.kv_heads)
+        v = self._heads(v, self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
         positions = torch.arange(x.size(1), dtype=torch.float32, device=x.device)
         # float32 products whatever dtype the frequencies were cast to: a product of two float32 values is exact in
@@ -303,28 +333,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: Mapping[str, bool]):
+    def __init__(self, dim: int, hidden: int, bias: Mapping[str, bool], fused: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias.get("gate_proj", False))
-        self.up_proj = nn.Linear(dim, hidden, bias=bias.get("up_proj", False))
+        self.fused = fused
+        if fused:  # Phi-3's gate and up projections as one
+            self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias.get("gate_up_proj", False))
+        else:
+            self.gate_proj = nn.Linear(dim, hidden, bias=bias.get("gate_proj", False))
+            self.up_proj = nn.Linear(dim, hidden, bias=bias.get("up_proj", False))
         self.down_proj = nn.Linear(hidden, dim, bias=bias.get("down_proj", False))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * F.silu(gate))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], window: int | None, qk_norm: str | None,
-                 post_norms: bool):  # fmt: skip
-        """``post_norms``: OLMo 2's block, ``x + post_attention_layernorm(attn(x))`` then ``x +
-        post_feedforward_layernorm(mlp(x))`` (the norms on the branches' outputs), instead of LLaMA's ``x +
-        attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``."""
+                 rope: Rope, bias: Mapping[str, bool], window: int | None, layout: Layout):  # fmt: skip
         super().__init__()
-        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, qk_norm, eps)
-        self.mlp = LlamaMLP(dim, hidden, bias)
-        self.post_norms = post_norms
-        if post_norms:
+        self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, layout, eps)
+        self.mlp = LlamaMLP(dim, hidden, bias, layout.fused)
+        self.post_norms = layout.post_norms
+        if self.post_norms:
             self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
             self.post_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
         else:
@@ -340,12 +373,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], qk_norm: str | None,
-                 post_norms: bool):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], layout: Layout,
+                 padding_idx: int | None):  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.embed_tokens = nn.Embedding(vocab, dim, padding_idx=padding_idx)
         block = (dim, heads, kv_heads, head_dim, hidden, eps, rope, bias)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, qk_norm, post_norms) for window in windows)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, layout) for window in windows)
         self.norm = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -378,11 +411,10 @@ class Llama(nn.Module):
             attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
-        qk_norm: RMSNorms of the queries and keys (``q_norm``, ``k_norm``, with ``eps``): over each head's features
-            (``"head"``, Qwen3's, shared by the heads) or over all of them before the heads are split (``"width"``,
-            OLMo 2's); ``None``: none.
-        post_norms: OLMo 2's blocks, ``x + post_attention_layernorm(attn(x))`` then ``x +
-            post_feedforward_layernorm(mlp(x))``, instead of LLaMA's pre-norm blocks.
+        layout: how the family's blocks differ from LLaMA's (`Layout`: Qwen3's and OLMo 2's query/key norms, OLMo
+            2's norms on the branches' outputs, Phi-3's fused projections).
+        padding_idx: the token whose row of the table is held fixed (``pad_token_id``: HuggingFace builds the table
+            with it, so its gradient, and its row of the Hessian, is zero); ``None``: none.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
             ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets).
 
@@ -396,8 +428,8 @@ class Llama(nn.Module):
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
                  rope_scaling: Mapping[str, object] | None = None,
                  sliding_window: int | Sequence[int | None] | None = None,
-                 max_positions: int | None = None, qk_norm: str | None = None,
-                 post_norms: bool = False):  # fmt: skip
+                 max_positions: int | None = None, layout: Layout = Layout(),
+                 padding_idx: int | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
@@ -416,10 +448,13 @@ class Llama(nn.Module):
         unknown = set(bias or {}) - set(_PROJECTIONS)
         if unknown:
             raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
+        if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+                                        or not -vocab <= padding_idx < vocab):  # fmt: skip
+            raise ValueError(f"pad_token_id must be a token id in [-{vocab}, {vocab}) or null, got {padding_idx!r}")
         self.classes_last = classes_last
         rotary = rope(head_dim, theta, rope_scaling, max_positions)
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
-                               rotary, dict(bias or {}), windows, qk_norm, post_norms)  # fmt: skip
+                               rotary, dict(bias or {}), windows, layout, padding_idx)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -438,17 +473,19 @@ class Llama(nn.Module):
                         classes_last: bool = True, rope_scaling: Mapping[str, object] | None = None,
                         tied: bool | None = None,
                         sliding_window: int | Sequence[int | None] | None = None,
-                        max_positions: int | None = None) -> Llama:  # fmt: skip
+                        max_positions: int | None = None, padding_idx: int | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
-        tensors: the key/value heads from ``k_proj``'s rows, the head size from ``q_proj``'s, biases where the
-        checkpoint has them, query/key RMSNorms where it has ``self_attn.q_norm.weight`` (over a head's features,
-        Qwen3's, where it has that size, else over all of them, OLMo 2's), and OLMo 2's blocks (norms on the branches'
-        outputs) where it has ``post_feedforward_layernorm.weight``. ``heads``
-        (``num_attention_heads``), ``eps`` (``rms_norm_eps``), ``theta``
-        (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
-        (`from_config` reads them there), and so are the sliding windows and ``max_position_embeddings``
-        (``max_positions``, which dynamic, YaRN and LongRoPE scalings read). ``tied``
+        tensors: the head size from ``o_proj``'s columns, the key/value heads from ``k_proj``'s rows (Phi-3's fused
+        ``qkv_proj``: from its rows less the queries', with ``gate_up_proj`` in place of ``gate_proj`` and
+        ``up_proj``), biases where the checkpoint has them, query/key RMSNorms where it has
+        ``self_attn.q_norm.weight`` (over a head's features, Qwen3's, where it has that size, else over all of them,
+        OLMo 2's), and OLMo 2's blocks (norms on the branches' outputs) where it has
+        ``post_feedforward_layernorm.weight``. ``heads`` (``num_attention_heads``), ``eps`` (``rms_norm_eps``),
+        ``theta`` (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
+        (`from_config` reads them there), and so are the sliding windows, ``max_position_embeddings``
+        (``max_positions``, which dynamic, YaRN and LongRoPE scalings read) and ``pad_token_id`` (``padding_idx``).
+        ``tied``
         (``tie_word_embeddings``): ``None`` reads it off the tensors, tied where ``lm_head.weight`` is absent or equal
         to the token table.
 
@@ -467,24 +504,40 @@ class Llama(nn.Module):
         vocab, dim = table.shape
         layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"model\.layers\.(\d+)\.", k))})
         first = "model.layers.0."
-        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight"):
+        fused = first + "self_attn.qkv_proj.weight" in tensors
+        attention = ("qkv_proj",) if fused else ("q_proj", "k_proj")
+        mlp = "gate_up_proj" if fused else "gate_proj"
+        for name in (*(f"self_attn.{n}.weight" for n in attention), f"mlp.{mlp}.weight", "self_attn.o_proj.weight"):
             if tensors.get(first + name, torch.empty(0)).dim() != 2:
                 raise SpecError(f"the LLaMA state dict has no matrix {first + name}")
-        q_rows = tensors[first + "self_attn.q_proj.weight"].shape[0]
-        k_rows = tensors[first + "self_attn.k_proj.weight"].shape[0]
         if not positive_integer(heads):
             raise SpecError(f"heads must be a positive integer, got {heads!r}")
-        if q_rows == 0 or k_rows == 0:
+        q_rows = tensors[first + "self_attn.o_proj.weight"].shape[1]  # the heads' features, merged
+        if not fused and tensors[first + "self_attn.q_proj.weight"].shape[0] == 0:
             raise SpecError("q_proj and k_proj must have rows (the heads' features)")
+        if q_rows == 0:
+            raise SpecError("o_proj must have columns (the heads' features)")
         if q_rows % heads:
-            raise SpecError(f"q_proj has {q_rows} rows, not a multiple of heads={heads}")
+            raise SpecError(f"the heads' {q_rows} features (o_proj's columns) are not a multiple of heads={heads}")
         head_dim = q_rows // heads
-        if k_rows % head_dim:
-            raise SpecError(f"k_proj has {k_rows} rows, not a multiple of the head size {head_dim}")
+        if fused:  # the queries' rows, then the keys' and the values' alike
+            k_rows, odd = divmod(tensors[first + "self_attn.qkv_proj.weight"].shape[0] - q_rows, 2)
+            hidden, half = divmod(tensors[first + "mlp.gate_up_proj.weight"].shape[0], 2)
+            if odd or half or k_rows <= 0:
+                raise SpecError("qkv_proj and gate_up_proj must hold the queries' rows and as many for the keys as for "
+                                "the values, and the gate's rows and as many for the up projection")  # fmt: skip
+        else:
+            if tensors[first + "self_attn.q_proj.weight"].shape[0] != q_rows:
+                raise SpecError(f"q_proj has {tensors[first + 'self_attn.q_proj.weight'].shape[0]} rows, o_proj "
+                                f"{q_rows} columns: they must agree (the heads' features)")  # fmt: skip
+            k_rows = tensors[first + "self_attn.k_proj.weight"].shape[0]
+            hidden = tensors[first + "mlp.gate_proj.weight"].shape[0]
+        if k_rows == 0 or k_rows % head_dim:
+            raise SpecError(f"the keys have {k_rows} rows, not a positive multiple of the head size {head_dim}")
         bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
         norm = tensors.get(first + "self_attn.q_norm.weight")
-        qk_norm = None if norm is None else "head" if norm.shape == (head_dim,) else "width"
-        post_norms = first + "post_feedforward_layernorm.weight" in tensors
+        layout = Layout(None if norm is None else "head" if norm.shape == (head_dim,) else "width",
+                        first + "post_feedforward_layernorm.weight" in tensors, fused)  # fmt: skip
         head = tensors.pop("lm_head.weight", None)
         same = head is None or (head.shape == table.shape and torch.equal(head, table))
         if tied is None:
@@ -494,9 +547,8 @@ class Llama(nn.Module):
         elif not tied and head is None:
             raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
         try:
-            model = cls(vocab, dim, layers, heads, k_rows // head_dim, tensors[first + "mlp.gate_proj.weight"].shape[0],
-                        head_dim, eps, theta, tied, bias, classes_last, rope_scaling, sliding_window,
-                        max_positions, qk_norm, post_norms)  # fmt: skip
+            model = cls(vocab, dim, layers, heads, k_rows // head_dim, hidden, head_dim, eps, theta, tied, bias,
+                        classes_last, rope_scaling, sliding_window, max_positions, layout, padding_idx)
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:
@@ -508,7 +560,8 @@ class Llama(nn.Module):
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> Llama:
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
         ``rms_norm_eps`` (default 1e-6), ``rope_theta`` and ``rope_scaling`` (or transformers 5's
-        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors), ``hidden_act`` (``silu``) and
+        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors), ``hidden_act`` (``silu``),
+        ``pad_token_id`` (the token table's fixed row, as transformers builds the table) and
         the sliding windows as transformers reads them: Mistral's ``sliding_window`` on every block, Qwen2's where
         ``use_sliding_window`` is true, on the blocks from ``max_window_layers`` on, and per block by ``layer_types``
         (Qwen2, Ministral); ``LlamaForCausalLM`` reads none.
@@ -550,7 +603,8 @@ class Llama(nn.Module):
                                              config.get("max_position_embeddings", 2048)))  # fmt: skip
             scaling = {**scaling, "original_max_position_embeddings": context}
         return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
-                                   _config_windows(config), config.get("max_position_embeddings"))
+                                   _config_windows(config), config.get("max_position_embeddings"),
+                                   config.get("pad_token_id"))
 
 
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:

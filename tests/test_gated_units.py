@@ -164,3 +164,60 @@ def test_two_homogeneous_sides_of_a_product_keep_one_units_factor_and_the_measur
     with torch.no_grad():
         assert (twin(x) - model(x)).abs().max() < 1e-12
     assert np.allclose(measure_value(twin, loss, data), before, rtol=1e-8, atol=0)
+
+
+class Fused(nn.Module):
+    """Phi-3's gated MLP: one Linear for the gate and the unit, cut along its features (``chunk``, or ``split`` into
+    the sizes of the two halves), ``w2(up * silu(gate))``; ``case`` ``"a gate from the same half"`` reads the unit's
+    own half for the gate, ``"a cut along the tokens"`` cuts the tokens instead."""
+
+    def __init__(self, case: str = "chunk"):
+        super().__init__()
+        self.case = case
+        self.norm, self.w13 = nn.LayerNorm(D), nn.Linear(D, 2 * HID)
+        self.w2, self.head = nn.Linear(HID, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        both = self.w13(self.norm(x))
+        if self.case == "split":
+            gate, up = both.split([HID, HID], dim=-1)
+        elif self.case == "a cut along the tokens":
+            gate, up = both[..., :HID].chunk(2, dim=1)[0], both[..., HID:]
+            up = up[:, : gate.shape[1]]
+        else:
+            gate, up = both.chunk(2, dim=-1)
+        if self.case == "a gate from the same half":
+            gate = up
+        inner = up * F.silu(gate)
+        return self.head((x[:, : inner.shape[1]] + self.w2(inner)).mean(dim=1))
+
+
+@pytest.mark.parametrize("case", ["chunk", "split"])
+def test_the_unit_half_of_a_fused_gate_and_up_projection_is_free(case):
+    """``w13``'s rows ``HID:2 HID`` (the unit) times ``c`` with ``w2``'s columns over ``c``; the gate's half is pinned
+    by SiLU. By hand, and by random elements."""
+    model, loss, (x, y) = classifier_case(lambda: Fused(case), D, 0)
+    sym = manifolds.transformer_symmetry(model, x)
+    (units,) = _units(sym, "w13")
+    assert {(b.name, b.axis, b.index) for b in units.blocks} >= {("w13.weight", 0, tuple(range(HID, 2 * HID))),
+                                                                  ("w2.weight", 1, tuple(range(HID)))}, sym.describe()
+    assert "rows 0:6" in sym.describe() and "'silu'" in sym.describe()
+    c = torch.exp(torch.randn(HID, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.w13.weight[HID:] *= c[:, None]
+        twin.w13.bias[HID:] *= c
+        twin.w2.weight /= c
+        assert (twin(x) - model(x)).abs().max() < 1e-12
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(2)))
+        assert (moved(x) - model(x)).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("case", ["a gate from the same half", "a cut along the tokens"])
+def test_a_fused_projection_s_unit_half_is_pinned_where_it_is_not_gated_by_the_other_half(case):
+    model, _, (x, _) = classifier_case(lambda: Fused(case), D, 0)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert _units(sym, "w13") == [], sym.describe()
+    with torch.no_grad():
+        moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
+        assert (moved(x) - model(x)).abs().max() < 1e-12

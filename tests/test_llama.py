@@ -30,7 +30,8 @@ QWEN2 = ("qwen2_tiny_hf.safetensors", 2, 10000.0)  # the window on the second bl
 MINISTRAL = ("ministral_tiny_hf.safetensors", 2, 10000.0)  # the window on the first block only (layer_types)
 QWEN3 = ("qwen3_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms per head; heads of 12 on a width of 16
 OLMO2 = ("olmo2_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms over the width; norms on the branches' outputs
-WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2)  # read from their config.json
+PHI3 = ("phi3_tiny_hf.safetensors", 4, 10000.0)  # fused qkv_proj and gate_up_proj; a window of 3; token 28 pads
+WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3)  # read from their config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -50,9 +51,9 @@ def _config(which=ROPE) -> dict:
     return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2],
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3],
                          ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window",
-                              "qwen3", "olmo2"])  # fmt: skip
+                              "qwen3", "olmo2", "phi3"])  # fmt: skip
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -65,13 +66,19 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
     attention = model.model.layers[0].self_attn
-    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12), OLMO2[0]: (2, 2, 8)}.get(which[0], (2, 1, 8))
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12), OLMO2[0]: (2, 2, 8), PHI3[0]: (4, 2, 4)}.get(
+        which[0], (2, 1, 8))
     norms = {QWEN3[0]: "head", OLMO2[0]: "width"}.get(which[0])
     assert (attention.heads, attention.kv_heads, attention.head_dim, attention.qk_norm) == (*sizes, norms)
     assert model.model.layers[0].post_norms == (which is OLMO2)
-    biased = (attention.q_proj.bias is not None, model.model.layers[0].mlp.up_proj.bias is not None)
+    assert attention.fused == model.model.layers[0].mlp.fused == (which is PHI3)
+    assert model.model.embed_tokens.padding_idx == {OLMO2[0]: 1, PHI3[0]: 28}.get(which[0])  # config's pad_token_id
+    queries, up = (attention.qkv_proj, model.model.layers[0].mlp.gate_up_proj) if which is PHI3 else (
+        attention.q_proj, model.model.layers[0].mlp.up_proj)
+    biased = (queries.bias is not None, up.bias is not None)
     assert biased == (which is TIED or which is QWEN2, which is TIED)
-    windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None]}.get(which[0], [None, None])
+    windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None], PHI3[0]: [3, 3]}.get(which[0],
+                                                                                                      [None, None])
     assert [layer.self_attn.window for layer in model.model.layers] == windows
 
 
@@ -342,8 +349,28 @@ def test_query_key_norms_are_traded_in_rotated_pairs(which, pairs):
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2],
-                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3", "olmo2"])
+def test_phi3_s_fused_projections_keep_llama_s_group():
+    """Phi-3 computes the queries, keys and values by one ``qkv_proj`` cut by slices of its last axis, and the gate and
+    up projections by one ``gate_up_proj`` cut by ``chunk``: the group is a LLaMA's of the same sizes, read on rows of
+    the fused matrices. Per block and key/value head: the rotary commutant on query/key (dimension hd, moving both query
+    heads that share the key head), GL(hd) on value/output; the two RMSNorms traded; the up projection's units (rows
+    24:48 of ``gate_up_proj``, gated by a product with the other half, which holds the gate's rows); the final RMSNorm
+    against the untied head."""
+    state, ids, _ = _checkpoint(PHI3)
+    model = _model(PHI3, classes_last=False)
+    sym = manifolds.transformer_symmetry(model, ids)
+    kv_heads, hd = 2, 4
+    assert sym.dim == LAYERS * kv_heads * (hd + hd * hd) + LAYERS * (2 * WIDTH + MLP) + WIDTH, sym.describe()
+    units = [f for f in sym.factors if f.label.startswith("units of")]
+    assert [{(b.name.rsplit(".", 2)[-2], b.axis, b.index) for b in f.blocks} for f in units] == [
+        {("gate_up_proj", 0, tuple(range(MLP, 2 * MLP))), ("down_proj", 1, tuple(range(MLP)))}] * LAYERS, sym.describe()
+    qk = [f for f in sym.factors if "query/key" in f.label]
+    assert all(sum(b.name.endswith("qkv_proj.weight") for b in f.blocks) == 3 for f in qk)  # two query heads, a key
+    check_a_random_element(model, sym, ids)
+
+
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3],
+                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3", "olmo2", "phi3"])
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
@@ -351,7 +378,7 @@ def test_the_products_are_the_r_operator_s(which):
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
-        ref = obj.hvp(v, "jvp")
+        ref = obj.hvp(v, "double_backward")  # (not jvp: a padding row is held fixed by autograd only)
         torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
 
 
@@ -380,7 +407,7 @@ def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, t
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2], ids=["llama3_rope", "qwen3", "olmo2"])
+@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2, PHI3], ids=["llama3_rope", "qwen3", "olmo2", "phi3"])
 def test_the_command_line_reads_the_checkpoint_s_config(tmp_path, which):
     state, _, _ = _checkpoint(which)
     save_file(state, str(tmp_path / "model.safetensors"))

@@ -1,6 +1,6 @@
 """Writes ``llama_tiny_hf.safetensors``, ``llama_tiny_tied_hf.safetensors``, ``llama_tiny_rope_hf.safetensors``,
 ``mistral_tiny_hf.safetensors``, ``qwen2_tiny_hf.safetensors``, ``ministral_tiny_hf.safetensors``,
-``qwen3_tiny_hf.safetensors`` and ``olmo2_tiny_hf.safetensors``: tiny random
+``qwen3_tiny_hf.safetensors``, ``olmo2_tiny_hf.safetensors`` and ``phi3_tiny_hf.safetensors``: tiny random
 decoders made by HuggingFace's ``transformers`` (float64, eager attention, parameters moved off the initialization),
 each with an input and the logits the model gives for it (keys ``__input_ids``, ``__logits``).
 
@@ -15,7 +15,8 @@ each with an input and the logits the model gives for it (keys ``__input_ids``, 
   (``use_sliding_window``, ``max_window_layers=1``), the sixth a ``MinistralForCausalLM`` with it on its first block
   only (``layer_types``), the seventh a ``Qwen3ForCausalLM`` (query/key RMSNorms per head, heads of 12 features on a
   width of 16), the eighth an ``Olmo2ForCausalLM`` (query/key RMSNorms over the whole width, norms on the blocks'
-  branches' outputs).
+  branches' outputs), the ninth a ``Phi3ForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``, grouped-query
+  attention, a sliding window of 3 tokens).
 
 All but the first two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``, ...). HuggingFace's RMSNorm
 and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
@@ -38,6 +39,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -63,15 +66,15 @@ CONFIGS[MISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_e
 # Qwen2 (query/key/value biases) with the window on the second block only (max_window_layers=1), and Ministral with
 # the window on the first block only (layer_types)
 QWEN2, MINISTRAL = "qwen2_tiny_hf.safetensors", "ministral_tiny_hf.safetensors"
-QWEN3, OLMO2 = "qwen3_tiny_hf.safetensors", "olmo2_tiny_hf.safetensors"  # after the scaled ones below (each file's
-# seed is its place in CONFIGS)
+# after the scaled ones below (each file's seed is its place in CONFIGS)
+QWEN3, OLMO2, PHI3 = "qwen3_tiny_hf.safetensors", "olmo2_tiny_hf.safetensors", "phi3_tiny_hf.safetensors"
 CONFIGS[QWEN2] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3,
                       use_sliding_window=True, max_window_layers=1)
 CONFIGS[MINISTRAL] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=3,
                           layer_types=["sliding_attention", "full_attention"], head_dim=8)  # its config has no default
 CLASSES = {MISTRAL: (MistralConfig, MistralForCausalLM), QWEN2: (Qwen2Config, Qwen2ForCausalLM),
            MINISTRAL: (MinistralConfig, MinistralForCausalLM), QWEN3: (Qwen3Config, Qwen3ForCausalLM),
-           OLMO2: (Olmo2Config, Olmo2ForCausalLM)}
+           OLMO2: (Olmo2Config, Olmo2ForCausalLM), PHI3: (Phi3Config, Phi3ForCausalLM)}
 # the rope scalings that depend on the sequence's length or scale cos and sin: YaRN (original context 4 of 16),
 # dynamic NTK (the base grows past max_position_embeddings=6) and LongRoPE (long factors past an original context of 6);
 # each also with the logits of the first 5 tokens (keys __short_logits), under 6 positions
@@ -92,6 +95,10 @@ CONFIGS[QWEN3] = dict(num_attention_heads=2, num_key_value_heads=1, tie_word_emb
 # OLMo 2: RMSNorms of the queries and of the keys over all their features, before the heads are split, and the blocks'
 # norms on the branches' outputs (post_attention_layernorm, post_feedforward_layernorm)
 CONFIGS[OLMO2] = dict(num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+# Phi-3: one fused query/key/value projection (qkv_proj, cut by slices) and one fused gate/up projection (gate_up_proj,
+# cut by chunk), 4 query heads sharing 2 key/value heads, a sliding window of 3 tokens on every block
+CONFIGS[PHI3] = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=3,
+                     pad_token_id=28)  # the last token pads (Phi-3's is 32000 of 32064)
 WRITE = set(sys.argv[2:]) or set(CONFIGS)  # the files to write (default: all)
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
