@@ -1057,15 +1057,20 @@ class _Finder:
         With rotary embeddings between the normalizations and the product (Qwen3: ``R_t`` per position ``t``, rows
         ``q_t R_t``), ``(q_t C R_t)(k_s C^-1 R_s)^T = q_t R_t R_s^T k_s^T`` holds for every pair of positions exactly
         when the diagonal ``C`` commutes with every map: ``c_i = c_j`` wherever a map mixes features ``i`` and ``j``
-        (a rotated pair). The features are tied so (read off the maps of both sides), one scale per tied set."""
+        (a rotated pair). The features are tied so (read off the maps of both sides), one scale per tied set.
+
+        With grouped-query attention and norms over all features before the heads are split (OLMo 2's layout with
+        fewer key/value heads), the two norms have different sizes: key feature ``j`` meets the features of the query
+        heads sharing its head, which then take its scale (``c`` over the key's features, each also moving the query
+        features it meets)."""
         regions_q: list = []
         regions_k: list = []
         qn, chain_q = self.score_norm(q, "query", regions_q)
         kn, chain_k = self.score_norm(k, "key", regions_k)
         mq, mk = self.module(qn), self.module(kn)
-        size = tuple(mq.normalized_shape)
-        if qn is kn or len(size) != 1 or tuple(mk.normalized_shape) != size or mq.weight is None or mk.weight is None:
-            raise _Fail("the query and key normalizations are not two with affine scales over the same features")
+        size, size_k = tuple(mq.normalized_shape), tuple(mk.normalized_shape)
+        if qn is kn or len(size) != 1 or len(size_k) != 1 or mq.weight is None or mk.weight is None:
+            raise _Fail("the query and key normalizations are not two with affine scales over a last axis each")
         for n in (qn, kn):
             self.called_once(n, self.label(n))
         pq, _, start_q, maps_q = self.replayed(qn, chain_q, regions_q[0] if regions_q else None, True, "query")
@@ -1082,8 +1087,12 @@ class _Finder:
             raise _Fail("the normalized query and key do not meet feature by feature")
         pq, pk = pq.expand(*batch, *pq.shape[-2:]), pk.expand(*batch, *pk.shape[-2:])
         gq, gk = self.groups(pq, True, "query"), self.groups(pk, True, "key")
-        if not torch.equal(gq, gk):
+        met = _met_features(gq, gk, size[0], size_k[0])  # the query features each key feature meets
+        if met is None:
             raise _Fail("the normalized query and key do not meet feature by feature")
+        partner = torch.empty(size[0], dtype=torch.long)
+        for j, features in enumerate(met):
+            partner[list(features)] = j
         for n, m in ((qn, mq), (kn, mk)):  # the metric weighs feature j by |(gamma_j, beta_j)|^2: undefined at 0
             bias = getattr(m, "bias", None)  # nn.RMSNorm has none
             pair = torch.stack([m.weight.detach(), *([] if bias is None else [bias.detach()])])
@@ -1091,12 +1100,17 @@ class _Finder:
             if zeros:
                 raise _Fail(f"{self.label(n)} has {zeros} feature(s) of zero scale and shift, where the metric of the "
                             "trade is undefined")  # fmt: skip
-        tied = _tied_features(size[0], [(start_q, maps_q), (start_k, maps_k)])
+        # ties over the key's features, the query's maps read on the key features their features meet
+        tied = _tied_features(size_k[0], [(None if start_q is None else partner[start_q], maps_q), (start_k, maps_k)])
         factors = []
+        shared = len(met[0])  # query features meeting each key feature
         for sets in tied:  # one factor per size of the tied sets: member r of every set is block r of each tensor
-            blocks = [Block(self.param(str(n.target), p), 0, tuple(t[r] for t in sets), None, how)
-                      for n, how in ((qn, "T"), (kn, "inv")) for p in ("weight", "bias")
-                      if getattr(self.module(n), p, None) is not None for r in range(len(sets[0]))]  # fmt: skip
+            ranks = range(len(sets[0]))
+            blocks = [Block(self.param(str(qn.target), p), 0, tuple(met[t[r]][o] for t in sets), None, "T")
+                      for p in ("weight", "bias") if getattr(mq, p, None) is not None for r in ranks
+                      for o in range(shared)]  # fmt: skip
+            blocks += [Block(self.param(str(kn.target), p), 0, tuple(t[r] for t in sets), None, "inv")
+                       for p in ("weight", "bias") if getattr(mk, p, None) is not None for r in ranks]  # fmt: skip
             label = f"attention at {where}: query/key normalization scales"
             if maps_q is not None or maps_k is not None:  # the claim rests on the maps of the example's positions
                 tokens = (q.meta.get("shape") or (None, None))[-2]
@@ -1647,6 +1661,25 @@ def _last_axis_slice(index: object, source: object) -> bool:
         return False
     return isinstance(last, slice) and last.step is None and all(
         b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in (last.start, last.stop))
+
+
+def _met_features(gq: Tensor, gk: Tensor, size_q: int, size_k: int) -> list[tuple[int, ...]] | None:
+    """Per key feature ``j`` (of ``size_k``), the query features (of ``size_q``) it meets in the scores, sorted: head
+    slot ``s`` pairs query feature ``gq[s, i]`` with key feature ``gk[s, i]``. ``None`` unless each query feature meets
+    one key feature, and every key feature as many query features as the others (the query heads sharing its
+    head)."""
+    if gq.shape != gk.shape:
+        return None
+    partner: dict[int, int] = {}
+    for a, b in zip(gq.flatten().tolist(), gk.flatten().tolist()):
+        if partner.setdefault(a, b) != b:
+            return None
+    if set(partner) != set(range(size_q)) or set(partner.values()) != set(range(size_k)):
+        return None
+    met: list[list[int]] = [[] for _ in range(size_k)]
+    for a, b in sorted(partner.items()):
+        met[b].append(a)
+    return [tuple(m) for m in met] if len({len(m) for m in met}) == 1 else None
 
 
 def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None]]) -> list[list[tuple[int, ...]]]:

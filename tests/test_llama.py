@@ -5,6 +5,7 @@ the toolkit reads off the model, its R-operator products, and the command line's
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch import nn
 import manifolds
 from sharpness import Llama, Objective, euclidean_sharpness
 from sharpness._cli import main as sharpness_main
-from sharpness._llama import rotary_frequencies
+from sharpness._llama import Layout, rotary_frequencies
 
 DATA = Path(__file__).parent / "data"
 # file, query heads, rope_theta; both: vocabulary 29, width 16, 2 blocks, MLP 24, rms_norm_eps 1e-5
@@ -448,3 +449,33 @@ def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, c
     assert sharpness_main(argv) == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err, err
+
+
+def test_full_width_query_key_norms_with_grouped_query_attention_trade_over_the_key_s_features():
+    """OLMo 2's layout with 4 query heads sharing 2 key/value heads: ``q_norm`` has 16 features, ``k_norm`` 8. Key
+    feature ``j`` meets the same feature of both query heads sharing its head, so the trade has one scale per key
+    feature, tied in rotated pairs (4 per block): ``k_norm / c`` and the two query features ``* c``. By hand and by
+    random elements; an untied ``c`` moves the logits."""
+    torch.manual_seed(0)
+    model = Llama(29, WIDTH, LAYERS, 4, kv_heads=2, head_dim=4, hidden=MLP,
+                  layout=Layout(qk_norm="width", post_norms=True), classes_last=False).double().eval()  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids = torch.randint(0, 29, (3, 7), generator=torch.Generator().manual_seed(1))
+    sym = manifolds.transformer_symmetry(model, ids)
+    traded = [f for f in sym.factors if "query/key normalization scales" in f.label]
+    assert [f.size for f in traded] == [4] * LAYERS, sym.describe()
+    g = torch.Generator().manual_seed(2)
+    c = torch.exp(0.5 * torch.randn(4, generator=g, dtype=torch.float64))
+    on_keys = c[[0, 1, 0, 1, 2, 3, 2, 3]]  # pairs (0, 2), (1, 3) of key head 0, (4, 6), (5, 7) of key head 1
+    on_queries = on_keys.view(2, 1, 4).expand(2, 2, 4).reshape(16)  # query heads 0, 1 read key head 0; 2, 3 head 1
+    for untie in (False, True):
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for layer in twin.model.layers:
+                layer.self_attn.q_norm.weight.mul_(on_queries * (1.5 if untie else 1.0) ** torch.arange(16.0).eq(0))
+                layer.self_attn.k_norm.weight.div_(on_keys)
+            moved = float((twin(ids) - model(ids)).abs().max())
+        assert moved > 1e-3 if untie else moved < 1e-10, (untie, moved)
+    check_a_random_element(model, sym, ids)

@@ -333,3 +333,33 @@ def test_ties_are_read_relative_to_each_row_s_map():
     sym = manifolds.transformer_symmetry(model, x)
     assert [f.size for f in _traded(sym)] == [2], sym.describe()
     assert_keeps_outputs(model, sym, x, seed=12)
+
+
+class WidthGrouped(nn.Module):
+    """OLMo 2's layout with grouped-query attention: 4 query heads of 2 features sharing 2 key/value heads, the
+    queries and keys each normalized over all their features (8 and 4) before the heads are split."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(D, 4 * 2), nn.Linear(D, 2 * 2 * 2), nn.Linear(4 * 2, D)
+        self.q_norm, self.k_norm, self.head = nn.LayerNorm(8), nn.LayerNorm(4), nn.Linear(D, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q(x)).view(b, t, 4, 2).transpose(1, 2)
+        k, v = self.kv(x).chunk(2, dim=-1)
+        k, v = self.k_norm(k).view(b, t, 2, 2).transpose(1, 2), v.reshape(b, t, 2, 2).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.head((x + self.o(a.transpose(1, 2).reshape(b, t, 8))).mean(1))
+
+
+def test_norms_of_different_widths_trade_over_the_key_s_features_and_match_the_dense_reference():
+    """Key feature ``j`` meets the same feature of the two query heads sharing its head: one scale per key feature (4),
+    moving both query features; the metric stays invariant and the measure equals the dense quotient reference."""
+    model, loss, data = token_classification(WidthGrouped(), D)
+    sym = manifolds.transformer_symmetry(model, data[0])
+    (factor,) = _traded(sym)
+    assert factor.size == 4, sym.describe()
+    assert {(b.name, b.index) for b in factor.blocks if b.name == "q_norm.weight"} == {
+        ("q_norm.weight", (0, 1, 4, 5)), ("q_norm.weight", (2, 3, 6, 7))}, sym.describe()
+    assert_quotient_matches_dense(model, loss, data, sym, torch.Generator().manual_seed(13))
