@@ -1499,7 +1499,8 @@ class _Finder:
         probe = self.feature_probe(node)
         for piece in self.users(cut):
             rows = self.replay([cut, piece], probe)[(0,) * (len(shape) - 1)].long().tolist()
-            self.units(node, piece, tuple(rows), cut)
+            if rows:  # an empty piece has no units
+                self.units(node, piece, tuple(rows), cut)
         return True
 
     def units(self, node: fx.Node, start: fx.Node, rows: tuple[int, ...], cut: fx.Node | None = None) -> None:

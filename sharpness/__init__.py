@@ -7,6 +7,7 @@ from sharpness import study as study
 from sharpness._bert import Bert as Bert
 from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._hfvit import HFViT as HFViT
+from sharpness._llama import Layout as Layout
 from sharpness._llama import Llama as Llama
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
@@ -86,6 +87,7 @@ __all__ = [
     "GPT2",
     "HFViT",
     "TimmViT",
+    "Layout",
     "Llama",
     "GeodesicSharpness",
     "GSpaceLoss",

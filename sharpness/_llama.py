@@ -411,8 +411,8 @@ class Llama(nn.Module):
             attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
-        layout: how the family's blocks differ from LLaMA's (`Layout`: Qwen3's and OLMo 2's query/key norms, OLMo
-            2's norms on the branches' outputs, Phi-3's fused projections).
+        layout: how the family's blocks differ from LLaMA's ([`Layout`][sharpness.Layout]: Qwen3's and OLMo 2's
+            query/key norms, OLMo 2's norms on the branches' outputs, Phi-3's fused projections).
         padding_idx: the token whose row of the table is held fixed (``pad_token_id``: HuggingFace builds the table
             with it, so its gradient, and its row of the Hessian, is zero); ``None``: none.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
@@ -567,7 +567,9 @@ class Llama(nn.Module):
         (Qwen2, Ministral); ``LlamaForCausalLM`` reads none.
 
         Raises:
-            ValueError: a field missing or of the wrong kind, another activation, or what `from_state_dict` raises.
+            ValueError: a field missing or of the wrong kind, another activation, a ``partial_rotary_factor`` below
+                one, ``num_key_value_heads`` or ``head_dim`` other than the tensors hold, or what `from_state_dict`
+                raises.
         """
         heads = config.get("num_attention_heads")
         if not positive_integer(heads):
@@ -582,9 +584,12 @@ class Llama(nn.Module):
             if not isinstance(parameters, Mapping):
                 raise SpecError(f"the config's rope_scaling must be an object, got {parameters!r}")
         theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+        # Phi-3 rotates a share of each head (transformers reads it from the rope parameters, or the config's top
+        # level as older files save it); a default rope type would drop it below, so it is refused here
+        partial = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        if partial is not None and partial != 1.0:
+            raise SpecError(f"the config's partial_rotary_factor is {partial!r}: sharpness.Llama rotates whole heads")
         scaling = parameters if _rope_type(parameters) != "default" else None
-        if scaling is not None and "partial_rotary_factor" in config:  # transformers moves it into the scaling
-            scaling = {"partial_rotary_factor": config["partial_rotary_factor"], **scaling}
         eps = config.get("rms_norm_eps", 1e-6)
         tied = config.get("tie_word_embeddings")
         for name, value in (("rope_theta", theta), ("rms_norm_eps", eps)):
@@ -602,9 +607,16 @@ class Llama(nn.Module):
                                  scaling.get("original_max_position_embeddings",
                                              config.get("max_position_embeddings", 2048)))  # fmt: skip
             scaling = {**scaling, "original_max_position_embeddings": context}
-        return cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
-                                   _config_windows(config), config.get("max_position_embeddings"),
-                                   config.get("pad_token_id"))
+        model = cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
+                                    _config_windows(config), config.get("max_position_embeddings"),
+                                    config.get("pad_token_id"))  # fmt: skip
+        attention = model.model.layers[0].self_attn
+        for name, value in (("num_key_value_heads", attention.kv_heads), ("head_dim", attention.head_dim)):
+            given = config.get(name)  # the sizes read off the tensors must be the config's, where it has them
+            if given is not None and given != value:
+                raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value} (with "
+                                f"num_attention_heads={heads}); the config does not describe this checkpoint")
+        return model
 
 
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:

@@ -221,3 +221,20 @@ def test_a_fused_projection_s_unit_half_is_pinned_where_it_is_not_gated_by_the_o
     with torch.no_grad():
         moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(3)))
         assert (moved(x) - model(x)).abs().max() < 1e-12
+
+
+def test_an_empty_piece_of_a_split_has_no_units():
+    """``split([8, 0, 8])``: the empty piece is skipped (it raised an IndexError), the others read as usual."""
+
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gu, self.down, self.head = nn.Linear(D, 2 * HID), nn.Linear(HID, D), nn.Linear(D, 3)
+
+        def forward(self, x):
+            gate, mid, up = self.gu(x).split([HID, 0, HID], dim=-1)
+            return self.head((x + self.down(up * F.silu(gate)) + mid.sum()).mean(1))
+
+    model, _, (x, _) = classifier_case(Empty, D, 0)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert [f.size for f in _units(sym, "gu")] == [HID], sym.describe()

@@ -479,3 +479,18 @@ def test_full_width_query_key_norms_with_grouped_query_attention_trade_over_the_
             moved = float((twin(ids) - model(ids)).abs().max())
         assert moved > 1e-3 if untie else moved < 1e-10, (untie, moved)
     check_a_random_element(model, sym, ids)
+
+
+def test_a_config_the_tensors_contradict_or_a_partial_rotary_factor_is_refused():
+    """Phi-3 rotates ``partial_rotary_factor`` of each head (in the rope parameters, or at the config's top level in
+    older files): ``Llama`` rotates whole heads, so the factor is refused, not dropped (before, a factor of 0.5 with the
+    default rope type was dropped and the logits were 5.5 off). The head counts read off the tensors must be the
+    config's: 8 query heads on the fixture fit its shapes, but not its 2 key/value heads of 4 features."""
+    state, _, _ = _checkpoint(PHI3)
+    config = _config(PHI3)
+    for changed in ({"rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": 0.5}},
+                    {"partial_rotary_factor": 0.75, "rope_parameters": None, "rope_theta": 10000.0}):  # fmt: skip
+        with pytest.raises(ValueError, match="partial_rotary_factor"):
+            Llama.from_config({**config, **changed}, state)
+    with pytest.raises(ValueError, match="num_key_value_heads is 2 but the checkpoint's tensors hold 4"):
+        Llama.from_config({**config, "num_attention_heads": 8}, state)
