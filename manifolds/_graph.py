@@ -137,7 +137,8 @@ def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
 
 class _Run(fx.Interpreter):
     """``graph`` run on ``model`` itself (its modules called as the forward calls them, ``""`` a bare layer), recording
-    every tensor's shape in ``node.meta["shape"]`` and whether it is of a floating dtype in ``node.meta["floating"]``
+    every tensor's shape in ``node.meta["shape"]``, its dtype in ``node.meta["dtype"]`` and whether that is a floating
+    one in ``node.meta["floating"]``
     where ``shapes``."""
 
     def __init__(self, model: nn.Module, graph: fx.Graph, shapes: bool = False):
@@ -149,6 +150,7 @@ class _Run(fx.Interpreter):
         if self.shapes and isinstance(out, Tensor):
             n.meta["shape"] = tuple(out.shape)
             n.meta["floating"] = out.is_floating_point()
+            n.meta["dtype"] = out.dtype
         return out
 
     def call_module(self, target, args, kwargs):

@@ -215,7 +215,8 @@ class TimmPositions(ClassToken):
 
 class SdpaMask(nn.Module):
     """SDPA with an ``attn_mask``: a boolean buffer (which keys each query sees), a floating mask computed from the
-    data (a padding bias per sample and key, as text models pass it), or one a parameter moves (not read: autograd)."""
+    data (a padding bias per sample and key, as text models pass it), a floating one a parameter moves (``"moved"``:
+    added to the scores), or a boolean one a parameter moves (``"moved boolean"``: not read, autograd)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -230,8 +231,10 @@ class SdpaMask(nn.Module):
             mask = self.keep
         elif self.kind == "data":
             mask = (x[:, :, 0] > 0).float().mul(-3.0)[:, None, None, :]  # (N, 1, 1, T)
-        else:  # "moved"
+        elif self.kind == "moved":
             mask = self.w.expand(t, t)
+        else:  # "moved boolean"
+            mask = self.w.expand(t, t) > 0
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o(a.transpose(1, 2).reshape(b, t, 8))
 
@@ -239,6 +242,7 @@ class SdpaMask(nn.Module):
 MORE = {
     "SDPA with a boolean attn_mask": lambda: Blocks(SdpaMask("boolean")),
     "SDPA with an attn_mask computed from the data": lambda: Blocks(SdpaMask("data")),
+    "SDPA with a floating attn_mask a parameter moves": lambda: Blocks(SdpaMask("moved")),
     "a mask added": lambda: Blocks(Masked(fill=False)),
     "nanoGPT's causal mask filled in": lambda: Blocks(Masked(fill=True)),
     "a mask filled with a number": lambda: Blocks(Masked(fill=True, value=-2.0)),
@@ -282,9 +286,9 @@ def test_unsupported_attention_operations_fall_back_to_autograd(name):
     assert obj._rop is None and obj.hvp_strategy() == "graph"
 
 
-def test_an_sdpa_mask_the_parameters_move_falls_back_to_autograd():
+def test_a_boolean_sdpa_mask_the_parameters_move_falls_back_to_autograd():
     x, y = _data((32,), n=5)
-    obj = Objective(_perturbed(Blocks(SdpaMask("moved"))), CE, (x, y))
+    obj = Objective(_perturbed(Blocks(SdpaMask("moved boolean"))), CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
 
 
@@ -318,3 +322,45 @@ def test_float32_transformer_products_equal_float64_forward_over_reverse(model):
     with sdpa_kernel(SDPBackend.MATH):
         ref = obj.layout.flatten(jvp(gradient, (params,), (obj.layout.unflatten(v.double()),))[1])
     torch.testing.assert_close(obj.hvp(v).double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+class RelativeBias(nn.Module):
+    """BEiT's attention: a learned table of ``2 T - 1`` relative positions per head, read at a constant index buffer
+    (each entry picked for several pairs of tokens), reshaped and permuted into ``(1, heads, T, T)`` and added to the
+    scores, by SDPA's ``attn_mask`` (``"sdpa"``) or by hand (``"hand"``). ``"merged"``: the scores' samples axis
+    is also merged with the heads' and split again, a view the products read only where the data do not reach it."""
+
+    def __init__(self, how: str, tokens: int = 4, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.how, self.t, self.heads, self.hd = how, tokens, heads, dim // heads
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.table = nn.Parameter(0.5 * torch.randn(2 * tokens - 1, heads))
+        pos = torch.arange(tokens)
+        self.register_buffer("index", (pos[:, None] - pos[None, :] + tokens - 1).reshape(-1))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.table[self.index].view(self.t, self.t, self.heads).permute(2, 0, 1).contiguous().unsqueeze(0)
+        if self.how == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            s = q @ k.transpose(-2, -1) * self.hd**-0.5 + bias
+            if self.how == "merged":  # the samples' axis merged with the heads' and split again
+                s = s.reshape(b * self.heads, t, t).reshape(b, self.heads, t, t)
+            a = s.softmax(-1) @ v
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("how", ["sdpa", "hand"])
+def test_a_learned_relative_position_bias_equals_forward_over_reverse(how):
+    """The table's products: its tangent gathered like its value, its error added back over every pair of tokens that
+    picks an entry; by SDPA a floating mask the parameters move is a fourth input added to the scores."""
+    x, y = _data((16,), n=5)
+    _exact(_perturbed(Tokens(nn.Sequential(RelativeBias(how)), tokens=4, features=4, dim=8)), x, y)
+
+
+def test_a_view_merging_the_data_s_samples_axis_falls_back_to_autograd():
+    x, y = _data((16,), n=5)
+    obj = Objective(_perturbed(Tokens(nn.Sequential(RelativeBias("merged")), tokens=4, features=4, dim=8)), CE, (x, y))
+    assert obj._rop is None and obj.hvp_strategy() == "graph"

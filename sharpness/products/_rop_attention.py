@@ -209,12 +209,16 @@ class _Attend(_Smooth):
     same leading axes) without dropout: ``softmax(c q k^T + M) v`` with ``c = scale`` (``E^(-1/2)`` where ``None``),
     the scores above the diagonal left out where ``causal``, and ``M`` an ``attn_mask`` that no parameter moves
     (boolean: ``False`` leaves a score out; floating: added), broadcast to the scores; keeps the inputs, ``A`` and
-    ``c``. A constant ``M`` only shifts the scores, so the derivatives are those of the probabilities ``A``."""
+    ``c``. A constant ``M`` only shifts the scores, so the derivatives are those of the probabilities ``A``. With
+    ``added``, ``M`` is a fourth tensor input that parameters move (BEiT's learned relative position bias), floating
+    and added: linear in the scores, so its tangent adds to theirs and its errors are theirs, summed over the axes
+    it is broadcast along."""
 
     scale: float | None
     causal: bool
     mask: int | None = None  # the attn_mask's slot among the call's inputs (read as `args`), if one is given
     repeat: int = 1  # enable_gqa: each key/value head read by this many consecutive query heads
+    added: bool = False  # the attn_mask is the fourth tensor input, moved by parameters
 
     inner = True  # Adot and the inputs' tangents, made ready once
 
@@ -231,10 +235,12 @@ class _Attend(_Smooth):
         return e if e is None or self.repeat == 1 else e.unflatten(-3, (-1, self.repeat)).sum(-3)
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple]:
-        q, k, v = xs
+        q, k, v = xs[:3]
         q, k, v = _ready(q), _ready(self._heads(k)), _ready(self._heads(v))
         c = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         s = torch.matmul(q, k.mT).mul_(c)
+        if self.added:
+            s.add_(xs[3].to(s.dtype))
         if self.causal:  # torch's causal mask: query i sees keys 0..i
             keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
             s.masked_fill_(~keep, float("-inf"))
@@ -242,23 +248,30 @@ class _Attend(_Smooth):
             m = args[self.mask]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m.to(s.dtype))
         a = torch.softmax(s, dim=-1)
-        return torch.matmul(a, v), (q, k, v, a, c)
+        return torch.matmul(a, v), (q, k, v, a, c, xs[3].shape if self.added else None)
 
     def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
-        (q, k, v, a, c), (q_dot, k_dot, v_dot) = saved, [_ready(t) for t in (xdots[0], *map(self._heads, xdots[1:]))]
+        (q, k, v, a, c, _), m_dot = saved, xdots[3] if self.added else None
+        q_dot, k_dot, v_dot = [_ready(t) for t in (xdots[0], *map(self._heads, xdots[1:3]))]
         s_dot = None if q_dot is None else torch.matmul(q_dot, k.mT)
         s_dot = _add(s_dot, None if k_dot is None else torch.matmul(q, k_dot.mT))
-        a_dot = None if s_dot is None else _softmax_jacobian(a, s_dot.mul_(c))
+        if s_dot is not None:
+            s_dot.mul_(c)
+        if m_dot is not None:  # the moved mask's tangent, broadcast to the scores
+            s_dot = m_dot.to(a.dtype).expand(a.shape).clone() if s_dot is None else s_dot.add_(m_dot.to(a.dtype))
+        a_dot = None if s_dot is None else _softmax_jacobian(a, s_dot)
         out = None if a_dot is None else torch.matmul(a_dot, v)
         return _add(out, None if v_dot is None else torch.matmul(a, v_dot)), (a_dot, q_dot, k_dot, v_dot)
 
     def errors(self, g: Tensor, saved, need: list[bool]) -> tuple[tuple, list[Tensor | None]]:
-        q, k, v, a, c = saved
+        q, k, v, a, c, mask = saved
         e_a = _centred(a, torch.matmul(g, v.mT))
         d_s = a * e_a
         errs = [torch.matmul(d_s, k).mul_(c) if need[0] else None,
                 self._summed(torch.matmul(d_s.mT, q).mul_(c)) if need[1] else None,
                 self._summed(torch.matmul(a.mT, g)) if need[2] else None]  # fmt: skip
+        if self.added:  # the error at the scores, summed over the mask's broadcast axes
+            errs.append(d_s.sum_to_size(mask) if need[3] else None)
         return (g, e_a, d_s), errs
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
@@ -266,16 +279,18 @@ class _Attend(_Smooth):
 
     def backward(self, g_dot: Tensor, kept: tuple, xdots: list[Tensor | None], saved, need: list[bool],
                  inner: tuple) -> list[Tensor | None]:  # fmt: skip
-        (q, k, v, a, c), (a_dot, q_dot, k_dot, v_dot), (delta, e_a, d_s) = saved, inner, kept
-        errs: list[Tensor | None] = [None, None, None]
+        (q, k, v, a, c, mask), (a_dot, q_dot, k_dot, v_dot), (delta, e_a, d_s) = saved, inner, kept
+        errs: list[Tensor | None] = [None] * len(need)
         if need[2]:
             out = torch.matmul(a.mT, g_dot)
             errs[2] = self._summed(_add(out, None if a_dot is None else torch.matmul(a_dot.mT, delta)))
-        if not (need[0] or need[1]):
+        if not (need[0] or need[1] or (self.added and need[3])):
             return errs
         gd_a = torch.matmul(g_dot, v.mT)
         gd_a = _add(gd_a, None if v_dot is None else torch.matmul(delta, v_dot.mT))
         gd_s = _softmax_backward(a, a_dot, gd_a.mul_(a), e_a)
+        if self.added and need[3]:
+            errs[3] = gd_s.sum_to_size(mask)
         if need[0]:
             out = torch.matmul(gd_s, k)
             errs[0] = _add(out, None if k_dot is None else torch.matmul(d_s, k_dot)).mul_(c)

@@ -26,8 +26,9 @@ operation is, at the current point, either
   two-operand ``einsum`` that is one matrix product per batch entry, read as permutes and a ``matmul``:
   `manifolds._einsum`), the
   softmax over any axis but the samples' (also in a dtype of its own, ``softmax(s, dim=-1, dtype=...)``), and
-  ``F.scaled_dot_product_attention`` without dropout (a constant
-  ``attn_mask`` allowed), so any composition of them (timm's, HuggingFace's or nanoGPT's attention) is covered;
+  ``F.scaled_dot_product_attention`` without dropout (a constant ``attn_mask`` allowed, or a floating one the
+  parameters move: BEiT's learned relative position bias, a table read at an index buffer), so any composition of
+  them (timm's, HuggingFace's or nanoGPT's attention) is covered;
   and the log-softmax over any axis but the samples' (a classifier's, read by ``NLLLoss``: a loss linear in its
   input, whose curvature all comes through the log-softmax).
 
@@ -54,7 +55,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -103,6 +104,7 @@ _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_p
 _POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu"}
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze"}
+_NO_SAMPLES = "no samples"  # a view's mark where it may mix the first axis: valid where the data do not reach it
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
@@ -591,7 +593,9 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if name in _VIEWS and first is not None and len(tensors) == 1:
         before, after = shapes[first], shapes[node]
         if before[:1] != after[:1] or torch.Size(before[1:]).numel() != torch.Size(after[1:]).numel():
-            return None  # the samples must stay apart
+            # the samples must stay apart: read only where the data do not reach the tensor (a table of parameters
+            # reshaped, as BEiT's relative position bias; checked with the graph)
+            return _Map("view", impl=_NO_SAMPLES, call=_caller(node)), [first]
         return _Map("view", call=_caller(node)), [first]
     if name in ("type_as", "to") and first is not None and _cast_only(node, shapes):
         return _Map("cast", call=_caller(node)), [first]
@@ -787,6 +791,13 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         return _Map("masked", node.all_input_nodes.index(args[1]), call=_caller(node)), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
         return _Map("index", args[1]), [first]
+    if name == "getitem" and len(args) == 2 and isinstance(args[1], fx.Node) and args[1] in shapes \
+            and args[1].meta.get("floating") is False and args[1].meta.get("dtype") in (torch.int64, torch.int32) \
+            and first is not None and not kwargs:  # fmt: skip
+        # rows picked by an integer tensor (BEiT's relative position table at its index buffer); that no parameter
+        # moves the index is checked with the graph (it is among the call's inputs, which are constants then)
+        slot = node.all_input_nodes.index(args[1])
+        return _Map("gather", call=lambda values, i=slot: values[i]), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1], shapes):
         # bounds computed from shapes (HuggingFace's rotate_half: x[..., : x.shape[-1] // 2]), read where it runs
         return _Map("index", call=_index_caller(node)), [first]
@@ -1052,14 +1063,21 @@ def rop_graph(
     if order[0].op != "placeholder":
         return None
     slot = {n: i for i, n in enumerate(order)}
-    steps, moving = [], []
+    steps, moving, fed = [], [], []  # fed: whether the data reach the node
     for node in order:
         op, tensors, meta = read[node]
-        moves = bool(getattr(op, "names", ())) or any(moving[slot[t]] for t in tensors)
+        fed.append(node.op == "placeholder" or any(fed[slot[t]] for t in (*tensors, *meta)))
+        if isinstance(op, _Map) and op.impl == _NO_SAMPLES and fed[-1]:
+            return None  # a view mixing the samples' axis of the data
         if node in fixed and any(moving[slot[m]] for m in meta):
             return None  # an unsupported operation of something the parameters move
         if isinstance(op, _Attend) and op.mask is not None and moving[slot[meta[op.mask]]]:
-            return None  # an attention mask the parameters move: its derivatives are not written out
+            mask = meta[op.mask]
+            if mask.meta.get("floating") is not True:
+                return None  # a boolean mask the parameters move: not a sum
+            # a floating mask the parameters move (a learned position bias): a fourth input added to the scores
+            op, tensors, meta = replace(op, mask=None, added=True), [*tensors, mask], []
+        moves = bool(getattr(op, "names", ())) or any(moving[slot[t]] for t in tensors)
         moving.append(moves)
         steps.append(_Step(op, tuple(slot[t] for t in tensors), moves, tuple(slot[m] for m in meta)))
     if not any(moving):  # no parameter moves anything

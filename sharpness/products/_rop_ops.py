@@ -333,7 +333,9 @@ class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
     kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "stack", "permute", "piece", "index",
-    # "expand", "masked", "cast" (a change of dtype: tangents and errors cast too)
+    # "expand", "masked", "cast" (a change of dtype: tangents and errors cast too), "gather" (rows of the first axis
+    # picked by an integer tensor no parameter moves, ``call`` reading it among the call's inputs: BEiT's relative
+    # position table read at its index; the error adds up over rows picked several times)
     # _Slope / _MaxPool, the linear function (pools, means), the axes' order ("permute"), (unbind/chunk/split, the
     # piece taken) of a cut along axis ``dim`` ("piece"), a basic index (ints, slices, None, ...; "index", or with
     # numbers computed from shapes: ``call`` fills them in), or the
@@ -380,6 +382,9 @@ class _Map:
             return torch.stack(xs, dim=self.dim), None
         if kind == "index":  # the index, with its numbers computed from shapes filled in where it has some
             index = self.impl if self.call is None else self.call(args)
+            return xs[0][index], (xs[0].shape, index)
+        if kind == "gather":
+            index = self.call(args)
             return xs[0][index], (xs[0].shape, index)
         if kind == "piece":  # the original cut replayed, one piece taken
             pieces, (name, index) = self.call(args), self.impl
@@ -445,7 +450,7 @@ class _Map:
             return h.expand(saved[1])
         if kind == "masked":
             return h.masked_fill(saved, 0.0)
-        if kind == "index":
+        if kind in ("index", "gather"):
             return h[saved[1]]
         if kind == "piece":
             return _narrow(h, self.dim, *saved[1:])
@@ -490,6 +495,8 @@ class _Map:
             return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]
         if kind == "index":  # the error of a piece: zero outside it
             return [_Part(saved[0], g, lambda t: t[saved[1]])]
+        if kind == "gather":  # rows picked several times add up their errors
+            return [g.new_zeros(saved[0]).index_put_((saved[1],), g, accumulate=True)]
         if kind == "piece":
             return [_Part(saved[0], g, lambda t: _narrow(t, self.dim, *saved[1:]))]
         factor = self.factors[0] if self.impl is None else saved
