@@ -12,6 +12,7 @@ from sharpness._llama import Llama as Llama
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness._timmvit import TimmViT as TimmViT
+from sharpness._transformers import from_transformers as from_transformers
 from sharpness.measures import MEASURES as MEASURES
 from sharpness.measures import AdaptiveSharpness as AdaptiveSharpness
 from sharpness.measures import Ascent as Ascent
@@ -117,6 +118,7 @@ __all__ = [
     "Ascent",
     "adaptive_sharpness",
     "euclidean_sharpness",
+    "from_transformers",
     "geodesic_sharpness",
     "get_measure",
     "gspace_hessian_operator",

@@ -1,0 +1,76 @@
+"""A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
+own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.Bert`, `sharpness.HFViT`).
+
+transformers' classes do not trace with ``torch.fx`` (their mask builders and cache handling branch on traced values),
+so no symmetry group or R-operator product can be read off them; the twin computes the same function (to the float32
+rounding of transformers' RMSNorm and softmax) with the same parameter names, from the object the user already holds.
+``transformers`` itself is not imported: the object is read through ``config.to_dict()`` and ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from sharpness._bert import Bert
+from sharpness._gpt2 import GPT2
+from sharpness._hfvit import HFViT
+from sharpness._llama import Llama
+
+# the classes read, by model type: (the class names accepted, their twin's loader)
+_LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3")
+_CLASSES = {
+    **{kind: ("ForCausalLM", "llama") for kind in _LLAMA_FAMILY},
+    "gpt2": ("GPT2LMHeadModel", "gpt2"),
+    "bert": ("BertForSequenceClassification", "bert"),
+    "vit": ("ViTForImageClassification", "vit"),
+}
+
+
+def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
+    """The toolkit's twin of a transformers model object, in eval mode, in the dtype of its weights.
+
+    Reads ``model.config.to_dict()`` and ``model.state_dict()`` into the class of its family:
+
+    - ``LlamaForCausalLM`` and the LLaMA family's other causal LMs (Mistral, Ministral, Qwen2, Qwen3, OLMo 2, Phi-3)
+      -> [`Llama`][sharpness.Llama] (`Llama.from_config`);
+    - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
+    - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
+    - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
+
+    Args:
+        model: the transformers object (``AutoModelForCausalLM.from_pretrained(...)``, say).
+        classes_last: for the decoders, logits ``(N, T, V)`` as transformers returns them (``True``), or ``(N, V,
+            T)``, the layout ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets.
+
+    Returns:
+        The twin: the same function of token ids (or images), the same parameter names as ``model``'s state dict.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` with a ``config`` that has ``to_dict()``.
+        ValueError: a model type or class the toolkit has no twin for (a base model without its head, an
+            encoder-decoder), or a config the twin's loader refuses (named in the message).
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or not callable(getattr(config, "to_dict", None)):
+        raise TypeError(f"from_transformers expects a transformers model object (an nn.Module with a config), got "
+                        f"{type(model).__name__}")  # fmt: skip
+    settings = config.to_dict()
+    kind, name = settings.get("model_type"), type(model).__name__
+    if kind not in _CLASSES:
+        families = ", ".join(sorted(_CLASSES))
+        raise ValueError(f"no twin for transformers' model type {kind!r} ({name}); the toolkit reads {families}")
+    accepted, family = _CLASSES[kind]
+    if not name.endswith(accepted):
+        raise ValueError(f"no twin for {name}: for model type {kind!r} the toolkit reads *{accepted} (a model with its "
+                         "head; a base model's outputs are hidden states, another function)")  # fmt: skip
+    state = model.state_dict()
+    if family == "llama":
+        return Llama.from_config(settings, state, classes_last=classes_last)
+    if family == "gpt2":
+        return GPT2.from_config(settings, state, classes_last=classes_last)
+    if family == "bert":
+        return Bert.from_config(settings, state)
+    return HFViT.from_config(settings, state)
+
+
+__all__ = ["from_transformers"]

@@ -1,0 +1,93 @@
+"""`sharpness.from_transformers`: a transformers model object read into the toolkit's twin of its family, through its
+``config.to_dict()`` and ``state_dict()`` alone. Checked on stand-ins holding the fixtures transformers wrote (the
+twin's logits against transformers' own), on refusals (a base model, an unknown type, no config), and, where
+transformers is installed, on its own objects."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from sharpness import GPT2, Llama, from_transformers
+
+DATA = Path(__file__).parent / "data"
+
+
+class _Config:
+    def __init__(self, settings: dict):
+        self.settings = settings
+
+    def to_dict(self) -> dict:
+        return dict(self.settings)
+
+
+def _stand_in(name: str, settings: dict, state: dict) -> nn.Module:
+    """A module of class ``name`` with ``config`` and ``state_dict()``, as a transformers object has them."""
+    model = type(name, (nn.Module,), {})()
+    model.config = _Config(settings)
+    model.state_dict = lambda: dict(state)
+    return model
+
+
+def _fixture(stem: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    state = load_file(str(DATA / f"{stem}.safetensors"))
+    return state, state.pop("__input_ids"), state.pop("__logits")
+
+
+@pytest.mark.parametrize(
+    "stem, name",
+    [
+        ("qwen3_tiny_hf", "Qwen3ForCausalLM"),
+        ("olmo2_tiny_hf", "Olmo2ForCausalLM"),
+        ("phi3_tiny_hf", "Phi3ForCausalLM"),
+        ("qwen2_tiny_hf", "Qwen2ForCausalLM"),
+    ],
+)
+def test_a_causal_lm_becomes_a_llama_with_its_logits(stem, name):
+    state, ids, logits = _fixture(stem)
+    settings = json.loads((DATA / f"{stem}.json").read_text())
+    twin = from_transformers(_stand_in(name, settings, state))
+    assert isinstance(twin, Llama) and not twin.training
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-5)  # transformers' RMSNorm: float32
+        across = from_transformers(_stand_in(name, settings, state), classes_last=False)(ids)
+        torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
+    assert set(dict(twin.named_parameters())) <= set(state) | {"lm_head.weight"}  # transformers' names
+
+
+def test_gpt2_s_lm_head_model_becomes_a_gpt2():
+    state, ids, logits = _fixture("gpt2_tiny_hf")
+    twin = from_transformers(_stand_in("GPT2LMHeadModel", {"model_type": "gpt2", "n_head": 2}, state))
+    assert isinstance(twin, GPT2)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("model, error, fragment", [
+    (lambda s: _stand_in("Qwen3Model", {"model_type": "qwen3"}, s), ValueError, "reads *ForCausalLM"),
+    (lambda s: _stand_in("T5ForConditionalGeneration", {"model_type": "t5"}, s), ValueError, "model type 't5'"),
+    (lambda s: nn.Linear(2, 2), TypeError, "expects a transformers model object"),
+    (lambda s: _stand_in("Qwen3ForCausalLM", {"model_type": "qwen3", "num_attention_heads": 3}, s), ValueError,
+     "not a positive multiple of the head size"),
+])  # fmt: skip
+def test_what_has_no_twin_is_refused_in_one_sentence(model, error, fragment):
+    state, _, _ = _fixture("qwen3_tiny_hf")
+    with pytest.raises(error, match=fragment.replace("*", r"\*")):
+        from_transformers(model(state))
+
+
+def test_transformers_own_objects_where_it_is_installed():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).double().eval()
+    ids = torch.randint(0, 31, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
