@@ -1417,11 +1417,15 @@ class _Finder:
         except _Fail:
             pass
         reader, source = node, h
+        rows = None  # the layer's row blocks (moved by 1 / c)
         for _ in range(_STEPS_TO_PROJECTION):  # back through dropout layers and reshapes, each read by the next alone
             if self.users(source) != [reader]:
                 return
             proj = self.projection(source)
             if proj is not None:
+                break
+            rows = self.mha_rows(source, size)
+            if rows is not None:
                 break
             data = source.args[0] if source.args and isinstance(source.args[0], fx.Node) else None
             if data is None or not (self.is_dropout(source, data) or self.keeps_features(source, data)):
@@ -1429,7 +1433,7 @@ class _Finder:
             reader, source = source, data
         else:
             return
-        if not self.once(proj):
+        if rows is None and not self.once(proj):
             return
         where = self.label(node)
         try:
@@ -1438,16 +1442,36 @@ class _Finder:
             if zeros:  # the trade holds, but its orbit degenerates there: no invariant metric is defined
                 raise _Fail(f"'{name}' has {zeros} zero entr{'y' if zeros == 1 else 'ies'} (a zero-initialised "
                             "scale), where the metric of the trade is undefined")  # fmt: skip
-            blocks = (Block(name, 0, index, None, "T"), *self.linear_blocks(proj, index, "inv", True))
+            if rows is None:
+                rows = self.linear_blocks(proj, index, "inv", True)
+            blocks = (Block(name, 0, index, None, "T"), *rows)
             factor = Factor("diagonal", size, blocks, f"layer scale '{name}' at {where}", "c")
             self.claim([factor])
         except _Fail as failure:
             self.pin(f"output of {where}", size, f"its layer scale cannot be traded: {failure}")
             self.layer_scaled.add(node)  # (`scale` would only pin it again)
             return
-        self.claimed_rows.add(proj.key)
+        if proj is not None:
+            self.claimed_rows.add(proj.key)
         self.layer_scaled.add(node)
         self.found.factors.append(factor)
+
+    def mha_rows(self, node: fx.Node, size: int) -> list[Block] | None:
+        """Where ``node`` is the output ``[0]`` of an ``nn.MultiheadAttention`` called once (no hooks) with ``size``
+        features: the row blocks of its ``out_proj`` (weight and bias, moved by ``1 / c``), which only that output
+        reads (the returned weights do not); else ``None``."""
+        if node.op != "call_function" or target_name(node) != "getitem" or node.args[1:] != (0,) or node.kwargs:
+            return None
+        call = node.args[0]
+        if not isinstance(call, fx.Node) or call.op != "call_module" or not self.is_mha(call):
+            return None
+        m = self.module(call)
+        if m._forward_hooks or m._forward_pre_hooks or self.calls[str(call.target)] != 1 or m.embed_dim != size:
+            return None
+        index = tuple(range(size))
+        out = f"{call.target}.out_proj"
+        names = [self.param(out, "weight"), self.param(out, "bias")]
+        return [Block(n, 0, index, None, "inv") for n in names if n is not None]
 
     def scale(self, node: fx.Node) -> None:
         """``h * w`` (or ``w * h``) with ``w`` a parameter vector along the last axis that nothing else reads, ``h`` of

@@ -174,3 +174,41 @@ def test_a_conv1d_layer_viewed_back_takes_the_trade_on_its_stored_columns():
     weight = next(b for b in factor.blocks if b.name == "weight")
     assert weight.transposed and weight.stored_axis == 1, sym.describe()  # W stored (in, out): its columns move
     assert_keeps_outputs(model, sym, x, seed=6)
+
+
+class MHABlock(nn.Module):
+    """A pre-LN block whose attention is ``nn.MultiheadAttention`` (its ``out_proj`` inside the module), scaled by a
+    LayerScale ``gamma`` before the residual sum; ``weights``: the attention weights are returned too (and unread)."""
+
+    def __init__(self, weights: bool = False):
+        super().__init__()
+        self.weights = weights
+        self.ln, self.attn = nn.LayerNorm(D), nn.MultiheadAttention(D, 2, batch_first=True)
+        self.gamma, self.head = nn.Parameter(torch.rand(D) + 0.5), nn.Linear(D, 3)
+
+    def forward(self, x):
+        h = self.ln(x)
+        out = self.attn(h, h, h, need_weights=self.weights)[0]
+        return self.head((x + out * self.gamma).mean(1))
+
+
+def test_a_layer_scale_on_multihead_attention_trades_against_its_output_projection_s_rows():
+    """``gamma * c`` with ``out_proj``'s rows and bias ``/ c``: by hand and by random elements, the metric's invariance
+    and the measure against the dense quotient reference (``out_proj``'s columns are moved by the value/output
+    factors too). Before, the scale was pinned: it is read by the residual sum."""
+    for weights in (False, True):
+        model, loss, data = token_classification(MHABlock(weights), D)
+        sym = manifolds.transformer_symmetry(model, data[0])
+        (factor,) = [f for f in sym.factors if f.label.startswith("layer scale")]
+        assert {(b.name, b.axis, b.how) for b in factor.blocks} == {
+            ("gamma", 0, "T"), ("attn.out_proj.weight", 0, "inv"), ("attn.out_proj.bias", 0, "inv")}, sym.describe()
+        c = torch.exp(torch.randn(D, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+        sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sd["gamma"], sd["attn.out_proj.bias"] = sd["gamma"] * c, sd["attn.out_proj.bias"] / c
+        sd["attn.out_proj.weight"] = sd["attn.out_proj.weight"] / c[:, None]
+        with torch.no_grad():
+            assert (_moved(model, sd)(data[0]) - model(data[0])).abs().max() < 1e-12
+        assert_keeps_outputs(model, sym, data[0], seed=2)
+    got, element = assert_quotient_matches_dense(model, loss, data, sym, torch.Generator().manual_seed(3))
+    moved = sym.transformed(model, element)
+    assert np.allclose(measure_value(moved, loss, data, k=2), got, rtol=1e-8, atol=0)
