@@ -364,3 +364,24 @@ def test_a_view_merging_the_data_s_samples_axis_falls_back_to_autograd():
     x, y = _data((16,), n=5)
     obj = Objective(_perturbed(Tokens(nn.Sequential(RelativeBias("merged")), tokens=4, features=4, dim=8)), CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
+
+
+class Float32Bias(RelativeBias):
+    """The relative position table cast to float32 before SDPA adds it to float64 scores (SDPA accepts a mask of
+    another floating dtype): the mask's errors are autograd's in float32 (before: kept in float64, 2e-9 off)."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.table.to(torch.float32)[self.index].view(self.t, self.t, self.heads).permute(2, 0, 1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+def test_a_moved_mask_of_another_dtype_takes_its_errors_in_its_own():
+    x, y = _data((16,), n=5)
+    obj = Objective(_perturbed(Tokens(nn.Sequential(Float32Bias("sdpa")), tokens=4, features=4, dim=8)), CE, (x, y))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    reference = obj.hvp(v, "double_backward")
+    torch.testing.assert_close(obj.hvp(v), reference, rtol=0, atol=1e-13 * float(reference.abs().max()))

@@ -248,7 +248,7 @@ class _Attend(_Smooth):
             m = args[self.mask]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m.to(s.dtype))
         a = torch.softmax(s, dim=-1)
-        return torch.matmul(a, v), (q, k, v, a, c, xs[3].shape if self.added else None)
+        return torch.matmul(a, v), (q, k, v, a, c, (xs[3].shape, xs[3].dtype) if self.added else None)
 
     def tangent(self, xdots: list[Tensor | None], saved) -> tuple[Tensor, tuple]:
         (q, k, v, a, c, _), m_dot = saved, xdots[3] if self.added else None
@@ -270,8 +270,8 @@ class _Attend(_Smooth):
         errs = [torch.matmul(d_s, k).mul_(c) if need[0] else None,
                 self._summed(torch.matmul(d_s.mT, q).mul_(c)) if need[1] else None,
                 self._summed(torch.matmul(a.mT, g)) if need[2] else None]  # fmt: skip
-        if self.added:  # the error at the scores, summed over the mask's broadcast axes
-            errs.append(d_s.sum_to_size(mask) if need[3] else None)
+        if self.added:  # the error at the scores, summed over the mask's broadcast axes, in the mask's dtype
+            errs.append(d_s.sum_to_size(mask[0]).to(mask[1]) if need[3] else None)
         return (g, e_a, d_s), errs
 
     def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor | None]:
@@ -290,7 +290,7 @@ class _Attend(_Smooth):
         gd_a = _add(gd_a, None if v_dot is None else torch.matmul(delta, v_dot.mT))
         gd_s = _softmax_backward(a, a_dot, gd_a.mul_(a), e_a)
         if self.added and need[3]:
-            errs[3] = gd_s.sum_to_size(mask)
+            errs[3] = gd_s.sum_to_size(mask[0]).to(mask[1])
         if need[0]:
             out = torch.matmul(gd_s, k)
             errs[0] = _add(out, None if k_dot is None else torch.matmul(d_s, k_dot)).mul_(c)
