@@ -485,6 +485,7 @@ class _Finder:
         (`disjoint_pieces`)."""
         users = self.users(node)
         indices = [self.piece_index(u) for u in users]
+        # distinct by their repr: slices are hashable only from Python 3.12
         return all(i is not None for i in indices) and len(set(map(repr, indices))) == len(indices)
 
     def disjoint_pieces(self, linear: fx.Node, chain: Sequence[fx.Node], cut: fx.Node) -> None:
@@ -1050,9 +1051,10 @@ class _Finder:
             current = source
 
     def norm_pair(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
-        """Scores ``q k^T`` of a normalized query and key (timm's ``qk_norm``, ViT-22B, Qwen3): ``LN_q``'s scale and
-        shift ``* c`` and ``LN_k``'s ``/ c`` keep every score, where feature ``j`` of every query row meets feature
-        ``j`` of every key row (read off the replayed feature indices); a diagonal factor over the normalized features.
+        """Scores ``q k^T`` of a normalized query and key (timm's ``qk_norm``, ViT-22B, Qwen3, OLMo 2): ``LN_q``'s scale
+        and shift ``* c`` and ``LN_k``'s ``/ c`` keep every score, where each query feature meets one key feature in
+        every score (read off the replayed feature indices: feature ``j`` meets feature ``j`` where both norms cover
+        the same features); a diagonal factor over the normalized features.
 
         With rotary embeddings between the normalizations and the product (Qwen3: ``R_t`` per position ``t``, rows
         ``q_t R_t``), ``(q_t C R_t)(k_s C^-1 R_s)^T = q_t R_t R_s^T k_s^T`` holds for every pair of positions exactly
@@ -1466,7 +1468,8 @@ class _Finder:
         if not isinstance(call, fx.Node) or call.op != "call_module" or not self.is_mha(call):
             return None
         m = self.module(call)
-        if m._forward_hooks or m._forward_pre_hooks or self.calls[str(call.target)] != 1 or m.embed_dim != size:
+        if m._forward_hooks or m._forward_pre_hooks or self.calls[str(call.target)] != 1 or m.embed_dim != size \
+                or self.calls[f"{call.target}.out_proj"]:  # out_proj also called on its own: its rows are read there
             return None
         index = tuple(range(size))
         out = f"{call.target}.out_proj"
@@ -1532,8 +1535,8 @@ class _Finder:
         (``node`` itself, or a piece of it cut by ``cut``) only through positively homogeneous maps, gated products
         and selections that keep the features, else a pin with the reason."""
         proj, where = self.projection(node), self.label(node)
-        if start is not node:
-            where += f" (rows {rows[0]}:{rows[-1] + 1})" if rows == tuple(range(rows[0], rows[-1] + 1)) else ""
+        if start is not node:  # a chunk or split along the last axis: contiguous rows
+            where += f" (rows {rows[0]}:{rows[-1] + 1})"
         size = len(rows)
         current = start
         try:
@@ -1553,9 +1556,9 @@ class _Finder:
                     raise _Fail(f"it feeds {self.label(bad)}, which is not positively homogeneous")
                 raise _Fail(f"it feeds {self.label(bad)}")
             blocks = self.linear_blocks(proj, rows, "T", True) + self.consumer_blocks(current, tuple(range(size)))
-            rows = blocks[0]  # the weight's rows; a GL factor moving its columns (attention's output projection)
-            # would leave the metric a tensor moved on both sides by factors it weighs one way each
-            if any(f.kind == "GL" and b.name == rows.name and b.stored_axis != rows.stored_axis
+            weight_rows = blocks[0]  # a GL factor moving the weight's columns (attention's output projection) would
+            # leave the metric a tensor moved on both sides by factors it weighs one way each
+            if any(f.kind == "GL" and b.name == weight_rows.name and b.stored_axis != weight_rows.stored_axis
                    for f in self.found.factors for b in f.blocks):  # fmt: skip
                 raise _Fail("its inputs are moved by attention's value/output factors, which the metric weighs on "
                             "their own")  # fmt: skip
@@ -1679,10 +1682,7 @@ def _last_axis_slice(index: object, source: object) -> bool:
     if shape is None or not isinstance(index, tuple) or not index:
         return False
     *before, last = index
-    full = slice(None)
-    if before == [Ellipsis]:
-        pass
-    elif len(before) != len(shape) - 1 or any(not isinstance(b, slice) or b != full for b in before):
+    if before != [Ellipsis] and (len(before) != len(shape) - 1 or any(b != slice(None) for b in before)):
         return False
     return isinstance(last, slice) and last.step is None and all(
         b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in (last.start, last.stop))

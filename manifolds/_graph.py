@@ -569,11 +569,10 @@ def reads_metadata_only(user: fx.Node, node: fx.Node) -> bool:
 
 
 def floating_cast(node: fx.Node) -> fx.Node | None:
-    """The tensor ``node`` casts to a floating dtype, else ``None``: ``x.type_as(y)`` (``y`` a tensor,
-    read for its dtype only), or ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor
-    (``x.to(q.dtype)``), the output recorded floating (`_Run`). Read as the identity it is in exact arithmetic (what
-holds through it holds to the rounding of the narrower dtype). A cast to integers or booleans is not one: it rounds to
-whole numbers."""
+    """The tensor ``node`` casts to a floating dtype, else ``None``: ``x.type_as(y)`` (``y`` a tensor, read for its
+    dtype only), or ``x.to(dtype)`` / ``x.to(dtype=...)`` with the dtype given or read off a tensor (``x.to(q.dtype)``),
+    the output recorded floating (`_Run`). Read as the identity it is in exact arithmetic (what holds through it holds
+    to the rounding of the narrower dtype). A cast to integers or booleans is not one: it rounds to whole numbers."""
     if node.op != "call_method" or node.meta.get("floating") is not True or not node.args:
         return None
     source = node.args[0]

@@ -7,8 +7,8 @@ from sharpness import study as study
 from sharpness._bert import Bert as Bert
 from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._hfvit import HFViT as HFViT
-from sharpness._llama import Layout as Layout
 from sharpness._llama import Llama as Llama
+from sharpness._llama import LlamaLayout as LlamaLayout
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness._timmvit import TimmViT as TimmViT
@@ -88,7 +88,7 @@ __all__ = [
     "GPT2",
     "HFViT",
     "TimmViT",
-    "Layout",
+    "LlamaLayout",
     "Llama",
     "GeodesicSharpness",
     "GSpaceLoss",

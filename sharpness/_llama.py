@@ -18,6 +18,8 @@ State-dict keys (``i`` the block index; ``D`` the width, ``V`` the vocabulary, `
     model.layers.i.input_layernorm.weight (D,); model.layers.i.post_attention_layernorm.weight (D,)
     model.layers.i.self_attn.q_proj.weight (H hd, D); k_proj.weight, v_proj.weight (K hd, D); o_proj.weight (D, H hd)
     model.layers.i.self_attn.q_norm.weight, k_norm.weight (hd,) (Qwen3 only), or (H hd,), (K hd,) (OLMo 2 only)
+    model.layers.i.self_attn.qkv_proj.weight ((H + 2 K) hd, D); mlp.gate_up_proj.weight (2 F, D) (Phi-3, in place of
+        q_proj, k_proj, v_proj and of gate_proj, up_proj)
     model.layers.i.mlp.gate_proj.weight, up_proj.weight (F, D); down_proj.weight (D, F)
     model.norm.weight (D,); lm_head.weight (V, D), absent where it is the token table
 
@@ -51,7 +53,7 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass(frozen=True)
-class Layout:
+class LlamaLayout:
     """How a family's blocks differ from LLaMA's.
 
     Attributes:
@@ -240,7 +242,7 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope: Rope, bias: Mapping[str, bool],
-                 window: int | None = None, layout: Layout = Layout(), eps: float = 1e-6):  # fmt: skip
+                 window: int | None = None, layout: LlamaLayout = LlamaLayout(), eps: float = 1e-6):  # fmt: skip
         """``layout``: the family's query/key norms (with ``eps``) and fused projections."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
@@ -352,7 +354,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], window: int | None, layout: Layout):  # fmt: skip
+                 rope: Rope, bias: Mapping[str, bool], window: int | None, layout: LlamaLayout):  # fmt: skip
         super().__init__()
         self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, layout, eps)
         self.mlp = LlamaMLP(dim, hidden, bias, layout.fused)
@@ -373,7 +375,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], layout: Layout,
+                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], layout: LlamaLayout,
                  padding_idx: int | None):  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim, padding_idx=padding_idx)
@@ -410,9 +412,10 @@ class Llama(nn.Module):
             before it; ``None``: every key before it. A sequence gives each block its own (``None`` where a block
             attends to every key before a query: Qwen2's and Ministral's ``layer_types``).
         tied: whether ``lm_head`` shares the token table (``tie_word_embeddings``).
-        bias: the projections (``"q_proj"``, ..., ``"down_proj"``) that have a bias.
-        layout: how the family's blocks differ from LLaMA's ([`Layout`][sharpness.Layout]: Qwen3's and OLMo 2's
-            query/key norms, OLMo 2's norms on the branches' outputs, Phi-3's fused projections).
+        bias: the projections (``"q_proj"``, ..., ``"down_proj"``, or Phi-3's ``"qkv_proj"``, ``"gate_up_proj"``) that
+            have a bias; a name the layout does not build is refused.
+        layout: how the family's blocks differ from LLaMA's ([`LlamaLayout`][sharpness.LlamaLayout]: Qwen3's and
+            OLMo 2's query/key norms, OLMo 2's norms on the branches' outputs, Phi-3's fused projections).
         padding_idx: the token whose row of the table is held fixed (``pad_token_id``: HuggingFace builds the table
             with it, so its gradient, and its row of the Hessian, is zero); ``None``: none.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
@@ -428,7 +431,7 @@ class Llama(nn.Module):
                  tied: bool = False, bias: Mapping[str, bool] | None = None, classes_last: bool = True,
                  rope_scaling: Mapping[str, object] | None = None,
                  sliding_window: int | Sequence[int | None] | None = None,
-                 max_positions: int | None = None, layout: Layout = Layout(),
+                 max_positions: int | None = None, layout: LlamaLayout = LlamaLayout(),
                  padding_idx: int | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
@@ -448,6 +451,11 @@ class Llama(nn.Module):
         unknown = set(bias or {}) - set(_PROJECTIONS)
         if unknown:
             raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
+        built = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if layout.fused else set(_PROJECTIONS) - {
+            "qkv_proj", "gate_up_proj"}
+        if any(bias.get(name) for name in set(bias or {}) - built):
+            raise ValueError(f"bias names {sorted(n for n in set(bias) - built if bias[n])} name projections this "
+                             f"layout does not build ({', '.join(sorted(built))})")  # fmt: skip
         if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
                                         or not -vocab <= padding_idx < vocab):  # fmt: skip
             raise ValueError(f"pad_token_id must be a token id in [-{vocab}, {vocab}) or null, got {padding_idx!r}")
@@ -514,7 +522,7 @@ class Llama(nn.Module):
             raise SpecError(f"heads must be a positive integer, got {heads!r}")
         q_rows = tensors[first + "self_attn.o_proj.weight"].shape[1]  # the heads' features, merged
         if not fused and tensors[first + "self_attn.q_proj.weight"].shape[0] == 0:
-            raise SpecError("q_proj and k_proj must have rows (the heads' features)")
+            raise SpecError("q_proj must have rows (the heads' features)")
         if q_rows == 0:
             raise SpecError("o_proj must have columns (the heads' features)")
         if q_rows % heads:
@@ -523,9 +531,11 @@ class Llama(nn.Module):
         if fused:  # the queries' rows, then the keys' and the values' alike
             k_rows, odd = divmod(tensors[first + "self_attn.qkv_proj.weight"].shape[0] - q_rows, 2)
             hidden, half = divmod(tensors[first + "mlp.gate_up_proj.weight"].shape[0], 2)
-            if odd or half or k_rows <= 0:
-                raise SpecError("qkv_proj and gate_up_proj must hold the queries' rows and as many for the keys as for "
-                                "the values, and the gate's rows and as many for the up projection")  # fmt: skip
+            if odd or k_rows <= 0:
+                raise SpecError("qkv_proj must hold the queries' rows (o_proj's columns), then as many rows for the "
+                                "keys as for the values")  # fmt: skip
+            if half:
+                raise SpecError("gate_up_proj must hold the gate's rows, then as many for the up projection")
         else:
             if tensors[first + "self_attn.q_proj.weight"].shape[0] != q_rows:
                 raise SpecError(f"q_proj has {tensors[first + 'self_attn.q_proj.weight'].shape[0]} rows, o_proj "
@@ -536,7 +546,7 @@ class Llama(nn.Module):
             raise SpecError(f"the keys have {k_rows} rows, not a positive multiple of the head size {head_dim}")
         bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
         norm = tensors.get(first + "self_attn.q_norm.weight")
-        layout = Layout(None if norm is None else "head" if norm.shape == (head_dim,) else "width",
+        layout = LlamaLayout(None if norm is None else "head" if norm.shape == (head_dim,) else "width",
                         first + "post_feedforward_layernorm.weight" in tensors, fused)  # fmt: skip
         head = tensors.pop("lm_head.weight", None)
         same = head is None or (head.shape == table.shape and torch.equal(head, table))
@@ -620,10 +630,10 @@ class Llama(nn.Module):
 
 
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:
-    """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's
-    ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others (Qwen2,
-    Ministral, Qwen3) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen's classes
-    have one only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from
+    """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's and
+    Phi-3's ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others
+    (Qwen2, Ministral, Qwen3) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen's
+    classes have one only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from
     ``max_window_layers`` on.
     A config without ``sliding_window`` has their default, 4096 tokens.
 

@@ -1,10 +1,11 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
 own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.Bert`, `sharpness.HFViT`).
 
-transformers' classes do not trace with ``torch.fx`` (their mask builders and cache handling branch on traced values),
-so no symmetry group or R-operator product can be read off them; the twin computes the same function (to the float32
-rounding of transformers' RMSNorm and softmax) with the same parameter names, from the object the user already holds.
-``transformers`` itself is not imported: the object is read through ``config.to_dict()`` and ``state_dict()``.
+transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
+their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
+the same function (to the float32 rounding of transformers' RMSNorm and softmax) with the same parameter names, from
+the object the user already holds. ``transformers`` itself is not imported: the object is read through
+``config.to_dict()`` and ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ from sharpness._gpt2 import GPT2
 from sharpness._hfvit import HFViT
 from sharpness._llama import Llama
 
-# the classes read, by model type: (the class names accepted, their twin's loader)
+# the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
+# dict and classes_last)
 _LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3")
 _CLASSES = {
-    **{kind: ("ForCausalLM", "llama") for kind in _LLAMA_FAMILY},
-    "gpt2": ("GPT2LMHeadModel", "gpt2"),
-    "bert": ("BertForSequenceClassification", "bert"),
-    "vit": ("ViTForImageClassification", "vit"),
+    **{kind: ("ForCausalLM", Llama.from_config) for kind in _LLAMA_FAMILY},
+    "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
+    "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
+    "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
 }
 
 
 def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
-    """The toolkit's twin of a transformers model object, in eval mode, in the dtype of its weights.
+    """The toolkit's twin of a transformers model object, in eval mode, in the dtype and on the device of its weights.
 
     Reads ``model.config.to_dict()`` and ``model.state_dict()`` into the class of its family:
 
@@ -59,18 +61,14 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
     if kind not in _CLASSES:
         families = ", ".join(sorted(_CLASSES))
         raise ValueError(f"no twin for transformers' model type {kind!r} ({name}); the toolkit reads {families}")
-    accepted, family = _CLASSES[kind]
+    accepted, load = _CLASSES[kind]
     if not name.endswith(accepted):
         raise ValueError(f"no twin for {name}: for model type {kind!r} the toolkit reads *{accepted} (a model with its "
                          "head; a base model's outputs are hidden states, another function)")  # fmt: skip
     state = model.state_dict()
-    if family == "llama":
-        return Llama.from_config(settings, state, classes_last=classes_last)
-    if family == "gpt2":
-        return GPT2.from_config(settings, state, classes_last=classes_last)
-    if family == "bert":
-        return Bert.from_config(settings, state)
-    return HFViT.from_config(settings, state)
+    twin = load(settings, state, classes_last)
+    first = next(iter(state.values()), None)
+    return twin if first is None else twin.to(first.device)
 
 
 __all__ = ["from_transformers"]

@@ -212,3 +212,19 @@ def test_a_layer_scale_on_multihead_attention_trades_against_its_output_projecti
     got, element = assert_quotient_matches_dense(model, loss, data, sym, torch.Generator().manual_seed(3))
     moved = sym.transformed(model, element)
     assert np.allclose(measure_value(moved, loss, data, k=2), got, rtol=1e-8, atol=0)
+
+
+class MHAOutProjCalled(MHABlock):
+    """The attention's ``out_proj`` also called on its own: its rows are read there, so no layer scale trades them."""
+
+    def forward(self, x):
+        h = self.ln(x)
+        y = x + self.attn(h, h, h, need_weights=False)[0] * self.gamma
+        return self.head((y + self.attn.out_proj(x)).mean(1))
+
+
+def test_a_multihead_attention_whose_out_proj_is_also_called_alone_keeps_its_layer_scale_pinned():
+    model, _, (x, _) = token_classification(MHAOutProjCalled(), D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not [f for f in sym.factors if f.label.startswith("layer scale")], sym.describe()
+    assert_keeps_outputs(model, sym, x, seed=4)

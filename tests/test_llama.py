@@ -20,7 +20,7 @@ from torch import nn
 import manifolds
 from sharpness import Llama, Objective, euclidean_sharpness
 from sharpness._cli import main as sharpness_main
-from sharpness._llama import Layout, rotary_frequencies
+from sharpness._llama import LlamaLayout, rotary_frequencies
 
 DATA = Path(__file__).parent / "data"
 # file, query heads, rope_theta; both: vocabulary 29, width 16, 2 blocks, MLP 24, rms_norm_eps 1e-5
@@ -458,7 +458,7 @@ def test_full_width_query_key_norms_with_grouped_query_attention_trade_over_the_
     random elements; an untied ``c`` moves the logits."""
     torch.manual_seed(0)
     model = Llama(29, WIDTH, LAYERS, 4, kv_heads=2, head_dim=4, hidden=MLP,
-                  layout=Layout(qk_norm="width", post_norms=True), classes_last=False).double().eval()  # fmt: skip
+                  layout=LlamaLayout(qk_norm="width", post_norms=True), classes_last=False).double().eval()  # fmt: skip
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -494,3 +494,12 @@ def test_a_config_the_tensors_contradict_or_a_partial_rotary_factor_is_refused()
             Llama.from_config({**config, **changed}, state)
     with pytest.raises(ValueError, match="num_key_value_heads is 2 but the checkpoint's tensors hold 4"):
         Llama.from_config({**config, "num_attention_heads": 8}, state)
+
+
+def test_a_bias_for_a_projection_the_layout_does_not_build_is_refused():
+    with pytest.raises(ValueError, match="name projections this layout does not build"):
+        Llama(29, WIDTH, 1, 2, bias={"q_proj": True}, layout=LlamaLayout(fused=True))
+    with pytest.raises(ValueError, match="name projections this layout does not build"):
+        Llama(29, WIDTH, 1, 2, bias={"qkv_proj": True})
+    assert Llama(29, WIDTH, 1, 2, bias={"qkv_proj": True}, layout=LlamaLayout(fused=True)).model.layers[
+        0].self_attn.qkv_proj.bias is not None

@@ -208,11 +208,11 @@ class _Attend(_Smooth):
     """``F.scaled_dot_product_attention(q, k, v)`` of ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` inputs (the
     same leading axes) without dropout: ``softmax(c q k^T + M) v`` with ``c = scale`` (``E^(-1/2)`` where ``None``),
     the scores above the diagonal left out where ``causal``, and ``M`` an ``attn_mask`` that no parameter moves
-    (boolean: ``False`` leaves a score out; floating: added), broadcast to the scores; keeps the inputs, ``A`` and
-    ``c``. A constant ``M`` only shifts the scores, so the derivatives are those of the probabilities ``A``. With
-    ``added``, ``M`` is a fourth tensor input that parameters move (BEiT's learned relative position bias), floating
-    and added: linear in the scores, so its tangent adds to theirs and its errors are theirs, summed over the axes
-    it is broadcast along."""
+    (boolean: ``False`` leaves a score out; floating: added), broadcast to the scores; keeps the inputs, ``A``, ``c``
+    and a moved mask's shape and dtype. A constant ``M`` only shifts the scores, so the derivatives are those of the
+    probabilities ``A``. With ``added``, ``M`` is a fourth tensor input that parameters move (BEiT's learned relative
+    position bias), floating and added: linear in the scores, so its tangent adds to theirs and its errors are
+    theirs, summed over the axes it is broadcast along (in its own dtype)."""
 
     scale: float | None
     causal: bool

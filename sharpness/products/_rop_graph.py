@@ -17,8 +17,11 @@ operation is, at the current point, either
   and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
   slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
   ``expand`` (a class token), ``repeat_interleave``/``repeat`` along axes other than the samples' (grouped-query
-  key/value heads), multiplication by a number computed from shapes, and ``masked_fill`` by a number
-  with a mask that no parameter moves. Its second derivative vanishes (almost everywhere), or
+  key/value heads), multiplication by a number computed from shapes, ``masked_fill`` by a number
+  with a mask that no parameter moves, casts between floating dtypes (tangents and errors cast too), rows picked by an
+  integer tensor (a table read at an index buffer; errors added back over repeated picks), and views mixing the first
+  axis of tensors the data do not reach (a table of parameters reshaped). Its second derivative vanishes (almost
+  everywhere), or
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
@@ -104,7 +107,7 @@ _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_p
 _POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu"}
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze"}
-_NO_SAMPLES = "no samples"  # a view's mark where it may mix the first axis: valid where the data do not reach it
+_NO_SAMPLES = "no samples"  # a view's `impl` where it may mix the first axis: valid where the data do not reach it
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
@@ -683,9 +686,9 @@ _NUMBER_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv,
 
 
 def _cast_only(node: fx.Node, shapes: Mapping[fx.Node, tuple]) -> bool:
-    """Whether ``node`` changes at most its floating tensor's floating dtype (`manifolds._graph.floating_cast`), the
-    tensor ``x.type_as(y)`` reads the dtype of being one the products know. A cast to integers or booleans, whose
-    derivative is zero, is not one (its tangent would be rounded, not dropped)."""
+    """Whether ``node`` changes at most its floating tensor's floating dtype (`manifolds._graph.floating_cast`) and,
+    for ``x.type_as(y)``, ``y`` is a tensor the products hold. A cast to integers or booleans, whose derivative is
+    zero, is not one (its tangent would be rounded, not dropped)."""
     if floating_cast(node) is None:
         return False
     return node.target != "type_as" or node.args[1] in shapes
@@ -791,12 +794,13 @@ def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
         return _Map("masked", node.all_input_nodes.index(args[1]), call=_caller(node)), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1]):
         return _Map("index", args[1]), [first]
-    if name == "getitem" and len(args) == 2 and isinstance(args[1], fx.Node) and args[1] in shapes \
-            and args[1].meta.get("floating") is False and args[1].meta.get("dtype") in (torch.int64, torch.int32) \
+    index = args[1] if name == "getitem" and len(args) == 2 else None
+    if isinstance(index, fx.Node) and index in shapes and index.meta.get("dtype") in (torch.int64, torch.int32) \
             and first is not None and not kwargs:  # fmt: skip
-        # rows picked by an integer tensor (BEiT's relative position table at its index buffer); that no parameter
-        # moves the index is checked with the graph (it is among the call's inputs, which are constants then)
-        slot = node.all_input_nodes.index(args[1])
+        # rows picked by an integer tensor (BEiT's relative position table at its index buffer): an integer index
+        # carries no tangent, so the map is linear in the tensor whatever computed the index; rows of the data's
+        # samples axis picked across samples are refused with the model (`check_samples_apart`)
+        slot = node.all_input_nodes.index(index)
         return _Map("gather", call=lambda values, i=slot: values[i]), [first]
     if name == "getitem" and len(args) == 2 and not isinstance(args[1], fx.Node) and _basic_index(args[1], shapes):
         # bounds computed from shapes (HuggingFace's rotate_half: x[..., : x.shape[-1] // 2]), read where it runs

@@ -343,7 +343,8 @@ class _Map:
     # call's inputs, whether it divides) ("scale")
     impl: object = None
     # the forward for "view", "scale", "expand", "masked" and "cast", the cut for "piece" (the original call, its other
-    # arguments bound), the index for "index" where it has numbers computed from shapes
+    # arguments bound), the index for "index" where it has numbers computed from shapes, and for "gather" (read among
+    # the call's inputs); "view" may carry `impl` _NO_SAMPLES (sharpness.products._rop_graph): it mixes the first axis
     call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat", "stack"
