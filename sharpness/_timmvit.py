@@ -17,11 +17,12 @@ Each block is pre-LayerNorm (``x + ls1(proj(attn(norm1(x))))``, then ``x + ls2(f
 cuts the fused ``qkv`` projection into heads, normalizes each head's query and key (a LayerNorm over the head's
 features, shared by the heads, where the model has ``qk_norm``), and attends over all tokens with scale ``hd^-1/2``
 (``F.scaled_dot_product_attention``). The classifier reads the final LayerNorm's state of the class token
-(``pool="token"``), or the mean of the patch tokens (``pool="avg"``), each through ``norm`` and/or ``fc_norm`` as the
-checkpoint has them. The keys do not say which pooling a model uses (timm's ``global_pool``), so ``pool`` is always
-given; timm's max pooling is not modelled (its keys are an average-pooled model's). A distilled model
-averages its two heads, on the class and the distillation token, as timm's does in eval mode. Attention pooling and
-other layouts are refused (a key the model does not have).
+(``pool="token"``), the mean of the patch tokens (``pool="avg"``), each through ``norm`` and/or ``fc_norm`` as the
+checkpoint has them, or attention pooling (``pool="map"``, SigLIP's: ``attn_pool.latent`` (1, 1, D), ``attn_pool.q``,
+``.kv`` (2D, D), ``.proj``, ``.norm``, ``.mlp.fc1``, ``.fc2``, read after ``norm``). The keys do not say which pooling
+a model uses (timm's ``global_pool``), so ``pool`` is always given; timm's max pooling is not modelled (its keys are an
+average-pooled model's). A distilled model averages its two heads, on the class and the distillation token, as timm's
+does in eval mode. Other layouts are refused (a key the model does not have).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from sharpness._hfvit import ViTMLP, check_images, check_vit_options
 from sharpness._specs import SpecError, checkpoint_spec, load_fitting, positive_integer, positive_number
 
-POOLS = ("token", "avg")
+POOLS = ("token", "avg", "map")
 
 
 class LayerScale(nn.Module):
@@ -79,6 +80,27 @@ class Block(nn.Module):
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
+class AttentionPool(nn.Module):
+    """timm's ``AttentionPoolLatent`` (``global_pool="map"``, SigLIP's models): a learned latent query ``latent``
+    ``(1, L, D)`` projected by ``q`` attends to the tokens (keys and values by one fused ``kv``), then ``proj`` and a
+    residual MLP after ``norm``; pooled over the ``L`` latents by the first (timm's ``pool_type="token"``)."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, qkv_bias: bool, latents: int = 1):
+        super().__init__()
+        self.heads = heads
+        self.latent = nn.Parameter(torch.zeros(1, latents, dim))
+        self.q, self.kv = nn.Linear(dim, dim, bias=qkv_bias), nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj, self.norm, self.mlp = nn.Linear(dim, dim), nn.LayerNorm(dim, eps=eps), ViTMLP(dim, hidden, act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, tokens, dim = x.shape
+        latents, hd = self.latent.shape[1], dim // self.heads
+        q = self.q(self.latent.expand(n, -1, -1)).reshape(n, latents, self.heads, hd).transpose(1, 2)
+        k, v = self.kv(x).reshape(n, tokens, 2, self.heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        x = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, latents, dim))
+        return (x + self.mlp(self.norm(x)))[:, 0]
+
+
 class TimmViT(nn.Module):
     """A vision transformer with its classifier, as timm's ``VisionTransformer`` computes it in eval mode, under
     timm's state-dict keys (see the module's docstring).
@@ -96,7 +118,8 @@ class TimmViT(nn.Module):
         act: the MLP's activation: ``"gelu"`` (timm's ``nn.GELU``), ``"gelu_pytorch_tanh"``, ``"relu"``...
         qkv_bias: whether the fused query/key/value projection has a bias.
         layer_scale: whether the blocks scale their branches by ``ls1.gamma``, ``ls2.gamma`` (``init_values``).
-        pool: ``"token"`` (the class token's state) or ``"avg"`` (the mean of the tokens after the prefix).
+        pool: ``"token"`` (the class token's state), ``"avg"`` (the mean of the tokens after the prefix) or
+            ``"map"`` (attention pooling by a learned latent query, `AttentionPool`, SigLIP's).
         final_norm: whether a LayerNorm ``norm`` follows the blocks; ``None``: for ``pool="token"``.
         fc_norm: whether a LayerNorm ``fc_norm`` follows the pooling; ``None``: for ``pool="avg"`` (timm's "gap"
             models pool the mean after ``norm``, without ``fc_norm``).
@@ -117,7 +140,8 @@ class TimmViT(nn.Module):
                  fc_norm: bool | None = None, qk_norm: bool = False):  # fmt: skip
         super().__init__()
         check_vit_options(image, patch, dim, heads, eps, act, "act")
-        if pool not in POOLS or (pool == "token" and not class_token) or (distilled and not class_token):
+        if pool not in POOLS or (pool == "token" and not class_token) or (distilled and not class_token) or (
+                pool == "map" and distilled):  # fmt: skip
             raise ValueError(f"pool={pool!r} must be one of {', '.join(POOLS)}; 'token' and distilled need the class "
                              "token")  # fmt: skip
         self.image, self.pool, self.distilled = image, pool, distilled
@@ -138,6 +162,8 @@ class TimmViT(nn.Module):
         )
         self.norm = nn.LayerNorm(dim, eps=eps) if final_norm else nn.Identity()
         self.fc_norm = nn.LayerNorm(dim, eps=eps) if fc_norm else nn.Identity()
+        if pool == "map":
+            self.attn_pool = AttentionPool(dim, heads, 4 * dim if hidden is None else hidden, eps, act, qkv_bias)
         self.head = nn.Linear(dim, classes)
         self.head_dist = nn.Linear(dim, classes) if distilled else None
 
@@ -155,7 +181,10 @@ class TimmViT(nn.Module):
         x = self.norm(self.blocks(x))
         if self.distilled:  # eval mode: the mean of the two heads
             return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
-        x = x[:, 0] if self.pool == "token" else x[:, self.prefix :].mean(dim=1)
+        if self.pool == "map":  # every token, the prefix's too, as timm's attention pooling reads them
+            x = self.attn_pool(x)
+        else:
+            x = x[:, 0] if self.pool == "token" else x[:, self.prefix :].mean(dim=1)
         return self.head(self.fc_norm(x))
 
     @classmethod
@@ -179,8 +208,14 @@ class TimmViT(nn.Module):
                                 "width)")  # fmt: skip
         if pool not in POOLS:
             raise SpecError(f"give pool={' or pool='.join(POOLS)}: a timm checkpoint's keys do not say how its "
-                            "classifier pools the tokens (global_pool: the class token, or the mean of the patch "
-                            "tokens; timm's max pooling is not modelled)")  # fmt: skip
+                            "classifier pools the tokens (global_pool: the class token, the mean of the patch tokens, "
+                            "or attention pooling; timm's max pooling is not modelled)")  # fmt: skip
+        if (pool == "map") != ("attn_pool.latent" in state):
+            raise SpecError("pool='map' reads the attention pooling's keys (attn_pool.latent ...), which only a model "
+                            "pooling by attention has" + (" (this one has them)" if pool != "map" else ""))
+        if "attn_pool.latent" in state and tuple(state["attn_pool.latent"].shape[:2]) != (1, 1):
+            raise SpecError(f"attn_pool.latent has shape {tuple(state['attn_pool.latent'].shape)}: TimmViT reads one "
+                            "latent query, (1, 1, width)")  # fmt: skip
         dim, channels, patch, other = state["patch_embed.proj.weight"].shape
         registers = state["reg_token"].shape[1] if "reg_token" in state else 0
         prefix = int("cls_token" in state) + int("dist_token" in state) + registers
@@ -223,8 +258,8 @@ def timmvit_from_spec(spec: str, state: Mapping[str, Tensor]) -> TimmViT:
     options, config = checkpoint_spec(spec, "timmvit")
     if config is not None or set(options) - {"heads", "eps", "act", "pool"} or not {"heads", "pool"} <= set(options):
         raise SpecError(f"model spec {spec!r}: give the model's number of heads (num_heads) and how it pools the "
-                        "tokens (global_pool: token or avg), e.g. timmvit:heads=6,pool=token for a ViT-S; the other "
-                        "options are eps (default 1e-6) and act (default gelu)")  # fmt: skip
+                        "tokens (global_pool: token, avg or map), e.g. timmvit:heads=6,pool=token for a ViT-S; the "
+                        "other options are eps (default 1e-6) and act (default gelu)")  # fmt: skip
     try:
         heads, eps = int(options["heads"]), float(options.get("eps", 1e-6))
     except ValueError:

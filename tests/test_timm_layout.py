@@ -303,7 +303,7 @@ def test_an_identity_with_a_hook_stays_a_call_and_its_hook_runs():
 
 # -- sharpness.TimmViT: timm's checkpoints without timm ------------------------------------------------------------
 LAYOUTS = {"timm_vit_tiny": "token", "timm_vit_tiny_ls_avg": "avg", "timm_deit_tiny_distilled": "token",
-           "timm_vit_tiny_reg_gap": "avg", "timm_vit_tiny_qknorm": "token"}  # fmt: skip
+           "timm_vit_tiny_reg_gap": "avg", "timm_vit_tiny_qknorm": "token", "timm_vit_tiny_map": "map"}  # fmt: skip
 
 
 def _checkpoint(name: str):
@@ -315,7 +315,8 @@ def _checkpoint(name: str):
 def test_timmvit_computes_timm_s_logits_and_has_the_whole_group(name):
     """A class token and final LayerNorm; LayerScale and the mean through fc_norm; DeiT's distillation token and
     second head; registers, positions for the patches alone and the mean after the final LayerNorm (pool=avg); each
-    head's query and key normalized (qk_norm: their scales traded instead of the query/key GL)."""
+    head's query and key normalized (qk_norm: their scales traded instead of the query/key GL); attention pooling by a
+    latent query (map, SigLIP's: the pool's query/key and value/output GL per head and its LayerNorm traded too)."""
     state, images, logits = _checkpoint(name)
     model = TimmViT.from_state_dict(state, heads=HEADS, pool=LAYOUTS[name])
     with torch.no_grad():
@@ -324,7 +325,8 @@ def test_timmvit_computes_timm_s_logits_and_has_the_whole_group(name):
     scales = 2 * DEPTH if "_ls" in name else 0  # LayerScale on both branches of every block
     gl = DEPTH * HEADS * (1 if "qknorm" in name else 2) * HD * HD
     normed = DEPTH * HD if "qknorm" in name else 0
-    assert sym.dim == gl + (2 * DEPTH + 1 + scales) * WIDTH + normed, sym.describe()
+    pool = HEADS * 2 * HD * HD + WIDTH if name.endswith("_map") else 0  # the pool's factors and its MLP's LayerNorm
+    assert sym.dim == gl + (2 * DEPTH + 1 + scales) * WIDTH + normed + pool, sym.describe()
     moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(10)))
     with torch.no_grad():
         assert (moved(images) - model(images)).abs().max() < 1e-10
@@ -337,13 +339,19 @@ def test_timmvit_refuses_what_does_not_fit_with_the_reason():
     cases = {
         "no classifier": (headless, "no 2-axis tensor head.weight"),
         "qk_norm": ({**state, "blocks.0.attn.q_norm.weight": torch.ones(HD)}, "missing ['blocks.0.attn.k_norm.bias'"),
-        "attention pooling": ({**state, "attn_pool.latent": torch.zeros(1, 1, WIDTH)}, "unknown ['attn_pool.latent'"),
+        "attention pooling read as a token": ({**state, "attn_pool.latent": torch.zeros(1, 1, WIDTH)},
+                                              "only a model pooling by attention has (this one has them)"),
         "heads": (state, "dim=16 is not a multiple of heads=3"),
         "positions": ({**state, "pos_embed": torch.zeros(1, 19, WIDTH)}, "not one square grid"),
         "registers": ({**state, "reg_token": torch.zeros(WIDTH)}, "reg_token has shape (16,), not (1, k, width)"),
     }
-    with pytest.raises(SpecError, match="give pool=token or pool=avg"):  # max pooling has the keys of an average
+    with pytest.raises(SpecError, match="give pool=token or pool=avg or pool=map"):  # max: the keys of an average
         TimmViT.from_state_dict(state, heads=HEADS, pool="max")
+    with pytest.raises(SpecError, match="only a model pooling by attention has"):
+        TimmViT.from_state_dict(state, heads=HEADS, pool="map")
+    pooled, _, _ = _checkpoint("timm_vit_tiny_map")
+    with pytest.raises(SpecError, match=re.escape("TimmViT reads one latent query")):
+        TimmViT.from_state_dict({**pooled, "attn_pool.latent": torch.zeros(1, 2, WIDTH)}, heads=HEADS, pool="map")
     for what, (bad, message) in cases.items():
         with pytest.raises(SpecError, match=re.escape(message)):
             TimmViT.from_state_dict(bad, heads=3 if what == "heads" else HEADS, pool="token")
@@ -362,7 +370,7 @@ def test_the_command_line_measures_a_timm_checkpoint(tmp_path, capsys):
     assert json.loads(out.read_text())["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
     np.savez(tmp_path / "wide.npz", X=images.reshape(5, 1, 4, 16).numpy(), y=LABELS.numpy())  # as many patches
     cases = (
-        ("timmvit:heads=2", "images.npz", "and how it pools the tokens (global_pool: token or avg)"),
+        ("timmvit:heads=2", "images.npz", "and how it pools the tokens (global_pool: token, avg or map)"),
         ("timmvit:heads=2,pool=token", "wide.npz", "the model takes images (N, 1, 8, 8)"),
     )
     for model, data, message in cases:
