@@ -1471,9 +1471,15 @@ class _Finder:
         if m._forward_hooks or m._forward_pre_hooks or self.calls[str(call.target)] != 1 or m.embed_dim != size \
                 or self.calls[f"{call.target}.out_proj"]:  # out_proj also called on its own: its rows are read there
             return None
+        # the output read once: another `[0]` of the same call would read out_proj's rows unscaled
+        if any(u is not node and self.piece_index(u) in (0, None) for u in self.users(call)):
+            return None
         index = tuple(range(size))
         out = f"{call.target}.out_proj"
-        names = [self.param(out, "weight"), self.param(out, "bias")]
+        try:  # out_proj's parameters read elsewhere too (shared, tied): no trade
+            names = [self.param(out, "weight"), self.param(out, "bias")]
+        except _Fail:
+            return None
         return [Block(n, 0, index, None, "inv") for n in names if n is not None]
 
     def scale(self, node: fx.Node) -> None:

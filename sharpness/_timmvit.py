@@ -19,7 +19,9 @@ features, shared by the heads, where the model has ``qk_norm``), and attends ove
 (``F.scaled_dot_product_attention``). The classifier reads the final LayerNorm's state of the class token
 (``pool="token"``), the mean of the patch tokens (``pool="avg"``), each through ``norm`` and/or ``fc_norm`` as the
 checkpoint has them, or attention pooling (``pool="map"``, SigLIP's: ``attn_pool.latent`` (1, 1, D), ``attn_pool.q``,
-``.kv`` (2D, D), ``.proj``, ``.norm``, ``.mlp.fc1``, ``.fc2``, read after ``norm``). The keys do not say which pooling
+``.kv`` (2D, D), ``.proj``, ``.norm``, ``.mlp.fc1``, ``.fc2``, reading the tokens after the prefix once ``norm`` has,
+as timm's default ``pool_include_prefix=False`` does). timm's ``pool_include_prefix=True`` and its ``"prr"`` pooling
+have the keys of these models and are not modelled. The keys do not say which pooling
 a model uses (timm's ``global_pool``), so ``pool`` is always given; timm's max pooling is not modelled (its keys are an
 average-pooled model's). A distilled model averages its two heads, on the class and the distillation token, as timm's
 does in eval mode. Other layouts are refused (a key the model does not have).
@@ -83,13 +85,14 @@ class Block(nn.Module):
 class AttentionPool(nn.Module):
     """timm's ``AttentionPoolLatent`` (``global_pool="map"``, SigLIP's models): a learned latent query ``latent``
     ``(1, L, D)`` projected by ``q`` attends to the tokens (keys and values by one fused ``kv``), then ``proj`` and a
-    residual MLP after ``norm``; pooled over the ``L`` latents by the first (timm's ``pool_type="token"``)."""
+    residual MLP after ``norm``; pooled over the ``L`` latents by the first (timm's ``pool_type="token"``). ``q`` and
+    ``kv`` have biases whatever the blocks' ``qkv_bias`` (timm's ``VisionTransformer`` builds the pool so)."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, qkv_bias: bool, latents: int = 1):
+    def __init__(self, dim: int, heads: int, hidden: int, eps: float, act: str, latents: int = 1):
         super().__init__()
         self.heads = heads
         self.latent = nn.Parameter(torch.zeros(1, latents, dim))
-        self.q, self.kv = nn.Linear(dim, dim, bias=qkv_bias), nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.q, self.kv = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
         self.proj, self.norm, self.mlp = nn.Linear(dim, dim), nn.LayerNorm(dim, eps=eps), ViTMLP(dim, hidden, act)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -163,7 +166,7 @@ class TimmViT(nn.Module):
         self.norm = nn.LayerNorm(dim, eps=eps) if final_norm else nn.Identity()
         self.fc_norm = nn.LayerNorm(dim, eps=eps) if fc_norm else nn.Identity()
         if pool == "map":
-            self.attn_pool = AttentionPool(dim, heads, 4 * dim if hidden is None else hidden, eps, act, qkv_bias)
+            self.attn_pool = AttentionPool(dim, heads, 4 * dim if hidden is None else hidden, eps, act)
         self.head = nn.Linear(dim, classes)
         self.head_dist = nn.Linear(dim, classes) if distilled else None
 
@@ -181,8 +184,8 @@ class TimmViT(nn.Module):
         x = self.norm(self.blocks(x))
         if self.distilled:  # eval mode: the mean of the two heads
             return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
-        if self.pool == "map":  # every token, the prefix's too, as timm's attention pooling reads them
-            x = self.attn_pool(x)
+        if self.pool == "map":  # the tokens after the prefix, as timm pools them (its pool_include_prefix=False)
+            x = self.attn_pool(x[:, self.prefix :])
         else:
             x = x[:, 0] if self.pool == "token" else x[:, self.prefix :].mean(dim=1)
         return self.head(self.fc_norm(x))
@@ -192,8 +195,8 @@ class TimmViT(nn.Module):
                         act: str = "gelu") -> TimmViT:  # fmt: skip
         """The model of a timm ``VisionTransformer`` checkpoint's state dict, its sizes and options read off the
         tensors (square images: the side from the number of patches; ``norm`` and ``fc_norm`` where the keys have
-        them); ``heads`` (``num_heads``), ``pool`` (``"token"`` or ``"avg"``: timm's ``global_pool``), ``eps`` and
-        ``act`` are in the model's definition, which no shape holds.
+        them); ``heads`` (``num_heads``), ``pool`` (``"token"``, ``"avg"`` or ``"map"``: timm's ``global_pool``),
+        ``eps`` and ``act`` are in the model's definition, which no shape holds.
 
         Raises:
             SpecError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.

@@ -66,6 +66,8 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
         raise ValueError(f"no twin for {name}: for model type {kind!r} the toolkit reads *{accepted} (a model with its "
                          "head; a base model's outputs are hidden states, another function)")  # fmt: skip
     state = model.state_dict()
+    if any(t.is_meta for t in state.values()):
+        raise ValueError(f"{name}'s weights are on the meta device (not loaded): load them before making its twin")
     twin = load(settings, state, classes_last)
     first = next(iter(state.values()), None)
     return twin if first is None else twin.to(first.device)

@@ -72,6 +72,8 @@ def test_gpt2_s_lm_head_model_becomes_a_gpt2():
     (lambda s: _stand_in("Qwen3Model", {"model_type": "qwen3"}, s), ValueError, "reads *ForCausalLM"),
     (lambda s: _stand_in("T5ForConditionalGeneration", {"model_type": "t5"}, s), ValueError, "model type 't5'"),
     (lambda s: nn.Linear(2, 2), TypeError, "expects a transformers model object"),
+    (lambda s: _stand_in("Qwen3ForCausalLM", {"model_type": "qwen3"}, {k: v.to("meta") for k, v in s.items()}),
+     ValueError, "on the meta device"),
     (lambda s: _stand_in("Qwen3ForCausalLM", {"model_type": "qwen3", "num_attention_heads": 3}, s), ValueError,
      "not a positive multiple of the head size"),
 ])  # fmt: skip

@@ -10,6 +10,7 @@ measure against the dense generalized eigenproblem of `test_transformer_quotient
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from cases import token_classification
 from test_transformer_quotient import _with as _moved
@@ -228,3 +229,29 @@ def test_a_multihead_attention_whose_out_proj_is_also_called_alone_keeps_its_lay
     sym = manifolds.transformer_symmetry(model, x)
     assert not [f for f in sym.factors if f.label.startswith("layer scale")], sym.describe()
     assert_keeps_outputs(model, sym, x, seed=4)
+
+
+class MHAReadTwice(MHABlock):
+    """The attention's output read twice: scaled (``how="twice"``: by two ``[0]`` of one call) or once scaled and once
+    as it is through ``out_proj``'s weight used outside the module (``how="shared"``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        h = self.ln(x)
+        r = self.attn(h, h, h, need_weights=False)
+        if self.how == "twice":
+            return self.head((x + r[0] * self.gamma + r[0]).mean(1))
+        extra = torch.nn.functional.linear(x, self.attn.out_proj.weight, self.attn.out_proj.bias)
+        return self.head((x + r[0] * self.gamma + extra).mean(1))
+
+
+@pytest.mark.parametrize("how", ["twice", "shared"])
+def test_a_multihead_attention_output_read_unscaled_too_keeps_its_layer_scale_pinned(how):
+    """Before: two reads claimed the trade (logits moved by 2.5); a shared out_proj raised an internal error."""
+    model, _, (x, _) = token_classification(MHAReadTwice(how), D)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not [f for f in sym.factors if f.label.startswith("layer scale")], sym.describe()
+    assert_keeps_outputs(model, sym, x, seed=5)

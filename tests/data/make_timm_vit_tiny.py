@@ -1,14 +1,16 @@
 """Writes ``timm_vit_tiny.safetensors``, ``timm_vit_tiny_ls_avg``, ``timm_deit_tiny_distilled``,
-``timm_vit_tiny_reg_gap``, ``timm_vit_tiny_qknorm`` and ``timm_vit_tiny_map``: tiny random vision transformers made by
-timm (float64, parameters moved off the initialization; 8x8 one-channel images in 2x2 patches, 2 pre-LayerNorm blocks
-of width 16 with 2 heads, 10 classes): the first as ``vit_tiny_patch16_224`` is configured (class token, final
-LayerNorm), the second with LayerScale (``init_values=0.5``) and the tokens' mean (``global_pool="avg"``,
-``fc_norm``), the third DeiT's distilled model (a distillation token and a second head), the fourth with two register
-tokens, positions for the patches alone, the mean after the final LayerNorm and no query/key/value bias (as timm's
-``*_reg4_gap_*`` models), the fifth with the query and key normalized per head (``qk_norm=True``), the sixth pooling
-by attention (``global_pool="map"``, no class token, as SigLIP's models: a learned latent query attends to the tokens,
-then a projection and a LayerNorm'd MLP). Each holds images ``__images`` (N, 1, 8, 8) and timm's logits for them
-(``__logits``); ``tests/test_timm_layout.py`` checks ``tests/timm_like.py`` and `sharpness.TimmViT` against them.
+``timm_vit_tiny_reg_gap``, ``timm_vit_tiny_qknorm``, ``timm_vit_tiny_map`` and ``timm_vit_tiny_map_prefix``: tiny
+random vision transformers made by timm (float64, parameters moved off the initialization; 8x8 one-channel images in
+2x2 patches, 2 pre-LayerNorm blocks of width 16 with 2 heads, 10 classes): the first as ``vit_tiny_patch16_224`` is
+configured (class token, final LayerNorm), the second with LayerScale (``init_values=0.5``) and the tokens' mean
+(``global_pool="avg"``, ``fc_norm``), the third DeiT's distilled model (a distillation token and a second head), the
+fourth with two register tokens, positions for the patches alone, the mean after the final LayerNorm and no
+query/key/value bias (as timm's ``*_reg4_gap_*`` models), the fifth with the query and key normalized per head
+(``qk_norm=True``), the sixth pooling by attention (``global_pool="map"``, no class token, as SigLIP's models: a
+learned latent query attends to the tokens, then a projection and a LayerNorm'd MLP), the seventh so with a class
+token, two registers (which timm's pooling leaves out) and no query/key/value bias in the blocks (the pool's keep
+theirs). Each holds images ``__images`` (N, 1, 8, 8) and timm's logits for them (``__logits``);
+``tests/test_timm_layout.py`` checks ``tests/timm_like.py`` and `sharpness.TimmViT` against them.
 
 Needs timm (not a dependency of this project): ``python tests/data/make_timm_vit_tiny.py OUT_DIR``. timm imports
 torchvision when it loads, and calls none of it for a ViT; where torchvision has no build (this project's CPU-only
@@ -68,6 +70,8 @@ VARIANTS = (
     ("timm_vit_tiny_qknorm", "vit_tiny_patch16_224", {"qk_norm": True}),
     ("timm_vit_tiny_map", "vit_tiny_patch16_224",  # as SigLIP's vit_base_patch16_siglip_224: attention pooling
      {"class_token": False, "global_pool": "map", "fc_norm": False}),
+    ("timm_vit_tiny_map_prefix", "vit_tiny_patch16_224",  # attention pooling of the tokens after a class token and
+     {"global_pool": "map", "fc_norm": False, "reg_tokens": 2, "qkv_bias": False}),  # two registers
 )
 for name, architecture, extra in VARIANTS:
     torch.manual_seed(0)
