@@ -1089,12 +1089,10 @@ class _Finder:
             raise _Fail("the normalized query and key do not meet feature by feature")
         pq, pk = pq.expand(*batch, *pq.shape[-2:]), pk.expand(*batch, *pk.shape[-2:])
         gq, gk = self.groups(pq, True, "query"), self.groups(pk, True, "key")
-        met = _met_features(gq, gk, size[0], size_k[0])  # the query features each key feature meets
-        if met is None:
+        found = _met_features(gq, gk, size[0], size_k[0])  # the query features each key feature meets
+        if found is None:
             raise _Fail("the normalized query and key do not meet feature by feature")
-        partner = torch.empty(size[0], dtype=torch.long)
-        for j, features in enumerate(met):
-            partner[list(features)] = j
+        met, partner = found
         for n, m in ((qn, mq), (kn, mk)):  # the metric weighs feature j by |(gamma_j, beta_j)|^2: undefined at 0
             bias = getattr(m, "bias", None)  # nn.RMSNorm has none
             pair = torch.stack([m.weight.detach(), *([] if bias is None else [bias.detach()])])
@@ -1613,13 +1611,13 @@ class _Finder:
             return False
         if self.users(other) != [user]:  # fx records `g *= h` out of place: another reader of g would see g h
             return False
+        own_piece = None if cut is None else self.piece_of(source, cut)
         todo, seen = [other], {other}
         while todo:  # `other` must not read `linear`'s output (h * h is no gate), but for other pieces of it
             n = todo.pop()
             if n is linear:
                 return False
-            if cut is not None and n.args[:1] == (cut,) and target_name(n) == "getitem" and n is not self.piece_of(
-                    source, cut):  # fmt: skip
+            if cut is not None and n.args[:1] == (cut,) and target_name(n) == "getitem" and n is not own_piece:
                 continue
             for a in n.all_input_nodes:
                 if a not in seen:
@@ -1694,11 +1692,11 @@ def _last_axis_slice(index: object, source: object) -> bool:
         b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in (last.start, last.stop))
 
 
-def _met_features(gq: Tensor, gk: Tensor, size_q: int, size_k: int) -> list[tuple[int, ...]] | None:
-    """Per key feature ``j`` (of ``size_k``), the query features (of ``size_q``) it meets in the scores, sorted: head
-    slot ``s`` pairs query feature ``gq[s, i]`` with key feature ``gk[s, i]``. ``None`` unless each query feature meets
-    one key feature, and every key feature as many query features as the others (the query heads sharing its
-    head)."""
+def _met_features(gq: Tensor, gk: Tensor, size_q: int, size_k: int) -> tuple[list[tuple[int, ...]], Tensor] | None:
+    """Per key feature ``j`` (of ``size_k``), the query features (of ``size_q``) it meets in the scores, sorted, and per
+    query feature the key feature it meets (``(size_q,)``): head slot ``s`` pairs query feature ``gq[s, i]`` with key
+    feature ``gk[s, i]``. ``None`` unless each query feature meets one key feature, and every key feature as many
+    query features as the others (the query heads sharing its head)."""
     if gq.shape != gk.shape:
         return None
     partner: dict[int, int] = {}
@@ -1710,7 +1708,9 @@ def _met_features(gq: Tensor, gk: Tensor, size_q: int, size_k: int) -> list[tupl
     met: list[list[int]] = [[] for _ in range(size_k)]
     for a, b in sorted(partner.items()):
         met[b].append(a)
-    return [tuple(m) for m in met] if len({len(m) for m in met}) == 1 else None
+    if len({len(m) for m in met}) != 1:
+        return None
+    return [tuple(m) for m in met], torch.tensor([partner[a] for a in range(size_q)], dtype=torch.long)
 
 
 def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None]]) -> list[list[tuple[int, ...]]]:
