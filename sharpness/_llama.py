@@ -27,6 +27,13 @@ OLMo 2's blocks put their norms on the branches' outputs, ``x + post_attention_l
 post_feedforward_layernorm(mlp(x))``: ``post_feedforward_layernorm.weight`` (D,) in place of ``input_layernorm``.
 Biases where the checkpoint has them (``attention_bias``, ``mlp_bias``, or Qwen2's query/key/value biases): each
 projection has a bias exactly where its ``.bias`` key is present.
+
+Gemma's MLP gates with GELU's tanh approximation (GeGLU), its token embeddings are multiplied by ``sqrt(D)``, and its
+RMSNorms multiply by ``1 + w`` for a stored weight ``w``: the model's RMSNorm weights hold the gains ``1 + w`` (the
+loaders add the one, `LlamaLayout.norm_offset`), so each norm's scale trade is LLaMA's. Gemma 2's blocks have a norm
+before and after each branch, ``x + post_attention_layernorm(attn(input_layernorm(x)))`` then ``x +
+post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (``pre_feedforward_layernorm.weight`` (D,) besides),
+divide the scores by ``sqrt(query_pre_attn_scalar)``, and cap the scores and the logits softly, ``c tanh(s / c)``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +57,7 @@ from sharpness._specs import (
     positive_number,
 )
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
@@ -65,15 +74,47 @@ class LlamaLayout:
             attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``.
         fused: Phi-3's projections: one ``qkv_proj`` whose rows are the queries', keys' and values' (cut by slices),
             and one ``gate_up_proj`` whose first half of rows is the gate's (cut by ``chunk``).
+        sandwich_norms: Gemma 2's blocks, ``x + post_attention_layernorm(attn(input_layernorm(x)))`` then ``x +
+            post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (a norm before and after each branch).
+        activation: the MLP's gate, ``"silu"`` (LLaMA's SwiGLU) or ``"gelu_tanh"`` (Gemma's GeGLU, GELU's tanh
+            approximation, transformers' ``gelu_pytorch_tanh``).
+        embed_scale: whether the token embeddings are multiplied by ``sqrt(D)`` (Gemma's, rounded to float32 as
+            transformers keeps it).
+        norm_offset: what the checkpoint's RMSNorm weights are offset by: Gemma stores ``w`` and multiplies by ``1 +
+            w`` (``norm_offset=1``). Only the loaders read it: the model's own RMSNorm weights always hold the gain
+            ``w + norm_offset``, so that the norms' scale trade is the plain one (the Hessian is the same: the two
+            parameters differ by a constant).
+        query_pre_attn_scalar: the scores are ``q k^T / sqrt(query_pre_attn_scalar)`` (Gemma 2's); ``None``: ``/
+            sqrt(hd)``.
+        attn_softcap: Gemma 2's ``attn_logit_softcapping`` ``c``: the scores become ``c tanh(s / c)`` before the mask
+            and softmax; ``None``: none.
+        logit_softcap: Gemma 2's ``final_logit_softcapping``, the same on the logits; ``None``: none.
     """
 
     qk_norm: str | None = None
     post_norms: bool = False
     fused: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    norm_offset: float = 0.0
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "width"):
             raise ValueError(f"qk_norm must be None, 'head' or 'width', got {self.qk_norm!r}")
+        if self.post_norms and self.sandwich_norms:
+            raise ValueError("post_norms and sandwich_norms are two different blocks; choose one")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(_ACTIVATIONS)}, got {self.activation!r}")
+        if self.norm_offset not in (0.0, 1.0):
+            raise ValueError(f"norm_offset must be 0 or 1 (Gemma's 1 + w), got {self.norm_offset!r}")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not positive_number(value):
+                raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
 
 
 def is_rotary_buffer(key: str) -> bool:
@@ -251,6 +292,8 @@ class LlamaAttention(nn.Module):
             self.register_buffer("long_inv_freq", rope.long_inv_freq.clone(), persistent=False)
         self.original, self.dynamic, self.attention_factor = rope.original, rope.dynamic, rope.attention_factor
         self.fused = layout.fused
+        scalar = layout.query_pre_attn_scalar
+        self.scale, self.softcap = None if scalar is None else scalar**-0.5, layout.attn_softcap
         if self.fused:
             self.qkv_proj = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=bias.get("qkv_proj", False))
         else:
@@ -300,6 +343,19 @@ class LlamaAttention(nn.Module):
             return t
         return t[:, :, None, :, :].expand(b, self.kv_heads, groups, length, hd).reshape(b, self.heads, length, hd)
 
+    def _seen(self, q: Tensor) -> Tensor:
+        """``(T, T)``: which keys each query sees, those before it (within the sliding window where there is one)."""
+        token = torch.arange(q.size(2), device=q.device)
+        gap = token[:, None] - token[None, :]
+        return gap >= 0 if self.window is None else (gap >= 0) & (gap < self.window)
+
+    def _capped(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Gemma 2's attention: the scaled scores ``s`` capped to ``c tanh(s / c)``, then masked and normalized (no
+        fused kernel takes the cap)."""
+        scores = q @ k.transpose(-2, -1) * (self.head_dim**-0.5 if self.scale is None else self.scale)
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        return torch.softmax(scores.masked_fill(~self._seen(q), float("-inf")), dim=-1) @ v
+
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:  # Phi-3: the rows of one projection, cut as transformers cuts them
             qkv = self.qkv_proj(x)
@@ -324,20 +380,21 @@ class LlamaAttention(nn.Module):
             cos, sin = (angles.cos() * self.attention_factor).to(x.dtype), (angles.sin() * self.attention_factor).to(
                 x.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        if self.window is None:
-            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True)
+        scale = {} if self.scale is None else {"scale": self.scale}
+        if self.softcap is not None:
+            out = self._capped(q, self._repeat(k), self._repeat(v))
+        elif self.window is None:
+            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), is_causal=True, **scale)
         else:  # Mistral's sliding window: query t sees the keys t - window + 1 .. t
-            token = torch.arange(x.size(1), device=x.device)
-            gap = token[:, None] - token[None, :]
-            seen = (gap >= 0) & (gap < self.window)
-            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=seen)
+            out = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v), attn_mask=self._seen(q), **scale)
         return self.o_proj(out.transpose(1, 2).reshape(x.size(0), x.size(1), self.heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: Mapping[str, bool], fused: bool = False):
+    def __init__(self, dim: int, hidden: int, bias: Mapping[str, bool], fused: bool = False,
+                 activation: str = "silu"):  # fmt: skip
         super().__init__()
-        self.fused = fused
+        self.fused, self.activation = fused, activation
         if fused:  # Phi-3's gate and up projections as one
             self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias.get("gate_up_proj", False))
         else:
@@ -348,8 +405,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(up * F.silu(gate))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(up * _ACTIVATIONS[self.activation](gate))
+        return self.down_proj(_ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -357,10 +414,14 @@ class LlamaDecoderLayer(nn.Module):
                  rope: Rope, bias: Mapping[str, bool], window: int | None, layout: LlamaLayout):  # fmt: skip
         super().__init__()
         self.self_attn = LlamaAttention(dim, heads, kv_heads, head_dim, rope, bias, window, layout, eps)
-        self.mlp = LlamaMLP(dim, hidden, bias, layout.fused)
-        self.post_norms = layout.post_norms
+        self.mlp = LlamaMLP(dim, hidden, bias, layout.fused, layout.activation)
+        self.post_norms, self.sandwich_norms = layout.post_norms, layout.sandwich_norms
         if self.post_norms:
             self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
+        elif self.sandwich_norms:
+            self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
+            self.pre_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
             self.post_feedforward_layernorm = nn.RMSNorm(dim, eps=eps)
         else:
             self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps), nn.RMSNorm(dim, eps=eps)
@@ -369,6 +430,9 @@ class LlamaDecoderLayer(nn.Module):
         if self.post_norms:
             x = x + self.post_attention_layernorm(self.self_attn(x))
             return x + self.post_feedforward_layernorm(self.mlp(x))
+        if self.sandwich_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -382,9 +446,13 @@ class LlamaBody(nn.Module):
         block = (dim, heads, kv_heads, head_dim, hidden, eps, rope, bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, layout) for window in windows)
         self.norm = nn.RMSNorm(dim, eps=eps)
+        # Gemma's sqrt(D), as transformers keeps it: a float32 number (exact in float32 and float64 products)
+        self.embed_scale = float(torch.tensor(dim**0.5, dtype=torch.float32)) if layout.embed_scale else None
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
@@ -415,7 +483,8 @@ class Llama(nn.Module):
         bias: the projections (``"q_proj"``, ..., ``"down_proj"``, or Phi-3's ``"qkv_proj"``, ``"gate_up_proj"``) that
             have a bias; a name the layout does not build is refused.
         layout: how the family's blocks differ from LLaMA's ([`LlamaLayout`][sharpness.LlamaLayout]: Qwen3's and
-            OLMo 2's query/key norms, OLMo 2's norms on the branches' outputs, Phi-3's fused projections).
+            OLMo 2's query/key norms, OLMo 2's norms on the branches' outputs, Phi-3's fused projections, Gemma's
+            GeGLU, scaled embeddings and norm gains, Gemma 2's norms around the branches and soft caps).
         padding_idx: the token whose row of the table is held fixed (``pad_token_id``: HuggingFace builds the table
             with it, so its gradient, and its row of the Hessian, is zero); ``None``: none.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
@@ -464,6 +533,7 @@ class Llama(nn.Module):
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
                                rotary, dict(bias or {}), windows, layout, padding_idx)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.logit_softcap = layout.logit_softcap
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -474,6 +544,8 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         logits = self.lm_head(self.model(input_ids))
+        if self.logit_softcap is not None:  # Gemma 2's cap, c tanh(logits / c)
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits if self.classes_last else logits.transpose(1, 2)
 
     @classmethod
@@ -481,7 +553,8 @@ class Llama(nn.Module):
                         classes_last: bool = True, rope_scaling: Mapping[str, object] | None = None,
                         tied: bool | None = None,
                         sliding_window: int | Sequence[int | None] | None = None,
-                        max_positions: int | None = None, padding_idx: int | None = None) -> Llama:  # fmt: skip
+                        max_positions: int | None = None, padding_idx: int | None = None,
+                        options: Mapping[str, object] | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
         tensors: the head size from ``o_proj``'s columns, the key/value heads from ``k_proj``'s rows (Phi-3's fused
@@ -493,14 +566,23 @@ class Llama(nn.Module):
         ``theta`` (``rope_theta``) and ``rope_scaling`` are in the checkpoint's ``config.json``, which no shape holds
         (`from_config` reads them there), and so are the sliding windows, ``max_position_embeddings``
         (``max_positions``, which dynamic, YaRN and LongRoPE scalings read) and ``pad_token_id`` (``padding_idx``).
+        Gemma 2's blocks (a norm before and after each branch) are read where it has
+        ``pre_feedforward_layernorm.weight``; ``options`` holds the [`LlamaLayout`][sharpness.LlamaLayout] fields no
+        tensor shows (``activation``, ``embed_scale``, ``norm_offset``, ``query_pre_attn_scalar``, ``attn_softcap``,
+        ``logit_softcap``: Gemma's, which `from_config` reads off its config). With ``norm_offset=1`` the RMSNorm
+        weights ``w`` are loaded as the gains ``1 + w``, rounded in their dtype (float32 rounds them as transformers
+        computes them); a half-precision weight whose gain would round is refused.
         ``tied``
         (``tie_word_embeddings``): ``None`` reads it off the tensors, tied where ``lm_head.weight`` is absent or equal
         to the token table.
 
         Raises:
-            ValueError: a key is missing or unknown, a shape does not fit, ``tied`` contradicts the tensors, or an
-                unsupported ``rope_scaling``.
+            ValueError: a key is missing or unknown, a shape does not fit, ``tied`` contradicts the tensors, an
+                unsupported ``rope_scaling``, an unknown option, or a norm weight whose gain would round.
         """
+        unknown = set(options or {}) - _OPTIONS
+        if unknown:
+            raise SpecError(f"unknown layout options {sorted(unknown)}; the options are {', '.join(sorted(_OPTIONS))}")
         tensors = {}
         for key, value in state.items():
             if is_rotary_buffer(key):
@@ -546,8 +628,15 @@ class Llama(nn.Module):
             raise SpecError(f"the keys have {k_rows} rows, not a positive multiple of the head size {head_dim}")
         bias = {p: any(k.endswith(f".{p}.bias") for k in tensors) for p in _PROJECTIONS}
         norm = tensors.get(first + "self_attn.q_norm.weight")
-        layout = LlamaLayout(None if norm is None else "head" if norm.shape == (head_dim,) else "width",
-                        first + "post_feedforward_layernorm.weight" in tensors, fused)  # fmt: skip
+        sandwich = first + "pre_feedforward_layernorm.weight" in tensors
+        post = first + "post_feedforward_layernorm.weight" in tensors and not sandwich
+        try:
+            layout = LlamaLayout(None if norm is None else "head" if norm.shape == (head_dim,) else "width", post,
+                                 fused, sandwich, **(options or {}))  # fmt: skip
+        except (TypeError, ValueError) as failure:
+            raise SpecError(str(failure)) from None
+        if layout.norm_offset:
+            _add_norm_offset(tensors, layout.norm_offset)
         head = tensors.pop("lm_head.weight", None)
         same = head is None or (head.shape == table.shape and torch.equal(head, table))
         if tied is None:
@@ -570,21 +659,24 @@ class Llama(nn.Module):
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> Llama:
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
         ``rms_norm_eps`` (default 1e-6), ``rope_theta`` and ``rope_scaling`` (or transformers 5's
-        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors), ``hidden_act`` (``silu``),
+        ``rope_parameters``), ``tie_word_embeddings`` (default: read off the tensors), ``hidden_act`` (``silu``; for
+        ``model_type`` ``"gemma"`` and ``"gemma2"`` GELU's tanh approximation, with Gemma's scaled embeddings, ``1 +
+        w`` norms, and Gemma 2's ``query_pre_attn_scalar`` and soft caps, `LlamaLayout`),
         ``pad_token_id`` (the token table's fixed row, as transformers builds the table) and
         the sliding windows as transformers reads them: Mistral's ``sliding_window`` on every block, Qwen2's where
         ``use_sliding_window`` is true, on the blocks from ``max_window_layers`` on, and per block by ``layer_types``
         (Qwen2, Ministral); ``LlamaForCausalLM`` reads none.
 
         Raises:
-            ValueError: a field missing or of the wrong kind, another activation, a ``partial_rotary_factor`` below
-                one, ``num_key_value_heads`` or ``head_dim`` other than the tensors hold, or what `from_state_dict`
-                raises.
+            ValueError: a field missing or of the wrong kind, another activation, bidirectional attention, a
+                ``partial_rotary_factor`` below one, ``num_key_value_heads`` or ``head_dim`` other than the tensors
+                hold, or what `from_state_dict` raises.
         """
         heads = config.get("num_attention_heads")
         if not positive_integer(heads):
             raise SpecError(f"the config's num_attention_heads must be a positive integer, got {heads!r}")
-        if config.get("hidden_act", "silu") != "silu":
+        options = _gemma_options(config) if config.get("model_type") in _GEMMA else None
+        if options is None and config.get("hidden_act", "silu") != "silu":
             raise SpecError(f"the config's hidden_act is {config['hidden_act']!r}; a LLaMA MLP gates with silu")
         parameters = config.get("rope_parameters") or {}
         if not isinstance(parameters, Mapping):
@@ -619,7 +711,7 @@ class Llama(nn.Module):
             scaling = {**scaling, "original_max_position_embeddings": context}
         model = cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
                                     _config_windows(config), config.get("max_position_embeddings"),
-                                    config.get("pad_token_id"))  # fmt: skip
+                                    config.get("pad_token_id"), options)  # fmt: skip
         attention = model.model.layers[0].self_attn
         for name, value in (("num_key_value_heads", attention.kv_heads), ("head_dim", attention.head_dim)):
             given = config.get(name)  # the sizes read off the tensors must be the config's, where it has them
@@ -629,10 +721,65 @@ class Llama(nn.Module):
         return model
 
 
+_OPTIONS = {"activation", "embed_scale", "norm_offset", "query_pre_attn_scalar", "attn_softcap", "logit_softcap"}
+_NORM_WEIGHT = re.compile(r"model\.norm\.weight|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|"
+                          r"pre_feedforward_layernorm|post_feedforward_layernorm|self_attn\.[qk]_norm)\.weight")
+
+
+def _add_norm_offset(tensors: dict[str, Tensor], offset: float) -> None:
+    """Gemma's RMSNorm weights ``w`` (the norms multiply by ``offset + w``) replaced by the gains ``offset + w`` in
+    place. float32 and float64 gains are rounded as transformers computes them or finer (it adds in float32); a
+    half-precision gain that would round is refused.
+
+    Raises:
+        SpecError: a norm weight that is not floating-point, or a half-precision one whose gain would round.
+    """
+    for key in [k for k in tensors if _NORM_WEIGHT.fullmatch(k)]:
+        w = tensors[key]
+        if not w.is_floating_point():
+            raise SpecError(f"the norm weight {key} must be floating-point, got {w.dtype}")
+        gain = w + offset
+        if w.dtype not in (torch.float32, torch.float64) and not torch.equal(gain.float() - offset, w.float()):
+            raise SpecError(f"the norm weight {key} is {w.dtype}, where its gain {offset:g} + w rounds (transformers "
+                            "adds in float32): load the checkpoint in float32")  # fmt: skip
+        tensors[key] = gain
+
+
+_GEMMA = ("gemma", "gemma2")
+
+
+def _gemma_options(config: Mapping[str, object]) -> dict[str, object]:
+    """The layout options of a Gemma or Gemma 2 config as transformers reads them: GELU's tanh approximation
+    (``hidden_act`` for Gemma, whose legacy ``"gelu"`` transformers reads as it, ``hidden_activation`` for Gemma 2),
+    embeddings times ``sqrt(D)``, norms by ``1 + w``, and Gemma 2's ``query_pre_attn_scalar`` and soft caps.
+
+    Raises:
+        SpecError: another activation, bidirectional attention, or a scalar or cap that is not a positive number.
+    """
+    gemma2 = config.get("model_type") == "gemma2"
+    key = "hidden_activation" if gemma2 else "hidden_act"
+    activation = config.get(key, "gelu_pytorch_tanh")
+    if activation not in ("gelu_pytorch_tanh", *(() if gemma2 else ("gelu",))):
+        raise SpecError(f"the config's {key} is {activation!r}; sharpness.Llama reads Gemma's gelu_pytorch_tanh")
+    if config.get("use_bidirectional_attention"):
+        raise SpecError("the config's use_bidirectional_attention is true: sharpness.Llama attends causally")
+    options: dict[str, object] = {"activation": "gelu_tanh", "embed_scale": True, "norm_offset": 1.0}
+    if gemma2:
+        names = {"query_pre_attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
+                 "logit_softcap": "final_logit_softcapping"}  # fmt: skip
+        for option, name in names.items():
+            value = config.get(name, 256 if option == "query_pre_attn_scalar" else None)
+            if value is not None and not positive_number(value):
+                raise SpecError(f"the config's {name} must be a positive number or null, got {value!r}")
+            options[option] = None if value is None else float(value)
+    return options
+
+
 def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | None:
     """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's and
     Phi-3's ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others
-    (Qwen2, Ministral, Qwen3) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``; Qwen's
+    (Qwen2, Ministral, Qwen3, Gemma 2) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``
+    (Gemma 2 without ``layer_types``: on the even blocks, 0, 2, ...); none for Gemma; Qwen's
     classes have one only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from
     ``max_window_layers`` on.
     A config without ``sliding_window`` has their default, 4096 tokens.
@@ -641,9 +788,10 @@ def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | No
         SpecError: a window, flag or ``layer_types`` of the wrong kind, or ``layer_types`` not one per block.
     """
     kind = config.get("model_type")
-    if kind == "llama":
+    if kind in ("llama", "gemma"):
         return None
-    window = config.get("sliding_window", 4096 if kind in ("mistral", "ministral", "qwen2", "qwen3") else None)
+    defaults = ("mistral", "ministral", "qwen2", "qwen3", "gemma2")  # the classes whose config has a default window
+    window = config.get("sliding_window", 4096 if kind in defaults else None)
     qwen = kind in ("qwen2", "qwen3") or (kind is None and "use_sliding_window" in config)  # Mistral's read no flag
     if qwen:
         use = config.get("use_sliding_window", False)
@@ -655,6 +803,10 @@ def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | No
     if not positive_integer(window):
         raise SpecError(f"the config's sliding_window must be a positive integer or null, got {window!r}")
     kinds, layers = config.get("layer_types"), config.get("num_hidden_layers")
+    if kind == "gemma2" and kinds is None:  # Gemma2Config's default: the even blocks (0, 2, ...) slide
+        if not positive_integer(layers):
+            raise SpecError(f"the config's num_hidden_layers must be a positive integer, got {layers!r}")
+        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     if kind == "mistral" or (kinds is None and not qwen):
         return window
     if kinds is None:  # Qwen2's default: full attention below max_window_layers

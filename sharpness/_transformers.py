@@ -19,7 +19,7 @@ from sharpness._llama import Llama
 
 # the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
-_LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3")
+_LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2")
 _CLASSES = {
     **{kind: ("ForCausalLM", Llama.from_config) for kind in _LLAMA_FAMILY},
     "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
@@ -33,8 +33,9 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
 
     Reads ``model.config.to_dict()`` and ``model.state_dict()`` into the class of its family:
 
-    - ``LlamaForCausalLM`` and the LLaMA family's other causal LMs (Mistral, Ministral, Qwen2, Qwen3, OLMo 2, Phi-3)
-      -> [`Llama`][sharpness.Llama] (`Llama.from_config`);
+    - ``LlamaForCausalLM`` and the LLaMA family's other causal LMs (Mistral, Ministral, Qwen2, Qwen3, OLMo 2, Phi-3,
+      Gemma, Gemma 2) -> [`Llama`][sharpness.Llama] (`Llama.from_config`; Gemma's RMSNorm weights ``w`` become the
+      gains ``1 + w`` the norms multiply by, see [`LlamaLayout`][sharpness.LlamaLayout]);
     - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
@@ -45,7 +46,8 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
             T)``, the layout ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets.
 
     Returns:
-        The twin: the same function of token ids (or images), the same parameter names as ``model``'s state dict.
+        The twin: the same function of token ids (or images), the same parameter names as ``model``'s state dict
+            (the same values but for Gemma's norm gains).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` with a ``config`` that has ``to_dict()``.

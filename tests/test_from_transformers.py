@@ -46,6 +46,8 @@ def _fixture(stem: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
         ("olmo2_tiny_hf", "Olmo2ForCausalLM"),
         ("phi3_tiny_hf", "Phi3ForCausalLM"),
         ("qwen2_tiny_hf", "Qwen2ForCausalLM"),
+        ("gemma_tiny_hf", "GemmaForCausalLM"),
+        ("gemma2_tiny_hf", "Gemma2ForCausalLM"),
     ],
 )
 def test_a_causal_lm_becomes_a_llama_with_its_logits(stem, name):
@@ -90,6 +92,22 @@ def test_transformers_own_objects_where_it_is_installed():
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                       max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
     model = transformers.Qwen3ForCausalLM(config).double().eval()
+    ids = torch.randint(0, 31, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_transformers_own_gemma2_where_it_is_installed():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4,
+                                       attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                       max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # norm weights off 0, so that 1 + w matters
     ids = torch.randint(0, 31, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)

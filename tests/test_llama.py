@@ -32,7 +32,11 @@ MINISTRAL = ("ministral_tiny_hf.safetensors", 2, 10000.0)  # the window on the f
 QWEN3 = ("qwen3_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms per head; heads of 12 on a width of 16
 OLMO2 = ("olmo2_tiny_hf.safetensors", 2, 10000.0)  # query/key RMSNorms over the width; norms on the branches' outputs
 PHI3 = ("phi3_tiny_hf.safetensors", 4, 10000.0)  # fused qkv_proj and gate_up_proj; a window of 3; token 28 pads
-WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3)  # read from their config.json
+# Gemma: norms by 1 + w, GeGLU, embeddings times 4, heads of 12, a tied head; Gemma 2: 4 heads of 8 sharing 2, a norm
+# before and after each branch, scores over sqrt(10), soft caps 2 (scores) and 3 (logits), a window of 3 on block 0
+GEMMA, GEMMA2 = ("gemma_tiny_hf.safetensors", 2, 10000.0), ("gemma2_tiny_hf.safetensors", 4, 10000.0)
+GEMMA2_NOCAP = ("gemma2_nocap_tiny_hf.safetensors", 4, 10000.0)  # no cap on the scores (the toolkit's SDPA)
+WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3, GEMMA, GEMMA2, GEMMA2_NOCAP)  # with a config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -52,9 +56,10 @@ def _config(which=ROPE) -> dict:
     return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3],
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3, GEMMA, GEMMA2,
+                                   GEMMA2_NOCAP],
                          ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window",
-                              "qwen3", "olmo2", "phi3"])  # fmt: skip
+                              "qwen3", "olmo2", "phi3", "gemma", "gemma2", "gemma2_nocap"])  # fmt: skip
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -65,21 +70,22 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(model(ids), logits, rtol=0, atol=1e-5)
         across = _model(which, classes_last=False)(ids)
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED)
+    gemma = which in (GEMMA, GEMMA2, GEMMA2_NOCAP)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED or gemma)
     attention = model.model.layers[0].self_attn
-    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12), OLMO2[0]: (2, 2, 8), PHI3[0]: (4, 2, 4)}.get(
-        which[0], (2, 1, 8))
+    sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12), OLMO2[0]: (2, 2, 8), PHI3[0]: (4, 2, 4),
+             GEMMA[0]: (2, 1, 12), GEMMA2[0]: (4, 2, 8), GEMMA2_NOCAP[0]: (4, 2, 8)}.get(which[0], (2, 1, 8))
     norms = {QWEN3[0]: "head", OLMO2[0]: "width"}.get(which[0])
     assert (attention.heads, attention.kv_heads, attention.head_dim, attention.qk_norm) == (*sizes, norms)
     assert model.model.layers[0].post_norms == (which is OLMO2)
     assert attention.fused == model.model.layers[0].mlp.fused == (which is PHI3)
-    assert model.model.embed_tokens.padding_idx == {OLMO2[0]: 1, PHI3[0]: 28}.get(which[0])  # config's pad_token_id
+    assert model.model.embed_tokens.padding_idx == {OLMO2[0]: 1, PHI3[0]: 28}.get(which[0], 0 if gemma else None)
     queries, up = (attention.qkv_proj, model.model.layers[0].mlp.gate_up_proj) if which is PHI3 else (
         attention.q_proj, model.model.layers[0].mlp.up_proj)
     biased = (queries.bias is not None, up.bias is not None)
     assert biased == (which is TIED or which is QWEN2, which is TIED)
-    windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None], PHI3[0]: [3, 3]}.get(which[0],
-                                                                                                      [None, None])
+    windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None], PHI3[0]: [3, 3], GEMMA2[0]: [3, None],
+               GEMMA2_NOCAP[0]: [3, None]}.get(which[0], [None, None])
     assert [layer.self_attn.window for layer in model.model.layers] == windows
 
 
@@ -370,8 +376,9 @@ def test_phi3_s_fused_projections_keep_llama_s_group():
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3],
-                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, GEMMA, GEMMA2, GEMMA2_NOCAP],
+                         ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3", "olmo2", "phi3", "gemma",
+                              "gemma2", "gemma2_nocap"])  # fmt: skip
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
@@ -408,7 +415,8 @@ def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, t
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2, PHI3], ids=["llama3_rope", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2, PHI3, GEMMA2],
+                         ids=["llama3_rope", "qwen3", "olmo2", "phi3", "gemma2"])
 def test_the_command_line_reads_the_checkpoint_s_config(tmp_path, which):
     state, _, _ = _checkpoint(which)
     save_file(state, str(tmp_path / "model.safetensors"))
@@ -503,3 +511,81 @@ def test_a_bias_for_a_projection_the_layout_does_not_build_is_refused():
         Llama(29, WIDTH, 1, 2, bias={"qkv_proj": True})
     assert Llama(29, WIDTH, 1, 2, bias={"qkv_proj": True}, layout=LlamaLayout(fused=True)).model.layers[
         0].self_attn.qkv_proj.bias is not None
+
+
+@pytest.mark.parametrize("which", [GEMMA, GEMMA2, GEMMA2_NOCAP], ids=["gemma", "gemma2", "gemma2_nocap"])
+def test_gemma_s_norms_hold_their_gains_and_keep_llama_s_group(which):
+    """The twin's RMSNorm weights are Gemma's gains ``1 + w`` (the checkpoint's ``w`` plus one), so each norm's scale
+    trades as LLaMA's does. Per block and key/value head: the rotary commutant on query/key (dimension hd) and GL(hd) on
+    value/output, whatever soft cap bends the scores (the scores themselves are unchanged); the norm before attention
+    against q, k and v, the norm before the MLP against its gate and up columns (Gemma's ``post_attention_layernorm``,
+    Gemma 2's ``pre_feedforward_layernorm``), the GeGLU's up units. Gemma 2's norms after each branch feed the residual
+    stream and pin; the final norm pins against the tied head."""
+    state, ids, _ = _checkpoint(which)
+    model = _model(which, classes_last=False)
+    params = dict(model.named_parameters())
+    norms = [k for k in state if k.endswith("norm.weight")]
+    assert len(norms) == (2 * LAYERS + 1 if which is GEMMA else 4 * LAYERS + 1)
+    for key in norms:
+        torch.testing.assert_close(params[key], state[key] + 1, rtol=0, atol=0)
+    sym = manifolds.transformer_symmetry(model, ids)
+    kv_heads, hd = (1, 12) if which is GEMMA else (2, 8)
+    assert sym.dim == LAYERS * (kv_heads * (hd + hd * hd) + (2 * WIDTH + MLP)), sym.describe()
+    moved = {b.name.rsplit(".", 2)[-2] for f in sym.factors for b in f.blocks if "norm" in b.name}
+    before_mlp = "post_attention_layernorm" if which is GEMMA else "pre_feedforward_layernorm"
+    assert moved == {"input_layernorm", before_mlp}, sym.describe()
+    check_a_random_element(model, sym, ids)
+
+
+def test_gemma_s_config_is_read_as_transformers_reads_it():
+    """Gemma's legacy ``hidden_act="gelu"`` is its tanh approximation (transformers reads it so); another activation
+    and bidirectional attention are refused; Gemma 2's config without ``layer_types`` slides on blocks 0, 2, ...; a
+    cap read from the config must be a positive number."""
+    state, ids, logits = _checkpoint(GEMMA)
+    config = _config(GEMMA)
+    with torch.no_grad():
+        torch.testing.assert_close(Llama.from_config({**config, "hidden_act": "gelu"}, state)(ids), logits, rtol=0,
+                                   atol=1e-5)  # fmt: skip
+    for changed, fragment in (({"hidden_act": "silu"}, "gelu_pytorch_tanh"),
+                              ({"use_bidirectional_attention": True}, "attends causally")):  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            Llama.from_config({**config, **changed}, state)
+    state2, _, _ = _checkpoint(GEMMA2)
+    config2 = _config(GEMMA2)
+    without = {k: v for k, v in config2.items() if k != "layer_types"}
+    assert [layer.self_attn.window for layer in Llama.from_config(without, state2).model.layers] == [3, None]
+    for name, value in (("attn_logit_softcapping", -1.0), ("final_logit_softcapping", "30"),
+                        ("query_pre_attn_scalar", 0)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} must be a positive number"):
+            Llama.from_config({**config2, name: value}, state2)
+    with pytest.raises(ValueError, match="hidden_activation is 'gelu'"):
+        Llama.from_config({**config2, "hidden_activation": "gelu"}, state2)  # Gemma 2 reads it as exact GELU
+
+
+def test_gemma_s_norm_weights_convert_exactly_or_are_refused():
+    """A half-precision norm weight whose gain ``1 + w`` would round is refused (transformers adds in float32); one
+    whose gain is exact loads; float32 weights give float32's gain, as transformers computes it."""
+    state, _, _ = _checkpoint(GEMMA)
+    config = _config(GEMMA)
+    half = {k: v.to(torch.bfloat16) if k.endswith("norm.weight") else v for k, v in state.items()}
+    with pytest.raises(ValueError, match=r"is torch.bfloat16, where its gain 1 \+ w rounds"):
+        Llama.from_config(config, half)
+    exact = {k: torch.full_like(v, 0.5) if k.endswith("norm.weight") else v for k, v in half.items()}
+    model = Llama.from_config(config, exact)
+    assert float(model.model.norm.weight.detach()[0]) == 1.5
+    single = {k: v.float() if k.endswith("norm.weight") else v for k, v in state.items()}
+    gain = Llama.from_config(config, single).model.norm.weight
+    assert torch.equal(gain.detach(), (1.0 + state["model.norm.weight"].float()).to(gain.dtype))  # float32's sum
+
+
+def test_layout_fields_are_checked():
+    for fields, fragment in (({"post_norms": True, "sandwich_norms": True}, "choose one"),
+                             ({"activation": "relu"}, "activation must be one of"),
+                             ({"norm_offset": 2.0}, "norm_offset must be 0 or 1"),
+                             ({"attn_softcap": 0.0}, "attn_softcap must be a positive"),
+                             ({"query_pre_attn_scalar": float("inf")}, "query_pre_attn_scalar must be a positive")):
+        with pytest.raises(ValueError, match=fragment):
+            LlamaLayout(**fields)
+    state, _, _ = _checkpoint(GQA)
+    with pytest.raises(ValueError, match="unknown layout options"):
+        Llama.from_state_dict(state, 4, options={"softcap": 2.0})

@@ -17,6 +17,8 @@ each with an input and the logits the model gives for it (keys ``__input_ids``, 
   width of 16), the eighth an ``Olmo2ForCausalLM`` (query/key RMSNorms over the whole width, norms on the blocks'
   branches' outputs), the ninth a ``Phi3ForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``, grouped-query
   attention, a sliding window of 3 tokens).
+- ``gemma_tiny_hf``, a ``GemmaForCausalLM``, and ``gemma2_tiny_hf`` and ``gemma2_nocap_tiny_hf``, two
+  ``Gemma2ForCausalLM`` (with and without the attention scores' soft cap): see ``CONFIGS`` below.
 
 All but the first two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``, ...). HuggingFace's RMSNorm
 and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
@@ -31,6 +33,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MinistralConfig,
@@ -99,6 +105,20 @@ CONFIGS[OLMO2] = dict(num_attention_heads=2, num_key_value_heads=2, tie_word_emb
 # cut by chunk), 4 query heads sharing 2 key/value heads, a sliding window of 3 tokens on every block
 CONFIGS[PHI3] = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=3,
                      pad_token_id=28)  # the last token pads (Phi-3's is 32000 of 32064)
+# Gemma: RMSNorms by 1 + w, a GeGLU MLP (tanh-approximated GELU), embeddings times sqrt(16) = 4, heads of 12 on a
+# width of 16, the head tied to the token table; Gemma 2: besides, a norm before and after each branch, scores over
+# sqrt(query_pre_attn_scalar), soft caps on the scores and the logits (small, so that tanh bends them), a window of 3
+# on the first block (layer_types' default); its twin without the score cap (transformers' eager attention either
+# way; the toolkit's SDPA where there is no cap)
+GEMMA, GEMMA2 = "gemma_tiny_hf.safetensors", "gemma2_tiny_hf.safetensors"
+GEMMA2_NOCAP = "gemma2_nocap_tiny_hf.safetensors"
+CLASSES.update({GEMMA: (GemmaConfig, GemmaForCausalLM), GEMMA2: (Gemma2Config, Gemma2ForCausalLM),
+                GEMMA2_NOCAP: (Gemma2Config, Gemma2ForCausalLM)})
+CONFIGS[GEMMA] = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=12, tie_word_embeddings=True)
+GEMMA2_SIZES = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                    query_pre_attn_scalar=10, sliding_window=3, final_logit_softcapping=3.0)
+CONFIGS[GEMMA2] = dict(**GEMMA2_SIZES, attn_logit_softcapping=2.0)
+CONFIGS[GEMMA2_NOCAP] = dict(**GEMMA2_SIZES, attn_logit_softcapping=None)
 WRITE = set(sys.argv[2:]) or set(CONFIGS)  # the files to write (default: all)
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
