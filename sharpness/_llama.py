@@ -34,6 +34,8 @@ loaders add the one, `LlamaLayout.norm_offset`), so each norm's scale trade is L
 before and after each branch, ``x + post_attention_layernorm(attn(input_layernorm(x)))`` then ``x +
 post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (``pre_feedforward_layernorm.weight`` (D,) besides),
 divide the scores by ``sqrt(query_pre_attn_scalar)``, and cap the scores and the logits softly, ``c tanh(s / c)``.
+Gemma 3's text model has Gemma 2's blocks with Qwen3's per-head query/key norms (by ``1 + w`` too), no caps, and its
+sliding blocks rotate with a base of their own (``local_theta``).
 """
 
 from __future__ import annotations
@@ -439,12 +441,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBody(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int, eps: float,
-                 rope: Rope, bias: Mapping[str, bool], windows: Sequence[int | None], layout: LlamaLayout,
+                 ropes: Sequence[Rope], bias: Mapping[str, bool], windows: Sequence[int | None], layout: LlamaLayout,
                  padding_idx: int | None):  # fmt: skip
+        """``ropes``, ``windows``: each block's rotary embedding and sliding window."""
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim, padding_idx=padding_idx)
-        block = (dim, heads, kv_heads, head_dim, hidden, eps, rope, bias)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(*block, window, layout) for window in windows)
+        sizes = (dim, heads, kv_heads, head_dim, hidden, eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(*sizes, rotary, bias, window, layout)
+                                    for rotary, window in zip(ropes, windows))  # fmt: skip
         self.norm = nn.RMSNorm(dim, eps=eps)
         # Gemma's sqrt(D), as transformers keeps it: a float32 number (exact in float32 and float64 products)
         self.embed_scale = float(torch.tensor(dim**0.5, dtype=torch.float32)) if layout.embed_scale else None
@@ -489,6 +493,9 @@ class Llama(nn.Module):
             with it, so its gradient, and its row of the Hessian, is zero); ``None``: none.
         classes_last: logits ``(N, T, V)`` (``True``, as HuggingFace returns them) or ``(N, V, T)`` (what
             ``nn.CrossEntropyLoss`` reads against ``(N, T)`` next-token targets).
+        local_theta: the rotary base of the blocks with a sliding window (Gemma 3's ``rope_local_base_freq``, its
+            ``rope_parameters["sliding_attention"]``), ``local_rope_scaling`` their scaling; ``None``: those blocks
+            rotate as the others.
 
     Inputs are token ids ``(N, T)``; any length (the rotary angles are computed for it).
     """
@@ -501,7 +508,8 @@ class Llama(nn.Module):
                  rope_scaling: Mapping[str, object] | None = None,
                  sliding_window: int | Sequence[int | None] | None = None,
                  max_positions: int | None = None, layout: LlamaLayout = LlamaLayout(),
-                 padding_idx: int | None = None):  # fmt: skip
+                 padding_idx: int | None = None, local_theta: float | None = None,
+                 local_rope_scaling: Mapping[str, object] | None = None):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
         head_dim = dim // heads if head_dim is None else head_dim
@@ -517,6 +525,10 @@ class Llama(nn.Module):
             raise ValueError(f"the head size {head_dim} must be even for rotary embeddings")
         if not positive_number(eps) or not positive_number(theta):
             raise ValueError(f"eps={eps} and theta={theta} must be positive finite numbers")
+        if local_theta is not None and not positive_number(local_theta):
+            raise ValueError(f"local_theta must be a positive finite number or None, got {local_theta!r}")
+        if local_theta is None and local_rope_scaling:
+            raise ValueError("local_rope_scaling needs local_theta (the sliding blocks' rotary base)")
         unknown = set(bias or {}) - set(_PROJECTIONS)
         if unknown:
             raise ValueError(f"bias names {sorted(unknown)}; the projections are {', '.join(_PROJECTIONS)}")
@@ -530,8 +542,10 @@ class Llama(nn.Module):
             raise ValueError(f"pad_token_id must be a token id in [-{vocab}, {vocab}) or null, got {padding_idx!r}")
         self.classes_last = classes_last
         rotary = rope(head_dim, theta, rope_scaling, max_positions)
+        local = rotary if local_theta is None else rope(head_dim, local_theta, local_rope_scaling, max_positions)
+        ropes = [rotary if window is None else local for window in windows]
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
-                               rotary, dict(bias or {}), windows, layout, padding_idx)  # fmt: skip
+                               ropes, dict(bias or {}), windows, layout, padding_idx)  # fmt: skip
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.logit_softcap = layout.logit_softcap
         if tied:
@@ -554,7 +568,8 @@ class Llama(nn.Module):
                         tied: bool | None = None,
                         sliding_window: int | Sequence[int | None] | None = None,
                         max_positions: int | None = None, padding_idx: int | None = None,
-                        options: Mapping[str, object] | None = None) -> Llama:  # fmt: skip
+                        options: Mapping[str, object] | None = None, local_theta: float | None = None,
+                        local_rope_scaling: Mapping[str, object] | None = None) -> Llama:  # fmt: skip
         """The model of a LLaMA-family checkpoint's state dict (``LlamaForCausalLM``'s keys, or ``LlamaModel``'s
         without the ``model.`` prefix; old ``rotary_emb.inv_freq`` buffers are dropped), its sizes read off the
         tensors: the head size from ``o_proj``'s columns, the key/value heads from ``k_proj``'s rows (Phi-3's fused
@@ -569,7 +584,8 @@ class Llama(nn.Module):
         Gemma 2's blocks (a norm before and after each branch) are read where it has
         ``pre_feedforward_layernorm.weight``; ``options`` holds the [`LlamaLayout`][sharpness.LlamaLayout] fields no
         tensor shows (``activation``, ``embed_scale``, ``norm_offset``, ``query_pre_attn_scalar``, ``attn_softcap``,
-        ``logit_softcap``: Gemma's, which `from_config` reads off its config). With ``norm_offset=1`` the RMSNorm
+        ``logit_softcap``: Gemma's, which `from_config` reads off its config), ``local_theta`` and
+        ``local_rope_scaling`` Gemma 3's rotary embedding of the sliding blocks. With ``norm_offset=1`` the RMSNorm
         weights ``w`` are loaded as the gains ``1 + w``, rounded in their dtype (float32 rounds them as transformers
         computes them); a half-precision weight whose gain would round is refused.
         ``tied``
@@ -647,7 +663,8 @@ class Llama(nn.Module):
             raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, hidden, head_dim, eps, theta, tied, bias,
-                        classes_last, rope_scaling, sliding_window, max_positions, layout, padding_idx)
+                        classes_last, rope_scaling, sliding_window, max_positions, layout, padding_idx, local_theta,
+                        local_rope_scaling)
         except ValueError as failure:
             raise SpecError(str(failure)) from None
         if not tied:
@@ -678,40 +695,33 @@ class Llama(nn.Module):
         options = _gemma_options(config) if config.get("model_type") in _GEMMA else None
         if options is None and config.get("hidden_act", "silu") != "silu":
             raise SpecError(f"the config's hidden_act is {config['hidden_act']!r}; a LLaMA MLP gates with silu")
-        parameters = config.get("rope_parameters") or {}
-        if not isinstance(parameters, Mapping):
-            raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
-        if config.get("rope_scaling"):  # transformers takes it whole, in place of rope_parameters
-            parameters = config["rope_scaling"]
+        local = None
+        if config.get("model_type") == "gemma3_text":
+            parameters, local = _gemma3_rope_parameters(config)
+        else:
+            parameters = config.get("rope_parameters") or {}
             if not isinstance(parameters, Mapping):
-                raise SpecError(f"the config's rope_scaling must be an object, got {parameters!r}")
-        theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-        # Phi-3 rotates a share of each head (transformers reads it from the rope parameters, or the config's top
-        # level as older files save it); a default rope type would drop it below, so it is refused here
-        partial = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-        if partial is not None and partial != 1.0:
-            raise SpecError(f"the config's partial_rotary_factor is {partial!r}: sharpness.Llama rotates whole heads")
-        scaling = parameters if _rope_type(parameters) != "default" else None
+                raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
+            if config.get("rope_scaling"):  # transformers takes it whole, in place of rope_parameters
+                parameters = config["rope_scaling"]
+                if not isinstance(parameters, Mapping):
+                    raise SpecError(f"the config's rope_scaling must be an object, got {parameters!r}")
+        theta, scaling = _rope_settings(config, parameters)
+        local_theta, local_scaling = (None, None) if local is None else _rope_settings(config, local)
         eps = config.get("rms_norm_eps", 1e-6)
         tied = config.get("tie_word_embeddings")
-        for name, value in (("rope_theta", theta), ("rms_norm_eps", eps)):
-            if not positive_number(value):
-                raise SpecError(f"the config's {name} must be a positive number, got {value!r}")
+        if not positive_number(eps):
+            raise SpecError(f"the config's rms_norm_eps must be a positive number, got {eps!r}")
         if tied is not None and not isinstance(tied, bool):
             raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
-        if scaling is not None and not isinstance(scaling, Mapping):
-            raise SpecError(f"the config's rope_scaling must be an object, got {scaling!r}")
-        if scaling is not None and _rope_type(scaling) in ("llama3", "yarn", "longrope"):
-            # the original context as transformers reads it: a top-level original_max_position_embeddings first
-            # (Phi-3 saves it there), then the scaling's own, then the model's max_position_embeddings (LlamaConfig's
-            # default 2048)
-            context = config.get("original_max_position_embeddings",
-                                 scaling.get("original_max_position_embeddings",
-                                             config.get("max_position_embeddings", 2048)))  # fmt: skip
-            scaling = {**scaling, "original_max_position_embeddings": context}
-        model = cls.from_state_dict(state, heads, float(eps), float(theta), classes_last, scaling, tied,
-                                    _config_windows(config), config.get("max_position_embeddings"),
-                                    config.get("pad_token_id"), options)  # fmt: skip
+        windows = _config_windows(config)
+        if local is not None and windows is None and "sliding_attention" in (
+                config.get("layer_types") or ["sliding_attention"]):  # fmt: skip
+            raise SpecError("the config has sliding blocks without a sliding_window; sharpness.Llama gives Gemma 3's "
+                            "local rotary base to the blocks with a window")  # fmt: skip
+        model = cls.from_state_dict(state, heads, float(eps), theta, classes_last, scaling, tied, windows,
+                                    config.get("max_position_embeddings"), config.get("pad_token_id"), options,
+                                    local_theta, local_scaling)  # fmt: skip
         attention = model.model.layers[0].self_attn
         for name, value in (("num_key_value_heads", attention.kv_heads), ("head_dim", attention.head_dim)):
             given = config.get(name)  # the sizes read off the tensors must be the config's, where it has them
@@ -719,6 +729,63 @@ class Llama(nn.Module):
                 raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value} (with "
                                 f"num_attention_heads={heads}); the config does not describe this checkpoint")
         return model
+
+
+def _rope_settings(config: Mapping[str, object], parameters: Mapping[str, object]) -> tuple[float, dict | None]:
+    """``(theta, rope_scaling)`` of one set of rope parameters as transformers reads them, ``rope_scaling`` ``None`` for
+    the default rope type.
+
+    Raises:
+        SpecError: a non-positive ``rope_theta``, a ``partial_rotary_factor`` below one, or a scaling that is not an
+            object.
+    """
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    # Phi-3 rotates a share of each head (transformers reads it from the rope parameters, or the config's top level as
+    # older files save it); a default rope type would drop it below, so it is refused here
+    partial = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise SpecError(f"the config's partial_rotary_factor is {partial!r}: sharpness.Llama rotates whole heads")
+    if not positive_number(theta):
+        raise SpecError(f"the config's rope_theta must be a positive number, got {theta!r}")
+    if _rope_type(parameters) == "default":
+        return float(theta), None
+    scaling = dict(parameters)
+    if _rope_type(scaling) in ("llama3", "yarn", "longrope"):
+        # the original context as transformers reads it: a top-level original_max_position_embeddings first (Phi-3
+        # saves it there), then the scaling's own, then the model's max_position_embeddings (LlamaConfig's default 2048)
+        scaling["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings",
+            scaling.get("original_max_position_embeddings", config.get("max_position_embeddings", 2048)))
+    return float(theta), scaling
+
+
+def _gemma3_rope_parameters(config: Mapping[str, object]) -> tuple[dict, dict]:
+    """Gemma 3's rope parameters of its full and its sliding blocks, as ``Gemma3TextConfig`` reads them: transformers
+    5's ``rope_parameters`` keyed by ``full_attention`` and ``sliding_attention``, or older files' ``rope_theta``
+    (default 1e6), ``rope_local_base_freq`` (1e4) and ``rope_scaling`` (the full blocks').
+
+    Raises:
+        SpecError: rope parameters that are not objects, or keyed otherwise.
+    """
+    given = config.get("rope_parameters") or {}
+    if not isinstance(given, Mapping) or set(given) - {"full_attention", "sliding_attention"}:
+        raise SpecError(f"the config's rope_parameters must be an object keyed by full_attention and "
+                        f"sliding_attention (Gemma 3's), got {given!r}")  # fmt: skip
+    sides = []
+    for kind, key, default in (("full_attention", "rope_theta", 1e6), ("sliding_attention", "rope_local_base_freq",
+                                                                         1e4)):  # fmt: skip
+        side = given.get(kind) or {}
+        if not isinstance(side, Mapping):
+            raise SpecError(f"the config's rope_parameters[{kind!r}] must be an object, got {side!r}")
+        side = dict(side)
+        side.setdefault("rope_theta", config.get(key, default))
+        sides.append(side)
+    scaling = config.get("rope_scaling")
+    if scaling:
+        if not isinstance(scaling, Mapping):
+            raise SpecError(f"the config's rope_scaling must be an object, got {scaling!r}")
+        sides[0].update(scaling)
+    return sides[0], sides[1]
 
 
 _OPTIONS = {"activation", "embed_scale", "norm_offset", "query_pre_attn_scalar", "attn_softcap", "logit_softcap"}
@@ -745,33 +812,36 @@ def _add_norm_offset(tensors: dict[str, Tensor], offset: float) -> None:
         tensors[key] = gain
 
 
-_GEMMA = ("gemma", "gemma2")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
 
 
 def _gemma_options(config: Mapping[str, object]) -> dict[str, object]:
-    """The layout options of a Gemma or Gemma 2 config as transformers reads them: GELU's tanh approximation
-    (``hidden_act`` for Gemma, whose legacy ``"gelu"`` transformers reads as it, ``hidden_activation`` for Gemma 2),
-    embeddings times ``sqrt(D)``, norms by ``1 + w``, and Gemma 2's ``query_pre_attn_scalar`` and soft caps.
+    """The layout options of a Gemma, Gemma 2 or Gemma 3 (text) config as transformers reads them: GELU's tanh
+    approximation (``hidden_act`` for Gemma, whose legacy ``"gelu"`` transformers reads as it, ``hidden_activation``
+    for the others), embeddings times ``sqrt(D)``, norms by ``1 + w``, and for Gemma 2 and 3 ``query_pre_attn_scalar``
+    (default 256) and the soft caps (Gemma 2's defaults 50 on the scores and 30 on the logits, Gemma 3's none).
 
     Raises:
         SpecError: another activation, bidirectional attention, or a scalar or cap that is not a positive number.
     """
-    gemma2 = config.get("model_type") == "gemma2"
-    key = "hidden_activation" if gemma2 else "hidden_act"
+    kind = config.get("model_type")
+    key = "hidden_act" if kind == "gemma" else "hidden_activation"
     activation = config.get(key, "gelu_pytorch_tanh")
-    if activation not in ("gelu_pytorch_tanh", *(() if gemma2 else ("gelu",))):
+    if activation not in ("gelu_pytorch_tanh", *(("gelu",) if kind == "gemma" else ())):
         raise SpecError(f"the config's {key} is {activation!r}; sharpness.Llama reads Gemma's gelu_pytorch_tanh")
     if config.get("use_bidirectional_attention"):
         raise SpecError("the config's use_bidirectional_attention is true: sharpness.Llama attends causally")
     options: dict[str, object] = {"activation": "gelu_tanh", "embed_scale": True, "norm_offset": 1.0}
-    if gemma2:
-        names = {"query_pre_attn_scalar": "query_pre_attn_scalar", "attn_softcap": "attn_logit_softcapping",
-                 "logit_softcap": "final_logit_softcapping"}  # fmt: skip
-        for option, name in names.items():
-            value = config.get(name, 256 if option == "query_pre_attn_scalar" else None)
-            if value is not None and not positive_number(value):
-                raise SpecError(f"the config's {name} must be a positive number or null, got {value!r}")
-            options[option] = None if value is None else float(value)
+    if kind == "gemma":
+        return options
+    defaults = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0 if kind == "gemma2" else None,
+                "final_logit_softcapping": 30.0 if kind == "gemma2" else None}  # fmt: skip
+    for option, name in (("query_pre_attn_scalar", "query_pre_attn_scalar"), ("attn_softcap", "attn_logit_softcapping"),
+                         ("logit_softcap", "final_logit_softcapping")):  # fmt: skip
+        value = config.get(name, defaults[name])
+        if value is not None and not positive_number(value):
+            raise SpecError(f"the config's {name} must be a positive number or null, got {value!r}")
+        options[option] = None if value is None else float(value)
     return options
 
 
@@ -779,7 +849,8 @@ def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | No
     """The sliding windows of a config as transformers' classes read them: none for ``LlamaForCausalLM``, Mistral's and
     Phi-3's ``sliding_window`` on every block (``MistralForCausalLM`` reads no ``layer_types``), and for the others
     (Qwen2, Ministral, Qwen3, Gemma 2) the window on the blocks whose ``layer_types`` entry is ``"sliding_attention"``
-    (Gemma 2 without ``layer_types``: on the even blocks, 0, 2, ...); none for Gemma; Qwen's
+    (without ``layer_types``: Gemma 2's even blocks, 0, 2, ..., Gemma 3's all but every ``sliding_window_pattern``-th,
+    default 6); none for Gemma; Qwen's
     classes have one only where ``use_sliding_window`` is true, and without ``layer_types`` on the blocks from
     ``max_window_layers`` on.
     A config without ``sliding_window`` has their default, 4096 tokens.
@@ -790,7 +861,7 @@ def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | No
     kind = config.get("model_type")
     if kind in ("llama", "gemma"):
         return None
-    defaults = ("mistral", "ministral", "qwen2", "qwen3", "gemma2")  # the classes whose config has a default window
+    defaults = ("mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3_text")  # configs with a default window
     window = config.get("sliding_window", 4096 if kind in defaults else None)
     qwen = kind in ("qwen2", "qwen3") or (kind is None and "use_sliding_window" in config)  # Mistral's read no flag
     if qwen:
@@ -803,10 +874,13 @@ def _config_windows(config: Mapping[str, object]) -> int | list[int | None] | No
     if not positive_integer(window):
         raise SpecError(f"the config's sliding_window must be a positive integer or null, got {window!r}")
     kinds, layers = config.get("layer_types"), config.get("num_hidden_layers")
-    if kind == "gemma2" and kinds is None:  # Gemma2Config's default: the even blocks (0, 2, ...) slide
-        if not positive_integer(layers):
-            raise SpecError(f"the config's num_hidden_layers must be a positive integer, got {layers!r}")
-        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if kind in ("gemma2", "gemma3_text") and kinds is None:
+        # the configs' default: every block but each pattern-th slides (Gemma 2: 2, the even blocks; Gemma 3: 6)
+        pattern = 2 if kind == "gemma2" else config.get("sliding_window_pattern", 6)
+        if not positive_integer(layers) or not positive_integer(pattern):
+            raise SpecError(f"the config's num_hidden_layers and sliding_window_pattern must be positive integers, got "
+                            f"{layers!r} and {pattern!r}")  # fmt: skip
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if kind == "mistral" or (kinds is None and not qwen):
         return window
     if kinds is None:  # Qwen2's default: full attention below max_window_layers

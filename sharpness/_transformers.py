@@ -19,7 +19,8 @@ from sharpness._llama import Llama
 
 # the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
-_LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2")
+_LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2",
+                 "gemma3_text")
 _CLASSES = {
     **{kind: ("ForCausalLM", Llama.from_config) for kind in _LLAMA_FAMILY},
     "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
@@ -34,8 +35,9 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
     Reads ``model.config.to_dict()`` and ``model.state_dict()`` into the class of its family:
 
     - ``LlamaForCausalLM`` and the LLaMA family's other causal LMs (Mistral, Ministral, Qwen2, Qwen3, OLMo 2, Phi-3,
-      Gemma, Gemma 2) -> [`Llama`][sharpness.Llama] (`Llama.from_config`; Gemma's RMSNorm weights ``w`` become the
-      gains ``1 + w`` the norms multiply by, see [`LlamaLayout`][sharpness.LlamaLayout]);
+      Gemma, Gemma 2, Gemma 3's text-only ``Gemma3ForCausalLM``) -> [`Llama`][sharpness.Llama] (`Llama.from_config`;
+      Gemma's RMSNorm weights ``w`` become the gains ``1 + w`` the norms multiply by, see
+      [`LlamaLayout`][sharpness.LlamaLayout]);
     - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].

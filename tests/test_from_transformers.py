@@ -48,6 +48,7 @@ def _fixture(stem: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
         ("qwen2_tiny_hf", "Qwen2ForCausalLM"),
         ("gemma_tiny_hf", "GemmaForCausalLM"),
         ("gemma2_tiny_hf", "Gemma2ForCausalLM"),
+        ("gemma3_tiny_hf", "Gemma3ForCausalLM"),
     ],
 )
 def test_a_causal_lm_becomes_a_llama_with_its_logits(stem, name):

@@ -36,7 +36,11 @@ PHI3 = ("phi3_tiny_hf.safetensors", 4, 10000.0)  # fused qkv_proj and gate_up_pr
 # before and after each branch, scores over sqrt(10), soft caps 2 (scores) and 3 (logits), a window of 3 on block 0
 GEMMA, GEMMA2 = ("gemma_tiny_hf.safetensors", 2, 10000.0), ("gemma2_tiny_hf.safetensors", 4, 10000.0)
 GEMMA2_NOCAP = ("gemma2_nocap_tiny_hf.safetensors", 4, 10000.0)  # no cap on the scores (the toolkit's SDPA)
-WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3, GEMMA, GEMMA2, GEMMA2_NOCAP)  # with a config.json
+# Gemma 3: Gemma 2's blocks, query/key RMSNorms per head, no caps, rotary base 50 on the sliding block 0 and 1000
+# (scaled linearly by 2) on the full block 1
+GEMMA3 = ("gemma3_tiny_hf.safetensors", 2, 1000.0)
+GEMMAS = (GEMMA, GEMMA2, GEMMA2_NOCAP, GEMMA3)
+WINDOWED = (ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3, *GEMMAS)  # with a config.json
 EPS, LAYERS, WIDTH, MLP = 1e-5, 2, 16, 24
 
 
@@ -56,10 +60,9 @@ def _config(which=ROPE) -> dict:
     return json.loads((DATA / which[0].replace(".safetensors", ".json")).read_text())
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3, GEMMA, GEMMA2,
-                                   GEMMA2_NOCAP],
+@pytest.mark.parametrize("which", [GQA, TIED, ROPE, MISTRAL, QWEN2, MINISTRAL, QWEN3, OLMO2, PHI3, *GEMMAS],
                          ids=["gqa", "tied", "llama3_rope", "mistral_window", "qwen2_window", "ministral_window",
-                              "qwen3", "olmo2", "phi3", "gemma", "gemma2", "gemma2_nocap"])  # fmt: skip
+                              "qwen3", "olmo2", "phi3", "gemma", "gemma2", "gemma2_nocap", "gemma3"])  # fmt: skip
 def test_the_logits_are_huggingface_s(which):
     """HuggingFace computes its RMSNorm and softmax in float32 even in a float64 model, so the logits agree to float32's
     rounding (measured 8e-7 of logits up to 4.6); a wrong rope_theta, eps or key/value grouping moves them by 6e-4 to
@@ -70,12 +73,12 @@ def test_the_logits_are_huggingface_s(which):
         torch.testing.assert_close(model(ids), logits, rtol=0, atol=1e-5)
         across = _model(which, classes_last=False)(ids)
         torch.testing.assert_close(across, logits.transpose(1, 2), rtol=0, atol=1e-5)
-    gemma = which in (GEMMA, GEMMA2, GEMMA2_NOCAP)
+    gemma = which in GEMMAS
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (which is TIED or gemma)
     attention = model.model.layers[0].self_attn
     sizes = {GQA[0]: (4, 2, 4), TIED[0]: (2, 2, 8), QWEN3[0]: (2, 1, 12), OLMO2[0]: (2, 2, 8), PHI3[0]: (4, 2, 4),
              GEMMA[0]: (2, 1, 12), GEMMA2[0]: (4, 2, 8), GEMMA2_NOCAP[0]: (4, 2, 8)}.get(which[0], (2, 1, 8))
-    norms = {QWEN3[0]: "head", OLMO2[0]: "width"}.get(which[0])
+    norms = {QWEN3[0]: "head", OLMO2[0]: "width", GEMMA3[0]: "head"}.get(which[0])
     assert (attention.heads, attention.kv_heads, attention.head_dim, attention.qk_norm) == (*sizes, norms)
     assert model.model.layers[0].post_norms == (which is OLMO2)
     assert attention.fused == model.model.layers[0].mlp.fused == (which is PHI3)
@@ -85,7 +88,7 @@ def test_the_logits_are_huggingface_s(which):
     biased = (queries.bias is not None, up.bias is not None)
     assert biased == (which is TIED or which is QWEN2, which is TIED)
     windows = {MISTRAL[0]: [3, 3], QWEN2[0]: [None, 3], MINISTRAL[0]: [3, None], PHI3[0]: [3, 3], GEMMA2[0]: [3, None],
-               GEMMA2_NOCAP[0]: [3, None]}.get(which[0], [None, None])
+               GEMMA2_NOCAP[0]: [3, None], GEMMA3[0]: [3, None]}.get(which[0], [None, None])
     assert [layer.self_attn.window for layer in model.model.layers] == windows
 
 
@@ -316,14 +319,15 @@ def test_the_group_and_the_invariant_measure(which):
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which, pairs", [(QWEN3, [tuple(range(6))]), (OLMO2, [(0, 1, 2, 3), (8, 9, 10, 11)])],
-                         ids=["qwen3", "olmo2"])
+@pytest.mark.parametrize("which, pairs", [(QWEN3, [tuple(range(6))]), (OLMO2, [(0, 1, 2, 3), (8, 9, 10, 11)]),
+                                          (GEMMA3, [(0, 1, 2, 3)])], ids=["qwen3", "olmo2", "gemma3"])
 def test_query_key_norms_are_traded_in_rotated_pairs(which, pairs):
     """Qwen3 normalizes each head's queries and keys (an RMSNorm of 12 features, shared by the heads), OLMo 2 the
     queries and the keys over all their features before the heads are split; then both turn them by the rotary
     embedding. The query/key GL(hd) is gone, and the two norms' scales trade, ``q_norm * c`` against ``k_norm / c``,
     with ``c`` one number per pair of features ``rotate_half`` turns together (``j`` and ``j + hd/2`` of a head): 6
-    per block for Qwen3, 8 for OLMo 2's two heads of 8. Value/output keeps GL(hd) per key/value head. By hand: a ``c``
+    per block for Qwen3, 8 for OLMo 2's two heads of 8, 4 for Gemma 3's heads of 8 (whose norm gains are ``1 + w``,
+    and whose two blocks rotate with different bases). Value/output keeps GL(hd) per key/value head. By hand: a ``c``
     constant on the pairs keeps the logits, one that is not moves them."""
     state, ids, _ = _checkpoint(which)
     model = _model(which, classes_last=False)
@@ -337,6 +341,7 @@ def test_query_key_norms_are_traded_in_rotated_pairs(which, pairs):
     assert all({(b.name.rsplit(".", 2)[-2], b.index) for b in f.blocks} == expected for f in traded), sym.describe()
     kv_heads, final = model.model.layers[0].self_attn.kv_heads, WIDTH
     norms = 0 if which is OLMO2 else 2 * WIDTH  # OLMo 2's block norms sit on the branches' outputs: pinned
+    final = 0 if which is GEMMA3 else final  # Gemma 3's head is the token table
     assert sym.dim == LAYERS * (len(firsts) + kv_heads * hd * hd + norms + MLP) + final, sym.describe()
     g = torch.Generator().manual_seed(2)
     size = model.model.layers[0].self_attn.q_norm.weight.numel()
@@ -376,9 +381,9 @@ def test_phi3_s_fused_projections_keep_llama_s_group():
     check_a_random_element(model, sym, ids)
 
 
-@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, GEMMA, GEMMA2, GEMMA2_NOCAP],
+@pytest.mark.parametrize("which", [GQA, TIED, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, *GEMMAS],
                          ids=["gqa", "tied", "mistral_window", "qwen2_window", "qwen3", "olmo2", "phi3", "gemma",
-                              "gemma2", "gemma2_nocap"])  # fmt: skip
+                              "gemma2", "gemma2_nocap", "gemma3"])  # fmt: skip
 def test_the_products_are_the_r_operator_s(which):
     state, ids, _ = _checkpoint(which)
     obj = Objective(_model(which, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
@@ -415,8 +420,8 @@ def test_the_command_line_measures_a_llama_checkpoint_on_token_data(cli_files, t
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
 
 
-@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2, PHI3, GEMMA2],
-                         ids=["llama3_rope", "qwen3", "olmo2", "phi3", "gemma2"])
+@pytest.mark.parametrize("which", [ROPE, QWEN3, OLMO2, PHI3, GEMMA2, GEMMA3],
+                         ids=["llama3_rope", "qwen3", "olmo2", "phi3", "gemma2", "gemma3"])
 def test_the_command_line_reads_the_checkpoint_s_config(tmp_path, which):
     state, _, _ = _checkpoint(which)
     save_file(state, str(tmp_path / "model.safetensors"))
@@ -589,3 +594,33 @@ def test_layout_fields_are_checked():
     state, _, _ = _checkpoint(GQA)
     with pytest.raises(ValueError, match="unknown layout options"):
         Llama.from_state_dict(state, 4, options={"softcap": 2.0})
+
+
+def test_gemma3_s_rotary_bases_and_config_forms_are_read_as_transformers_reads_them():
+    """Gemma 3's sliding blocks rotate with their own base: the twin gives block 0 (sliding) base 50 and block 1 (full)
+    base 1000 scaled linearly by 2, as the config's ``rope_parameters`` keyed by block kind say; one base for both moves
+    the logits. Older files' ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling`` give the same model, and
+    without ``layer_types`` the blocks slide but for each ``sliding_window_pattern``-th. Rope parameters keyed
+    otherwise, or sliding blocks without a window, are refused."""
+    state, ids, logits = _checkpoint(GEMMA3)
+    config = _config(GEMMA3)
+    model = _model(GEMMA3)
+    frequencies = [layer.self_attn.inv_freq for layer in model.model.layers]
+    torch.testing.assert_close(frequencies[0], rotary_frequencies(8, 50.0), rtol=0, atol=0)
+    torch.testing.assert_close(frequencies[1], rotary_frequencies(8, 1000.0) / 2, rtol=0, atol=0)
+    older = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+    older.update(rope_theta=1000.0, rope_local_base_freq=50.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                 sliding_window_pattern=2)  # fmt: skip
+    one_base = {**config, "rope_parameters": {"full_attention": config["rope_parameters"]["full_attention"],
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}
+    with torch.no_grad():
+        torch.testing.assert_close(Llama.from_config(older, state)(ids), logits, rtol=0, atol=1e-5)
+        assert float((Llama.from_config(one_base, state)(ids) - logits).abs().max()) > 1e-3
+    default = {k: v for k, v in config.items() if k != "layer_types"}  # every block but each 6th slides
+    assert [layer.self_attn.window for layer in Llama.from_config(default, state).model.layers] == [3, 3]
+    for changed, fragment in (({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "keyed by"),
+                              ({"sliding_window": None}, "sliding blocks without a sliding_window")):  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            Llama.from_config({**config, **changed}, state)
+    with pytest.raises(ValueError, match="local_rope_scaling needs local_theta"):
+        Llama(29, WIDTH, 1, 2, local_rope_scaling={"rope_type": "linear", "factor": 2.0})

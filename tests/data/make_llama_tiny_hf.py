@@ -18,7 +18,8 @@ each with an input and the logits the model gives for it (keys ``__input_ids``, 
   branches' outputs), the ninth a ``Phi3ForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``, grouped-query
   attention, a sliding window of 3 tokens).
 - ``gemma_tiny_hf``, a ``GemmaForCausalLM``, and ``gemma2_tiny_hf`` and ``gemma2_nocap_tiny_hf``, two
-  ``Gemma2ForCausalLM`` (with and without the attention scores' soft cap): see ``CONFIGS`` below.
+  ``Gemma2ForCausalLM`` (with and without the attention scores' soft cap), ``gemma3_tiny_hf``, a
+  ``Gemma3ForCausalLM``: see ``CONFIGS`` below.
 
 All but the first two have their ``config.json`` beside them (``llama_tiny_rope_hf.json``, ...). HuggingFace's RMSNorm
 and softmax compute in float32 even in a float64 model, so its float64 logits are float32-accurate.
@@ -35,6 +36,8 @@ from safetensors.torch import save_file
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -119,6 +122,14 @@ GEMMA2_SIZES = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, ti
                     query_pre_attn_scalar=10, sliding_window=3, final_logit_softcapping=3.0)
 CONFIGS[GEMMA2] = dict(**GEMMA2_SIZES, attn_logit_softcapping=2.0)
 CONFIGS[GEMMA2_NOCAP] = dict(**GEMMA2_SIZES, attn_logit_softcapping=None)
+# Gemma 3 (text): besides Gemma 2's blocks, query/key RMSNorms per head (by 1 + w), no soft caps, and a rotary
+# embedding per kind of block: base 50 on the sliding block 0, base 1000 scaled linearly by 2 on the full block 1
+GEMMA3 = "gemma3_tiny_hf.safetensors"
+CLASSES[GEMMA3] = (Gemma3TextConfig, Gemma3ForCausalLM)
+CONFIGS[GEMMA3] = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True,
+                       query_pre_attn_scalar=10, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
 WRITE = set(sys.argv[2:]) or set(CONFIGS)  # the files to write (default: all)
 
 for seed, (name, options) in enumerate(CONFIGS.items()):
