@@ -85,7 +85,8 @@ class LlamaLayout:
         norm_offset: what the checkpoint's RMSNorm weights are offset by: Gemma stores ``w`` and multiplies by ``1 +
             w`` (``norm_offset=1``). Only the loaders read it: the model's own RMSNorm weights always hold the gain
             ``w + norm_offset``, so that the norms' scale trade is the plain one (the Hessian is the same: the two
-            parameters differ by a constant).
+            parameters differ by a constant). Its ``state_dict()`` holds those gains: subtract ``norm_offset`` to
+            write a checkpoint transformers reads.
         query_pre_attn_scalar: the scores are ``q k^T / sqrt(query_pre_attn_scalar)`` (Gemma 2's); ``None``: ``/
             sqrt(hd)``.
         attn_softcap: Gemma 2's ``attn_logit_softcapping`` ``c``: the scores become ``c tanh(s / c)`` before the mask
@@ -587,14 +588,15 @@ class Llama(nn.Module):
         ``logit_softcap``: Gemma's, which `from_config` reads off its config), ``local_theta`` and
         ``local_rope_scaling`` Gemma 3's rotary embedding of the sliding blocks. With ``norm_offset=1`` the RMSNorm
         weights ``w`` are loaded as the gains ``1 + w``, rounded in their dtype (float32 rounds them as transformers
-        computes them); a half-precision weight whose gain would round is refused.
+        computes them); a half-precision checkpoint then becomes a float32 model (transformers computes the gains in
+        float32 whatever the weights' dtype; half precision would round them).
         ``tied``
         (``tie_word_embeddings``): ``None`` reads it off the tensors, tied where ``lm_head.weight`` is absent or equal
         to the token table.
 
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, ``tied`` contradicts the tensors, an
-                unsupported ``rope_scaling``, an unknown option, or a norm weight whose gain would round.
+                unsupported ``rope_scaling``, an unknown option, or a norm weight that is not floating-point.
         """
         unknown = set(options or {}) - _OPTIONS
         if unknown:
@@ -652,6 +654,11 @@ class Llama(nn.Module):
         except (TypeError, ValueError) as failure:
             raise SpecError(str(failure)) from None
         if layout.norm_offset:
+            if any(t.is_floating_point() and t.dtype not in (torch.float32, torch.float64) for t in tensors.values()):
+                # transformers computes Gemma's gains 1 + w in float32 whatever the weights' dtype: a half-precision
+                # gain would round, so such a checkpoint becomes a float32 twin (an exact conversion)
+                tensors = {k: t.float() if t.is_floating_point() else t for k, t in tensors.items()}
+                table = tensors["model.embed_tokens.weight"]
             _add_norm_offset(tensors, layout.norm_offset)
         head = tensors.pop("lm_head.weight", None)
         same = head is None or (head.shape == table.shape and torch.equal(head, table))
@@ -692,7 +699,13 @@ class Llama(nn.Module):
         heads = config.get("num_attention_heads")
         if not positive_integer(heads):
             raise SpecError(f"the config's num_attention_heads must be a positive integer, got {heads!r}")
-        options = _gemma_options(config) if config.get("model_type") in _GEMMA else None
+        kind = config.get("model_type")
+        if kind not in _GEMMA and (str(kind).startswith("gemma") or "hidden_activation" in config):
+            # another Gemma (Gemma 3's multimodal config, Gemma 3n, 4), or a config with Gemma's activation key that
+            # does not say it is one: read as LLaMA's, its activation, gains and embeddings would be wrong
+            raise SpecError(f"the config's model_type is {kind!r}: sharpness.Llama reads Gemma's model types "
+                            f"{', '.join(_GEMMA)} (Gemma 3's text config, not its multimodal one)")  # fmt: skip
+        options = _gemma_options(config) if kind in _GEMMA else None
         if options is None and config.get("hidden_act", "silu") != "silu":
             raise SpecError(f"the config's hidden_act is {config['hidden_act']!r}; a LLaMA MLP gates with silu")
         local = None
@@ -720,7 +733,8 @@ class Llama(nn.Module):
             raise SpecError("the config has sliding blocks without a sliding_window; sharpness.Llama gives Gemma 3's "
                             "local rotary base to the blocks with a window")  # fmt: skip
         model = cls.from_state_dict(state, heads, float(eps), theta, classes_last, scaling, tied, windows,
-                                    config.get("max_position_embeddings"), config.get("pad_token_id"), options,
+                                    config.get("max_position_embeddings"),
+                                    config.get("pad_token_id", 0 if kind in _GEMMA else None), options,
                                     local_theta, local_scaling)  # fmt: skip
         attention = model.model.layers[0].self_attn
         for name, value in (("num_key_value_heads", attention.kv_heads), ("head_dim", attention.head_dim)):
@@ -795,21 +809,16 @@ _NORM_WEIGHT = re.compile(r"model\.norm\.weight|model\.layers\.\d+\.(input_layer
 
 def _add_norm_offset(tensors: dict[str, Tensor], offset: float) -> None:
     """Gemma's RMSNorm weights ``w`` (the norms multiply by ``offset + w``) replaced by the gains ``offset + w`` in
-    place. float32 and float64 gains are rounded as transformers computes them or finer (it adds in float32); a
-    half-precision gain that would round is refused.
+    place, rounded in their dtype (float32 rounds them as transformers computes them, float64 finer).
 
     Raises:
-        SpecError: a norm weight that is not floating-point, or a half-precision one whose gain would round.
+        SpecError: a norm weight that is not floating-point.
     """
     for key in [k for k in tensors if _NORM_WEIGHT.fullmatch(k)]:
         w = tensors[key]
         if not w.is_floating_point():
             raise SpecError(f"the norm weight {key} must be floating-point, got {w.dtype}")
-        gain = w + offset
-        if w.dtype not in (torch.float32, torch.float64) and not torch.equal(gain.float() - offset, w.float()):
-            raise SpecError(f"the norm weight {key} is {w.dtype}, where its gain {offset:g} + w rounds (transformers "
-                            "adds in float32): load the checkpoint in float32")  # fmt: skip
-        tensors[key] = gain
+        tensors[key] = w + offset
 
 
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -908,6 +917,9 @@ def llama_from_spec(spec: str, state: Mapping[str, Tensor]) -> Llama:
             dict that does not fit.
     """
     options, config = checkpoint_spec(spec, "llama")
+    if config is None and any(k.endswith("pre_feedforward_layernorm.weight") for k in state):
+        raise SpecError(f"model spec {spec!r}: the checkpoint has Gemma 2's or 3's blocks, whose activation, norm "
+                        "gains and caps only its config.json says: give it, llama:config=PATH")  # fmt: skip
     if config is not None:
         try:
             return Llama.from_config(config, state, classes_last=False)

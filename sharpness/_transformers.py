@@ -30,7 +30,8 @@ _CLASSES = {
 
 
 def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
-    """The toolkit's twin of a transformers model object, in eval mode, in the dtype and on the device of its weights.
+    """The toolkit's twin of a transformers model object, in eval mode, in the dtype and on the device of its weights
+    (a half-precision Gemma: float32, since transformers computes its norm gains in float32).
 
     Reads ``model.config.to_dict()`` and ``model.state_dict()`` into the class of its family:
 

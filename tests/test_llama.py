@@ -20,7 +20,7 @@ from torch import nn
 import manifolds
 from sharpness import Llama, Objective, euclidean_sharpness
 from sharpness._cli import main as sharpness_main
-from sharpness._llama import LlamaLayout, rotary_frequencies
+from sharpness._llama import LlamaLayout, llama_from_spec, rotary_frequencies
 
 DATA = Path(__file__).parent / "data"
 # file, query heads, rope_theta; both: vocabulary 29, width 16, 2 blocks, MLP 24, rms_norm_eps 1e-5
@@ -567,20 +567,43 @@ def test_gemma_s_config_is_read_as_transformers_reads_it():
         Llama.from_config({**config2, "hidden_activation": "gelu"}, state2)  # Gemma 2 reads it as exact GELU
 
 
-def test_gemma_s_norm_weights_convert_exactly_or_are_refused():
-    """A half-precision norm weight whose gain ``1 + w`` would round is refused (transformers adds in float32); one
-    whose gain is exact loads; float32 weights give float32's gain, as transformers computes it."""
-    state, _, _ = _checkpoint(GEMMA)
-    config = _config(GEMMA)
-    half = {k: v.to(torch.bfloat16) if k.endswith("norm.weight") else v for k, v in state.items()}
-    with pytest.raises(ValueError, match=r"is torch.bfloat16, where its gain 1 \+ w rounds"):
-        Llama.from_config(config, half)
-    exact = {k: torch.full_like(v, 0.5) if k.endswith("norm.weight") else v for k, v in half.items()}
-    model = Llama.from_config(config, exact)
-    assert float(model.model.norm.weight.detach()[0]) == 1.5
-    single = {k: v.float() if k.endswith("norm.weight") else v for k, v in state.items()}
+def test_a_half_precision_gemma_checkpoint_becomes_a_float32_model_with_transformers_gains():
+    """transformers computes Gemma's gains ``1 + w`` in float32 whatever the weights' dtype; in bfloat16 they would
+    round (by up to 2^-9), so a bfloat16 checkpoint becomes a float32 model (every tensor converted exactly) whose
+    gains are float32's sums. The head stays tied to the token table."""
+    state, ids, _ = _checkpoint(GEMMA2)
+    config = _config(GEMMA2)
+    half = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    model = Llama.from_config(config, half)
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for key, value in half.items():
+        expected = value.float() + 1 if key.endswith("norm.weight") else value.float()
+        assert torch.equal(params[key].detach(), expected), key
+    assert not torch.equal(half["model.norm.weight"].float() + 1, (half["model.norm.weight"] + 1).float())
+    single = {k: v.float() for k, v in state.items()}  # float32 weights keep their dtype, gains in float32
     gain = Llama.from_config(config, single).model.norm.weight
-    assert torch.equal(gain.detach(), (1.0 + state["model.norm.weight"].float()).to(gain.dtype))  # float32's sum
+    assert gain.dtype == torch.float32 and torch.equal(gain.detach(), single["model.norm.weight"] + 1)
+
+
+def test_gemma_configs_other_than_those_read_are_refused_and_defaults_are_transformers():
+    """A config of another Gemma (Gemma 3's multimodal one, Gemma 3n) or with Gemma's ``hidden_activation`` but no
+    model type is refused: read as a LLaMA's, its activation and gains would be wrong (logits 4.5 off). Absent keys
+    take the configs' defaults: Gemma 2's caps 50 and 30, Gemma's ``pad_token_id`` 0. Without its config, a checkpoint
+    with Gemma 2's blocks is refused by the command line's ``llama:heads=H``."""
+    state, _, _ = _checkpoint(GEMMA2)
+    config = _config(GEMMA2)
+    for changed in ({"model_type": "gemma3"}, {"model_type": "gemma3n_text"}, {"model_type": None}):
+        with pytest.raises(ValueError, match="sharpness.Llama reads Gemma's model types"):
+            Llama.from_config({**config, **changed}, state)
+    bare = {k: v for k, v in config.items()
+            if k not in ("attn_logit_softcapping", "final_logit_softcapping", "pad_token_id")}  # fmt: skip
+    model = Llama.from_config(bare, state)
+    assert (model.model.layers[0].self_attn.softcap, model.logit_softcap) == (50.0, 30.0)
+    assert model.model.embed_tokens.padding_idx == 0
+    with pytest.raises(ValueError, match="give it, llama:config=PATH"):
+        llama_from_spec("llama:heads=4", state)
 
 
 def test_layout_fields_are_checked():
