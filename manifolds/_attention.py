@@ -96,7 +96,7 @@ from manifolds._graph import (
 )
 from manifolds._group_discovery import Pin, _plain_affine, attribute
 from manifolds._matrix_group import COVERED, Block, Factor, MatrixSymmetry
-from manifolds._modules import DROPOUTS, kept_buffers
+from manifolds._modules import DROPOUTS, hooked, kept_buffers
 from manifolds._rotary import Region, RegionError, check_region, commutant, find_region, position_maps
 from manifolds._same_forward import read_as
 from manifolds._structure import UnsupportedModelError, analyze
@@ -283,7 +283,7 @@ class _Finder:
 
     def plain_linear(self, node: fx.Node) -> bool:
         m = self.module(node)
-        return m is not None and _plain_affine(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
+        return m is not None and _plain_affine(m) is nn.Linear and not hooked(m)
 
     def projection(self, node: fx.Node) -> _Projection | None:
         """``node`` as a linear layer of its last axis (`_Projection`), else ``None``. A function's weight and bias
@@ -385,7 +385,7 @@ class _Finder:
     def is_dropout(self, user: fx.Node, node: fx.Node) -> bool:
         """Whether ``user`` is a dropout layer (no hooks) applied to ``node`` alone."""
         m = self.module(user)
-        return (type(m) in DROPOUTS and not (m._forward_hooks or m._forward_pre_hooks) and user.args == (node,)
+        return (type(m) in DROPOUTS and not hooked(m) and user.args == (node,)
                 and not user.kwargs)  # fmt: skip
 
     def reads_as_input(self, user: fx.Node, node: fx.Node) -> bool:
@@ -1255,7 +1255,7 @@ class _Finder:
     def mha(self, node: fx.Node) -> None:
         m = self.module(node)
         name, where = str(node.target), self.label(node)
-        if m._forward_hooks or m._forward_pre_hooks:
+        if hooked(m):
             self.pin(where, 0, "it has forward hooks")
             return
         if name in self.attention_seen:  # called again: the same factors act on every call (the same weights)
@@ -1320,7 +1320,7 @@ class _Finder:
             m = self.module(user)
             if m is not None and self.calls[str(user.target)] != 1:
                 raise _Fail(f"it is read by {self.label(user)}, which is called more than once")
-            if type(m) is nn.MultiheadAttention and not (m._forward_hooks or m._forward_pre_hooks):
+            if type(m) is nn.MultiheadAttention and not hooked(m):
                 blocks.extend(self.mha_columns(user, m, node, index))
                 continue
             proj = self.input_projection(user, node)
@@ -1354,7 +1354,7 @@ class _Finder:
         """`_Fail` (``subject`` says what) unless the module call ``node`` has no forward hooks and is its only call:
         a trade of its parameters must act on one call, as the forward computes it."""
         m = self.module(node)
-        if m._forward_hooks or m._forward_pre_hooks:
+        if hooked(m):
             raise _Fail(f"{subject} has forward hooks")
         if self.calls[str(node.target)] != 1:
             raise _Fail(f"{subject} is called more than once")
@@ -1466,7 +1466,7 @@ class _Finder:
         if not isinstance(call, fx.Node) or call.op != "call_module" or not self.is_mha(call):
             return None
         m = self.module(call)
-        if m._forward_hooks or m._forward_pre_hooks or self.calls[str(call.target)] != 1 or m.embed_dim != size \
+        if hooked(m) or self.calls[str(call.target)] != 1 or m.embed_dim != size \
                 or self.calls[f"{call.target}.out_proj"]:  # out_proj also called on its own: its rows are read there
             return None
         # the output read once: another `[0]` of the same call would read out_proj's rows unscaled
@@ -1593,7 +1593,7 @@ class _Finder:
             return False
         m = self.module(user)
         if m is not None:
-            return isinstance(m, _POSITIVE_MODULES) and len(user.args) == 1 and not m._forward_hooks
+            return isinstance(m, _POSITIVE_MODULES) and len(user.args) == 1 and not hooked(m)
         extra = [a for a in list(user.args[1:]) + list(user.kwargs.values()) if isinstance(a, fx.Node)]
         return target_name(user) in _POSITIVE and not extra
 

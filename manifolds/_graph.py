@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor, fx, nn
 
-from manifolds._modules import eval_mode, kept_buffers
+from manifolds._modules import eval_mode, hooked, kept_buffers
 
 # Modules read as single nodes: their forward is known, so the tracer must not inline it.
 _LEAF_TYPES: tuple[type[nn.Module], ...] = (
@@ -117,7 +117,7 @@ def _unread_behaviour(model: nn.Module, graph: fx.Graph) -> str | None:
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return ("forward hooks are registered for every module (torch.nn.modules.module.register_module_forward_hook), "
                 "which the graph's readers do not see; remove them")  # fmt: skip
-    if model._forward_hooks or model._forward_pre_hooks:
+    if hooked(model):
         return (f"{type(model).__name__} has forward hooks on the model itself, which torch.fx does not trace; remove "
                 "them or wrap the model in a module without hooks")  # fmt: skip
     called = {"": model} | {str(n.target): model.get_submodule(str(n.target)) for n in graph.nodes

@@ -74,6 +74,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from manifolds._graph import is_metadata, target_name
+from manifolds._modules import hooked
 from manifolds._same_forward import read_as
 
 _AFFINE = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
@@ -492,7 +493,7 @@ class _Walker:
     def module(self, node: fx.Node, data: list[fx.Node]) -> None:
         module = self.model.get_submodule(str(node.target))
         kind = type(module)
-        if module._forward_hooks or module._forward_pre_hooks:
+        if hooked(module):
             return self.unknown(node, data, "it has forward hooks")
         if len(data) != 1 or len(node.args) != 1:
             return self.unknown(node, data)

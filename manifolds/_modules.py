@@ -16,6 +16,12 @@ from torch import Tensor, nn
 # Dropout layers: the identity in eval mode, where every measure evaluates a model (`eval_mode`)
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has forward (pre-)hooks: a call of it may compute something else than its own forward, so
+    the symmetry finders leave it as it is (pinned)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """Evaluate ``model`` in eval mode and give every submodule back the mode it had.

@@ -38,6 +38,7 @@ from scipy.sparse.csgraph import connected_components
 from torch import Tensor, fx, nn
 
 from manifolds._graph import reads_metadata_only, target_name
+from manifolds._modules import hooked
 
 MAX_REGION_NODES = 64  # operations searched between the heads tensor and the product
 MAX_MAP_ENTRIES = 1 << 24  # numbers of the per-row maps of the example input (128 MiB in float64)
@@ -124,7 +125,7 @@ def check_region(region: Region, model: nn.Module, data_fed: Callable[[fx.Node],
         name = target_name(node)  # a function from outside torch keeps its module: never a known name
         if node.op == "call_module":
             m = model.get_submodule(str(node.target))
-            if not isinstance(m, _MODULES) or m._forward_hooks or m._forward_pre_hooks:
+            if not isinstance(m, _MODULES) or hooked(m):
                 raise RegionError(f"the module '{node.target}' is not known to be linear")
         elif node.op not in ("call_function", "call_method"):
             raise RegionError(f"'{node.name}' is not an operation")

@@ -317,3 +317,24 @@ def test_a_graph_whose_outputs_have_another_dtype_is_unfaithful_not_a_failing_fo
     x = torch.randint(-2, 3, (5, D)).float()  # exact in bfloat16: only the dtype differs
     traced = manifolds.trace_network(model, x)
     assert traced.failure is not None and "computes something else than the forward itself" in traced.failure
+
+
+def test_a_hooked_relu_between_token_wise_layers_pins_their_units():
+    """A forward pre-hook on the ReLU of a token-wise MLP (``(N, T, features)``) shifts its input: ``relu(c h + 0.3)``
+    is not ``c relu(h + 0.3)``, so the units are pinned. Before, only forward hooks were looked at there, the units
+    were claimed, and a random element moved the outputs by 1.1."""
+
+    class TokenMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.r, self.b = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.b(self.r(self.a(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 4)
+    plain = TokenMLP().eval()
+    assert manifolds.transformer_symmetry(plain, x).dim == 8  # the hidden units, found on the last axis
+    plain.r.register_forward_pre_hook(lambda m, args: (args[0] + 0.3,))
+    assert manifolds.transformer_symmetry(plain, x).dim == 0
