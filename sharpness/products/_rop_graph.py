@@ -107,7 +107,6 @@ _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_p
 _POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu"}
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze"}
-_NO_SAMPLES = "no samples"  # a view's `impl` where it may mix the first axis: valid where the data do not reach it
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
 _SUB = {operator.sub, operator.isub, torch.sub, "sub", "sub_", "isub"}
 
@@ -598,7 +597,7 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         if before[:1] != after[:1] or torch.Size(before[1:]).numel() != torch.Size(after[1:]).numel():
             # the samples must stay apart: read only where the data do not reach the tensor (a table of parameters
             # reshaped, as BEiT's relative position bias; checked with the graph)
-            return _Map("view", impl=_NO_SAMPLES, call=_caller(node)), [first]
+            return _Map("view", call=_caller(node), mixes_samples=True), [first]
         return _Map("view", call=_caller(node)), [first]
     if name in ("type_as", "to") and first is not None and _cast_only(node, shapes):
         return _Map("cast", call=_caller(node)), [first]
@@ -1071,7 +1070,7 @@ def rop_graph(
     for node in order:
         op, tensors, meta = read[node]
         fed.append(node.op == "placeholder" or any(fed[slot[t]] for t in (*tensors, *meta)))
-        if isinstance(op, _Map) and op.impl == _NO_SAMPLES and fed[-1]:
+        if isinstance(op, _Map) and op.mixes_samples and fed[-1]:
             return None  # a view mixing the samples' axis of the data
         if node in fixed and any(moving[slot[m]] for m in meta):
             return None  # an unsupported operation of something the parameters move

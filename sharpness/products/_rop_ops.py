@@ -344,11 +344,14 @@ class _Map:
     impl: object = None
     # the forward for "view", "scale", "expand", "masked" and "cast", the cut for "piece" (the original call, its other
     # arguments bound), the index for "index" where it has numbers computed from shapes, and for "gather" (read among
-    # the call's inputs); "view" may carry `impl` _NO_SAMPLES (sharpness.products._rop_graph): it mixes the first axis
+    # the call's inputs)
     call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat", "stack"
     means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
+    # "view": it mixes the first axis, so it is read only where the data do not reach it (a table of parameters
+    # reshaped, as BEiT's relative position bias; `sharpness.products._rop_graph` checks that on the graph)
+    mixes_samples: bool = False
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, object]:
         """``xs``: the tensor inputs; ``args``: the values of every input of the original call (for ``call``)."""
