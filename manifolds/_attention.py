@@ -524,35 +524,47 @@ class _Finder:
         Given ``regions`` (a list), one position-wise linear map (`manifolds._rotary`) may sit between them: it is
         appended as ``(region, i)``, ``i`` the number of reshapes before it, and left out of the chain.
         """
+        end, chain, cuts = self.walk_back(node, role, regions)
+        proj = self.projection(end)
+        if not self.once(proj):
+            raise _Fail(f"the {role} projection {self.label(end)} is called more than once")
+        for cut in cuts:
+            self.disjoint_pieces(end, chain[: chain.index(cut) + 1] if cut is not end else [], cut)
+        return proj, chain
+
+    def walk_back(self, node: fx.Node, role: str, regions: list | None,
+                  to_norm: bool = False) -> tuple[fx.Node, list[fx.Node], list[fx.Node]]:  # fmt: skip
+        """From ``node`` back through single-input steps (reshapes, constant factors) each read once, to the first
+        projection's output (`back`), or with ``to_norm`` the first normalization's (`score_norm`): that tensor, the
+        steps in order from it, and the tensors on the way read elsewhere as pieces of a cut (only on the way to a
+        projection: ``qkv.unbind``). Given ``regions`` (a list), one position-wise linear map (`manifolds._rotary`) may
+        sit on the way: it is appended as ``(region, i)``, ``i`` the number of steps before it, and left out of the
+        steps. Else `_Fail` with the reason."""
+        found = self.is_norm if to_norm else (lambda n: self.projection(n) is not None)
+        what = "a normalization's output reshaped" if to_norm else "a Linear's output reshaped into heads"
         chain: list[fx.Node] = []
         cuts: list[fx.Node] = []
         current = node
         region = None
-        after = 0  # reshapes between the region and `node`
+        after = 0  # steps between the region and `node`
         while True:
             if len(self.users(current)) != 1 and not (region is not None and current is region.start):
-                if not (chain and self.cut_into_pieces(current)):
+                if to_norm or not (chain and self.cut_into_pieces(current)):
                     raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
                 cuts.append(current)
-            proj = self.projection(current)
-            if proj is not None:
-                if not self.once(proj):
-                    raise _Fail(f"the {role} projection {self.label(current)} is called more than once")
+            if found(current):
                 chain.reverse()
-                for cut in cuts:
-                    self.disjoint_pieces(current, chain[: chain.index(cut) + 1] if cut is not current else [], cut)
                 if region is not None:
                     regions.append((region, len(chain) - after))
-                return proj, chain
+                return current, chain, cuts
             source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
             if source is None and regions is not None and region is None:
-                region = self.position_region(current, role)
+                region = self.position_region(current, role, norms=to_norm)
                 after = len(chain)
                 current = region.start
                 continue
             if source is None:
-                between = self.label(current)
-                raise _Fail(f"the {role} is not a Linear's output reshaped into heads ({between} is between)")
+                raise _Fail(f"the {role} is not {what} ({self.label(current)} is between)")
             chain.append(current)
             current = source
 
@@ -1027,28 +1039,8 @@ class _Finder:
         factors only, each read once, and those steps in order from it; else `_Fail`. Given ``regions`` (a list), one
         position-wise linear map (rotary embeddings: `manifolds._rotary`) may sit between them, appended as in
         `back`."""
-        chain: list[fx.Node] = []
-        current = node
-        region = None
-        after = 0  # steps between the region and `node`
-        while True:
-            if len(self.users(current)) != 1 and not (region is not None and current is region.start):
-                raise _Fail(f"the {role} {self.label(current)} is also read elsewhere")
-            if self.is_norm(current):
-                chain.reverse()
-                if region is not None:
-                    regions.append((region, len(chain) - after))
-                return current, chain
-            source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
-            if source is None and regions is not None and region is None:
-                region = self.position_region(current, role, norms=True)
-                after = len(chain)
-                current = region.start
-                continue
-            if source is None:
-                raise _Fail(f"the {role} is not a normalization's output reshaped ({self.label(current)} is between)")
-            chain.append(current)
-            current = source
+        norm, chain, _ = self.walk_back(node, role, regions, to_norm=True)
+        return norm, chain
 
     def norm_pair(self, where: str, q: fx.Node, k: fx.Node, k_features_last: bool, repeat: int = 1) -> None:
         """Scores ``q k^T`` of a normalized query and key (timm's ``qk_norm``, ViT-22B, Qwen3, OLMo 2): ``LN_q``'s scale
