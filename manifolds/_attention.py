@@ -18,7 +18,9 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   heads read which key head is read off the replayed feature indices, not assumed.
 * **Normalization affine scale** (positive diagonal, one scale per feature): ``gamma_j, beta_j <- c_j gamma_j,
   c_j beta_j`` for ``nn.LayerNorm`` / ``nn.RMSNorm`` over the last axis, and column ``j`` of every layer that
-  reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products.
+  reads the normalized output ``<- / c_j`` (q, k and v together): the consumers see the same products. The output
+  may reach them through reshapes keeping the features last, row selections, rolls and zero paddings along other
+  axes (Swin's shifted, padded windows folded into the batch: `keeps_features`).
 * **Layer scale** (positive diagonal): ``y = h * w`` whose readers cannot take the elementwise trade below (timm's
   ``LayerScale``: ``y`` is added to the residual stream), ``h`` a linear layer's output read only by the product
   (through dropout layers): ``w_j <- c_j w_j`` and the layer's row ``j`` and bias ``j`` ``<- / c_j``.
@@ -396,8 +398,11 @@ class _Finder:
     def keeps_features(self, user: fx.Node, node: fx.Node) -> bool:
         """Whether ``user`` is a reshape of ``node`` alone that keeps its features, in order, on the last axis (the
         leading axes merged or split), or picks or averages its rows by constant arguments (``x[:, 0]``,
-        ``x.mean(1)``): feature ``j`` of every row stays feature ``j``."""
+        ``x.mean(1)``), or moves or pads rows along other axes (`moves_rows`): feature ``j`` of every row stays
+        feature ``j``."""
         name = target_name(user)
+        if name in ("roll", "pad") and user.op == "call_function":
+            return self.moves_rows(user, node)
         if user.op not in ("call_method", "call_function") or name not in _RESHAPES | _SELECTIONS:
             return False
         selection = name not in _RESHAPES
@@ -421,6 +426,29 @@ class _Finder:
         except (RuntimeError, IndexError, ValueError, TypeError, _Fail):
             return False
         return tuple(moved.shape) == tuple(out) and bool((moved == torch.arange(out[-1], dtype=moved.dtype)).all())
+
+    def moves_rows(self, user: fx.Node, node: fx.Node) -> bool:
+        """Whether ``user`` is ``torch.roll`` of ``node`` along axes other than the last, or ``F.pad`` of it by zeros
+        along other axes (Swin's cyclic shift and its padding to whole windows), by amounts the data do not set: every
+        row keeps its features in order, or is a new row of zeros, which any diagonal scale keeps zero."""
+        shape, out = node.meta.get("shape"), user.meta.get("shape")
+        if not shape or not out or shape[-1] != out[-1] or not user.args or user.args[0] is not node:
+            return False
+        others: list[fx.Node] = []
+        fx.node.map_arg((user.args[1:], user.kwargs), others.append)
+        if any(n in self.record.data_fed for n in others):
+            return False
+        whole = lambda n: isinstance(n, int) and not isinstance(n, bool)  # noqa: E731
+        if target_name(user) == "roll":
+            dims = (dict(zip(("input", "shifts", "dims"), user.args)) | dict(user.kwargs)).get("dims")
+            dims = (dims,) if whole(dims) else dims
+            return isinstance(dims, (tuple, list)) and len(dims) > 0 and all(
+                whole(d) and d % len(shape) != len(shape) - 1 for d in dims)  # fmt: skip
+        given = dict(zip(("input", "pad", "mode", "value"), user.args)) | dict(user.kwargs)
+        pads = given.get("pad")
+        return isinstance(pads, (tuple, list)) and len(pads) >= 2 and all(whole(n) and n == 0 for n in pads[:2]) \
+            and given.get("mode", "constant") == "constant" and given.get("value") in (None, 0, 0.0) \
+            and set(given) <= {"input", "pad", "mode", "value"}  # fmt: skip
 
     def is_mha(self, node: fx.Node) -> bool:
         return type(self.module(node)) is nn.MultiheadAttention
@@ -739,19 +767,41 @@ class _Finder:
         kept = value if value.dtype == torch.bool else torch.isfinite(value) if value.is_floating_point() else None
         return kept is not None and bool(kept.any(dim=-1).all())
 
+    def softmax_axis(self, node: fx.Node, of: fx.Node) -> tuple[str, int] | None:
+        """``("softmax" | "log_softmax", axis)`` where ``node`` is a softmax of ``of`` (the function or method, with
+        an optional floating ``dtype``, or an ``nn.Softmax`` / ``nn.LogSoftmax`` module without hooks: timm's Swin,
+        older hand-written attention), ``axis`` in ``[0, ndim)``; else ``None``."""
+        shape = node.meta.get("shape")
+        if shape is None or len(shape) == 0:
+            return None
+        m = self.module(node)
+        if m is not None:
+            if type(m) not in (nn.Softmax, nn.LogSoftmax) or hooked(m) or node.args != (of,) or node.kwargs:
+                return None
+            name, dim = ("softmax" if type(m) is nn.Softmax else "log_softmax"), m.dim
+        else:
+            name = target_name(node)
+            if name not in ("softmax", "log_softmax") or not node.args or node.args[0] is not of:
+                return None
+            given = dict(zip(("input", "dim", "_stacklevel", "dtype"), node.args)) | dict(node.kwargs)
+            dim, dtype = given.get("dim"), given.get("dtype")
+            if not (dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point) \
+                    or set(given) - {"input", "dim", "_stacklevel", "dtype"}:  # fmt: skip
+                return None
+        if not isinstance(dim, int) or isinstance(dim, bool):  # nn.Softmax(dim=None): an implicit axis, not read
+            return None
+        return name, dim % len(shape)
+
     def rows_sum_to_one(self, weights: fx.Node) -> bool:
         """Whether ``weights`` (the first operand of ``weights @ v``) is a softmax over its last axis, directly or
         through dropout layers (the identity in eval mode, where every measure evaluates) and casts to floating dtypes
         (HuggingFace's eager attention: ``softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)``): every row sums to
         one, to the rounding of the dtype it is held in."""
         for _ in range(_STEPS_TO_PROJECTION):
-            if target_name(weights) == "softmax" and weights.args:
-                given = dict(zip(("input", "dim", "_stacklevel", "dtype"), weights.args)) | dict(weights.kwargs)
-                dim, shape, dtype = given.get("dim"), weights.meta.get("shape"), given.get("dtype")
-                return isinstance(dim, int) and not isinstance(dim, bool) and shape is not None and len(shape) > 0 \
-                    and dim % len(shape) == len(shape) - 1 \
-                    and (dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point) \
-                    and set(given) <= {"input", "dim", "_stacklevel", "dtype"}  # fmt: skip
+            if weights.args and isinstance(weights.args[0], fx.Node):
+                found = self.softmax_axis(weights, weights.args[0])
+                if found is not None:
+                    return found == ("softmax", len(weights.meta["shape"]) - 1)
             source = weights.args[0] if weights.args else None
             if not isinstance(source, fx.Node) or \
                     not (self.is_dropout(weights, source) or floating_cast(weights) is source):  # fmt: skip
@@ -1142,8 +1192,9 @@ class _Finder:
         of (1: ``b``'s, the last axis, as attention's keys; 0: ``a``'s, an einsum whose product puts the keys first),
         reached through steps each read alone that keep a shift of every score along that axis a shift: multiplying or
         dividing by a number, adding or subtracting what does not depend on the data (a mask, a position bias),
-        ``masked_fill`` by a mask of that kind with ``-inf``, ``torch.where(mask, scores, -inf)`` and transposes
-        (which move the axes); else ``None``. That operand's bias then adds such a shift only, which the softmax
+        ``masked_fill`` by a mask of that kind with ``-inf``, ``torch.where(mask, scores, -inf)``, transposes (which
+        move the axes) and views regrouping the axes before the two (Swin's windows); the softmax a function, method
+        or module (`softmax_axis`); else ``None``. That operand's bias then adds such a shift only, which the softmax
         ignores."""
         shape = node.meta.get("shape")
         if shape is None or len(shape) < 2:
@@ -1158,13 +1209,17 @@ class _Finder:
             (user,) = users
             name, args, kwargs = target_name(user), user.args, user.kwargs
             constant = lambda a: not isinstance(a, fx.Node) or a not in self.record.data_fed  # noqa: E731
-            if name in ("softmax", "log_softmax") and args and args[0] is current:
-                given = dict(zip(("input", "dim"), args)) | dict(kwargs)
-                dim = given.get("dim")
-                if not isinstance(dim, int) or isinstance(dim, bool) or dim % ndim not in axes:
-                    return None
-                return axes.index(dim % ndim)
-            if name in ("transpose", "swapaxes", "permute") and args and args[0] is current and not kwargs \
+            found = self.softmax_axis(user, current)
+            if found is not None:
+                return axes.index(found[1]) if found[1] in axes else None
+            before, after = tuple(current.meta["shape"]), user.meta.get("shape")
+            if name in ("view", "reshape") and args and args[0] is current and sorted(axes) == [ndim - 2, ndim - 1] \
+                    and after is not None and len(after) >= 2 and tuple(after[-2:]) == before[-2:]:  # fmt: skip
+                # the axes before the two regrouped (Swin's scores split by window for its mask): a shift along the
+                # rows stays one
+                axes = [a - ndim + len(after) for a in axes]
+                ndim = len(after)
+            elif name in ("transpose", "swapaxes", "permute") and args and args[0] is current and not kwargs \
                     and all(isinstance(a, int) and not isinstance(a, bool) for a in args[1:]):  # fmt: skip
                 order = list(range(ndim))
                 if name == "permute":
