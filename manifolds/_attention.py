@@ -467,6 +467,8 @@ class _Finder:
 
     def data_arg(self, node: fx.Node) -> fx.Node | None:
         """The one tensor argument of a reshape or constant factor (others must be known non-tensors)."""
+        if node.op not in ("call_method", "call_function") or _reinterprets(node):
+            return None  # a module named like a reshape (`self.view = nn.Tanh()`), or `t.view(torch.int64)`
         nodes: list[fx.Node] = []
         fx.node.map_arg((node.args, node.kwargs), nodes.append)
         tensors = [n for n in nodes if n not in self.values]
@@ -1212,6 +1214,8 @@ class _Finder:
             found = self.softmax_axis(user, current)
             if found is not None:
                 return axes.index(found[1]) if found[1] in axes else None
+            if user.op not in ("call_method", "call_function") or _reinterprets(user):
+                return None  # a module named like an operation below (`self.view = nn.Tanh()`), a view as another dtype
             before, after = tuple(current.meta["shape"]), user.meta.get("shape")
             if name in ("view", "reshape") and args and args[0] is current and sorted(axes) == [ndim - 2, ndim - 1] \
                     and after is not None and len(after) >= 2 and tuple(after[-2:]) == before[-2:]:  # fmt: skip
@@ -1716,6 +1720,12 @@ def _bias_pieces(node: fx.Node) -> list[fx.Node] | None:
     if not all(isinstance(p, fx.Node) and p.op == "get_attr" and len(p.meta.get("shape") or ()) == 1 for p in parts):
         return None
     return list(parts)
+
+
+def _reinterprets(node: fx.Node) -> bool:
+    """Whether ``node`` is ``t.view(dtype)``: the bits read as another dtype, no reshape (nor any linear map)."""
+    return target_name(node) == "view" and any(isinstance(a, torch.dtype) for a in (*node.args[1:],
+                                                                                  *node.kwargs.values()))  # fmt: skip
 
 
 def _interleaved(probe: Tensor, repeat: int) -> Tensor:

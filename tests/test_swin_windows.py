@@ -157,3 +157,36 @@ def test_a_padding_of_nonzeros_or_a_roll_of_the_features_pins_the_norm(options):
                                                                     "(LayerNorm)"], sym.describe()  # fmt: skip
     assert any("blocks.1.norm1" in str(p) and "cannot be traded" in str(p) for p in sym.pins), sym.pins
     assert_keeps_outputs(model, sym, x, 0)
+
+
+class _Bent(nn.Module):
+    """Attention whose scores pass a nonlinear map before an ``nn.Softmax``: a root-level ``nn.Tanh`` module named
+    ``view`` or ``transpose``, or the scores' bits read as integers and shifted (``view(torch.int64)``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.qkv, self.proj, self.head = nn.Linear(8, 24), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.softmax = nn.Softmax(-1)
+        if how != "bits":
+            setattr(self, how, nn.Tanh())
+
+    def forward(self, x):
+        b = x.shape[0]
+        q, k, v = self.qkv(x).reshape(b, 5, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        s = q @ k.transpose(-2, -1)
+        s = (s.view(torch.int64) + (1 << 51)).view(torch.float64) if self.how == "bits" else getattr(self, self.how)(s)
+        return self.head((x + self.proj((self.softmax(s) @ v).transpose(1, 2).reshape(b, 5, 8))).mean(1))
+
+
+@pytest.mark.parametrize("how", ["view", "transpose", "bits"])
+def test_a_nonlinear_map_named_like_a_reshape_keeps_the_key_bias_read(how):
+    """The walk from the scores to the softmax takes only tensor operations: a module named ``view`` or ``transpose``
+    (an ``nn.Tanh``) and a view as another dtype bend a shift of the scores, so the key bias stays read (moved with the
+    key's rows). Before, it was claimed unread: a random element moved the outputs by 9.4e-2 and 2.7e-2."""
+    torch.manual_seed(0)
+    model, x = _Bent(how).double().eval(), torch.randn(3, 5, 8, dtype=torch.float64)
+    sym = manifolds.transformer_symmetry(model, x)
+    assert [f.unread for f in sym.factors if "query/key" in f.label] == [None, None], sym.describe()
+    for seed in range(3):
+        assert_keeps_outputs(model, sym, x, seed)
