@@ -9,6 +9,7 @@ from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._hfvit import HFViT as HFViT
 from sharpness._llama import Llama as Llama
 from sharpness._llama import LlamaLayout as LlamaLayout
+from sharpness._neox import GPTNeoX as GPTNeoX
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness._timmvit import TimmViT as TimmViT
@@ -86,6 +87,7 @@ __all__ = [
     "Fixed",
     "Bert",
     "GPT2",
+    "GPTNeoX",
     "HFViT",
     "TimmViT",
     "LlamaLayout",

@@ -277,12 +277,39 @@ def rope(head_dim: int, theta: float, scaling: Mapping[str, object] | None = Non
     return Rope(inv_freq, attention_factor=given)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:
+    """HuggingFace's ``rotate_half``: ``(x1, x2) -> (-x2, x1)`` on the two halves of the last axis."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LlamaAttention(nn.Module):
+def rotary_cos_sin(positions: Tensor, inv_freq: Tensor, attention_factor: float, dtype: torch.dtype
+                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(cos, sin)``, each ``(T, 2 len(inv_freq))`` in ``dtype``, of the float32 angles ``t f`` (positions ``t``,
+    float32) as HuggingFace's rotary embeddings compute them, times ``attention_factor`` where it is not one."""
+    # float32 products whatever dtype the frequencies were cast to: a product of two float32 values is exact in
+    # float64, so rounding it to float32 gives float32's own product
+    angles = (positions[:, None] * inv_freq).float()
+    angles = torch.cat((angles, angles), dim=-1)
+    if attention_factor == 1.0:
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+
+class Float32Frequencies(nn.Module):
+    """A module whose ``*inv_freq`` buffers keep their float32 values (as transformers keeps them): casting the model
+    to bfloat16 would round them (a logit moved by 1.2 at 600 tokens with YaRN), so they only follow the model across
+    devices."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {k: b for k, b in self._buffers.items() if k.endswith("inv_freq")}
+        super()._apply(fn, recurse)
+        for k, b in kept.items():
+            self._buffers[k] = b.to(self._buffers[k].device)
+        return self
+
+
+class LlamaAttention(Float32Frequencies):
     """Causal grouped-query self-attention with rotary position embeddings on ``(N, T, D)``."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope: Rope, bias: Mapping[str, bool],
@@ -308,16 +335,6 @@ class LlamaAttention(nn.Module):
         if qk_norm is not None:
             q_size, k_size = (head_dim, head_dim) if qk_norm == "head" else (heads * head_dim, kv_heads * head_dim)
             self.q_norm, self.k_norm = nn.RMSNorm(q_size, eps=eps), nn.RMSNorm(k_size, eps=eps)
-
-    def _apply(self, fn, recurse=True):
-        """As `nn.Module._apply`, but the rotary frequencies keep their float32 values (as transformers keeps them):
-        casting the model to bfloat16 would round them (a logit moved by 1.2 at 600 tokens with YaRN), so they only
-        follow the model across devices."""
-        kept = {k: b for k, b in self._buffers.items() if k.endswith("inv_freq")}
-        super()._apply(fn, recurse)
-        for k, b in kept.items():
-            self._buffers[k] = b.to(self._buffers[k].device)
-        return self
 
     def _frequencies(self, positions: Tensor) -> Tensor:
         """The inverse frequencies for a sequence of these positions (float32 ``0 .. T-1``), as a fresh HuggingFace
@@ -373,16 +390,8 @@ class LlamaAttention(nn.Module):
         v = self._heads(v, self.kv_heads)
         # the angles in float32, as HuggingFace's LlamaRotaryEmbedding computes them, then in the activations' dtype
         positions = torch.arange(x.size(1), dtype=torch.float32, device=x.device)
-        # float32 products whatever dtype the frequencies were cast to: a product of two float32 values is exact in
-        # float64, so rounding it to float32 gives float32's own product
-        angles = (positions[:, None] * self._frequencies(positions)).float()
-        angles = torch.cat((angles, angles), dim=-1)
-        if self.attention_factor == 1.0:
-            cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        else:
-            cos, sin = (angles.cos() * self.attention_factor).to(x.dtype), (angles.sin() * self.attention_factor).to(
-                x.dtype)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = rotary_cos_sin(positions, self._frequencies(positions), self.attention_factor, x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         scale = {} if self.scale is None else {"scale": self.scale}
         if self.softcap is not None:
             out = self._capped(q, self._repeat(k), self._repeat(v))

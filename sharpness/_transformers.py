@@ -1,5 +1,6 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
-own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.Bert`, `sharpness.HFViT`).
+own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.Bert`,
+`sharpness.HFViT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
 their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
@@ -16,6 +17,7 @@ from sharpness._bert import Bert
 from sharpness._gpt2 import GPT2
 from sharpness._hfvit import HFViT
 from sharpness._llama import Llama
+from sharpness._neox import GPTNeoX
 
 # the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
@@ -24,6 +26,7 @@ _LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "ph
 _CLASSES = {
     **{kind: ("ForCausalLM", Llama.from_config) for kind in _LLAMA_FAMILY},
     "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
+    "gpt_neox": ("GPTNeoXForCausalLM", GPTNeoX.from_config),
     "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
     "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
 }
@@ -40,6 +43,7 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
       Gemma's RMSNorm weights ``w`` become the gains ``1 + w`` the norms multiply by, see
       [`LlamaLayout`][sharpness.LlamaLayout]);
     - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
+    - ``GPTNeoXForCausalLM`` (Pythia) -> [`GPTNeoX`][sharpness.GPTNeoX];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
 
