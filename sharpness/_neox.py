@@ -252,8 +252,11 @@ class GPTNeoX(nn.Module):
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
         ``layer_norm_eps`` (default 1e-5), ``use_parallel_residual`` (default true), ``hidden_act`` (default
         ``gelu``), the rotary embedding's ``rope_parameters`` (``rope_theta``, ``partial_rotary_factor``, a scaling) or
-        older files' ``rotary_emb_base`` and ``rotary_pct`` (defaults 10000 and 0.25), ``tie_word_embeddings``
-        (default: read off the tensors) and ``max_position_embeddings``.
+        older files' ``rotary_emb_base`` and ``rotary_pct`` (defaults 10000 and 0.25; a ``rope_scaling`` is taken
+        whole in place of ``rope_parameters``, as transformers takes it), ``tie_word_embeddings`` (default false, as
+        transformers reads it: a checkpoint without a head is refused) and ``max_position_embeddings``; the sizes the
+        config gives (``hidden_size``, ``head_dim``, ``vocab_size``, ``num_hidden_layers``, ``intermediate_size``,
+        ``attention_bias``) must be the tensors'.
 
         Raises:
             ValueError: a field of the wrong kind, another activation, or what `from_state_dict` raises.
@@ -262,7 +265,8 @@ class GPTNeoX(nn.Module):
         if not positive_integer(heads) or not positive_number(eps):
             raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
                             f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
-        parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        # transformers takes rope_scaling whole where a config has it, in place of rope_parameters
+        parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
         if not isinstance(parameters, Mapping):
             raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
         theta = parameters.get("rope_theta", config.get("rotary_emb_base", 10000.0))
@@ -270,8 +274,8 @@ class GPTNeoX(nn.Module):
         kind = str(parameters.get("rope_type", parameters.get("type", "default")))
         scaling = None if kind == "default" else {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
         activation, parallel = config.get("hidden_act", "gelu"), config.get("use_parallel_residual", True)
-        tied = config.get("tie_word_embeddings")
-        if activation not in _ACTIVATIONS:
+        tied = config.get("tie_word_embeddings", False)  # GPTNeoXConfig's default: an absent head is refused
+        if not isinstance(activation, str) or activation not in _ACTIVATIONS:
             raise SpecError(f"the config's hidden_act is {activation!r}; sharpness.GPTNeoX reads "
                             f"{', '.join(_ACTIVATIONS)}")  # fmt: skip
         for name, value in (("use_parallel_residual", parallel), ("tie_word_embeddings", tied)):
@@ -283,12 +287,16 @@ class GPTNeoX(nn.Module):
         model = cls.from_state_dict(state, heads, float(eps), float(factor), float(theta), scaling,
                                     config.get("max_position_embeddings"), parallel, activation, tied,
                                     classes_last)  # fmt: skip
-        hidden = config.get("hidden_size")
-        if hidden is not None and hidden != model.gpt_neox.embed_in.embedding_dim:
-            raise SpecError(
-                f"the config's hidden_size is {hidden!r} but the checkpoint's token table has "
-                f"{model.gpt_neox.embed_in.embedding_dim} features; the config does not describe it"
-            )
+        body, attention = model.gpt_neox, model.gpt_neox.layers[0].attention
+        held = {"hidden_size": body.embed_in.embedding_dim, "vocab_size": body.embed_in.num_embeddings,
+                "num_hidden_layers": len(body.layers), "head_dim": attention.head_dim,
+                "intermediate_size": body.layers[0].mlp.dense_h_to_4h.out_features,
+                "attention_bias": attention.query_key_value.bias is not None}  # fmt: skip
+        for name, value in held.items():  # what the tensors hold must be what the config says, where it says it
+            given = config.get(name)
+            if given is not None and given != value:
+                raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value!r}; the "
+                                "config does not describe this checkpoint")  # fmt: skip
         return model
 
 

@@ -130,7 +130,13 @@ def test_the_command_line_reads_the_checkpoint_and_its_config(tmp_path, capsys):
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "partial_rotary_factor": 0.25}},
      "depends on the sequence's length"),
     ({"use_parallel_residual": "yes"}, "use_parallel_residual must be true or false"),
-    ({"hidden_size": 64}, "does not describe it"),
+    ({"hidden_act": ["gelu"]}, "hidden_act is \\['gelu'\\]"),
+    ({"hidden_size": 64}, "does not describe this checkpoint"),
+    ({"head_dim": 8}, "head_dim is 8 but the checkpoint's tensors hold 16"),  # transformers would rotate 2 of 16
+    ({"num_hidden_layers": 1}, "num_hidden_layers is 1 but the checkpoint's tensors hold 2"),
+    ({"attention_bias": False}, "attention_bias is False but the checkpoint's tensors hold True"),
+    ({"intermediate_size": 48}, "intermediate_size is 48"),
+    ({"vocab_size": 30}, "vocab_size is 30"),
     ({"num_attention_heads": 3}, "not a multiple of heads=3"),
 ])  # fmt: skip
 def test_a_config_the_model_cannot_compute_is_refused(changed, fragment):
@@ -147,3 +153,21 @@ def test_from_transformers_reads_a_gpt_neox_causal_lm():
         torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"reads \*GPTNeoXForCausalLM"):
         from_transformers(_stand_in("GPTNeoXModel", _config(SEQUENTIAL), state))
+
+
+def test_rope_scaling_is_taken_whole_in_place_of_rope_parameters_and_an_absent_head_is_refused():
+    """As transformers reads a config: a ``rope_scaling`` beside ``rope_parameters`` replaces it (before, the twin read
+    ``rope_parameters`` and was 3.7 off); without ``tie_word_embeddings`` the head is untied, so a checkpoint without
+    one is refused rather than read as tied."""
+    state, ids, _ = _checkpoint(PARALLEL)
+    config = _config(PARALLEL)
+    scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    with torch.no_grad():
+        both = GPTNeoX.from_config({**config, "rope_scaling": scaled}, state)(ids)
+        alone = GPTNeoX.from_config({**config, "rope_parameters": scaled}, state)(ids)
+        assert torch.equal(both, alone)
+        assert float((both - _model(PARALLEL)(ids)).abs().max()) > 1e-3
+    headless = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    untold = {k: v for k, v in config.items() if k != "tie_word_embeddings"}
+    with pytest.raises(ValueError, match="tie_word_embeddings is false but the state dict has no lm_head.weight"):
+        GPTNeoX.from_config(untold, headless)
