@@ -702,8 +702,9 @@ class Llama(nn.Module):
 
         Raises:
             ValueError: a field missing or of the wrong kind, another activation, bidirectional attention, a
-                ``partial_rotary_factor`` below one, ``num_key_value_heads`` or ``head_dim`` other than the tensors
-                hold, or what `from_state_dict` raises.
+                ``partial_rotary_factor`` below one, sizes (``num_key_value_heads``, ``head_dim``, ``hidden_size``,
+                ``vocab_size``, ``num_hidden_layers``, ``intermediate_size``) other than the tensors hold, or what
+                `from_state_dict` raises.
         """
         heads = config.get("num_attention_heads")
         if not positive_integer(heads):
@@ -745,8 +746,13 @@ class Llama(nn.Module):
                                     config.get("max_position_embeddings"),
                                     config.get("pad_token_id", 0 if kind in _GEMMA else None), options,
                                     local_theta, local_scaling)  # fmt: skip
-        attention = model.model.layers[0].self_attn
-        for name, value in (("num_key_value_heads", attention.kv_heads), ("head_dim", attention.head_dim)):
+        body, attention = model.model, model.model.layers[0].self_attn
+        mlp = body.layers[0].mlp
+        held = {"num_key_value_heads": attention.kv_heads, "head_dim": attention.head_dim,
+                "hidden_size": body.embed_tokens.embedding_dim, "vocab_size": body.embed_tokens.num_embeddings,
+                "num_hidden_layers": len(body.layers),
+                "intermediate_size": mlp.down_proj.in_features}  # fmt: skip
+        for name, value in held.items():
             given = config.get(name)  # the sizes read off the tensors must be the config's, where it has them
             if given is not None and given != value:
                 raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value} (with "
