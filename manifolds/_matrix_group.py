@@ -272,6 +272,10 @@ class MatrixSymmetry:
         if pinned:
             lines.append("pinned:")
             lines.extend(f"  {pin}" for pin in pinned)
+        unknown = () if self.diagonal is None else self.diagonal.unknown
+        if unknown:  # why the diagonal group is smaller than a reader expects (its own pins: `diagonal.describe()`)
+            lines.append("operations the rescaling rules do not know (their inputs and outputs pinned):")
+            lines.extend(f"  {op}" for op in unknown)
         return "\n".join(lines)
 
     def restricted(self, names: Iterable[str]) -> MatrixSymmetry:

@@ -338,3 +338,16 @@ def test_a_hooked_relu_between_token_wise_layers_pins_their_units():
     assert manifolds.transformer_symmetry(plain, x).dim == 8  # the hidden units, found on the last axis
     plain.r.register_forward_pre_hook(lambda m, args: (args[0] + 0.3,))
     assert manifolds.transformer_symmetry(plain, x).dim == 0
+
+
+def test_the_symmetry_report_names_the_operations_the_rescaling_rules_do_not_know():
+    """A network whose diagonal group is empty because of an operation the rules do not know says which (before, its
+    report showed dimension 0 and the output layer's pin alone)."""
+
+    class Odd(nn.BatchNorm1d):  # a normalization whose forward is its own: nothing known of it
+        def forward(self, x):
+            return torch.relu(super().forward(x)) + 0.0 * x
+
+    model = nn.Sequential(nn.Linear(4, 6), Odd(6), nn.Linear(6, 2)).eval()
+    report = manifolds.transformer_symmetry(model, torch.randn(5, 4)).describe()
+    assert "operations the rescaling rules do not know" in report and "module '1' (Odd)" in report, report
