@@ -28,6 +28,9 @@ BatchNorm (eval), Layer/Group/InstanceNorm  input pinned; affine output channels
                                             ``weight`` and ``bias``; without affine the output is pinned
 BatchNorm, ``buffers=True``                 input free: ``running_mean -> e^s running_mean``,
                                             ``running_var -> e^{2 s} running_var`` (exact up to ``eps``)
+timm's ``BatchNormAct2d``                   the BatchNorm rule, then its activation's (ReLU, LeakyReLU, identity:
+                                            output channels free; others pin them), where it computes exactly that
+                                            (`manifolds._same_forward.norm_then_activation`)
 GELU, SiLU, Sigmoid, Tanh, Softmax, ...     not positively homogeneous: inputs and outputs pinned
 a module called twice                       one set of variables: the inputs of its calls are tied
 a tensor held by several modules            its uses' variables are tied entry by entry (outputs with outputs,
@@ -75,7 +78,7 @@ from torch import Tensor, fx, nn
 
 from manifolds._graph import is_metadata, target_name
 from manifolds._modules import hooked
-from manifolds._same_forward import read_as
+from manifolds._same_forward import norm_then_activation, read_as
 
 _AFFINE = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
@@ -506,6 +509,14 @@ class _Walker:
             if self.norm(node, module, source):
                 return None
             return self.unknown(node, data)
+        act = norm_then_activation(module)
+        if act is not None:  # timm's BatchNormAct2d: the normalization's rule, then the activation's
+            if not self.norm(node, module, source):
+                return self.unknown(node, data)
+            if type(act) not in (nn.ReLU, nn.LeakyReLU, nn.Identity):
+                why = f"its activation {type(act).__name__} is not positively homogeneous (f(c x) != c f(x))"
+                self.d.pin(self.ids[node], f"output of {self.label(node)}", why)
+            return None
         if kind in _HOMOGENEOUS_MODULES and self.passthrough(node, source, _pooled_axes(kind.__name__)):
             return None
         if kind is nn.Flatten and self.reshape(node, source):

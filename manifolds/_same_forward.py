@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from manifolds._modules import eval_mode, kept_buffers
+from manifolds._modules import eval_mode, hooked, kept_buffers
 
 # The bases recognised: a twin of a module's settings built on the meta device (only traced, never run), and the
 # stock computation on a module's own tensors.
@@ -45,15 +45,36 @@ def read_as(module: nn.Module) -> type[nn.Module]:
     return kind
 
 
-def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor]) -> bool:
+def norm_then_activation(module: nn.Module) -> nn.Module | None:
+    """The activation module of timm's ``BatchNormAct2d`` (a ``BatchNorm2d`` whose forward is the normalization, then
+    its ``drop`` and ``act`` submodules: RegNet's, DenseNet's, EfficientNet's), where ``module`` computes exactly that
+    in eval mode with its running statistics (values and derivatives on a random input, `_same_derivatives`) and
+    ``drop`` is a dropout or the identity; else ``None``."""
+    if not isinstance(module, nn.BatchNorm2d) or type(module).__name__ != "BatchNormAct2d" or hooked(module):
+        return None
+    act, drop = getattr(module, "act", None), getattr(module, "drop", None)
+    if not isinstance(act, nn.Module) or type(drop) not in (nn.Identity, nn.Dropout) or hooked(act) or hooked(drop):
+        return None
+    if module.running_mean is None or module.running_var is None:  # batch statistics even in eval mode
+        return None
+
+    def stock(m: nn.Module, x: Tensor) -> Tensor:
+        return act(F.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps))
+
+    return act if _same_derivatives(module, stock, (2, module.num_features, 3, 3)) else None
+
+
+def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor],
+                      shape: tuple[int, ...] | None = None) -> bool:  # fmt: skip
     """Whether calling ``module`` gives the values and the gradients (with respect to the input and the trainable
     parameters, for a random combination of the outputs) of the ``stock`` computation on its tensors, on a random
     input of two rows: fx does not record grad mode, so a forward under ``torch.no_grad()`` (or a ``__call__`` that
-    adds one) has the stock graph and other derivatives. Eval mode; the buffers are put back."""
+    adds one) has the stock graph and other derivatives. Eval mode; the buffers are put back. ``shape``: the input's
+    (default: two rows of a LayerNorm's normalized shape)."""
     param = next(module.parameters(), None)
     dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn((2, *module.normalized_shape), generator=generator, dtype=torch.float64)
+    x = torch.randn(shape or (2, *module.normalized_shape), generator=generator, dtype=torch.float64)
     x = x.to(device=device, dtype=dtype).requires_grad_()
     leaves = [x, *(p for p in module.parameters() if p.requires_grad)]
     try:
@@ -96,4 +117,4 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-__all__ = ["read_as"]
+__all__ = ["norm_then_activation", "read_as"]

@@ -1,0 +1,79 @@
+"""timm's ``BatchNormAct2d`` (a ``BatchNorm2d`` whose forward adds its ``drop`` and ``act`` submodules: RegNet,
+DenseNet, EfficientNet, MobileNet), written here as timm writes it, without timm. It is read as the normalization
+followed by its activation: a ReLU (or none) keeps the BatchNorm's output channels free, traded against the next
+convolution's input channels; another activation pins them, with the reason; a forward that computes anything else
+is an unknown operation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_transformer_quotient import assert_keeps_outputs, measure_value
+from torch import nn
+
+import manifolds
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's eval-mode computation: ``act(drop(batch_norm(x)))`` with the running statistics."""
+
+    def __init__(self, channels: int, act: nn.Module, shift: float = 0.0):
+        super().__init__(channels)
+        self.drop, self.act, self.shift = nn.Identity(), act, shift
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                         0.0 if self.momentum is None else self.momentum, self.eps)  # fmt: skip
+        return self.act(self.drop(x)) + self.shift  # a shift: another computation than timm's
+
+
+class Net(nn.Module):
+    def __init__(self, second: nn.Module, shift: float = 0.0):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1, bias=False), BatchNormAct2d(6, nn.ReLU(), shift)
+        self.conv2, self.bn2 = nn.Conv2d(6, 5, 3, padding=1, bias=False), BatchNormAct2d(5, second)
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x):
+        return self.head(self.bn2(self.conv2(self.bn1(self.conv1(x)))).mean(dim=(2, 3)))
+
+
+def _make(second: nn.Module, shift: float = 0.0):
+    torch.manual_seed(0)
+    model = Net(second, shift).double().eval()
+    with torch.no_grad():
+        for m in (model.bn1, model.bn2):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.normal_()
+            m.bias.normal_()
+    return model, torch.randn(6, 3, 8, 8, dtype=torch.float64), torch.randint(0, 4, (6,))
+
+
+@pytest.mark.parametrize("second, free", [(nn.ReLU(), 6 + 5), (nn.Identity(), 6 + 5), (nn.SiLU(), 6)],
+                         ids=["relu", "identity", "silu"])  # fmt: skip
+def test_a_norm_act_layer_is_read_as_its_normalization_then_its_activation(second, free):
+    """The first layer's 6 channels are free (a ReLU after the BatchNorm), the second's 5 too unless its activation is
+    not positively homogeneous (SiLU: pinned, with the reason); a random element keeps the outputs (1e-12) and the
+    symmetry measure (1e-8)."""
+    model, x, y = _make(second)
+    structure = manifolds.analyze(model, x)
+    assert structure.group.dim == free, structure.describe()
+    if free == 6:
+        assert any("bn2" in str(p) and "SiLU is not positively homogeneous" in str(p) for p in structure.group.pins)
+    sym = manifolds.transformer_symmetry(model, x)
+    for seed in range(3):
+        assert_keeps_outputs(model, sym, x, seed)
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(5)))
+    before, after = (measure_value(m, nn.CrossEntropyLoss(), (x, y))[0] for m in (model, moved))
+    assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+
+
+def test_a_norm_act_layer_computing_something_else_is_an_unknown_operation():
+    """A ``BatchNormAct2d`` whose forward adds a constant after the activation is not timm's computation: its channels
+    are pinned as an unknown operation's (a scaled channel would move the constant)."""
+    model, x, _ = _make(nn.ReLU(), shift=0.5)
+    structure = manifolds.analyze(model, x)
+    assert structure.group.dim == 5, structure.describe()  # the second layer's channels only
+    assert "module 'bn1' (BatchNormAct2d)" in manifolds.transformer_symmetry(model, x).describe()
