@@ -70,10 +70,12 @@ def test_a_norm_act_layer_is_read_as_its_normalization_then_its_activation(secon
     assert abs(after - before) <= 1e-8 * abs(before), (before, after)
 
 
-def test_a_norm_act_layer_computing_something_else_is_an_unknown_operation():
-    """A ``BatchNormAct2d`` whose forward adds a constant after the activation is not timm's computation: its channels
-    are pinned as an unknown operation's (a scaled channel would move the constant)."""
-    model, x, _ = _make(nn.ReLU(), shift=0.5)
+@pytest.mark.parametrize("shift", [0.5, 1e-9])
+def test_a_norm_act_layer_computing_something_else_is_an_unknown_operation(shift):
+    """A ``BatchNormAct2d`` whose forward adds a constant after the activation is not timm's computation, however
+    small the constant (the check is exact, not within a tolerance): its channels are pinned as an unknown operation's
+    (a scaled channel would move the constant)."""
+    model, x, _ = _make(nn.ReLU(), shift=shift)
     structure = manifolds.analyze(model, x)
     assert structure.group.dim == 5, structure.describe()  # the second layer's channels only
     assert "module 'bn1' (BatchNormAct2d)" in manifolds.transformer_symmetry(model, x).describe()
