@@ -28,6 +28,8 @@ BatchNorm (eval), Layer/Group/InstanceNorm  input pinned; affine output channels
                                             ``weight`` and ``bias``; without affine the output is pinned
 BatchNorm, ``buffers=True``                 input free: ``running_mean -> e^s running_mean``,
                                             ``running_var -> e^{2 s} running_var`` (exact up to ``eps``)
+timm's ``LayerNorm2d`` (over channels)      the LayerNorm rule on axis 1 (input pinned, affine channels free), where
+                                            it computes exactly that (`manifolds._same_forward.channel_layer_norm`)
 timm's ``BatchNormAct2d``                   the BatchNorm rule, then its activation's (ReLU, LeakyReLU, identity:
                                             output channels free; others pin them), where it computes exactly that
                                             (`manifolds._same_forward.norm_then_activation`)
@@ -78,7 +80,7 @@ from torch import Tensor, fx, nn
 
 from manifolds._graph import is_metadata, target_name
 from manifolds._modules import hooked
-from manifolds._same_forward import norm_then_activation, read_as
+from manifolds._same_forward import channel_layer_norm, norm_then_activation, read_as
 
 _AFFINE = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
@@ -438,7 +440,8 @@ class _Walker:
         self.ids[node] = out_ids
         return out_ids
 
-    def norm(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
+    def norm(self, node: fx.Node, module: nn.Module, source: fx.Node, channels_first: bool = False) -> bool:
+        """``channels_first``: a LayerNorm over the channels of an ``(N, C, ...)`` input (timm's ``LayerNorm2d``)."""
         src, shape = self.shape(source), self.shape(node)
         if src is None or shape is None or source not in self.ids or src != shape:
             return False
@@ -463,7 +466,9 @@ class _Walker:
             self.d.pin(in_ids, f"input of {label}", f"{type(module).__name__} normalizes it, so its scale is lost")
         channels, axis = _channels(shape), 1
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.LayerNorm):
+        if channels_first:
+            covers = len(shape) > 2 and tuple(module.normalized_shape) == (shape[1],)
+        elif isinstance(module, nn.LayerNorm):
             covers = tuple(module.normalized_shape) == tuple(shape[1:])
             if not covers and len(shape) > 2 and tuple(module.normalized_shape) == (shape[-1],):
                 covers, channels, axis = True, shape[-1], len(shape) - 1  # token-wise: one scale per feature
@@ -507,6 +512,10 @@ class _Walker:
             return self.unknown(node, data)
         if _plain_norm(module):
             if self.norm(node, module, source):
+                return None
+            return self.unknown(node, data)
+        if channel_layer_norm(module):  # timm's LayerNorm2d: over the channels, axis 1
+            if self.norm(node, module, source, channels_first=True):
                 return None
             return self.unknown(node, data)
         act = norm_then_activation(module)

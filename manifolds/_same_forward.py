@@ -65,6 +65,20 @@ def norm_then_activation(module: nn.Module) -> nn.Module | None:
     return act if _same_derivatives(module, stock, (2, module.num_features, 3, 3), exact=True) else None
 
 
+def channel_layer_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a LayerNorm over the channels of an ``(N, C, H, W)`` input (timm's ``LayerNorm2d``, as
+    ConvNeXt uses it): an ``nn.LayerNorm`` subclass of shape ``(C,)`` whose forward is ``F.layer_norm`` of the input
+    moved to channels-last and back, exactly (values and derivatives on a random input, to the last bit)."""
+    if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1 or hooked(module):
+        return False
+
+    def stock(m: nn.Module, x: Tensor) -> Tensor:
+        moved = F.layer_norm(x.permute(0, 2, 3, 1), m.normalized_shape, m.weight, m.bias, m.eps)
+        return moved.permute(0, 3, 1, 2)
+
+    return _same_derivatives(module, stock, (2, module.normalized_shape[0], 3, 3), exact=True)
+
+
 def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor],
                       shape: tuple[int, ...] | None = None, exact: bool = False) -> bool:  # fmt: skip
     """Whether calling ``module`` gives the values and the gradients (with respect to the input and the trainable
@@ -120,4 +134,4 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-__all__ = ["norm_then_activation", "read_as"]
+__all__ = ["channel_layer_norm", "norm_then_activation", "read_as"]

@@ -79,3 +79,50 @@ def test_a_norm_act_layer_computing_something_else_is_an_unknown_operation(shift
     structure = manifolds.analyze(model, x)
     assert structure.group.dim == 5, structure.describe()  # the second layer's channels only
     assert "module 'bn1' (BatchNormAct2d)" in manifolds.transformer_symmetry(model, x).describe()
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's LayerNorm over the channels of ``(N, C, H, W)`` (ConvNeXt's): to channels-last, ``F.layer_norm``, back;
+    ``other`` computes with another epsilon than its own (not the layer it says it is)."""
+
+    def __init__(self, channels: int, other: bool = False):
+        super().__init__(channels)
+        self.other = other
+
+    def forward(self, x):
+        eps = 100 * self.eps if self.other else self.eps
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, eps).permute(
+            0, 3, 1, 2
+        )
+
+
+class ConvNeXtLike(nn.Module):
+    def __init__(self, other: bool = False):
+        super().__init__()
+        self.stem, self.norm = nn.Conv2d(3, 6, 2, stride=2), LayerNorm2d(6, other)
+        self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)  # depthwise: its input channels traded one by one
+        self.fc1, self.act, self.fc2 = nn.Conv2d(6, 12, 1), nn.GELU(), nn.Conv2d(12, 6, 1)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x):
+        x = self.dw(self.norm(self.stem(x)))
+        return self.head((x + self.fc2(self.act(self.fc1(x)))).mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("other", [False, True], ids=["layer_norm_2d", "other_eps"])
+def test_a_layer_norm_over_the_channels_trades_its_scale_against_the_next_convolution(other):
+    """ConvNeXt's LayerNorm2d (channels last, ``F.layer_norm``, back) is read as a normalization over axis 1: its 6
+    affine channels are free, traded against the depthwise convolution's input channels; one that computes something
+    else (another epsilon) is an unknown operation. The depthwise convolution's 6 output channels are free either way
+    (traded against ``fc1``'s columns, ``fc2``'s rows across the residual sum, and the head's columns)."""
+    torch.manual_seed(0)
+    model, x = ConvNeXtLike(other).double().eval(), torch.randn(4, 3, 12, 12, dtype=torch.float64)
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    structure = manifolds.analyze(model, x)
+    assert structure.group.dim == (6 if other else 12), structure.describe()
+    sym = manifolds.transformer_symmetry(model, x)
+    assert ("module 'norm' (LayerNorm2d)" in sym.describe()) == other, sym.describe()
+    for seed in range(3):
+        assert_keeps_outputs(model, sym, x, seed)
