@@ -273,9 +273,10 @@ class MatrixSymmetry:
             lines.append("pinned:")
             lines.extend(f"  {pin}" for pin in pinned)
         unknown = () if self.diagonal is None else self.diagonal.unknown
-        if unknown:  # why the diagonal group is smaller than a reader expects (its own pins: `diagonal.describe()`)
-            lines.append("operations the rescaling rules do not know (their inputs and outputs pinned):")
-            lines.extend(f"  {op}" for op in unknown)
+        if unknown:  # why the diagonal group may be smaller than a reader expects (on a transformer the factors above
+            # may move what they pin: attention, einsums)
+            lines.append(f"the diagonal rescaling group pins the inputs and outputs of {len(unknown)} operation(s) its "
+                         "rules do not know: see .diagonal.describe()")  # fmt: skip
         return "\n".join(lines)
 
     def restricted(self, names: Iterable[str]) -> MatrixSymmetry:

@@ -341,13 +341,15 @@ def test_a_hooked_relu_between_token_wise_layers_pins_their_units():
 
 
 def test_the_symmetry_report_names_the_operations_the_rescaling_rules_do_not_know():
-    """A network whose diagonal group is empty because of an operation the rules do not know says which (before, its
-    report showed dimension 0 and the output layer's pin alone)."""
+    """A network whose diagonal group is empty because of an operation the rules do not know says so, and where to
+    read which (before, its report showed dimension 0 and the output layer's pin alone)."""
 
     class Odd(nn.BatchNorm1d):  # a normalization whose forward is its own: nothing known of it
         def forward(self, x):
             return torch.relu(super().forward(x)) + 0.0 * x
 
     model = nn.Sequential(nn.Linear(4, 6), Odd(6), nn.Linear(6, 2)).eval()
-    report = manifolds.transformer_symmetry(model, torch.randn(5, 4)).describe()
-    assert "operations the rescaling rules do not know" in report and "module '1' (Odd)" in report, report
+    sym = manifolds.transformer_symmetry(model, torch.randn(5, 4))
+    report = sym.describe()
+    assert "pins the inputs and outputs of 1 operation(s) its rules do not know: see .diagonal.describe()" in report
+    assert "module '1' (Odd)" in sym.diagonal.describe(), sym.diagonal.describe()
