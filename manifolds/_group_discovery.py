@@ -514,11 +514,11 @@ class _Walker:
             if self.norm(node, module, source):
                 return None
             return self.unknown(node, data)
-        if channel_layer_norm(module):  # timm's LayerNorm2d: over the channels, axis 1
+        if channel_layer_norm(module, self.shape(source)):  # timm's LayerNorm2d: over the channels, axis 1
             if self.norm(node, module, source, channels_first=True):
                 return None
             return self.unknown(node, data)
-        act = norm_then_activation(module)
+        act = norm_then_activation(module, self.shape(source))
         if act is not None:  # timm's BatchNormAct2d: the normalization's rule, then the activation's
             if not self.norm(node, module, source):
                 return self.unknown(node, data)

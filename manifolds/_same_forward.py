@@ -45,15 +45,18 @@ def read_as(module: nn.Module) -> type[nn.Module]:
     return kind
 
 
-def norm_then_activation(module: nn.Module) -> nn.Module | None:
+def norm_then_activation(module: nn.Module, shape: tuple[int, ...] | None = None) -> nn.Module | None:
     """The activation module of timm's ``BatchNormAct2d`` (a ``BatchNorm2d`` whose forward is the normalization, then
     its ``drop`` and ``act`` submodules: RegNet's, DenseNet's, EfficientNet's), where ``module`` computes exactly that
-    in eval mode with its running statistics (values and derivatives on a random input, `_same_derivatives`) and
-    ``drop`` is a dropout or the identity; else ``None``."""
+    in eval mode with its running statistics (values and derivatives on a random input of ``shape``, the input it is
+    called with in the model, and values under ``torch.no_grad()`` too: `_same_derivatives`), ``drop`` is a dropout or
+    the identity, and neither has a forward of its own set on the instance (the check would call it on both sides);
+    else ``None``."""
     if not isinstance(module, nn.BatchNorm2d) or type(module).__name__ != "BatchNormAct2d" or hooked(module):
         return None
     act, drop = getattr(module, "act", None), getattr(module, "drop", None)
-    if not isinstance(act, nn.Module) or type(drop) not in (nn.Identity, nn.Dropout) or hooked(act) or hooked(drop):
+    if not isinstance(act, nn.Module) or type(drop) not in (nn.Identity, nn.Dropout) or hooked(act) or hooked(drop) \
+            or any("forward" in vars(m) for m in act.modules()) or "forward" in vars(drop):  # fmt: skip
         return None
     if module.running_mean is None or module.running_var is None:  # batch statistics even in eval mode
         return None
@@ -62,21 +65,24 @@ def norm_then_activation(module: nn.Module) -> nn.Module | None:
         return act(F.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps))
 
     # the same kernels on the same tensors: equal to the last bit, or it computes something else
-    return act if _same_derivatives(module, stock, (2, module.num_features, 3, 3), exact=True) else None
+    return act if _same_derivatives(module, stock, shape or (2, module.num_features, 3, 3), exact=True) else None
 
 
-def channel_layer_norm(module: nn.Module) -> bool:
+def channel_layer_norm(module: nn.Module, shape: tuple[int, ...] | None = None) -> bool:
     """Whether ``module`` is a LayerNorm over the channels of an ``(N, C, H, W)`` input (timm's ``LayerNorm2d``, as
     ConvNeXt uses it): an ``nn.LayerNorm`` subclass of shape ``(C,)`` whose forward is ``F.layer_norm`` of the input
-    moved to channels-last and back, exactly (values and derivatives on a random input, to the last bit)."""
+    moved to channels-last and back, exactly (values and derivatives on a random input of ``shape``, the 4-D input it
+    is called with in the model, to the last bit)."""
     if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1 or hooked(module):
+        return False
+    if shape is not None and (len(shape) != 4 or shape[1] != module.normalized_shape[0]):
         return False
 
     def stock(m: nn.Module, x: Tensor) -> Tensor:
         moved = F.layer_norm(x.permute(0, 2, 3, 1), m.normalized_shape, m.weight, m.bias, m.eps)
         return moved.permute(0, 3, 1, 2)
 
-    return _same_derivatives(module, stock, (2, module.normalized_shape[0], 3, 3), exact=True)
+    return _same_derivatives(module, stock, shape or (2, module.normalized_shape[0], 3, 3), exact=True)
 
 
 def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor],
@@ -84,9 +90,10 @@ def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Te
     """Whether calling ``module`` gives the values and the gradients (with respect to the input and the trainable
     parameters, for a random combination of the outputs) of the ``stock`` computation on its tensors, on a random
     input of two rows: fx does not record grad mode, so a forward under ``torch.no_grad()`` (or a ``__call__`` that
-    adds one) has the stock graph and other derivatives. Eval mode; the buffers are put back. ``shape``: the input's
-    (default: two rows of a LayerNorm's normalized shape); ``exact``: equal to the last bit, not within float32's
-    tolerance."""
+    adds one) has the stock graph and other derivatives; the values under ``torch.no_grad()`` are compared too (a
+    forward may branch on grad mode, as torch's Transformer fast path does). Eval mode; the buffers are put back.
+    ``shape``: the input's (default: two rows of a LayerNorm's normalized shape); ``exact``: equal to the last bit, not
+    within float32's tolerance."""
     param = next(module.parameters(), None)
     dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
@@ -99,10 +106,12 @@ def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Te
             weights = torch.randn(ref.shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
             mine = torch.autograd.grad((out * weights).sum(), leaves)
             theirs = torch.autograd.grad((ref * weights).sum(), leaves)
+        with torch.no_grad(), eval_mode(module), kept_buffers(module):
+            quiet, quiet_ref = module(x.detach()), stock(module, x.detach())
     except Exception:  # no gradient (a forward without one), or another failure: not the stock layer
         return False
     same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    return all(same(a, b) for a, b in zip((out, *mine), (ref, *theirs)))
+    return all(same(a, b) for a, b in zip((out, quiet, *mine), (ref, quiet_ref, *theirs)))
 
 
 def _signature(module: nn.Module) -> list[tuple]:

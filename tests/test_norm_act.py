@@ -127,3 +127,41 @@ def test_a_layer_norm_over_the_channels_trades_its_scale_against_the_next_convol
     assert ("module 'norm' (LayerNorm2d)" in unknown) == other, sym.diagonal.describe()
     for seed in range(3):
         assert_keeps_outputs(model, sym, x, seed)
+
+
+class _Branching(BatchNormAct2d):
+    """timm's computation on the check's old probe (a 3 x 3 grid, gradients on) and another elsewhere: a constant added
+    on wider grids, or without gradients."""
+
+    def __init__(self, channels: int, act: nn.Module, on: str):
+        super().__init__(channels, act)
+        self.on = on
+
+    def forward(self, x):
+        out = super().forward(x)
+        other = x.shape[-1] > 3 if self.on == "shape" else not torch.is_grad_enabled()
+        return out + 1.0 if other else out
+
+
+_Branching.__name__ = "BatchNormAct2d"  # as timm names it: the name alone lets it be checked
+
+
+@pytest.mark.parametrize("how", ["patched_act", "shape", "grad_mode"])
+def test_a_norm_act_layer_that_is_not_timm_s_where_the_model_calls_it_is_not_read_so(how):
+    """Each computed timm's values on a 3 x 3 probe with gradients on, and had its channels claimed free: an activation
+    whose forward is replaced on the instance (``relu(t) + 1``; the check called it on both sides), a forward that
+    adds a constant on wider grids, or without gradients (outputs moved by 9.0, 1.7, 1.7). The check now probes the
+    input the model gives the layer, with and without gradients, and refuses a forward set on the instance."""
+    model, x, _ = _make(nn.ReLU())
+    if how == "patched_act":
+        act = model.bn1.act
+        act.forward = lambda t: torch.relu(t) + 1.0
+    else:
+        bn = _Branching(6, nn.ReLU(), how).double().eval()
+        bn.load_state_dict(model.bn1.state_dict())
+        model.bn1 = bn
+    structure = manifolds.analyze(model, x)
+    assert structure.group.dim == 5, structure.describe()  # the second layer's channels only
+    sym = manifolds.transformer_symmetry(model, x)
+    for seed in range(3):
+        assert_keeps_outputs(model, sym, x, seed)
