@@ -19,6 +19,8 @@ Linear / Conv (any stride, groups)          outputs are new variables; ``W[o, i]
                                             ``F.conv1d/2d/3d``
 ``x + b``, ``x - b`` (``b`` a parameter)    ``b`` of shape ``(channels,)`` on ``x``'s last (channel) axis:
                                             ``b -> b e^{s(x)}``, the result shares ``x``'s variables
+``x * g`` (``g`` a parameter, one entry     outputs are new variables; ``g_c -> g_c e^{s_out(c) - s_in(c)}``
+per channel of ``(N, C, ...)``)             (ConvNeXt's layer scale, `channel_scale`)
 ReLU, LeakyReLU, PReLU, pooling, dropout,   pass through (``f(e^s x) = e^s f(x)`` channel-wise)
 identity, constant factor, spatial mean
 flatten / view / reshape keeping channels   a feature inherits the variable of its channel
@@ -540,6 +542,8 @@ class _Walker:
             return None
         if len(data) == 1 and name in _ADDITIONS and self.parameter_offset(node, data[0]):  # ``x + b``, b a parameter
             return None
+        if len(data) == 1 and name in ("mul", "mul_") and self.channel_scale(node, data[0]):  # a layer scale
+            return None
         if any(
             isinstance(a, fx.Node) and a.op == "get_attr" for a in node.all_input_nodes
         ):  # parameters or buffers used directly by a function: no rule describes them
@@ -631,6 +635,48 @@ class _Walker:
         self.ids[node] = self.ids[source]
         if self.axis(source) != 1:
             self.axes[node] = self.axis(source)
+        return True
+
+    def channel_scale(self, node: fx.Node, source: fx.Node) -> bool:
+        """``x * g`` (``x.mul(g)``, ``mul_`` on ``x``) with ``g`` a parameter of ``C`` entries, read directly or through
+        one reshape read by this product alone, broadcast along the channels of a channels-first map ``x`` ``(N, C,
+        ...)`` (ConvNeXt's layer scale, ``x.mul(gamma.reshape(1, -1, 1, 1))``): the output's channels are new variables
+        and ``g_c -> g_c e^{s_out(c) - s_in(c)}``, the Linear rule with a diagonal weight."""
+        if node.kwargs or len(node.args) != 2 or source not in self.ids or self.axis(source) != 1:
+            return False
+        if node.args[0] is not source and target_name(node) != "mul":  # in place: on the data only
+            return False
+        other = node.args[1] if node.args[0] is source else node.args[0]
+        src = self.shape(source)
+        if not isinstance(other, fx.Node) or src is None or len(src) < 3 or self.shape(node) != src:
+            return False
+        via, read = other, other
+        if other.op != "get_attr":  # one reshape of the parameter, read by this product alone
+            if target_name(other) not in ("view", "reshape") or other.op != "call_method" or len(other.users) != 1 \
+                    or not other.args or not isinstance(other.args[0], fx.Node) or other.kwargs:  # fmt: skip
+                return False
+            read = other.args[0]
+            if any(isinstance(a, fx.Node) for a in other.args[1:]):
+                return False
+        gain = self.parameter(read)
+        if gain is None:
+            return False
+        try:  # the shape the product reads: the parameter's, or its reshape's
+            shape = tuple(gain[2].shape) if via is read else tuple(gain[2].reshape(*via.args[1:]).shape)
+        except (RuntimeError, TypeError):
+            return False
+        channels = src[1]
+        aligned = (1,) * (len(src) - len(shape)) + tuple(shape)
+        if len(aligned) != len(src) or aligned[1] != channels or any(n != 1 for i, n in enumerate(aligned) if i != 1) \
+                or gain[2].numel() != channels:  # fmt: skip
+            return False
+        label = self.label(node)
+        out_ids = self.d.new(channels, f"output of {label}")
+        view = (channels,) + (1,) * (gain[2].dim() - 1)
+        plus, minus = out_ids.reshape(view), self.ids[source].reshape(view)
+        self.d.records.append(Record(gain[1], tuple(gain[2].shape), plus, minus, 1, "weight", label))
+        self.described_reads.add((via, read) if via is not read else (node, read))
+        self.ids[node] = out_ids
         return True
 
     def reduction(self, node: fx.Node, source: fx.Node) -> bool:

@@ -97,16 +97,23 @@ class LayerNorm2d(nn.LayerNorm):
 
 
 class ConvNeXtLike(nn.Module):
-    def __init__(self, other: bool = False):
+    def __init__(self, other: bool = False, scale: str = "none"):
         super().__init__()
+        self.scale = scale
         self.stem, self.norm = nn.Conv2d(3, 6, 2, stride=2), LayerNorm2d(6, other)
         self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)  # depthwise: its input channels traded one by one
         self.fc1, self.act, self.fc2 = nn.Conv2d(6, 12, 1), nn.GELU(), nn.Conv2d(12, 6, 1)
+        self.gamma = nn.Parameter(torch.rand(6) + 0.5)
         self.head = nn.Linear(6, 4)
 
     def forward(self, x):
         x = self.dw(self.norm(self.stem(x)))
-        return self.head((x + self.fc2(self.act(self.fc1(x)))).mean(dim=(2, 3)))
+        branch = self.fc2(self.act(self.fc1(x)))
+        if self.scale == "gamma":  # ConvNeXt's layer scale
+            branch = branch.mul(self.gamma.reshape(1, -1, 1, 1))
+        elif self.scale == "gamma_twice":  # the same parameter read again elsewhere: not a layer scale alone
+            branch = branch.mul(self.gamma.reshape(1, -1, 1, 1)) + self.gamma.reshape(1, -1, 1, 1)
+        return self.head((x + branch).mean(dim=(2, 3)))
 
 
 @pytest.mark.parametrize("other", [False, True], ids=["layer_norm_2d", "other_eps"])
@@ -165,3 +172,24 @@ def test_a_norm_act_layer_that_is_not_timm_s_where_the_model_calls_it_is_not_rea
     sym = manifolds.transformer_symmetry(model, x)
     for seed in range(3):
         assert_keeps_outputs(model, sym, x, seed)
+
+
+@pytest.mark.parametrize("scale, free", [("gamma", 12 + 6), ("gamma_twice", 6)], ids=["layer_scale", "read_twice"])
+def test_a_layer_scale_on_the_channels_trades_against_the_convolution_before_it(scale, free):
+    """ConvNeXt's ``x.mul(gamma.reshape(1, -1, 1, 1))``: ``gamma_c`` times ``c`` against ``fc2``'s row ``c`` and bias
+    over ``c`` (6 more free scales); a ``gamma`` also added elsewhere is not traded (the sum, a parameter read directly,
+    pins the branch and the stream). A random element keeps the outputs and the symmetry measure."""
+    torch.manual_seed(0)
+    model, x = ConvNeXtLike(scale=scale).double().eval(), torch.randn(4, 3, 12, 12, dtype=torch.float64)
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    structure = manifolds.analyze(model, x)
+    assert structure.group.dim == free, structure.describe()
+    sym = manifolds.transformer_symmetry(model, x)
+    for seed in range(3):
+        assert_keeps_outputs(model, sym, x, seed)
+    y = torch.randint(0, 4, (4,))
+    moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(5)))
+    before, after = (measure_value(m, nn.CrossEntropyLoss(), (x, y))[0] for m in (model, moved))
+    assert abs(after - before) <= 1e-8 * abs(before), (before, after)
