@@ -55,6 +55,7 @@ from sharpness._specs import (
     check_token_ids,
     checkpoint_spec,
     load_fitting,
+    output_head,
     positive_integer,
     positive_number,
 )
@@ -669,14 +670,7 @@ class Llama(nn.Module):
                 tensors = {k: t.float() if t.is_floating_point() else t for k, t in tensors.items()}
                 table = tensors["model.embed_tokens.weight"]
             _add_norm_offset(tensors, layout.norm_offset)
-        head = tensors.pop("lm_head.weight", None)
-        same = head is None or (head.shape == table.shape and torch.equal(head, table))
-        if tied is None:
-            tied = same
-        elif tied and not same:
-            raise SpecError("tie_word_embeddings is true but lm_head.weight differs from the token table")
-        elif not tied and head is None:
-            raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
+        tied, head = output_head(tensors, table, tied)
         try:
             model = cls(vocab, dim, layers, heads, k_rows // head_dim, hidden, head_dim, eps, theta, tied, bias,
                         classes_last, rope_scaling, sliding_window, max_positions, layout, padding_idx, local_theta,

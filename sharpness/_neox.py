@@ -38,6 +38,7 @@ from sharpness._specs import (
     check_token_ids,
     checkpoint_spec,
     load_fitting,
+    output_head,
     positive_integer,
     positive_number,
 )
@@ -228,14 +229,7 @@ class GPTNeoX(nn.Module):
         if fc is None or fc.dim() != 2:
             raise SpecError("the GPT-NeoX state dict has no matrix gpt_neox.layers.0.mlp.dense_h_to_4h.weight")
         bias = "gpt_neox.layers.0.attention.query_key_value.bias" in tensors
-        head = tensors.pop("lm_head.weight", None)
-        same = head is None or (head.shape == table.shape and torch.equal(head, table))
-        if tied is None:
-            tied = same
-        elif tied and not same:
-            raise SpecError("tie_word_embeddings is true but lm_head.weight differs from the token table")
-        elif not tied and head is None:
-            raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
+        tied, head = output_head(tensors, table, tied)
         try:
             model = cls(vocab, dim, layers, heads, fc.shape[0], eps, partial_rotary_factor, theta, rope_scaling,
                         max_positions, parallel, bias, activation, tied, classes_last)  # fmt: skip

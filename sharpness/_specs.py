@@ -442,6 +442,25 @@ def positive_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
 
 
+def output_head(tensors: dict[str, Tensor], table: Tensor, tied: bool | None) -> tuple[bool, Tensor | None]:
+    """``(tied, head)`` of a decoder's checkpoint, ``lm_head.weight`` popped from ``tensors`` (``None`` where absent):
+    ``tied`` (the config's ``tie_word_embeddings``) ``None`` reads it off the tensors, tied where the head is absent or
+    equal to the token ``table``.
+
+    Raises:
+        SpecError: ``tied`` true with a head other than the table, or false without a head.
+    """
+    head = tensors.pop("lm_head.weight", None)
+    same = head is None or (head.shape == table.shape and torch.equal(head, table))
+    if tied is None:
+        return same, head
+    if tied and not same:
+        raise SpecError("tie_word_embeddings is true but lm_head.weight differs from the token table")
+    if not tied and head is None:
+        raise SpecError("tie_word_embeddings is false but the state dict has no lm_head.weight")
+    return tied, head
+
+
 def load_fitting(model: nn.Module, tensors: Mapping[str, Tensor], what: str, tied: set[str], like: str) -> nn.Module:
     """``model`` (eval mode, in the dtype of ``tensors[like]``) with ``tensors`` loaded, after checking that they are
     its keys exactly (but the ``tied`` keys, which another tensor fills) and of its shapes.
