@@ -672,7 +672,10 @@ class _Walker:
             return False
         label = self.label(node)
         out_ids = self.d.new(channels, f"output of {label}")
-        view = (channels,) + (1,) * (gain[2].dim() - 1)
+        # the variables laid out as the parameter holds its channels: (C,), (C, 1, 1) or (1, C, 1, 1)
+        stored = tuple(gain[2].shape)
+        at = next(i for i, n in enumerate(stored) if n == channels)
+        view = tuple(channels if i == at else 1 for i in range(len(stored)))
         plus, minus = out_ids.reshape(view), self.ids[source].reshape(view)
         self.d.records.append(Record(gain[1], tuple(gain[2].shape), plus, minus, 1, "weight", label))
         self.described_reads.add((via, read) if via is not read else (node, read))

@@ -104,6 +104,7 @@ class ConvNeXtLike(nn.Module):
         self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)  # depthwise: its input channels traded one by one
         self.fc1, self.act, self.fc2 = nn.Conv2d(6, 12, 1), nn.GELU(), nn.Conv2d(12, 6, 1)
         self.gamma = nn.Parameter(torch.rand(6) + 0.5)
+        self.gamma4 = nn.Parameter(torch.rand(1, 6, 1, 1) + 0.5)
         self.head = nn.Linear(6, 4)
 
     def forward(self, x):
@@ -111,6 +112,8 @@ class ConvNeXtLike(nn.Module):
         branch = self.fc2(self.act(self.fc1(x)))
         if self.scale == "gamma":  # ConvNeXt's layer scale
             branch = branch.mul(self.gamma.reshape(1, -1, 1, 1))
+        elif self.scale == "gamma_4d":  # stored as (1, C, 1, 1)
+            branch = branch * self.gamma4
         elif self.scale == "gamma_twice":  # the same parameter read again elsewhere: not a layer scale alone
             branch = branch.mul(self.gamma.reshape(1, -1, 1, 1)) + self.gamma.reshape(1, -1, 1, 1)
         return self.head((x + branch).mean(dim=(2, 3)))
@@ -174,7 +177,8 @@ def test_a_norm_act_layer_that_is_not_timm_s_where_the_model_calls_it_is_not_rea
         assert_keeps_outputs(model, sym, x, seed)
 
 
-@pytest.mark.parametrize("scale, free", [("gamma", 12 + 6), ("gamma_twice", 6)], ids=["layer_scale", "read_twice"])
+@pytest.mark.parametrize("scale, free", [("gamma", 12 + 6), ("gamma_4d", 12 + 6), ("gamma_twice", 6)],
+                         ids=["layer_scale", "stored_4d", "read_twice"])  # fmt: skip
 def test_a_layer_scale_on_the_channels_trades_against_the_convolution_before_it(scale, free):
     """ConvNeXt's ``x.mul(gamma.reshape(1, -1, 1, 1))``: ``gamma_c`` times ``c`` against ``fc2``'s row ``c`` and bias
     over ``c`` (6 more free scales); a ``gamma`` also added elsewhere is not traded (the sum, a parameter read directly,
