@@ -587,7 +587,7 @@ class _Finder:
                 if region is not None:
                     regions.append((region, len(chain) - after))
                 return current, chain, cuts
-            source = self.data_arg(current) if current.op in ("call_method", "call_function") else None
+            source = self.data_arg(current)
             if source is None and regions is not None and region is None:
                 region = self.position_region(current, role, norms=to_norm)
                 after = len(chain)
@@ -604,9 +604,7 @@ class _Finder:
         shape = end.meta.get("shape")
 
         def may_start(n: fx.Node) -> bool:  # where `back` goes on, with the map keeping the shape
-            on = self.projection(n) is not None or (n.op in ("call_method", "call_function")
-                                                    and self.data_arg(n) is not None)  # fmt: skip
-            on = on or (norms and self.is_norm(n))
+            on = self.projection(n) is not None or self.data_arg(n) is not None or (norms and self.is_norm(n))
             return on and shape is not None and tuple(n.meta.get("shape", ())) == tuple(shape)
 
         try:
@@ -644,7 +642,7 @@ class _Finder:
                 if not self.once(proj):
                     raise _Fail(f"the output projection {self.label(user)} is called more than once")
                 return proj, chain
-            if user.op not in ("call_method", "call_function") or self.data_arg(user) is not current:
+            if self.data_arg(user) is not current:
                 raise _Fail(f"the heads' output reaches {self.label(user)}, not an output Linear through reshapes")
             chain.append(user)
             current = user
@@ -1776,14 +1774,10 @@ def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None
     `replayed`; ``None``: no maps) mixes them. The sets (each sorted), gathered by size, smallest sets first: one
     list per size, in order of their first feature. `_Fail` where a side's maps mix no features at all (an example of
     one token: its rotation is the identity, which tells nothing of the others)."""
-    parent = list(range(size))
+    from scipy.sparse import coo_array  # noqa: PLC0415 (scipy's import is slow, and only this reads rotary maps)
+    from scipy.sparse.csgraph import connected_components  # noqa: PLC0415
 
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    pairs: list[tuple[int, int]] = []
     for features, maps in sides:
         if maps is None:
             continue
@@ -1793,13 +1787,12 @@ def _tied_features(size: int, sides: Sequence[tuple[Tensor | None, Tensor | None
         if not bool(mixed.any()):
             raise _Fail("its position maps on the example's tokens mix no features (every diagonal scaling commutes "
                         "with them, but maps of tokens beyond the example need not): pass an example with more tokens")
-        for row, i, j in mixed.nonzero().tolist():
-            a, b = root(int(features[row, i])), root(int(features[row, j]))
-            if a != b:
-                parent[max(a, b)] = min(a, b)
+        pairs += [(int(features[row, i]), int(features[row, j])) for row, i, j in mixed.nonzero().tolist()]
+    rows, cols = zip(*pairs) if pairs else ((), ())
+    _, labels = connected_components(coo_array(([1] * len(pairs), (rows, cols)), shape=(size, size)), directed=False)
     sets: dict[int, list[int]] = {}
-    for i in range(size):
-        sets.setdefault(root(i), []).append(i)
+    for i in range(size):  # in order of their first feature
+        sets.setdefault(int(labels[i]), []).append(i)
     by_size: dict[int, list[tuple[int, ...]]] = {}
     for members in sets.values():
         by_size.setdefault(len(members), []).append(tuple(members))

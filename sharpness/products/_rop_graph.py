@@ -58,7 +58,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -1079,7 +1079,7 @@ def rop_graph(
             if mask.meta.get("floating") is not True:
                 return None  # a boolean mask the parameters move: not a sum
             # a floating mask the parameters move (a learned position bias): a fourth input added to the scores
-            op, tensors, meta = replace(op, mask=None, added=True), [*tensors, mask], []
+            op, tensors, meta = dataclasses.replace(op, mask=None, added=True), [*tensors, mask], []
         moves = bool(getattr(op, "names", ())) or any(moving[slot[t]] for t in tensors)
         moving.append(moves)
         steps.append(_Step(op, tuple(slot[t] for t in tensors), moves, tuple(slot[m] for m in meta)))
