@@ -1022,6 +1022,8 @@ def _plain_affine(module: nn.Module) -> type[nn.Module] | None:
             same = kind.forward is base.forward
             if base is not nn.Linear:
                 same = same and kind._conv_forward is base._conv_forward
+            else:  # or a forward of its own that is nn.Linear's (timm's Linear)
+                same = same or read_as(module) is nn.Linear
             return base if same else None
     return None
 

@@ -18,14 +18,22 @@ from torch import Tensor, fx, nn
 
 from manifolds._modules import eval_mode, hooked, kept_buffers
 
-# The bases recognised: a twin of a module's settings built on the meta device (only traced, never run), and the
-# stock computation on a module's own tensors.
-_TWINS: dict[type[nn.Module], tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module, Tensor], Tensor]]] = {
+# The bases recognised: a twin of a module's settings built on the meta device (only traced, never run), the
+# stock computation on a module's own tensors, and the shape of an input to compare them on.
+_TWINS: dict[type[nn.Module], tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module, Tensor], Tensor],
+                                    Callable[[nn.Module], tuple[int, ...]]]] = {  # fmt: skip
     nn.LayerNorm: (
         lambda m: nn.LayerNorm(
             m.normalized_shape, m.eps, m.elementwise_affine, bias=getattr(m, "bias", None) is not None, device="meta"
         ),  # fmt: skip
         lambda m, x: F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps),
+        lambda m: (2, *m.normalized_shape),
+    ),
+    # timm's Linear (MobileNetV3's classifier): F.linear as nn.Linear calls it, unless TorchScript compiles it
+    nn.Linear: (
+        lambda m: nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta"),
+        lambda m, x: F.linear(x, m.weight, m.bias),
+        lambda m: (2, m.in_features),
     ),
 }
 
@@ -35,13 +43,13 @@ def read_as(module: nn.Module) -> type[nn.Module]:
     overrides it with the same graph (see the module docstring) and computes the stock layer's values and derivatives
     (`_same_derivatives`), else its own class."""
     kind = type(module)
-    for base, (twin, stock) in _TWINS.items():
+    for base, (twin, stock, shape) in _TWINS.items():
         if isinstance(module, base) and kind is not base:
             try:
                 same = kind.forward is base.forward or _same(_signature(module), _signature(twin(module)))
             except Exception:  # tracing runs the subclass's own code: what cannot be traced is not recognised
                 same = False
-            return base if same and _same_derivatives(module, stock) else kind
+            return base if same and _same_derivatives(module, stock, shape(module)) else kind
     return kind
 
 
@@ -85,19 +93,18 @@ def channel_layer_norm(module: nn.Module, shape: tuple[int, ...] | None = None) 
     return _same_derivatives(module, stock, shape or (2, module.normalized_shape[0], 3, 3), exact=True)
 
 
-def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor],
-                      shape: tuple[int, ...] | None = None, exact: bool = False) -> bool:  # fmt: skip
+def _same_derivatives(module: nn.Module, stock: Callable[[nn.Module, Tensor], Tensor], shape: tuple[int, ...],
+                      exact: bool = False) -> bool:  # fmt: skip
     """Whether calling ``module`` gives the values and the gradients (with respect to the input and the trainable
     parameters, for a random combination of the outputs) of the ``stock`` computation on its tensors, on a random
     input of two rows: fx does not record grad mode, so a forward under ``torch.no_grad()`` (or a ``__call__`` that
     adds one) has the stock graph and other derivatives; the values under ``torch.no_grad()`` are compared too (a
     forward may branch on grad mode, as torch's Transformer fast path does). Eval mode; the buffers are put back.
-    ``shape``: the input's (default: two rows of a LayerNorm's normalized shape); ``exact``: equal to the last bit, not
-    within float32's tolerance."""
+    ``shape``: the input's; ``exact``: equal to the last bit, not within float32's tolerance."""
     param = next(module.parameters(), None)
     dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(shape or (2, *module.normalized_shape), generator=generator, dtype=torch.float64)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64)
     x = x.to(device=device, dtype=dtype).requires_grad_()
     leaves = [x, *(p for p in module.parameters() if p.requires_grad)]
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_rop_graph import _check
 from test_transformer_quotient import assert_keeps_outputs, measure_value
 from torch import nn
 
@@ -197,3 +198,64 @@ def test_a_layer_scale_on_the_channels_trades_against_the_convolution_before_it(
     moved = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(5)))
     before, after = (measure_value(m, nn.CrossEntropyLoss(), (x, y))[0] for m in (model, moved))
     assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+
+
+@pytest.mark.parametrize("second", [nn.ReLU(), nn.Identity(), nn.SiLU(), nn.Hardswish()],
+                         ids=["relu", "identity", "silu", "hardswish"])  # fmt: skip
+def test_norm_act_products_are_the_r_operators_and_equal_the_dense_hessian(second):
+    """The R-operator reads a ``BatchNormAct2d`` as its BatchNorm then its activation (before, such networks' products
+    were autograd's): products equal the dense float64 Hessian's to 1e-10, from the kept state and in chunks of 3."""
+    model, x, y = _make(second)
+    if isinstance(second, nn.Hardswish):  # the activation's three pieces are all reached
+        with torch.no_grad():  # the BatchNorm's outputs, the activation's inputs, spread over the kinks at -3, 3
+            model.bn2.weight.mul_(6)
+            h = F.batch_norm(model.conv2(model.bn1(model.conv1(x))), model.bn2.running_mean, model.bn2.running_var,
+                             model.bn2.weight, model.bn2.bias, False, 0.0, model.bn2.eps)  # fmt: skip
+        assert bool((h < -3).any() and ((h > -3) & (h < 3)).any() and (h > 3).any())
+    _check(model, x, y, strategy="rop")
+
+
+def test_a_norm_act_layer_computing_something_else_keeps_autograd_products():
+    model, x, y = _make(nn.ReLU(), shift=0.25)
+    _check(model, x, y, strategy="graph")
+
+
+@pytest.mark.parametrize("other, strategy", [(False, "rop"), (True, "graph")], ids=["layer_norm_2d", "other_eps"])
+def test_a_layer_norm_over_the_channels_is_read_by_the_r_operator_where_it_is_one(other, strategy):
+    """ConvNeXt's LayerNorm2d (with its layer scale) is read as a LayerNorm of the channels moved last and moved back;
+    one with another epsilon than its own keeps autograd's products. Both equal the dense Hessian's."""
+    torch.manual_seed(0)
+    model, x = ConvNeXtLike(other, scale="gamma").double().eval(), torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    _check(model, x, torch.randint(0, 4, (4,)), strategy=strategy)
+
+
+class TimmLinear(nn.Linear):
+    """timm's ``Linear`` (MobileNetV3's classifier): ``nn.Linear``'s computation, with casts only under TorchScript;
+    ``scaled``: another computation (twice the output)."""
+
+    def __init__(self, *args, scaled: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scaled = scaled
+
+    def forward(self, input):
+        if torch.jit.is_scripting():
+            bias = self.bias.to(dtype=input.dtype) if self.bias is not None else None
+            return F.linear(input, self.weight.to(dtype=input.dtype), bias=bias)
+        out = F.linear(input, self.weight, self.bias)
+        return 2 * out if self.scaled else out
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["timm_linear", "scaled"])
+def test_a_linear_subclass_computing_linear_s_forward_is_read_as_linear(scaled):
+    """Read as ``nn.Linear`` where its forward is ``nn.Linear``'s: the hidden layer's 5 units are free (traded against
+    its columns) and the products are the R-operator's; a subclass computing something else pins its inputs as an
+    unknown operation and keeps autograd's products. Products equal the dense Hessian's either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), TimmLinear(5, 3, scaled=scaled)).double().eval()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    structure = manifolds.analyze(model, x)
+    assert structure.group.dim == (0 if scaled else 5), structure.describe()
+    _check(model, x, y, strategy="graph" if scaled else "rop")

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_rop_graph import _check
 from test_transformer_quotient import assert_keeps_outputs, measure_value
 from torch import nn
 
@@ -190,3 +191,44 @@ def test_a_nonlinear_map_named_like_a_reshape_keeps_the_key_bias_read(how):
     assert [f.unread for f in sym.factors if "query/key" in f.label] == [None, None], sym.describe()
     for seed in range(3):
         assert_keeps_outputs(model, sym, x, seed)
+
+
+@pytest.mark.parametrize("options", [{}, {"pad_value": 0.5}, {"roll_features": True}],
+                         ids=["zeros", "pad_value", "roll_features"])  # fmt: skip
+def test_products_through_the_windows_are_the_r_operators_and_the_dense_hessians(options):
+    """The R-operator reads the windowed blocks: the rolls, the padding to whole windows by amounts computed from the
+    shapes (by a constant too: its offset carries no tangent), and the windows folded into the batch axis and back.
+    Products equal the dense float64 Hessian's to 1e-10, from the kept state and streamed in chunks of 3 (a chunk of
+    one sample holds its 9 windows in the batch axis). Before, these blocks fell back to autograd."""
+    model, x, y = _make(**options)
+    _check(model, x, y, strategy="rop")
+
+
+class _Padded(nn.Module):
+    """Tokens rolled or padded along the sequence between two layers (``how``: ``roll``, or ``F.pad``'s mode and
+    constant)."""
+
+    def __init__(self, how: str, value: float | None = None):
+        super().__init__()
+        self.how, self.value = how, value
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):  # (B, 5, 4) -> (B, 3)
+        h = torch.tanh(self.a(x)).transpose(1, 2)
+        if self.how == "roll":
+            h = torch.roll(h, shifts=2, dims=-1)
+        else:
+            h = F.pad(h, (1, h.shape[-1] % 3), mode=self.how, **({} if self.value is None else {"value": self.value}))
+        return self.b(h.transpose(1, 2)).mean(1)
+
+
+@pytest.mark.parametrize(("how", "value", "strategy"), [("roll", None, "rop"), ("constant", None, "rop"),
+                                                        ("constant", 2.5, "rop"), ("reflect", None, "graph"),
+                                                        ("replicate", None, "graph")])  # fmt: skip
+def test_rolls_and_constant_padding_are_read_and_other_padding_falls_back_to_autograd(how, value, strategy):
+    """A roll and constant padding (by zeros or a constant) are read by the R-operator; reflected or replicated
+    padding (other adjoints) is not, and its products come from autograd; both equal the dense Hessian's."""
+    torch.manual_seed(0)
+    model = _Padded(how, value).double().eval()
+    x, y = torch.randn(5, 5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _check(model, x, y, strategy=strategy)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from manifolds import UnsupportedModelError
 from manifolds import functional_call as tie_aware_call
@@ -326,14 +327,38 @@ def squeeze_label_column(data: object, loss_fn: Callable) -> object:
 @contextlib.contextmanager
 def _math_attention() -> Iterator[None]:
     """Attention through PyTorch's math kernel, the one with second derivatives (the fused CPU and GPU kernels
-    have none), and no fused ``MultiheadAttention`` fast path (no derivatives at all)."""
+    have none), no fused ``MultiheadAttention`` fast path (no derivatives at all), and the hard sigmoid as
+    `_TwiceDifferentiable` computes it."""
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), _TwiceDifferentiable():
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast)
+
+
+_HARD_SIGMOIDS = (F.hardsigmoid, torch._C._nn.hardsigmoid, torch._C._nn.hardsigmoid_)
+
+
+class _TwiceDifferentiable(TorchFunctionMode):
+    """``F.hardsigmoid`` (``nn.Hardsigmoid``: MobileNetV3's gates) computed as ``clamp(x + 3, 0, 6) / 6``, the
+    arithmetic of torch's own kernel (equal to the bit in float32 and float64, the dtypes the objectives compute in),
+    through operations with second derivatives: torch has none for the hard sigmoid's backward, neither by double
+    backward nor in forward mode, so every Hessian-vector product by autograd failed. Its second derivative is zero
+    except at -3 and 3. Every other call runs as it is (a pass-through costs no measurable time: bench workloads
+    F1, C1 and T1's gradients within their noise)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _HARD_SIGMOIDS:
+            return func(*args, **kwargs)
+        x = args[0] if args else kwargs["input"]
+        inplace = func is torch._C._nn.hardsigmoid_ or (
+            func is F.hardsigmoid and bool(args[1] if len(args) > 1 else kwargs.get("inplace", False)))
+        if inplace:  # the caller's tensor updated, as the kernel does
+            return x.add_(3).clamp_(0, 6).div_(6)
+        return torch.clamp(x + 3, 0, 6) / 6
 
 
 def functional_call(model: nn.Module, tensors: Mapping[str, Tensor] | tuple[Mapping[str, Tensor], ...], args: tuple,

@@ -143,7 +143,7 @@ def _affine(name: str, module: nn.Module, params: Mapping[str, Tensor] | set[str
     bias = keys.get(f"{name}.bias", f"{name}.bias") if module.bias is not None else None
     if weight not in params or (bias is not None and bias not in params):
         return None  # a frozen parameter: the products here move every affine parameter
-    if type(module) is nn.Linear:
+    if isinstance(module, nn.Linear):  # nn.Linear, or a subclass the caller reads as it (`manifolds.read_as`)
         return _Affine(weight, bias, 0)
     dims = _CONVS[type(module)]
     if module.padding_mode != "zeros" or isinstance(module.padding, str):

@@ -12,16 +12,17 @@ operation is, at the current point, either
   ``xhat = (h - mu) / sqrt(var + eps)`` per channel from the fixed running statistics (without ``affine``, a
   fixed per-channel affine map), or
 - a fixed linear map ``P`` of its tensor inputs: ``ReLU``/``LeakyReLU`` (a mask or slope), ``MaxPool`` (a
-  selection), average and adaptive average pooling, means and sums over non-batch axes, flatten/view/reshape/unflatten,
+  selection), average and adaptive average pooling, means and sums over non-batch axes, flatten/view/reshape/unflatten
+  (also folding the samples' axis with others and back: Swin's windows in the batch axis), constant padding
+  (``F.pad``, by amounts that may be computed from shapes) and ``torch.roll`` along axes other than the samples',
   identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
   and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
   slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
   ``expand`` (a class token), ``repeat_interleave``/``repeat`` along axes other than the samples' (grouped-query
   key/value heads), multiplication by a number computed from shapes, ``masked_fill`` by a number
   with a mask that no parameter moves, casts between floating dtypes (tangents and errors cast too), rows picked by an
-  integer tensor (a table read at an index buffer; errors added back over repeated picks), and views mixing the first
-  axis of tensors the data do not reach (a table of parameters reshaped). Its second derivative vanishes (almost
-  everywhere), or
+  integer tensor (a table read at an index buffer; errors added back over repeated picks). Its second derivative
+  vanishes (almost everywhere), or
 - a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
@@ -67,7 +68,7 @@ from torch import Tensor, fx, nn
 
 from manifolds._einsum import as_matrix_products
 from manifolds._graph import floating_cast, is_metadata, linear_arguments, target_name
-from manifolds._same_forward import read_as
+from manifolds._same_forward import channel_layer_norm, norm_then_activation, read_as
 from sharpness.products._rop import (
     _CONVS,
     ChunkState,
@@ -104,7 +105,9 @@ _AVG_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn
 _AVG_POOL_FUNCTIONS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                        "adaptive_avg_pool3d"}  # fmt: skip
 # elementwise modules with a second derivative (`_Pointwise`), by the kind they are
-_POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu"}
+_POINTWISE_MODULES = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu", nn.Hardsigmoid: "hardsigmoid",
+                      nn.Hardswish: "hardswish"}  # fmt: skip
+_INPLACE_OPTION = {"silu", "hardsigmoid", "hardswish"}  # functions with an ``inplace`` argument
 _IDENTITY_FUNCTIONS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous"}
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze"}
 _ADD = {operator.add, operator.iadd, torch.add, "add", "add_", "iadd"}
@@ -427,7 +430,7 @@ def _single_user(node: fx.Node) -> bool:
 def _module_op(node: fx.Node, module: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
                keys: Mapping[str, str]):  # fmt: skip
     """A module call as a `_Layer` or `_Map`, or ``None`` where it is not supported. ``keys``: `parameter_keys`."""
-    name, kind, shape = str(node.target), read_as(module), node.args[0].meta["shape"]
+    name, kind, shape = str(node.target), node.meta.get(_READ_AS) or read_as(module), node.args[0].meta["shape"]
     if kind is nn.Linear or kind in _CONVS:
         affine = _affine(name, module, params, keys)
         if affine is not None and kind is nn.Linear and len(shape) != 2:
@@ -557,7 +560,8 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
         approximate = node.kwargs.get("approximate", "none")
         if name == "gelu" and set(node.kwargs) <= {"approximate"} and approximate in ("none", "tanh"):
             return _Pointwise("gelu" if approximate == "none" else "gelu_tanh"), [first]
-        if name in POINTWISE_FUNCTIONS and (not node.kwargs or (name == "silu" and node.kwargs == {"inplace": False})):
+        if name in POINTWISE_FUNCTIONS and (not node.kwargs or (name in _INPLACE_OPTION
+                                                                and node.kwargs == {"inplace": False})):  # fmt: skip
             return _Pointwise(POINTWISE_FUNCTIONS[name]), [first]
     if name == "softplus" and first is not None and len(tensors) == 1 and len(args) <= 3 \
             and set(node.kwargs) <= {"beta", "threshold"}:  # fmt: skip
@@ -592,12 +596,11 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
             return None  # numbers computed in the graph (nested in a list too), or the samples' axis copied
         call = _caller(node)
         return _Map("linear", lambda t, call=call: call([t])), [first]
+    if name in ("pad", "roll") and first is not None and len(tensors) == 1:
+        return _shifted(node, name, first, len(shapes[first]))
     if name in _VIEWS and first is not None and len(tensors) == 1:
-        before, after = shapes[first], shapes[node]
-        if before[:1] != after[:1] or torch.Size(before[1:]).numel() != torch.Size(after[1:]).numel():
-            # the samples must stay apart: read only where the data do not reach the tensor (a table of parameters
-            # reshaped, as BEiT's relative position bias; checked with the graph)
-            return _Map("view", call=_caller(node), mixes_samples=True), [first]
+        # also where it folds the samples' axis with others (Swin's windows into the batch) and back: a view is linear
+        # whatever its axes, and the objective has checked that the model keeps the samples apart
         return _Map("view", call=_caller(node)), [first]
     if name in ("type_as", "to") and first is not None and _cast_only(node, shapes):
         return _Map("cast", call=_caller(node)), [first]
@@ -746,6 +749,41 @@ def _index_caller(node: fx.Node) -> Callable[[list], object]:
         return filled
 
     return index
+
+
+def _shifted(node: fx.Node, name: str, first: fx.Node, ndim: int):
+    """Constant padding (``F.pad``, constant mode; negative amounts crop) and ``torch.roll`` along axes other than
+    the samples', by amounts that may be computed from shapes (Swin's windows): a fixed affine map, whose linear part
+    (padding by zeros) the tangents and errors go through; else ``None``."""
+    linear = _caller(node)  # roll: linear
+    if name == "pad":
+        amounts, mode = _argument(node, 1, "pad", None), _argument(node, 2, "mode", "constant")
+        value = _argument(node, 3, "value", None)
+        if mode != "constant" or not (value is None or _number(value)) or not isinstance(amounts, (tuple, list)) \
+                or len(amounts) % 2 or len(amounts) // 2 >= ndim \
+                or set(node.kwargs) - {"pad", "mode", "value"}:  # fmt: skip
+            return None  # another mode (reflect, replicate: other adjoints), or the samples' axis padded too
+        linear = _zero_padded(node)  # a non-zero constant is the map's offset: its linear part pads by zeros
+    else:
+        dims = _argument(node, 2, "dims", None)
+        dims = (dims,) if isinstance(dims, int) else dims
+        if not isinstance(dims, (tuple, list)) or not dims or set(node.kwargs) - {"shifts", "dims"} \
+                or any(_axis(d, ndim) in (None, 0) for d in dims):  # fmt: skip
+            return None  # the flattened tensor rolled (no dims), or the samples' axis
+    return _Map("relay", (node.all_input_nodes.index(first), linear), call=_caller(node)), [first]
+
+
+def _zero_padded(node: fx.Node) -> Callable[[list], Tensor]:
+    """The ``F.pad`` call of ``node`` padding by zeros, fed the values of ``node.all_input_nodes`` in that order."""
+    inputs = node.all_input_nodes
+
+    def pad(values: list) -> Tensor:
+        env = dict(zip(inputs, values))
+        x, amounts = (fx.node.map_arg(_argument(node, i, key, None), env.__getitem__)
+                      for i, key in ((0, "input"), (1, "pad")))  # fmt: skip
+        return F.pad(x, amounts)
+
+    return pad
 
 
 def _attention_op(node: fx.Node, name: str, shapes: dict[fx.Node, tuple]):
@@ -980,6 +1018,52 @@ def _fuse_batch_norms(read: dict[fx.Node, tuple], output: fx.Node) -> None:
                 read[node] = (_Layer(affine=before.affine, norm=op.norm), read[source][1], [])
 
 
+# A module call the graph reader reads as another class (`_split_norms`)
+_READ_AS = "rop_read_as"
+
+
+def _split_norms(model: nn.Module, graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (nodes' ``meta`` copied) in which timm's ``BatchNormAct2d`` is a ``BatchNorm2d`` call
+    followed by its activation module's, and timm's ``LayerNorm2d`` a ``LayerNorm`` of the input moved to
+    channels-last and moved back, where each computes exactly that on its input
+    (`manifolds._same_forward.norm_then_activation`, `manifolds._same_forward.channel_layer_norm`); ``graph`` itself
+    where neither is called."""
+    found = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+            continue
+        module, shape = model.get_submodule(str(node.target)), node.args[0].meta.get("shape")
+        if shape is None or _has_hooks(module):
+            continue
+        if norm_then_activation(module, shape) is not None:
+            found[node] = "act"
+        elif isinstance(module, nn.LayerNorm) and read_as(module) is not nn.LayerNorm and channel_layer_norm(module,
+                                                                                                             shape):
+            found[node] = "channels"
+    if not found:
+        return graph
+    copy, mapping = fx.Graph(), {}
+    copy.output(copy.graph_copy(graph, mapping))
+    for old, how in found.items():
+        node = mapping[old]
+        shape = node.meta["shape"]
+        if how == "act":  # the normalization, then the activation (its ``drop`` is the identity in eval mode)
+            node.meta[_READ_AS] = nn.BatchNorm2d
+            with copy.inserting_after(node):
+                out = copy.call_module(f"{node.target}.act", (node,))
+        else:  # over the channels: moved to the last axis and back
+            n, c, h, w = shape
+            with copy.inserting_before(node):
+                moved = copy.call_method("permute", (node.args[0], 0, 2, 3, 1))
+            moved.meta.update(node.meta, shape=(n, h, w, c))
+            node.args, node.meta["shape"], node.meta[_READ_AS] = (moved,), (n, h, w, c), nn.LayerNorm
+            with copy.inserting_after(node):
+                out = copy.call_method("permute", (node, 0, 3, 1, 2))
+        out.meta.update({k: v for k, v in node.meta.items() if k != _READ_AS}, shape=shape)
+        node.replace_all_uses_with(out, delete_user_cb=lambda user, out=out: user is not out)
+    return copy
+
+
 def rop_graph(
     model: nn.Module, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], graph: fx.Graph | None
 ) -> RopGraph | None:
@@ -990,6 +1074,7 @@ def rop_graph(
     if graph is None or _has_hooks(model):
         return None
     graph = as_matrix_products(graph)  # einsum products (attention written so) read as the matmuls they are
+    graph = _split_norms(model, graph)  # timm's BatchNormAct2d and LayerNorm2d read as what they compute
     nodes = list(graph.nodes)
     if _read_after_mutation(nodes, model):
         return None
@@ -1066,12 +1151,9 @@ def rop_graph(
     if order[0].op != "placeholder":
         return None
     slot = {n: i for i, n in enumerate(order)}
-    steps, moving, fed = [], [], []  # fed: whether the data reach the node
+    steps, moving = [], []
     for node in order:
         op, tensors, meta = read[node]
-        fed.append(node.op == "placeholder" or any(fed[slot[t]] for t in (*tensors, *meta)))
-        if isinstance(op, _Map) and op.mixes_samples and fed[-1]:
-            return None  # a view mixing the samples' axis of the data
         if node in fixed and any(moving[slot[m]] for m in meta):
             return None  # an unsupported operation of something the parameters move
         if isinstance(op, _Attend) and op.mask is not None and moving[slot[meta[op.mask]]]:

@@ -332,7 +332,8 @@ class _Norm:
 class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
-    kind: str  # "slope", "maxpool", "linear", "view", "scale", "sum", "cat", "stack", "permute", "piece", "index",
+    kind: str  # "slope", "maxpool", "linear", "relay", "view", "scale", "sum", "cat", "stack", "permute", "piece",
+    # "index",
     # "expand", "masked", "cast" (a change of dtype: tangents and errors cast too), "gather" (rows of the first axis
     # picked by an integer tensor no parameter moves, ``call`` reading it among the call's inputs: BEiT's relative
     # position table read at its index; the error adds up over rows picked several times)
@@ -342,16 +343,16 @@ class _Map:
     # slot of the mask among the call's inputs ("masked"), or (the slot of a factor computed from shapes among the
     # call's inputs, whether it divides) ("scale")
     impl: object = None
-    # the forward for "view", "scale", "expand", "masked" and "cast", the cut for "piece" (the original call, its other
+    # the forward for "view", "scale", "expand", "masked", "cast" and "relay" (an affine call whose other arguments may
+    # be numbers computed from shapes: Swin's padding to whole windows; ``impl`` is (the tensor's slot among the call's
+    # inputs, the call of its linear part), which tangents and errors go through), the cut for "piece" (the original
+    # call, its other
     # arguments bound), the index for "index" where it has numbers computed from shapes, and for "gather" (read among
     # the call's inputs)
     call: Callable | None = None
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat", "stack"
     means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
-    # "view": it mixes the first axis, so it is read only where the data do not reach it (a table of parameters
-    # reshaped, as BEiT's relative position bias; `sharpness.products._rop_graph` checks that on the graph)
-    mixes_samples: bool = False
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, object]:
         """``xs``: the tensor inputs; ``args``: the values of every input of the original call (for ``call``)."""
@@ -360,6 +361,8 @@ class _Map:
             return self.impl.forward(xs[0])
         if kind == "linear":
             return self.impl(xs[0]), (xs[0].shape, layout(xs[0]))
+        if kind == "relay":  # the call's other inputs kept (numbers), not the tensor itself
+            return self.call(args), (xs[0].shape, layout(xs[0]), _placed(args, self.impl[0], None))
         if kind == "view":
             x, fmt = xs[0], layout(xs[0])
             if fmt is torch.channels_last:  # channels-last strides may admit no view: the call sees standard order
@@ -446,6 +449,8 @@ class _Map:
             return self.impl.tangent(h, saved)
         if kind == "linear":
             return self.impl(h)
+        if kind == "relay":
+            return self.impl[1](_placed(saved[2], self.impl[0], h))
         if kind == "view":
             return h.reshape(saved[1])
         if kind == "permute":
@@ -484,11 +489,12 @@ class _Map:
             if g.dim() != len(shape):  # the axes were dropped (no keepdim)
                 g = g.reshape([1 if d in self.means else size for d, size in enumerate(shape)])
             return [(g / count).expand(shape).contiguous(memory_format=fmt)]
-        if kind == "linear":  # the input's error in the input's memory layout (channels-last stays so)
+        if kind in ("linear", "relay"):  # the input's error in the input's memory layout (channels-last stays so)
             with torch.enable_grad():
                 x = torch.empty(saved[0], dtype=g.dtype, device=g.device, memory_format=saved[1])
                 x = x.zero_().requires_grad_()
-                return [torch.autograd.grad(self.impl(x), x, g)[0]]
+                out = self.impl(x) if kind == "linear" else self.impl[1](_placed(saved[2], self.impl[0], x))
+                return [torch.autograd.grad(out, x, g)[0]]
         if kind == "view":
             return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
         if kind == "expand":
@@ -505,6 +511,11 @@ class _Map:
             return [_Part(saved[0], g, lambda t: _narrow(t, self.dim, *saved[1:]))]
         factor = self.factors[0] if self.impl is None else saved
         return [g * factor if factor != 1.0 else g]
+
+
+def _placed(args: list, slot: int, t: Tensor | None) -> list:
+    """``args`` with ``t`` at ``slot``."""
+    return [t if i == slot else a for i, a in enumerate(args)]
 
 
 @dataclass(frozen=True)

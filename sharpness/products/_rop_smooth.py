@@ -7,7 +7,9 @@ tangent error, the input's tangent error is ``J^T ddot + (d/dt J(x + t xdot)^T) 
 closed form:
 
 - a parameter used outside a module (``self.pos``): tangent ``v``, product ``(Hv) += ddot`` (`_Param`);
-- elementwise functions (GELU exact or tanh-approximated, tanh, sigmoid, SiLU, softplus, exp, log, powers):
+- elementwise functions (GELU exact or tanh-approximated, tanh, sigmoid, SiLU, softplus, exp, log, powers, the hard
+  sigmoid ``clamp(x + 3, 0, 6) / 6`` and hard swish ``x`` times it, second derivatives zero and ``1/3`` between the
+  kinks):
   ``f'(x) ddot + f''(x) xdot delta`` (`_Pointwise`); the elementwise product of two tensors, bilinear (`_Product`);
 - the log-softmax ``z = x - log sum exp(x)`` along an axis, ``p = exp(z)``: ``ddot - p (sum(ddot) + zdot sum(delta))``
   (`_LogSoftmax`);
@@ -101,6 +103,14 @@ def _derivatives(kind: str, x: Tensor, p: object) -> tuple[Tensor, Tensor, Tenso
     if kind == "exp":
         e = torch.exp(x)
         return e, e, e
+    if kind in ("hardsigmoid", "hardswish"):  # clamp(x + 3, 0, 6) / 6 (and x times it), as torch's kernels compute
+        # (a mask times a number would take torch's default dtype, not x's)
+        gate, inner = torch.clamp(x + 3, 0, 6) / 6, ((x > -3) & (x < 3)).to(x.dtype)
+        if kind == "hardsigmoid":  # piecewise linear: no second derivative
+            return gate, inner * (1 / 6), torch.zeros_like(x)
+        # torch's own slope at the kinks: 0 below -3, x / 3 + 1/2 up to 3 inclusive, 1 above
+        slope = torch.where(x < -3, 0.0, torch.where(x <= 3, x / 3 + 0.5, 1.0))
+        return x * gate, slope, inner * (1 / 3)
     if kind == "log":
         r = 1 / x
         return torch.log(x), r, -r * r
@@ -113,15 +123,16 @@ def _derivatives(kind: str, x: Tensor, p: object) -> tuple[Tensor, Tensor, Tenso
 
 # Elementwise functions with a second derivative the products read (`_Pointwise`): the name of the call, and the kind
 POINTWISE_FUNCTIONS = {"tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu", "exp": "exp", "log": "log",
-                       "sqrt": "sqrt", "rsqrt": "rsqrt", "square": "square"}  # fmt: skip
+                       "sqrt": "sqrt", "rsqrt": "rsqrt", "square": "square", "hardsigmoid": "hardsigmoid",
+                       "hardswish": "hardswish"}  # fmt: skip
 _POWERS = {"sqrt": 0.5, "rsqrt": -0.5, "square": 2.0}
 
 
 @dataclass(frozen=True)
 class _Pointwise(_Smooth):
     """An elementwise function with a second derivative (``kind``: exact or tanh-approximated GELU, tanh, sigmoid,
-    SiLU, softplus, exp, log, or a power ``x ** p``; ``p`` is the power, or softplus's ``(beta, threshold)``):
-    keeps ``f'(x)`` and ``f''(x)``."""
+    SiLU, softplus, exp, log, the hard sigmoid and hard swish (MobileNetV3's), or a power ``x ** p``; ``p`` is the
+    power, or softplus's ``(beta, threshold)``): keeps ``f'(x)`` and ``f''(x)``."""
 
     kind: str
     p: object = None
