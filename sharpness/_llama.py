@@ -473,7 +473,31 @@ class LlamaBody(nn.Module):
         return self.norm(x)
 
 
-class Llama(nn.Module):
+class CausalLM(nn.Module):
+    """What the decoders here (`Llama`, `GPTNeoX`) share around their blocks: the language-model head ``lm_head`` over
+    the vocabulary (sharing the token table where ``tied``), the token ids' check and the logits' layout. A subclass
+    builds its blocks, then calls `_add_head`."""
+
+    takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+    _kind = "a language model"  # the model, as the token check names it
+
+    def _add_head(self, table: nn.Embedding, tied: bool, classes_last: bool) -> None:
+        self.lm_head = nn.Linear(table.embedding_dim, table.num_embeddings, bias=False)
+        if tied:
+            self.lm_head.weight = table.weight
+        self.classes_last = classes_last
+
+    def check_tokens(self, input_ids: Tensor) -> None:
+        """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
+        size."""
+        check_token_ids(input_ids, self.lm_head.out_features, None, self._kind)  # the table's rows
+
+    def _laid_out(self, logits: Tensor) -> Tensor:
+        """``(N, T, V)`` logits as ``classes_last`` asks."""
+        return logits if self.classes_last else logits.transpose(1, 2)
+
+
+class Llama(CausalLM):
     """A LLaMA-family decoder with its language-model head, as HuggingFace's ``LlamaForCausalLM`` computes it in eval
     mode.
 
@@ -511,7 +535,7 @@ class Llama(nn.Module):
     Inputs are token ids ``(N, T)``; any length (the rotary angles are computed for it).
     """
 
-    takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+    _kind = "a LLaMA model"
 
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int | None = None,
                  hidden: int | None = None, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
@@ -551,27 +575,19 @@ class Llama(nn.Module):
         if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
                                         or not -vocab <= padding_idx < vocab):  # fmt: skip
             raise ValueError(f"pad_token_id must be a token id in [-{vocab}, {vocab}) or null, got {padding_idx!r}")
-        self.classes_last = classes_last
         rotary = rope(head_dim, theta, rope_scaling, max_positions)
         local = rotary if local_theta is None else rope(head_dim, local_theta, local_rope_scaling, max_positions)
         ropes = [rotary if window is None else local for window in windows]
         self.model = LlamaBody(vocab, dim, heads, kv_heads, head_dim, 4 * dim if hidden is None else hidden, eps,
                                ropes, dict(bias or {}), windows, layout, padding_idx)  # fmt: skip
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self._add_head(self.model.embed_tokens, tied, classes_last)
         self.logit_softcap = layout.logit_softcap
-        if tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def check_tokens(self, input_ids: Tensor) -> None:
-        """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
-        size."""
-        check_token_ids(input_ids, self.model.embed_tokens.num_embeddings, None, "a LLaMA model")
 
     def forward(self, input_ids: Tensor) -> Tensor:
         logits = self.lm_head(self.model(input_ids))
         if self.logit_softcap is not None:  # Gemma 2's cap, c tanh(logits / c)
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits if self.classes_last else logits.transpose(1, 2)
+        return self._laid_out(logits)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-6, theta: float = 10000.0,

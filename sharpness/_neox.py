@@ -32,10 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._llama import Float32Frequencies, Rope, rope, rotary_cos_sin, rotate_half
+from sharpness._llama import CausalLM, Float32Frequencies, Rope, rope, rotary_cos_sin, rotate_half
 from sharpness._specs import (
     SpecError,
-    check_token_ids,
     checkpoint_spec,
     load_fitting,
     output_head,
@@ -126,7 +125,7 @@ class GPTNeoXBody(nn.Module):
         return self.final_layer_norm(x)
 
 
-class GPTNeoX(nn.Module):
+class GPTNeoX(CausalLM):
     """A GPT-NeoX decoder with its language-model head, as HuggingFace's ``GPTNeoXForCausalLM`` computes it in eval
     mode (the Pythia suite, GPT-NeoX-20B).
 
@@ -154,7 +153,7 @@ class GPTNeoX(nn.Module):
     Inputs are token ids ``(N, T)``; any length (the rotary angles are computed for it).
     """
 
-    takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+    _kind = "a GPT-NeoX model"
 
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int | None = None, eps: float = 1e-5,
                  partial_rotary_factor: float = 0.25, theta: float = 10000.0,
@@ -181,21 +180,12 @@ class GPTNeoX(nn.Module):
         if rotary.dynamic is not None or rotary.long_inv_freq is not None:
             raise ValueError("a rope scaling that depends on the sequence's length (dynamic, longrope) is not "
                              "supported for GPT-NeoX")  # fmt: skip
-        self.classes_last = classes_last
         block = (heads, 4 * dim if hidden is None else hidden, eps, rotary_dims, rotary, bias, parallel, activation)
         self.gpt_neox = GPTNeoXBody(vocab, dim, layers, block)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        if tied:
-            self.lm_head.weight = self.gpt_neox.embed_in.weight
-
-    def check_tokens(self, input_ids: Tensor) -> None:
-        """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids below the vocabulary
-        size."""
-        check_token_ids(input_ids, self.gpt_neox.embed_in.num_embeddings, None, "a GPT-NeoX model")
+        self._add_head(self.gpt_neox.embed_in, tied, classes_last)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        logits = self.lm_head(self.gpt_neox(input_ids))
-        return logits if self.classes_last else logits.transpose(1, 2)
+        return self._laid_out(self.lm_head(self.gpt_neox(input_ids)))
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-5,
