@@ -1,6 +1,6 @@
 """The hard sigmoid (``nn.Hardsigmoid``, ``F.hardsigmoid``: MobileNetV3's squeeze-and-excitation gates), which torch
 differentiates once only (no double backward, no forward mode through its backward): the objectives compute it as
-``clamp(x + 3, 0, 6) / 6``, the same numbers to the bit, so every autograd product works. Before, each failed with
+``hardtanh(x + 3, 0, 6) / 6``, the same numbers to the bit, so every autograd product works. Before, each failed with
 ``derivative for aten::hardsigmoid_backward is not implemented``.
 
 References: the dense Hessian of a twin that writes the hard sigmoid out by hand, by ``torch.func.hessian``.
@@ -89,7 +89,7 @@ def test_sharpness_of_a_hard_sigmoid_network_is_its_top_eigenvalue_and_leaves_th
     assert abs(value - float(torch.linalg.eigvalsh(H)[-1])) <= 1e-8 * abs(value)
     assert torch.equal(x, before)
     with torch.no_grad():  # outside the objective the hard sigmoid is torch's own again
-        assert torch.equal(F.hardsigmoid(x), torch.clamp(x + 3, 0, 6) / 6)
+        assert torch.equal(F.hardsigmoid(x), F.hardtanh(x + 3, 0.0, 6.0) / 6)
     y2 = x.clone().requires_grad_()
     (g,) = torch.autograd.grad(F.hardsigmoid(y2).sum(), y2, create_graph=True)
     with pytest.raises(RuntimeError, match="hardsigmoid_backward"):
@@ -113,3 +113,24 @@ def test_r_operator_products_are_in_the_model_s_dtype_whatever_torch_s_default()
         torch.set_default_dtype(previous)
     expected = _reference(twin, x, y, list(obj.params)) @ v
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+
+
+def test_at_the_kinks_the_slope_is_torch_s_and_every_product_agrees():
+    """Pre-activations exactly at -3 and 3 (a blank sample through biases of 3 and -3): the slope there is zero, as
+    torch's hard sigmoid has it, in the objective's gradient, autograd's products and the R-operator's alike. Before,
+    ``clamp``'s slope of 1/6 at its bounds moved the gradient by 7.7e-3 and the products apart by 4.0e-3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Hardsigmoid(), nn.Linear(4, 3)).double().eval()
+    with torch.no_grad():
+        model[0].bias.copy_(torch.tensor([3.0, -3.0, 0.5, 1.0]))
+    x, y = torch.randn(6, 2, dtype=torch.float64), torch.randint(0, 3, (6,))
+    x[0] = 0
+    obj = Objective(model, nn.CrossEntropyLoss(), (x, y))
+    assert obj.hvp_strategy() == "rop"
+    v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = obj.hvp(v, "jvp")
+    for got in (obj.hvp(v), obj.hvp(v, "double_backward")):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+    own = torch.autograd.grad(nn.CrossEntropyLoss()(model(x), y), list(model.parameters()))
+    # torch's own backward multiplies by 1/6 rounded to float32, even in float64
+    torch.testing.assert_close(obj.gradient(), torch.cat([g.flatten() for g in own]), rtol=1e-7, atol=0)

@@ -232,3 +232,26 @@ def test_rolls_and_constant_padding_are_read_and_other_padding_falls_back_to_aut
     model = _Padded(how, value).double().eval()
     x, y = torch.randn(5, 5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     _check(model, x, y, strategy=strategy)
+
+
+class _FixedRows(nn.Module):
+    """A view to four rows whatever the batch (``h.reshape(4, -1)``), an elementwise map, and back: no fold of the
+    samples' axis (four rows are one sample's features on two samples, not on one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return self.l2(torch.tanh(h.reshape(4, -1)).reshape(-1, 4) + h)
+
+
+def test_a_view_of_the_samples_axis_that_is_no_fold_of_the_batch_keeps_autograd_products():
+    """The R-operator reads a view changing the samples' axis only where its size is a whole number per sample, the
+    same at the traced batch and at every pass's (checked on one sample when the objective picks its products): four
+    rows whatever the batch are two per sample on two samples and four on one, so the products are autograd's, and
+    equal the dense Hessian's."""
+    torch.manual_seed(0)
+    model = _FixedRows().double().eval()
+    _check(model, torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)), strategy="graph")

@@ -342,12 +342,14 @@ _HARD_SIGMOIDS = (F.hardsigmoid, torch._C._nn.hardsigmoid, torch._C._nn.hardsigm
 
 
 class _TwiceDifferentiable(TorchFunctionMode):
-    """``F.hardsigmoid`` (``nn.Hardsigmoid``: MobileNetV3's gates) computed as ``clamp(x + 3, 0, 6) / 6``, the
+    """``F.hardsigmoid`` (``nn.Hardsigmoid``: MobileNetV3's gates) computed as ``hardtanh(x + 3, 0, 6) / 6``, the
     arithmetic of torch's own kernel (equal to the bit in float32 and float64, the dtypes the objectives compute in),
     through operations with second derivatives: torch has none for the hard sigmoid's backward, neither by double
-    backward nor in forward mode, so every Hessian-vector product by autograd failed. Its second derivative is zero
-    except at -3 and 3. Every other call runs as it is (a pass-through costs no measurable time: bench workloads
-    F1, C1 and T1's gradients within their noise)."""
+    backward nor in forward mode, so every Hessian-vector product by autograd failed. ``hardtanh``'s slope is zero at
+    the kinks -3 and 3, as the hard sigmoid's (``clamp``'s is not), and its second derivative zero everywhere. (torch's
+    own backward multiplies by 1/6 rounded to float32 even in float64; this slope is 1/6 in the input's dtype, as the
+    R-operator's.) Every other call runs as it is (a pass-through costs no measurable time: bench workloads F1, C1 and
+    T1's gradients within their noise)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -357,8 +359,8 @@ class _TwiceDifferentiable(TorchFunctionMode):
         inplace = func is torch._C._nn.hardsigmoid_ or (
             func is F.hardsigmoid and bool(args[1] if len(args) > 1 else kwargs.get("inplace", False)))
         if inplace:  # the caller's tensor updated, as the kernel does
-            return x.add_(3).clamp_(0, 6).div_(6)
-        return torch.clamp(x + 3, 0, 6) / 6
+            return F.hardtanh_(x.add_(3), 0.0, 6.0).div_(6)
+        return F.hardtanh(x + 3, 0.0, 6.0) / 6
 
 
 def functional_call(model: nn.Module, tensors: Mapping[str, Tensor] | tuple[Mapping[str, Tensor], ...], args: tuple,
@@ -525,43 +527,55 @@ def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: st
 # Both batches have the same shape, so the same kernels compute them and a model that treats every sample apart gives
 # the same numbers; far below what any mixing of samples does.
 _APART_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+# Samples of the first batch `check_samples_apart` compares, each beside the others and beside copies of itself
+APART_SAMPLES = 3
 
 
 def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: Mapping[str, Tensor], x: Tensor,
                         dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-    """The outputs of the first sample beside the second and beside itself are the same (the caller sets eval mode
-    and has checked the outputs): the model treats every sample apart, so the whole-data-set loss is the sum of the
-    chunks' whatever the chunks. Skipped where it cannot tell: fewer than two samples in ``x`` (the first batch),
-    two equal samples, outputs whose first axis is not the batch's, or outputs that are not finite.
+    """Each of the first `APART_SAMPLES` distinct samples gives the same outputs beside the others as beside copies
+    of itself, in the same place of a batch of the same size (the caller sets eval mode and has checked the outputs):
+    the model treats every sample apart, so the whole-data-set loss is the sum of the chunks' whatever the chunks, and
+    any cut of a chunk into pieces gives the same products. Three samples, each compared: two would miss a view that
+    mixes samples only in a batch of three or more (``h.reshape(D, n)``), and the first alone a sample reading the one
+    before it. Skipped where it cannot tell: fewer than two distinct samples in ``x`` (the first batch), outputs whose
+    first axis is not the batch's, or outputs that are not finite.
 
     Raises:
         UnsupportedModelError: the outputs differ (a mean over the batch axis, attention across the samples from a
             ``batch_first`` mix-up), or two calls on the same batch differ (a forward that is random in eval mode).
     """
-    x = cast_batch(x[:2], x[:2], dtype, device)[0]
-    if x.shape[0] < 2 or torch.equal(x[0], x[1]):
+    x = cast_batch(x[:APART_SAMPLES], x[:APART_SAMPLES], dtype, device)[0]
+    distinct = [i for i in range(x.shape[0]) if not any(torch.equal(x[i], x[j]) for j in range(i))]
+    if len(distinct) < 2:
         return
-    pair, twice = x, x[:1].expand_as(x).contiguous()  # sample 0 beside sample 1, and beside itself
+    x = x[distinct]
+    n = x.shape[0]
+    copies = [x[i : i + 1].expand_as(x).contiguous() for i in range(n)]  # sample i beside copies of itself
     with torch.no_grad():
-        outputs = [functional_call(model, (params, others), (batch,)) for batch in (pair, twice, pair)]
-    if any(out.dim() == 0 or out.shape[0] != 2 or not bool(torch.isfinite(out).all()) for out in outputs):
+        outputs = [functional_call(model, (params, others), (batch,)) for batch in (x, x, *copies)]
+        # a first axis as long as the batch by chance (three time steps of (T, N, C) outputs) would be read as the
+        # samples': it must follow the batch's size (two samples) too
+        shorter = functional_call(model, (params, others), (x[:2],)) if n > 2 else outputs[0]
+    if any(out.dim() == 0 or out.shape[0] != n or not bool(torch.isfinite(out).all()) for out in outputs) \
+            or shorter.dim() == 0 or shorter.shape[0] != 2:  # fmt: skip
         return
     name, tol = type(model).__name__, _APART_TOLERANCE.get(dtype, 1e-4)
-    scale = max(float(outputs[0][0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
+    scale = max(float(outputs[0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
 
     def apart(a: Tensor, b: Tensor) -> float:
         return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
 
-    if apart(outputs[0], outputs[2]) > tol:
+    if apart(outputs[0], outputs[1]) > tol:
         raise UnsupportedModelError(
             f"{name} gives other outputs on each call with the same inputs even in eval mode, so every pass would "
             "evaluate another function; make its forward deterministic in eval mode (no dropout with training=True)"
         )
-    gap = apart(outputs[0][0], outputs[1][0])
+    gap = max(apart(outputs[0][i], outputs[2 + i][i]) for i in range(n))
     if gap > tol:
         raise UnsupportedModelError(
-            f"{name}'s output for a sample depends on the other samples of its batch (the first sample's outputs "
-            f"beside the second and beside itself are {gap:.2g} apart, relative; rounding leaves under {tol:g}), so "
+            f"{name}'s output for a sample depends on the other samples of its batch (a sample's outputs beside "
+            f"others and beside copies of itself are {gap:.2g} apart, relative; rounding leaves under {tol:g}), so "
             "the whole-data-set loss would change with how the data are cut into chunks; keep the samples apart in "
             "the forward (no mean or attention over the batch axis: nn.MultiheadAttention takes (batch, tokens, "
             "features) inputs only with batch_first=True)"

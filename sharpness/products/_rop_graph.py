@@ -139,7 +139,12 @@ class RopGraph:
     users: tuple[tuple[int, ...], ...]
 
     def _forward(self, params: Mapping[str, Tensor], x: Tensor) -> tuple[Tensor, list]:
-        """The output and every step's saved map or layer input (``None`` where nothing is kept)."""
+        """The output and every step's saved map or layer input (``None`` where nothing is kept).
+
+        Raises:
+            ValueError: a view folding the samples' axis gives it another size than the traced pass's per sample
+                (its shape is no fold of the batch, `_folding`).
+        """
         steps = self.steps
         values: list = [None] * len(steps)
         left = [len(u) for u in self.users]
@@ -157,6 +162,9 @@ class RopGraph:
                 values[i], s = op.forward(xs, [values[j] for j in step.meta])
                 if step.moving:
                     saved[i] = s
+                if getattr(op, "folds", None) is not None \
+                        and (xs[0].shape[0], values[i].shape[0]) != tuple(f * len(x) for f in op.folds):  # fmt: skip
+                    raise ValueError(f"a view of step {i} does not fold the samples' axis as the traced pass did")
             else:  # a non-tensor value (x.size(0), x.shape[0], ...)
                 values[i] = op([values[j] for j in step.meta])
             for j in (*step.inputs, *step.meta):
@@ -599,8 +607,7 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
     if name in ("pad", "roll") and first is not None and len(tensors) == 1:
         return _shifted(node, name, first, len(shapes[first]))
     if name in _VIEWS and first is not None and len(tensors) == 1:
-        # also where it folds the samples' axis with others (Swin's windows into the batch) and back: a view is linear
-        # whatever its axes, and the objective has checked that the model keeps the samples apart
+        # also where it folds the samples' axis with others (Swin's windows into the batch) and back (`_folding`)
         return _Map("view", call=_caller(node)), [first]
     if name in ("type_as", "to") and first is not None and _cast_only(node, shapes):
         return _Map("cast", call=_caller(node)), [first]
@@ -749,6 +756,19 @@ def _index_caller(node: fx.Node) -> Callable[[list], object]:
         return filled
 
     return index
+
+
+def _folding(op: _Map, before: tuple[int, ...], after: tuple[int, ...], batch: int) -> _Map | None:
+    """A view of a tensor the data reach (traced on ``batch`` samples) that keeps its first axis; or folds it with
+    others and back, so that its size before and after is a whole number per sample (Swin's windows in the batch
+    axis), the view then marked with those numbers, which every pass checks at its own batch size; else ``None``. The
+    objective has checked that the model keeps the samples apart; a view whose first axis does not grow with the
+    batch is read by neither."""
+    if before[:1] == after[:1]:
+        return op
+    if not before or not after or before[0] % batch or after[0] % batch:
+        return None
+    return dataclasses.replace(op, folds=(before[0] // batch, after[0] // batch))
 
 
 def _shifted(node: fx.Node, name: str, first: fx.Node, ndim: int):
@@ -1151,9 +1171,14 @@ def rop_graph(
     if order[0].op != "placeholder":
         return None
     slot = {n: i for i, n in enumerate(order)}
-    steps, moving = [], []
+    steps, moving, fed = [], [], []  # fed: whether the data reach the tensor (not only numbers read off its shape)
     for node in order:
         op, tensors, meta = read[node]
+        fed.append(node.op == "placeholder" or any(fed[slot[t]] for t in (*tensors, *meta) if t in shapes))
+        if isinstance(op, _Map) and op.kind == "view" and fed[-1]:
+            op = _folding(op, shapes[tensors[0]], shapes[node], shapes[order[0]][0])
+            if op is None:
+                return None
         if node in fixed and any(moving[slot[m]] for m in meta):
             return None  # an unsupported operation of something the parameters move
         if isinstance(op, _Attend) and op.mask is not None and moving[slot[meta[op.mask]]]:

@@ -353,6 +353,9 @@ class _Map:
     factors: tuple[float, ...] = (1.0,)  # "scale": (factor,), "sum": the sign of each input
     dim: int = 1  # "cat", "stack"
     means: tuple[int, ...] = ()  # "linear" by a mean over these axes (non-negative): its adjoint in closed form
+    # "view" of a tensor the data reach that changes its first axis (Swin's windows folded into the batch axis and
+    # back): that axis's size per sample before and after, which every pass checks (`sharpness.products._rop_graph`)
+    folds: tuple[int, int] | None = None
 
     def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, object]:
         """``xs``: the tensor inputs; ``args``: the values of every input of the original call (for ``call``)."""
