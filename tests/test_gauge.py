@@ -119,13 +119,16 @@ def test_functional_form_matches_the_model_form():
 
 
 class _Untraceable(nn.Module):
+    """Python control flow on a tensor (fx cannot trace it), each sample apart: the branch reads the weights, not the
+    batch (a branch on ``h.sum()`` would mix the samples, which the objective refuses first)."""
+
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(5, 4), nn.Linear(4, 3)
 
     def forward(self, x):
         h = self.a(x)
-        return self.b(torch.relu(h) if h.sum() > 0 else torch.relu(-h))
+        return self.b(torch.relu(h) if self.a.weight.sum() > 0 else torch.relu(-h))
 
 
 def test_refuses_a_model_without_a_group():
