@@ -10,6 +10,7 @@ from sharpness._hfvit import HFViT as HFViT
 from sharpness._llama import Llama as Llama
 from sharpness._llama import LlamaLayout as LlamaLayout
 from sharpness._neox import GPTNeoX as GPTNeoX
+from sharpness._opt import OPT as OPT
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness._timmvit import TimmViT as TimmViT
@@ -88,6 +89,7 @@ __all__ = [
     "Bert",
     "GPT2",
     "GPTNeoX",
+    "OPT",
     "HFViT",
     "TimmViT",
     "LlamaLayout",

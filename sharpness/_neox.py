@@ -42,8 +42,8 @@ from sharpness._specs import (
     positive_number,
 )
 
-# transformers' activations a GPT-NeoX config may name, as the MLP computes them (gelu_new is the tanh approximation)
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+# transformers' activations a GPT-NeoX or OPT config may name, as the MLP computes them (gelu_new: tanh GELU)
+HF_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}  # fmt: skip
 
 
@@ -91,7 +91,7 @@ class GPTNeoXMLP(nn.Module):
         self.dense_h_to_4h, self.dense_4h_to_h = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dense_4h_to_h(_ACTIVATIONS[self.activation](self.dense_h_to_4h(x)))
+        return self.dense_4h_to_h(HF_ACTIVATIONS[self.activation](self.dense_h_to_4h(x)))
 
 
 class GPTNeoXLayer(nn.Module):
@@ -172,8 +172,8 @@ class GPTNeoX(CausalLM):
                 f"the rotary embedding turns {rotary_dims} of each head's {head_dim} features "
                 f"(partial_rotary_factor={partial_rotary_factor}); it must turn a positive even number"
             )
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(_ACTIVATIONS)}, got {activation!r}")
+        if activation not in HF_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
         if not positive_number(eps) or not positive_number(theta):
             raise ValueError(f"eps={eps} and theta={theta} must be positive finite numbers")
         rotary = rope(rotary_dims, theta, rope_scaling, max_positions)
@@ -259,9 +259,9 @@ class GPTNeoX(CausalLM):
         scaling = None if kind == "default" else {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
         activation, parallel = config.get("hidden_act", "gelu"), config.get("use_parallel_residual", True)
         tied = config.get("tie_word_embeddings", False)  # GPTNeoXConfig's default: an absent head is refused
-        if not isinstance(activation, str) or activation not in _ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
             raise SpecError(f"the config's hidden_act is {activation!r}; sharpness.GPTNeoX reads "
-                            f"{', '.join(_ACTIVATIONS)}")  # fmt: skip
+                            f"{', '.join(HF_ACTIVATIONS)}")  # fmt: skip
         for name, value in (("use_parallel_residual", parallel), ("tie_word_embeddings", tied)):
             if value is not None and not isinstance(value, bool):
                 raise SpecError(f"the config's {name} must be true or false, got {value!r}")

@@ -10,7 +10,8 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`; or ``gpt2:config=PATH``, the checkpoint's
 ``config.json``), ``llama:heads=H[,eps=E,theta=T]`` or ``llama:config=PATH`` (a LLaMA-family decoder with the sizes
 of its checkpoint, the same way; `sharpness._llama`), ``neox:config=PATH`` (GPT-NeoX, EleutherAI's Pythia, the same
-way; `sharpness._neox`), ``bert:heads=H[,eps=E,act=A]`` or ``bert:config=PATH`` (a
+way; `sharpness._neox`), ``opt:config=PATH`` (OPT, the same way; `sharpness._opt`), ``bert:heads=H[,eps=E,act=A]`` or
+``bert:config=PATH`` (a
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
 in, logits ``(N, C)`` out; `sharpness._bert`), ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
 ``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
@@ -113,7 +114,7 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "bert", "hfvit", "timmvit"):
+    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "opt", "bert", "hfvit", "timmvit"):
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)

@@ -1,5 +1,5 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
-own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.Bert`,
+own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.OPT`, `sharpness.Bert`,
 `sharpness.HFViT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
@@ -18,6 +18,7 @@ from sharpness._gpt2 import GPT2
 from sharpness._hfvit import HFViT
 from sharpness._llama import Llama
 from sharpness._neox import GPTNeoX
+from sharpness._opt import OPT
 
 # the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
@@ -27,6 +28,7 @@ _CLASSES = {
     **{kind: ("ForCausalLM", Llama.from_config) for kind in _LLAMA_FAMILY},
     "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
     "gpt_neox": ("GPTNeoXForCausalLM", GPTNeoX.from_config),
+    "opt": ("OPTForCausalLM", OPT.from_config),
     "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
     "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
 }
@@ -44,6 +46,7 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
       [`LlamaLayout`][sharpness.LlamaLayout]);
     - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
     - ``GPTNeoXForCausalLM`` (Pythia) -> [`GPTNeoX`][sharpness.GPTNeoX];
+    - ``OPTForCausalLM`` -> [`OPT`][sharpness.OPT];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
 

@@ -112,3 +112,19 @@ def test_transformers_own_gemma2_where_it_is_installed():
     ids = torch.randint(0, 31, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_transformers_own_opt_where_it_is_installed():
+    """OPT-350m's layout (LayerNorms after the sums, embeddings projected in and out), as transformers builds it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=31, hidden_size=16, ffn_dim=20, num_hidden_layers=2,
+                                    num_attention_heads=2, word_embed_proj_dim=12, do_layer_norm_before=False,
+                                    max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
+    model = transformers.OPTForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids = torch.randint(0, 31, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
