@@ -387,3 +387,56 @@ def test_a_moved_mask_of_another_dtype_takes_its_errors_in_its_own():
     v = torch.randn(obj.layout.size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     reference = obj.hvp(v, "double_backward")
     torch.testing.assert_close(obj.hvp(v), reference, rtol=0, atol=1e-13 * float(reference.abs().max()))
+
+
+class CosineAttention(nn.Module):
+    """SwinV2's cosine attention: queries and keys normalized (``F.normalize``), their products times a learned logit
+    scale clamped from above and exponentiated, and a learned bias passed through a small MLP of a constant table."""
+
+    def __init__(self, tokens: int = 4, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.t, self.heads, self.hd = tokens, heads, dim // heads
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.logit_scale = nn.Parameter(torch.tensor([[[1.2]], [[9.0]]]))  # the second head's clamped
+        self.cpb = nn.Sequential(nn.Linear(2, 6), nn.ReLU(), nn.Linear(6, heads, bias=False))
+        self.register_buffer("coords", torch.randn(tokens, tokens, 2, generator=torch.Generator().manual_seed(9)))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        s = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        s = s * torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
+        s = s + 16 * torch.sigmoid(self.cpb(self.coords).permute(2, 0, 1)).unsqueeze(0)
+        return x + self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_cosine_attention_is_read_by_the_r_operator():
+    """SwinV2's attention: the normalization's products (a symmetric Jacobian and its second-order term) and the
+    clamped logit scale's (no slope above the bound) equal forward over reverse (1e-12), from the kept state and in
+    chunks of 3; before, such blocks fell back to autograd."""
+    x, y = _data((16,), n=5)
+    _exact(_perturbed(Tokens(nn.Sequential(CosineAttention()), tokens=4, features=4, dim=8)), x, y)
+
+
+def test_the_normalization_s_rules_are_torch_s_also_on_rows_shorter_than_eps():
+    """``F.normalize``'s tangent, error and second-order term against ``torch.func`` on rows of every length: a zero
+    row and one shorter than ``eps`` (where the map is ``x / eps``, linear), and ordinary ones."""
+    from torch.func import jvp, vjp
+
+    from sharpness.products._rop_smooth import _Normalize
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    x[0], x[1] = 0.0, 1e-13 * x[1] / x[1].norm()
+    xdot, delta, g_dot = (torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    op = _Normalize(1e-12)
+    out, saved = op.forward([x], [])
+
+    def f(t):
+        return F.normalize(t, dim=-1)
+
+    torch.testing.assert_close(out, f(x), rtol=1e-15, atol=0)
+    torch.testing.assert_close(op.tangent([xdot], saved), jvp(f, (x,), (xdot,))[1], rtol=1e-12, atol=0)
+    torch.testing.assert_close(op.adjoint(delta, saved, [True])[0], vjp(f, x)[1](delta)[0], rtol=1e-12, atol=0)
+    second = jvp(lambda t: vjp(f, t)[1](delta)[0], (x,), (xdot,))[1] + vjp(f, x)[1](g_dot)[0]
+    torch.testing.assert_close(op.backward(g_dot, delta, [xdot], saved, [True])[0], second, rtol=1e-10, atol=1e-14)

@@ -15,7 +15,8 @@ operation is, at the current point, either
   selection), average and adaptive average pooling, means and sums over non-batch axes, flatten/view/reshape/unflatten
   (also folding the samples' axis with others and back: Swin's windows in the batch axis), constant padding
   (``F.pad``, by amounts that may be computed from shapes) and ``torch.roll`` along axes other than the samples',
-  identity, ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
+  ``torch.clamp`` by numbers (a slope of one between the bounds, bounds included, as torch's), identity,
+  ``contiguous`` and dropout (eval mode), multiplication by a number, addition of a number, residual sums
   and differences, concatenation, axis permutations (``transpose``, ``permute``), basic indexing (integers,
   slices), the pieces of ``unbind``/``chunk``/``split`` (a fused projection cut into queries, keys and values),
   ``expand`` (a class token), ``repeat_interleave``/``repeat`` along axes other than the samples' (grouped-query
@@ -23,7 +24,8 @@ operation is, at the current point, either
   with a mask that no parameter moves, casts between floating dtypes (tangents and errors cast too), rows picked by an
   integer tensor (a table read at an index buffer; errors added back over repeated picks). Its second derivative
   vanishes (almost everywhere), or
-- a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, exact GELU, tanh,
+- a smooth operation with a second derivative (`sharpness.products._rop_smooth`): LayerNorm, ``F.normalize`` over the
+  last axis (SwinV2's cosine attention), exact GELU, tanh,
   batch-first self-attention by ``nn.MultiheadAttention``, and a parameter used outside a module (a position
   table added to every sample); and the pieces of attention written by hand
   (`sharpness.products._rop_attention`): the product of two activations (``@``, ``matmul``, ``bmm``, or a
@@ -89,6 +91,7 @@ from sharpness.products._rop_smooth import (
     _Attention,
     _LayerNorm,
     _LogSoftmax,
+    _Normalize,
     _Param,
     _Pointwise,
     _Product,
@@ -604,6 +607,20 @@ def _function_op(node: fx.Node, shapes: dict[fx.Node, tuple]):
             return None  # numbers computed in the graph (nested in a list too), or the samples' axis copied
         call = _caller(node)
         return _Map("linear", lambda t, call=call: call([t])), [first]
+    if name in ("clamp", "clip") and first is not None and len(tensors) == 1 and len(args) <= 3 \
+            and set(node.kwargs) <= {"min", "max"}:  # fmt: skip
+        bounds = (_argument(node, 1, "min", None), _argument(node, 2, "max", None))
+        if all(b is None or _number(b) for b in bounds) and bounds != (None, None):
+            return _Map("clamp", tuple(None if b is None else float(b) for b in bounds)), [first]
+        return None
+    if name == "normalize" and first is not None and len(tensors) == 1 and len(args) <= 4 \
+            and set(node.kwargs) <= {"p", "dim", "eps", "out"} and node.kwargs.get("out") is None:  # fmt: skip
+        p, dim, eps = (_argument(node, i, key, default) for i, key, default in ((1, "p", 2.0), (2, "dim", 1),
+                                                                                 (3, "eps", 1e-12)))  # fmt: skip
+        ndim = len(shapes[first])
+        if p == 2 and _axis(dim, ndim) == ndim - 1 and ndim > 1 and _number(eps) and eps > 0:
+            return _Normalize(float(eps)), [first]
+        return None
     if name in ("pad", "roll") and first is not None and len(tensors) == 1:
         return _shifted(node, name, first, len(shapes[first]))
     if name in _VIEWS and first is not None and len(tensors) == 1:

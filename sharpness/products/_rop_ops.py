@@ -333,7 +333,7 @@ class _Map:
     """A parameter-free operation that is, at the current point, a fixed linear map of its tensor inputs."""
 
     kind: str  # "slope", "maxpool", "linear", "relay", "view", "scale", "sum", "cat", "stack", "permute", "piece",
-    # "index",
+    # "index", "clamp" (``impl``: the bounds; slope 1 between them, bounds included, as torch's),
     # "expand", "masked", "cast" (a change of dtype: tangents and errors cast too), "gather" (rows of the first axis
     # picked by an integer tensor no parameter moves, ``call`` reading it among the call's inputs: BEiT's relative
     # position table read at its index; the error adds up over rows picked several times)
@@ -385,6 +385,11 @@ class _Map:
             return out, (xs[0].shape, out.shape)
         if kind == "masked":  # the mask, among the call's inputs
             return self.call(args), args[self.impl]
+        if kind == "clamp":  # (min, max), numbers or None: the entries outside have no slope
+            lo, hi = self.impl
+            x = xs[0]
+            outside = (x < lo) if hi is None else (x > hi) if lo is None else (x < lo) | (x > hi)
+            return torch.clamp(x, lo, hi), outside
         if kind == "cast":
             out = self.call(args)
             return out, (xs[0].dtype, out.dtype)
@@ -460,7 +465,7 @@ class _Map:
             return h.permute(self.impl)
         if kind == "expand":
             return h.expand(saved[1])
-        if kind == "masked":
+        if kind in ("masked", "clamp"):
             return h.masked_fill(saved, 0.0)
         if kind in ("index", "gather"):
             return h[saved[1]]
@@ -502,7 +507,7 @@ class _Map:
             return [g.reshape(saved[0]).contiguous(memory_format=saved[2])]
         if kind == "expand":
             return [g.sum_to_size(saved[0])]
-        if kind == "masked":
+        if kind in ("masked", "clamp"):
             return [g.masked_fill(saved, 0.0)]
         if kind == "permute":  # the inverse permutation
             return [g.permute(sorted(range(len(self.impl)), key=self.impl.__getitem__))]

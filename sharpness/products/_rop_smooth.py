@@ -11,6 +11,8 @@ closed form:
   sigmoid ``clamp(x + 3, 0, 6) / 6`` and hard swish ``x`` times it, second derivatives zero and ``1/3`` between the
   kinks):
   ``f'(x) ddot + f''(x) xdot delta`` (`_Pointwise`); the elementwise product of two tensors, bilinear (`_Product`);
+- ``F.normalize`` over the last axis, ``y = x / max(|x|, eps)``: ``J = (I - y y^T) / |x|`` and the second-order
+  term ``-(a J delta + ydot (y . delta) + y (ydot . delta)) / |x|``, ``a = y . xdot`` (`_Normalize`);
 - the log-softmax ``z = x - log sum exp(x)`` along an axis, ``p = exp(z)``: ``ddot - p (sum(ddot) + zdot sum(delta))``
   (`_LogSoftmax`);
 - LayerNorm over the last axis, ``z = gamma xhat + beta``, ``xhat = (x - mean x) / s``, ``s = sqrt(var x + eps)``
@@ -352,6 +354,46 @@ def _softmax_jacobian(a: Tensor, t: Tensor, dim: int = -1) -> Tensor:
         return torch._softmax_backward_data(t.expand_as(a), a, dim, a.dtype)
     at = a * t
     return at.addcmul_(a, _axis_sum(at, dim), value=-1.0)
+
+
+@dataclass(frozen=True)
+class _Normalize(_Smooth):
+    """``F.normalize(x, p=2, dim=-1, eps)`` (SwinV2's cosine attention): ``y = x / s`` per row of the last axis,
+    ``s = max(|x|, eps)``. Where ``|x| >= eps`` (``f = 1``) the Jacobian ``J = (I - y y^T) / s`` is symmetric, and
+    with ``a = y . xdot`` and ``ydot = J xdot`` the second-order term of an error ``delta`` at ``y`` is
+    ``-(a J delta + ydot (y . delta) + y (ydot . delta)) / s``; on a row shorter than ``eps`` (``f = 0``) the map is
+    ``x / eps``, linear. Keeps ``y``, ``s`` and ``f``."""
+
+    eps: float
+
+    def forward(self, xs: list[Tensor], args: list) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        x = xs[0]
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        s = norm.clamp_min(self.eps)  # as F.normalize divides; clamp_min's slope passes at eps itself
+        y = x / s
+        return y, (y, s, (norm >= self.eps).to(x.dtype))
+
+    @staticmethod
+    def _jacobian(saved, t: Tensor) -> Tensor:
+        y, s, free = saved
+        return t.addcmul(y, _row_sum(y * t) * free, value=-1.0).div_(s)
+
+    def tangent(self, xdots: list[Tensor | None], saved) -> Tensor:
+        return self._jacobian(saved, xdots[0])
+
+    def adjoint(self, g: Tensor, saved, need: list[bool]) -> list[Tensor]:
+        return [self._jacobian(saved, g)]
+
+    def backward(self, g_dot: Tensor, delta: Tensor, xdots: list[Tensor | None], saved, need: list[bool],
+                 inner: None = None) -> list[Tensor]:  # fmt: skip
+        y, s, free = saved
+        if xdots[0] is None:
+            return [self._jacobian(saved, g_dot)]
+        y_dot = self._jacobian(saved, xdots[0])
+        a = _row_sum(y * xdots[0]) * free
+        first = self._jacobian(saved, g_dot - delta * (a / s))
+        second = torch.addcmul(y_dot * _row_sum(y * delta), y, _row_sum(y_dot * delta)).mul_(free / s)
+        return [first.sub_(second)]
 
 
 @dataclass(frozen=True)
