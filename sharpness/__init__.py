@@ -11,6 +11,7 @@ from sharpness._llama import Llama as Llama
 from sharpness._llama import LlamaLayout as LlamaLayout
 from sharpness._neox import GPTNeoX as GPTNeoX
 from sharpness._opt import OPT as OPT
+from sharpness._phi import Phi as Phi
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
 from sharpness._timmvit import TimmViT as TimmViT
@@ -90,6 +91,7 @@ __all__ = [
     "GPT2",
     "GPTNeoX",
     "OPT",
+    "Phi",
     "HFViT",
     "TimmViT",
     "LlamaLayout",

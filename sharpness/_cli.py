@@ -78,8 +78,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         required=True,
         help="mlp:IN-...-OUT, lenet, resnet:DEPTH[,width=W] (CIFAR ResNet-20/32/56 whose 16, 32 and 64 channels per "
         "stage W multiplies; default W=1), vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision transformer for "
-        "8x8 digits), gpt2:config=PATH, llama:config=PATH, neox:config=PATH or opt:config=PATH (GPT-2, a LLaMA-family "
-        "decoder, GPT-NeoX/Pythia or OPT, from a HuggingFace checkpoint's config.json and in the sizes of its tensors; "
+        "8x8 digits), gpt2:config=PATH, llama:config=PATH, neox:config=PATH, opt:config=PATH or phi:config=PATH "
+        "(GPT-2, a LLaMA-family decoder, GPT-NeoX/Pythia, OPT or Phi-1/1.5/2, from a HuggingFace checkpoint's "
+        "config.json and in the sizes of its tensors; "
         "without the "
         "config: gpt2:heads=H[,eps=E], "
         "llama:heads=H[,eps=E,theta=T]; data: integer token ids X (N, T) and next tokens y (N, T), --loss ce), "
@@ -229,6 +230,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     from sharpness._llama import is_rotary_buffer, llama_from_spec
     from sharpness._neox import is_neox_buffer, neox_from_spec
     from sharpness._opt import opt_from_spec
+    from sharpness._phi import phi_from_spec
     from sharpness._timmvit import timmvit_from_spec
 
     families = {
@@ -236,6 +238,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
         "llama": (is_rotary_buffer, llama_from_spec),
         "neox": (is_neox_buffer, neox_from_spec),
         "opt": (lambda key: False, opt_from_spec),
+        "phi": (lambda key: False, phi_from_spec),
         "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),
         "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),
         "timmvit": (lambda key: False, timmvit_from_spec),

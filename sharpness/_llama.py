@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from sharpness._specs import (
     SpecError,
+    check_config_sizes,
     check_token_ids,
     checkpoint_spec,
     load_fitting,
@@ -474,15 +475,15 @@ class LlamaBody(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """What the decoders here (`Llama`, `GPTNeoX`) share around their blocks: the language-model head ``lm_head`` over
-    the vocabulary (sharing the token table where ``tied``), the token ids' check and the logits' layout. A subclass
-    builds its blocks, then calls `_add_head`."""
+    """What the decoders here (`Llama`, `GPTNeoX`, `OPT`, `Phi`) share around their blocks: the language-model head
+    ``lm_head`` over the vocabulary (sharing the token table where ``tied``), the token ids' check and the logits'
+    layout. A subclass builds its blocks, then calls `_add_head`."""
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
     _kind = "a language model"  # the model, as the token check names it
 
-    def _add_head(self, table: nn.Embedding, tied: bool, classes_last: bool) -> None:
-        self.lm_head = nn.Linear(table.embedding_dim, table.num_embeddings, bias=False)
+    def _add_head(self, table: nn.Embedding, tied: bool, classes_last: bool, bias: bool = False) -> None:
+        self.lm_head = nn.Linear(table.embedding_dim, table.num_embeddings, bias=bias)
         if tied:
             self.lm_head.weight = table.weight
         self.classes_last = classes_last
@@ -762,11 +763,7 @@ class Llama(CausalLM):
                 "hidden_size": body.embed_tokens.embedding_dim, "vocab_size": body.embed_tokens.num_embeddings,
                 "num_hidden_layers": len(body.layers),
                 "intermediate_size": mlp.down_proj.in_features}  # fmt: skip
-        for name, value in held.items():
-            given = config.get(name)  # the sizes read off the tensors must be the config's, where it has them
-            if given is not None and given != value:
-                raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value} (with "
-                                f"num_attention_heads={heads}); the config does not describe this checkpoint")
+        check_config_sizes(config, held, f" (with num_attention_heads={heads})")
         return model
 
 

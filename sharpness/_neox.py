@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from sharpness._llama import CausalLM, Float32Frequencies, Rope, rope, rotary_cos_sin, rotate_half
 from sharpness._specs import (
     SpecError,
+    check_config_sizes,
     checkpoint_spec,
     load_fitting,
     output_head,
@@ -42,9 +43,65 @@ from sharpness._specs import (
     positive_number,
 )
 
-# transformers' activations a GPT-NeoX or OPT config may name, as the MLP computes them (gelu_new: tanh GELU)
+# transformers' activations a GPT-NeoX, OPT or Phi config may name, as the MLP computes them (gelu_new: tanh GELU)
 HF_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}  # fmt: skip
+
+
+def partial_rotary(head_dim: int, factor: float, theta: float, scaling: Mapping[str, object] | None,
+                   max_positions: int | None, family: str) -> tuple[int, Rope]:  # fmt: skip
+    """The rotary embedding of a decoder that turns the first ``int(head_dim * factor)`` features of each head
+    (GPT-NeoX's and Phi's ``partial_rotary_factor``): that number and the `Rope`.
+
+    Raises:
+        ValueError: a factor outside ``(0, 1]``, an odd or zero number of turned features, a base that is not a
+            positive number, or a scaling that depends on the sequence's length (dynamic, LongRoPE).
+    """
+    if not positive_number(factor) or factor > 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
+    rotary_dims = int(head_dim * factor)
+    if rotary_dims < 2 or rotary_dims % 2:
+        raise ValueError(
+            f"the rotary embedding turns {rotary_dims} of each head's {head_dim} features "
+            f"(partial_rotary_factor={factor}); it must turn a positive even number"
+        )
+    if not positive_number(theta):
+        raise ValueError(f"theta={theta} must be a positive finite number")
+    rotary = rope(rotary_dims, theta, scaling, max_positions)
+    if rotary.dynamic is not None or rotary.long_inv_freq is not None:
+        raise ValueError(f"a rope scaling that depends on the sequence's length (dynamic, longrope) is not "
+                         f"supported for {family}")  # fmt: skip
+    return rotary_dims, rotary
+
+
+def partial_rope_settings(config: Mapping[str, object], theta_key: str, factor_key: str,
+                          default_factor: float) -> tuple[float, float, dict | None]:  # fmt: skip
+    """``(theta, partial_rotary_factor, scaling)`` of a config: its ``rope_parameters`` (a ``rope_scaling`` taken whole
+    in its place, as transformers takes it), else the older fields ``theta_key`` and ``factor_key``.
+
+    Raises:
+        SpecError: ``rope_parameters`` is no object, or the base or the factor is not a positive number.
+    """
+    parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(parameters, Mapping):
+        raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
+    theta = parameters.get("rope_theta", config.get(theta_key, 10000.0))
+    factor = parameters.get("partial_rotary_factor", config.get(factor_key, default_factor))
+    kind = str(parameters.get("rope_type", parameters.get("type", "default")))
+    scaling = None if kind == "default" else {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
+    for name, value in (("rope_theta", theta), ("partial_rotary_factor", factor)):
+        if not positive_number(value):
+            raise SpecError(f"the config's {name} must be a positive number, got {value!r}")
+    return float(theta), float(factor), scaling
+
+
+def rotate_part(t: Tensor, cos: Tensor, sin: Tensor, rotary_dims: int, head_dim: int) -> Tensor:
+    """The first ``rotary_dims`` of the ``head_dim`` features of each head of ``t`` turned by the rotary embedding
+    (``rotate_half`` on them), the rest passed as they are (sizes given as numbers: fx traces no branch on a shape)."""
+    if rotary_dims == head_dim:
+        return t * cos + rotate_half(t) * sin
+    turned = t[..., :rotary_dims]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, t[..., rotary_dims:]), dim=-1)
 
 
 def is_neox_buffer(key: str) -> bool:
@@ -66,20 +123,13 @@ class GPTNeoXAttention(Float32Frequencies):
         self.query_key_value = nn.Linear(dim, 3 * dim, bias=bias)
         self.dense = nn.Linear(dim, dim, bias=bias)
 
-    def _turned(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        r = self.rotary_dims
-        if r == self.head_dim:
-            return t * cos + rotate_half(t) * sin
-        turned = t[..., :r]
-        return torch.cat((turned * cos + rotate_half(turned) * sin, t[..., r:]), dim=-1)
-
     def forward(self, x: Tensor) -> Tensor:
         n, length = x.size(0), x.size(1)
         qkv = self.query_key_value(x).view(n, length, self.heads, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
         positions = torch.arange(length, dtype=torch.float32, device=x.device)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.attention_factor, x.dtype)
-        q, k = self._turned(q, cos, sin), self._turned(k, cos, sin)
+        q, k = (rotate_part(t, cos, sin, self.rotary_dims, self.head_dim) for t in (q, k))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.dense(out.transpose(1, 2).reshape(n, length, self.heads * self.head_dim))
 
@@ -163,23 +213,12 @@ class GPTNeoX(CausalLM):
         super().__init__()
         if heads < 1 or dim % heads:
             raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        head_dim = dim // heads
-        if not positive_number(partial_rotary_factor) or partial_rotary_factor > 1:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial_rotary_factor!r}")
-        rotary_dims = int(head_dim * partial_rotary_factor)
-        if rotary_dims < 2 or rotary_dims % 2:
-            raise ValueError(
-                f"the rotary embedding turns {rotary_dims} of each head's {head_dim} features "
-                f"(partial_rotary_factor={partial_rotary_factor}); it must turn a positive even number"
-            )
         if activation not in HF_ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
-        if not positive_number(eps) or not positive_number(theta):
-            raise ValueError(f"eps={eps} and theta={theta} must be positive finite numbers")
-        rotary = rope(rotary_dims, theta, rope_scaling, max_positions)
-        if rotary.dynamic is not None or rotary.long_inv_freq is not None:
-            raise ValueError("a rope scaling that depends on the sequence's length (dynamic, longrope) is not "
-                             "supported for GPT-NeoX")  # fmt: skip
+        if not positive_number(eps):
+            raise ValueError(f"eps={eps} must be a positive finite number")
+        rotary_dims, rotary = partial_rotary(dim // heads, partial_rotary_factor, theta, rope_scaling, max_positions,
+                                             "GPT-NeoX")  # fmt: skip
         block = (heads, 4 * dim if hidden is None else hidden, eps, rotary_dims, rotary, bias, parallel, activation)
         self.gpt_neox = GPTNeoXBody(vocab, dim, layers, block)
         self._add_head(self.gpt_neox.embed_in, tied, classes_last)
@@ -249,14 +288,7 @@ class GPTNeoX(CausalLM):
         if not positive_integer(heads) or not positive_number(eps):
             raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
                             f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
-        # transformers takes rope_scaling whole where a config has it, in place of rope_parameters
-        parameters = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        if not isinstance(parameters, Mapping):
-            raise SpecError(f"the config's rope_parameters must be an object, got {parameters!r}")
-        theta = parameters.get("rope_theta", config.get("rotary_emb_base", 10000.0))
-        factor = parameters.get("partial_rotary_factor", config.get("rotary_pct", 0.25))
-        kind = str(parameters.get("rope_type", parameters.get("type", "default")))
-        scaling = None if kind == "default" else {k: v for k, v in parameters.items() if k != "partial_rotary_factor"}
+        theta, factor, scaling = partial_rope_settings(config, "rotary_emb_base", "rotary_pct", 0.25)
         activation, parallel = config.get("hidden_act", "gelu"), config.get("use_parallel_residual", True)
         tied = config.get("tie_word_embeddings", False)  # GPTNeoXConfig's default: an absent head is refused
         if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
@@ -265,10 +297,7 @@ class GPTNeoX(CausalLM):
         for name, value in (("use_parallel_residual", parallel), ("tie_word_embeddings", tied)):
             if value is not None and not isinstance(value, bool):
                 raise SpecError(f"the config's {name} must be true or false, got {value!r}")
-        for name, value in (("rope_theta", theta), ("partial_rotary_factor", factor)):
-            if not positive_number(value):
-                raise SpecError(f"the config's {name} must be a positive number, got {value!r}")
-        model = cls.from_state_dict(state, heads, float(eps), float(factor), float(theta), scaling,
+        model = cls.from_state_dict(state, heads, float(eps), factor, theta, scaling,
                                     config.get("max_position_embeddings"), parallel, activation, tied,
                                     classes_last)  # fmt: skip
         body, attention = model.gpt_neox, model.gpt_neox.layers[0].attention
@@ -276,11 +305,7 @@ class GPTNeoX(CausalLM):
                 "num_hidden_layers": len(body.layers), "head_dim": attention.head_dim,
                 "intermediate_size": body.layers[0].mlp.dense_h_to_4h.out_features,
                 "attention_bias": attention.query_key_value.bias is not None}  # fmt: skip
-        for name, value in held.items():  # what the tensors hold must be what the config says, where it says it
-            given = config.get(name)
-            if given is not None and given != value:
-                raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value!r}; the "
-                                "config does not describe this checkpoint")  # fmt: skip
+        check_config_sizes(config, held)
         return model
 
 

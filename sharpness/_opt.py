@@ -38,6 +38,7 @@ from sharpness._llama import CausalLM
 from sharpness._neox import HF_ACTIVATIONS
 from sharpness._specs import (
     SpecError,
+    check_config_sizes,
     check_token_ids,
     checkpoint_spec,
     load_fitting,
@@ -262,11 +263,7 @@ class OPT(CausalLM):
                 "ffn_dim": layer.fc1.out_features, "max_position_embeddings": model.positions,
                 "enable_bias": layer.fc1.bias is not None,
                 "layer_norm_elementwise_affine": layer.final_layer_norm.weight is not None}  # fmt: skip
-        for name, value in held.items():  # what the tensors hold must be what the config says, where it says it
-            given = config.get(name)
-            if given is not None and given != value:
-                raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value!r}; the "
-                                "config does not describe this checkpoint")  # fmt: skip
+        check_config_sizes(config, held)
         return model
 
 

@@ -10,7 +10,8 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`; or ``gpt2:config=PATH``, the checkpoint's
 ``config.json``), ``llama:heads=H[,eps=E,theta=T]`` or ``llama:config=PATH`` (a LLaMA-family decoder with the sizes
 of its checkpoint, the same way; `sharpness._llama`), ``neox:config=PATH`` (GPT-NeoX, EleutherAI's Pythia, the same
-way; `sharpness._neox`), ``opt:config=PATH`` (OPT, the same way; `sharpness._opt`), ``bert:heads=H[,eps=E,act=A]`` or
+way; `sharpness._neox`), ``opt:config=PATH`` (OPT, the same way; `sharpness._opt`), ``phi:config=PATH`` (Phi-1, 1.5
+and 2, the same way; `sharpness._phi`), ``bert:heads=H[,eps=E,act=A]`` or
 ``bert:config=PATH`` (a
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
 in, logits ``(N, C)`` out; `sharpness._bert`), ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
@@ -114,7 +115,7 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "opt", "bert", "hfvit", "timmvit"):
+    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "opt", "phi", "bert", "hfvit", "timmvit"):
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -498,3 +499,14 @@ def read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise SpecError(f"the config {path} is not a JSON object")
     return config
+
+
+def check_config_sizes(config: Mapping[str, object], held: Mapping[str, object], note: str = "") -> None:
+    """Raises `SpecError` where ``config`` gives a size or flag (``hidden_size``, ``attention_bias``, ...) other than
+    the one the checkpoint's tensors hold (``held``; ``note`` adds what the reading assumed): the config describes
+    another checkpoint. A field the config leaves out is not checked."""
+    for name, value in held.items():
+        given = config.get(name)
+        if given is not None and given != value:
+            raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value!r}{note}; the "
+                            "config does not describe this checkpoint")  # fmt: skip

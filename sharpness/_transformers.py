@@ -1,6 +1,6 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
-own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.OPT`, `sharpness.Bert`,
-`sharpness.HFViT`).
+own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.OPT`, `sharpness.Phi`,
+`sharpness.Bert`, `sharpness.HFViT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
 their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
@@ -19,6 +19,7 @@ from sharpness._hfvit import HFViT
 from sharpness._llama import Llama
 from sharpness._neox import GPTNeoX
 from sharpness._opt import OPT
+from sharpness._phi import Phi
 
 # the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
@@ -29,6 +30,7 @@ _CLASSES = {
     "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
     "gpt_neox": ("GPTNeoXForCausalLM", GPTNeoX.from_config),
     "opt": ("OPTForCausalLM", OPT.from_config),
+    "phi": ("PhiForCausalLM", Phi.from_config),
     "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
     "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
 }
@@ -47,6 +49,7 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
     - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
     - ``GPTNeoXForCausalLM`` (Pythia) -> [`GPTNeoX`][sharpness.GPTNeoX];
     - ``OPTForCausalLM`` -> [`OPT`][sharpness.OPT];
+    - ``PhiForCausalLM`` (phi-1, phi-1.5, phi-2) -> [`Phi`][sharpness.Phi];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
 

@@ -128,3 +128,21 @@ def test_transformers_own_opt_where_it_is_installed():
     ids = torch.randint(0, 31, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_transformers_own_phi_where_it_is_installed():
+    """phi-2's layout with query/key LayerNorms and one key/value head, as transformers builds it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.PhiConfig(vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, qk_layernorm=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5},
+                                    max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
+    model = transformers.PhiForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids = torch.randint(0, 31, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
