@@ -192,7 +192,9 @@ class OPT(CausalLM):
         ``model.`` prefix, or ``OPTDecoder``'s without ``model.decoder.``), its sizes, biases, affine LayerNorms and
         projections read off the tensors; ``heads`` and the rest are in the checkpoint's ``config.json``, which no shape
         holds (`from_config` reads them there). ``tied``: ``None`` reads it off the tensors (tied where the head is
-        absent or equals the token table).
+        absent or equals the token table). A decoder without a final LayerNorm ignores a checkpoint's tensors of one,
+        as transformers does; where the LayerNorms have no parameters, ``final_norm`` must be given (no tensor shows
+        it).
 
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, or ``tied`` contradicts the tensors.
@@ -218,6 +220,12 @@ class OPT(CausalLM):
             raise SpecError("the OPT state dict has no matrix model.decoder.layers.0.fc1.weight")
         bias = f"{prefix}layers.0.fc1.bias" in tensors
         affine = f"{prefix}layers.0.self_attn_layer_norm.weight" in tensors
+        if final_norm is None and not affine:
+            raise SpecError("the checkpoint's LayerNorms have no parameters, so no tensor shows whether the decoder "
+                            "ends with one; pass final_norm (from_config reads it off do_layer_norm_before and "
+                            "_remove_final_layer_norm)")  # fmt: skip
+        if not (before if final_norm is None else final_norm):  # not built: transformers ignores its tensors too
+            tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{prefix}final_layer_norm.")}
         tied, head = output_head(tensors, table, tied)
         try:
             model = cls(vocab, dim, layers, heads, fc.shape[0], places.shape[0] - _OFFSET, embed_dim, before,

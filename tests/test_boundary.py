@@ -679,3 +679,29 @@ def test_the_float32_check_s_distance_is_that_of_the_flat_vectors_whatever_the_p
         monkeypatch.setattr(_boundary, "_DISTANCE_PIECE", piece)
         got = _boundary._squared_distance(a, b)
         assert got == pytest.approx(want, rel=1e-14)
+
+
+class _Mixing(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a, self.b = how, nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h - h.mean(0, keepdim=True) if self.how == "centred" else h + torch.roll(h, 3, 0)
+        return self.b(h)
+
+
+@pytest.mark.parametrize(("how", "repeats", "chunk_size"), [("centred", 3, None), ("centred", 2, 2),
+                                                            ("roll", 0, None)],
+                         ids=["first three equal", "first two equal, chunks of two", "roll by three"])  # fmt: skip
+def test_mixing_is_found_past_repeated_first_samples_chunks_and_a_batch_of_three(how, repeats, chunk_size):
+    """The samples compared are the first distinct ones of the data, whatever the chunk size, and they are also
+    compared in a batch two samples longer: leading repeated samples (zeros, padding, sorted data) hid a mean over the
+    batch, and a roll by three rows is the identity on a batch of three. Each was accepted, with losses 0.08, 0.02 and
+    0.05 from those of chunks of one sample."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    x[1:repeats] = x[0]
+    with pytest.raises(UnsupportedModelError, match=r"depends on the other samples of its batch"):
+        S.Objective(_Mixing(how).double().eval(), nn.CrossEntropyLoss(), (x, y), chunk_size=chunk_size)

@@ -175,8 +175,6 @@ def test_the_command_line_reads_the_checkpoint_and_its_config(tmp_path, capsys):
     ({"max_position_embeddings": 32}, "max_position_embeddings is 32 but the checkpoint's tensors hold 16"),
     ({"enable_bias": False}, "enable_bias is False but the checkpoint's tensors hold True"),
     ({"layer_norm_elementwise_affine": False}, "layer_norm_elementwise_affine is False"),
-    ({"_remove_final_layer_norm": True}, "unknown \\['model.decoder.final_layer_norm.bias'"),
-    ({"do_layer_norm_before": False}, "unknown \\['model.decoder.final_layer_norm.bias'"),
     ({"pad_token_id": 29}, "pad_token_id must be a token id in \\[-29, 29\\)"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings is false but the state dict has no lm_head.weight"),
 ])  # fmt: skip
@@ -202,3 +200,20 @@ def test_from_transformers_reads_an_opt_causal_lm():
         torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"reads \*OPTForCausalLM"):
         from_transformers(_stand_in("OPTModel", _config(POST), state))
+
+
+def test_the_final_layer_norm_is_read_as_transformers_reads_it():
+    """Without affine parameters no tensor shows whether the decoder ends with a LayerNorm: `from_state_dict` asks for
+    ``final_norm`` (before, it built one, 0.32 off transformers' logits); `from_config` reads it off the config. A
+    checkpoint holding a final LayerNorm the layout does not build (OPT-350m's after-norm blocks) loads without it,
+    as transformers ignores those tensors."""
+    state, ids, logits = _checkpoint(PLAIN)
+    with pytest.raises(ValueError, match="pass final_norm"):
+        OPT.from_state_dict(state, heads=HEADS, activation="gelu_new")
+    with torch.no_grad():
+        twin = OPT.from_state_dict(state, heads=HEADS, activation="gelu_new", final_norm=False)
+        torch.testing.assert_close(twin(ids), logits, rtol=0, atol=2e-5)
+        post, post_ids, post_logits = _checkpoint(POST)
+        extra = {**post, "model.decoder.final_layer_norm.weight": torch.ones(WIDTH, dtype=torch.float64),
+                 "model.decoder.final_layer_norm.bias": torch.zeros(WIDTH, dtype=torch.float64)}  # fmt: skip
+        torch.testing.assert_close(OPT.from_config(_config(POST), extra)(post_ids), post_logits, rtol=0, atol=1e-5)

@@ -527,38 +527,43 @@ def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: st
 # Both batches have the same shape, so the same kernels compute them and a model that treats every sample apart gives
 # the same numbers; far below what any mixing of samples does.
 _APART_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
-# Samples of the first batch `check_samples_apart` compares, each beside the others and beside copies of itself
-APART_SAMPLES = 3
+# Distinct samples `check_samples_apart` compares, each beside the others and beside copies of itself, found among
+# the data's first APART_SCAN
+APART_SAMPLES, APART_SCAN = 3, 64
 
 
 def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: Mapping[str, Tensor], x: Tensor,
                         dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-    """Each of the first `APART_SAMPLES` distinct samples gives the same outputs beside the others as beside copies
-    of itself, in the same place of a batch of the same size (the caller sets eval mode and has checked the outputs):
-    the model treats every sample apart, so the whole-data-set loss is the sum of the chunks' whatever the chunks, and
-    any cut of a chunk into pieces gives the same products. Three samples, each compared: two would miss a view that
-    mixes samples only in a batch of three or more (``h.reshape(D, n)``), and the first alone a sample reading the one
-    before it. Skipped where it cannot tell: fewer than two distinct samples in ``x`` (the first batch), outputs whose
-    first axis is not the batch's, or outputs that are not finite.
+    """The model treats every sample apart (the caller sets eval mode and has checked the outputs), so the
+    whole-data-set loss is the sum of the chunks' whatever the chunks, and any cut of a chunk into pieces gives the same
+    products. Of the first `APART_SCAN` samples of ``x`` (the data's first, whatever the chunk size), the first
+    `APART_SAMPLES` distinct ones are each compared beside the others and beside copies of itself (in the same place
+    of a batch of the same size), and all of them in a batch two samples longer: two samples would miss a view that
+    mixes samples only in batches of three or more (``h.reshape(D, n)``), the first sample alone one reading the sample
+    before it, and one batch size a mixing whose period divides it (``torch.roll(h, 3, 0)`` of three samples). Skipped
+    where it cannot tell: fewer than two distinct samples, outputs whose first axis does not follow the batch's size
+    (``(T, N, C)``), or outputs that are not finite.
 
     Raises:
         UnsupportedModelError: the outputs differ (a mean over the batch axis, attention across the samples from a
             ``batch_first`` mix-up), or two calls on the same batch differ (a forward that is random in eval mode).
     """
-    x = cast_batch(x[:APART_SAMPLES], x[:APART_SAMPLES], dtype, device)[0]
-    distinct = [i for i in range(x.shape[0]) if not any(torch.equal(x[i], x[j]) for j in range(i))]
-    if len(distinct) < 2:
+    x = cast_batch(x[:APART_SCAN], x[:APART_SCAN], dtype, device)[0]
+    chosen: list[int] = []
+    for i in range(x.shape[0]):
+        if len(chosen) < APART_SAMPLES and not any(torch.equal(x[i], x[j]) for j in chosen):
+            chosen.append(i)
+    if len(chosen) < 2:
         return
-    x = x[distinct]
+    x = x[chosen]
     n = x.shape[0]
     copies = [x[i : i + 1].expand_as(x).contiguous() for i in range(n)]  # sample i beside copies of itself
+    longer = torch.cat([x, x[:2]])  # the same samples first, in a batch of another size
+    batches = (x, x, *copies, longer)
     with torch.no_grad():
-        outputs = [functional_call(model, (params, others), (batch,)) for batch in (x, x, *copies)]
-        # a first axis as long as the batch by chance (three time steps of (T, N, C) outputs) would be read as the
-        # samples': it must follow the batch's size (two samples) too
-        shorter = functional_call(model, (params, others), (x[:2],)) if n > 2 else outputs[0]
-    if any(out.dim() == 0 or out.shape[0] != n or not bool(torch.isfinite(out).all()) for out in outputs) \
-            or shorter.dim() == 0 or shorter.shape[0] != 2:  # fmt: skip
+        outputs = [functional_call(model, (params, others), (batch,)) for batch in batches]
+    if any(out.dim() == 0 or out.shape[0] != batch.shape[0] or not bool(torch.isfinite(out).all())
+           for out, batch in zip(outputs, batches)):  # fmt: skip
         return
     name, tol = type(model).__name__, _APART_TOLERANCE.get(dtype, 1e-4)
     scale = max(float(outputs[0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
@@ -571,14 +576,14 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
             f"{name} gives other outputs on each call with the same inputs even in eval mode, so every pass would "
             "evaluate another function; make its forward deterministic in eval mode (no dropout with training=True)"
         )
-    gap = max(apart(outputs[0][i], outputs[2 + i][i]) for i in range(n))
+    gap = max(max(apart(outputs[0][i], outputs[2 + i][i]) for i in range(n)), apart(outputs[0], outputs[-1][:n]))
     if gap > tol:
         raise UnsupportedModelError(
             f"{name}'s output for a sample depends on the other samples of its batch (a sample's outputs beside "
-            f"others and beside copies of itself are {gap:.2g} apart, relative; rounding leaves under {tol:g}), so "
-            "the whole-data-set loss would change with how the data are cut into chunks; keep the samples apart in "
-            "the forward (no mean or attention over the batch axis: nn.MultiheadAttention takes (batch, tokens, "
-            "features) inputs only with batch_first=True)"
+            f"others, beside copies of itself and in a longer batch are up to {gap:.2g} apart, relative; rounding "
+            f"leaves under {tol:g}), so the whole-data-set loss would change with how the data are cut into chunks; "
+            "keep the samples apart in the forward (no mean or attention over the batch axis: nn.MultiheadAttention "
+            "takes (batch, tokens, features) inputs only with batch_first=True)"
         )
 
 

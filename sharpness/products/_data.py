@@ -337,6 +337,24 @@ class ChunkedData:
         wrap = 1 << 64  # the digests' sums wrap as theirs do: the same result however the data are batched
         return count, (inputs + wrap // 2) % wrap - wrap // 2, (targets + wrap // 2) % wrap - wrap // 2
 
+    def leading_inputs(self, count: int) -> Tensor:
+        """The inputs of this process's first ``count`` samples (fewer where it has fewer), whatever the chunk size:
+        from the source's first batch where passes are checked (as `first_batch`), else from as many of its batches as
+        hold them (only the first where their inputs' shapes differ)."""
+        if self._watched:
+            self.first_batch()  # the reference pass, made if there was none
+            return self._reference().head[0][:count]
+        parts, have = [], 0
+        for x, _ in self._batches():
+            parts.append(x[: count - have])
+            have += parts[-1].shape[0]
+            if have >= count or parts[-1].shape[1:] != parts[0].shape[1:]:
+                break
+        if not parts:
+            raise DataError("the data set is empty; give at least one sample")
+        same = [p for p in parts if p.shape[1:] == parts[0].shape[1:]]
+        return same[0] if len(same) == 1 else torch.cat(same)
+
     def first_batch(self) -> tuple[Tensor, Tensor]:
         """The first chunk of this process's samples. Where passes are checked, it comes from the first complete
         pass (made now if there was none): a pass left after its first batch could not be checked, and would

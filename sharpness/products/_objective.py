@@ -25,6 +25,7 @@ from manifolds import NetworkStructure, ParamLayout, TracedNetwork, UnsupportedM
 from manifolds import eval_mode as eval_mode  # every submodule's mode restored; re-exported here
 from manifolds._structure import analyze_traced
 from sharpness.products._boundary import (
+    APART_SCAN,
     as_vector,
     check_device,
     check_embedding_gradients,
@@ -390,8 +391,8 @@ class Objective:
                 "every pass would evaluate another function; keep the forward free of state updates while measuring"
             )
         with eval_mode(self.model):
-            check_samples_apart(self.model, self.params, self.buffers, self.data.first_batch()[0], self.dtype,
-                                self.device)  # fmt: skip
+            check_samples_apart(self.model, self.params, self.buffers, self.data.leading_inputs(APART_SCAN),
+                                self.dtype, self.device)  # fmt: skip
 
     def facts(self) -> dict:
         """What every result records about its objective: ``loss`` (at ``params``), ``n_params`` (the
