@@ -6,6 +6,7 @@ scale-invariant, with epsilon-sharpness and invariance verification (`sharpness.
 from sharpness import study as study
 from sharpness._bert import Bert as Bert
 from sharpness._gpt2 import GPT2 as GPT2
+from sharpness._gptj import GPTJ as GPTJ
 from sharpness._hfvit import HFViT as HFViT
 from sharpness._llama import Llama as Llama
 from sharpness._llama import LlamaLayout as LlamaLayout
@@ -89,6 +90,7 @@ __all__ = [
     "Fixed",
     "Bert",
     "GPT2",
+    "GPTJ",
     "GPTNeoX",
     "OPT",
     "Phi",

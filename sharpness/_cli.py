@@ -78,8 +78,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         required=True,
         help="mlp:IN-...-OUT, lenet, resnet:DEPTH[,width=W] (CIFAR ResNet-20/32/56 whose 16, 32 and 64 channels per "
         "stage W multiplies; default W=1), vit[:dim=D,heads=H,depth=L,attn=mha|hand] (a small vision transformer for "
-        "8x8 digits), gpt2:config=PATH, llama:config=PATH, neox:config=PATH, opt:config=PATH or phi:config=PATH "
-        "(GPT-2, a LLaMA-family decoder, GPT-NeoX/Pythia, OPT or Phi-1/1.5/2, from a HuggingFace checkpoint's "
+        "8x8 digits), gpt2:config=PATH, llama:config=PATH, neox:config=PATH, gptj:config=PATH, opt:config=PATH or "
+        "phi:config=PATH (GPT-2, a LLaMA-family decoder, GPT-NeoX/Pythia, GPT-J, OPT or Phi-1/1.5/2, from a "
+        "HuggingFace checkpoint's "
         "config.json and in the sizes of its tensors; "
         "without the "
         "config: gpt2:heads=H[,eps=E], "
@@ -226,6 +227,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     checkpoints saved that the model builds itself (dropped), and ``build(spec, state)``; else ``None``."""
     from sharpness._bert import Bert, encoder_from_spec, is_index_buffer
     from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
+    from sharpness._gptj import gptj_from_spec, is_gptj_buffer
     from sharpness._hfvit import HFViT
     from sharpness._llama import is_rotary_buffer, llama_from_spec
     from sharpness._neox import is_neox_buffer, neox_from_spec
@@ -237,6 +239,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
         "gpt2": (is_mask_buffer, gpt2_from_spec),
         "llama": (is_rotary_buffer, llama_from_spec),
         "neox": (is_neox_buffer, neox_from_spec),
+        "gptj": (is_gptj_buffer, gptj_from_spec),
         "opt": (lambda key: False, opt_from_spec),
         "phi": (lambda key: False, phi_from_spec),
         "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),

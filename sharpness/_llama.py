@@ -475,8 +475,8 @@ class LlamaBody(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """What the decoders here (`Llama`, `GPTNeoX`, `OPT`, `Phi`) share around their blocks: the language-model head
-    ``lm_head`` over the vocabulary (sharing the token table where ``tied``), the token ids' check and the logits'
+    """What the decoders here (`Llama`, `GPTNeoX`, `GPTJ`, `OPT`, `Phi`) share around their blocks: the language-model
+    head ``lm_head`` over the vocabulary (sharing the token table where ``tied``), the token ids' check and the logits'
     layout. A subclass builds its blocks, then calls `_add_head`."""
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model

@@ -10,7 +10,8 @@ ResNet-20/32/56 with BatchNorm on 3x32x32 inputs; options ``width=``, ``classes=
 ``(N, T)`` in, logits ``(N, V, T)`` out; `sharpness._gpt2`; or ``gpt2:config=PATH``, the checkpoint's
 ``config.json``), ``llama:heads=H[,eps=E,theta=T]`` or ``llama:config=PATH`` (a LLaMA-family decoder with the sizes
 of its checkpoint, the same way; `sharpness._llama`), ``neox:config=PATH`` (GPT-NeoX, EleutherAI's Pythia, the same
-way; `sharpness._neox`), ``opt:config=PATH`` (OPT, the same way; `sharpness._opt`), ``phi:config=PATH`` (Phi-1, 1.5
+way; `sharpness._neox`), ``gptj:config=PATH`` (GPT-J, the same way; `sharpness._gptj`), ``opt:config=PATH`` (OPT,
+the same way; `sharpness._opt`), ``phi:config=PATH`` (Phi-1, 1.5
 and 2, the same way; `sharpness._phi`), ``bert:heads=H[,eps=E,act=A]`` or
 ``bert:config=PATH`` (a
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
@@ -115,7 +116,7 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "opt", "phi", "bert", "hfvit", "timmvit"):
+    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "hfvit", "timmvit"):
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)

@@ -1,6 +1,6 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
-own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.OPT`, `sharpness.Phi`,
-`sharpness.Bert`, `sharpness.HFViT`).
+own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.GPTJ`, `sharpness.OPT`,
+`sharpness.Phi`, `sharpness.Bert`, `sharpness.HFViT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
 their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
@@ -15,6 +15,7 @@ from torch import nn
 
 from sharpness._bert import Bert
 from sharpness._gpt2 import GPT2
+from sharpness._gptj import GPTJ
 from sharpness._hfvit import HFViT
 from sharpness._llama import Llama
 from sharpness._neox import GPTNeoX
@@ -29,6 +30,7 @@ _CLASSES = {
     **{kind: ("ForCausalLM", Llama.from_config) for kind in _LLAMA_FAMILY},
     "gpt2": ("GPT2LMHeadModel", GPT2.from_config),
     "gpt_neox": ("GPTNeoXForCausalLM", GPTNeoX.from_config),
+    "gptj": ("GPTJForCausalLM", GPTJ.from_config),
     "opt": ("OPTForCausalLM", OPT.from_config),
     "phi": ("PhiForCausalLM", Phi.from_config),
     "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
@@ -48,6 +50,7 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
       [`LlamaLayout`][sharpness.LlamaLayout]);
     - ``GPT2LMHeadModel`` -> [`GPT2`][sharpness.GPT2];
     - ``GPTNeoXForCausalLM`` (Pythia) -> [`GPTNeoX`][sharpness.GPTNeoX];
+    - ``GPTJForCausalLM`` -> [`GPTJ`][sharpness.GPTJ];
     - ``OPTForCausalLM`` -> [`OPT`][sharpness.OPT];
     - ``PhiForCausalLM`` (phi-1, phi-1.5, phi-2) -> [`Phi`][sharpness.Phi];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];

@@ -146,3 +146,18 @@ def test_transformers_own_phi_where_it_is_installed():
     ids = torch.randint(0, 31, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_transformers_own_gptj_where_it_is_installed():
+    """GPT-J's layout with a quarter of each head's features turned in interleaved pairs, as transformers builds it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPTJConfig(vocab_size=31, n_embd=32, n_layer=2, n_head=2, rotary_dim=4, n_inner=20,
+                                     n_positions=32, attn_implementation="eager")  # fmt: skip
+    model = transformers.GPTJForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids = torch.randint(0, 31, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
