@@ -705,3 +705,46 @@ def test_mixing_is_found_past_repeated_first_samples_chunks_and_a_batch_of_three
     x[1:repeats] = x[0]
     with pytest.raises(UnsupportedModelError, match=r"depends on the other samples of its batch"):
         S.Objective(_Mixing(how).double().eval(), nn.CrossEntropyLoss(), (x, y), chunk_size=chunk_size)
+
+
+class _Standardized(nn.Module):
+    """Outputs standardized over the batch: not finite for a batch of copies of one sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (h - h.mean(0)) / h.std(0)
+
+
+def test_outputs_not_finite_beside_copies_are_mixing_and_a_data_loader_is_read_past_its_first_batch():
+    """A standardization over the batch gives outputs that are finite for the samples and not beside copies of one:
+    that is mixing (before, it skipped the check). A DataLoader whose first batch holds one sample is read past it
+    (the first complete pass keeps the first 64 inputs): a mean over the batch is refused there too."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g)
+    with pytest.raises(UnsupportedModelError, match=r"are finite beside others and not beside copies of itself"):
+        S.Objective(_Standardized().double().eval(), nn.CrossEntropyLoss(), (x, y))
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=[[0], list(range(1, 7)), list(range(7, 12))])
+    with pytest.raises(UnsupportedModelError, match=r"depends on the other samples of its batch"):
+        S.Objective(_Mixing("centred").double().eval(), nn.CrossEntropyLoss(), loader)
+    S.Objective(nn.Sequential(nn.Linear(4, 3)).double().eval(), nn.CrossEntropyLoss(), loader)  # apart: accepted
+
+
+def test_float32_rounding_of_another_batch_size_is_no_mixing():
+    """A deep float32 network that amplifies rounding (80 tanh layers of gain 3): the same samples in batches of
+    three and five differ by 3.4e-4 of the outputs here, past float32's tolerance, from the matrix products' blocking
+    alone.
+    The samples are compared beside copies of themselves in batches of one shape (the same kernels), so it is accepted;
+    before, it was refused as mixing samples."""
+    torch.manual_seed(0)
+    deep = nn.Sequential(*[m for _ in range(80) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 3))
+    with torch.no_grad():
+        for p in deep.parameters():
+            p.mul_(3.0)
+    x, y = torch.randn(64, 64, dtype=torch.float32), torch.randint(0, 3, (64,))
+    S.Objective(deep.float().eval(), nn.CrossEntropyLoss(), (x, y), dtype=torch.float32)

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from manifolds import UnsupportedModelError
 from manifolds import functional_call as tie_aware_call
-from sharpness.products._data import DataError, cast_batch
+from sharpness.products._data import LEAD_SAMPLES, DataError, cast_batch
 from sharpness.products._second_order import gradient_products, gradient_with_graph
 
 # Samples of the first batch the float32 precision check differentiates twice, in float32 and in float64.
@@ -528,21 +528,24 @@ def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: st
 # the same numbers; far below what any mixing of samples does.
 _APART_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 # Distinct samples `check_samples_apart` compares, each beside the others and beside copies of itself, found among
-# the data's first APART_SCAN
-APART_SAMPLES, APART_SCAN = 3, 64
+# the data's first APART_SCAN (all a pass keeps of them)
+APART_SAMPLES, APART_SCAN = 3, LEAD_SAMPLES
 
 
 def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: Mapping[str, Tensor], x: Tensor,
                         dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
     """The model treats every sample apart (the caller sets eval mode and has checked the outputs), so the
     whole-data-set loss is the sum of the chunks' whatever the chunks, and any cut of a chunk into pieces gives the same
-    products. Of the first `APART_SCAN` samples of ``x`` (the data's first, whatever the chunk size), the first
-    `APART_SAMPLES` distinct ones are each compared beside the others and beside copies of itself (in the same place
-    of a batch of the same size), and all of them in a batch two samples longer: two samples would miss a view that
-    mixes samples only in batches of three or more (``h.reshape(D, n)``), the first sample alone one reading the sample
-    before it, and one batch size a mixing whose period divides it (``torch.roll(h, 3, 0)`` of three samples). Skipped
-    where it cannot tell: fewer than two distinct samples, outputs whose first axis does not follow the batch's size
-    (``(T, N, C)``), or outputs that are not finite.
+    products. The first `APART_SAMPLES` distinct samples of ``x`` (the data's first `APART_SCAN`, whatever the chunk
+    size) are compared, each beside the others and beside copies of itself in the same place of a batch of the same
+    shape (so the same kernels: no rounding apart), in a batch of them and again in one two samples longer (the first
+    two repeated): two samples would miss a view that mixes samples only in batches of three or more
+    (``h.reshape(D, n)``), the first sample alone one reading the sample before it, and one batch size a mixing whose
+    period divides it (``torch.roll(h, 3, 0)`` of three samples). Mixing whose period divides both sizes (a roll by 15),
+    or that starts in larger batches, is not seen. Outputs finite for the samples but not beside copies of one (a
+    standardization over the batch) are mixing too. Skipped where it cannot tell: fewer than two distinct samples,
+    outputs whose first axis does not follow the batch's size (``(T, N, C)``), or outputs of the samples themselves
+    that are not finite.
 
     Raises:
         UnsupportedModelError: the outputs differ (a mean over the batch axis, attention across the samples from a
@@ -557,33 +560,37 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
         return
     x = x[chosen]
     n = x.shape[0]
-    copies = [x[i : i + 1].expand_as(x).contiguous() for i in range(n)]  # sample i beside copies of itself
-    longer = torch.cat([x, x[:2]])  # the same samples first, in a batch of another size
-    batches = (x, x, *copies, longer)
-    with torch.no_grad():
-        outputs = [functional_call(model, (params, others), (batch,)) for batch in batches]
-    if any(out.dim() == 0 or out.shape[0] != batch.shape[0] or not bool(torch.isfinite(out).all())
-           for out, batch in zip(outputs, batches)):  # fmt: skip
-        return
     name, tol = type(model).__name__, _APART_TOLERANCE.get(dtype, 1e-4)
-    scale = max(float(outputs[0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
+    gap = 0.0
+    for batch in (x, torch.cat([x, x[:2]])):  # the samples, and the same first in a longer batch
+        size = batch.shape[0]
+        copies = [x[i : i + 1].expand_as(batch).contiguous() for i in range(n)]  # sample i beside copies of itself
+        with torch.no_grad():
+            outputs = [functional_call(model, (params, others), (b,)) for b in (batch, batch, *copies)]
+        if any(out.dim() == 0 or out.shape[0] != size for out in outputs) or not bool(torch.isfinite(outputs[0]).all()):
+            return
+        scale = max(float(outputs[0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
 
-    def apart(a: Tensor, b: Tensor) -> float:
-        return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
+        def apart(a: Tensor, b: Tensor, scale: float = scale) -> float:
+            return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale  # NaN: never <= tol
 
-    if apart(outputs[0], outputs[1]) > tol:
-        raise UnsupportedModelError(
-            f"{name} gives other outputs on each call with the same inputs even in eval mode, so every pass would "
-            "evaluate another function; make its forward deterministic in eval mode (no dropout with training=True)"
-        )
-    gap = max(max(apart(outputs[0][i], outputs[2 + i][i]) for i in range(n)), apart(outputs[0], outputs[-1][:n]))
-    if gap > tol:
+        if not apart(outputs[0], outputs[1]) <= tol:
+            raise UnsupportedModelError(
+                f"{name} gives other outputs on each call with the same inputs even in eval mode, so every pass would "
+                "evaluate another function; make its forward deterministic in eval mode (no dropout with "
+                "training=True)"
+            )
+        for i in range(n):
+            d = apart(outputs[0][i], outputs[2 + i][i])
+            gap = d if not d <= gap else gap  # a NaN (an output not finite beside copies) is kept
+    if not gap <= tol:
+        how = (f"are up to {gap:.2g} apart, relative; rounding leaves under {tol:g}" if gap == gap
+               else "are finite beside others and not beside copies of itself")  # fmt: skip
         raise UnsupportedModelError(
             f"{name}'s output for a sample depends on the other samples of its batch (a sample's outputs beside "
-            f"others, beside copies of itself and in a longer batch are up to {gap:.2g} apart, relative; rounding "
-            f"leaves under {tol:g}), so the whole-data-set loss would change with how the data are cut into chunks; "
-            "keep the samples apart in the forward (no mean or attention over the batch axis: nn.MultiheadAttention "
-            "takes (batch, tokens, features) inputs only with batch_first=True)"
+            f"others and beside copies of itself {how}), so the whole-data-set loss would change with how the data "
+            "are cut into chunks; keep the samples apart in the forward (no mean or attention over the batch axis: "
+            "nn.MultiheadAttention takes (batch, tokens, features) inputs only with batch_first=True)"
         )
 
 

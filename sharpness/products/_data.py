@@ -128,6 +128,11 @@ class _Pass(NamedTuple):
     count: int  # samples
     digest: int  # of the samples in order (see digest)
     head: tuple[Tensor, Tensor]  # its first batch
+    lead: Tensor  # the inputs of its first LEAD_SAMPLES samples (of the first batches whose inputs have one shape)
+
+
+# Leading inputs a pass keeps (`ChunkedData.leading_inputs`: the samples the objective's sample check picks from)
+LEAD_SAMPLES = 64
 
 
 def _random_order(loader: DataLoader) -> bool:
@@ -232,8 +237,11 @@ class ChunkedData:
             yield from batches
             return
         first = self._first_pass.get(key)
-        count, total, head = 0, None, None
+        count, total, head, lead = 0, None, None, []
         for x, y in batches:
+            if first is None and sum(t.shape[0] for t in lead) < LEAD_SAMPLES and (not lead or lead[0].shape[1:]
+                                                                                   == x.shape[1:]):  # fmt: skip
+                lead.append(x[: LEAD_SAMPLES - sum(t.shape[0] for t in lead)])
             part = digest(x, count, PASS_DIGEST_VALUES) + digest(y, count).to(x.device)
             total = part if total is None else total + part.to(total.device)
             head = (x, y) if head is None else head
@@ -245,7 +253,7 @@ class ChunkedData:
         mine = 0 if total is None else int(total)
         if first is None:
             if count:
-                self._first_pass[key] = _Pass(count, mine, head)
+                self._first_pass[key] = _Pass(count, mine, head, lead[0] if len(lead) == 1 else torch.cat(lead))
         elif (count, mine) != (first.count, first.digest):
             raise DataError(_changed(count, first.count))
 
@@ -338,12 +346,12 @@ class ChunkedData:
         return count, (inputs + wrap // 2) % wrap - wrap // 2, (targets + wrap // 2) % wrap - wrap // 2
 
     def leading_inputs(self, count: int) -> Tensor:
-        """The inputs of this process's first ``count`` samples (fewer where it has fewer), whatever the chunk size:
-        from the source's first batch where passes are checked (as `first_batch`), else from as many of its batches as
-        hold them (only the first where their inputs' shapes differ)."""
+        """The inputs of this process's first ``count`` samples (at most `LEAD_SAMPLES`; fewer where it has fewer),
+        whatever the chunk size, from as many of the source's batches as hold them (while their inputs have one shape):
+        where passes are checked, those the first complete pass kept."""
         if self._watched:
             self.first_batch()  # the reference pass, made if there was none
-            return self._reference().head[0][:count]
+            return self._reference().lead[:count]
         parts, have = [], 0
         for x, _ in self._batches():
             parts.append(x[: count - have])
