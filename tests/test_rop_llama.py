@@ -14,7 +14,9 @@ from test_rop_graph import _data, _perturbed
 from test_rop_transformer import CE, Tokens, _exact
 from torch import nn
 
+from manifolds import UnsupportedModelError, trace_network
 from sharpness import Objective
+from sharpness.products._rop_graph import rop_graph
 
 
 class Act(nn.Module):
@@ -265,9 +267,18 @@ class ShapeRead(nn.Module):
                                   "a factor from the batch size"])  # fmt: skip
 def test_numbers_read_off_the_shape_that_are_no_size_of_a_feature_axis_are_not_read(case):
     """The R-operator reads a number computed from shapes only where it is a size of an axis other than the samples'
-    (the same in every chunk of the data) and, in an index, an int; otherwise autograd's products run."""
+    (the same in every chunk of the data) and, in an index, an int; otherwise autograd's products run. A number read
+    off the batch's size makes the outputs change with the chunks: the objective refuses such a model first, so the
+    reader is asked directly."""
     x, y = _data((6,), n=7)
-    obj = Objective(_perturbed(ShapeRead(case)), CE, (x, y))
+    model = _perturbed(ShapeRead(case))
+    if "batch size" in case:
+        with pytest.raises(UnsupportedModelError, match="change with the size of their batch"):
+            Objective(model, CE, (x, y))
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        assert rop_graph(model, params, dict(model.named_buffers()), trace_network(model, x).graph) is None
+        return
+    obj = Objective(model, CE, (x, y))
     assert obj._rop is None and obj.hvp_strategy() == "graph"
 
 

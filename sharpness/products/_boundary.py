@@ -527,6 +527,9 @@ def _check_second_derivative(loss_fn: Callable, out: Tensor, y: Tensor, name: st
 # Both batches have the same shape, so the same kernels compute them and a model that treats every sample apart gives
 # the same numbers; far below what any mixing of samples does.
 _APART_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+# The same samples in batches of two sizes: other kernels, whose rounding a deep network amplifies (80 tanh layers of
+# gain 3 in float32: 3.4e-4), and no mixing of samples moves outputs by as little as this
+_SIZE_TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-6}
 # Distinct samples `check_samples_apart` compares, each beside the others and beside copies of itself, found among
 # the data's first APART_SCAN (all a pass keeps of them)
 APART_SAMPLES, APART_SCAN = 3, LEAD_SAMPLES
@@ -538,11 +541,13 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
     whole-data-set loss is the sum of the chunks' whatever the chunks, and any cut of a chunk into pieces gives the same
     products. The first `APART_SAMPLES` distinct samples of ``x`` (the data's first `APART_SCAN`, whatever the chunk
     size) are compared, each beside the others and beside copies of itself in the same place of a batch of the same
-    shape (so the same kernels: no rounding apart), in a batch of them and again in one two samples longer (the first
-    two repeated): two samples would miss a view that mixes samples only in batches of three or more
+    shape (so the same kernels: no rounding apart), in a batch of them and again in one a sample longer (the first
+    repeated), and the same samples' outputs in the two batches (to a looser tolerance: other kernels): two samples
+    would miss a view that mixes samples only in batches of three or more
     (``h.reshape(D, n)``), the first sample alone one reading the sample before it, and one batch size a mixing whose
-    period divides it (``torch.roll(h, 3, 0)`` of three samples). Mixing whose period divides both sizes (a roll by 15),
-    or that starts in larger batches, is not seen. Outputs finite for the samples but not beside copies of one (a
+    period divides it (``torch.roll(h, 3, 0)`` of three samples); a number read off the batch's size changes the
+    outputs between the two. Mixing whose period divides both sizes (a roll by 12), or that starts in larger batches,
+    is not seen. Outputs finite for the samples but not beside copies of one (a
     standardization over the batch) are mixing too. Skipped where it cannot tell: fewer than two distinct samples,
     outputs whose first axis does not follow the batch's size (``(T, N, C)``), or outputs of the samples themselves
     that are not finite.
@@ -561,8 +566,8 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
     x = x[chosen]
     n = x.shape[0]
     name, tol = type(model).__name__, _APART_TOLERANCE.get(dtype, 1e-4)
-    gap = 0.0
-    for batch in (x, torch.cat([x, x[:2]])):  # the samples, and the same first in a longer batch
+    gap, firsts = 0.0, []
+    for batch in (x, torch.cat([x, x[:1]])):  # the samples, and the same first in a batch one longer
         size = batch.shape[0]
         copies = [x[i : i + 1].expand_as(batch).contiguous() for i in range(n)]  # sample i beside copies of itself
         with torch.no_grad():
@@ -570,6 +575,7 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
         if any(out.dim() == 0 or out.shape[0] != size for out in outputs) or not bool(torch.isfinite(outputs[0]).all()):
             return
         scale = max(float(outputs[0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
+        firsts.append(outputs[0][:n])
 
         def apart(a: Tensor, b: Tensor, scale: float = scale) -> float:
             return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale  # NaN: never <= tol
@@ -591,6 +597,16 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
             f"others and beside copies of itself {how}), so the whole-data-set loss would change with how the data "
             "are cut into chunks; keep the samples apart in the forward (no mean or attention over the batch axis: "
             "nn.MultiheadAttention takes (batch, tokens, features) inputs only with batch_first=True)"
+        )
+    # across batch sizes the kernels differ, and a deep network may amplify their rounding: a looser tolerance
+    size_tol = _SIZE_TOLERANCE.get(dtype, 1e-2)
+    change = float((firsts[0].to(torch.float64) - firsts[1].to(torch.float64)).abs().max()) / scale
+    if not change <= size_tol:
+        raise UnsupportedModelError(
+            f"{name}'s outputs for the same samples change with the size of their batch ({change:.2g} apart, "
+            f"relative, in batches of {n} and {n + 1}; another kernel's rounding leaves under {size_tol:g}), so the "
+            "whole-data-set loss would change with how the data are cut into chunks; compute each sample's outputs "
+            "from that sample alone (no number read off the batch's size)"
         )
 
 
