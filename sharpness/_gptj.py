@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._llama import CausalLM, Float32Frequencies
+from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies
 from sharpness._neox import HF_ACTIVATIONS
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
     check_token_ids,
-    checkpoint_spec,
+    decoder_from_config_spec,
     load_fitting,
     output_head,
     positive_integer,
@@ -109,20 +109,6 @@ class GPTJBlock(nn.Module):
         return self.attn(h) + self.mlp(h) + x
 
 
-class GPTJModel(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, block: tuple):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.h = nn.ModuleList(GPTJBlock(dim, *block) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim, eps=block[2])
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = self.wte(input_ids)
-        for block in self.h:
-            x = block(x)
-        return self.ln_f(x)
-
-
 class GPTJ(CausalLM):
     """A GPT-J decoder with its language-model head, as HuggingFace's ``GPTJForCausalLM`` computes it in eval mode.
 
@@ -164,7 +150,8 @@ class GPTJ(CausalLM):
             raise ValueError(f"eps={eps} must be a positive number and positions={positions!r} a positive integer")
         self.positions = positions
         block = (heads, 4 * dim if hidden is None else hidden, eps, rotary_dim, activation)
-        self.transformer = GPTJModel(vocab, dim, layers, block)
+        self.transformer = DecoderBody(("wte", "h", "ln_f"), nn.Embedding(vocab, dim),
+                                       [GPTJBlock(dim, *block) for _ in range(layers)], nn.LayerNorm(dim, eps=eps))
         self._add_head(self.transformer.wte, tied, classes_last, bias=True)
 
     def check_tokens(self, input_ids: Tensor) -> None:
@@ -242,17 +229,5 @@ class GPTJ(CausalLM):
 
 
 def gptj_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPTJ:
-    """The model of a ``gptj:config=PATH`` SPEC (the checkpoint's ``config.json``, `GPTJ.from_config`) from its
-    checkpoint's ``state``, its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
-
-    Raises:
-        SpecError: another option, an unreadable config, or a state dict that does not fit.
-    """
-    options, config = checkpoint_spec(spec, "gptj")
-    if config is None:
-        raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json, gptj:config=PATH (its heads and "
-                        "rotary features are there, in no tensor)")  # fmt: skip
-    try:
-        return GPTJ.from_config(config, state, classes_last=False)
-    except ValueError as failure:
-        raise SpecError(f"model spec {spec!r}: {failure}") from None
+    """The model of a ``gptj:config=PATH`` SPEC (`GPTJ.from_config`; `sharpness._specs.decoder_from_config_spec`)."""
+    return decoder_from_config_spec(spec, state, "gptj", GPTJ.from_config, "its heads and rotary features")

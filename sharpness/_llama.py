@@ -474,6 +474,24 @@ class LlamaBody(nn.Module):
         return self.norm(x)
 
 
+class DecoderBody(nn.Module):
+    """A decoder's body: its token table, its blocks in turn and a final norm, under the names its family's
+    checkpoints give them (``names``: the table's, the blocks' list's and the norm's)."""
+
+    def __init__(self, names: tuple[str, str, str], table: nn.Embedding, blocks: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self._names = names
+        for name, module in zip(names, (table, nn.ModuleList(blocks), norm)):
+            self.add_module(name, module)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        table, blocks, norm = (getattr(self, name) for name in self._names)
+        x = table(input_ids)
+        for block in blocks:
+            x = block(x)
+        return norm(x)
+
+
 class CausalLM(nn.Module):
     """What the decoders here (`Llama`, `GPTNeoX`, `GPTJ`, `OPT`, `Phi`) share around their blocks: the language-model
     head ``lm_head`` over the vocabulary (sharing the token table where ``tied``), the token ids' check and the logits'

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._llama import CausalLM, Float32Frequencies, Rope, rope, rotary_cos_sin, rotate_half
+from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies, Rope, rope, rotary_cos_sin, rotate_half
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
-    checkpoint_spec,
+    decoder_from_config_spec,
     load_fitting,
     output_head,
     positive_integer,
@@ -161,20 +161,6 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h)) + h
 
 
-class GPTNeoXBody(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, block: tuple):
-        super().__init__()
-        self.embed_in = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(GPTNeoXLayer(dim, *block) for _ in range(layers))
-        self.final_layer_norm = nn.LayerNorm(dim, eps=block[2])
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = self.embed_in(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.final_layer_norm(x)
-
-
 class GPTNeoX(CausalLM):
     """A GPT-NeoX decoder with its language-model head, as HuggingFace's ``GPTNeoXForCausalLM`` computes it in eval
     mode (the Pythia suite, GPT-NeoX-20B).
@@ -220,7 +206,8 @@ class GPTNeoX(CausalLM):
         rotary_dims, rotary = partial_rotary(dim // heads, partial_rotary_factor, theta, rope_scaling, max_positions,
                                              "GPT-NeoX")  # fmt: skip
         block = (heads, 4 * dim if hidden is None else hidden, eps, rotary_dims, rotary, bias, parallel, activation)
-        self.gpt_neox = GPTNeoXBody(vocab, dim, layers, block)
+        self.gpt_neox = DecoderBody(("embed_in", "layers", "final_layer_norm"), nn.Embedding(vocab, dim),
+                                    [GPTNeoXLayer(dim, *block) for _ in range(layers)], nn.LayerNorm(dim, eps=eps))
         self._add_head(self.gpt_neox.embed_in, tied, classes_last)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -310,17 +297,6 @@ class GPTNeoX(CausalLM):
 
 
 def neox_from_spec(spec: str, state: Mapping[str, Tensor]) -> GPTNeoX:
-    """The model of a ``neox:config=PATH`` SPEC (the checkpoint's ``config.json``, `GPTNeoX.from_config`) from its
-    checkpoint's ``state``, its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
-
-    Raises:
-        SpecError: another option, an unreadable config, or a state dict that does not fit.
-    """
-    options, config = checkpoint_spec(spec, "neox")
-    if config is None:
-        raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json, neox:config=PATH (its heads, rotary "
-                        "share and residual layout are there, in no tensor)")  # fmt: skip
-    try:
-        return GPTNeoX.from_config(config, state, classes_last=False)
-    except ValueError as failure:
-        raise SpecError(f"model spec {spec!r}: {failure}") from None
+    """The model of a ``neox:config=PATH`` SPEC (`GPTNeoX.from_config`; `sharpness._specs.decoder_from_config_spec`)."""
+    held = "its heads, rotary share and residual layout"
+    return decoder_from_config_spec(spec, state, "neox", GPTNeoX.from_config, held)

@@ -40,7 +40,7 @@ from sharpness._specs import (
     SpecError,
     check_config_sizes,
     check_token_ids,
-    checkpoint_spec,
+    decoder_from_config_spec,
     load_fitting,
     output_head,
     positive_integer,
@@ -276,17 +276,5 @@ class OPT(CausalLM):
 
 
 def opt_from_spec(spec: str, state: Mapping[str, Tensor]) -> OPT:
-    """The model of an ``opt:config=PATH`` SPEC (the checkpoint's ``config.json``, `OPT.from_config`) from its
-    checkpoint's ``state``, its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
-
-    Raises:
-        SpecError: another option, an unreadable config, or a state dict that does not fit.
-    """
-    options, config = checkpoint_spec(spec, "opt")
-    if config is None:
-        raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json, opt:config=PATH (its heads and "
-                        "LayerNorm layout are there, in no tensor)")  # fmt: skip
-    try:
-        return OPT.from_config(config, state, classes_last=False)
-    except ValueError as failure:
-        raise SpecError(f"model spec {spec!r}: {failure}") from None
+    """The model of a ``opt:config=PATH`` SPEC (`OPT.from_config`; `sharpness._specs.decoder_from_config_spec`)."""
+    return decoder_from_config_spec(spec, state, "opt", OPT.from_config, "its heads and LayerNorm layout")

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._llama import CausalLM, Float32Frequencies, Rope, rotary_cos_sin
+from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies, Rope, rotary_cos_sin
 from sharpness._neox import HF_ACTIVATIONS, partial_rope_settings, partial_rotary, rotate_part
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
-    checkpoint_spec,
+    decoder_from_config_spec,
     load_fitting,
     output_head,
     positive_integer,
@@ -110,20 +110,6 @@ class PhiDecoderLayer(nn.Module):
         return self.self_attn(h) + self.mlp(h) + x
 
 
-class PhiModel(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, block: tuple):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(PhiDecoderLayer(dim, *block) for _ in range(layers))
-        self.final_layernorm = nn.LayerNorm(dim, eps=block[3])
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.final_layernorm(x)
-
-
 class Phi(CausalLM):
     """A Phi decoder with its language-model head, as HuggingFace's ``PhiForCausalLM`` computes it in eval mode (phi-1,
     phi-1.5, phi-2).
@@ -173,7 +159,8 @@ class Phi(CausalLM):
                                              "Phi")  # fmt: skip
         block = (heads, kv_heads, 4 * dim if hidden is None else hidden, eps, rotary_dims, rotary, qk_layernorm,
                  activation)  # fmt: skip
-        self.model = PhiModel(vocab, dim, layers, block)
+        self.model = DecoderBody(("embed_tokens", "layers", "final_layernorm"), nn.Embedding(vocab, dim),
+                                 [PhiDecoderLayer(dim, *block) for _ in range(layers)], nn.LayerNorm(dim, eps=eps))
         self._add_head(self.model.embed_tokens, tied, classes_last, bias=True)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -258,17 +245,5 @@ class Phi(CausalLM):
 
 
 def phi_from_spec(spec: str, state: Mapping[str, Tensor]) -> Phi:
-    """The model of a ``phi:config=PATH`` SPEC (the checkpoint's ``config.json``, `Phi.from_config`) from its
-    checkpoint's ``state``, its logits ``(N, V, T)`` for ``nn.CrossEntropyLoss`` against next-token targets.
-
-    Raises:
-        SpecError: another option, an unreadable config, or a state dict that does not fit.
-    """
-    options, config = checkpoint_spec(spec, "phi")
-    if config is None:
-        raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json, phi:config=PATH (its heads and "
-                        "rotary share are there, in no tensor)")  # fmt: skip
-    try:
-        return Phi.from_config(config, state, classes_last=False)
-    except ValueError as failure:
-        raise SpecError(f"model spec {spec!r}: {failure}") from None
+    """The model of a ``phi:config=PATH`` SPEC (`Phi.from_config`; `sharpness._specs.decoder_from_config_spec`)."""
+    return decoder_from_config_spec(spec, state, "phi", Phi.from_config, "its heads and rotary share")

@@ -40,7 +40,7 @@ import math
 import os
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -511,3 +511,22 @@ def check_config_sizes(config: Mapping[str, object], held: Mapping[str, object],
         if given is not None and given != value:
             raise SpecError(f"the config's {name} is {given!r} but the checkpoint's tensors hold {value!r}{note}; the "
                             "config does not describe this checkpoint")  # fmt: skip
+
+
+def decoder_from_config_spec(spec: str, state: Mapping[str, Tensor], family: str, from_config: Callable,
+                             held: str) -> nn.Module:  # fmt: skip
+    """The model of a ``family:config=PATH`` SPEC (the checkpoint's ``config.json``, read by ``from_config(config,
+    state, classes_last=False)``) from its checkpoint's ``state``: logits ``(N, V, T)`` for ``nn.CrossEntropyLoss``
+    against next-token targets. ``held``: what the config holds that no tensor shows (named when it is missing).
+
+    Raises:
+        SpecError: another option, an unreadable config, or a state dict that does not fit.
+    """
+    options, config = checkpoint_spec(spec, family)
+    if config is None:
+        raise SpecError(f"model spec {spec!r}: give the checkpoint's config.json, {family}:config=PATH ({held} are "
+                        "there, in no tensor)")  # fmt: skip
+    try:
+        return from_config(config, state, classes_last=False)
+    except ValueError as failure:
+        raise SpecError(f"model spec {spec!r}: {failure}") from None

@@ -86,75 +86,39 @@ def test_what_has_no_twin_is_refused_in_one_sentence(model, error, fragment):
         from_transformers(model(state))
 
 
-def test_transformers_own_objects_where_it_is_installed():
+# transformers' own models, built from a config (transformers is passed in: it is imported only where installed)
+OWN = {
+    "qwen3": lambda t: t.Qwen3ForCausalLM(t.Qwen3Config(
+        vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=32, attn_implementation="eager")),
+    # the norm weights moved off 0 (below), so that Gemma's 1 + w matters; soft caps bend the scores and logits
+    "gemma2": lambda t: t.Gemma2ForCausalLM(t.Gemma2Config(
+        vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+        max_position_embeddings=32, attn_implementation="eager")),
+    # OPT-350m's layout: LayerNorms after the sums, embeddings projected in and out
+    "opt": lambda t: t.OPTForCausalLM(t.OPTConfig(
+        vocab_size=31, hidden_size=16, ffn_dim=20, num_hidden_layers=2, num_attention_heads=2, word_embed_proj_dim=12,
+        do_layer_norm_before=False, max_position_embeddings=32, attn_implementation="eager")),
+    # phi-2's layout with query/key LayerNorms and one key/value head
+    "phi": lambda t: t.PhiForCausalLM(t.PhiConfig(
+        vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, qk_layernorm=True, max_position_embeddings=32, attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # GPT-J's layout with a quarter of each head's features turned in interleaved pairs
+    "gptj": lambda t: t.GPTJForCausalLM(t.GPTJConfig(
+        vocab_size=31, n_embd=32, n_layer=2, n_head=2, rotary_dim=4, n_inner=20, n_positions=32,
+        attn_implementation="eager")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", OWN)
+def test_transformers_own_objects_where_it_is_installed(kind):
+    """transformers' own causal LMs (float64, weights moved off their initialization): the twin's logits are theirs
+    (to transformers' float32 softmax)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                      max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
-    model = transformers.Qwen3ForCausalLM(config).double().eval()
-    ids = torch.randint(0, 31, (2, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
-
-
-def test_transformers_own_gemma2_where_it_is_installed():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4,
-                                       attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
-                                       max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
-    model = transformers.Gemma2ForCausalLM(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))  # norm weights off 0, so that 1 + w matters
-    ids = torch.randint(0, 31, (2, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
-
-
-def test_transformers_own_opt_where_it_is_installed():
-    """OPT-350m's layout (LayerNorms after the sums, embeddings projected in and out), as transformers builds it."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.OPTConfig(vocab_size=31, hidden_size=16, ffn_dim=20, num_hidden_layers=2,
-                                    num_attention_heads=2, word_embed_proj_dim=12, do_layer_norm_before=False,
-                                    max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
-    model = transformers.OPTForCausalLM(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    ids = torch.randint(0, 31, (2, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
-
-
-def test_transformers_own_phi_where_it_is_installed():
-    """phi-2's layout with query/key LayerNorms and one key/value head, as transformers builds it."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.PhiConfig(vocab_size=31, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, qk_layernorm=True,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                     "partial_rotary_factor": 0.5},
-                                    max_position_embeddings=32, attn_implementation="eager")  # fmt: skip
-    model = transformers.PhiForCausalLM(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    ids = torch.randint(0, 31, (2, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(from_transformers(model)(ids), model(ids).logits, rtol=0, atol=1e-5)
-
-
-def test_transformers_own_gptj_where_it_is_installed():
-    """GPT-J's layout with a quarter of each head's features turned in interleaved pairs, as transformers builds it."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPTJConfig(vocab_size=31, n_embd=32, n_layer=2, n_head=2, rotary_dim=4, n_inner=20,
-                                     n_positions=32, attn_implementation="eager")  # fmt: skip
-    model = transformers.GPTJForCausalLM(config).double().eval()
+    model = OWN[kind](transformers).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))

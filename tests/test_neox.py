@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from decoder_twins import check_command_line, check_r_operator_products
+from safetensors.torch import load_file
 from test_from_transformers import _stand_in
 from test_gpt2 import check_a_random_element
-from torch import nn
 
 import manifolds
-from sharpness import GPTNeoX, Objective, euclidean_sharpness, from_transformers
-from sharpness._cli import main as sharpness_main
+from sharpness import GPTNeoX, from_transformers
 
 DATA = Path(__file__).parent / "data"
 PARALLEL, SEQUENTIAL = "neox_tiny_hf", "neox_tiny_sequential_hf"  # width 32, 2 heads of 16, 2 blocks, MLP 40
@@ -95,32 +93,14 @@ def test_the_group_keeps_gl_on_the_unturned_features(stem, rotated):
 
 @pytest.mark.parametrize("stem", [PARALLEL, SEQUENTIAL])
 def test_the_products_are_the_r_operator_s(stem):
-    state, ids, _ = _checkpoint(stem)
-    obj = Objective(_model(stem, classes_last=False), nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1)))
-    assert obj.hvp_strategy() == "rop"
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
-        ref = obj.hvp(v, "double_backward")
-        torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-12 * float(ref.abs().max()))
+    check_r_operator_products(_model(stem, classes_last=False), _checkpoint(stem)[1])
 
 
 def test_the_command_line_reads_the_checkpoint_and_its_config(tmp_path, capsys):
     state, _, _ = _checkpoint(PARALLEL)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    X = torch.randint(0, 29, (6, 7), generator=torch.Generator().manual_seed(0))
-    np.savez(tmp_path / "tokens.npz", X=X.numpy(), y=torch.roll(X, -1, dims=1).numpy())
-    out = tmp_path / "r.json"
-    base = ["compute", "--checkpoint", str(tmp_path / "model.safetensors"), "--data", str(tmp_path / "tokens.npz"),
-            "--metric", "euclidean", "--quiet"]  # fmt: skip
-    assert sharpness_main([*base, "--model", f"neox:config={DATA / (PARALLEL + '.json')}", "--json", str(out)]) == 0
-    data = (X, torch.roll(X, -1, dims=1))
-    expected = euclidean_sharpness(_model(PARALLEL, classes_last=False), nn.CrossEntropyLoss(), data,
-                                   dtype=torch.float64, progress=False).value  # fmt: skip
-    assert json.loads(out.read_text())["measures"]["euclidean"]["value"] == pytest.approx(expected, rel=1e-6)
-    assert sharpness_main([*base, "--model", "neox:heads=2"]) == 2
-    err = capsys.readouterr().err
-    assert "neox:config=PATH" in err and "Traceback" not in err, err
+    model = _model(PARALLEL, classes_last=False)
+    check_command_line(tmp_path, capsys, state, "neox", DATA / (PARALLEL + ".json"), model)
+
 
 
 @pytest.mark.parametrize("changed, fragment", [
