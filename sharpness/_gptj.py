@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies
-from sharpness._neox import HF_ACTIVATIONS
+from sharpness._neox import HF_ACTIVATIONS, TwoLayerMLP
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -87,22 +87,12 @@ class GPTJAttention(Float32Frequencies):
         return self.out_proj(out.transpose(1, 2).reshape(n, length, self.heads * self.head_dim))
 
 
-class GPTJMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, activation: str):
-        super().__init__()
-        self.activation = activation
-        self.fc_in, self.fc_out = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc_out(HF_ACTIVATIONS[self.activation](self.fc_in(x)))
-
-
 class GPTJBlock(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int, eps: float, rotary_dim: int, activation: str):
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim, eps=eps)
         self.attn = GPTJAttention(dim, heads, rotary_dim)
-        self.mlp = GPTJMLP(dim, hidden, activation)
+        self.mlp = TwoLayerMLP(("fc_in", "fc_out"), dim, hidden, activation)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.ln_1(x)

@@ -134,14 +134,19 @@ class GPTNeoXAttention(Float32Frequencies):
         return self.dense(out.transpose(1, 2).reshape(n, length, self.heads * self.head_dim))
 
 
-class GPTNeoXMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, activation: str):
+class TwoLayerMLP(nn.Module):
+    """``second(act(first(x)))`` of two Linear layers with biases under a family's names (``names``: the first's and
+    the second's; GPT-NeoX's, Phi's, GPT-J's), ``act`` one of `HF_ACTIVATIONS`."""
+
+    def __init__(self, names: tuple[str, str], dim: int, hidden: int, activation: str):
         super().__init__()
-        self.activation = activation
-        self.dense_h_to_4h, self.dense_4h_to_h = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self._names, self.activation = names, activation
+        self.add_module(names[0], nn.Linear(dim, hidden))
+        self.add_module(names[1], nn.Linear(hidden, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dense_4h_to_h(HF_ACTIVATIONS[self.activation](self.dense_h_to_4h(x)))
+        first, second = (getattr(self, name) for name in self._names)
+        return second(HF_ACTIVATIONS[self.activation](first(x)))
 
 
 class GPTNeoXLayer(nn.Module):
@@ -151,7 +156,7 @@ class GPTNeoXLayer(nn.Module):
         self.parallel = parallel
         self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
         self.attention = GPTNeoXAttention(dim, heads, rotary_dims, rotary, bias)
-        self.mlp = GPTNeoXMLP(dim, hidden, activation)
+        self.mlp = TwoLayerMLP(("dense_h_to_4h", "dense_4h_to_h"), dim, hidden, activation)
 
     def forward(self, x: Tensor) -> Tensor:
         attended = self.attention(self.input_layernorm(x))

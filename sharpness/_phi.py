@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies, Rope, rotary_cos_sin
-from sharpness._neox import HF_ACTIVATIONS, partial_rope_settings, partial_rotary, rotate_part
+from sharpness._neox import HF_ACTIVATIONS, TwoLayerMLP, partial_rope_settings, partial_rotary, rotate_part
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -87,22 +87,12 @@ class PhiAttention(Float32Frequencies):
         return self.dense(out.transpose(1, 2).reshape(x.size(0), x.size(1), self.heads * self.head_dim))
 
 
-class PhiMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, activation: str):
-        super().__init__()
-        self.activation = activation
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(HF_ACTIVATIONS[self.activation](self.fc1(x)))
-
-
 class PhiDecoderLayer(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int, eps: float, rotary_dims: int, rotary: Rope,
                  qk_layernorm: bool, activation: str):  # fmt: skip
         super().__init__()
         self.self_attn = PhiAttention(dim, heads, kv_heads, rotary_dims, rotary, qk_layernorm, eps)
-        self.mlp = PhiMLP(dim, hidden, activation)
+        self.mlp = TwoLayerMLP(("fc1", "fc2"), dim, hidden, activation)
         self.input_layernorm = nn.LayerNorm(dim, eps=eps)
 
     def forward(self, x: Tensor) -> Tensor:
