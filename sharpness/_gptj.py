@@ -191,7 +191,8 @@ class GPTJ(CausalLM):
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> GPTJ:
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``n_head`` (or
-        ``num_attention_heads``), ``rotary_dim`` (default 64; null: the whole head), ``layer_norm_epsilon`` (default
+        ``num_attention_heads``), ``rotary_dim`` (default 64; null: the whole width, as transformers reads it, so
+        only with one head), ``layer_norm_epsilon`` (default
         1e-5), ``n_positions`` (default 2048), ``activation_function`` (default ``gelu_new``) and
         ``tie_word_embeddings`` (default false); the sizes the config gives (``n_embd``, ``vocab_size``, ``n_layer``,
         ``n_inner``) must be the tensors'.
@@ -205,6 +206,10 @@ class GPTJ(CausalLM):
             raise SpecError(f"the config's n_head and n_positions must be positive integers and its layer_norm_epsilon "
                             f"a positive number, got {heads!r}, {positions!r} and {eps!r}")  # fmt: skip
         rotary_dim = config.get("rotary_dim", 64)
+        if rotary_dim is None and heads != 1:  # transformers then turns n_embd features: a head's only with one head
+            raise SpecError(f"the config's rotary_dim is null, which transformers reads as all {config.get('n_embd')} "
+                            f"features of the width, more than a head's with n_head={heads}; it cannot run such a "
+                            "model")  # fmt: skip
         activation, tied = config.get("activation_function", "gelu_new"), config.get("tie_word_embeddings", False)
         if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
             raise SpecError(f"the config's activation_function is {activation!r}; sharpness.GPTJ reads "

@@ -103,6 +103,7 @@ def test_the_command_line_reads_the_checkpoint_and_its_config(tmp_path, capsys):
     ({"n_inner": 48}, "n_inner is 48"),
     ({"n_head": 3}, "not a multiple of heads=3"),
     ({"n_positions": 0}, "n_positions must be positive integers"),
+    ({"rotary_dim": None}, "rotary_dim is null, which transformers reads as all 32 features"),
 ])  # fmt: skip
 def test_a_config_the_model_cannot_compute_is_refused(changed, fragment):
     state, _, _ = _checkpoint(PART)
