@@ -74,7 +74,7 @@ def test_other_key_forms_load_the_same_model():
 
 @pytest.mark.parametrize("stem, query_key", [
     (GQA, 2 * 3 + 10 * 10),  # per key/value head: the 3 turned pairs (a I + b J each) and GL on the 10 unturned
-    (QK, 2 * 6),  # the query/key LayerNorms leave 6 scales per head
+    (QK, 8 + 4),  # the query/key LayerNorms, shared by the heads: a scale per unturned feature and per turned pair
 ])  # fmt: skip
 def test_the_group_holds_the_heads_factors_and_the_layer_norm_trades(stem, query_key):
     """Per block: the query/key factor of each key/value head (shared by its group of query heads), GL(hd) on
