@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies
-from sharpness._neox import HF_ACTIVATIONS, TwoLayerMLP
+from sharpness._neox import HF_ACTIVATIONS, TwoLayerMLP, config_activation
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -210,10 +210,8 @@ class GPTJ(CausalLM):
             raise SpecError(f"the config's rotary_dim is null, which transformers reads as all {config.get('n_embd')} "
                             f"features of the width, more than a head's with n_head={heads}; it cannot run such a "
                             "model")  # fmt: skip
-        activation, tied = config.get("activation_function", "gelu_new"), config.get("tie_word_embeddings", False)
-        if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
-            raise SpecError(f"the config's activation_function is {activation!r}; sharpness.GPTJ reads "
-                            f"{', '.join(HF_ACTIVATIONS)}")  # fmt: skip
+        activation = config_activation(config, "activation_function", "gelu_new", "GPTJ")
+        tied = config.get("tie_word_embeddings", False)
         if not isinstance(tied, bool):
             raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
         model = cls.from_state_dict(state, heads, rotary_dim, float(eps), positions, activation, tied, classes_last)

@@ -48,6 +48,18 @@ HF_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="t
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}  # fmt: skip
 
 
+def config_activation(config: Mapping[str, object], key: str, default: str, family: str) -> str:
+    """The MLP's activation a config names under ``key`` (``default`` where it names none), one of `HF_ACTIVATIONS`.
+
+    Raises:
+        SpecError: another activation, or a value that is no name.
+    """
+    activation = config.get(key, default)
+    if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
+        raise SpecError(f"the config's {key} is {activation!r}; sharpness.{family} reads {', '.join(HF_ACTIVATIONS)}")
+    return activation
+
+
 def partial_rotary(head_dim: int, factor: float, theta: float, scaling: Mapping[str, object] | None,
                    max_positions: int | None, family: str) -> tuple[int, Rope]:  # fmt: skip
     """The rotary embedding of a decoder that turns the first ``int(head_dim * factor)`` features of each head
@@ -281,11 +293,9 @@ class GPTNeoX(CausalLM):
             raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
                             f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
         theta, factor, scaling = partial_rope_settings(config, "rotary_emb_base", "rotary_pct", 0.25)
-        activation, parallel = config.get("hidden_act", "gelu"), config.get("use_parallel_residual", True)
+        activation, parallel = config_activation(config, "hidden_act", "gelu", "GPTNeoX"), config.get(
+            "use_parallel_residual", True)  # fmt: skip
         tied = config.get("tie_word_embeddings", False)  # GPTNeoXConfig's default: an absent head is refused
-        if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
-            raise SpecError(f"the config's hidden_act is {activation!r}; sharpness.GPTNeoX reads "
-                            f"{', '.join(HF_ACTIVATIONS)}")  # fmt: skip
         for name, value in (("use_parallel_residual", parallel), ("tie_word_embeddings", tied)):
             if value is not None and not isinstance(value, bool):
                 raise SpecError(f"the config's {name} must be true or false, got {value!r}")

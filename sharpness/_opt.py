@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM
-from sharpness._neox import HF_ACTIVATIONS
+from sharpness._neox import HF_ACTIVATIONS, config_activation
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -257,10 +257,7 @@ class OPT(CausalLM):
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise SpecError(f"the config's {name} must be true or false, got {value!r}")
-        activation = config.get("activation_function", "relu")
-        if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
-            raise SpecError(f"the config's activation_function is {activation!r}; sharpness.OPT reads "
-                            f"{', '.join(HF_ACTIVATIONS)}")  # fmt: skip
+        activation = config_activation(config, "activation_function", "relu", "OPT")
         before = flags["do_layer_norm_before"]
         model = cls.from_state_dict(state, heads, before, before and not flags["_remove_final_layer_norm"],
                                     activation, config.get("pad_token_id", 1), flags["tie_word_embeddings"],

@@ -32,7 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies, Rope, rotary_cos_sin
-from sharpness._neox import HF_ACTIVATIONS, TwoLayerMLP, partial_rope_settings, partial_rotary, rotate_part
+from sharpness._neox import (
+    HF_ACTIVATIONS,
+    TwoLayerMLP,
+    config_activation,
+    partial_rope_settings,
+    partial_rotary,
+    rotate_part,
+)
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -217,10 +224,8 @@ class Phi(CausalLM):
             raise SpecError(f"the config's num_attention_heads must be a positive integer and its layer_norm_eps a "
                             f"positive number, got {heads!r} and {eps!r}")  # fmt: skip
         theta, factor, scaling = partial_rope_settings(config, "rope_theta", "partial_rotary_factor", 0.5)
-        activation, tied = config.get("hidden_act", "gelu_new"), config.get("tie_word_embeddings", False)
-        if not isinstance(activation, str) or activation not in HF_ACTIVATIONS:
-            raise SpecError(f"the config's hidden_act is {activation!r}; sharpness.Phi reads "
-                            f"{', '.join(HF_ACTIVATIONS)}")  # fmt: skip
+        activation = config_activation(config, "hidden_act", "gelu_new", "Phi")
+        tied = config.get("tie_word_embeddings", False)
         if not isinstance(tied, bool):
             raise SpecError(f"the config's tie_word_embeddings must be true or false, got {tied!r}")
         model = cls.from_state_dict(state, heads, float(eps), factor, theta, scaling,

@@ -1,5 +1,6 @@
-"""What the tests of the toolkit's decoder twins (`sharpness.GPTNeoX`, `OPT`, `Phi`, `GPTJ`) check alike: the products
-are the R-operator's, and the command line reads a checkpoint with its ``config.json``."""
+"""What the tests of the toolkit's decoder twins (`sharpness.GPTNeoX`, `OPT`, `Phi`, `GPTJ`) share: their fixtures
+(a checkpoint transformers wrote, with an input and its logits, and its ``config.json``), and two checks alike: the
+products are the R-operator's, and the command line reads a checkpoint with its ``config.json``."""
 
 from __future__ import annotations
 
@@ -9,11 +10,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from sharpness import Objective, euclidean_sharpness
 from sharpness._cli import main as sharpness_main
+
+DATA = Path(__file__).parent / "data"
+
+
+def load_fixture(stem: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The state dict of ``tests/data/STEM.safetensors``, and the input ids and logits stored beside it."""
+    state = load_file(str(DATA / f"{stem}.safetensors"))
+    return state, state.pop("__input_ids"), state.pop("__logits")
+
+
+def fixture_config(stem: str) -> dict:
+    """The fixture's ``config.json`` (``tests/data/STEM.json``)."""
+    return json.loads((DATA / f"{stem}.json").read_text())
 
 
 def check_r_operator_products(model: nn.Module, ids: torch.Tensor) -> None:

@@ -7,31 +7,19 @@ approximation), the checkpoint's key forms, the symmetry group read off the mode
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from decoder_twins import check_command_line, check_r_operator_products
-from safetensors.torch import load_file
+from decoder_twins import DATA, check_command_line, check_r_operator_products
+from decoder_twins import fixture_config as _config
+from decoder_twins import load_fixture as _checkpoint
 from test_from_transformers import _stand_in
 from test_gpt2 import check_a_random_element
 
 import manifolds
 from sharpness import GPTNeoX, from_transformers
 
-DATA = Path(__file__).parent / "data"
 PARALLEL, SEQUENTIAL = "neox_tiny_hf", "neox_tiny_sequential_hf"  # width 32, 2 heads of 16, 2 blocks, MLP 40
 LAYERS, WIDTH, HD = 2, 32, 16
-
-
-def _checkpoint(stem: str):
-    state = load_file(str(DATA / f"{stem}.safetensors"))
-    return state, state.pop("__input_ids"), state.pop("__logits")
-
-
-def _config(stem: str) -> dict:
-    return json.loads((DATA / f"{stem}.json").read_text())
 
 
 def _model(stem: str, classes_last: bool = True, state=None) -> GPTNeoX:

@@ -9,14 +9,13 @@ hand-built element of it, its R-operator products, the command line's ``--model 
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from decoder_twins import check_command_line, check_r_operator_products
-from safetensors.torch import load_file
+from decoder_twins import DATA, check_command_line, check_r_operator_products
+from decoder_twins import fixture_config as _config
+from decoder_twins import load_fixture as _checkpoint
 from test_from_transformers import _stand_in
 from test_gpt2 import check_a_random_element
 from test_transformer_quotient import measure_value
@@ -26,18 +25,8 @@ import manifolds
 from sharpness import OPT, euclidean_sharpness, from_transformers
 from sharpness._cli import main as sharpness_main
 
-DATA = Path(__file__).parent / "data"
 PRE, POST, PLAIN = "opt_tiny_hf", "opt_tiny_post_hf", "opt_tiny_plain_hf"  # width 32, 2 heads of 16, 2 blocks, MLP 40
 LAYERS, WIDTH, HD, HEADS, FFN = 2, 32, 16, 2, 40
-
-
-def _checkpoint(stem: str):
-    state = load_file(str(DATA / f"{stem}.safetensors"))
-    return state, state.pop("__input_ids"), state.pop("__logits")
-
-
-def _config(stem: str) -> dict:
-    return json.loads((DATA / f"{stem}.json").read_text())
 
 
 def _model(stem: str, classes_last: bool = True, state=None) -> OPT:

@@ -535,6 +535,12 @@ _SIZE_TOLERANCE = {torch.float32: 1e-2, torch.float64: 1e-6}
 APART_SAMPLES, APART_SCAN = 3, LEAD_SAMPLES
 
 
+def _relative_gap(a: Tensor, b: Tensor, scale: float) -> float:
+    """The largest entry of ``|a - b|`` over ``scale``, in float64 (NaN where either is not finite: never <= a
+    tolerance)."""
+    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale
+
+
 def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: Mapping[str, Tensor], x: Tensor,
                         dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
     """The model treats every sample apart (the caller sets eval mode and has checked the outputs), so the
@@ -579,18 +585,14 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
             return
         scale = max(float(outputs[0].abs().max()), torch.finfo(outputs[0].dtype).tiny)
         firsts.append(outputs[0][:n])
-
-        def apart(a: Tensor, b: Tensor, scale: float = scale) -> float:
-            return float((a.to(torch.float64) - b.to(torch.float64)).abs().max()) / scale  # NaN: never <= tol
-
-        if again and not apart(outputs[0], outputs[1]) <= tol:
+        if again and not _relative_gap(outputs[0], outputs[1], scale) <= tol:
             raise UnsupportedModelError(
                 f"{name} gives other outputs on each call with the same inputs even in eval mode, so every pass would "
                 "evaluate another function; make its forward deterministic in eval mode (no dropout with "
                 "training=True)"
             )
         for i in range(n):
-            d = apart(outputs[0][i], outputs[first + i][i])
+            d = _relative_gap(outputs[0][i], outputs[first + i][i], scale)
             gap = d if not d <= gap else gap  # a NaN (an output not finite beside copies) is kept
     if not gap <= tol:
         how = (f"are up to {gap:.2g} apart, relative; rounding leaves under {tol:g}" if gap == gap
@@ -603,7 +605,7 @@ def check_samples_apart(model: nn.Module, params: Mapping[str, Tensor], others: 
         )
     # across batch sizes the kernels differ, and a deep network may amplify their rounding: a looser tolerance
     size_tol = _SIZE_TOLERANCE.get(dtype, 1e-2)
-    change = float((firsts[0].to(torch.float64) - firsts[1].to(torch.float64)).abs().max()) / scale
+    change = _relative_gap(firsts[0], firsts[1], scale)
     if not change <= size_tol:
         raise UnsupportedModelError(
             f"{name}'s outputs for the same samples change with the size of their batch ({change:.2g} apart, "

@@ -135,6 +135,16 @@ class _Pass(NamedTuple):
 LEAD_SAMPLES = 64
 
 
+def _keep_leading(kept: list[Tensor], x: Tensor, count: int) -> bool:
+    """Append to ``kept`` the first inputs of the batch ``x``, up to ``count`` inputs in all and while they have
+    ``kept[0]``'s shape; whether more are wanted."""
+    have = sum(t.shape[0] for t in kept)
+    if have >= count or (kept and kept[0].shape[1:] != x.shape[1:]):
+        return False
+    kept.append(x[: count - have])
+    return have + kept[-1].shape[0] < count
+
+
 def _random_order(loader: DataLoader) -> bool:
     """Whether ``loader`` draws a new order (or subset) on every pass: a random sampler, itself or in its batch
     sampler."""
@@ -239,9 +249,8 @@ class ChunkedData:
         first = self._first_pass.get(key)
         count, total, head, lead = 0, None, None, []
         for x, y in batches:
-            if first is None and sum(t.shape[0] for t in lead) < LEAD_SAMPLES and (not lead or lead[0].shape[1:]
-                                                                                   == x.shape[1:]):  # fmt: skip
-                lead.append(x[: LEAD_SAMPLES - sum(t.shape[0] for t in lead)])
+            if first is None:
+                _keep_leading(lead, x, LEAD_SAMPLES)
             part = digest(x, count, PASS_DIGEST_VALUES) + digest(y, count).to(x.device)
             total = part if total is None else total + part.to(total.device)
             head = (x, y) if head is None else head
@@ -352,16 +361,13 @@ class ChunkedData:
         if self._watched:
             self.first_batch()  # the reference pass, made if there was none
             return self._reference().lead[:count]
-        parts, have = [], 0
+        kept: list[Tensor] = []
         for x, _ in self._batches():
-            parts.append(x[: count - have])
-            have += parts[-1].shape[0]
-            if have >= count or parts[-1].shape[1:] != parts[0].shape[1:]:
+            if not _keep_leading(kept, x, count):
                 break
-        if not parts:
+        if not kept:
             raise DataError("the data set is empty; give at least one sample")
-        same = [p for p in parts if p.shape[1:] == parts[0].shape[1:]]
-        return same[0] if len(same) == 1 else torch.cat(same)
+        return kept[0] if len(kept) == 1 else torch.cat(kept)
 
     def first_batch(self) -> tuple[Tensor, Tensor]:
         """The first chunk of this process's samples. Where passes are checked, it comes from the first complete
