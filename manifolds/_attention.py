@@ -38,6 +38,12 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   The diagonal rescaling group of `manifolds._group_discovery` reads axis 1 as the channels, so on
   ``(batch, tokens, features)`` tensors it pins these; they are found here on the last axis instead, and
   dropped where the diagonal group already moves the same side of the same tensor (nothing is claimed twice).
+* **Features read linearly** (``GL(k)``): the ``k`` outputs of a Linear that reach only other Linears through maps
+  commuting with every linear map of the features (dropout, reshapes, row selections and means, rolls and zero pads
+  along other axes): its rows and bias ``<- M^T (.)``, the readers' columns ``<- (.) M^-T`` (a low-rank factorization,
+  LoRA's ``B A``), with the bias shift of `manifolds._absorption` where one Linear with a bias reads them directly
+  (`_Finder.linear_pair`). Positive scales where a GL factor already moves the first layer's columns or a reader's rows.
+  Where the diagonal group moves those layers too, its classes there are pinned (`symmetry_of`).
 
 Where it is found: every ``nn.MultiheadAttention`` call (packed ``in_proj_weight`` or separate
 ``q/k/v_proj_weight``, with or without bias, ``batch_first`` either way; ``add_bias_kv`` appends unprojected
@@ -78,7 +84,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -110,6 +116,7 @@ _SELECTIONS = {"getitem", "select", "narrow", "mean"}  # rows picked or averaged
 _SPLITS = {"unbind", "chunk", "split", "tensor_split"}  # a tensor cut into disjoint pieces, read by getitem
 _MATMULS = {"matmul", "bmm"}
 _SDPA = "scaled_dot_product_attention"
+_READ_LINEARLY = " (read by linear layers alone)"  # the label's end of a GL factor on features read linearly
 _POSITIVE = {"relu", "relu_", "leaky_relu", "leaky_relu_", "dropout", "identity"}
 _POSITIVE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
 _STEPS_TO_PROJECTION = 8  # reshapes, selections and dropouts walked from a tensor to the layer reading it
@@ -165,6 +172,8 @@ class _Fail(Exception):
 class _Found:
     factors: list[Factor] = field(default_factory=list)
     pins: list[Pin] = field(default_factory=list)
+    # (units factor, the GL factor it becomes where nothing else moves the readers' rows): `_Finder.linear_pair`
+    pairs: list[tuple[Factor, Factor]] = field(default_factory=list)
 
 
 @dataclass
@@ -1592,6 +1601,7 @@ class _Finder:
             where += f" (rows {rows[0]}:{rows[-1] + 1})"
         size = len(rows)
         current = start
+        linear, padded = True, False  # every step so far commutes with any invertible map of the features; a zero pad
         try:
             if not self.once(proj):
                 raise _Fail("it is called more than once")
@@ -1599,6 +1609,9 @@ class _Finder:
                 users = self.users(current)
                 if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node, cut)
                                         or self.keeps_features(users[0], current)):  # fmt: skip
+                    linear = linear and (self.passes_through(users[0], current)
+                                         or self.keeps_features(users[0], current))  # fmt: skip
+                    padded = padded or target_name(users[0]) == "pad"
                     current = users[0]
                     continue
                 if all(self.reads_as_input(u, current) for u in users):
@@ -1608,13 +1621,14 @@ class _Finder:
                 if kind.lower() in _NON_HOMOGENEOUS:
                     raise _Fail(f"it feeds {self.label(bad)}, which is not positively homogeneous")
                 raise _Fail(f"it feeds {self.label(bad)}")
+            pair = self.linear_pair(proj, rows, current, where, padded) if linear else None
             blocks = self.linear_blocks(proj, rows, "T", True) + self.consumer_blocks(current, tuple(range(size)))
             weight_rows = blocks[0]  # a GL factor moving the weight's columns (attention's output projection) would
             # leave the metric a tensor moved on both sides by factors it weighs one way each
             if any(f.kind == "GL" and b.name == weight_rows.name and b.stored_axis != weight_rows.stored_axis
                    for f in self.found.factors for b in f.blocks):  # fmt: skip
-                raise _Fail("its inputs are moved by attention's value/output factors, which the metric weighs on "
-                            "their own")  # fmt: skip
+                raise _Fail("its inputs are moved by a GL factor (attention's value/output, or the features of a "
+                            "linear layer read linearly), which the metric weighs on its own")  # fmt: skip
             factor = Factor("diagonal", size, tuple(blocks), f"units of {where}", "c")
             # both sides of a product of two homogeneous units (ReGLU's relu(w1 x) * w3 x) would divide the same
             # columns of the reader; the metric weighs a column by one factor, so the first found keeps them
@@ -1623,6 +1637,64 @@ class _Finder:
             self.pin(f"output of {where}", size, f"its units cannot be rescaled: {failure}")
             return
         self.found.factors.append(factor)
+        if pair is not None:
+            self.found.pairs.append((factor, pair))
+
+    def passes_through(self, user: fx.Node, source: fx.Node) -> bool:
+        """Whether ``user`` is the identity on ``source`` where the measures evaluate (eval mode): an ``nn.Identity``
+        or dropout layer, ``F.dropout`` or ``identity``; a map commuting with every linear map of the features."""
+        m = self.module(user)
+        if m is not None:
+            return (type(m) is nn.Identity or type(m) in DROPOUTS) and user.args == (source,) and not hooked(m)
+        return target_name(user) in ("dropout", "identity") and user.args[:1] == (source,)
+
+    def linear_pair(self, proj: _Projection, rows: tuple[int, ...], end: fx.Node, where: str,
+                    padded: bool) -> Factor | None:  # fmt: skip
+        """Where the features ``rows`` of ``proj`` reach only linear layers (``end`` the last tensor before them), with
+        nothing between but maps that commute with every linear map of the features (reshapes, selections, rolls and
+        zero pads along other axes, dropout): ``GL(k)`` on them, ``k = len(rows)``. The rows (and bias) ``<- M^T
+        (.)`` and the readers' columns ``<- (.) M^-T``: ``(y M) (V M^-T)^T = y V^T``. A low-rank factorization
+        ``B A`` (LoRA's adapters), a bottleneck without activation, OPT-350m's ``project_out`` before an untied
+        head. Where one reader alone reads them, directly, and both layers have biases of their own, a shift ``u`` of
+        the first bias with ``-V u`` on the reader's keeps the function too (`Factor.absorption`).
+
+        A candidate only: the features' units are recorded first, and the GL factor replaces them at the end of the
+        search where no other factor moves a reader's rows (`upgrade_pairs`). ``None`` where a reader is an
+        ``nn.MultiheadAttention`` or a layer whose rows a GL factor moves, or ``proj``'s columns are moved by a GL
+        factor: the invariant metric weighs a tensor moved on both sides by GL factors in no way."""
+        readers = [self.input_projection(u, end) for u in self.users(end)]
+        if not readers or any(r is None for r in readers):
+            return None
+        gl_sides = {(b.name, b.axis) for f in self.found.factors if f.kind == "GL" for b in f.blocks}
+        weight = self.linear_blocks(proj, rows, "T", True)
+        if (weight[0].name, 1) in gl_sides:
+            return None
+        index = tuple(range(len(rows)))
+        columns = []
+        for user, reader in zip(self.users(end), readers):
+            m = self.module(user)
+            if m is not None and self.calls[str(user.target)] != 1 or not self.once(reader):
+                return None
+            columns.append(self.linear_blocks(reader, index, "invT", False))
+            if (columns[-1][0].name, 0) in gl_sides:
+                return None
+        absorption = None
+        if len(weight) > 1 and len(readers) == 1 and readers[0].data is end and not padded:
+            output_bias = self.own_bias(readers[0])
+            absorption = None if output_bias is None else (weight[1], output_bias)
+        blocks = (*weight, *(b for c in columns for b in c))
+        return Factor("GL", len(rows), blocks, f"features of {where}{_READ_LINEARLY}", "M", absorption=absorption)
+
+    def upgrade_pairs(self) -> None:
+        """Each units factor with a GL candidate (`linear_pair`) replaced by it where no other factor moves a reader's
+        rows: the metric weighs a unit's row by its own norm, which a GL factor on the row's columns would change (a
+        ReLU after the reader keeps its units, and the features their positive scales)."""
+        for units, pair in self.found.pairs:
+            readers = {b.name for b in pair.blocks if b.axis == 1}
+            taken = any(b.name in readers and b.axis == 0 for f in self.found.factors if f is not units
+                        for b in f.blocks)  # fmt: skip
+            if not taken:
+                self.found.factors[self.found.factors.index(units)] = pair
 
     def piece_of(self, node: fx.Node, cut: fx.Node) -> fx.Node | None:
         """The reader of ``cut`` (a piece) that ``node`` is computed from, following single tensor arguments back."""
@@ -1702,6 +1774,7 @@ class _Finder:
             proj = self.projection(node)
             if proj is not None and proj.key not in self.claimed_rows:  # a layer no attention claimed: units
                 self.mlp(node)
+        self.upgrade_pairs()
         return self.found
 
 
@@ -1902,6 +1975,14 @@ def symmetry_of(structure) -> MatrixSymmetry:
         example = torch.zeros(placeholder.meta["shape"])
     diagonal = structure.group
     factors, pins = find_factors(model, traced, example)
+    if diagonal is not None:
+        # A GL factor on features read linearly where the diagonal group moves the first layer's inputs or a reader's
+        # outputs, and no factor found here moves them instead (as a normalization's trade does): those classes would be
+        # pinned below and nothing would stand for them, while the measures claim the diagonal group. Its units then.
+        replaced = {(b.name, b.axis) for f in factors if f.kind == "diagonal" for b in f.blocks}
+        sides = _diagonal_sides(diagonal) - replaced
+        factors = [_as_units(f) if f.label.endswith(_READ_LINEARLY) and _other_sides(f) & sides else f
+                   for f in factors]  # fmt: skip
     names = [n for n, _ in model.named_parameters()]
     # A tensor moved by a factor and by the diagonal group on its other side cannot be weighed by the metric (it
     # weighs a tensor one way): such a tensor is left to the factors and the diagonal classes scaling it pinned,
@@ -1920,6 +2001,20 @@ def symmetry_of(structure) -> MatrixSymmetry:
         moved |= shared
     pins.extend(Pin(f.label, f.size, COVERED) for f in factors if f not in kept)
     return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
+
+
+def _other_sides(pair: Factor) -> set[tuple[str, int]]:
+    """The sides of a GL factor on features read linearly that it does not move: the first layer's inputs (its weight's
+    columns, axis 1) and the readers' outputs (their rows, axis 0)."""
+    return {(pair.blocks[0].name, 1)} | {(b.name, 0) for b in pair.blocks if b.axis == 1}  # the weight's rows first
+
+
+def _as_units(pair: Factor) -> Factor:
+    """The positive diagonal subgroup of a GL factor on features read linearly: the features' units, as `units` finds
+    them (``c`` on the rows and bias, ``1 / c`` on the readers' columns), no bias shift."""
+    blocks = tuple(replace(b, how="T" if b.how == "T" else "inv") for b in pair.blocks)
+    where = pair.label[len("features of ") : -len(_READ_LINEARLY)]
+    return Factor("diagonal", pair.size, blocks, f"units of {where}", "c")
 
 
 def _without(group, names: Sequence[str], moved: set[str]):

@@ -175,6 +175,11 @@ class Factor:
             group = f"the subgroup of GL({self.size}) commuting with its position maps"
         lines = [f"{self.label}: {group}, dimension {self.dim}"]
         lines.extend(f"    {b.describe(self.symbol, self.kind == 'diagonal')}" for b in self.blocks)
+        if self.absorption is not None:  # a translation beside the factor (`manifolds._absorption`)
+            bias, output = self.absorption
+            readers = ", ".join(f"{b.name} columns {_span(b.index)}" for b in self.blocks if b.axis == 1)
+            lines.append(f"    and the shift {bias.name} rows {_span(bias.index)} <- (.) + u, {output} <- (.) - W u "
+                         f"(W: {readers})")  # fmt: skip
         return "\n".join(lines)
 
 

@@ -388,7 +388,7 @@ def test_multi_query_attention_shares_one_factor_across_the_query_heads(style):
     # one GL(4) on query/key and one on value/output: 16 + 16; o's units, which the head reads on a linear path, are
     # pinned (the value/output factors move o's inputs, and the metric weighs a tensor's rows or columns, not both)
     assert sym.dim == 2 * HD * HD, sym.describe()
-    assert "its inputs are moved by attention's value/output factors" in sym.describe(), sym.describe()
+    assert "its inputs are moved by a GL factor (attention's value/output" in sym.describe(), sym.describe()
     _elements_keep_the_function(sym, model, x, 13)
 
 

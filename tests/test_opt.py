@@ -69,15 +69,16 @@ def test_other_key_forms_load_the_same_model():
 
 @pytest.mark.parametrize("stem, free", [
     (PRE, 2 * (2 * WIDTH + FFN)),  # per block both LayerNorms' trades and the ReLU units
-    (POST, WIDTH + 24),  # the last block's final LayerNorm against project_out, and project_out's units
+    (POST, WIDTH + 24 * 24),  # the last block's final LayerNorm against project_out, GL on project_out's outputs
     (PLAIN, 0),
 ])  # fmt: skip
 def test_the_group_holds_gl_per_head_and_the_trades_the_layout_allows(stem, free):
-    """Per block and head, GL(hd) on query/key and on value/output; beyond them ``free`` scales: OPT-125m's layout
+    """Per block and head, GL(hd) on query/key and on value/output; beyond them ``free`` dimensions: OPT-125m's layout
     trades each LayerNorm against the layers reading it and keeps the ReLU units free, its last LayerNorm pinned by the
     head tied to the token table; OPT-350m's trades only the last block's final LayerNorm (its output goes to
-    ``project_out`` alone) and ``project_out``'s units against the untied head; LayerNorms without affine parameters
-    and GELU leave nothing. A random element keeps the logits and the symmetry measure and moves Euclidean sharpness."""
+    ``project_out`` alone) and has GL(24) on ``project_out``'s outputs against the untied head's columns; LayerNorms
+    without affine parameters and GELU leave nothing. A random element keeps the logits and the symmetry measure and
+    moves Euclidean sharpness."""
     state, ids, _ = _checkpoint(stem)
     model = _model(stem, classes_last=False)
     sym = manifolds.transformer_symmetry(model, ids)

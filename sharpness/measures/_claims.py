@@ -28,10 +28,10 @@ def factor_claim(factor) -> str | None:
     """The claim kind a factor of `manifolds.transformer_symmetry` belongs to: ``"attention"`` (a head's GL
     factor), ``"normalization"`` (a normalization's affine scale trade: a LayerNorm or RMSNorm module, a scale
     written by hand as ``h * w``, the query and key normalizations' scales traded against each other) or ``None``
-    (token-wise units, layer scales: drawn with the whole group)."""
-    if factor.kind == "GL":
-        return "attention"
+    (token-wise units, layer scales, the GL of features read by linear layers alone: drawn with the whole group)."""
     label = factor.label
+    if factor.kind == "GL":
+        return "attention" if label.startswith("attention") else None
     traded = label.startswith(("affine scale", "elementwise scale")) or label.endswith("normalization scales")
     return "normalization" if traded else None
 

@@ -117,11 +117,15 @@ class Draws:
         for t in (element.log_scales, *element.matrices):
             broadcast(t)
         moved = self.symmetry.act(params, element)
-        if kind in ("attention", "group"):  # and the attention biases' translations (`manifolds._absorption`)
-            shifts = random_shifts(self.symmetry, moved, scale, generator, dtype)
+        if kind in ("attention", "group"):  # and the biases' translations (`manifolds._absorption`) of those factors
+            source = self.symmetry
+            if kind != "group":
+                kept = tuple(f for f, claim in zip(source.factors, self._factor_claims) if claim == kind)
+                source = MatrixSymmetry(kept, source.diagonal, source.pins)
+            shifts = random_shifts(source, moved, scale, generator, dtype)
             for t in shifts:
                 broadcast(t)
-            moved = shifted(self.symmetry, moved, shifts)
+            moved = shifted(source, moved, shifts)
         return moved
 
     def summary(self) -> dict:
