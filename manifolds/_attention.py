@@ -44,6 +44,10 @@ What acts on what (``hd`` the head size; PyTorch stores a Linear as ``y = x W^T 
   LoRA's ``B A``), with the bias shift of `manifolds._absorption` where one Linear with a bias reads them directly
   (`_Finder.linear_pair`). Positive scales where a GL factor already moves the first layer's columns or a reader's rows.
   Where the diagonal group moves those layers too, its classes there are pinned (`symmetry_of`).
+* **An embedding table's features read linearly** (``GL(P)``): an ``nn.Embedding``'s looked-up features read by Linears
+  alone the same way: the table's columns ``<- (.) M^T``, the readers' columns ``<- (.) M^-1``; with an output layer
+  tied to the table that reads a Linear's outputs alone, that Linear's rows and bias ``<- M^-T (.)``
+  (`_Finder.token_table`: OPT-350m's ``project_in``, ``project_out`` and tied head).
 
 Where it is found: every ``nn.MultiheadAttention`` call (packed ``in_proj_weight`` or separate
 ``q/k/v_proj_weight``, with or without bias, ``batch_first`` either way; ``add_bias_kv`` appends unprojected
@@ -173,7 +177,7 @@ class _Found:
     factors: list[Factor] = field(default_factory=list)
     pins: list[Pin] = field(default_factory=list)
     # (units factor, the GL factor it becomes where nothing else moves the readers' rows): `_Finder.linear_pair`
-    pairs: list[tuple[Factor, Factor]] = field(default_factory=list)
+    pairs: list[tuple[Factor | None, Factor]] = field(default_factory=list)
 
 
 @dataclass
@@ -239,7 +243,9 @@ class _Finder:
         named = list(model.named_parameters(remove_duplicate=False))
         count = self.name_count = Counter(id(p) for _, p in named)
         self.getattr_reads = Counter(id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr")
-        self.param_name = {id(p): n for n, p in named}
+        self.param_name: dict[int, str] = {}  # the first name, as `named_parameters()` (and every objective) lists it
+        for n, p in named:
+            self.param_name.setdefault(id(p), n)
         # a parameter under several names, or also read directly by the forward (a get_attr node), moves with
         # whatever else reads it: no factor may claim it alone
         direct = {id(attribute(model, n)) for n in graph.nodes if n.op == "get_attr"}
@@ -1646,7 +1652,13 @@ class _Finder:
         m = self.module(user)
         if m is not None:
             return (type(m) is nn.Identity or type(m) in DROPOUTS) and user.args == (source,) and not hooked(m)
-        return target_name(user) in ("dropout", "identity") and user.args[:1] == (source,)
+        if target_name(user) == "identity":
+            return user.args == (source,) and not user.kwargs
+        # F.dropout(x, p, training) and torch.dropout(x, p, train): the identity only where not training (a mask
+        # multiplies each entry: it commutes with scales of the features, not with maps mixing them)
+        given = dict(zip(("input", "p", "training"), user.args)) | dict(user.kwargs)
+        training = given.get("training", given.get("train", True))
+        return target_name(user) == "dropout" and user.args[:1] == (source,) and training is False
 
     def linear_pair(self, proj: _Projection, rows: tuple[int, ...], end: fx.Node, where: str,
                     padded: bool) -> Factor | None:  # fmt: skip
@@ -1662,28 +1674,116 @@ class _Finder:
         search where no other factor moves a reader's rows (`upgrade_pairs`). ``None`` where a reader is an
         ``nn.MultiheadAttention`` or a layer whose rows a GL factor moves, or ``proj``'s columns are moved by a GL
         factor: the invariant metric weighs a tensor moved on both sides by GL factors in no way."""
-        readers = [self.input_projection(u, end) for u in self.users(end)]
-        if not readers or any(r is None for r in readers):
+        # k no more than W1's inputs: else the product has rank below k, the orbit degenerates (a stabilizer) and the
+        # metric's Gram matrices are singular
+        k = len(rows)
+        if _features(proj.data) is None or _features(proj.data) < k:
             return None
-        gl_sides = {(b.name, b.axis) for f in self.found.factors if f.kind == "GL" for b in f.blocks}
+        found = self.linear_readers(end, k, "invT")
+        if found is None:
+            return None
+        readers, columns = found
         weight = self.linear_blocks(proj, rows, "T", True)
-        if (weight[0].name, 1) in gl_sides:
+        if (weight[0].name, 1) in self.gl_sides():
             return None
-        index = tuple(range(len(rows)))
-        columns = []
-        for user, reader in zip(self.users(end), readers):
-            m = self.module(user)
-            if m is not None and self.calls[str(user.target)] != 1 or not self.once(reader):
-                return None
-            columns.append(self.linear_blocks(reader, index, "invT", False))
-            if (columns[-1][0].name, 0) in gl_sides:
-                return None
         absorption = None
         if len(weight) > 1 and len(readers) == 1 and readers[0].data is end and not padded:
             output_bias = self.own_bias(readers[0])
             absorption = None if output_bias is None else (weight[1], output_bias)
-        blocks = (*weight, *(b for c in columns for b in c))
+        blocks = (*weight, *columns)
         return Factor("GL", len(rows), blocks, f"features of {where}{_READ_LINEARLY}", "M", absorption=absorption)
+
+    def gl_sides(self) -> set[tuple[str, int]]:
+        """``(tensor, axis)`` pairs the GL factors found so far move (axis 0: outputs, 1: inputs)."""
+        return {(b.name, b.axis) for f in self.found.factors if f.kind == "GL" for b in f.blocks}
+
+    def linear_readers(self, end: fx.Node, k: int, how: str) -> tuple[list[_Projection], list[Block]] | None:
+        """The Linears reading ``end``'s ``k`` features (`input_projection`), each called once, and their column blocks
+        moved ``how``; ``None`` where a reader is something else (an ``nn.MultiheadAttention``), has fewer than ``k``
+        outputs (its columns' Gram matrix would be singular: a 4-feature layer before 3 classes), or has rows a GL
+        factor moves (the metric weighs a tensor moved on both sides by GL factors in no way)."""
+        users = self.users(end)
+        readers = [self.input_projection(u, end) for u in users]
+        if not readers or any(r is None or _features(r.node) is None or _features(r.node) < k for r in readers):
+            return None
+        gl_sides, columns = self.gl_sides(), []
+        for user, reader in zip(users, readers):
+            m = self.module(user)
+            if m is not None and self.calls[str(user.target)] != 1 or not self.once(reader):
+                return None
+            blocks = self.linear_blocks(reader, tuple(range(k)), how, False)
+            if (blocks[0].name, 0) in gl_sides:
+                return None
+            columns.extend(blocks)
+        return readers, columns
+
+    def token_table(self, node: fx.Node) -> None:
+        """An ``nn.Embedding`` (called once, no hooks, no ``max_norm``) whose looked-up features reach only Linears
+        through maps commuting with every linear map of the features: ``GL(P)`` on them, ``P`` its width. The table's
+        columns ``<- (.) M^T`` and the readers' columns ``<- (.) M^-1``, so every looked-up row becomes ``x M^T`` and
+        every reader sees the same product. Where the table is also the weight of one ``nn.Linear`` (an output layer
+        tied to it) reading a Linear's outputs alone, that Linear's rows and bias ``<- M^-T (.)``: the logits ``y E^T``
+        become ``(y M^-1)(E M^T)^T``. OPT-350m's ``project_in``, ``project_out`` and tied head (``P = 512``).
+
+        Recorded as a candidate (no units to fall back on: the table's columns have no reference scale), kept where no
+        other factor moves a reader's rows (`upgrade_pairs`)."""
+        m = self.module(node)
+        table, size = self.param_name.get(id(m.weight)), m.embedding_dim
+        if table is None:
+            return
+        holders = [n for n, p in self.model.named_modules() if getattr(p, "weight", None) is m.weight and p is not m]
+        where = f"embedding table '{table}'"
+        try:
+            if hooked(m) or self.calls[str(node.target)] != 1 or m.max_norm is not None:
+                raise _Fail("it has hooks, a max_norm, or more than one call")
+            # rows that can take any value: the table's columns need rank P for the metric (a padding row stays zero)
+            if m.num_embeddings - (m.padding_idx is not None) < size:
+                raise _Fail(f"its {m.num_embeddings} rows (a padding row among them stays zero) span less than its "
+                            f"{size} features")  # fmt: skip
+            if self.getattr_reads[id(m.weight)] or self.name_count[id(m.weight)] != 1 + len(holders) \
+                    or len(holders) > 1:  # fmt: skip
+                raise _Fail("the table is also read otherwise than by one output layer tied to it")
+            end = node
+            while len(self.users(end)) == 1 and (self.passes_through(self.users(end)[0], end)
+                                                 or self.keeps_features(self.users(end)[0], end)):  # fmt: skip
+                end = self.users(end)[0]
+            found = self.linear_readers(end, size, "inv")
+            if found is None:
+                raise _Fail("its features are not read by Linears alone")
+            tied = self.tied_rows(holders[0], size) if holders else []
+            blocks = (Block(table, 1, tuple(range(size)), None, "T"), *found[1], *tied)
+            label = f"features of the {where}" + (f" and its tied output layer '{holders[0]}'" if tied else "")
+            factor = Factor("GL", size, blocks, label + _READ_LINEARLY, "M")
+            self.claim([factor])
+        except _Fail as failure:
+            self.pin(f"features of the {where}", size, f"no basis change of them keeps the function: {failure}")
+            return
+        self.found.pairs.append((None, factor))
+
+    def tied_rows(self, head: str, size: int) -> list[Block]:
+        """The row blocks (``<- M^-T (.)``) of the Linear whose ``size`` outputs the output layer ``head`` (a plain
+        ``nn.Linear`` sharing the token table, called once) alone reads, through maps commuting with linear maps of
+        the features; `_Fail` otherwise."""
+        calls = [n for n in self.graph.nodes if n.op == "call_module" and str(n.target) == head]
+        if len(calls) != 1 or not self.plain_linear(calls[0]) or len(calls[0].args) != 1:
+            raise _Fail(f"the output layer '{head}' sharing it is not a plain Linear called once")
+        reader, source = calls[0], calls[0].args[0]
+        for _ in range(_STEPS_TO_PROJECTION):
+            if not isinstance(source, fx.Node) or self.users(source) != [reader]:
+                break
+            proj = self.projection(source)
+            if proj is not None:
+                if not self.once(proj) or _features(proj.data) is None or _features(proj.data) < size:
+                    break
+                blocks = self.linear_blocks(proj, tuple(range(size)), "invT", True)
+                if (blocks[0].name, 1) in self.gl_sides():
+                    break
+                return blocks
+            data = source.args[0] if source.args and isinstance(source.args[0], fx.Node) else None
+            if data is None or not (self.passes_through(source, data) or self.keeps_features(source, data)):
+                break
+            reader, source = source, data
+        raise _Fail(f"the output layer '{head}' sharing it does not read a Linear's outputs alone")
 
     def upgrade_pairs(self) -> None:
         """Each units factor with a GL candidate (`linear_pair`) replaced by it where no other factor moves a reader's
@@ -1693,7 +1793,13 @@ class _Finder:
             readers = {b.name for b in pair.blocks if b.axis == 1}
             taken = any(b.name in readers and b.axis == 0 for f in self.found.factors if f is not units
                         for b in f.blocks)  # fmt: skip
-            if not taken:
+            if units is None:  # an embedding table's (`token_table`): kept or pinned
+                if taken:
+                    self.pin(pair.label.removesuffix(_READ_LINEARLY), pair.size, "no basis change of them keeps the "
+                             "metric defined: a reader's rows are moved by another factor")  # fmt: skip
+                else:
+                    self.found.factors.append(pair)
+            elif not taken:
                 self.found.factors[self.found.factors.index(units)] = pair
 
     def piece_of(self, node: fx.Node, cut: fx.Node) -> fx.Node | None:
@@ -1764,6 +1870,9 @@ class _Finder:
             if node.op in ("call_function", "call_method") and target_name(node) == "mul":
                 self.layer_scale(node)
         for node in nodes:
+            if node.op == "call_module" and type(self.module(node)) is nn.Embedding:
+                self.token_table(node)
+                continue
             if node.op == "call_module" and read_as(self.module(node)) in _NORMS:
                 if node not in self.score_norms:
                     self.norm(node)
@@ -1776,6 +1885,12 @@ class _Finder:
                 self.mlp(node)
         self.upgrade_pairs()
         return self.found
+
+
+def _features(node: fx.Node) -> int | None:
+    """The size of the last axis of ``node``'s output, where its shape was recorded."""
+    shape = node.meta.get("shape")
+    return int(shape[-1]) if shape else None
 
 
 def _bias_pieces(node: fx.Node) -> list[fx.Node] | None:
@@ -1973,45 +2088,51 @@ def symmetry_of(structure) -> MatrixSymmetry:
     if example is None:  # the input analyze guessed: the shape its graph was traced with
         placeholder = next(n for n in traced.graph.nodes if n.op == "placeholder")
         example = torch.zeros(placeholder.meta["shape"])
-    diagonal = structure.group
+    full = structure.group
     factors, pins = find_factors(model, traced, example)
-    if diagonal is not None:
-        # A GL factor on features read linearly where the diagonal group moves the first layer's inputs or a reader's
-        # outputs, and no factor found here moves them instead (as a normalization's trade does): those classes would be
-        # pinned below and nothing would stand for them, while the measures claim the diagonal group. Its units then.
-        replaced = {(b.name, b.axis) for f in factors if f.kind == "diagonal" for b in f.blocks}
-        sides = _diagonal_sides(diagonal) - replaced
-        factors = [_as_units(f) if f.label.endswith(_READ_LINEARLY) and _other_sides(f) & sides else f
-                   for f in factors]  # fmt: skip
     names = [n for n, _ in model.named_parameters()]
+    if full is not None:
+        # A GL factor on features read linearly pins the diagonal classes scaling its tensors (below), and with them,
+        # tensor by tensor, others: where that takes a side from the diagonal group that its units would leave it and
+        # no factor moves instead (a convolution's channels before the pair), the measures' claim of the diagonal
+        # group would fail. The features keep their units there.
+        for pair in [f for f in factors if f.label.endswith(_READ_LINEARLY)]:
+            units = [u for f in factors if (u := _as_units(f) if f is pair else f) is not None]
+            kept, diagonal = _assembled(full, factors, names)
+            moved = {(b.name, b.axis) for f in kept for b in f.blocks}
+            if _diagonal_sides(_assembled(full, units, names)[1]) - _diagonal_sides(diagonal) - moved:
+                factors = units
+                if _as_units(pair) is None:  # a table's, dropped whole: said so
+                    pins.append(Pin(pair.label.removesuffix(_READ_LINEARLY), pair.size, COVERED))
+    kept, diagonal = _assembled(full, factors, names)
+    pins.extend(Pin(f.label, f.size, COVERED) for f in factors if f not in kept)
+    return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
+
+
+def _assembled(full, factors: list[Factor], names: list[str]) -> tuple[list[Factor], object]:
+    """The factors kept beside the diagonal group ``full`` and what is left of it (``None`` where ``full`` is)."""
     # A tensor moved by a factor and by the diagonal group on its other side cannot be weighed by the metric (it
     # weighs a tensor one way): such a tensor is left to the factors and the diagonal classes scaling it pinned,
     # starting with the rows GL factors move and the normalization trades (their unit-block metric is defined
     # where a shift is zero, as at initialization; the node metric is not), until no factor and the diagonal
     # group share a tensor.
     moved = {b.name for f in factors if f.kind == "GL" or f.label.startswith("affine scale") for b in f.blocks}
-    full = diagonal
     while True:
         diagonal = None if full is None else _without(full, names, moved)
         taken = _diagonal_sides(diagonal) if diagonal is not None else set()
         kept = [f for f in factors if not any((b.name, b.axis) in taken for b in f.blocks)]  # sides: out 0, in 1
         shared = {b.name for f in kept for b in f.blocks} & {name for name, _ in taken}
         if not shared:
-            break
+            return kept, diagonal
         moved |= shared
-    pins.extend(Pin(f.label, f.size, COVERED) for f in factors if f not in kept)
-    return MatrixSymmetry(tuple(kept), diagonal, tuple(pins))
 
 
-def _other_sides(pair: Factor) -> set[tuple[str, int]]:
-    """The sides of a GL factor on features read linearly that it does not move: the first layer's inputs (its weight's
-    columns, axis 1) and the readers' outputs (their rows, axis 0)."""
-    return {(pair.blocks[0].name, 1)} | {(b.name, 0) for b in pair.blocks if b.axis == 1}  # the weight's rows first
-
-
-def _as_units(pair: Factor) -> Factor:
+def _as_units(pair: Factor) -> Factor | None:
     """The positive diagonal subgroup of a GL factor on features read linearly: the features' units, as `units` finds
-    them (``c`` on the rows and bias, ``1 / c`` on the readers' columns), no bias shift."""
+    them (``c`` on the rows and bias, ``1 / c`` on the readers' columns), no bias shift; ``None`` for an embedding
+    table's (`_Finder.token_table`), whose columns no row block weighs."""
+    if pair.label.startswith("features of the embedding table"):
+        return None
     blocks = tuple(replace(b, how="T" if b.how == "T" else "inv") for b in pair.blocks)
     where = pair.label[len("features of ") : -len(_READ_LINEARLY)]
     return Factor("diagonal", pair.size, blocks, f"units of {where}", "c")

@@ -79,6 +79,10 @@ class SymmetryQuotient(MetricQuotient):
             bad = ~torch.isfinite(metric.apply(w, torch.ones_like(w)))
         except torch.linalg.LinAlgError:  # a block's Gram matrix is singular (rows of zero weight): say which
             bad = singular_blocks(plan, w)
+        if default_metric and not bool(bad.any()):
+            # a Gram matrix singular up to rounding (rows that are exactly dependent: a table whose padding row stays
+            # zero) solves without an error into numbers of order 1/eps; its rank, read in float64, says so
+            bad = singular_blocks(plan, w.double()).to(bad.device)
         if bool(bad.any()):
             names = [name for name, flags in self.layout.blocks(bad) if bool(flags.any())]
             raise UnsupportedModelError(

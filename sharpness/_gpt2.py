@@ -135,7 +135,7 @@ class GPT2(nn.Module):
     def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, eps: float = 1e-5,
                  classes_last: bool = True):  # fmt: skip
         super().__init__()
-        if dim % heads:
+        if not positive_integer(heads) or dim % heads:
             raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
         self.classes_last = classes_last
         self.transformer = GPT2Body(vocab, positions, dim, layers, heads, eps)

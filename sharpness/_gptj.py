@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies
-from sharpness._neox import HF_ACTIVATIONS, TwoLayerMLP, config_activation
+from sharpness._neox import TwoLayerMLP, check_decoder_options, config_activation
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -127,15 +127,12 @@ class GPTJ(CausalLM):
                  hidden: int | None = None, eps: float = 1e-5, positions: int = 2048, activation: str = "gelu_new",
                  tied: bool = False, classes_last: bool = True):  # fmt: skip
         super().__init__()
-        if heads < 1 or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+        check_decoder_options(dim, heads, activation)
         head_dim = dim // heads
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if not positive_integer(rotary_dim) or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim must be a positive even number up to the head size {head_dim}, "
                              f"got {rotary_dim!r}")  # fmt: skip
-        if activation not in HF_ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
         if not positive_number(eps) or not positive_integer(positions):
             raise ValueError(f"eps={eps} must be a positive number and positions={positions!r} a positive integer")
         self.positions = positions

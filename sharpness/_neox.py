@@ -60,6 +60,18 @@ def config_activation(config: Mapping[str, object], key: str, default: str, fami
     return activation
 
 
+def check_decoder_options(dim: int, heads: int, activation: str, eps: float | None = None) -> None:
+    """Raises ``ValueError`` (one sentence) unless ``heads`` is a positive integer dividing the width ``dim``, the MLP's
+    ``activation`` one of `HF_ACTIVATIONS` and ``eps`` (where given) a positive finite number: what the decoder twins
+    (`GPTNeoX`, `Phi`, `OPT`, `GPTJ`) check before building anything."""
+    if not positive_integer(heads) or dim % heads:
+        raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+    if activation not in HF_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
+    if eps is not None and not positive_number(eps):
+        raise ValueError(f"eps={eps} must be a positive finite number")
+
+
 def partial_rotary(head_dim: int, factor: float, theta: float, scaling: Mapping[str, object] | None,
                    max_positions: int | None, family: str) -> tuple[int, Rope]:  # fmt: skip
     """The rotary embedding of a decoder that turns the first ``int(head_dim * factor)`` features of each head
@@ -214,12 +226,7 @@ class GPTNeoX(CausalLM):
                  parallel: bool = True, bias: bool = True, activation: str = "gelu", tied: bool = False,
                  classes_last: bool = True):  # fmt: skip
         super().__init__()
-        if heads < 1 or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if activation not in HF_ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
-        if not positive_number(eps):
-            raise ValueError(f"eps={eps} must be a positive finite number")
+        check_decoder_options(dim, heads, activation, eps)
         rotary_dims, rotary = partial_rotary(dim // heads, partial_rotary_factor, theta, rope_scaling, max_positions,
                                              "GPT-NeoX")  # fmt: skip
         block = (heads, 4 * dim if hidden is None else hidden, eps, rotary_dims, rotary, bias, parallel, activation)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._llama import CausalLM
-from sharpness._neox import HF_ACTIVATIONS, config_activation
+from sharpness._neox import HF_ACTIVATIONS, check_decoder_options, config_activation
 from sharpness._specs import (
     SpecError,
     check_config_sizes,
@@ -160,10 +160,7 @@ class OPT(CausalLM):
                  final_norm: bool | None = None, bias: bool = True, affine: bool = True, activation: str = "relu",
                  padding_idx: int | None = 1, tied: bool = True, classes_last: bool = True):  # fmt: skip
         super().__init__()
-        if heads < 1 or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if activation not in HF_ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
+        check_decoder_options(dim, heads, activation)
         if not positive_integer(positions):
             raise ValueError(f"positions must be a positive integer, got {positions!r}")
         if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)

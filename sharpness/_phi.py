@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from sharpness._llama import CausalLM, DecoderBody, Float32Frequencies, Rope, rotary_cos_sin
 from sharpness._neox import (
-    HF_ACTIVATIONS,
     TwoLayerMLP,
+    check_decoder_options,
     config_activation,
     partial_rope_settings,
     partial_rotary,
@@ -144,14 +144,9 @@ class Phi(CausalLM):
                  tied: bool = False, classes_last: bool = True):  # fmt: skip
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
-        if heads < 1 or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if kv_heads < 1 or heads % kv_heads:
+        check_decoder_options(dim, heads, activation, eps)
+        if not positive_integer(kv_heads) or heads % kv_heads:
             raise ValueError(f"kv_heads={kv_heads} does not divide heads={heads}")
-        if activation not in HF_ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(HF_ACTIVATIONS)}, got {activation!r}")
-        if not positive_number(eps):
-            raise ValueError(f"eps={eps} must be a positive finite number")
         rotary_dims, rotary = partial_rotary(dim // heads, partial_rotary_factor, theta, rope_scaling, max_positions,
                                              "Phi")  # fmt: skip
         block = (heads, kv_heads, 4 * dim if hidden is None else hidden, eps, rotary_dims, rotary, qk_layernorm,

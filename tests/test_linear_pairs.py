@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 from test_transformer_quotient import _params, _with, dense_quotient_spectrum, measure_value
 from torch import nn
@@ -334,3 +335,185 @@ def test_attention_draws_leave_the_pair_and_its_bias_alone():
             assert bool((drawn[name] - params[name]).abs().max() > 1e-3) == moves, (kind, name)
         with torch.no_grad():
             assert (_with(model, drawn)(x) - model(x)).abs().max() < 1e-12
+
+
+def test_more_features_than_a_reader_gives_or_the_layer_reads_keep_their_units():
+    """k above a reader's outputs or the first layer's inputs: the product has rank below k, the orbit degenerates and
+    the metric's Gram matrices are singular, so the features keep their scales (a 4-feature layer before 3 classes)."""
+    g = torch.Generator().manual_seed(10)
+    x, y = torch.randn(12, 6, generator=g, dtype=torch.float64), torch.arange(12) % 3
+    for model in (nn.Sequential(nn.Linear(6, 4), nn.Dropout(0.1), nn.Linear(4, 3)),
+                  nn.Sequential(nn.Linear(6, 3), nn.Linear(3, 5), nn.Linear(5, 3))):  # fmt: skip
+        model = model.double().eval()
+        sym = manifolds.transformer_symmetry(model, x)
+        assert not _pairs(sym) or max(f.size for f in _pairs(sym)) <= 3, sym.describe()
+        value = measure_value(model, nn.CrossEntropyLoss(), (x, y))
+        assert bool(torch.isfinite(value).all()) and float(value[0]) > 0
+    wide = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 6), nn.Tanh()).double().eval()  # k = 5 above 3 inputs
+    assert not _pairs(manifolds.transformer_symmetry(wide, torch.randn(4, 3, dtype=torch.float64)))
+
+
+def test_a_pair_after_layers_only_the_diagonal_group_moves_keeps_its_units():
+    """A convolution's channels before a Linear pair: a GL on the pair would pin, tensor by tensor, the channel classes
+    the convolution shares with the flattened layer (no factor stands for them), while the measures claim them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 4), nn.Linear(4, 3),
+                          nn.Linear(3, 3)).double().eval()  # fmt: skip
+    x, y = torch.randn(6, 2, 4, 4, dtype=torch.float64), torch.arange(6) % 3
+    sym = manifolds.transformer_symmetry(model, x)
+    assert not _pairs(sym), sym.describe()
+    rep = verify_invariance(model, nn.CrossEntropyLoss(), (x, y), ["symmetry"],
+                            rescalings=Rescalings(("node", "layer", "group"), 1), solver=Solver(tol=1e-10),
+                            dtype=torch.float64, progress=False)  # fmt: skip
+    assert rep.outcome == "passed", rep.table()
+
+
+def test_functional_dropout_in_training_is_no_identity():
+    """``F.dropout(h, 0.5)`` masks each entry even in eval mode (its ``training`` defaults to True): scales of the
+    features commute with it, maps mixing them do not. With ``training=False`` it is the identity."""
+
+    class Functional(Bottleneck):
+        def __init__(self, training: bool):
+            super().__init__()
+            self.training_dropout = training
+
+        def forward(self, x):
+            h = nn.functional.dropout(self.down(x), 0.5, training=self.training_dropout)
+            return self.head(torch.relu(x + self.up(h)))
+
+    for training, pairs in ((True, 0), (False, 1)):
+        model, _, (x, _) = _make(lambda: Functional(training))  # noqa: B023 - called at once
+        assert len(_pairs(manifolds.transformer_symmetry(model, x))) == pairs, training
+
+
+class TokenTable(nn.Module):
+    """Token ids -> a table of width 3 -> ``pin`` (3 -> 5) -> a tanh residual block -> ``pout`` (5 -> 3) -> the output
+    layer, tied to the table (OPT-350m's layout in small) or not."""
+
+    def __init__(self, tied: bool = True):
+        super().__init__()
+        self.emb, self.pin = nn.Embedding(7, 3), nn.Linear(3, 5, bias=False)
+        self.mix, self.pout, self.head = nn.Linear(5, 5), nn.Linear(5, 3), nn.Linear(3, 7, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.pin(self.emb(ids))
+        return self.head(self.pout(h + torch.tanh(self.mix(h)))).transpose(1, 2)
+
+
+def _tokens():
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 7, (4, 5), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def test_a_tied_token_table_gets_one_gl_with_both_projections_checked_against_the_dense_reference():
+    model, _, _ = _make(TokenTable)
+    data, loss = _tokens(), nn.CrossEntropyLoss()
+    sym = manifolds.transformer_symmetry(model, data[0])
+    (table,) = _pairs(sym)
+    assert {(b.name, b.axis, b.how) for b in table.blocks} == {
+        ("emb.weight", 1, "T"), ("pin.weight", 1, "inv"), ("pout.weight", 0, "invT"), ("pout.bias", 0, "invT")}
+    assert sym.dim == 9 and "tied output layer 'head'" in table.label, sym.describe()
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, _params(model)), sym)
+    before = measure_value(model, loss, data, k=2)
+    assert np.allclose(before, reference[::-1][:2], rtol=1e-8, atol=0), (before, reference[::-1][:2])
+    m = _invertible(torch.Generator().manual_seed(12), 3)  # by hand: E M^T, pin M^-1, M^-T pout
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd["emb.weight"], sd["pin.weight"] = sd["emb.weight"] @ m.T, sd["pin.weight"] @ torch.linalg.inv(m)
+    inv_t = torch.linalg.inv(m).T
+    sd["pout.weight"], sd["pout.bias"] = inv_t @ sd["pout.weight"], inv_t @ sd["pout.bias"]
+    twin = _with(model, sd)
+    assert twin.head.weight is twin.emb.weight
+    euclidean = sharpness.euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
+    for moved in (twin, sym.transformed(model, sym.random_element(1.5, torch.Generator().manual_seed(13)))):
+        with torch.no_grad():
+            assert (moved(data[0]) - model(data[0])).abs().max() < 1e-12
+        assert np.allclose(measure_value(moved, loss, data, k=2), before, rtol=1e-8, atol=0)
+        e = sharpness.euclidean_sharpness(moved, loss, data, dtype=torch.float64, progress=False).value
+        assert max(e, euclidean) / min(e, euclidean) > 1.5, (euclidean, e)
+
+
+def test_an_untied_token_table_and_its_output_pair_get_a_gl_each():
+    model, _, _ = _make(lambda: TokenTable(tied=False))
+    ids, _ = _tokens()
+    sym = manifolds.transformer_symmetry(model, ids)
+    labels = sorted(f.label for f in _pairs(sym))
+    assert labels == ["features of module 'pout' (Linear) (read by linear layers alone)",
+                      "features of the embedding table 'emb.weight' (read by linear layers alone)"], sym.describe()
+    twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(14)))
+    with torch.no_grad():
+        assert (twin(ids) - model(ids)).abs().max() < 1e-12
+
+
+def test_a_token_table_read_by_a_sum_or_shared_otherwise_is_pinned():
+    """The table's features added to positions (GPT-2, OPT-125m), or the table read directly besides the lookup: no
+    basis change keeps the function, the features are pinned with the reason."""
+
+    class Summed(TokenTable):
+        def __init__(self):
+            super().__init__()
+            self.positions = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, ids):
+            return self.head(self.pout(self.pin(self.emb(ids) + self.positions))).transpose(1, 2)
+
+    class ReadDirectly(TokenTable):
+        def forward(self, ids):
+            h = self.pin(self.emb(ids))
+            return (self.head(self.pout(h + torch.tanh(self.mix(h)))) + self.emb.weight.sum()).transpose(1, 2)
+
+    ids = _tokens()[0]
+    for cls in (Summed, ReadDirectly):
+        model, _, _ = _make(cls)
+        sym = manifolds.transformer_symmetry(model, ids)
+        assert not _pairs(sym), sym.describe()
+        twin = sym.transformed(model, sym.random_element(1.0, torch.Generator().manual_seed(15)))
+        with torch.no_grad():
+            assert (twin(ids) - model(ids)).abs().max() < 1e-12
+    assert any(p.where.startswith("features of the embedding table") and "not read by Linears alone" in p.reason
+               for p in manifolds.transformer_symmetry(_make(Summed)[0], ids).pins)  # fmt: skip
+
+
+def test_a_table_whose_rows_span_less_than_its_width_has_no_gl():
+    """A padding row stays zero: 3 rows of width 3, one of them padding, span 2 features, so the table's column Gram
+    matrix is singular. Structurally refused with the reason; a table singular by its values (two equal rows) is
+    refused by the measure, naming it, where it returned 1.3e7 before."""
+
+    class Padded(TokenTable):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(3, 3, padding_idx=0)
+            self.head = nn.Linear(3, 3, bias=False)
+            self.head.weight = self.emb.weight
+
+    ids = torch.randint(0, 3, (4, 5), generator=torch.Generator().manual_seed(16))
+    model, loss = _make(Padded)[0], nn.CrossEntropyLoss()
+    sym = manifolds.transformer_symmetry(model, ids)
+    assert not _pairs(sym) and any("a padding row among them stays zero" in p.reason for p in sym.pins)
+    model.emb.padding_idx = None
+    with torch.no_grad():
+        model.emb.weight[0] = model.emb.weight[1]  # rank 2 by its values
+    assert len(_pairs(manifolds.transformer_symmetry(model, ids))) == 1
+    with pytest.raises(manifolds.UnsupportedModelError, match=r"undefined at this point: emb\.weight"):
+        measure_value(model, loss, (ids, torch.roll(ids, -1, dims=1)))
+
+
+def test_a_table_dropped_for_the_diagonal_group_is_said_to_be():
+    """The table's features reach ``pin`` alone, whose ReLU units (a max over the tokens after them) the diagonal group
+    moves: the table's GL would take them from it, so it is dropped, and `describe` says so."""
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pin = nn.Embedding(7, 3), nn.Linear(3, 5)
+            self.l2, self.out = nn.Linear(5, 5), nn.Linear(5, 7)
+
+        def forward(self, ids):
+            return self.out(torch.tanh(self.l2(torch.relu(self.pin(self.emb(ids))).amax(1, keepdim=True))))
+
+    sym = manifolds.transformer_symmetry(_make(Pooled)[0], _tokens()[0])
+    assert not _pairs(sym)
+    assert "moved by the diagonal rescaling group instead: features of the embedding table 'emb.weight'" in \
+        sym.describe(), sym.describe()  # fmt: skip

@@ -33,6 +33,13 @@ def _model(stem: str, classes_last: bool = True, state=None) -> OPT:
     return OPT.from_config(_config(stem), _checkpoint(stem)[0] if state is None else state, classes_last)
 
 
+def _tied_350m(classes_last: bool = False) -> OPT:
+    """OPT-350m's layout with its head tied to the token table, as every OPT checkpoint has it: the fixture's weights
+    without ``lm_head.weight``."""
+    state = {k: v for k, v in _checkpoint(POST)[0].items() if k != "lm_head.weight"}
+    return OPT.from_config({**_config(POST), "tie_word_embeddings": True}, state, classes_last)
+
+
 @pytest.mark.parametrize("stem", [PRE, POST, PLAIN])
 def test_the_logits_are_huggingface_s(stem):
     """transformers' eager softmax computes in float32 even in a float64 model: the logits agree to float32's rounding
@@ -69,18 +76,20 @@ def test_other_key_forms_load_the_same_model():
 
 @pytest.mark.parametrize("stem, free", [
     (PRE, 2 * (2 * WIDTH + FFN)),  # per block both LayerNorms' trades and the ReLU units
-    (POST, WIDTH + 24 * 24),  # the last block's final LayerNorm against project_out, GL on project_out's outputs
+    (POST, WIDTH + 2 * 24 * 24),  # the last final LayerNorm against project_out; GL on the table's and project_out's
+    ("tied", WIDTH + 24 * 24),  # the same LayerNorm; one GL on the table's features, project_in, project_out and head
     (PLAIN, 0),
 ])  # fmt: skip
 def test_the_group_holds_gl_per_head_and_the_trades_the_layout_allows(stem, free):
     """Per block and head, GL(hd) on query/key and on value/output; beyond them ``free`` dimensions: OPT-125m's layout
     trades each LayerNorm against the layers reading it and keeps the ReLU units free, its last LayerNorm pinned by the
     head tied to the token table; OPT-350m's trades only the last block's final LayerNorm (its output goes to
-    ``project_out`` alone) and has GL(24) on ``project_out``'s outputs against the untied head's columns; LayerNorms
-    without affine parameters and GELU leave nothing. A random element keeps the logits and the symmetry measure and
-    moves Euclidean sharpness."""
-    state, ids, _ = _checkpoint(stem)
-    model = _model(stem, classes_last=False)
+    ``project_out`` alone), has GL(24) on the token table's features against ``project_in``'s columns and, with the
+    head untied, GL(24) on ``project_out``'s outputs against the head's columns; tied, one GL(24) moves the table's
+    columns, ``project_in``'s columns and ``project_out``'s rows. LayerNorms without affine parameters and GELU leave
+    nothing. A random element keeps the logits and the symmetry measure and moves Euclidean sharpness."""
+    ids = _checkpoint(POST if stem == "tied" else stem)[1]
+    model = _tied_350m() if stem == "tied" else _model(stem, classes_last=False)
     sym = manifolds.transformer_symmetry(model, ids)
     assert sym.dim == LAYERS * 2 * HEADS * HD * HD + free, sym.describe()
     assert sum("query/key" in f.label for f in sym.factors) == sum("value/output" in f.label for f in sym.factors) == 4
@@ -188,3 +197,25 @@ def test_the_final_layer_norm_is_read_as_transformers_reads_it():
         extra = {**post, "model.decoder.final_layer_norm.weight": torch.ones(WIDTH, dtype=torch.float64),
                  "model.decoder.final_layer_norm.bias": torch.zeros(WIDTH, dtype=torch.float64)}  # fmt: skip
         torch.testing.assert_close(OPT.from_config(_config(POST), extra)(post_ids), post_logits, rtol=0, atol=1e-5)
+
+
+def test_a_hand_built_basis_change_of_the_tied_table_keeps_the_function_and_the_measure():
+    """By hand: the tied table's columns times ``M^T``, ``project_in``'s columns times ``M^-1`` and ``project_out``'s
+    rows ``M^-T`` times: the looked-up rows become ``x M^T``, which ``project_in`` reads as before, and the logits
+    ``(y M^-1)(E M^T)^T = y E^T``. The logits stay (1e-12 relative) and so does the symmetry measure (1e-8)."""
+    model = _tied_350m()
+    ids = _checkpoint(POST)[1]
+    g = torch.Generator().manual_seed(4)
+    m = torch.eye(24, dtype=torch.float64) + 0.3 * torch.randn(24, 24, generator=g, dtype=torch.float64)
+    moved = copy.deepcopy(model)
+    decoder = moved.model.decoder
+    with torch.no_grad():
+        decoder.embed_tokens.weight.copy_(decoder.embed_tokens.weight @ m.T)
+        decoder.project_in.weight.copy_(decoder.project_in.weight @ torch.linalg.inv(m))
+        decoder.project_out.weight.copy_(torch.linalg.inv(m).T @ decoder.project_out.weight)
+        assert moved.lm_head.weight is decoder.embed_tokens.weight
+        before, after = model(ids), moved(ids)
+        assert float((after - before).abs().max()) <= 1e-12 * float(before.abs().max())
+    loss, data = nn.CrossEntropyLoss(), (ids, torch.roll(ids, -1, dims=1))
+    m0, m1 = measure_value(model, loss, data)[0], measure_value(moved, loss, data)[0]
+    assert abs(m1 - m0) <= 1e-8 * abs(m0), (m0, m1)
