@@ -88,7 +88,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -176,8 +176,13 @@ class _Fail(Exception):
 class _Found:
     factors: list[Factor] = field(default_factory=list)
     pins: list[Pin] = field(default_factory=list)
-    # (units factor, the GL factor it becomes where nothing else moves the readers' rows): `_Finder.linear_pair`
+    # (units factor, the GL factor it becomes where nothing else moves the readers' rows): `_Finder.linear_pair`;
+    # an embedding table's GL factor has no units (`_Finder.token_table`)
     pairs: list[tuple[Factor | None, Factor]] = field(default_factory=list)
+
+    def fallbacks(self) -> list[tuple[Factor, Factor | None]]:
+        """``(GL factor, its units or None)`` of the candidates `upgrade_pairs` kept among ``factors``."""
+        return [(pair, units) for units, pair in self.pairs if any(f is pair for f in self.factors)]
 
 
 @dataclass
@@ -1613,10 +1618,11 @@ class _Finder:
                 raise _Fail("it is called more than once")
             while True:
                 users = self.users(current)
-                if len(users) == 1 and (self.positive(users[0], current) or self.gated(users[0], current, node, cut)
-                                        or self.keeps_features(users[0], current)):  # fmt: skip
-                    linear = linear and (self.passes_through(users[0], current)
-                                         or self.keeps_features(users[0], current))  # fmt: skip
+                user = users[0] if len(users) == 1 else None
+                scaled = user is not None and (self.positive(user, current) or self.gated(user, current, node, cut))
+                keeps = user is not None and not scaled and self.keeps_features(user, current)
+                if scaled or keeps:
+                    linear = linear and (keeps or self.passes_through(user, current))
                     padded = padded or target_name(users[0]) == "pad"
                     current = users[0]
                     continue
@@ -2024,7 +2030,11 @@ def _diagonal_sides(group) -> set[tuple[str, int]]:
     return sides
 
 
-def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor) -> tuple[list[Factor], list[Pin]]:
+_Fallbacks = list[tuple[Factor, Factor | None]]  # (GL factor on features read linearly, its units or None)
+
+
+def find_factors(model: nn.Module, traced: TracedNetwork,
+                 example_input: Tensor) -> tuple[list[Factor], list[Pin], _Fallbacks]:  # fmt: skip
     """The matrix factors of ``model`` on its traced graph, and the reasons for what is pinned.
 
     Args:
@@ -2033,12 +2043,17 @@ def find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor)
         example_input: one input batch (its first two samples are run once to read sizes).
 
     The passes that read the tensors' values run the model's modules: their buffers are put back after them.
+
+    Returns:
+        The factors, the pins, and ``(GL factor, its units)`` for each factor on features read linearly (`_Finder.
+            linear_pair`; ``None`` for an embedding table's, which has no units to fall back on).
     """
     with kept_buffers(model):
         return _find_factors(model, traced, example_input)
 
 
-def _find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor) -> tuple[list[Factor], list[Pin]]:
+def _find_factors(model: nn.Module, traced: TracedNetwork,
+                  example_input: Tensor) -> tuple[list[Factor], list[Pin], _Fallbacks]:  # fmt: skip
     x = input_like(model, example_input)
     if x.shape[0] == 1:  # traced again on two samples, so that a reshape mixing the samples with the heads shows
         doubled = trace_network(model, torch.cat((x, x)))
@@ -2048,7 +2063,7 @@ def _find_factors(model: nn.Module, traced: TracedNetwork, example_input: Tensor
     record = _values(model, graph, x)
     other = x[:1]  # another number of samples, for what must not depend on it
     found = _Finder(model, graph, record, lambda: _values(model, graph, other)).run()
-    return found.factors, found.pins
+    return found.factors, found.pins, found.fallbacks()
 
 
 def transformer_symmetry(model: nn.Module, example_input: Tensor) -> MatrixSymmetry:
@@ -2089,20 +2104,20 @@ def symmetry_of(structure) -> MatrixSymmetry:
         placeholder = next(n for n in traced.graph.nodes if n.op == "placeholder")
         example = torch.zeros(placeholder.meta["shape"])
     full = structure.group
-    factors, pins = find_factors(model, traced, example)
+    factors, pins, fallbacks = find_factors(model, traced, example)
     names = [n for n, _ in model.named_parameters()]
     if full is not None:
         # A GL factor on features read linearly pins the diagonal classes scaling its tensors (below), and with them,
         # tensor by tensor, others: where that takes a side from the diagonal group that its units would leave it and
         # no factor moves instead (a convolution's channels before the pair), the measures' claim of the diagonal
-        # group would fail. The features keep their units there.
-        for pair in [f for f in factors if f.label.endswith(_READ_LINEARLY)]:
-            units = [u for f in factors if (u := _as_units(f) if f is pair else f) is not None]
+        # group would fail. The features keep their units there (an embedding table's are dropped, and said so).
+        for pair, units in fallbacks:
+            instead = [units if f is pair else f for f in factors if f is not pair or units is not None]
             kept, diagonal = _assembled(full, factors, names)
             moved = {(b.name, b.axis) for f in kept for b in f.blocks}
-            if _diagonal_sides(_assembled(full, units, names)[1]) - _diagonal_sides(diagonal) - moved:
-                factors = units
-                if _as_units(pair) is None:  # a table's, dropped whole: said so
+            if _diagonal_sides(_assembled(full, instead, names)[1]) - _diagonal_sides(diagonal) - moved:
+                factors = instead
+                if units is None:
                     pins.append(Pin(pair.label.removesuffix(_READ_LINEARLY), pair.size, COVERED))
     kept, diagonal = _assembled(full, factors, names)
     pins.extend(Pin(f.label, f.size, COVERED) for f in factors if f not in kept)
@@ -2125,17 +2140,6 @@ def _assembled(full, factors: list[Factor], names: list[str]) -> tuple[list[Fact
         if not shared:
             return kept, diagonal
         moved |= shared
-
-
-def _as_units(pair: Factor) -> Factor | None:
-    """The positive diagonal subgroup of a GL factor on features read linearly: the features' units, as `units` finds
-    them (``c`` on the rows and bias, ``1 / c`` on the readers' columns), no bias shift; ``None`` for an embedding
-    table's (`_Finder.token_table`), whose columns no row block weighs."""
-    if pair.label.startswith("features of the embedding table"):
-        return None
-    blocks = tuple(replace(b, how="T" if b.how == "T" else "inv") for b in pair.blocks)
-    where = pair.label[len("features of ") : -len(_READ_LINEARLY)]
-    return Factor("diagonal", pair.size, blocks, f"units of {where}", "c")
 
 
 def _without(group, names: Sequence[str], moved: set[str]):

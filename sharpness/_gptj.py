@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from sharpness._specs import (
     check_config_sizes,
     check_token_ids,
     decoder_from_config_spec,
-    load_fitting,
+    load_decoder,
     output_head,
     positive_integer,
     positive_number,
@@ -175,15 +176,10 @@ class GPTJ(CausalLM):
         if fc is None or fc.dim() != 2:
             raise SpecError("the GPT-J state dict has no matrix transformer.h.0.mlp.fc_in.weight")
         tied, head = output_head(tensors, table, tied)
-        try:
-            model = cls(vocab, dim, layers, heads, rotary_dim, fc.shape[0], eps, positions, activation, tied,
+        build = partial(cls, vocab, dim, layers, heads, rotary_dim, fc.shape[0], eps, positions, activation, tied,
                         classes_last)  # fmt: skip
-        except ValueError as failure:
-            raise SpecError(str(failure)) from None
-        if not tied:
-            tensors["lm_head.weight"] = head
-        return load_fitting(model, tensors, f"GPT-J with {layers} blocks of width {dim}",
-                            {"lm_head.weight"} if tied else set(), "transformer.wte.weight")  # fmt: skip
+        return load_decoder(build, tensors, head, tied, f"GPT-J with {layers} blocks of width {dim}",
+                            "transformer.wte.weight")
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> GPTJ:

@@ -55,7 +55,7 @@ from sharpness._specs import (
     check_config_sizes,
     check_token_ids,
     checkpoint_spec,
-    load_fitting,
+    load_decoder,
     output_head,
     positive_integer,
     positive_number,
@@ -706,16 +706,10 @@ class Llama(CausalLM):
                 table = tensors["model.embed_tokens.weight"]
             _add_norm_offset(tensors, layout.norm_offset)
         tied, head = output_head(tensors, table, tied)
-        try:
-            model = cls(vocab, dim, layers, heads, k_rows // head_dim, hidden, head_dim, eps, theta, tied, bias,
-                        classes_last, rope_scaling, sliding_window, max_positions, layout, padding_idx, local_theta,
-                        local_rope_scaling)
-        except ValueError as failure:
-            raise SpecError(str(failure)) from None
-        if not tied:
-            tensors["lm_head.weight"] = head
-        return load_fitting(model, tensors, f"LLaMA with {layers} blocks", {"lm_head.weight"} if tied else set(),
-                            "model.embed_tokens.weight")
+        build = partial(cls, vocab, dim, layers, heads, k_rows // head_dim, hidden, head_dim, eps, theta, tied, bias,
+                        classes_last, rope_scaling, sliding_window, max_positions, layout, padding_idx,
+                        local_theta, local_rope_scaling)  # fmt: skip
+        return load_decoder(build, tensors, head, tied, f"LLaMA with {layers} blocks", "model.embed_tokens.weight")
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> Llama:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from sharpness._specs import (
     SpecError,
     check_config_sizes,
     decoder_from_config_spec,
-    load_fitting,
+    load_decoder,
     output_head,
     positive_integer,
     positive_number,
@@ -270,15 +271,10 @@ class GPTNeoX(CausalLM):
             raise SpecError("the GPT-NeoX state dict has no matrix gpt_neox.layers.0.mlp.dense_h_to_4h.weight")
         bias = "gpt_neox.layers.0.attention.query_key_value.bias" in tensors
         tied, head = output_head(tensors, table, tied)
-        try:
-            model = cls(vocab, dim, layers, heads, fc.shape[0], eps, partial_rotary_factor, theta, rope_scaling,
+        build = partial(cls, vocab, dim, layers, heads, fc.shape[0], eps, partial_rotary_factor, theta, rope_scaling,
                         max_positions, parallel, bias, activation, tied, classes_last)  # fmt: skip
-        except ValueError as failure:
-            raise SpecError(str(failure)) from None
-        if not tied:
-            tensors["lm_head.weight"] = head
-        return load_fitting(model, tensors, f"GPT-NeoX with {layers} blocks of width {dim}",
-                            {"lm_head.weight"} if tied else set(), "gpt_neox.embed_in.weight")  # fmt: skip
+        return load_decoder(build, tensors, head, tied, f"GPT-NeoX with {layers} blocks of width {dim}",
+                            "gpt_neox.embed_in.weight")
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor],

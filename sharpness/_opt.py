@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ from sharpness._specs import (
     check_config_sizes,
     check_token_ids,
     decoder_from_config_spec,
-    load_fitting,
+    load_decoder,
     output_head,
     positive_integer,
 )
@@ -224,15 +225,10 @@ class OPT(CausalLM):
         if not (before if final_norm is None else final_norm):  # not built: transformers ignores its tensors too
             tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{prefix}final_layer_norm.")}
         tied, head = output_head(tensors, table, tied)
-        try:
-            model = cls(vocab, dim, layers, heads, fc.shape[0], places.shape[0] - _OFFSET, embed_dim, before,
+        build = partial(cls, vocab, dim, layers, heads, fc.shape[0], places.shape[0] - _OFFSET, embed_dim, before,
                         final_norm, bias, affine, activation, padding_idx, tied, classes_last)  # fmt: skip
-        except ValueError as failure:
-            raise SpecError(str(failure)) from None
-        if not tied:
-            tensors["lm_head.weight"] = head
-        return load_fitting(model, tensors, f"OPT with {layers} blocks of width {dim}",
-                            {"lm_head.weight"} if tied else set(), f"{prefix}embed_tokens.weight")  # fmt: skip
+        return load_decoder(build, tensors, head, tied, f"OPT with {layers} blocks of width {dim}",
+                            f"{prefix}embed_tokens.weight")
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> OPT:

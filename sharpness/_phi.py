@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ from sharpness._specs import (
     SpecError,
     check_config_sizes,
     decoder_from_config_spec,
-    load_fitting,
+    load_decoder,
     output_head,
     positive_integer,
     positive_number,
@@ -189,16 +190,11 @@ class Phi(CausalLM):
                             f"{dim} / {heads} features")  # fmt: skip
         qk_layernorm = "model.layers.0.self_attn.q_layernorm.weight" in tensors
         tied, head = output_head(tensors, table, tied)
-        try:
-            model = cls(vocab, dim, layers, heads, keys.shape[0] // (dim // heads), fc.shape[0], eps,
+        build = partial(cls, vocab, dim, layers, heads, keys.shape[0] // (dim // heads), fc.shape[0], eps,
                         partial_rotary_factor, theta, rope_scaling, max_positions, qk_layernorm, activation, tied,
                         classes_last)  # fmt: skip
-        except ValueError as failure:
-            raise SpecError(str(failure)) from None
-        if not tied:
-            tensors["lm_head.weight"] = head
-        return load_fitting(model, tensors, f"Phi with {layers} blocks of width {dim}",
-                            {"lm_head.weight"} if tied else set(), "model.embed_tokens.weight")  # fmt: skip
+        return load_decoder(build, tensors, head, tied, f"Phi with {layers} blocks of width {dim}",
+                            "model.embed_tokens.weight")
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor], classes_last: bool = True) -> Phi:

@@ -464,6 +464,20 @@ def output_head(tensors: dict[str, Tensor], table: Tensor, tied: bool | None) ->
     return tied, head
 
 
+def load_decoder(build: Callable[[], nn.Module], tensors: dict[str, Tensor], head: Tensor | None, tied: bool,
+                 what: str, like: str) -> nn.Module:  # fmt: skip
+    """The decoder twin ``build()`` makes (its ``ValueError`` raised as a `SpecError`), with ``tensors`` loaded
+    (`load_fitting`): the output head `output_head` popped is put back where it is untied, and filled by the token
+    table ``like`` where tied."""
+    try:
+        model = build()
+    except ValueError as failure:
+        raise SpecError(str(failure)) from None
+    if not tied:
+        tensors["lm_head.weight"] = head
+    return load_fitting(model, tensors, what, {"lm_head.weight"} if tied else set(), like)
+
+
 def load_fitting(model: nn.Module, tensors: Mapping[str, Tensor], what: str, tied: set[str], like: str) -> nn.Module:
     """``model`` (eval mode, in the dtype of ``tensors[like]``) with ``tensors`` loaded, after checking that they are
     its keys exactly (but the ``tied`` keys, which another tensor fills) and of its shapes.
