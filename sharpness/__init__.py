@@ -15,6 +15,7 @@ from sharpness._opt import OPT as OPT
 from sharpness._phi import Phi as Phi
 from sharpness._results import EigenResult as EigenResult
 from sharpness._results import TraceResult as TraceResult
+from sharpness._roberta import Roberta as Roberta
 from sharpness._timmvit import TimmViT as TimmViT
 from sharpness._transformers import from_transformers as from_transformers
 from sharpness.measures import MEASURES as MEASURES
@@ -94,6 +95,7 @@ __all__ = [
     "GPTNeoX",
     "OPT",
     "Phi",
+    "Roberta",
     "HFViT",
     "TimmViT",
     "LlamaLayout",

@@ -47,17 +47,26 @@ _INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 def is_index_buffer(key: str) -> bool:
     """Whether a checkpoint key is an index buffer older HuggingFace versions saved (``embeddings.position_ids``,
     ``embeddings.token_type_ids``): dropped on loading, the model builds its indices itself."""
-    return re.fullmatch(r"(bert\.)?embeddings\.(position_ids|token_type_ids)", key) is not None
+    return re.fullmatch(r"(bert\.|roberta\.)?embeddings\.(position_ids|token_type_ids)", key) is not None
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, vocab: int, positions: int, types: int, dim: int, eps: float):
+    """The three tables summed, then LayerNorm. ``padding``: ``None`` (BERT), positions ``0 .. T-1``; an id (RoBERTa,
+    as fairseq numbers them), a token's position is ``padding`` plus the number of tokens up to it that are not
+    ``padding``, and a padding token's is ``padding``."""
+
+    def __init__(self, vocab: int, positions: int, types: int, dim: int, eps: float, padding: int | None = None):
         super().__init__()
         self.word_embeddings, self.position_embeddings = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
         self.token_type_embeddings, self.LayerNorm = nn.Embedding(types, dim), nn.LayerNorm(dim, eps=eps)
+        self.padding = padding
 
     def forward(self, ids: Tensor, types: Tensor) -> Tensor:
-        positions = torch.arange(ids.size(1), device=ids.device)
+        if self.padding is None:
+            positions = torch.arange(ids.size(1), device=ids.device)
+        else:
+            real = (ids != self.padding).long()
+            positions = torch.cumsum(real, dim=1) * real + self.padding
         x = self.word_embeddings(ids) + self.token_type_embeddings(types)
         return self.LayerNorm(x + self.position_embeddings(positions))
 
@@ -136,69 +145,60 @@ class BertPooler(nn.Module):
 
 
 class BertBody(nn.Module):
+    """Embeddings and blocks, with BERT's pooler (``pooler=True``: the first token's pooled state ``(N, D)``) or
+    without it (RoBERTa's: every token's state ``(N, T, D)``; ``padding`` as in `BertEmbeddings`)."""
+
     def __init__(self, vocab: int, positions: int, types: int, dim: int, layers: int, heads: int, hidden: int,
-                 eps: float, act: str):  # fmt: skip
+                 eps: float, act: str, pooler: bool = True, padding: int | None = None):  # fmt: skip
         super().__init__()
-        self.embeddings = BertEmbeddings(vocab, positions, types, dim, eps)
+        self.embeddings = BertEmbeddings(vocab, positions, types, dim, eps, padding)
         self.encoder = BertEncoder(layers, dim, heads, hidden, eps, act)
-        self.pooler = BertPooler(dim)
+        if pooler:
+            self.pooler = BertPooler(dim)
 
     def forward(self, ids: Tensor, types: Tensor, keep: Tensor) -> Tensor:
-        return self.pooler(self.encoder(self.embeddings(ids, types), keep))
+        h = self.encoder(self.embeddings(ids, types), keep)
+        return self.pooler(h) if hasattr(self, "pooler") else h
 
 
-class Bert(nn.Module):
-    """A BERT encoder with its pooler and sequence classifier, as HuggingFace's ``BertForSequenceClassification``
-    computes it in eval mode.
-
-    Args:
-        vocab: vocabulary size ``V`` (``vocab_size``).
-        positions: the longest sequence ``P`` (``max_position_embeddings``).
-        dim: width ``D`` (``hidden_size``), a multiple of ``heads``.
-        layers: number of blocks (``num_hidden_layers``).
-        heads: attention heads per block (``num_attention_heads``).
-        classes: the classifier's outputs ``C`` (``num_labels``; 1 for regression).
-        hidden: the MLP's width (``intermediate_size``); ``None``: ``4 * dim``.
-        types: token types ``S`` (``type_vocab_size``).
-        eps: the LayerNorms' epsilon (``layer_norm_eps``).
-        act: the MLP's activation (``hidden_act``): ``"gelu"``, ``"relu"``, ``"gelu_new"`` or
-            ``"gelu_pytorch_tanh"``.
-
-    Inputs are ``(N, T)`` token ids, ``(N, 2, T)`` ids and token types, or ``(N, 3, T)`` ids, token types and
-    attention mask (see the module's docstring), ``T <= P``; outputs are logits ``(N, C)``.
-    """
+class TokenClassifier(nn.Module):
+    """What BERT's and RoBERTa's sequence classifiers share: the inputs they take, checked (`check_tokens`), and the
+    forward from them (`_body` and ``classifier`` are the subclass's)."""
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+    family = "BERT"
 
-    def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
-                 hidden: int | None = None, types: int = 2, eps: float = 1e-12, act: str = "gelu"):  # fmt: skip
-        super().__init__()
-        if not positive_integer(heads) or dim % heads:
-            raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
-        if not isinstance(act, str) or act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
-        if not positive_number(eps):
-            raise ValueError(f"eps={eps} must be a positive finite number")
-        self.bert = BertBody(vocab, positions, types, dim, layers, heads, 4 * dim if hidden is None else hidden,
-                             eps, act)  # fmt: skip
-        self.classifier = nn.Linear(dim, classes)
+    def _body(self) -> BertBody:
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_config(config: Mapping[str, object], model: str) -> None:
+        """Refuse a config asking for another function than the encoder classifiers compute (``model`` names it)."""
+        for option, plain in (("position_embedding_type", "absolute"), ("is_decoder", False),
+                              ("add_cross_attention", False)):  # fmt: skip
+            if config.get(option, plain) != plain:
+                raise SpecError(f"the config sets {option} to {config[option]!r}, which {model} does not compute (it "
+                                f"has {option}={plain!r})")  # fmt: skip
+
+    def _longest(self) -> int:
+        """The most tokens a sequence may hold: the positions the model has."""
+        return self._body().embeddings.position_embeddings.num_embeddings
 
     def check_tokens(self, inputs: Tensor) -> None:
         """Raises ``ValueError`` (one sentence) unless ``inputs`` are ``(N, T)``, ``(N, 2, T)`` or ``(N, 3, T)``
         integers: ids below the vocabulary size, token types below ``S``, a mask of 0 and 1 keeping each sequence's
         first token, and ``T`` at most the positions the model has."""
-        embeddings = self.bert.embeddings
+        embeddings = self._body().embeddings
         if inputs.dtype not in _INTEGERS or inputs.dim() not in (2, 3) or (inputs.dim() == 3 and
                                                                            inputs.shape[1] not in (2, 3)):  # fmt: skip
-            raise ValueError(f"BERT takes integer token ids (N, T), or ids, token types and attention mask stacked "
-                             f"(N, 3, T) (or (N, 2, T) without the mask), not {tuple(inputs.shape)} "
+            raise ValueError(f"{self.family} takes integer token ids (N, T), or ids, token types and attention mask "
+                             f"stacked (N, 3, T) (or (N, 2, T) without the mask), not {tuple(inputs.shape)} "
                              f"{str(inputs.dtype).removeprefix('torch.')} values")  # fmt: skip
         if inputs.shape[-1] == 0 or inputs.shape[0] == 0:
             raise ValueError("the sequences hold no tokens; give at least one sequence of at least one token")
         rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]).long()
-        positions = embeddings.position_embeddings.num_embeddings
-        if rows.shape[-1] > positions:
-            raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {positions} positions")
+        if rows.shape[-1] > self._longest():
+            raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {self._longest()} positions")
         vocab, types = embeddings.word_embeddings.num_embeddings, embeddings.token_type_embeddings.num_embeddings
         checks = [(rows[:, 0], vocab, "token ids")]
         if rows.shape[1] >= 2:
@@ -219,7 +219,40 @@ class Bert(nn.Module):
         full = torch.stack((rows[:, 0], torch.zeros_like(rows[:, 0]), torch.ones_like(rows[:, 0])), dim=1)
         rows = torch.cat((rows, full[:, rows.size(1) :]), dim=1)
         keep = (rows[:, 2] != 0)[:, None, None, :]  # (N, 1, 1, T): the keys each query attends
-        return self.classifier(self.bert(rows[:, 0], rows[:, 1], keep))
+        return self.classifier(self._body()(rows[:, 0], rows[:, 1], keep))
+
+
+class Bert(TokenClassifier):
+    """A BERT encoder with its pooler and sequence classifier, as HuggingFace's ``BertForSequenceClassification``
+    computes it in eval mode.
+
+    Args:
+        vocab: vocabulary size ``V`` (``vocab_size``).
+        positions: the longest sequence ``P`` (``max_position_embeddings``).
+        dim: width ``D`` (``hidden_size``), a multiple of ``heads``.
+        layers: number of blocks (``num_hidden_layers``).
+        heads: attention heads per block (``num_attention_heads``).
+        classes: the classifier's outputs ``C`` (``num_labels``; 1 for regression).
+        hidden: the MLP's width (``intermediate_size``); ``None``: ``4 * dim``.
+        types: token types ``S`` (``type_vocab_size``).
+        eps: the LayerNorms' epsilon (``layer_norm_eps``).
+        act: the MLP's activation (``hidden_act``): ``"gelu"``, ``"relu"``, ``"gelu_new"`` or
+            ``"gelu_pytorch_tanh"``.
+
+    Inputs are ``(N, T)`` token ids, ``(N, 2, T)`` ids and token types, or ``(N, 3, T)`` ids, token types and
+    attention mask (see the module's docstring), ``T <= P``; outputs are logits ``(N, C)``.
+    """
+
+    def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
+                 hidden: int | None = None, types: int = 2, eps: float = 1e-12, act: str = "gelu"):  # fmt: skip
+        super().__init__()
+        check_encoder_sizes(dim, heads, eps, act)
+        self.bert = BertBody(vocab, positions, types, dim, layers, heads, 4 * dim if hidden is None else hidden,
+                             eps, act)  # fmt: skip
+        self.classifier = nn.Linear(dim, classes)
+
+    def _body(self) -> BertBody:
+        return self.bert
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor]) -> Bert:
@@ -231,11 +264,7 @@ class Bert(nn.Module):
             ValueError: a field missing or of the wrong kind, another function, or what `from_state_dict` raises.
         """
         heads, eps, act = encoder_config(config, "sharpness.Bert")
-        for option, plain in (("position_embedding_type", "absolute"), ("is_decoder", False),
-                              ("add_cross_attention", False)):  # fmt: skip
-            if config.get(option, plain) != plain:
-                raise SpecError(f"the config sets {option} to {config[option]!r}, which sharpness.Bert does not "
-                                f"compute (it has {option}={plain!r})")  # fmt: skip
+        cls._check_config(config, "sharpness.Bert")
         return cls.from_state_dict(state, heads, eps, act)
 
     @classmethod
@@ -249,27 +278,66 @@ class Bert(nn.Module):
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
         """
-        # the LayerNorms' gamma and beta of checkpoints converted from TensorFlow, renamed as transformers renames them
-        tensors = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-                   for k, v in state.items() if not is_index_buffer(k)}  # fmt: skip
-        for key in ("bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
-                    "bert.embeddings.token_type_embeddings.weight", "classifier.weight"):  # fmt: skip
-            if tensors.get(key, torch.empty(0)).dim() != 2:
-                raise SpecError(f"the BERT state dict has no matrix {key}" + (
-                    " (a BertForSequenceClassification checkpoint has one)" if key.startswith("classifier") else ""))
-        vocab, dim = tensors["bert.embeddings.word_embeddings.weight"].shape
-        layers = len({int(m.group(1)) for k in tensors if (m := re.match(r"bert\.encoder\.layer\.(\d+)\.", k))})
-        inter = tensors.get("bert.encoder.layer.0.intermediate.dense.weight", torch.empty(0))
-        if not positive_integer(heads):
-            raise SpecError(f"heads must be a positive integer, got {heads!r}")
-        try:
-            model = cls(vocab, tensors["bert.embeddings.position_embeddings.weight"].shape[0], dim, layers, heads,
-                        tensors["classifier.weight"].shape[0], inter.shape[0] if inter.dim() == 2 else 4 * dim,
-                        tensors["bert.embeddings.token_type_embeddings.weight"].shape[0], eps, act)  # fmt: skip
-        except ValueError as failure:
-            raise SpecError(str(failure)) from None
-        return load_fitting(model, tensors, f"BERT with {layers} blocks of width {dim}", set(),
-                            "bert.embeddings.word_embeddings.weight")
+        tensors, sizes = read_encoder(state, "bert", "classifier.weight", "BERT", "BertForSequenceClassification",
+                                      heads)  # fmt: skip
+        return build_encoder(cls, tensors, sizes, "bert", f"BERT with {sizes['layers']} blocks of width {sizes['dim']}",
+                             eps=eps, act=act)  # fmt: skip
+
+
+def read_encoder(state: Mapping[str, Tensor], prefix: str, head: str, family: str, classifier: str,
+                 heads: int) -> tuple[dict[str, Tensor], dict[str, int]]:  # fmt: skip
+    """The tensors of an encoder classifier's state dict (old index buffers dropped, ``LayerNorm.gamma``/``beta``
+    renamed ``weight``/``bias`` as transformers renames them) and the sizes they hold, as the constructors name them:
+    ``vocab``, ``positions``, ``dim``, ``layers``, ``heads``, ``classes`` (the rows of ``head``), ``hidden`` and
+    ``types``; ``prefix`` is the encoder's (``bert``, ``roberta``), ``family`` and ``classifier`` (transformers'
+    class) name the model in messages.
+
+    Raises:
+        SpecError: an embedding table or the head's matrix is missing, or ``heads`` is not a positive integer.
+    """
+    # the LayerNorms' gamma and beta of checkpoints converted from TensorFlow, renamed as transformers renames them
+    tensors = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+               for k, v in state.items() if not is_index_buffer(k)}  # fmt: skip
+    tables = [f"{prefix}.embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")]
+    for key in (*tables, head):
+        if tensors.get(key, torch.empty(0)).dim() != 2:
+            owner = f" (a {classifier} checkpoint has one)" if key == head else ""
+            raise SpecError(f"the {family} state dict has no matrix {key}{owner}")
+    vocab, dim = tensors[tables[0]].shape
+    layers = len({int(m.group(1)) for k in tensors if (m := re.match(rf"{prefix}\.encoder\.layer\.(\d+)\.", k))})
+    inter = tensors.get(f"{prefix}.encoder.layer.0.intermediate.dense.weight", torch.empty(0))
+    if not positive_integer(heads):
+        raise SpecError(f"heads must be a positive integer, got {heads!r}")
+    sizes = {"vocab": vocab, "positions": tensors[tables[1]].shape[0], "dim": dim, "layers": layers, "heads": heads,
+             "classes": tensors[head].shape[0], "hidden": inter.shape[0] if inter.dim() == 2 else 4 * dim,
+             "types": tensors[tables[2]].shape[0]}  # fmt: skip
+    return tensors, sizes
+
+
+def build_encoder(cls: type, tensors: dict[str, Tensor], sizes: dict[str, int], prefix: str, what: str,
+                  **options: object) -> nn.Module:  # fmt: skip
+    """``cls(**sizes, **options)`` with ``tensors`` loaded (`read_encoder`'s, of the encoder ``prefix``; ``what``
+    names the model in messages), in the dtype of its token table.
+
+    Raises:
+        SpecError: the constructor refuses the sizes or options, or a tensor does not fit.
+    """
+    try:
+        model = cls(**sizes, **options)
+    except ValueError as failure:
+        raise SpecError(str(failure)) from None
+    return load_fitting(model, tensors, what, set(), f"{prefix}.embeddings.word_embeddings.weight")
+
+
+def check_encoder_sizes(dim: int, heads: int, eps: float, act: str) -> None:
+    """Raises ``ValueError`` unless ``heads`` divides ``dim``, ``eps`` is a positive number and ``act`` one of
+    `ACTIVATIONS` (the encoder classifiers' constructors)."""
+    if not positive_integer(heads) or dim % heads:
+        raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
+    if not positive_number(eps):
+        raise ValueError(f"eps={eps} must be a positive finite number")
 
 
 def encoder_config(config: Mapping[str, object], model: str) -> tuple[int, float, str]:
@@ -292,27 +360,34 @@ def encoder_config(config: Mapping[str, object], model: str) -> tuple[int, float
 def encoder_from_spec(spec: str, state: Mapping[str, Tensor], family: str, model: type) -> nn.Module:
     """The model of a ``FAMILY:config=PATH`` (the checkpoint's ``config.json``, ``model.from_config``) or
     ``FAMILY:heads=H[,eps=E,act=A]`` SPEC from its checkpoint's ``state`` (sizes read off the tensors), for the
-    encoder classifiers `Bert` and `sharpness._hfvit.HFViT`, whose ``from_state_dict(state, heads, eps, act)`` read the
-    rest off the tensors (``eps`` default 1e-12, HuggingFace's).
+    encoder classifiers `Bert`, `sharpness._roberta.Roberta` (which also takes ``pad=ID``) and
+    `sharpness._hfvit.HFViT`, whose ``from_state_dict(state, heads, ...)`` read the rest off the tensors (an option
+    not given takes the class's default: ``eps`` 1e-12, HuggingFace's, but RoBERTa's 1e-5).
 
     Raises:
         SpecError: an unknown or malformed option, neither ``config`` nor ``heads``, an unreadable config, or a state
             dict that does not fit.
     """
     options, config = checkpoint_spec(spec, family)
+    integers = getattr(model, "spec_integers", ())
     try:
         if config is not None:
             return model.from_config(config, state)
-        if set(options) - {"heads", "eps", "act"} or "heads" not in options:
+        if set(options) - {"heads", "eps", "act", *integers} or "heads" not in options:
+            more = "".join(f", {name}" for name in integers)
             raise SpecError(f"give the checkpoint's config.json ({family}:config=PATH) or its number of heads "
-                            f"(num_attention_heads), e.g. {family}:heads=12; the other options are eps and "
-                            "act")  # fmt: skip
+                            f"(num_attention_heads), e.g. {family}:heads=12; the other options are eps, act{more}")
         try:
-            heads, eps = int(options["heads"]), float(options.get("eps", 1e-12))
+            heads = int(options["heads"])
+            given = {name: int(options[name]) for name in integers if name in options}
+            if "eps" in options:
+                given["eps"] = float(options["eps"])
         except ValueError:
-            raise SpecError("heads is a positive integer and eps a number") from None
-        if heads < 1 or not positive_number(eps):
+            raise SpecError(f"heads{''.join(f' and {n}' for n in integers)} are integers and eps a number") from None
+        if heads < 1 or not positive_number(given.get("eps", 1.0)):
             raise SpecError("heads is a positive integer and eps a positive finite number")
-        return model.from_state_dict(state, heads, eps, options.get("act", "gelu"))
+        if "act" in options:
+            given["act"] = options["act"]
+        return model.from_state_dict(state, heads, **given)
     except ValueError as failure:
         raise SpecError(f"model spec {spec!r}: {failure}") from None

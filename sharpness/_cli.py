@@ -88,6 +88,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "bert:config=PATH or bert:heads=H[,eps=E,act=A] (a BERT sequence classifier from a HuggingFace checkpoint; "
         "data: integer X (N, T) token ids, or (N, 3, T) ids, token types and attention mask ((N, 2, T) without the "
         "mask), and labels y (N,)), "
+        "roberta:config=PATH or roberta:heads=H[,eps=E,act=A,pad=ID] (a RoBERTa, XLM-RoBERTa or CamemBERT sequence "
+        "classifier from a HuggingFace checkpoint; data as bert's), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
         "images X (N, C, H, W)), "
         "timmvit:heads=H,pool=token|avg[,eps=E,act=A] (a timm VisionTransformer checkpoint, DeiT's included, read "
@@ -233,6 +235,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     from sharpness._neox import is_neox_buffer, neox_from_spec
     from sharpness._opt import opt_from_spec
     from sharpness._phi import phi_from_spec
+    from sharpness._roberta import Roberta
     from sharpness._timmvit import timmvit_from_spec
 
     families = {
@@ -243,6 +246,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
         "opt": (lambda key: False, opt_from_spec),
         "phi": (lambda key: False, phi_from_spec),
         "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),
+        "roberta": (is_index_buffer, functools.partial(encoder_from_spec, family="roberta", model=Roberta)),
         "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),
         "timmvit": (lambda key: False, timmvit_from_spec),
     }
@@ -290,7 +294,7 @@ def prepare_data(
         SpecError: one sentence naming the problem.
     """
     X, y = data
-    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, .Llama, .Bert)
+    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, .Llama, .Bert, .Roberta)
         if X.is_floating_point() or X.dtype == torch.bool:
             raise SpecError(f"the model takes token ids, but X of {spec} holds {str(X.dtype).removeprefix('torch.')} "
                             "values; give integer ids (N, T)")  # fmt: skip

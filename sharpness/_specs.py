@@ -15,7 +15,9 @@ the same way; `sharpness._opt`), ``phi:config=PATH`` (Phi-1, 1.5
 and 2, the same way; `sharpness._phi`), ``bert:heads=H[,eps=E,act=A]`` or
 ``bert:config=PATH`` (a
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
-in, logits ``(N, C)`` out; `sharpness._bert`), ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
+in, logits ``(N, C)`` out; `sharpness._bert`), ``roberta:heads=H[,eps=E,act=A,pad=ID]`` or ``roberta:config=PATH``
+(a RoBERTa, XLM-RoBERTa or CamemBERT sequence classifier, the same way and on the same inputs; `sharpness._roberta`),
+``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
 ``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
 ``timmvit:heads=H,pool=token|avg[,eps=E,act=A]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
 `sharpness._timmvit`), or
@@ -116,7 +118,8 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "hfvit", "timmvit"):
+    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "roberta", "hfvit",
+                                  "timmvit"):  # fmt: skip
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -140,7 +143,8 @@ def build_model(spec: str) -> nn.Module:
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
-        "bert:heads=H, hfvit:heads=H, timmvit:heads=H,pool=token, path/to/file.py:factory or package.module:factory"
+        "bert:heads=H, roberta:heads=H, hfvit:heads=H, timmvit:heads=H,pool=token, path/to/file.py:factory or "
+        "package.module:factory"
     )
 
 

@@ -1,6 +1,6 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
 own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.GPTJ`, `sharpness.OPT`,
-`sharpness.Phi`, `sharpness.Bert`, `sharpness.HFViT`).
+`sharpness.Phi`, `sharpness.Bert`, `sharpness.Roberta`, `sharpness.HFViT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
 their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
@@ -21,6 +21,7 @@ from sharpness._llama import Llama
 from sharpness._neox import GPTNeoX
 from sharpness._opt import OPT
 from sharpness._phi import Phi
+from sharpness._roberta import Roberta
 
 # the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
@@ -34,6 +35,8 @@ _CLASSES = {
     "opt": ("OPTForCausalLM", OPT.from_config),
     "phi": ("PhiForCausalLM", Phi.from_config),
     "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
+    **{kind: (f"{prefix}ForSequenceClassification", lambda config, state, _: Roberta.from_config(config, state))
+       for kind, prefix in (("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"), ("camembert", "Camembert"))},
     "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
 }
 
@@ -54,6 +57,8 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
     - ``OPTForCausalLM`` -> [`OPT`][sharpness.OPT];
     - ``PhiForCausalLM`` (phi-1, phi-1.5, phi-2) -> [`Phi`][sharpness.Phi];
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
+    - ``RobertaForSequenceClassification``, ``XLMRobertaForSequenceClassification`` and
+      ``CamembertForSequenceClassification`` -> [`Roberta`][sharpness.Roberta];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
 
     Args:

@@ -98,27 +98,59 @@ def test_config_and_state_dict_forms():
         model.check_tokens(no_cls)
 
 
+@torch.no_grad()
+def move_by_hand(body: nn.Module, reader: nn.Linear, block: int, g: torch.Generator) -> None:
+    """Move an encoder (`sharpness._bert.BertBody`) in place by an element built here, not by the toolkit: per head of
+    block ``block``, ``A`` on query/key (``W_Q -> A^T W_Q``, ``W_K -> A^-1 W_K``, their biases alike) and ``B`` on
+    value/output (``W_V -> B^T W_V``, ``W_O[:, h] -> W_O[:, h] B^-T``), and the last LayerNorm's scale and shift times
+    ``c > 0`` traded against the columns of ``reader`` (``/ c``), which reads the first token's state alone."""
+    attn = body.encoder.layer[block].attention
+    for h in range(HEADS):
+        rows = slice(h * HD, (h + 1) * HD)
+        A, B = (torch.eye(HD, dtype=torch.float64) + 0.4 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
+                for _ in range(2))  # fmt: skip
+        for lin, M in ((attn.self.query, A.T), (attn.self.key, torch.linalg.inv(A)), (attn.self.value, B.T)):
+            lin.weight[rows] = M @ lin.weight[rows]
+            lin.bias[rows] = M @ lin.bias[rows]
+        attn.output.dense.weight[:, rows] = attn.output.dense.weight[:, rows] @ torch.linalg.inv(B).T
+    c = torch.rand(WIDTH, generator=g, dtype=torch.float64) * 3 + 0.2
+    last = body.encoder.layer[-1].output.LayerNorm
+    last.weight.mul_(c), last.bias.mul_(c)
+    reader.weight.div_(c)
+
+
 def _hand_built(model: Bert, g: torch.Generator) -> Bert:
-    """A copy moved by an element built here, not by the toolkit: per head of the first block ``A`` on query/key
-    (``W_Q -> A^T W_Q``, ``W_K -> A^-1 W_K``, their biases alike) and ``B`` on value/output (``W_V -> B^T W_V``,
-    ``W_O[:, h] -> W_O[:, h] B^-T``), and the last LayerNorm's scale and shift times ``c > 0`` traded against the
-    pooler's columns (``/ c``), through the pooler's ``x[:, 0]``."""
+    """A copy moved by `move_by_hand` in the first block, the last LayerNorm traded through the pooler's ``x[:, 0]``."""
     moved = Bert.from_state_dict(model.state_dict(), heads=HEADS, eps=1e-5)
-    attn = moved.bert.encoder.layer[0].attention
-    with torch.no_grad():
-        for h in range(HEADS):
-            rows = slice(h * HD, (h + 1) * HD)
-            A, B = (torch.eye(HD, dtype=torch.float64) + 0.4 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
-                    for _ in range(2))  # fmt: skip
-            for lin, M in ((attn.self.query, A.T), (attn.self.key, torch.linalg.inv(A)), (attn.self.value, B.T)):
-                lin.weight[rows] = M @ lin.weight[rows]
-                lin.bias[rows] = M @ lin.bias[rows]
-            attn.output.dense.weight[:, rows] = attn.output.dense.weight[:, rows] @ torch.linalg.inv(B).T
-        c = torch.rand(WIDTH, generator=g, dtype=torch.float64) * 3 + 0.2
-        last = moved.bert.encoder.layer[-1].output.LayerNorm
-        last.weight.mul_(c), last.bias.mul_(c)
-        moved.bert.pooler.dense.weight.div_(c)
+    move_by_hand(moved.bert, moved.bert.pooler.dense, 0, g)
     return moved
+
+
+def check_invariance(model: nn.Module, moved: list[nn.Module], data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Each of ``moved`` computes ``model``'s logits and symmetry measure (to 1e-8, float64), while Euclidean sharpness
+    moves by more than 1.5x."""
+    loss = nn.CrossEntropyLoss()
+    before = float(measure_value(model, loss, data)[0])
+    e0 = euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
+    for other in moved:
+        with torch.no_grad():
+            assert (other(data[0]) - model(data[0])).abs().max() < 1e-10
+        after = float(measure_value(other, loss, data)[0])
+        assert abs(after - before) <= 1e-8 * abs(before), (before, after)
+        e1 = euclidean_sharpness(other, loss, data, dtype=torch.float64, progress=False).value
+        assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
+
+
+def check_rop_products(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``"auto"`` picks the R-operator, whose products are the dense float64 Hessian's to 1e-11."""
+    obj = Objective(model, nn.CrossEntropyLoss(), data)
+    assert obj.hvp_strategy() == "rop"
+    H = dense_hessian(obj)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
+        ref = H @ v
+        torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-11 * float(ref.abs().max()))
 
 
 def test_the_group_and_the_invariant_measure():
@@ -133,17 +165,9 @@ def test_the_group_and_the_invariant_measure():
     moved_names = {b.name for fac in sym.factors for b in fac.blocks}
     assert "bert.pooler.dense.weight" in moved_names
     assert "bert.encoder.layer.0.output.LayerNorm.weight" not in moved_names
-    loss, data = nn.CrossEntropyLoss(), (pairs, LABELS)
-    before = float(measure_value(model, loss, data)[0])
-    e0 = euclidean_sharpness(model, loss, data, dtype=torch.float64, progress=False).value
     g = torch.Generator().manual_seed(0)
-    for moved in (sym.transformed(model, sym.random_element(1.0, g)), _hand_built(model, g)):
-        with torch.no_grad():
-            assert (moved(pairs) - model(pairs)).abs().max() < 1e-10
-        after = float(measure_value(moved, loss, data)[0])
-        assert abs(after - before) <= 1e-8 * abs(before), (before, after)
-        e1 = euclidean_sharpness(moved, loss, data, dtype=torch.float64, progress=False).value
-        assert max(e0, e1) / min(e0, e1) > 1.5, (e0, e1)
+    check_invariance(model, [sym.transformed(model, sym.random_element(1.0, g)), _hand_built(model, g)],
+                     (pairs, LABELS))  # fmt: skip
     # ReLU MLP units add their scalings (24 per block)
     assert manifolds.transformer_symmetry(_model(act="relu"), pairs).dim == sym.dim + LAYERS * MLP
 
@@ -179,14 +203,7 @@ def test_a_token_selection_keeps_features_only_for_constant_rows():
 
 def test_the_products_are_the_r_operator_s():
     _, f = _checkpoint()
-    obj = Objective(_model(), nn.CrossEntropyLoss(), (f["__pairs"], LABELS))
-    assert obj.hvp_strategy() == "rop"
-    H = dense_hessian(obj)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        v = torch.randn(obj.layout.size, generator=g, dtype=torch.float64)
-        ref = H @ v
-        torch.testing.assert_close(obj.hvp(v), ref, rtol=0, atol=1e-11 * float(ref.abs().max()))
+    check_rop_products(_model(), (f["__pairs"], LABELS))
 
 
 @pytest.fixture(scope="module")
@@ -199,17 +216,31 @@ def cli_files(tmp_path_factory):
     return d
 
 
-def test_the_command_line_measures_a_bert_checkpoint_on_sentence_pairs(cli_files, tmp_path):
-    out = tmp_path / "r.json"
-    argv = ["compute", "--model", f"bert:config={CONFIG}", "--checkpoint", str(cli_files / "bert.safetensors"),
-            "--data", str(cli_files / "pairs.npz"), "--metric", "euclidean", "--metric", "symmetry", "--quiet",
-            "--json", str(out)]  # fmt: skip
+def check_command_line(spec: str, checkpoint: Path, data: Path, model: nn.Module, out: Path) -> None:
+    """``compute --model spec`` on ``checkpoint`` and ``data`` (a ``.npz`` with ``X`` and ``y``) measures ``model``'s
+    symmetry sharpness (to 1e-6) and a positive Euclidean one."""
+    argv = ["compute", "--model", spec, "--checkpoint", str(checkpoint), "--data", str(data), "--metric",
+            "euclidean", "--metric", "symmetry", "--quiet", "--json", str(out)]  # fmt: skip
     assert sharpness_main(argv) == 0
     report = json.loads(out.read_text())
-    _, f = _checkpoint()
-    expected = measure_value(_model(), nn.CrossEntropyLoss(), (f["__pairs"], LABELS))
+    with np.load(data) as arrays:
+        expected = measure_value(model, nn.CrossEntropyLoss(), (torch.from_numpy(arrays["X"]),
+                                                                torch.from_numpy(arrays["y"])))  # fmt: skip
     assert report["measures"]["symmetry"]["value"] == pytest.approx(float(expected[0]), rel=1e-6)
     assert report["measures"]["euclidean"]["value"] > 0
+
+
+def check_refusal(spec: str, checkpoint: Path, data: Path, fragment: str, capsys) -> None:
+    """``compute --model spec`` exits with 2 and one sentence holding ``fragment``, no traceback."""
+    argv = ["compute", "--model", spec, "--checkpoint", str(checkpoint), "--data", str(data), "--quiet"]
+    assert sharpness_main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err, err
+
+
+def test_the_command_line_measures_a_bert_checkpoint_on_sentence_pairs(cli_files, tmp_path):
+    check_command_line(f"bert:config={CONFIG}", cli_files / "bert.safetensors", cli_files / "pairs.npz", _model(),
+                       tmp_path / "r.json")  # fmt: skip
 
 
 @pytest.mark.parametrize("model, data, fragment", [
@@ -230,8 +261,4 @@ def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, t
     if data in bad:
         path = tmp_path / f"{data}.npz"
         np.savez(path, X=bad[data].numpy(), y=LABELS.numpy())
-    argv = ["compute", "--model", model, "--checkpoint", str(cli_files / "bert.safetensors"), "--data", str(path),
-            "--quiet"]  # fmt: skip
-    assert sharpness_main(argv) == 2
-    err = capsys.readouterr().err
-    assert fragment in err and "Traceback" not in err, err
+    check_refusal(model, cli_files / "bert.safetensors", path, fragment, capsys)

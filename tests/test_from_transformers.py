@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from sharpness import GPT2, Llama, from_transformers
+from sharpness import GPT2, Llama, Roberta, from_transformers
 
 DATA = Path(__file__).parent / "data"
 
@@ -71,6 +71,24 @@ def test_gpt2_s_lm_head_model_becomes_a_gpt2():
         torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name, kind", [("RobertaForSequenceClassification", "roberta"),
+                                        ("XLMRobertaForSequenceClassification", "xlm-roberta"),
+                                        ("CamembertForSequenceClassification", "camembert")])  # fmt: skip
+def test_roberta_s_sequence_classifiers_become_a_roberta(name, kind):
+    """RoBERTa's, XLM-RoBERTa's and CamemBERT's classifiers are one function under the same keys."""
+    state = load_file(str(DATA / "roberta_tiny_hf.safetensors"))
+    ids, logits = state.pop("__input_ids"), state.pop("__logits")
+    pairs, pair_logits = state.pop("__pairs"), state.pop("__pair_logits")
+    settings = {**json.loads((DATA / "roberta_tiny_hf.json").read_text()), "model_type": kind}
+    twin = from_transformers(_stand_in(name, settings, state))
+    assert isinstance(twin, Roberta) and not twin.training
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(twin(pairs), pair_logits, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=rf"reads \*{name.removesuffix('SequenceClassification')}"):
+        from_transformers(_stand_in(name.replace("Sequence", "Token"), settings, state))
+
+
 @pytest.mark.parametrize("model, error, fragment", [
     (lambda s: _stand_in("Qwen3Model", {"model_type": "qwen3"}, s), ValueError, "reads *ForCausalLM"),
     (lambda s: _stand_in("T5ForConditionalGeneration", {"model_type": "t5"}, s), ValueError, "model type 't5'"),
@@ -109,13 +127,18 @@ OWN = {
     "gptj": lambda t: t.GPTJForCausalLM(t.GPTJConfig(
         vocab_size=31, n_embd=32, n_layer=2, n_head=2, rotary_dim=4, n_inner=20, n_positions=32,
         attn_implementation="eager")),
+    # RoBERTa's classifier: positions numbered from the padding id (1), which the random ids also hold
+    "roberta": lambda t: t.RobertaForSequenceClassification(t.RobertaConfig(
+        vocab_size=31, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=20,
+        max_position_embeddings=12, type_vocab_size=1, num_labels=3, layer_norm_eps=1e-5, pad_token_id=1,
+        attn_implementation="eager")),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", OWN)
 def test_transformers_own_objects_where_it_is_installed(kind):
-    """transformers' own causal LMs (float64, weights moved off their initialization): the twin's logits are theirs
-    (to transformers' float32 softmax)."""
+    """transformers' own causal LMs and RoBERTa classifier (float64, weights moved off their initialization): the
+    twin's logits are theirs (to transformers' float32 softmax)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = OWN[kind](transformers).double().eval()
