@@ -377,19 +377,27 @@ class _Walker:
             return self.param_names.get(id(tensor))
         return None
 
-    def reuse(self, node: fx.Node, module: nn.Module, in_ids: Tensor) -> bool:
-        """A later call of a module with parameters: one set of variables for every call, inputs tied."""
+    def reuse(self, node: fx.Node, module: nn.Module, in_ids: Tensor, out_axis: int | None = None) -> bool:
+        """A later call of a module with parameters: one set of variables for every call, inputs tied. ``out_axis``:
+        the axis of this call's output that holds the channels, where the caller has not set it (a normalization's:
+        the last axis of a token-wise LayerNorm's output); ``-1``: this call's parameters do not act per channel."""
         if id(module) not in self.calls:
             return False
         first_in, first_out = self.calls[id(module)]
-        if first_in.shape != in_ids.shape:  # called again on channels along another axis (token-wise, say)
+        shape = self.shape(node)
+        if first_in.shape != in_ids.shape or out_axis == -1 or (out_axis is not None and (
+                shape is None or shape[out_axis] != first_out.numel())):  # fmt: skip
+            # called again on channels along another axis (token-wise, say)
             reason = "the module is called again on channels along another axis"
             for ids in (first_in, first_out, in_ids):
                 self.d.pin(ids, f"input and output of {self.label(node)}", reason)
+            self.axes.pop(node, None)
             self.fresh_pinned(node, reason)
             return True
         self.d.tie(first_in, in_ids)
         self.ids[node] = first_out
+        if out_axis not in (None, 1):
+            self.axes[node] = out_axis
         return True
 
     def affine(self, node: fx.Node, module: nn.Module, source: fx.Node) -> bool:
@@ -449,7 +457,17 @@ class _Walker:
             return False
         name, label = str(node.target), self.label(node)
         in_ids = self.ids[source]
-        if self.reuse(node, module, in_ids):
+        channels, axis = _channels(shape), 1
+        weight = getattr(module, "weight", None)
+        if channels_first:
+            covers = len(shape) > 2 and tuple(module.normalized_shape) == (shape[1],)
+        elif isinstance(module, nn.LayerNorm):
+            covers = tuple(module.normalized_shape) == tuple(shape[1:])
+            if not covers and len(shape) > 2 and tuple(module.normalized_shape) == (shape[-1],):
+                covers, channels, axis = True, shape[-1], len(shape) - 1  # token-wise: one scale per feature
+        else:
+            covers = weight is None or tuple(weight.shape) == (channels,)
+        if self.reuse(node, module, in_ids, axis if covers else -1):
             return True
         batchnorm = isinstance(module, nn.modules.batchnorm._BatchNorm)
         stats = batchnorm and module.track_running_stats and module.running_mean is not None
@@ -466,16 +484,6 @@ class _Walker:
             )
         else:
             self.d.pin(in_ids, f"input of {label}", f"{type(module).__name__} normalizes it, so its scale is lost")
-        channels, axis = _channels(shape), 1
-        weight = getattr(module, "weight", None)
-        if channels_first:
-            covers = len(shape) > 2 and tuple(module.normalized_shape) == (shape[1],)
-        elif isinstance(module, nn.LayerNorm):
-            covers = tuple(module.normalized_shape) == tuple(shape[1:])
-            if not covers and len(shape) > 2 and tuple(module.normalized_shape) == (shape[-1],):
-                covers, channels, axis = True, shape[-1], len(shape) - 1  # token-wise: one scale per feature
-        else:
-            covers = weight is None or tuple(weight.shape) == (channels,)
         if weight is None or not covers:
             why = "it has no affine parameters" if weight is None else "its affine parameters do not act per channel"
             self.fresh_pinned(node, f"{type(module).__name__} output, {why}")

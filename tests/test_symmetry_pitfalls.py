@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import manifolds
-from sharpness import measure_sharpness, verify_invariance
+from sharpness import Solver, measure_sharpness, verify_invariance
 
 
 def _unchanged(model: nn.Module, x: torch.Tensor, kinds=("node", "layer", "group")) -> None:
@@ -98,6 +98,46 @@ def test_one_layer_norm_called_on_tokens_and_on_a_sum_is_analyzed_without_error(
     model, x = Twice().double().eval(), torch.randn(3, 5, 8, dtype=torch.float64)
     manifolds.analyze(model, x)
     _unchanged(model, x)
+
+
+class NormTwice(nn.Module):
+    """One token-wise LayerNorm called twice on ``(N, T, D)`` inputs. ``"tanh"``, ``"gelu"``, ``"residual"``: the
+    outputs of the two calls are added (once through tanh, once behind a GELU MLP or a residual sum), which pins the
+    gain; ``"linear"``: each call read by a Linear alone, so the one gain is traded against both readers' columns."""
+
+    def __init__(self, how: str, d: int = 6):
+        super().__init__()
+        self.how, self.n, self.h = how, nn.LayerNorm(d), nn.Linear(d, 2)
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        if self.how == "tanh":
+            return self.h(torch.tanh(self.n(x)) + self.n(torch.tanh(x))).mean(1)
+        if self.how == "gelu":
+            return self.h((x + F.gelu(self.a(self.n(x))) + self.n(F.gelu(x))).mean(1))
+        if self.how == "residual":
+            return self.h((x + self.a(F.gelu(self.b(self.n(x)))) + self.n(x)).mean(1))
+        return self.h(torch.relu(self.a(self.n(x)) + self.b(self.n(torch.tanh(x)))).mean(1))
+
+
+@pytest.mark.parametrize("how, dim", [("tanh", 0), ("gelu", 0), ("residual", 0), ("linear", 6 + 6)])
+def test_a_token_wise_layer_norm_called_twice_reads_its_gain_along_the_features(how, dim):
+    """The second call's output holds the first's variables along the same (last) axis: analyzed without error (it
+    raised a length mismatch), the gain traded only where every call's output is read by Linears alone (the 6 gains
+    and the ReLU's 6 units)."""
+    torch.manual_seed(0)
+    model, x = NormTwice(how).double().eval(), torch.randn(3, 4, 6, dtype=torch.float64)
+    group = manifolds.analyze(model, x).symmetry
+    assert group.dim == dim, group.describe()
+    _unchanged(model, x)
+    if dim:
+        with torch.no_grad():  # the LayerNorm's bias off zero, where the node metric is defined
+            model.n.bias.normal_()
+        y = torch.randn(3, 2, dtype=torch.float64)
+        report = verify_invariance(model, nn.MSELoss(), (x, y), ["symmetry"], solver=Solver(tol=1e-10),
+                                   progress=False)  # fmt: skip
+        verdicts = [report.verdict("symmetry", k) for k in report.kinds]
+        assert report.outcome == "passed" and verdicts and set(verdicts) == {"invariant"}, report.table()
 
 
 class TokenIds(nn.Module):
