@@ -395,13 +395,27 @@ class _Finder:
         steps that each keep feature ``j`` feature ``j`` and that the next alone reads: reshapes keeping the features
         on the last axis (HuggingFace's ``Conv1D`` flattens the tokens first), row selections (``x[:, 0]``) and
         dropout layers (timm's ``head_drop``; the identity in eval mode, where every measure evaluates)."""
+        found = self.input_projections(user, node)
+        return found[0] if found is not None and len(found) == 1 else None
+
+    def input_projections(self, user: fx.Node, node: fx.Node) -> list[_Projection] | None:
+        """The linear layers that ``user`` makes read ``node``, as `input_projection` finds one, where a step's output
+        may be read by several users, each leading to a linear layer the same way (a mean over the tokens read by a
+        head and by a LoRA adapter): every layer sees the features the same step keeps. ``None`` where one path ends
+        anywhere else."""
         for _ in range(_STEPS_TO_PROJECTION):
             proj = self.reading_projection(user)
             if proj is not None:
-                return proj if proj.data is node else None
-            if not (self.keeps_features(user, node) or self.is_dropout(user, node)) or len(self.users(user)) != 1:
+                return [proj] if proj.data is node else None
+            if not (self.keeps_features(user, node) or self.is_dropout(user, node)):
                 return None
-            node, user = user, self.users(user)[0]
+            users = self.users(user)
+            if len(users) != 1:  # each branch must end in linear layers (the graph is acyclic: the recursion ends)
+                branches = [self.input_projections(u, user) for u in users]
+                if not branches or any(b is None for b in branches):
+                    return None
+                return [proj for b in branches for proj in b]
+            node, user = user, users[0]
         return None
 
     def is_dropout(self, user: fx.Node, node: fx.Node) -> bool:
@@ -411,9 +425,9 @@ class _Finder:
                 and not user.kwargs)  # fmt: skip
 
     def reads_as_input(self, user: fx.Node, node: fx.Node) -> bool:
-        """Whether ``user`` takes ``node`` as the input of a layer whose columns can be divided: a linear layer
-        (`input_projection`) or an ``nn.MultiheadAttention``."""
-        return self.is_mha(user) or self.input_projection(user, node) is not None
+        """Whether ``user`` takes ``node`` as the input of layers whose columns can be divided: linear layers
+        (`input_projections`) or an ``nn.MultiheadAttention``."""
+        return self.is_mha(user) or self.input_projections(user, node) is not None
 
     def keeps_features(self, user: fx.Node, node: fx.Node) -> bool:
         """Whether ``user`` is a reshape of ``node`` alone that keeps its features, in order, on the last axis (the
@@ -1392,12 +1406,13 @@ class _Finder:
             if type(m) is nn.MultiheadAttention and not hooked(m):
                 blocks.extend(self.mha_columns(user, m, node, index))
                 continue
-            proj = self.input_projection(user, node)
-            if proj is None:
+            projections = self.input_projections(user, node)
+            if projections is None:
                 raise _Fail(f"it is read by {self.label(user)}, which is not a Linear or attention input")
-            if not self.once(proj):  # reached through a reshape or selection: its own calls are not counted above
-                raise _Fail(f"it is read by module '{proj.module}', which is called more than once")
-            blocks.extend(self.linear_blocks(proj, index, "inv", False))
+            for proj in projections:
+                if not self.once(proj):  # reached through a reshape or selection: its calls are not counted above
+                    raise _Fail(f"it is read by module '{proj.module}', which is called more than once")
+                blocks.extend(self.linear_blocks(proj, index, "inv", False))
         return blocks
 
     def mha_columns(self, user: fx.Node, m: nn.MultiheadAttention, node: fx.Node, index) -> list[Block]:
@@ -1704,24 +1719,25 @@ class _Finder:
         return {(b.name, b.axis) for f in self.found.factors if f.kind == "GL" for b in f.blocks}
 
     def linear_readers(self, end: fx.Node, k: int, how: str) -> tuple[list[_Projection], list[Block]] | None:
-        """The Linears reading ``end``'s ``k`` features (`input_projection`), each called once, and their column blocks
+        """The Linears reading ``end``'s ``k`` features (`input_projections`), each called once, and their column blocks
         moved ``how``; ``None`` where a reader is something else (an ``nn.MultiheadAttention``), has fewer than ``k``
         outputs (its columns' Gram matrix would be singular: a 4-feature layer before 3 classes), or has rows a GL
         factor moves (the metric weighs a tensor moved on both sides by GL factors in no way)."""
-        users = self.users(end)
-        readers = [self.input_projection(u, end) for u in users]
-        if not readers or any(r is None or _features(r.node) is None or _features(r.node) < k for r in readers):
-            return None
-        gl_sides, columns = self.gl_sides(), []
-        for user, reader in zip(users, readers):
+        gl_sides, readers, columns = self.gl_sides(), [], []
+        for user in self.users(end):
             m = self.module(user)
-            if m is not None and self.calls[str(user.target)] != 1 or not self.once(reader):
+            found = self.input_projections(user, end)
+            if found is None or m is not None and self.calls[str(user.target)] != 1:
                 return None
-            blocks = self.linear_blocks(reader, tuple(range(k)), how, False)
-            if (blocks[0].name, 0) in gl_sides:
-                return None
-            columns.extend(blocks)
-        return readers, columns
+            for reader in found:
+                if _features(reader.node) is None or _features(reader.node) < k or not self.once(reader):
+                    return None
+                blocks = self.linear_blocks(reader, tuple(range(k)), how, False)
+                if (blocks[0].name, 0) in gl_sides:
+                    return None
+                readers.append(reader)
+                columns.extend(blocks)
+        return (readers, columns) if readers else None
 
     def token_table(self, node: fx.Node) -> None:
         """An ``nn.Embedding`` (called once, no hooks, no ``max_norm``) whose looked-up features reach only Linears

@@ -517,3 +517,52 @@ def test_a_table_dropped_for_the_diagonal_group_is_said_to_be():
     assert not _pairs(sym)
     assert "moved by the diagonal rescaling group instead: features of the embedding table 'emb.weight'" in \
         sym.describe(), sym.describe()  # fmt: skip
+
+
+class PooledLoRA(nn.Module):
+    """A LayerNorm's tokens averaged, then read by a head and by a rank-2 adapter ``B(A(.))`` beside it (``"linear"``),
+    or also by a tanh (``"tanh"``): the mean's two (three) readers share the LayerNorm's scale."""
+
+    def __init__(self, how: str = "linear"):
+        super().__init__()
+        self.how, self.norm, self.head = how, nn.LayerNorm(D_IN), nn.Linear(D_IN, D_OUT)
+        self.lora_A, self.lora_B = nn.Linear(D_IN, 2, bias=False), nn.Linear(2, D_OUT, bias=False)
+
+    def forward(self, x):
+        pooled = self.norm(x).mean(1)
+        out = self.head(pooled) + self.lora_B(self.lora_A(pooled))
+        return out + torch.tanh(pooled)[:, :D_OUT] if self.how == "tanh" else out
+
+
+def test_a_mean_read_by_several_linears_trades_the_norm_s_scale_against_all_of_them():
+    """The LayerNorm's 6 scales traded against the head's and the adapter's columns through the mean over the tokens,
+    and GL(2) on the adapter's features: the symmetry measure is the dense reference's and unchanged under an
+    element built by hand; a third reader through a tanh pins the scales and leaves the adapter its GL."""
+    torch.manual_seed(0)
+    model = PooledLoRA().double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(N, 3, D_IN, dtype=torch.float64)
+    loss, data = nn.CrossEntropyLoss(), (x, torch.arange(N) % D_OUT)
+    sym = manifolds.transformer_symmetry(model, x)
+    (pair,) = _pairs(sym)
+    assert pair.size == 2 and sym.dim == D_IN + 4, sym.describe()
+    norm = [f for f in sym.factors if "affine scale of module 'norm'" in f.label]
+    assert len(norm) == 1 and {(b.name, b.axis) for b in norm[0].blocks} >= {("head.weight", 1), ("lora_A.weight", 1)}
+    before = measure_value(model, loss, data, k=2)
+    reference = dense_quotient_spectrum(model, loss, data, manifolds.symmetry_metric(sym, _params(model)), sym)
+    assert np.allclose(before, reference[::-1][:2], rtol=1e-8, atol=0), (before, reference[::-1][:2])
+    g = torch.Generator().manual_seed(4)
+    m, c = _invertible(g, 2), torch.exp(torch.randn(D_IN, generator=g, dtype=torch.float64))
+    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd["norm.weight"], sd["norm.bias"] = sd["norm.weight"] * c, sd["norm.bias"] * c
+    sd["head.weight"] = sd["head.weight"] / c
+    sd["lora_A.weight"] = m.T @ (sd["lora_A.weight"] / c)
+    sd["lora_B.weight"] = sd["lora_B.weight"] @ torch.linalg.inv(m).T
+    twin = _with(model, sd)
+    with torch.no_grad():
+        assert (twin(x) - model(x)).abs().max() < 1e-12
+    assert np.allclose(measure_value(twin, loss, data, k=2), before, rtol=1e-8, atol=0)
+    tanh = manifolds.transformer_symmetry(PooledLoRA("tanh").double().eval(), x)
+    assert len(_pairs(tanh)) == 1 and tanh.dim == 4, tanh.describe()
