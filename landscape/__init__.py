@@ -1,7 +1,7 @@
-"""Loss landscapes of ReLU networks: the thesis's toy networks and their G-space charts, lines and
-planes of real models along random (filter/layer-normalized), Hessian-eigenvector or two-checkpoint
-directions (straight, or along the quotient metric's geodesics), planes in G-space coordinates, a
-fast exact grid evaluator, and matplotlib/plotly renderers."""
+"""Loss landscapes: the thesis's toy ReLU networks and their G-space charts, lines and planes of real models (MLPs,
+CNNs, ResNets, transformers) along random (filter/layer-normalized), Hessian-eigenvector, quotient-eigenvector or
+two-checkpoint directions (straight, or along the quotient metric's geodesics), planes in G-space coordinates and in
+the free weights under fixed-weight values, a fast exact grid evaluator, and matplotlib/plotly renderers."""
 
 from landscape._directions import Directions as Directions
 from landscape._directions import eigen_directions as eigen_directions

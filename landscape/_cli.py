@@ -145,7 +145,9 @@ def _model_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m landscape", description="Loss landscapes of ReLU networks.")
+    parser = OneLineParser(prog="python -m landscape", description="Loss landscapes of neural networks: the "
+                             "thesis's toy ReLU networks, and lines and planes around checkpoints (MLPs, CNNs, "
+                             "ResNets, transformers).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     toy = sub.add_parser(
         "toy", help="the thesis's toy networks (Figs. 1.5, 1.6, 4.9) and their G-space charts",
