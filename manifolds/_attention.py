@@ -1760,8 +1760,8 @@ class _Finder:
                 raise _Fail("it has hooks, a max_norm, or more than one call")
             # rows that can take any value: the table's columns need rank P for the metric (a padding row stays zero)
             if m.num_embeddings - (m.padding_idx is not None) < size:
-                raise _Fail(f"its {m.num_embeddings} rows (a padding row among them stays zero) span less than its "
-                            f"{size} features")  # fmt: skip
+                padding = " (a padding row among them stays zero)" if m.padding_idx is not None else ""
+                raise _Fail(f"its {m.num_embeddings} rows{padding} span less than its {size} features")
             if self.getattr_reads[id(m.weight)] or self.name_count[id(m.weight)] != 1 + len(holders) \
                     or len(holders) > 1:  # fmt: skip
                 raise _Fail("the table is also read otherwise than by one output layer tied to it")

@@ -418,7 +418,14 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
     Returns:
         The `TracedNetwork`; ``failure`` says why when the model cannot be traced (``graph is None``)
             or the shapes are unknown (no input shape fits, or the forward fails on ``example_input``).
+
+    Raises:
+        ValueError: the model's ``check_tokens(example_input)`` refuses the input (the toolkit's language models and
+            encoders name what does not fit: an id outside the vocabulary, a sequence longer than the positions).
     """
+    check = getattr(model, "check_tokens", None)
+    if example_input is not None and callable(check):  # a model saying which inputs it takes: its sentence first
+        check(example_input)
     # fx's tracing, the shape pass and the forward it is checked against all run the forward: one that updates
     # its buffers in place (a step counter, say) would leave them moved, so they are put back
     device = next((t.device for t in model.parameters() if t.device.type == "cuda"), torch.device("cpu"))

@@ -5,6 +5,7 @@ scale-invariant, with epsilon-sharpness and invariance verification (`sharpness.
 # a callable package: sharpness.study(manifest, out_dir) runs a study
 from sharpness import study as study
 from sharpness._bert import Bert as Bert
+from sharpness._distilbert import DistilBert as DistilBert
 from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._gptj import GPTJ as GPTJ
 from sharpness._hfvit import HFViT as HFViT
@@ -90,6 +91,7 @@ __all__ = [
     "Euclidean",
     "Fixed",
     "Bert",
+    "DistilBert",
     "GPT2",
     "GPTJ",
     "GPTNeoX",

@@ -34,14 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import SpecError, checkpoint_spec, load_fitting, positive_integer, positive_number
+from sharpness._specs import TOKEN_DTYPES, SpecError, checkpoint_spec, load_fitting, positive_integer, positive_number
 
 # HuggingFace's hidden_act names -> the function (``gelu_new`` and ``gelu_pytorch_tanh`` are GELU's tanh form)
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
-
-
-_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def is_index_buffer(key: str) -> bool:
@@ -71,19 +68,26 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x + self.position_embeddings(positions))
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, heads: int, keep: Tensor) -> Tensor:
+    """Multi-head attention of projected queries, keys and values ``(N, T, D)`` over the keys ``keep`` ``(N, 1, 1,
+    T)`` holds true, scale ``hd^-1/2`` and no causal mask, the heads merged back: ``(N, T, D)``."""
+    n, t, d = q.shape
+
+    def split(x: Tensor) -> Tensor:
+        return x.view(n, t, heads, d // heads).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=keep)
+    return out.transpose(1, 2).reshape(n, t, d)
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
+        self.heads = heads
         self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
 
-    def _split(self, t: Tensor) -> Tensor:
-        return t.view(t.size(0), t.size(1), self.heads, self.head_dim).transpose(1, 2)
-
     def forward(self, x: Tensor, keep: Tensor) -> Tensor:
-        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # keep (N, 1, 1, T): the keys attended
-        return out.transpose(1, 2).reshape(x.shape)
+        return attend(self.query(x), self.key(x), self.value(x), self.heads, keep)
 
 
 class BertSelfOutput(nn.Module):
@@ -189,11 +193,11 @@ class TokenClassifier(nn.Module):
         integers: ids below the vocabulary size, token types below ``S``, a mask of 0 and 1 keeping each sequence's
         first token, and ``T`` at most the positions the model has."""
         embeddings = self._body().embeddings
-        if inputs.dtype not in _INTEGERS or inputs.dim() not in (2, 3) or (inputs.dim() == 3 and
-                                                                           inputs.shape[1] not in (2, 3)):  # fmt: skip
-            raise ValueError(f"{self.family} takes integer token ids (N, T), or ids, token types and attention mask "
-                             f"stacked (N, 3, T) (or (N, 2, T) without the mask), not {tuple(inputs.shape)} "
-                             f"{str(inputs.dtype).removeprefix('torch.')} values")  # fmt: skip
+        stacked = inputs.dim() == 2 or (inputs.dim() == 3 and inputs.shape[1] in (2, 3))
+        if inputs.dtype not in TOKEN_DTYPES or not stacked:
+            raise ValueError(f"{self.family} takes int64 (or int32) token ids (N, T), or ids, token types and "
+                             f"attention mask stacked (N, 3, T) (or (N, 2, T) without the mask), not "
+                             f"{tuple(inputs.shape)} {str(inputs.dtype).removeprefix('torch.')} values")  # fmt: skip
         if inputs.shape[-1] == 0 or inputs.shape[0] == 0:
             raise ValueError("the sequences hold no tokens; give at least one sequence of at least one token")
         rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]).long()
@@ -246,7 +250,8 @@ class Bert(TokenClassifier):
     def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
                  hidden: int | None = None, types: int = 2, eps: float = 1e-12, act: str = "gelu"):  # fmt: skip
         super().__init__()
-        check_encoder_sizes(dim, heads, eps, act)
+        check_encoder_sizes(dim, heads, eps, act, vocab=vocab, positions=positions, layers=layers, classes=classes,
+                            hidden=hidden, types=types)  # fmt: skip
         self.bert = BertBody(vocab, positions, types, dim, layers, heads, 4 * dim if hidden is None else hidden,
                              eps, act)  # fmt: skip
         self.classifier = nn.Linear(dim, classes)
@@ -329,9 +334,13 @@ def build_encoder(cls: type, tensors: dict[str, Tensor], sizes: dict[str, int], 
     return load_fitting(model, tensors, what, set(), f"{prefix}.embeddings.word_embeddings.weight")
 
 
-def check_encoder_sizes(dim: int, heads: int, eps: float, act: str) -> None:
-    """Raises ``ValueError`` unless ``heads`` divides ``dim``, ``eps`` is a positive number and ``act`` one of
-    `ACTIVATIONS` (the encoder classifiers' constructors)."""
+def check_encoder_sizes(dim: int, heads: int, eps: float, act: str, **sizes: int | None) -> None:
+    """Raises ``ValueError`` unless every one of ``sizes`` (``vocab``, ``layers``, ``classes``, ...; ``None``: a default
+    is taken) and ``dim`` is a positive integer, ``heads`` divides ``dim``, ``eps`` is a positive number and ``act``
+    one of `ACTIVATIONS` (the encoder classifiers' constructors)."""
+    for name, size in {"dim": dim, **sizes}.items():
+        if size is not None and not positive_integer(size):
+            raise ValueError(f"{name}={size!r} must be a positive integer")
     if not positive_integer(heads) or dim % heads:
         raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
     if not isinstance(act, str) or act not in ACTIVATIONS:

@@ -90,6 +90,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "mask), and labels y (N,)), "
         "roberta:config=PATH or roberta:heads=H[,eps=E,act=A,pad=ID] (a RoBERTa, XLM-RoBERTa or CamemBERT sequence "
         "classifier from a HuggingFace checkpoint; data as bert's), "
+        "distilbert:config=PATH or distilbert:heads=H[,act=A] (a DistilBERT sequence classifier from a HuggingFace "
+        "checkpoint; data: integer X (N, T) token ids, or (N, 2, T) ids and attention mask, and labels y (N,)), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
         "images X (N, C, H, W)), "
         "timmvit:heads=H,pool=token|avg[,eps=E,act=A] (a timm VisionTransformer checkpoint, DeiT's included, read "
@@ -228,6 +230,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     """For a model family built in the sizes of its checkpoint's tensors (the HuggingFace ones): the keys older
     checkpoints saved that the model builds itself (dropped), and ``build(spec, state)``; else ``None``."""
     from sharpness._bert import Bert, encoder_from_spec, is_index_buffer
+    from sharpness._distilbert import DistilBert, is_distilbert_buffer
     from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
     from sharpness._gptj import gptj_from_spec, is_gptj_buffer
     from sharpness._hfvit import HFViT
@@ -247,6 +250,8 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
         "phi": (lambda key: False, phi_from_spec),
         "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),
         "roberta": (is_index_buffer, functools.partial(encoder_from_spec, family="roberta", model=Roberta)),
+        "distilbert": (is_distilbert_buffer,
+                       functools.partial(encoder_from_spec, family="distilbert", model=DistilBert)),
         "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),
         "timmvit": (lambda key: False, timmvit_from_spec),
     }
@@ -294,7 +299,7 @@ def prepare_data(
         SpecError: one sentence naming the problem.
     """
     X, y = data
-    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, .Llama, .Bert, .Roberta)
+    if getattr(model, "takes_token_ids", False):  # token ids stay integers (sharpness.GPT2, .Llama, .Bert, ...)
         if X.is_floating_point() or X.dtype == torch.bool:
             raise SpecError(f"the model takes token ids, but X of {spec} holds {str(X.dtype).removeprefix('torch.')} "
                             "values; give integer ids (N, T)")  # fmt: skip

@@ -87,7 +87,8 @@ class Roberta(TokenClassifier):
                  hidden: int | None = None, types: int = 1, eps: float = 1e-5, act: str = "gelu",
                  pad: int = 1):  # fmt: skip
         super().__init__()
-        check_encoder_sizes(dim, heads, eps, act)
+        check_encoder_sizes(dim, heads, eps, act, vocab=vocab, positions=positions, layers=layers, classes=classes,
+                            hidden=hidden, types=types)  # fmt: skip
         if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < min(vocab, positions - 1):
             raise ValueError(f"pad_token_id={pad!r} must be a token id below both the vocabulary ({vocab}) and the "
                              f"position table's rows less one ({positions - 1})")  # fmt: skip

@@ -17,6 +17,8 @@ and 2, the same way; `sharpness._phi`), ``bert:heads=H[,eps=E,act=A]`` or
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
 in, logits ``(N, C)`` out; `sharpness._bert`), ``roberta:heads=H[,eps=E,act=A,pad=ID]`` or ``roberta:config=PATH``
 (a RoBERTa, XLM-RoBERTa or CamemBERT sequence classifier, the same way and on the same inputs; `sharpness._roberta`),
+``distilbert:heads=H[,act=A]`` or ``distilbert:config=PATH`` (a DistilBERT sequence classifier, the same way; token
+ids ``(N, T)`` or ids and attention mask ``(N, 2, T)`` in; `sharpness._distilbert`),
 ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
 ``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
 ``timmvit:heads=H,pool=token|avg[,eps=E,act=A]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
@@ -118,8 +120,8 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "roberta", "hfvit",
-                                  "timmvit"):  # fmt: skip
+    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "roberta", "distilbert",
+                                  "hfvit", "timmvit"):  # fmt: skip
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -143,8 +145,8 @@ def build_model(spec: str) -> nn.Module:
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
-        "bert:heads=H, roberta:heads=H, hfvit:heads=H, timmvit:heads=H,pool=token, path/to/file.py:factory or "
-        "package.module:factory"
+        "bert:heads=H, roberta:heads=H, distilbert:heads=H, hfvit:heads=H, timmvit:heads=H,pool=token, "
+        "path/to/file.py:factory or package.module:factory"
     )
 
 
@@ -408,12 +410,16 @@ def check_labels(model: nn.Module, X: Tensor, y: Tensor) -> None:
         )
 
 
+# the integer dtypes an embedding table is read at (torch.nn.functional.embedding refuses the others)
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
 def check_token_ids(input_ids: Tensor, vocab: int, positions: int | None, model: str) -> None:
-    """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids, ``T >= 1`` (at most
-    ``positions`` where the model has a position table), below the vocabulary size ``vocab``. ``model`` names the
-    model in the message."""
-    if input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"{model} takes integer token ids of shape (N, T), not {tuple(input_ids.shape)} "
+    """Raises ``ValueError`` (one sentence) unless ``input_ids`` are ``(N, T)`` integer ids (int64 or int32, the
+    dtypes an embedding reads), ``T >= 1`` (at most ``positions`` where the model has a position table), below the
+    vocabulary size ``vocab``. ``model`` names the model in the message."""
+    if input_ids.dim() != 2 or input_ids.dtype not in TOKEN_DTYPES:
+        raise ValueError(f"{model} takes int64 (or int32) token ids of shape (N, T), not {tuple(input_ids.shape)} "
                          f"{str(input_ids.dtype).removeprefix('torch.')} values")  # fmt: skip
     if input_ids.shape[1] == 0:
         raise ValueError("the sequences hold no tokens; give at least one token per sequence")

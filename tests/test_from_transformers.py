@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from sharpness import GPT2, Llama, Roberta, from_transformers
+from sharpness import GPT2, DistilBert, Llama, Roberta, from_transformers
 
 DATA = Path(__file__).parent / "data"
 
@@ -89,6 +89,20 @@ def test_roberta_s_sequence_classifiers_become_a_roberta(name, kind):
         from_transformers(_stand_in(name.replace("Sequence", "Token"), settings, state))
 
 
+def test_distilbert_s_sequence_classifier_becomes_a_distilbert():
+    state = load_file(str(DATA / "distilbert_tiny_hf.safetensors"))
+    ids, logits = state.pop("__input_ids"), state.pop("__logits")
+    masked, masked_logits = state.pop("__masked"), state.pop("__masked_logits")
+    settings = json.loads((DATA / "distilbert_tiny_hf.json").read_text())
+    twin = from_transformers(_stand_in("DistilBertForSequenceClassification", settings, state))
+    assert isinstance(twin, DistilBert) and not twin.training
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids), logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(twin(masked), masked_logits, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"reads \*DistilBertForSequenceClassification"):
+        from_transformers(_stand_in("DistilBertForMaskedLM", settings, state))
+
+
 @pytest.mark.parametrize("model, error, fragment", [
     (lambda s: _stand_in("Qwen3Model", {"model_type": "qwen3"}, s), ValueError, "reads *ForCausalLM"),
     (lambda s: _stand_in("T5ForConditionalGeneration", {"model_type": "t5"}, s), ValueError, "model type 't5'"),
@@ -132,13 +146,16 @@ OWN = {
         vocab_size=31, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=20,
         max_position_embeddings=12, type_vocab_size=1, num_labels=3, layer_norm_eps=1e-5, pad_token_id=1,
         attn_implementation="eager")),
+    "distilbert": lambda t: t.DistilBertForSequenceClassification(t.DistilBertConfig(
+        vocab_size=31, dim=16, n_layers=2, n_heads=2, hidden_dim=20, max_position_embeddings=12, num_labels=3,
+        attn_implementation="eager")),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", OWN)
 def test_transformers_own_objects_where_it_is_installed(kind):
-    """transformers' own causal LMs and RoBERTa classifier (float64, weights moved off their initialization): the
-    twin's logits are theirs (to transformers' float32 softmax)."""
+    """transformers' own causal LMs and RoBERTa and DistilBERT classifiers (float64, weights moved off their
+    initialization): the twin's logits are theirs (to transformers' float32 softmax)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = OWN[kind](transformers).double().eval()

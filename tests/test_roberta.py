@@ -25,9 +25,10 @@ from test_bert import (
     check_rop_products,
     move_by_hand,
 )
+from torch import nn
 
 import manifolds
-from sharpness import Roberta
+from sharpness import GPT2, Bert, DataError, DistilBert, Roberta, measure_sharpness
 
 DATA = Path(__file__).parent / "data"
 CHECKPOINT, CONFIG = DATA / "roberta_tiny_hf.safetensors", DATA / "roberta_tiny_hf.json"
@@ -153,3 +154,40 @@ def test_the_command_line_refuses_what_does_not_fit_in_one_sentence(cli_files, t
         np.savez(path, X=np.zeros((4, 3, 11), dtype=np.int64) + np.array([0, 0, 1])[None, :, None],
                  y=LABELS.numpy())  # fmt: skip
     check_refusal(model, cli_files / "roberta.safetensors", path, fragment, capsys)
+
+
+def _token_models():
+    torch.manual_seed(0)
+    return {
+        "roberta": Roberta(vocab=40, positions=12, dim=8, layers=1, heads=2),
+        "bert": Bert(vocab=40, positions=12, dim=8, layers=1, heads=2),
+        "distilbert": DistilBert(vocab=40, positions=12, dim=8, layers=1, heads=2),
+        "gpt2": GPT2(vocab=40, positions=12, dim=8, layers=1, heads=2),
+    }
+
+
+@pytest.mark.parametrize("name, inputs, fragment", [
+    ("roberta", torch.randint(2, 40, (2, 11)), "longer than its 10 positions"),
+    ("roberta", torch.stack([torch.randint(2, 40, (2, 5)), torch.ones(2, 5, dtype=torch.long),
+                             torch.ones(2, 5, dtype=torch.long)], 1), "token types run from 1 to 1"),
+    ("bert", torch.randint(2, 40, (2, 5)).to(torch.uint8), r"int64 \(or int32\) token ids"),
+    ("distilbert", torch.stack([torch.randint(2, 40, (2, 5)), 2 * torch.ones(2, 5, dtype=torch.long)], 1),
+     "attention mask values run"),
+    ("gpt2", torch.randint(40, 50, (2, 5)), "token ids run from"),
+])  # fmt: skip
+def test_the_library_refuses_inputs_a_token_model_does_not_take_in_one_sentence(name, inputs, fragment):
+    """The Python boundary asks the model's ``check_tokens``, as the command line does: the measures (building the
+    objective) and the group analysis refuse in its sentence, where the embedding raised a bare IndexError or
+    RuntimeError."""
+    model, labels = _token_models()[name].double().eval(), torch.zeros(2, dtype=torch.long)
+    loss = nn.CrossEntropyLoss() if name != "gpt2" else (lambda out, y: out.sum())
+    with pytest.raises(DataError, match=fragment):
+        measure_sharpness(model, loss, (inputs, labels), "euclidean", progress=False)
+    with pytest.raises(ValueError, match=fragment):
+        manifolds.analyze(model, inputs)
+
+
+@pytest.mark.parametrize("size", ["classes", "types", "layers", "dim", "hidden", "vocab"])
+def test_the_encoders_refuse_sizes_that_are_not_positive(size):
+    with pytest.raises(ValueError, match=f"{size}=0 must be a positive integer"):
+        Roberta(**{**dict(vocab=40, positions=12, dim=8, layers=1, heads=2), size: 0})

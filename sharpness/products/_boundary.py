@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from manifolds import UnsupportedModelError
 from manifolds import functional_call as tie_aware_call
-from sharpness.products._data import LEAD_SAMPLES, DataError, cast_batch
+from sharpness.products._data import LEAD_SAMPLES, ChunkedData, DataError, cast_batch
 from sharpness.products._second_order import gradient_products, gradient_with_graph
 
 # Samples of the first batch the float32 precision check differentiates twice, in float32 and in float64.
@@ -407,6 +407,24 @@ def check_loss_signature(loss_fn: Callable) -> None:
         f"the loss function must take (outputs, targets); {name}{signatures[0]} does not: wrap it, e.g. "
         f"lambda out, y: {name}(out, y, ...)"
     )
+
+
+def check_model_inputs(model: nn.Module, data: ChunkedData) -> None:
+    """The inputs checked by a model that says which ones it takes (``model.check_tokens``: the toolkit's language
+    models and encoders, whose embeddings would otherwise fail with a bare ``IndexError``): every batch held in
+    memory, or a stream's first batch, before any forward.
+
+    Raises:
+        DataError: the model's sentence.
+    """
+    check = getattr(model, "check_tokens", None)
+    if not callable(check):
+        return
+    for x in data.held_inputs():
+        try:
+            check(x)
+        except ValueError as failure:
+            raise DataError(f"the data do not fit {type(model).__name__}: {failure}") from None
 
 
 def check_first_batch(

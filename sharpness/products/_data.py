@@ -369,6 +369,13 @@ class ChunkedData:
             raise DataError("the data set is empty; give at least one sample")
         return kept[0] if len(kept) == 1 else torch.cat(kept)
 
+    def held_inputs(self) -> list[Tensor]:
+        """The inputs of every batch where the data are held in memory (a tensor pair, a list of batches), else of the
+        first batch: what can be checked before any pass over a stream."""
+        if self._watched:
+            return [self.first_batch()[0]]
+        return [x for x, _ in self._split()]
+
     def first_batch(self) -> tuple[Tensor, Tensor]:
         """The first chunk of this process's samples. Where passes are checked, it comes from the first complete
         pass (made now if there was none): a pass left after its first batch could not be checked, and would

@@ -34,6 +34,7 @@ from sharpness.products._boundary import (
     check_functional_embeddings,
     check_loss_signature,
     check_meta,
+    check_model_inputs,
     check_reduction,
     check_samples_apart,
     evaluation_dtype,
@@ -366,6 +367,7 @@ class Objective:
         _check_same_data(comm, fingerprint)
         try:
             chunked = ChunkedData(chunked, chunk_size, shard=shard)
+            check_model_inputs(self.model, chunked)  # before any forward (the chunk size is measured by one)
             if chunk_size is None:
                 self.data = chunked
                 chunked = ChunkedData(chunked, self._auto_chunk_size())
