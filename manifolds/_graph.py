@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import Tensor, fx, nn
 
-from manifolds._modules import eval_mode, hooked, kept_buffers
+from manifolds._modules import eval_mode, hooked, input_check, kept_buffers
 
 # Modules read as single nodes: their forward is known, so the tracer must not inline it.
 _LEAF_TYPES: tuple[type[nn.Module], ...] = (
@@ -420,11 +420,12 @@ def trace_network(model: nn.Module, example_input: Tensor | None = None) -> Trac
             or the shapes are unknown (no input shape fits, or the forward fails on ``example_input``).
 
     Raises:
-        ValueError: the model's ``check_tokens(example_input)`` refuses the input (the toolkit's language models and
-            encoders name what does not fit: an id outside the vocabulary, a sequence longer than the positions).
+        ValueError: the model's own check refuses the input (`manifolds._modules.input_check`: the toolkit's
+            language models and encoders name what does not fit, an id outside the vocabulary, a sequence longer
+            than the positions; its vision transformers an image of another size).
     """
-    check = getattr(model, "check_tokens", None)
-    if example_input is not None and callable(check):  # a model saying which inputs it takes: its sentence first
+    check = input_check(model)
+    if example_input is not None and check is not None:  # a model saying which inputs it takes: its sentence first
         check(example_input)
     # fx's tracing, the shape pass and the forward it is checked against all run the forward: one that updates
     # its buffers in place (a step counter, say) would leave them moved, so they are put back

@@ -7,7 +7,7 @@ by two modules (``s.b.weight = s.a.weight``) one tensor in two slots.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -15,6 +15,17 @@ from torch import Tensor, nn
 
 # Dropout layers: the identity in eval mode, where every measure evaluates a model (`eval_mode`)
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+def input_check(model: nn.Module) -> Callable[[Tensor], None] | None:
+    """The check of a model that says which inputs it takes (raising ``ValueError`` with one sentence): the toolkit's
+    language models and encoders (``check_tokens``: ids, positions, token types, masks) and vision transformers
+    (``check_inputs``: the image size), else ``None``."""
+    for name in ("check_tokens", "check_inputs"):
+        check = getattr(model, name, None)
+        if callable(check):
+            return check
+    return None
+
 
 def hooked(module: nn.Module) -> bool:
     """Whether ``module`` has forward (pre-)hooks: a call of it may compute something else than its own forward, so

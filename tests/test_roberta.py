@@ -28,7 +28,7 @@ from test_bert import (
 from torch import nn
 
 import manifolds
-from sharpness import GPT2, Bert, DataError, DistilBert, Roberta, measure_sharpness
+from sharpness import GPT2, Bert, DataError, DistilBert, HFViT, Roberta, measure_sharpness
 
 DATA = Path(__file__).parent / "data"
 CHECKPOINT, CONFIG = DATA / "roberta_tiny_hf.safetensors", DATA / "roberta_tiny_hf.json"
@@ -163,6 +163,7 @@ def _token_models():
         "bert": Bert(vocab=40, positions=12, dim=8, layers=1, heads=2),
         "distilbert": DistilBert(vocab=40, positions=12, dim=8, layers=1, heads=2),
         "gpt2": GPT2(vocab=40, positions=12, dim=8, layers=1, heads=2),
+        "hfvit": HFViT(image=8, patch=4, dim=8, layers=1, heads=2, classes=3),
     }
 
 
@@ -174,12 +175,14 @@ def _token_models():
     ("distilbert", torch.stack([torch.randint(2, 40, (2, 5)), 2 * torch.ones(2, 5, dtype=torch.long)], 1),
      "attention mask values run"),
     ("gpt2", torch.randint(40, 50, (2, 5)), "token ids run from"),
+    ("hfvit", torch.randn(2, 3, 12, 12), r"takes images \(N, 3, 8, 8\), not \(2, 3, 12, 12\)"),
 ])  # fmt: skip
-def test_the_library_refuses_inputs_a_token_model_does_not_take_in_one_sentence(name, inputs, fragment):
-    """The Python boundary asks the model's ``check_tokens``, as the command line does: the measures (building the
-    objective) and the group analysis refuse in its sentence, where the embedding raised a bare IndexError or
-    RuntimeError."""
+def test_the_library_refuses_inputs_a_model_does_not_take_in_one_sentence(name, inputs, fragment):
+    """The Python boundary asks the model's ``check_tokens`` (``check_inputs``), as the command line does: the measures
+    (building the objective) and the group analysis refuse in its sentence, where the embedding raised a bare
+    IndexError or RuntimeError (and a ViT given images of another size failed in a reshape)."""
     model, labels = _token_models()[name].double().eval(), torch.zeros(2, dtype=torch.long)
+    inputs = inputs.double() if inputs.is_floating_point() else inputs
     loss = nn.CrossEntropyLoss() if name != "gpt2" else (lambda out, y: out.sum())
     with pytest.raises(DataError, match=fragment):
         measure_sharpness(model, loss, (inputs, labels), "euclidean", progress=False)

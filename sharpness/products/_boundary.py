@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from manifolds import UnsupportedModelError
 from manifolds import functional_call as tie_aware_call
+from manifolds._modules import input_check
 from sharpness.products._data import LEAD_SAMPLES, ChunkedData, DataError, cast_batch
 from sharpness.products._second_order import gradient_products, gradient_with_graph
 
@@ -410,15 +411,15 @@ def check_loss_signature(loss_fn: Callable) -> None:
 
 
 def check_model_inputs(model: nn.Module, data: ChunkedData) -> None:
-    """The inputs checked by a model that says which ones it takes (``model.check_tokens``: the toolkit's language
-    models and encoders, whose embeddings would otherwise fail with a bare ``IndexError``): every batch held in
-    memory, or a stream's first batch, before any forward.
+    """The inputs checked by a model that says which ones it takes (`manifolds._modules.input_check`: the toolkit's
+    language models and encoders, whose embeddings would otherwise fail with a bare ``IndexError``, and its vision
+    transformers): every batch held in memory, or a stream's first batch, before any forward.
 
     Raises:
         DataError: the model's sentence.
     """
-    check = getattr(model, "check_tokens", None)
-    if not callable(check):
+    check = input_check(model)
+    if check is None:
         return
     for x in data.held_inputs():
         try:
