@@ -6,6 +6,7 @@ scale-invariant, with epsilon-sharpness and invariance verification (`sharpness.
 from sharpness import study as study
 from sharpness._bert import Bert as Bert
 from sharpness._distilbert import DistilBert as DistilBert
+from sharpness._electra import Electra as Electra
 from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._gptj import GPTJ as GPTJ
 from sharpness._hfvit import HFViT as HFViT
@@ -92,6 +93,7 @@ __all__ = [
     "Fixed",
     "Bert",
     "DistilBert",
+    "Electra",
     "GPT2",
     "GPTJ",
     "GPTNeoX",

@@ -44,7 +44,7 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, a
 def is_index_buffer(key: str) -> bool:
     """Whether a checkpoint key is an index buffer older HuggingFace versions saved (``embeddings.position_ids``,
     ``embeddings.token_type_ids``): dropped on loading, the model builds its indices itself."""
-    return re.fullmatch(r"(bert\.|roberta\.)?embeddings\.(position_ids|token_type_ids)", key) is not None
+    return re.fullmatch(r"(bert\.|roberta\.|electra\.)?embeddings\.(position_ids|token_type_ids)", key) is not None
 
 
 class BertEmbeddings(nn.Module):
@@ -150,24 +150,31 @@ class BertPooler(nn.Module):
 
 class BertBody(nn.Module):
     """Embeddings and blocks, with BERT's pooler (``pooler=True``: the first token's pooled state ``(N, D)``) or
-    without it (RoBERTa's: every token's state ``(N, T, D)``; ``padding`` as in `BertEmbeddings`)."""
+    without it (RoBERTa's, ELECTRA's: every token's state ``(N, T, D)``; ``padding`` as in `BertEmbeddings`). Where the
+    embeddings are narrower than the blocks (ELECTRA's ``embedding < dim``), a Linear ``embeddings_project`` widens
+    them."""
 
     def __init__(self, vocab: int, positions: int, types: int, dim: int, layers: int, heads: int, hidden: int,
-                 eps: float, act: str, pooler: bool = True, padding: int | None = None):  # fmt: skip
+                 eps: float, act: str, pooler: bool = True, padding: int | None = None,
+                 embedding: int | None = None):  # fmt: skip
         super().__init__()
-        self.embeddings = BertEmbeddings(vocab, positions, types, dim, eps, padding)
+        embedding = dim if embedding is None else embedding
+        self.embeddings = BertEmbeddings(vocab, positions, types, embedding, eps, padding)
+        if embedding != dim:
+            self.embeddings_project = nn.Linear(embedding, dim)
         self.encoder = BertEncoder(layers, dim, heads, hidden, eps, act)
         if pooler:
             self.pooler = BertPooler(dim)
 
     def forward(self, ids: Tensor, types: Tensor, keep: Tensor) -> Tensor:
-        h = self.encoder(self.embeddings(ids, types), keep)
+        e = self.embeddings(ids, types)
+        h = self.encoder(self.embeddings_project(e) if hasattr(self, "embeddings_project") else e, keep)
         return self.pooler(h) if hasattr(self, "pooler") else h
 
 
 class TokenClassifier(nn.Module):
-    """What BERT's and RoBERTa's sequence classifiers share: the inputs they take, checked (`check_tokens`), and the
-    forward from them (`_body` and ``classifier`` are the subclass's)."""
+    """What BERT's, RoBERTa's and ELECTRA's sequence classifiers share: the inputs they take, checked
+    (`check_tokens`), and the forward from them (`_body` and ``classifier`` are the subclass's)."""
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
     family = "BERT"

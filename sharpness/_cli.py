@@ -90,6 +90,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "mask), and labels y (N,)), "
         "roberta:config=PATH or roberta:heads=H[,eps=E,act=A,pad=ID] (a RoBERTa, XLM-RoBERTa or CamemBERT sequence "
         "classifier from a HuggingFace checkpoint; data as bert's), "
+        "electra:config=PATH or electra:heads=H[,eps=E,act=A] (an ELECTRA discriminator's sequence classifier from a "
+        "HuggingFace checkpoint; data as bert's), "
         "distilbert:config=PATH or distilbert:heads=H[,act=A] (a DistilBERT sequence classifier from a HuggingFace "
         "checkpoint; data: integer X (N, T) token ids, or (N, 2, T) ids and attention mask, and labels y (N,)), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
@@ -231,6 +233,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     checkpoints saved that the model builds itself (dropped), and ``build(spec, state)``; else ``None``."""
     from sharpness._bert import Bert, encoder_from_spec, is_index_buffer
     from sharpness._distilbert import DistilBert, is_distilbert_buffer
+    from sharpness._electra import Electra
     from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
     from sharpness._gptj import gptj_from_spec, is_gptj_buffer
     from sharpness._hfvit import HFViT
@@ -250,6 +253,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
         "phi": (lambda key: False, phi_from_spec),
         "bert": (is_index_buffer, functools.partial(encoder_from_spec, family="bert", model=Bert)),
         "roberta": (is_index_buffer, functools.partial(encoder_from_spec, family="roberta", model=Roberta)),
+        "electra": (is_index_buffer, functools.partial(encoder_from_spec, family="electra", model=Electra)),
         "distilbert": (is_distilbert_buffer,
                        functools.partial(encoder_from_spec, family="distilbert", model=DistilBert)),
         "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),

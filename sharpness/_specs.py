@@ -17,8 +17,10 @@ and 2, the same way; `sharpness._phi`), ``bert:heads=H[,eps=E,act=A]`` or
 BERT sequence classifier, the same way; token ids ``(N, T)`` or ids, token types and attention mask ``(N, 3, T)``
 in, logits ``(N, C)`` out; `sharpness._bert`), ``roberta:heads=H[,eps=E,act=A,pad=ID]`` or ``roberta:config=PATH``
 (a RoBERTa, XLM-RoBERTa or CamemBERT sequence classifier, the same way and on the same inputs; `sharpness._roberta`),
-``distilbert:heads=H[,act=A]`` or ``distilbert:config=PATH`` (a DistilBERT sequence classifier, the same way; token
-ids ``(N, T)`` or ids and attention mask ``(N, 2, T)`` in; `sharpness._distilbert`),
+``electra:heads=H[,eps=E,act=A]`` or ``electra:config=PATH`` (an ELECTRA discriminator's sequence classifier, the
+same way and on the same inputs; `sharpness._electra`), ``distilbert:heads=H[,act=A]`` or
+``distilbert:config=PATH`` (a DistilBERT sequence classifier, the same way; token ids ``(N, T)`` or ids and attention
+mask ``(N, 2, T)`` in; `sharpness._distilbert`),
 ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
 ``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
 ``timmvit:heads=H,pool=token|avg[,eps=E,act=A]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
@@ -120,8 +122,8 @@ def build_model(spec: str) -> nn.Module:
         from sharpness._vit import vit_from_spec  # imported here: _vit uses this module's SpecError
 
         return vit_from_spec(spec)
-    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "roberta", "distilbert",
-                                  "hfvit", "timmvit"):  # fmt: skip
+    if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "roberta", "electra",
+                                  "distilbert", "hfvit", "timmvit"):  # fmt: skip
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -145,8 +147,8 @@ def build_model(spec: str) -> nn.Module:
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
-        "bert:heads=H, roberta:heads=H, distilbert:heads=H, hfvit:heads=H, timmvit:heads=H,pool=token, "
-        "path/to/file.py:factory or package.module:factory"
+        "bert:heads=H, roberta:heads=H, electra:heads=H, distilbert:heads=H, hfvit:heads=H, "
+        "timmvit:heads=H,pool=token, path/to/file.py:factory or package.module:factory"
     )
 
 

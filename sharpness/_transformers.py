@@ -1,6 +1,7 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
 own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.GPTJ`, `sharpness.OPT`,
-`sharpness.Phi`, `sharpness.Bert`, `sharpness.Roberta`, `sharpness.DistilBert`, `sharpness.HFViT`).
+`sharpness.Phi`, `sharpness.Bert`, `sharpness.Roberta`, `sharpness.Electra`, `sharpness.DistilBert`,
+`sharpness.HFViT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
 their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
@@ -15,6 +16,7 @@ from torch import nn
 
 from sharpness._bert import Bert
 from sharpness._distilbert import DistilBert
+from sharpness._electra import Electra
 from sharpness._gpt2 import GPT2
 from sharpness._gptj import GPTJ
 from sharpness._hfvit import HFViT
@@ -38,6 +40,7 @@ _CLASSES = {
     "bert": ("BertForSequenceClassification", lambda config, state, _: Bert.from_config(config, state)),
     **{kind: (f"{prefix}ForSequenceClassification", lambda config, state, _: Roberta.from_config(config, state))
        for kind, prefix in (("roberta", "Roberta"), ("xlm-roberta", "XLMRoberta"), ("camembert", "Camembert"))},
+    "electra": ("ElectraForSequenceClassification", lambda config, state, _: Electra.from_config(config, state)),
     "distilbert": ("DistilBertForSequenceClassification",
                    lambda config, state, _: DistilBert.from_config(config, state)),
     "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
@@ -62,6 +65,7 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
     - ``BertForSequenceClassification`` -> [`Bert`][sharpness.Bert];
     - ``RobertaForSequenceClassification``, ``XLMRobertaForSequenceClassification`` and
       ``CamembertForSequenceClassification`` -> [`Roberta`][sharpness.Roberta];
+    - ``ElectraForSequenceClassification`` -> [`Electra`][sharpness.Electra];
     - ``DistilBertForSequenceClassification`` -> [`DistilBert`][sharpness.DistilBert];
     - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from sharpness import GPT2, DistilBert, Llama, Roberta, from_transformers
+from sharpness import GPT2, DistilBert, Electra, Llama, Roberta, from_transformers
 
 DATA = Path(__file__).parent / "data"
 
@@ -89,6 +89,17 @@ def test_roberta_s_sequence_classifiers_become_a_roberta(name, kind):
         from_transformers(_stand_in(name.replace("Sequence", "Token"), settings, state))
 
 
+def test_electra_s_sequence_classifier_becomes_an_electra():
+    state = load_file(str(DATA / "electra_tiny_hf.safetensors"))
+    pairs, pair_logits = state.pop("__pairs"), state.pop("__pair_logits")
+    state.pop("__input_ids"), state.pop("__logits")
+    settings = json.loads((DATA / "electra_tiny_hf.json").read_text())
+    twin = from_transformers(_stand_in("ElectraForSequenceClassification", settings, state))
+    assert isinstance(twin, Electra) and not twin.training
+    with torch.no_grad():
+        torch.testing.assert_close(twin(pairs), pair_logits, rtol=0, atol=1e-12)
+
+
 def test_distilbert_s_sequence_classifier_becomes_a_distilbert():
     state = load_file(str(DATA / "distilbert_tiny_hf.safetensors"))
     ids, logits = state.pop("__input_ids"), state.pop("__logits")
@@ -146,6 +157,9 @@ OWN = {
         vocab_size=31, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=20,
         max_position_embeddings=12, type_vocab_size=1, num_labels=3, layer_norm_eps=1e-5, pad_token_id=1,
         attn_implementation="eager")),
+    "electra": lambda t: t.ElectraForSequenceClassification(t.ElectraConfig(
+        vocab_size=31, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=20, max_position_embeddings=12, num_labels=3, attn_implementation="eager")),
     "distilbert": lambda t: t.DistilBertForSequenceClassification(t.DistilBertConfig(
         vocab_size=31, dim=16, n_layers=2, n_heads=2, hidden_dim=20, max_position_embeddings=12, num_labels=3,
         attn_implementation="eager")),
@@ -154,7 +168,7 @@ OWN = {
 
 @pytest.mark.parametrize("kind", OWN)
 def test_transformers_own_objects_where_it_is_installed(kind):
-    """transformers' own causal LMs and RoBERTa and DistilBERT classifiers (float64, weights moved off their
+    """transformers' own causal LMs and encoder classifiers (float64, weights moved off their
     initialization): the twin's logits are theirs (to transformers' float32 softmax)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
