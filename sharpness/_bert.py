@@ -341,17 +341,19 @@ def build_encoder(cls: type, tensors: dict[str, Tensor], sizes: dict[str, int], 
     return load_fitting(model, tensors, what, set(), f"{prefix}.embeddings.word_embeddings.weight")
 
 
-def check_encoder_sizes(dim: int, heads: int, eps: float, act: str, **sizes: int | None) -> None:
+def check_encoder_sizes(dim: int, heads: int, eps: float, act: str, act_key: str = "hidden_act",
+                        **sizes: int | None) -> None:  # fmt: skip
     """Raises ``ValueError`` unless every one of ``sizes`` (``vocab``, ``layers``, ``classes``, ...; ``None``: a default
     is taken) and ``dim`` is a positive integer, ``heads`` divides ``dim``, ``eps`` is a positive number and ``act``
-    one of `ACTIVATIONS` (the encoder classifiers' constructors)."""
+    one of `ACTIVATIONS` (the encoder classifiers' constructors; ``act_key`` names the config's field in the
+    message)."""
     for name, size in {"dim": dim, **sizes}.items():
         if size is not None and not positive_integer(size):
             raise ValueError(f"{name}={size!r} must be a positive integer")
     if not positive_integer(heads) or dim % heads:
         raise ValueError(f"dim={dim} is not a multiple of heads={heads}")
     if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}")
+        raise ValueError(f"{act_key} {act!r} is not one of {', '.join(ACTIVATIONS)}")
     if not positive_number(eps):
         raise ValueError(f"eps={eps} must be a positive finite number")
 
@@ -385,14 +387,14 @@ def encoder_from_spec(spec: str, state: Mapping[str, Tensor], family: str, model
             dict that does not fit.
     """
     options, config = checkpoint_spec(spec, family)
-    integers = getattr(model, "spec_integers", ())
+    integers, heads_key = getattr(model, "spec_integers", ()), getattr(model, "heads_key", "num_attention_heads")
     try:
         if config is not None:
             return model.from_config(config, state)
         if set(options) - {"heads", "eps", "act", *integers} or "heads" not in options:
             more = "".join(f", {name}" for name in integers)
             raise SpecError(f"give the checkpoint's config.json ({family}:config=PATH) or its number of heads "
-                            f"(num_attention_heads), e.g. {family}:heads=12; the other options are eps, act{more}")
+                            f"({heads_key}), e.g. {family}:heads=12; the other options are eps, act{more}")
         try:
             heads = int(options["heads"])
             given = {name: int(options[name]) for name in integers if name in options}

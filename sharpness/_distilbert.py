@@ -130,12 +130,13 @@ class DistilBert(nn.Module):
     """
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
+    heads_key = "n_heads"  # the config's field, named by the command line's messages
 
     def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
                  hidden: int | None = None, act: str = "gelu", eps: float = EPS):  # fmt: skip
         super().__init__()
-        check_encoder_sizes(dim, heads, eps, act, vocab=vocab, positions=positions, layers=layers, classes=classes,
-                            hidden=hidden)  # fmt: skip
+        check_encoder_sizes(dim, heads, eps, act, "activation", vocab=vocab, positions=positions, layers=layers,
+                            classes=classes, hidden=hidden)  # fmt: skip
         self.distilbert = DistilBertBody(vocab, positions, dim, layers, heads, 4 * dim if hidden is None else hidden,
                                          eps, act)  # fmt: skip
         self.pre_classifier, self.classifier = nn.Linear(dim, dim), nn.Linear(dim, classes)

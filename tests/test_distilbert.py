@@ -145,7 +145,8 @@ def test_the_command_line_measures_a_distilbert_checkpoint(cli_files, tmp_path, 
 
 
 @pytest.mark.parametrize("model, fragment", [
-    ("distilbert", "number of heads"),
+    ("distilbert", "number of heads (n_heads)"),
+    ("distilbert:heads=2,act=silu", "activation 'silu'"),
     ("distilbert:heads=3", "not a multiple of heads=3"),
     ("distilbert:heads=2,pad=1", "the other options are eps, act"),
     ("roberta:heads=2", "roberta.embeddings.word_embeddings.weight"),

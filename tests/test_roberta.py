@@ -28,7 +28,7 @@ from test_bert import (
 from torch import nn
 
 import manifolds
-from sharpness import GPT2, Bert, DataError, DistilBert, HFViT, Roberta, measure_sharpness
+from sharpness import GPT2, Bert, DataError, DistilBert, HFViT, Objective, Roberta, measure_sharpness
 
 DATA = Path(__file__).parent / "data"
 CHECKPOINT, CONFIG = DATA / "roberta_tiny_hf.safetensors", DATA / "roberta_tiny_hf.json"
@@ -194,3 +194,43 @@ def test_the_library_refuses_inputs_a_model_does_not_take_in_one_sentence(name, 
 def test_the_encoders_refuse_sizes_that_are_not_positive(size):
     with pytest.raises(ValueError, match=f"{size}=0 must be a positive integer"):
         Roberta(**{**dict(vocab=40, positions=12, dim=8, layers=1, heads=2), size: 0})
+
+
+def test_a_stream_s_later_batch_is_checked_too():
+    """A DataLoader whose second batch holds an id outside the vocabulary, and a stream whose second batch of images
+    has another size with as many patches (which would run, on other patches): refused in the model's sentence
+    before any forward, as a list of the same batches is."""
+    models = _token_models()
+    ids, labels = torch.randint(2, 40, (6, 5)), torch.zeros(6, dtype=torch.long)
+    ids[4, 0] = 99
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=3)
+    with pytest.raises(DataError, match="token ids run from 2 to 99"):
+        measure_sharpness(models["distilbert"].double().eval(), nn.CrossEntropyLoss(), loader, "euclidean",
+                          progress=False)  # fmt: skip
+    images = [(torch.randn(4, 3, 8, 8, dtype=torch.float64), labels[:4]),
+              (torch.randn(4, 3, 4, 16, dtype=torch.float64), labels[:4])]  # fmt: skip
+
+    class Stream:
+        def __iter__(self):
+            return iter(images)
+
+    for data in (Stream(), images):
+        with pytest.raises(DataError, match=r"takes images \(N, 3, 8, 8\), not \(4, 3, 4, 16\)"):
+            measure_sharpness(models["hfvit"].double().eval(), nn.CrossEntropyLoss(), data, "euclidean",
+                              progress=False)  # fmt: skip
+
+
+def test_one_token_sequences_keep_their_label_column():
+    """Next-token labels ``(n, 1)`` for one-token sequences against logits ``(n, V, 1)``: the label column is squeezed
+    only for a model whose outputs are ``(n, C)`` (it was squeezed here, and the labels refused)."""
+    model = GPT2(vocab=20, positions=8, dim=8, layers=1, heads=2, classes_last=False).double().eval()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (6, 1), generator=g), torch.randint(0, 20, (6, 1), generator=g)
+    obj = Objective(model, nn.CrossEntropyLoss(), (x, y))
+    with torch.no_grad():
+        assert float(obj.value()) == pytest.approx(float(nn.CrossEntropyLoss()(model(x), y)), rel=1e-12)
+    mlp = nn.Linear(4, 3).double().eval()  # a classifier's (n, 1) label column, as pandas gives it
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5, 1), generator=g)
+    with torch.no_grad():
+        assert float(Objective(mlp, nn.CrossEntropyLoss(), (x, y)).value()) == pytest.approx(
+            float(nn.CrossEntropyLoss()(mlp(x), y[:, 0])), rel=1e-12)

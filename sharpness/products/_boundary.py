@@ -311,16 +311,19 @@ def check_finite(params: Mapping[str, Tensor], others: Mapping[str, Tensor], dty
         )
 
 
-def squeeze_label_column(data: object, loss_fn: Callable) -> object:
+def squeeze_label_column(data: object, loss_fn: Callable, output_dims: Callable[[Tensor], int]) -> object:
     """An ``(X, y)`` pair of tensors whose ``y`` is a column ``(n, 1)`` of integer class labels, as pandas and
-    scikit-learn give them, under ``CrossEntropyLoss``/``NLLLoss``: the pair with ``y`` as ``(n,)`` (a view);
-    anything else as given (other sources are checked on their first batch, `check_first_batch`)."""
+    scikit-learn give them, under ``CrossEntropyLoss``/``NLLLoss``, for a model whose outputs are ``(n, C)``
+    (``output_dims(x)``: the dimensions of the outputs on inputs ``x``; a language model's ``(n, V, 1)`` on one-token
+    sequences takes ``(n, 1)`` as it is): the pair with ``y`` as ``(n,)`` (a view); anything else as given (other
+    sources are checked on their first batch, `check_first_batch`)."""
     if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) or not isinstance(data, (tuple, list)):
         return data
     if len(data) != 2 or not all(isinstance(t, Tensor) for t in data):
         return data
     x, y = data
-    if y.dim() == 2 and y.shape[1] == 1 and not y.is_floating_point() and not y.is_complex() and y.dtype != torch.bool:
+    if y.dim() == 2 and y.shape[1] == 1 and not y.is_floating_point() and not y.is_complex() and y.dtype != torch.bool \
+            and output_dims(x[:2]) == 2:  # fmt: skip
         return (x, y[:, 0])
     return data
 
@@ -410,22 +413,33 @@ def check_loss_signature(loss_fn: Callable) -> None:
     )
 
 
-def check_model_inputs(model: nn.Module, data: ChunkedData) -> None:
-    """The inputs checked by a model that says which ones it takes (`manifolds._modules.input_check`: the toolkit's
-    language models and encoders, whose embeddings would otherwise fail with a bare ``IndexError``, and its vision
-    transformers): every batch held in memory, or a stream's first batch, before any forward.
-
-    Raises:
-        DataError: the model's sentence.
-    """
+def model_input_check(model: nn.Module) -> Callable[[Tensor], None] | None:
+    """The check of a model that says which inputs it takes (`manifolds._modules.input_check`: the toolkit's language
+    models and encoders, whose embeddings would otherwise fail with a bare ``IndexError``, and its vision
+    transformers), raising `DataError` with the model's sentence; ``None`` for any other model."""
     check = input_check(model)
     if check is None:
-        return
-    for x in data.held_inputs():
+        return None
+
+    def checked(x: Tensor) -> None:
         try:
             check(x)
         except ValueError as failure:
             raise DataError(f"the data do not fit {type(model).__name__}: {failure}") from None
+
+    return checked
+
+
+def check_model_inputs(model: nn.Module, data: ChunkedData) -> None:
+    """Every batch's inputs checked by the model (`model_input_check`) before any forward: those held in memory now,
+    a stream's in its first complete pass and every later one (`ChunkedData.check_inputs`).
+
+    Raises:
+        DataError: the model's sentence.
+    """
+    check = model_input_check(model)
+    if check is not None:
+        data.check_inputs(check)
 
 
 def check_first_batch(

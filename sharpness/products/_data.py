@@ -13,7 +13,7 @@ digest of all of it ([`ChunkedData.fingerprint`][sharpness.ChunkedData.fingerpri
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -204,11 +204,14 @@ class ChunkedData:
         # The first complete pass per share (None: the whole data), shared with re-chunkings: its sample count and
         # digest, which every later pass must equal, and its first batch (for first_batch).
         self._first_pass: dict[tuple[int, int] | None, _Pass] = {}
+        # checks of every batch's inputs a pass reads (`check_inputs`), shared with re-chunkings
+        self._input_checks: list[Callable[[Tensor], None]] = []
         if isinstance(data, ChunkedData):
             self._source: Iterable = data._source
             self._total = data._total
             self._not_label = data._not_label
             self._first_pass = data._first_pass
+            self._input_checks = data._input_checks
             shard = data.shard if shard is None else shard
         elif _is_pair(data):
             x, y = _split_batch(data)
@@ -235,9 +238,22 @@ class ChunkedData:
         self._n_samples: int | None = None
 
     def _split(self) -> Iterator[tuple[Tensor, Tensor]]:
-        """The source's batches as ``(inputs, targets)`` pairs."""
+        """The source's batches as ``(inputs, targets)`` pairs, each batch's inputs checked (`check_inputs`)."""
         for batch in self._source:
-            yield _split_batch(batch)
+            x, y = _split_batch(batch)
+            for check in self._input_checks:
+                check(x)
+            yield x, y
+
+    def check_inputs(self, check: Callable[[Tensor], None]) -> None:
+        """Check the inputs of every batch with ``check`` (raising `DataError`): those held in memory now, a stream's
+        in its first complete pass, which comes before any forward (`first_batch`), and in every later pass."""
+        self._input_checks.append(check)
+        if self._watched:
+            self.total_samples  # noqa: B018 - the first complete pass
+        else:
+            for _ in self._split():
+                pass
 
     def _checked(self, batches: Iterator[tuple[Tensor, Tensor]], key: tuple[int, int] | None
                  ) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
@@ -368,13 +384,6 @@ class ChunkedData:
         if not kept:
             raise DataError("the data set is empty; give at least one sample")
         return kept[0] if len(kept) == 1 else torch.cat(kept)
-
-    def held_inputs(self) -> list[Tensor]:
-        """The inputs of every batch where the data are held in memory (a tensor pair, a list of batches), else of the
-        first batch: what can be checked before any pass over a stream."""
-        if self._watched:
-            return [self.first_batch()[0]]
-        return [x for x, _ in self._split()]
 
     def first_batch(self) -> tuple[Tensor, Tensor]:
         """The first chunk of this process's samples. Where passes are checked, it comes from the first complete

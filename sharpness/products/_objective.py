@@ -41,6 +41,7 @@ from sharpness.products._boundary import (
     fixed_tensors,
     float32_hessian_error,
     functional_call,
+    model_input_check,
     padded_embedding,
     precision_warning,
     select_params,
@@ -307,7 +308,7 @@ class Objective:
             self.params = {k: self.comm.broadcast_(t.clone()) for k, t in self.params.items()}
             self.buffers = {k: self.comm.broadcast_(t.clone()) for k, t in self.buffers.items()}
         check_finite(self.params, self.buffers, self.dtype)  # after the broadcast: the same verdict everywhere
-        data = squeeze_label_column(data, loss_fn)
+        data = squeeze_label_column(data, loss_fn, self._output_dims)
         self.layout = ParamLayout.from_tensors(self.params)
         self._rop_bytes_per_sample: int | None = None  # its state's size, once measured (None: not yet)
         self._rop_piece: int | None = None  # samples per piece of a chunk's state (None: whole chunks)
@@ -351,6 +352,16 @@ class Objective:
 
     # ----------------------------------------------------------------------------------------------
     # plumbing
+    def _output_dims(self, x: Tensor) -> int:
+        """The dimensions of the model's outputs on inputs ``x`` (a few samples; checked by the model first where it
+        says which inputs it takes)."""
+        check = model_input_check(self.model)
+        if check is not None:
+            check(x)
+        xs = x.to(self.device, self.dtype if x.is_floating_point() else None)
+        with torch.no_grad(), eval_mode(self.model):
+            return functional_call(self.model, (self.params, self.buffers), (xs,)).dim()
+
     def _share_data(self, data: object, chunk_size: int | None) -> ChunkedData:
         """The data chunked, and cut to this process's share where several processes share them. Checked on
         every process together: one that fails fails them all, with its message."""
