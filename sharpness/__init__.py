@@ -9,6 +9,7 @@ from sharpness._distilbert import DistilBert as DistilBert
 from sharpness._electra import Electra as Electra
 from sharpness._gpt2 import GPT2 as GPT2
 from sharpness._gptj import GPTJ as GPTJ
+from sharpness._hfvit import HFDeiT as HFDeiT
 from sharpness._hfvit import HFViT as HFViT
 from sharpness._llama import Llama as Llama
 from sharpness._llama import LlamaLayout as LlamaLayout
@@ -101,6 +102,7 @@ __all__ = [
     "Phi",
     "Roberta",
     "HFViT",
+    "HFDeiT",
     "TimmViT",
     "LlamaLayout",
     "Llama",

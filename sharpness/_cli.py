@@ -96,6 +96,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_dtype: str =
         "checkpoint; data: integer X (N, T) token ids, or (N, 2, T) ids and attention mask, and labels y (N,)), "
         "hfvit:config=PATH or hfvit:heads=H[,eps=E,act=A] (a HuggingFace ViTForImageClassification checkpoint; data: "
         "images X (N, C, H, W)), "
+        "deit:config=PATH or deit:heads=H[,eps=E,act=A] (a HuggingFace DeiTForImageClassification(WithTeacher) "
+        "checkpoint; data as hfvit's), "
         "timmvit:heads=H,pool=token|avg[,eps=E,act=A] (a timm VisionTransformer checkpoint, DeiT's included, read "
         "without timm; data: images X (N, C, H, W)), "
         "path/file.py:factory or pkg.mod:factory",
@@ -236,7 +238,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
     from sharpness._electra import Electra
     from sharpness._gpt2 import gpt2_from_spec, is_mask_buffer
     from sharpness._gptj import gptj_from_spec, is_gptj_buffer
-    from sharpness._hfvit import HFViT
+    from sharpness._hfvit import HFDeiT, HFViT
     from sharpness._llama import is_rotary_buffer, llama_from_spec
     from sharpness._neox import is_neox_buffer, neox_from_spec
     from sharpness._opt import opt_from_spec
@@ -257,6 +259,7 @@ def _checkpoint_family(name: str) -> tuple[Callable[[str], bool], Callable] | No
         "distilbert": (is_distilbert_buffer,
                        functools.partial(encoder_from_spec, family="distilbert", model=DistilBert)),
         "hfvit": (lambda key: False, functools.partial(encoder_from_spec, family="hfvit", model=HFViT)),
+        "deit": (lambda key: False, functools.partial(encoder_from_spec, family="deit", model=HFDeiT)),
         "timmvit": (lambda key: False, timmvit_from_spec),
     }
     return families.get(name)

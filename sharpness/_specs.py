@@ -23,6 +23,8 @@ same way and on the same inputs; `sharpness._electra`), ``distilbert:heads=H[,ac
 mask ``(N, 2, T)`` in; `sharpness._distilbert`),
 ``hfvit:heads=H[,eps=E,act=A]`` or ``hfvit:config=PATH`` (HuggingFace's
 ``ViTForImageClassification``, the same way; images ``(N, C, H, W)`` in; `sharpness._hfvit`),
+``deit:heads=H[,eps=E,act=A]`` or ``deit:config=PATH`` (HuggingFace's ``DeiTForImageClassification`` and
+``DeiTForImageClassificationWithTeacher``, the same way and on the same inputs; `sharpness._hfvit`),
 ``timmvit:heads=H,pool=token|avg[,eps=E,act=A]`` (timm's ``VisionTransformer``, DeiT's included, the same way;
 `sharpness._timmvit`), or
 ``path/to/file.py:factory``
@@ -123,7 +125,7 @@ def build_model(spec: str) -> nn.Module:
 
         return vit_from_spec(spec)
     if spec.partition(":")[0] in ("gpt2", "llama", "neox", "gptj", "opt", "phi", "bert", "roberta", "electra",
-                                  "distilbert", "hfvit", "timmvit"):  # fmt: skip
+                                  "distilbert", "hfvit", "deit", "timmvit"):  # fmt: skip
         raise SpecError(f"model spec {spec!r} is built from its checkpoint's tensors; pass --checkpoint")
     if ":" in spec:
         where, factory_name = spec.rsplit(":", 1)
@@ -147,7 +149,7 @@ def build_model(spec: str) -> nn.Module:
         return model
     raise SpecError(
         f"unknown model spec {spec!r}; use mlp:IN-...-OUT, lenet, resnet:20, vit, gpt2:heads=H, llama:heads=H, "
-        "bert:heads=H, roberta:heads=H, electra:heads=H, distilbert:heads=H, hfvit:heads=H, "
+        "bert:heads=H, roberta:heads=H, electra:heads=H, distilbert:heads=H, hfvit:heads=H, deit:heads=H, "
         "timmvit:heads=H,pool=token, path/to/file.py:factory or package.module:factory"
     )
 

@@ -1,7 +1,7 @@
 """A traceable twin of a model object of HuggingFace's ``transformers``: its config and weights read into the toolkit's
 own class for its family (`sharpness.Llama`, `sharpness.GPT2`, `sharpness.GPTNeoX`, `sharpness.GPTJ`, `sharpness.OPT`,
 `sharpness.Phi`, `sharpness.Bert`, `sharpness.Roberta`, `sharpness.Electra`, `sharpness.DistilBert`,
-`sharpness.HFViT`).
+`sharpness.HFViT`, `sharpness.HFDeiT`).
 
 transformers' classes do not trace with ``torch.fx`` (their mask builders call ``torch.finfo`` on a traced dtype and
 their layers unpack traced tuples), so no symmetry group or R-operator product can be read off them; the twin computes
@@ -19,14 +19,14 @@ from sharpness._distilbert import DistilBert
 from sharpness._electra import Electra
 from sharpness._gpt2 import GPT2
 from sharpness._gptj import GPTJ
-from sharpness._hfvit import HFViT
+from sharpness._hfvit import HFDeiT, HFViT
 from sharpness._llama import Llama
 from sharpness._neox import GPTNeoX
 from sharpness._opt import OPT
 from sharpness._phi import Phi
 from sharpness._roberta import Roberta
 
-# the classes read, by model type: (the ending of the class names accepted, the twin's loader of a config, a state
+# the classes read, by model type: (the endings of the class names accepted, the twin's loader of a config, a state
 # dict and classes_last)
 _LLAMA_FAMILY = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2",
                  "gemma3_text")
@@ -44,6 +44,8 @@ _CLASSES = {
     "distilbert": ("DistilBertForSequenceClassification",
                    lambda config, state, _: DistilBert.from_config(config, state)),
     "vit": ("ViTForImageClassification", lambda config, state, _: HFViT.from_config(config, state)),
+    "deit": (("DeiTForImageClassification", "DeiTForImageClassificationWithTeacher"),
+             lambda config, state, _: HFDeiT.from_config(config, state)),
 }
 
 
@@ -67,7 +69,8 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
       ``CamembertForSequenceClassification`` -> [`Roberta`][sharpness.Roberta];
     - ``ElectraForSequenceClassification`` -> [`Electra`][sharpness.Electra];
     - ``DistilBertForSequenceClassification`` -> [`DistilBert`][sharpness.DistilBert];
-    - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT].
+    - ``ViTForImageClassification`` -> [`HFViT`][sharpness.HFViT];
+    - ``DeiTForImageClassification`` and ``DeiTForImageClassificationWithTeacher`` -> [`HFDeiT`][sharpness.HFDeiT].
 
     Args:
         model: the transformers object (``AutoModelForCausalLM.from_pretrained(...)``, say).
@@ -94,6 +97,7 @@ def from_transformers(model: nn.Module, classes_last: bool = True) -> nn.Module:
         raise ValueError(f"no twin for transformers' model type {kind!r} ({name}); the toolkit reads {families}")
     accepted, load = _CLASSES[kind]
     if not name.endswith(accepted):
+        accepted = " or *".join((accepted,) if isinstance(accepted, str) else accepted)
         raise ValueError(f"no twin for {name}: for model type {kind!r} the toolkit reads *{accepted} (a model with its "
                          "head; a base model's outputs are hidden states, another function)")  # fmt: skip
     state = model.state_dict()
