@@ -34,7 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._specs import TOKEN_DTYPES, SpecError, checkpoint_spec, load_fitting, positive_integer, positive_number
+from sharpness._specs import (
+    TOKEN_DTYPES,
+    SpecError,
+    check_config_sizes,
+    checkpoint_spec,
+    load_fitting,
+    positive_integer,
+    positive_number,
+)
 
 # HuggingFace's hidden_act names -> the function (``gelu_new`` and ``gelu_pytorch_tanh`` are GELU's tanh form)
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -182,6 +190,22 @@ class TokenClassifier(nn.Module):
     def _body(self) -> BertBody:
         raise NotImplementedError
 
+    def _check_config_sizes(self, config: Mapping[str, object], **more: object) -> None:
+        """Raises `SpecError` where ``config`` gives a size other than the tensors' (the vocabulary, positions, token
+        types, widths, blocks, classes, and ``more``): the config describes another checkpoint."""
+        body = self._body()
+        layers, tables = body.encoder.layer, body.embeddings
+        heads = [m for m in self.classifier.modules() if isinstance(m, nn.Linear)]
+        held = {"vocab_size": tables.word_embeddings.num_embeddings,
+                "max_position_embeddings": tables.position_embeddings.num_embeddings,
+                "type_vocab_size": tables.token_type_embeddings.num_embeddings, "num_hidden_layers": len(layers),
+                "hidden_size": heads[0].in_features, "num_labels": heads[-1].out_features,
+                "intermediate_size": layers[0].intermediate.dense.out_features if len(layers) else None, **more}
+        labels = config.get("id2label")  # transformers writes the labels' names, not their number
+        if "num_labels" not in config and isinstance(labels, dict):
+            config = {**config, "num_labels": len(labels)}
+        check_config_sizes(config, held)
+
     @staticmethod
     def _check_config(config: Mapping[str, object], model: str) -> None:
         """Refuse a config asking for another function than the encoder classifiers compute (``model`` names it)."""
@@ -277,7 +301,9 @@ class Bert(TokenClassifier):
         """
         heads, eps, act = encoder_config(config, "sharpness.Bert")
         cls._check_config(config, "sharpness.Bert")
-        return cls.from_state_dict(state, heads, eps, act)
+        model = cls.from_state_dict(state, heads, eps, act)
+        model._check_config_sizes(config)
+        return model
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-12, act: str = "gelu") -> Bert:
@@ -313,7 +339,7 @@ def read_encoder(state: Mapping[str, Tensor], prefix: str, head: str, family: st
     tables = [f"{prefix}.embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")]
     for key in (*tables, head):
         if tensors.get(key, torch.empty(0)).dim() != 2:
-            owner = f" (a {classifier} checkpoint has one)" if key == head else ""
+            owner = f" (every {classifier} checkpoint has one)" if key == head else ""
             raise SpecError(f"the {family} state dict has no matrix {key}{owner}")
     vocab, dim = tensors[tables[0]].shape
     layers = len({int(m.group(1)) for k in tensors if (m := re.match(rf"{prefix}\.encoder\.layer\.(\d+)\.", k))})

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sharpness._bert import BertBody, TokenClassifier, build_encoder, check_encoder_sizes, encoder_config, read_encoder
-from sharpness._specs import check_config_sizes
 
 
 class ElectraClassificationHead(nn.Module):
@@ -98,8 +97,7 @@ class Electra(TokenClassifier):
         heads, eps, act = encoder_config(config, "sharpness.Electra")
         cls._check_config(config, "sharpness.Electra")
         model = cls.from_state_dict(state, heads, eps, act)
-        embeddings = model.electra.embeddings.word_embeddings.embedding_dim
-        check_config_sizes(config, {"hidden_size": model.classifier.dense.in_features, "embedding_size": embeddings})
+        model._check_config_sizes(config, embedding_size=model.electra.embeddings.word_embeddings.embedding_dim)
         return model
 
     @classmethod
@@ -115,7 +113,9 @@ class Electra(TokenClassifier):
         """
         tensors, sizes = read_encoder(state, "electra", "classifier.out_proj.weight", "ELECTRA",
                                       "ElectraForSequenceClassification", heads)  # fmt: skip
-        blocks = tensors.get("classifier.dense.weight", torch.empty(0))
+        # the blocks' width: the projection's outputs where the embeddings are widened, else the head's
+        blocks = tensors.get("electra.embeddings_project.weight", tensors.get("classifier.dense.weight"))
+        blocks = torch.empty(0) if blocks is None else blocks
         if blocks.dim() == 2 and blocks.shape[0] != sizes["dim"]:  # narrower embeddings, widened by a projection
             sizes = {**sizes, "dim": blocks.shape[0], "embedding": sizes["dim"]}
         what = f"ELECTRA with {sizes['layers']} blocks of width {sizes['dim']}"

@@ -1,8 +1,9 @@
 """Vision transformers as HuggingFace's ``ViTForImageClassification`` computes them (eval mode: no dropout), and
-DeiT's as ``DeiTForImageClassification`` and ``DeiTForImageClassificationWithTeacher`` do (`HFDeiT`: the same body with
-a distillation token after the class token, keys ``deit.`` for ``vit.``), written so that ``torch.fx`` traces them: HuggingFace's own classes do not trace, so the toolkit cannot read them. The module
-names and state-dict keys are those of ``transformers`` 5, and the older keys (``encoder.layer.i.attention.attention.
-query`` ...), which the checkpoints on the Hub still have, are renamed on loading as transformers renames them
+DeiT's as ``DeiTForImageClassification`` and ``DeiTForImageClassificationWithTeacher`` do (`HFDeiT`: the same body
+with a distillation token after the class token, keys ``deit.`` for ``vit.``), written so that ``torch.fx`` traces
+them: HuggingFace's own classes do not trace, so the toolkit cannot read them. The module names and state-dict keys are
+those of ``transformers`` 5, and the older keys (``encoder.layer.i.attention.attention.query`` ...), which the
+checkpoints on the Hub still have, are renamed on loading as transformers renames them
 (`HFViT.from_state_dict`).
 
 The image ``(N, C, H, W)`` is cut into ``p x p`` patches embedded by a convolution of stride ``p`` (row-major over the
@@ -11,7 +12,7 @@ patch grid), a learned class token is put first and a learned position embedding
 Linears and attends over all tokens with scale ``hd^-1/2``; the classifier reads the final LayerNorm's state of the
 class token.
 
-HuggingFace computes the attention's softmax in float32 whatever the model's dtype, so a float64
+HuggingFace's eager attention computes the softmax in float32 whatever the model's dtype, so a float64
 ``ViTForImageClassification`` is float32-accurate; `HFViT` computes in the dtype it is given.
 
 State-dict keys (``i`` the block index; ``D`` the width, ``C`` the channels, ``P`` the patches, ``F`` the MLP's width,

@@ -118,7 +118,9 @@ class Roberta(TokenClassifier):
         pad = config.get("pad_token_id", 1)
         if isinstance(pad, bool) or not isinstance(pad, int):
             raise SpecError(f"the config's pad_token_id must be an integer, got {pad!r}")
-        return cls.from_state_dict(state, heads, eps, act, pad)
+        model = cls.from_state_dict(state, heads, eps, act, pad)
+        model._check_config_sizes(config)
+        return model
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], heads: int, eps: float = 1e-5, act: str = "gelu",

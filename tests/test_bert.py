@@ -77,7 +77,8 @@ def test_config_and_state_dict_forms():
     config = json.loads(CONFIG.read_text())
     for change, fragment in [({"position_embedding_type": "relative_key"}, "position_embedding_type"),
                              ({"hidden_act": "silu"}, "hidden_act"), ({"num_attention_heads": 3}, "multiple of heads"),
-                             ({"is_decoder": True}, "is_decoder")]:  # fmt: skip
+                             ({"is_decoder": True}, "is_decoder"), ({"type_vocab_size": 1}, "type_vocab_size is 1"),
+                             ({"num_hidden_layers": 12}, "num_hidden_layers is 12")]:  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             Bert.from_config({**config, **change}, state)
     model = _model()

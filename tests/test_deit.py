@@ -38,8 +38,8 @@ def _model(kind: str, state=None) -> HFDeiT:
 
 @pytest.mark.parametrize("kind", STEMS)
 def test_the_logits_are_huggingface_s_under_either_key_form(kind):
-    """HuggingFace computes the attention's softmax in float32 even in a float64 model: the logits agree to float32's
-    rounding (measured 1.3e-7 and 2.4e-7 of logits up to 2.8)."""
+    """HuggingFace's eager attention (the fixtures') computes the softmax in float32 even in a float64 model: the
+    logits agree to float32's rounding (measured 1.3e-7 and 2.4e-7 of logits up to 2.8)."""
     state, images, logits = _checkpoint(kind)
     old = _old_keys(state)
     assert "deit.encoder.layer.1.attention.attention.query.weight" in old

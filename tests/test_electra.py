@@ -63,12 +63,18 @@ def test_config_and_state_dict_forms():
                                    rtol=0, atol=1e-12)  # fmt: skip
     with pytest.raises(ValueError, match="ElectraForSequenceClassification"):
         Electra.from_state_dict({k: v for k, v in state.items() if "out_proj" not in k}, heads=2)
+    # the blocks' width read off the projection: the missing head's key named, at the blocks' width
+    with pytest.raises(ValueError, match=r"width 16: missing \['classifier.dense.weight'\], unknown \[\]"):
+        Electra.from_state_dict({k: v for k, v in state.items() if k != "classifier.dense.weight"}, heads=2)
     without = {k: v for k, v in state.items() if "embeddings_project" not in k}
     with pytest.raises(ValueError, match=r"missing \['electra.embeddings_project.bias'"):
         Electra.from_state_dict(without, heads=2)
     for change, fragment in [({"embedding_size": 16}, "config's embedding_size is 16"),
                              ({"hidden_size": 8}, "config's hidden_size is 8"), ({"is_decoder": True}, "is_decoder"),
-                             ({"hidden_act": "silu"}, "hidden_act")]:  # fmt: skip
+                             ({"hidden_act": "silu"}, "hidden_act"),
+                             ({"num_hidden_layers": 3}, "num_hidden_layers is 3"),
+                             ({"intermediate_size": 99}, "intermediate_size is 99"), ({"vocab_size": 32}, "vocab_size"),
+                             ({"id2label": {"0": "a"}}, "num_labels is 1")]:  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             _model(**change)
     # embeddings as wide as the blocks: no projection, the keys of a BERT under another prefix

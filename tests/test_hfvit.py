@@ -52,8 +52,8 @@ def _old_keys(state: dict) -> dict:
 
 
 def test_the_logits_are_huggingface_s_under_either_key_form():
-    """HuggingFace computes the attention's softmax in float32 even in a float64 model, so the logits agree to float32's
-    rounding (measured 9e-8 of logits up to 1.6)."""
+    """HuggingFace's eager attention (the fixture's) computes the softmax in float32 even in a float64 model, so the
+    logits agree to float32's rounding (measured 9e-8 of logits up to 1.6)."""
     state, images, logits = _checkpoint()
     old = _old_keys(state)
     assert {"vit.encoder.layer.1.attention.attention.query.weight", "vit.encoder.layer.0.output.dense.bias"} <= set(old)

@@ -79,7 +79,9 @@ def test_config_and_state_dict_forms():
     for change, fragment in [({"position_embedding_type": "relative_key"}, "position_embedding_type"),
                              ({"hidden_act": "silu"}, "hidden_act"), ({"num_attention_heads": 3}, "multiple of heads"),
                              ({"is_decoder": True}, "is_decoder"), ({"pad_token_id": 11}, "pad_token_id=11"),
-                             ({"pad_token_id": None}, "pad_token_id must be an integer")]:  # fmt: skip
+                             ({"pad_token_id": None}, "pad_token_id must be an integer"),
+                             ({"max_position_embeddings": 514}, "max_position_embeddings is 514"),
+                             ({"num_labels": 2}, "num_labels is 2")]:  # fmt: skip
         with pytest.raises(ValueError, match=fragment):
             Roberta.from_config({**config, **change}, state)
     model = _model()

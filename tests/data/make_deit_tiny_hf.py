@@ -3,8 +3,8 @@
 made by HuggingFace's ``transformers`` from one config (float64, eager attention, parameters moved off the
 initialization; 8x8 one-channel images in 2x2 patches, the class and distillation tokens, 2 pre-LayerNorm blocks of
 width 16 with 2 heads, 10 classes), with images ``__images`` (N, 1, 8, 8) and the logits each model gives for them
-(``__logits``). HuggingFace computes the attention's softmax in float32 even in a float64 model, so the logits are
-float32-accurate. ``tests/test_deit.py`` checks `sharpness.HFDeiT` against them. Needs ``transformers`` (not a
+(``__logits``). HuggingFace's eager attention computes the softmax in float32 even in a float64 model, so the logits
+are float32-accurate. ``tests/test_deit.py`` checks `sharpness.HFDeiT` against them. Needs ``transformers`` (not a
 dependency of this project): ``python tests/data/make_deit_tiny_hf.py OUT_DIR``.
 """
 
