@@ -100,20 +100,27 @@ def test_config_and_state_dict_forms():
 
 
 @torch.no_grad()
-def move_by_hand(body: nn.Module, reader: nn.Linear, block: int, g: torch.Generator) -> None:
-    """Move an encoder (`sharpness._bert.BertBody`) in place by an element built here, not by the toolkit: per head of
-    block ``block``, ``A`` on query/key (``W_Q -> A^T W_Q``, ``W_K -> A^-1 W_K``, their biases alike) and ``B`` on
-    value/output (``W_V -> B^T W_V``, ``W_O[:, h] -> W_O[:, h] B^-T``), and the last LayerNorm's scale and shift times
-    ``c > 0`` traded against the columns of ``reader`` (``/ c``), which reads the first token's state alone."""
-    attn = body.encoder.layer[block].attention
-    for h in range(HEADS):
+def move_heads(q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, g: torch.Generator) -> None:
+    """Move one attention block's projections in place by an element built here, not by the toolkit: per head (of
+    `HD` features), ``A`` on query/key (``W_Q -> A^T W_Q``, ``W_K -> A^-1 W_K``, their biases alike) and ``B`` on
+    value/output (``W_V -> B^T W_V``, ``W_O[:, h] -> W_O[:, h] B^-T``)."""
+    for h in range(q.out_features // HD):
         rows = slice(h * HD, (h + 1) * HD)
         A, B = (torch.eye(HD, dtype=torch.float64) + 0.4 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
                 for _ in range(2))  # fmt: skip
-        for lin, M in ((attn.self.query, A.T), (attn.self.key, torch.linalg.inv(A)), (attn.self.value, B.T)):
+        for lin, M in ((q, A.T), (k, torch.linalg.inv(A)), (v, B.T)):
             lin.weight[rows] = M @ lin.weight[rows]
             lin.bias[rows] = M @ lin.bias[rows]
-        attn.output.dense.weight[:, rows] = attn.output.dense.weight[:, rows] @ torch.linalg.inv(B).T
+        o.weight[:, rows] = o.weight[:, rows] @ torch.linalg.inv(B).T
+
+
+@torch.no_grad()
+def move_by_hand(body: nn.Module, reader: nn.Linear, block: int, g: torch.Generator) -> None:
+    """Move an encoder (`sharpness._bert.BertBody`) in place by an element built here, not by the toolkit: `move_heads`
+    in block ``block``, and the last LayerNorm's scale and shift times ``c > 0`` traded against the columns of
+    ``reader`` (``/ c``), which reads the first token's state alone."""
+    attn = body.encoder.layer[block].attention
+    move_heads(attn.self.query, attn.self.key, attn.self.value, attn.output.dense, g)
     c = torch.rand(WIDTH, generator=g, dtype=torch.float64) * 3 + 0.2
     last = body.encoder.layer[-1].output.LayerNorm
     last.weight.mul_(c), last.bias.mul_(c)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_bert import check_command_line, check_invariance, check_refusal
+from test_bert import check_command_line, check_invariance, check_refusal, move_heads
 from test_hfvit import _old_keys
 
 import manifolds
@@ -72,15 +72,8 @@ def _hand_built(model: HFDeiT, g: torch.Generator) -> HFDeiT:
     class token's and the distillation token's)."""
     moved = HFDeiT.from_state_dict(model.state_dict(), heads=HEADS, eps=1e-6)
     attn = moved.deit.layers[1].attention
+    move_heads(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, g)
     with torch.no_grad():
-        for h in range(HEADS):
-            rows = slice(h * HD, (h + 1) * HD)
-            A, B = (torch.eye(HD, dtype=torch.float64) + 0.4 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
-                    for _ in range(2))  # fmt: skip
-            for lin, M in ((attn.q_proj, A.T), (attn.k_proj, torch.linalg.inv(A)), (attn.v_proj, B.T)):
-                lin.weight[rows] = M @ lin.weight[rows]
-                lin.bias[rows] = M @ lin.bias[rows]
-            attn.o_proj.weight[:, rows] = attn.o_proj.weight[:, rows] @ torch.linalg.inv(B).T
         c = torch.rand(WIDTH, generator=g, dtype=torch.float64) * 3 + 0.2
         moved.deit.layernorm.weight.mul_(c), moved.deit.layernorm.bias.mul_(c)
         for head in (moved.cls_classifier, moved.distillation_classifier):

@@ -23,6 +23,7 @@ from test_bert import (
     check_invariance,
     check_refusal,
     check_rop_products,
+    move_heads,
 )
 
 import manifolds
@@ -90,15 +91,8 @@ def _hand_built(model: DistilBert, g: torch.Generator) -> DistilBert:
     columns."""
     moved = DistilBert.from_state_dict(model.state_dict(), heads=HEADS)
     attn = moved.distilbert.transformer.layer[0].attention
+    move_heads(attn.q_lin, attn.k_lin, attn.v_lin, attn.out_lin, g)
     with torch.no_grad():
-        for h in range(HEADS):
-            rows = slice(h * HD, (h + 1) * HD)
-            A, B = (torch.eye(HD, dtype=torch.float64) + 0.4 * torch.randn(HD, HD, generator=g, dtype=torch.float64)
-                    for _ in range(2))  # fmt: skip
-            for lin, M in ((attn.q_lin, A.T), (attn.k_lin, torch.linalg.inv(A)), (attn.v_lin, B.T)):
-                lin.weight[rows] = M @ lin.weight[rows]
-                lin.bias[rows] = M @ lin.bias[rows]
-            attn.out_lin.weight[:, rows] = attn.out_lin.weight[:, rows] @ torch.linalg.inv(B).T
         c, s = (torch.rand(WIDTH, generator=g, dtype=torch.float64) * 3 + 0.2 for _ in range(2))
         last = moved.distilbert.transformer.layer[-1].output_layer_norm
         last.weight.mul_(c), last.bias.mul_(c)

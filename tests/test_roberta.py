@@ -234,5 +234,5 @@ def test_one_token_sequences_keep_their_label_column():
     mlp = nn.Linear(4, 3).double().eval()  # a classifier's (n, 1) label column, as pandas gives it
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5, 1), generator=g)
     with torch.no_grad():
-        assert float(Objective(mlp, nn.CrossEntropyLoss(), (x, y)).value()) == pytest.approx(
-            float(nn.CrossEntropyLoss()(mlp(x), y[:, 0])), rel=1e-12)
+        expected = float(nn.CrossEntropyLoss()(mlp(x), y[:, 0]))
+        assert float(Objective(mlp, nn.CrossEntropyLoss(), (x, y)).value()) == pytest.approx(expected, rel=1e-12)
