@@ -76,6 +76,24 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x + self.position_embeddings(positions))
 
 
+def check_token_rows(inputs: Tensor, longest: int, ranges: list[tuple[int, str]], mask: int) -> None:
+    """Raises ``ValueError`` (one sentence) unless ``inputs``, ``(N, T)`` or rows stacked ``(N, R, T)`` (the shape and
+    dtype checked by the caller), hold at least one token, ``T <= longest``, row ``i`` runs in ``0 .. size - 1`` for
+    ``(size, what)`` the ``i``-th of ``ranges`` (``what`` names it), and the attention mask, row ``mask`` where given,
+    keeps each sequence's first token (the one the encoder classifiers read)."""
+    if inputs.shape[-1] == 0 or inputs.shape[0] == 0:
+        raise ValueError("the sequences hold no tokens; give at least one sequence of at least one token")
+    rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]).long()
+    if rows.shape[-1] > longest:
+        raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {longest} positions")
+    for values, (size, what) in zip(rows.unbind(1), ranges):
+        if int(values.min()) < 0 or int(values.max()) >= size:
+            raise ValueError(f"{what} run from {int(values.min())} to {int(values.max())}, outside 0..{size - 1}")
+    if rows.shape[1] > mask and not bool((rows[:, mask, 0] == 1).all()):
+        raise ValueError("the attention mask leaves out a sequence's first token ([CLS], which the classifier "
+                         "reads); the mask is 1 on tokens and 0 on padding at the end")  # fmt: skip
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, heads: int, keep: Tensor) -> Tensor:
     """Multi-head attention of projected queries, keys and values ``(N, T, D)`` over the keys ``keep`` ``(N, 1, 1,
     T)`` holds true, scale ``hd^-1/2`` and no causal mask, the heads merged back: ``(N, T, D)``."""
@@ -185,10 +203,54 @@ class TokenClassifier(nn.Module):
     (`check_tokens`), and the forward from them (`_body` and ``classifier`` are the subclass's)."""
 
     takes_token_ids = True  # the command lines keep the data's integer X as it is for such a model
-    family = "BERT"
+    # the model's name in messages, the encoder's attribute (its keys' prefix), transformers' class
+    family, prefix, checkpoint = "BERT", "bert", "BertForSequenceClassification"
 
     def _body(self) -> BertBody:
-        raise NotImplementedError
+        return getattr(self, self.prefix)
+
+    @classmethod
+    def _read(cls, state: Mapping[str, Tensor], head: str, heads: int) -> tuple[dict[str, Tensor], dict[str, int]]:
+        """The tensors of a checkpoint's state dict (old index buffers dropped, ``LayerNorm.gamma``/``beta`` renamed
+        ``weight``/``bias`` as transformers renames them) and the sizes they hold, as the constructors name them:
+        ``vocab``, ``positions``, ``dim`` (the token table's width), ``layers``, ``heads``, ``classes`` (the rows of
+        ``head``), ``hidden`` and ``types``.
+
+        Raises:
+            SpecError: an embedding table or the head's matrix is missing, or ``heads`` is not a positive integer.
+        """
+        # the LayerNorms' gamma and beta of checkpoints converted from TensorFlow, renamed as transformers renames them
+        tensors = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+                   for k, v in state.items() if not is_index_buffer(k)}  # fmt: skip
+        p = cls.prefix
+        tables = [f"{p}.embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")]
+        for key in (*tables, head):
+            if tensors.get(key, torch.empty(0)).dim() != 2:
+                owner = f" (every {cls.checkpoint} checkpoint has one)" if key == head else ""
+                raise SpecError(f"the {cls.family} state dict has no matrix {key}{owner}")
+        vocab, dim = tensors[tables[0]].shape
+        layers = len({int(m.group(1)) for k in tensors if (m := re.match(rf"{p}\.encoder\.layer\.(\d+)\.", k))})
+        inter = tensors.get(f"{p}.encoder.layer.0.intermediate.dense.weight", torch.empty(0))
+        if not positive_integer(heads):
+            raise SpecError(f"heads must be a positive integer, got {heads!r}")
+        sizes = {"vocab": vocab, "positions": tensors[tables[1]].shape[0], "dim": dim, "layers": layers,
+                 "heads": heads, "classes": tensors[head].shape[0],
+                 "hidden": inter.shape[0] if inter.dim() == 2 else 4 * dim, "types": tensors[tables[2]].shape[0]}
+        return tensors, sizes
+
+    @classmethod
+    def _build(cls, tensors: dict[str, Tensor], sizes: dict[str, int], **options: object) -> TokenClassifier:
+        """``cls(**sizes, **options)`` with ``tensors`` (`_read`'s) loaded, in the dtype of its token table.
+
+        Raises:
+            SpecError: the constructor refuses the sizes or options, or a tensor does not fit.
+        """
+        try:
+            model = cls(**sizes, **options)
+        except ValueError as failure:
+            raise SpecError(str(failure)) from None
+        what = f"{cls.family} with {sizes['layers']} blocks of width {sizes['dim']}"
+        return load_fitting(model, tensors, what, set(), f"{cls.prefix}.embeddings.word_embeddings.weight")
 
     def _check_config_sizes(self, config: Mapping[str, object], **more: object) -> None:
         """Raises `SpecError` where ``config`` gives a size other than the tensors' (the vocabulary, positions, token
@@ -229,23 +291,9 @@ class TokenClassifier(nn.Module):
             raise ValueError(f"{self.family} takes int64 (or int32) token ids (N, T), or ids, token types and "
                              f"attention mask stacked (N, 3, T) (or (N, 2, T) without the mask), not "
                              f"{tuple(inputs.shape)} {str(inputs.dtype).removeprefix('torch.')} values")  # fmt: skip
-        if inputs.shape[-1] == 0 or inputs.shape[0] == 0:
-            raise ValueError("the sequences hold no tokens; give at least one sequence of at least one token")
-        rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]).long()
-        if rows.shape[-1] > self._longest():
-            raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {self._longest()} positions")
-        vocab, types = embeddings.word_embeddings.num_embeddings, embeddings.token_type_embeddings.num_embeddings
-        checks = [(rows[:, 0], vocab, "token ids")]
-        if rows.shape[1] >= 2:
-            checks.append((rows[:, 1], types, "token types"))
-        if rows.shape[1] == 3:
-            checks.append((rows[:, 2], 2, "attention mask values"))
-        for values, size, what in checks:
-            if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
-                raise ValueError(f"{what} run from {int(values.min())} to {int(values.max())}, outside 0..{size - 1}")
-        if rows.shape[1] == 3 and not bool((rows[:, 2, 0] == 1).all()):
-            raise ValueError("the attention mask leaves out a sequence's first token ([CLS], which the classifier "
-                             "reads); the mask is 1 on tokens and 0 on padding at the end")  # fmt: skip
+        ranges = [(embeddings.word_embeddings.num_embeddings, "token ids"),
+                  (embeddings.token_type_embeddings.num_embeddings, "token types"), (2, "attention mask values")]
+        check_token_rows(inputs, self._longest(), ranges, mask=2)
 
     def forward(self, inputs: Tensor) -> Tensor:
         # (N, T), (N, 2, T) or (N, 3, T) without a branch on the shape (fx traces no branch): the rows not given are
@@ -287,9 +335,6 @@ class Bert(TokenClassifier):
                              eps, act)  # fmt: skip
         self.classifier = nn.Linear(dim, classes)
 
-    def _body(self) -> BertBody:
-        return self.bert
-
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor]) -> Bert:
         """The model of a checkpoint's ``config.json`` (as a dict) and state dict: ``num_attention_heads``,
@@ -316,55 +361,7 @@ class Bert(TokenClassifier):
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
         """
-        tensors, sizes = read_encoder(state, "bert", "classifier.weight", "BERT", "BertForSequenceClassification",
-                                      heads)  # fmt: skip
-        return build_encoder(cls, tensors, sizes, "bert", f"BERT with {sizes['layers']} blocks of width {sizes['dim']}",
-                             eps=eps, act=act)  # fmt: skip
-
-
-def read_encoder(state: Mapping[str, Tensor], prefix: str, head: str, family: str, classifier: str,
-                 heads: int) -> tuple[dict[str, Tensor], dict[str, int]]:  # fmt: skip
-    """The tensors of an encoder classifier's state dict (old index buffers dropped, ``LayerNorm.gamma``/``beta``
-    renamed ``weight``/``bias`` as transformers renames them) and the sizes they hold, as the constructors name them:
-    ``vocab``, ``positions``, ``dim``, ``layers``, ``heads``, ``classes`` (the rows of ``head``), ``hidden`` and
-    ``types``; ``prefix`` is the encoder's (``bert``, ``roberta``), ``family`` and ``classifier`` (transformers'
-    class) name the model in messages.
-
-    Raises:
-        SpecError: an embedding table or the head's matrix is missing, or ``heads`` is not a positive integer.
-    """
-    # the LayerNorms' gamma and beta of checkpoints converted from TensorFlow, renamed as transformers renames them
-    tensors = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-               for k, v in state.items() if not is_index_buffer(k)}  # fmt: skip
-    tables = [f"{prefix}.embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")]
-    for key in (*tables, head):
-        if tensors.get(key, torch.empty(0)).dim() != 2:
-            owner = f" (every {classifier} checkpoint has one)" if key == head else ""
-            raise SpecError(f"the {family} state dict has no matrix {key}{owner}")
-    vocab, dim = tensors[tables[0]].shape
-    layers = len({int(m.group(1)) for k in tensors if (m := re.match(rf"{prefix}\.encoder\.layer\.(\d+)\.", k))})
-    inter = tensors.get(f"{prefix}.encoder.layer.0.intermediate.dense.weight", torch.empty(0))
-    if not positive_integer(heads):
-        raise SpecError(f"heads must be a positive integer, got {heads!r}")
-    sizes = {"vocab": vocab, "positions": tensors[tables[1]].shape[0], "dim": dim, "layers": layers, "heads": heads,
-             "classes": tensors[head].shape[0], "hidden": inter.shape[0] if inter.dim() == 2 else 4 * dim,
-             "types": tensors[tables[2]].shape[0]}  # fmt: skip
-    return tensors, sizes
-
-
-def build_encoder(cls: type, tensors: dict[str, Tensor], sizes: dict[str, int], prefix: str, what: str,
-                  **options: object) -> nn.Module:  # fmt: skip
-    """``cls(**sizes, **options)`` with ``tensors`` loaded (`read_encoder`'s, of the encoder ``prefix``; ``what``
-    names the model in messages), in the dtype of its token table.
-
-    Raises:
-        SpecError: the constructor refuses the sizes or options, or a tensor does not fit.
-    """
-    try:
-        model = cls(**sizes, **options)
-    except ValueError as failure:
-        raise SpecError(str(failure)) from None
-    return load_fitting(model, tensors, what, set(), f"{prefix}.embeddings.word_embeddings.weight")
+        return cls._build(*cls._read(state, "classifier.weight", heads), eps=eps, act=act)
 
 
 def check_encoder_sizes(dim: int, heads: int, eps: float, act: str, act_key: str = "hidden_act",

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from sharpness._bert import ACTIVATIONS, attend, check_encoder_sizes
+from sharpness._bert import ACTIVATIONS, attend, check_encoder_sizes, check_token_rows
 from sharpness._specs import TOKEN_DTYPES, SpecError, check_config_sizes, load_fitting, positive_integer
 
 EPS = 1e-12  # transformers' DistilBERT LayerNorms: fixed in its code
@@ -151,21 +151,9 @@ class DistilBert(nn.Module):
             raise ValueError(f"DistilBERT takes int64 (or int32) token ids (N, T), or ids and attention mask stacked "
                              f"(N, 2, T), not {tuple(inputs.shape)} {str(inputs.dtype).removeprefix('torch.')} "
                              "values")  # fmt: skip
-        if inputs.shape[-1] == 0 or inputs.shape[0] == 0:
-            raise ValueError("the sequences hold no tokens; give at least one sequence of at least one token")
-        rows = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]).long()
-        positions = embeddings.position_embeddings.num_embeddings
-        if rows.shape[-1] > positions:
-            raise ValueError(f"sequences of {rows.shape[-1]} tokens are longer than its {positions} positions")
-        checks = [(rows[:, 0], embeddings.word_embeddings.num_embeddings, "token ids")]
-        if rows.shape[1] == 2:
-            checks.append((rows[:, 1], 2, "attention mask values"))
-        for values, size, what in checks:
-            if int(values.min()) < 0 or int(values.max()) >= size:
-                raise ValueError(f"{what} run from {int(values.min())} to {int(values.max())}, outside 0..{size - 1}")
-        if rows.shape[1] == 2 and not bool((rows[:, 1, 0] == 1).all()):
-            raise ValueError("the attention mask leaves out a sequence's first token ([CLS], which the classifier "
-                             "reads); the mask is 1 on tokens and 0 on padding at the end")  # fmt: skip
+        check_token_rows(inputs, embeddings.position_embeddings.num_embeddings,
+                         [(embeddings.word_embeddings.num_embeddings, "token ids"), (2, "attention mask values")],
+                         mask=1)  # fmt: skip
 
     def forward(self, inputs: Tensor) -> Tensor:
         # (N, T) or (N, 2, T) without a branch on the shape (fx traces no branch): a missing mask is all ones

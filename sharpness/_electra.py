@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sharpness._bert import BertBody, TokenClassifier, build_encoder, check_encoder_sizes, encoder_config, read_encoder
+from sharpness._bert import BertBody, TokenClassifier, check_encoder_sizes, encoder_config
 
 
 class ElectraClassificationHead(nn.Module):
@@ -69,7 +69,7 @@ class Electra(TokenClassifier):
     attention mask, ``T <= P``; outputs are logits ``(N, C)``.
     """
 
-    family = "ELECTRA"
+    family, prefix, checkpoint = "ELECTRA", "electra", "ElectraForSequenceClassification"
 
     def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
                  hidden: int | None = None, types: int = 2, eps: float = 1e-12, act: str = "gelu",
@@ -80,9 +80,6 @@ class Electra(TokenClassifier):
         self.electra = BertBody(vocab, positions, types, dim, layers, heads, 4 * dim if hidden is None else hidden,
                                 eps, act, pooler=False, embedding=embedding)  # fmt: skip
         self.classifier = ElectraClassificationHead(dim, classes)
-
-    def _body(self) -> BertBody:
-        return self.electra
 
     @classmethod
     def from_config(cls, config: Mapping[str, object], state: Mapping[str, Tensor]) -> Electra:
@@ -111,15 +108,13 @@ class Electra(TokenClassifier):
         Raises:
             ValueError: a key is missing or unknown, a shape does not fit, or ``heads`` does not divide the width.
         """
-        tensors, sizes = read_encoder(state, "electra", "classifier.out_proj.weight", "ELECTRA",
-                                      "ElectraForSequenceClassification", heads)  # fmt: skip
+        tensors, sizes = cls._read(state, "classifier.out_proj.weight", heads)
         # the blocks' width: the projection's outputs where the embeddings are widened, else the head's
         blocks = tensors.get("electra.embeddings_project.weight", tensors.get("classifier.dense.weight"))
         blocks = torch.empty(0) if blocks is None else blocks
         if blocks.dim() == 2 and blocks.shape[0] != sizes["dim"]:  # narrower embeddings, widened by a projection
             sizes = {**sizes, "dim": blocks.shape[0], "embedding": sizes["dim"]}
-        what = f"ELECTRA with {sizes['layers']} blocks of width {sizes['dim']}"
-        return build_encoder(cls, tensors, sizes, "electra", what, eps=eps, act=act)
+        return cls._build(tensors, sizes, eps=eps, act=act)
 
 
 __all__ = ["Electra"]

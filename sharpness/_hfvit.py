@@ -171,7 +171,9 @@ class _HFVisionTransformer(nn.Module):
         return getattr(self, self.prefix)
 
     def _heads(self) -> list[nn.Linear]:
-        raise NotImplementedError
+        """The classifiers the subclass built (``classifier``, or DeiT's teacher's two)."""
+        names = ("classifier", "cls_classifier", "distillation_classifier")
+        return [getattr(self, name) for name in names if hasattr(self, name)]
 
     def check_inputs(self, images: Tensor) -> None:
         """Raises ``ValueError`` (one sentence) unless ``images`` are ``(N, C, image, image)`` with the model's
@@ -295,9 +297,6 @@ class HFViT(_HFVisionTransformer):
         self._build(image, patch, dim, layers, heads, channels, hidden, eps, act, qkv_bias)
         self.classifier = nn.Linear(dim, classes)
 
-    def _heads(self) -> list[nn.Linear]:
-        return [self.classifier]
-
     def forward(self, images: Tensor) -> Tensor:
         return self.classifier(self.vit(images)[:, 0])
 
@@ -325,9 +324,6 @@ class HFDeiT(_HFVisionTransformer):
             self.cls_classifier, self.distillation_classifier = nn.Linear(dim, classes), nn.Linear(dim, classes)
         else:
             self.classifier = nn.Linear(dim, classes)
-
-    def _heads(self) -> list[nn.Linear]:
-        return [self.classifier] if hasattr(self, "classifier") else [self.cls_classifier, self.distillation_classifier]
 
     def forward(self, images: Tensor) -> Tensor:
         h = self.deit(images)

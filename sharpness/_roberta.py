@@ -38,10 +38,8 @@ from torch import Tensor, nn
 from sharpness._bert import (
     BertBody,
     TokenClassifier,
-    build_encoder,
     check_encoder_sizes,
     encoder_config,
-    read_encoder,
 )
 from sharpness._specs import SpecError
 
@@ -80,7 +78,7 @@ class Roberta(TokenClassifier):
     attention mask, ``T <= P - pad - 1``; outputs are logits ``(N, C)``.
     """
 
-    family = "RoBERTa"
+    family, prefix, checkpoint = "RoBERTa", "roberta", "RobertaForSequenceClassification"
     spec_integers = ("pad",)  # the command line's roberta:heads=H,pad=ID
 
     def __init__(self, vocab: int, positions: int, dim: int, layers: int, heads: int, classes: int = 2,
@@ -95,9 +93,6 @@ class Roberta(TokenClassifier):
         self.roberta = BertBody(vocab, positions, types, dim, layers, heads, 4 * dim if hidden is None else hidden,
                                 eps, act, pooler=False, padding=pad)  # fmt: skip
         self.classifier = RobertaClassificationHead(dim, classes)
-
-    def _body(self) -> BertBody:
-        return self.roberta
 
     def _longest(self) -> int:
         """The positions a sequence may fill: the table's rows past the padding's (``P - pad - 1``)."""
@@ -134,10 +129,7 @@ class Roberta(TokenClassifier):
             ValueError: a key is missing or unknown, a shape does not fit, ``heads`` does not divide the width, or
                 ``pad`` is not a token id.
         """
-        tensors, sizes = read_encoder(state, "roberta", "classifier.out_proj.weight", "RoBERTa",
-                                      "RobertaForSequenceClassification", heads)  # fmt: skip
-        what = f"RoBERTa with {sizes['layers']} blocks of width {sizes['dim']}"
-        return build_encoder(cls, tensors, sizes, "roberta", what, eps=eps, act=act, pad=pad)
+        return cls._build(*cls._read(state, "classifier.out_proj.weight", heads), eps=eps, act=act, pad=pad)
 
 
 __all__ = ["Roberta"]

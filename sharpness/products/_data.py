@@ -238,22 +238,23 @@ class ChunkedData:
         self._n_samples: int | None = None
 
     def _split(self) -> Iterator[tuple[Tensor, Tensor]]:
-        """The source's batches as ``(inputs, targets)`` pairs, each batch's inputs checked (`check_inputs`)."""
+        """The source's batches as ``(inputs, targets)`` pairs, a stream's inputs checked (`check_inputs`)."""
         for batch in self._source:
             x, y = _split_batch(batch)
-            for check in self._input_checks:
-                check(x)
+            if self._watched:  # batches held in memory were checked once, and cannot change
+                for check in self._input_checks:
+                    check(x)
             yield x, y
 
     def check_inputs(self, check: Callable[[Tensor], None]) -> None:
-        """Check the inputs of every batch with ``check`` (raising `DataError`): those held in memory now, a stream's
-        in its first complete pass, which comes before any forward (`first_batch`), and in every later pass."""
+        """Check the inputs of every batch with ``check`` (raising `DataError`): those held in memory now, once; a
+        stream's in its first complete pass, which comes before any forward (`first_batch`), and in every later one."""
         self._input_checks.append(check)
         if self._watched:
             self.total_samples  # noqa: B018 - the first complete pass
         else:
-            for _ in self._split():
-                pass
+            for batch in self._source:
+                check(_split_batch(batch)[0])
 
     def _checked(self, batches: Iterator[tuple[Tensor, Tensor]], key: tuple[int, int] | None
                  ) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
